@@ -1,0 +1,100 @@
+"""Reference cost model (DESIGN.md §3): stage time, 1F1B pipeline time, memory, capacity bound, η.
+
+Units: time is "one layer x one micro-batch on a healthy full TP group"; memory is MB.
+Pure Python.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .plan import Plan, PlanError, Problem, Stage
+
+
+def group_rate(problem: Problem, ranks: Sequence[int]) -> float:
+    """``y = slowdown[tp/g] * max_{d in group} x_d``: a group runs at its slowest member's pace."""
+    return problem.slowdown(len(ranks)) * max(problem.rate(r) for r in ranks)
+
+
+def stage_time(problem: Problem, stage: Stage) -> float:
+    return group_rate(problem, stage.ranks) * stage.num_layers
+
+
+def pipeline_time_from_stage_times(stage_times: Sequence[float], micro_batches: int) -> float:
+    """1F1B: ``T = sum_j t_j + (m - 1) * max_j t_j``."""
+    return sum(stage_times) + (micro_batches - 1) * max(stage_times)
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    step_time: float
+    pipeline_times: tuple[float, ...]
+    stage_times: tuple[tuple[float, ...], ...]
+
+
+def evaluate(problem: Problem, plan: Plan) -> PlanCost:
+    stage_times = tuple(tuple(stage_time(problem, s) for s in p.stages) for p in plan.pipelines)
+    pts = tuple(pipeline_time_from_stage_times(ts, p.micro_batches)
+                for ts, p in zip(stage_times, plan.pipelines))
+    return PlanCost(step_time=max(pts), pipeline_times=pts, stage_times=stage_times)
+
+
+def step_time(problem: Problem, plan: Plan) -> float:
+    return evaluate(problem, plan).step_time
+
+
+def stage_memory_mb(problem: Problem, num_layers: int, stage_index: int, num_stages: int,
+                    micro_batches: int, group_size: int) -> float:
+    """``(l*(static + act*min(S-j, m)) + emb*[j=0] + emb*[j=S-1]) * tp/g + extra``."""
+    m = problem.memory
+    if m is None:
+        return 0.0
+    inflight = min(num_stages - stage_index, micro_batches)
+    base = num_layers * (m.layer_static_mb + m.layer_activation_mb * inflight)
+    base += m.embedding_mb * (stage_index == 0) + m.embedding_mb * (stage_index == num_stages - 1)
+    return base * (problem.tp / group_size) + m.extra_mb
+
+
+def check_memory(problem: Problem, plan: Plan) -> None:
+    """Raise ``PlanError`` naming the pipeline and stage whose memory exceeds the budget."""
+    if problem.memory is None:
+        return
+    budget = problem.memory.budget_mb
+    for i, p in enumerate(plan.pipelines):
+        S = len(p.stages)
+        for j, s in enumerate(p.stages):
+            need = stage_memory_mb(problem, s.num_layers, j, S, p.micro_batches, len(s.ranks))
+            if need > budget + 1e-9:
+                raise PlanError(
+                    f"pipelines[{i}].stages[{j}] (ranks {list(s.ranks)}, layers "
+                    f"[{s.start}, {s.end}]) needs {need:.0f} MB > budget "
+                    f"{budget:.0f} MB (device_mb - reserved_mb)")
+
+
+def validate_for_problem(problem: Problem, plan: Plan) -> None:
+    """Full validity of ``plan`` for ``problem``: structure, world size, batch, memory."""
+    from .plan import validate_plan
+
+    validate_plan(plan, tp=problem.tp, gpus_per_node=problem.gpus_per_node,
+                  world_size=problem.num_gpus, num_layers=problem.num_layers,
+                  global_batch_size=problem.global_batch_size)
+    if plan.micro_batch_size != problem.micro_batch_size:
+        raise PlanError(f"plan.micro_batch_size={plan.micro_batch_size} does not match "
+                        f"training.micro_batch_size={problem.micro_batch_size}")
+    check_memory(problem, plan)
+
+
+def capacity_fraction(problem: Problem) -> float:
+    """``f = sum_d (1/x_d) / N``: the share of the cluster's healthy capacity still there."""
+    n = problem.num_gpus
+    return sum(1.0 / problem.rate(r) for r in range(n)) / n
+
+
+def healthy_step_time(problem: Problem) -> float:
+    """Step time of the static plan with every rate 1.0."""
+    return step_time(problem.with_rates({}), problem.static_plan())
+
+
+def efficiency(problem: Problem, plan: Plan) -> float:
+    """Straggler efficiency ``η = (T_healthy / T_plan) / f`` (1.0 = perfect)."""
+    return healthy_step_time(problem) / step_time(problem, plan) / capacity_fraction(problem)

@@ -1,0 +1,484 @@
+"""The contract: planning problems and plans (DESIGN.md §3), as frozen dataclasses with JSON I/O.
+
+Pure Python: no torch, no torch.distributed, no deepspeed, no omegaconf.
+
+A ``Plan`` says, for one training step, which ranks form each stage (a TP group), which
+contiguous layer range each stage holds, how many micro-batches each pipeline runs, and which
+ranks are suspended. ``validate_plan`` checks everything DESIGN.md §3 calls "valid" and raises
+``PlanError`` naming the pipeline, stage, field and numbers.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan or problem is invalid. The message names the field and the numbers."""
+
+
+# --------------------------------------------------------------------------------------------
+# Plan
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One TP group holding the contiguous layer range ``[start, end)``."""
+
+    ranks: tuple[int, ...]
+    layers: tuple[int, int]
+
+    @property
+    def start(self) -> int:
+        return self.layers[0]
+
+    @property
+    def end(self) -> int:
+        return self.layers[1]
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+    @property
+    def tp(self) -> int:
+        return len(self.ranks)
+
+    def to_json(self) -> dict:
+        return {"ranks": list(self.ranks), "layers": [self.start, self.end]}
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """An ordered list of stages covering all layers once, plus its micro-batch count."""
+
+    micro_batches: int
+    stages: tuple[Stage, ...]
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(r for s in self.stages for r in s.ranks)
+
+    def to_json(self) -> dict:
+        return {"micro_batches": self.micro_batches, "stages": [s.to_json() for s in self.stages]}
+
+
+@dataclass(frozen=True)
+class Plan:
+    num_layers: int
+    global_batch_size: int
+    micro_batch_size: int
+    pipelines: tuple[Pipeline, ...]
+    suspended: tuple[int, ...] = ()
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def active_ranks(self) -> tuple[int, ...]:
+        return tuple(r for p in self.pipelines for r in p.ranks)
+
+    @property
+    def all_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(self.active_ranks + self.suspended))
+
+    def locate(self, rank: int) -> tuple[int, int] | None:
+        """(pipeline index, stage index) holding ``rank``, or None if suspended/absent."""
+        for i, p in enumerate(self.pipelines):
+            for j, s in enumerate(p.stages):
+                if rank in s.ranks:
+                    return i, j
+        return None
+
+    def to_json(self) -> dict:
+        out = dict(self.extra)
+        out.update(
+            {
+                "version": VERSION,
+                "num_layers": self.num_layers,
+                "global_batch_size": self.global_batch_size,
+                "micro_batch_size": self.micro_batch_size,
+                "pipelines": [p.to_json() for p in self.pipelines],
+                "suspended": list(self.suspended),
+            }
+        )
+        return out
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.dumps() + "\n")
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> "Plan":
+        if not isinstance(d, Mapping):
+            raise PlanError(f"plan: expected a JSON object, got {type(d).__name__}")
+        _check_version("plan", d)
+        known = {"version", "num_layers", "global_batch_size", "micro_batch_size", "pipelines", "suspended"}
+        for k in ("num_layers", "global_batch_size", "micro_batch_size", "pipelines"):
+            if k not in d:
+                raise PlanError(f"plan: missing field '{k}'")
+        pipes = []
+        if not isinstance(d["pipelines"], Sequence) or isinstance(d["pipelines"], (str, bytes)):
+            raise PlanError("plan.pipelines: expected a list")
+        for i, p in enumerate(d["pipelines"]):
+            where = f"plan.pipelines[{i}]"
+            if not isinstance(p, Mapping) or "stages" not in p or "micro_batches" not in p:
+                raise PlanError(f"{where}: expected an object with 'micro_batches' and 'stages'")
+            stages = []
+            for j, s in enumerate(p["stages"]):
+                sw = f"{where}.stages[{j}]"
+                if not isinstance(s, Mapping) or "ranks" not in s or "layers" not in s:
+                    raise PlanError(f"{sw}: expected an object with 'ranks' and 'layers'")
+                layers = s["layers"]
+                if not isinstance(layers, Sequence) or len(layers) != 2:
+                    raise PlanError(f"{sw}.layers: expected [start, end], got {layers!r}")
+                stages.append(
+                    Stage(ranks=tuple(_int(r, f"{sw}.ranks") for r in s["ranks"]),
+                          layers=(_int(layers[0], f"{sw}.layers"), _int(layers[1], f"{sw}.layers")))
+                )
+            pipes.append(Pipeline(micro_batches=_int(p["micro_batches"], f"{where}.micro_batches"),
+                                  stages=tuple(stages)))
+        return Plan(
+            num_layers=_int(d["num_layers"], "plan.num_layers"),
+            global_batch_size=_int(d["global_batch_size"], "plan.global_batch_size"),
+            micro_batch_size=_int(d["micro_batch_size"], "plan.micro_batch_size"),
+            pipelines=tuple(pipes),
+            suspended=tuple(_int(r, "plan.suspended") for r in d.get("suspended", [])),
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+
+    @staticmethod
+    def loads(text: str) -> "Plan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan: not valid JSON ({e})") from None
+        return Plan.from_json(d)
+
+    @staticmethod
+    def load(path: str | Path) -> "Plan":
+        p = Path(path)
+        if not p.is_file():
+            raise PlanError(f"plan: file not found: {p}")
+        return Plan.loads(p.read_text())
+
+
+def static_plan(num_layers: int, global_batch_size: int, micro_batch_size: int,
+                tp: int, pp: int, dp: int) -> Plan:
+    """The uniform Megatron/DeepSpeed layout: ``rank = tp_rank + tp*(dp_rank + dp*pp_rank)``.
+
+    Layers are split as evenly as possible (earlier stages take the remainder); micro-batches
+    are split as evenly as possible across the ``dp`` pipelines.
+    """
+    if pp > num_layers:
+        raise PlanError(f"static plan: pp={pp} stages cannot hold num_layers={num_layers} layers")
+    if global_batch_size % micro_batch_size:
+        raise PlanError(f"static plan: global_batch_size={global_batch_size} is not a multiple of "
+                        f"micro_batch_size={micro_batch_size}")
+    total_mb = global_batch_size // micro_batch_size
+    if total_mb < dp:
+        raise PlanError(f"static plan: {total_mb} micro-batches cannot feed dp={dp} pipelines")
+    bounds = even_split(num_layers, pp)
+    mbs = even_split(total_mb, dp)
+    pipes = []
+    for d in range(dp):
+        stages = []
+        for p in range(pp):
+            ranks = tuple(t + tp * (d + dp * p) for t in range(tp))
+            stages.append(Stage(ranks=ranks, layers=(bounds[p], bounds[p + 1])))
+        pipes.append(Pipeline(micro_batches=mbs[d + 1] - mbs[d], stages=tuple(stages)))
+    return Plan(num_layers, global_batch_size, micro_batch_size, tuple(pipes), ())
+
+
+def even_split(total: int, parts: int) -> list[int]:
+    """Boundaries ``[0, b1, ..., total]`` of ``parts`` near-equal pieces (earlier ones larger)."""
+    q, r = divmod(total, parts)
+    out = [0]
+    for i in range(parts):
+        out.append(out[-1] + q + (1 if i < r else 0))
+    return out
+
+
+def validate_plan(plan: Plan, *, tp: int, gpus_per_node: int, world_size: int | None = None,
+                  num_layers: int | None = None, global_batch_size: int | None = None) -> None:
+    """Raise ``PlanError`` unless ``plan`` is structurally valid (DESIGN.md §3).
+
+    Memory is checked separately by :func:`malleus_ds.cost.check_memory` (it needs a problem).
+    """
+    if num_layers is not None and plan.num_layers != num_layers:
+        raise PlanError(f"plan.num_layers={plan.num_layers} does not match the model's "
+                        f"num_layers={num_layers}")
+    if global_batch_size is not None and plan.global_batch_size != global_batch_size:
+        raise PlanError(f"plan.global_batch_size={plan.global_batch_size} does not match "
+                        f"global_batch_size={global_batch_size}")
+    if plan.num_layers < 1:
+        raise PlanError(f"plan.num_layers={plan.num_layers} must be >= 1")
+    if plan.micro_batch_size < 1:
+        raise PlanError(f"plan.micro_batch_size={plan.micro_batch_size} must be >= 1")
+    if not plan.pipelines:
+        raise PlanError("plan.pipelines is empty: at least one pipeline is needed")
+    seen: dict[int, str] = {}
+
+    def claim(r: int, where: str) -> None:
+        if r < 0 or (world_size is not None and r >= world_size):
+            raise PlanError(f"{where}: rank {r} is outside the world of {world_size} ranks "
+                            f"(valid: 0..{(world_size or 1) - 1})")
+        if r in seen:
+            raise PlanError(f"{where}: rank {r} already appears in {seen[r]}")
+        seen[r] = where
+
+    total_mb = 0
+    for i, p in enumerate(plan.pipelines):
+        where = f"pipelines[{i}]"
+        if p.micro_batches < 1:
+            raise PlanError(f"{where}.micro_batches={p.micro_batches} must be >= 1")
+        total_mb += p.micro_batches
+        if not p.stages:
+            raise PlanError(f"{where}.stages is empty")
+        expect = 0
+        for j, s in enumerate(p.stages):
+            sw = f"{where}.stages[{j}]"
+            if s.start != expect:
+                raise PlanError(f"{sw}.layers=[{s.start}, {s.end}] does not start where the "
+                                f"previous stage ended ({expect}); stages must cover "
+                                f"[0, {plan.num_layers}) contiguously in order")
+            if s.end <= s.start:
+                raise PlanError(f"{sw}.layers=[{s.start}, {s.end}] is empty or reversed")
+            expect = s.end
+            if not s.ranks:
+                raise PlanError(f"{sw}.ranks is empty")
+            if tp % len(s.ranks):
+                raise PlanError(f"{sw}: TP group size {len(s.ranks)} does not divide tp={tp}")
+            nodes = {r // gpus_per_node for r in s.ranks}
+            if len(nodes) > 1:
+                raise PlanError(f"{sw}.ranks={list(s.ranks)} span nodes {sorted(nodes)} "
+                                f"(gpus_per_node={gpus_per_node}); a TP group must sit in one node")
+            for r in s.ranks:
+                claim(r, sw)
+        if expect != plan.num_layers:
+            raise PlanError(f"{where}: stages cover [0, {expect}) but num_layers={plan.num_layers}")
+    for r in plan.suspended:
+        claim(r, "suspended")
+    if total_mb * plan.micro_batch_size != plan.global_batch_size:
+        raise PlanError(
+            f"plan: sum of micro_batches ({total_mb}) x micro_batch_size ({plan.micro_batch_size}) "
+            f"= {total_mb * plan.micro_batch_size} != global_batch_size={plan.global_batch_size}")
+
+
+# --------------------------------------------------------------------------------------------
+# Problem
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Memory:
+    device_mb: float
+    reserved_mb: float
+    layer_static_mb: float
+    layer_activation_mb: float
+    embedding_mb: float
+    extra_mb: float
+
+    @property
+    def budget_mb(self) -> float:
+        return self.device_mb - self.reserved_mb
+
+
+@dataclass(frozen=True)
+class Problem:
+    name: str
+    nodes: int
+    gpus_per_node: int
+    num_layers: int
+    global_batch_size: int
+    micro_batch_size: int
+    tp: int
+    pp: int
+    dp: int
+    tp_slowdown: Mapping[int, float]      # keyed by tp/g
+    memory: Memory | None
+    rates: Mapping[int, float]            # missing ranks are healthy (1.0)
+    current_plan: Plan | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def rate(self, rank: int) -> float:
+        return float(self.rates.get(rank, 1.0))
+
+    def rate_list(self) -> list[float]:
+        return [self.rate(r) for r in range(self.num_gpus)]
+
+    def slowdown(self, group_size: int) -> float:
+        """Slowdown of a TP group of ``group_size`` GPUs relative to a full group of ``tp``."""
+        return float(self.tp_slowdown[self.tp // group_size])
+
+    def static_plan(self) -> Plan:
+        return static_plan(self.num_layers, self.global_batch_size, self.micro_batch_size,
+                           self.tp, self.pp, self.dp)
+
+    def with_rates(self, rates: Mapping[int, float], current_plan: Plan | None = None) -> "Problem":
+        from dataclasses import replace
+        return replace(self, rates=dict(rates), current_plan=current_plan)
+
+    def to_json(self) -> dict:
+        out = dict(self.extra)
+        m = self.memory
+        out.update({
+            "version": VERSION,
+            "name": self.name,
+            "cluster": {"nodes": self.nodes, "gpus_per_node": self.gpus_per_node},
+            "model": {"num_layers": self.num_layers},
+            "training": {"global_batch_size": self.global_batch_size,
+                         "micro_batch_size": self.micro_batch_size,
+                         "tp": self.tp, "pp": self.pp, "dp": self.dp},
+            "cost": {"tp_slowdown": {str(k): v for k, v in sorted(self.tp_slowdown.items())}},
+            "rates": {str(k): v for k, v in sorted(self.rates.items())},
+            "current_plan": self.current_plan.to_json() if self.current_plan else None,
+        })
+        if m is not None:
+            out["memory"] = {"device_mb": m.device_mb, "reserved_mb": m.reserved_mb,
+                             "layer_static_mb": m.layer_static_mb,
+                             "layer_activation_mb": m.layer_activation_mb,
+                             "embedding_mb": m.embedding_mb, "extra_mb": m.extra_mb}
+        return out
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.dumps() + "\n")
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> "Problem":
+        if not isinstance(d, Mapping):
+            raise PlanError(f"problem: expected a JSON object, got {type(d).__name__}")
+        _check_version("problem", d)
+        known = {"version", "name", "cluster", "model", "training", "cost", "memory", "rates",
+                 "current_plan"}
+        cl = _section(d, "cluster")
+        mo = _section(d, "model")
+        tr = _section(d, "training")
+        co = d.get("cost") or {}
+        nodes = _pos_int(cl, "cluster", "nodes")
+        gpn = _pos_int(cl, "cluster", "gpus_per_node")
+        L = _pos_int(mo, "model", "num_layers")
+        gbs = _pos_int(tr, "training", "global_batch_size")
+        mbs = _pos_int(tr, "training", "micro_batch_size")
+        tp = _pos_int(tr, "training", "tp")
+        pp = _pos_int(tr, "training", "pp")
+        dp = _pos_int(tr, "training", "dp")
+        if gpn % tp:
+            raise PlanError(f"training.tp={tp} does not divide cluster.gpus_per_node={gpn}")
+        if tp * pp * dp != nodes * gpn:
+            raise PlanError(f"training: tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} != "
+                            f"cluster GPUs {nodes}*{gpn} = {nodes * gpn}")
+        if gbs % mbs:
+            raise PlanError(f"training.global_batch_size={gbs} is not a multiple of "
+                            f"micro_batch_size={mbs}")
+        if gbs // mbs < dp:
+            raise PlanError(f"training: {gbs // mbs} micro-batches cannot feed dp={dp} pipelines")
+        if pp > L:
+            raise PlanError(f"training.pp={pp} exceeds model.num_layers={L}")
+        raw_sd = co.get("tp_slowdown") or {str(1 << k): float(1 << k) for k in range(8) if (1 << k) <= tp}
+        sd: dict[int, float] = {}
+        for k, v in raw_sd.items():
+            kk = _int(k, "cost.tp_slowdown key")
+            if kk < 1 or tp % kk:
+                raise PlanError(f"cost.tp_slowdown: key {k} (tp/g) must divide tp={tp}")
+            sd[kk] = float(v)
+        for f in range(1, tp + 1):
+            if tp % f == 0 and f not in sd:
+                raise PlanError(f"cost.tp_slowdown: missing entry for tp/g={f} (tp={tp})")
+        if sd.get(1, 1.0) != 1.0:
+            raise PlanError(f"cost.tp_slowdown['1'] must be 1.0, got {sd[1]}")
+        mem = None
+        if d.get("memory") is not None:
+            m = _section(d, "memory")
+            vals = {}
+            for k in ("device_mb", "reserved_mb", "layer_static_mb", "layer_activation_mb",
+                      "embedding_mb", "extra_mb"):
+                if k not in m:
+                    raise PlanError(f"memory.{k} is missing")
+                v = m[k]
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                    raise PlanError(f"memory.{k}={v!r} must be a number >= 0")
+                vals[k] = float(v)
+            mem = Memory(**vals)
+        rates: dict[int, float] = {}
+        for k, v in (d.get("rates") or {}).items():
+            r = _int(k, "rates key")
+            if not 0 <= r < nodes * gpn:
+                raise PlanError(f"rates: rank {r} is outside 0..{nodes * gpn - 1}")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 1.0:
+                raise PlanError(f"rates['{k}']={v!r} must be a number >= 1.0 (1.0 = healthy)")
+            rates[r] = float(v)
+        cur = d.get("current_plan")
+        current = Plan.from_json(cur) if cur else None
+        return Problem(
+            name=str(d.get("name", "problem")), nodes=nodes, gpus_per_node=gpn, num_layers=L,
+            global_batch_size=gbs, micro_batch_size=mbs, tp=tp, pp=pp, dp=dp, tp_slowdown=sd,
+            memory=mem, rates=rates, current_plan=current,
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+
+    @staticmethod
+    def loads(text: str) -> "Problem":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"problem: not valid JSON ({e})") from None
+        return Problem.from_json(d)
+
+    @staticmethod
+    def load(path: str | Path) -> "Problem":
+        p = Path(path)
+        if not p.is_file():
+            raise PlanError(f"problem: file not found: {p}")
+        return Problem.loads(p.read_text())
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _check_version(what: str, d: Mapping[str, Any]) -> None:
+    v = d.get("version")
+    if v != VERSION:
+        raise PlanError(f"{what}.version={v!r} is not supported (expected {VERSION})")
+
+
+def _int(v: Any, where: str) -> int:
+    if isinstance(v, bool):
+        raise PlanError(f"{where}: expected an integer, got {v!r}")
+    if isinstance(v, int):
+        return v
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        return int(v)
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    raise PlanError(f"{where}: expected an integer, got {v!r}")
+
+
+def _section(d: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    s = d.get(name)
+    if not isinstance(s, Mapping):
+        raise PlanError(f"problem.{name}: missing or not an object")
+    return s
+
+
+def _pos_int(s: Mapping[str, Any], sec: str, key: str) -> int:
+    if key not in s:
+        raise PlanError(f"{sec}.{key} is missing")
+    v = _int(s[key], f"{sec}.{key}")
+    if v < 1:
+        raise PlanError(f"{sec}.{key}={v} must be >= 1")
+    return v

@@ -1,0 +1,60 @@
+"""The single-process reference: plain PyTorch AdamW on the whole model (DESIGN.md §5).
+
+Every distributed engine is checked against :func:`reference_run` on the same data: the global
+batch of step ``k`` is ``global_batch_ids(k, G)``; each micro-batch's mean loss is scaled by
+``micro_batch_size / global_batch_size`` and gradients are summed, so the step minimises the
+global-batch mean. The logged loss is that global-batch mean.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .data import ByteCorpus, global_batch_ids
+from .models import ModelConfig, build_model, lm_loss
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW settings shared by every engine (torch.optim.AdamW semantics)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+def make_optimizer(params, oc: OptimConfig) -> torch.optim.AdamW:
+    # foreach=False: identical per-tensor math whichever subset of parameters a rank holds
+    return torch.optim.AdamW(params, lr=oc.lr, betas=oc.betas, eps=oc.eps,
+                             weight_decay=oc.weight_decay, foreach=False)
+
+
+def micro_batches(step: int, global_batch_size: int, micro_batch_size: int):
+    """Sample-id lists of the micro-batches of ``step``, in global order."""
+    ids = list(global_batch_ids(step, global_batch_size))
+    return [ids[i:i + micro_batch_size] for i in range(0, len(ids), micro_batch_size)]
+
+
+def reference_run(cfg: ModelConfig, *, seed: int, steps: int, global_batch_size: int,
+                  micro_batch_size: int, optim: OptimConfig = OptimConfig(),
+                  data_seed: int | None = None):
+    """Train ``steps`` steps on one process. Returns (per-step losses, final state_dict)."""
+    torch.manual_seed(seed)
+    model = build_model(cfg, seed)
+    opt = make_optimizer(model.parameters(), optim)
+    data = ByteCorpus(cfg.max_seq_len, seed=seed if data_seed is None else data_seed)
+    scale = micro_batch_size / global_batch_size
+    losses = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for ids in micro_batches(step, global_batch_size, micro_batch_size):
+            x, y = data.batch(ids)
+            loss = lm_loss(model(x), y) * scale
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

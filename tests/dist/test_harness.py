@@ -1,0 +1,38 @@
+import pytest
+import torch
+
+from tests.dist.harness import run_distributed
+
+
+def _allreduce(rank, world):
+    import torch.distributed as dist
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _fail_on_one(rank, world):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    return rank
+
+
+def _hang(rank, world):
+    import torch.distributed as dist
+    if rank == 0:
+        dist.barrier()  # rank 1 never joins
+    return rank
+
+
+def test_allreduce_two_ranks():
+    assert run_distributed(_allreduce, 2) == [3.0, 3.0]
+
+
+def test_error_reports_traceback():
+    with pytest.raises(AssertionError, match="boom on rank 1"):
+        run_distributed(_fail_on_one, 2)
+
+
+def test_hang_times_out():
+    with pytest.raises((TimeoutError, AssertionError, RuntimeError)):
+        run_distributed(_hang, 2, timeout=15)

@@ -1,0 +1,199 @@
+"""1F1B pipeline schedules for heterogeneous pipelines, as lists of instruction objects.
+
+After DeepSpeed's ``runtime/pipe/schedule.py``: a schedule is plain data (frozen dataclasses with
+a short printable form), the engine dispatches each instruction through a table, and the schedule
+is tested with no processes at all (``simulate``).
+
+Each pipeline of a plan gets its own schedule (its own stage count ``S`` and micro-batch count
+``m``); pipelines never exchange activations, so they need no common clock. Stage ``j`` of ``S``
+runs the classic non-interleaved 1F1B:
+
+    warmup    = min(S - j - 1, m) forwards
+    steady    = (m - warmup) x (forward, backward)
+    cooldown  = warmup backwards
+
+so at most ``S - j`` micro-batches of activations are alive on stage ``j`` (the memory model of
+DESIGN.md §3). Sends are asynchronous (``isend``) and receives block; ``simulate`` checks that
+under exactly this rule every rank's stream completes (no deadlock) and every send is matched by
+one receive of the same shape of message.
+
+Printable forms: ``"2F0"`` stage 2 forward micro-batch 0, ``"2B0"`` backward, ``"1RA3"`` /
+``"1SA3"`` receive / send activation of micro-batch 3, ``"1RG3"`` / ``"1SG3"`` gradient.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from ..plan import Plan
+
+
+@dataclass(frozen=True)
+class Instr:
+    stage: int
+    micro_batch: int
+    code = "?"
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.code}{self.micro_batch}"
+
+    __repr__ = __str__
+
+
+@dataclass(frozen=True, repr=False)
+class Forward(Instr):
+    code = "F"
+
+
+@dataclass(frozen=True, repr=False)
+class Backward(Instr):
+    code = "B"
+
+
+@dataclass(frozen=True, repr=False)
+class RecvAct(Instr):
+    """Receive the input activation of ``micro_batch`` from stage ``stage - 1``."""
+    code = "RA"
+
+
+@dataclass(frozen=True, repr=False)
+class SendAct(Instr):
+    """Send the output activation of ``micro_batch`` to stage ``stage + 1`` (asynchronous)."""
+    code = "SA"
+
+
+@dataclass(frozen=True, repr=False)
+class RecvGrad(Instr):
+    """Receive the gradient of this stage's output for ``micro_batch`` from ``stage + 1``."""
+    code = "RG"
+
+
+@dataclass(frozen=True, repr=False)
+class SendGrad(Instr):
+    """Send the gradient of this stage's input for ``micro_batch`` to ``stage - 1`` (async)."""
+    code = "SG"
+
+
+_CODES = {c.code: c for c in (Forward, Backward, RecvAct, SendAct, RecvGrad, SendGrad)}
+
+
+def parse(text: str) -> Instr:
+    """Inverse of ``str(instr)``: ``parse("2F0") == Forward(2, 0)``."""
+    i = 0
+    while i < len(text) and text[i].isdigit():
+        i += 1
+    k = i
+    while k < len(text) and not text[k].isdigit():
+        k += 1
+    return _CODES[text[i:k]](int(text[:i]), int(text[k:]))
+
+
+def one_f_one_b(stage: int, num_stages: int, micro_batches: int) -> list[Instr]:
+    """The 1F1B instruction stream of stage ``stage`` of a pipeline of ``num_stages`` stages."""
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} outside 0..{num_stages - 1}")
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches} must be >= 1")
+    first, last = stage == 0, stage == num_stages - 1
+    out: list[Instr] = []
+
+    def fwd(k: int) -> None:
+        if not first:
+            out.append(RecvAct(stage, k))
+        out.append(Forward(stage, k))
+        if not last:
+            out.append(SendAct(stage, k))
+
+    def bwd(k: int) -> None:
+        if not last:
+            out.append(RecvGrad(stage, k))
+        out.append(Backward(stage, k))
+        if not first:
+            out.append(SendGrad(stage, k))
+
+    warmup = min(num_stages - stage - 1, micro_batches)
+    for k in range(warmup):
+        fwd(k)
+    for i in range(micro_batches - warmup):
+        fwd(warmup + i)
+        bwd(i)
+    for k in range(micro_batches - warmup, micro_batches):
+        bwd(k)
+    return out
+
+
+def plan_schedules(plan: Plan) -> dict[int, list[Instr]]:
+    """Instruction stream of every active rank of ``plan`` (TP ranks of a stage share one)."""
+    out: dict[int, list[Instr]] = {}
+    for p in plan.pipelines:
+        S = len(p.stages)
+        for j, s in enumerate(p.stages):
+            stream = one_f_one_b(j, S, p.micro_batches)
+            for r in s.ranks:
+                out[r] = stream
+    return out
+
+
+def max_in_flight(stream: Iterable[Instr]) -> int:
+    """Most micro-batches whose forward ran but whose backward did not, at any point."""
+    live = peak = 0
+    for ins in stream:
+        if isinstance(ins, Forward):
+            live += 1
+            peak = max(peak, live)
+        elif isinstance(ins, Backward):
+            live -= 1
+    return peak
+
+
+class ScheduleError(RuntimeError):
+    """A set of instruction streams would deadlock or leave messages unmatched."""
+
+
+def simulate(streams: Sequence[Sequence[Instr]]) -> list[str]:
+    """Execute the streams of one pipeline (``streams[j]`` = stage ``j``) under the engine's rule.
+
+    Sends never block; a receive blocks until the matching send was issued; each stage runs its
+    stream in order. Returns a global execution order (for printing); raises ``ScheduleError``
+    on deadlock, on a receive whose message never comes, or on a send nobody receives.
+    """
+    S = len(streams)
+    pc = [0] * S
+    sent: set[tuple[str, int, int]] = set()      # ("A"|"G", from stage, micro-batch)
+    received: set[tuple[str, int, int]] = set()
+    order: list[str] = []
+    while any(pc[j] < len(streams[j]) for j in range(S)):
+        progressed = False
+        for j in range(S):
+            while pc[j] < len(streams[j]):
+                ins = streams[j][pc[j]]
+                if ins.stage != j:
+                    raise ScheduleError(f"stream {j} holds {ins} of another stage")
+                if isinstance(ins, RecvAct):
+                    key = ("A", j - 1, ins.micro_batch)
+                    if key not in sent:
+                        break
+                    received.add(key)
+                elif isinstance(ins, RecvGrad):
+                    key = ("G", j + 1, ins.micro_batch)
+                    if key not in sent:
+                        break
+                    received.add(key)
+                elif isinstance(ins, SendAct):
+                    if j + 1 >= S:
+                        raise ScheduleError(f"{ins}: last stage sends an activation")
+                    sent.add(("A", j, ins.micro_batch))
+                elif isinstance(ins, SendGrad):
+                    if j == 0:
+                        raise ScheduleError(f"{ins}: first stage sends a gradient")
+                    sent.add(("G", j, ins.micro_batch))
+                order.append(str(ins))
+                pc[j] += 1
+                progressed = True
+        if not progressed:
+            stuck = {j: str(streams[j][pc[j]]) for j in range(S) if pc[j] < len(streams[j])}
+            raise ScheduleError(f"deadlock: stages blocked at {stuck}")
+    unmatched = sent - received
+    if unmatched:
+        raise ScheduleError(f"sends never received: {sorted(unmatched)}")
+    return order

@@ -7,6 +7,9 @@ setup(
     description="Straggler-resilient non-uniform hybrid parallelism (Malleus) on DeepSpeed",
     python_requires=">=3.10",
     packages=find_packages(include=["malleus_ds", "malleus_ds.*", "kernels", "kernels.*"]),
+    # the shipped byte corpus (nothing is downloaded at run time)
+    package_data={"malleus_ds.data": ["corpus.txt"]},
+    include_package_data=True,
     install_requires=[
         "torch>=2.3",
         # The engine subclass touches DeepSpeed internals: stay on the minor series it was built on.

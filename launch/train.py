@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""malleus_ds training app (Hydra). Runs under torchrun, the ``deepspeed`` launcher, or bare python.
+
+    torchrun --nproc_per_node 2 launch/train.py engine=deepspeed train.steps=20
+    deepspeed --num_gpus 2 launch/train.py engine=deepspeed        # GPUs (CPU: see README)
+    python launch/train.py                                          # one process (engine=torch)
+    python launch/train.py nproc_per_node=2 engine=deepspeed        # spawns 2 ranks via torchrun
+    python launch/train.py --multirun experiment=straggler_sweep 'straggler.schedule=[],[{rank:1,rate:4.0}]'
+
+This file is only the edge: it makes Hydra behave under multi-process launchers, turns the
+DictConfig into a frozen :class:`malleus_ds.config.RunConfig` (validated on every rank before any
+process group exists) and hands it to the runner registry (:mod:`malleus_ds.runners`).
+
+Multi-process rules:
+- the ``--local_rank=K`` argument the deepspeed launcher appends is removed from ``sys.argv``
+  before Hydra parses it (its value goes to ``LOCAL_RANK``);
+- only rank 0 owns the Hydra run folder; other ranks get ``hydra.run.dir=.``,
+  ``hydra.output_subdir=null`` and console-only logging, so they create no folders or files;
+- a bare ``python launch/train.py nproc_per_node=N`` (and every ``--multirun`` job) launches its
+  ``N`` ranks through torchrun as a subprocess, passing the job's overrides and its run folder;
+  Hydra itself runs in the one outer process.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "conf"
+if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(REPO))
+
+_LAUNCHED = ("RANK", "LOCAL_RANK")  # env vars torchrun / the deepspeed launcher set per rank
+
+
+def strip_local_rank(argv: list[str]) -> list[str]:
+    """Remove ``--local_rank=K`` / ``--local-rank K`` (deepspeed launcher, torch.distributed.launch)
+    from ``argv``; export K as ``LOCAL_RANK`` if the launcher did not."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        for flag in ("--local_rank", "--local-rank"):
+            if a == flag and i + 1 < len(argv):
+                os.environ.setdefault("LOCAL_RANK", argv[i + 1])
+                i += 2
+                break
+            if a.startswith(flag + "="):
+                os.environ.setdefault("LOCAL_RANK", a.split("=", 1)[1])
+                i += 1
+                break
+        else:
+            out.append(a)
+            i += 1
+    return out
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _non_zero_rank_overrides() -> list[str]:
+    return ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=stdout",
+            "hydra/hydra_logging=none"]
+
+
+def _launch_ranks(nproc: int, task_overrides: list[str], run_dir: str) -> int:
+    """Start ``nproc`` local ranks of this app via torchrun; they re-compose the same config."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", str(Path(__file__).resolve()),
+           *[o for o in task_overrides if not o.startswith("nproc_per_node=")],
+           "nproc_per_node=1", f"hydra.run.dir={run_dir}"]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    print(f"[malleus_ds] launching {nproc} ranks: {' '.join(cmd)}", flush=True)
+    return subprocess.call(cmd, env=env)
+
+
+def main() -> None:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig, OmegaConf
+
+    @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+    def app(cfg: DictConfig) -> None:
+        from malleus_ds.config import ConfigError, build_run_config
+        from malleus_ds.runners import DistEnv, execute
+        from malleus_ds.runners.common import format_summary
+
+        hc = HydraConfig.get()
+        launched = any(k in os.environ for k in _LAUNCHED)
+        nproc = int(cfg.get("nproc_per_node") or 1)
+        if not launched and nproc > 1:
+            rc = _launch_ranks(nproc, list(hc.overrides.task), hc.runtime.output_dir)
+            if rc != 0:
+                sys.exit(rc)
+            return
+        env = DistEnv.from_environ(str(cfg.get("device", "auto")))
+        run_dir = hc.runtime.output_dir if env.is_rank0 else None
+        try:
+            rc = build_run_config(OmegaConf.to_container(cfg, resolve=True),
+                                  world_size=env.world_size,
+                                  local_world_size=env.local_world_size, run_dir=run_dir,
+                                  ds_search_dirs=(CONF_DIR / "deepspeed",))
+            summary = execute(rc, env)
+        except ConfigError as e:
+            print(f"[malleus_ds] config error (rank {env.rank}): {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        if env.is_rank0:
+            print(format_summary(rc, summary), flush=True)
+
+    sys.argv = strip_local_rank(sys.argv)
+    if _rank() != 0:
+        sys.argv += _non_zero_rank_overrides()
+    app()
+
+
+if __name__ == "__main__":
+    main()

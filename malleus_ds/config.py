@@ -1,0 +1,327 @@
+"""Run configuration as frozen dataclasses, validated before any process group exists.
+
+``launch/train.py`` turns Hydra's DictConfig into a plain dict and calls
+:func:`build_run_config` on every rank; the core never sees omegaconf. Every check here runs on
+every rank with only ``world_size`` known, so a bad input fails everywhere with the same message
+instead of hanging a collective. Messages name the field and the numbers and say what to do.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from .emulation import StragglerError, StragglerSchedule
+from .models.llama import ModelConfig, model_config
+from .reference import OptimConfig
+
+
+class ConfigError(ValueError):
+    """A run configuration is invalid. The message names the field and the numbers."""
+
+
+#: Engines the app knows (the runner registry in ``malleus_ds.runners`` maps them to code).
+ENGINES = ("torch", "deepspeed", "malleus")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 10                     # optimizer steps to run
+    global_batch_size: int = 8          # samples per optimizer step (all ranks together)
+    micro_batch_size: int = 1           # samples per forward/backward
+    seed: int = 0                       # model init seed (per global layer index)
+    data_seed: int | None = None        # corpus order seed; None = ``seed``
+    lr: float = 1e-3                    # AdamW learning rate
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    warmup_steps: int = 1               # steps left out of throughput summaries (not of training)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch_size // self.micro_batch_size
+
+    @property
+    def optim(self) -> OptimConfig:
+        return OptimConfig(lr=self.lr, betas=self.betas, eps=self.eps,
+                           weight_decay=self.weight_decay)
+
+    @property
+    def corpus_seed(self) -> int:
+        return self.seed if self.data_seed is None else self.data_seed
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Nominal layout degrees; ``tp * pp * dp == world_size`` (DESIGN.md §2 static plan)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    gpus_per_node: int = 1              # ranks per node; TP groups never cross a node
+    nodes: int = 1
+
+
+@dataclass(frozen=True)
+class DeepSpeedSection:
+    """The ds_config a run uses: a preset under ``conf/deepspeed/`` or the user's own JSON."""
+
+    config_file: str | None = None      # absolute path of the JSON it was read from
+    config: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    @property
+    def zero_stage(self) -> int:
+        return int((self.config.get("zero_optimization") or {}).get("stage", 0))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    engine: str
+    model: ModelConfig
+    train: TrainConfig
+    parallel: ParallelConfig
+    cluster: ClusterConfig
+    straggler: StragglerSchedule
+    deepspeed: DeepSpeedSection
+    world_size: int = 1
+    plan: str = "static"                # "static" or a path to a plan JSON (engine=malleus)
+    run_dir: str | None = None          # rank 0 writes metrics.jsonl here; None = no files
+    device: str = "auto"                # auto | cpu | cuda
+    progress: bool = True               # tqdm bar on rank 0
+    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)  # unparsed sections
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size: int | None = None,
+                     run_dir: str | None = None,
+                     ds_search_dirs: tuple[str | Path, ...] = ()) -> RunConfig:
+    """Plain dict (the Hydra config, resolved) -> validated :class:`RunConfig`.
+
+    ``ds_search_dirs``: where a relative ``deepspeed.config_file`` is looked up (before the CWD).
+    """
+    if world_size < 1:
+        raise ConfigError(f"world_size={world_size} must be >= 1")
+    engine = str(d.get("engine", "torch"))
+    if engine not in ENGINES:
+        raise ConfigError(f"engine={engine!r} is not known; choose one of {list(ENGINES)}")
+    model = _model(d.get("model") or {})
+    train = _train(d.get("train") or {})
+    parallel = _parallel(d.get("parallel") or {}, world_size, model)
+    cluster = _cluster(d.get("cluster") or {}, world_size, local_world_size or world_size, parallel)
+    try:
+        straggler = StragglerSchedule.parse((d.get("straggler") or {}).get("schedule"), world_size)
+    except StragglerError as e:
+        raise ConfigError(str(e)) from None
+    ds = _deepspeed(d.get("deepspeed") or {}, ds_search_dirs)
+    if train.num_micro_batches < parallel.dp:
+        raise ConfigError(f"train.global_batch_size={train.global_batch_size} / "
+                          f"train.micro_batch_size={train.micro_batch_size} = "
+                          f"{train.num_micro_batches} micro-batches cannot feed parallel.dp="
+                          f"{parallel.dp} replicas (each needs >= 1)")
+    device = str(d.get("device", "auto"))
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device={device!r} must be one of auto, cpu, cuda")
+    plan = d.get("plan", "static")
+    plan = "static" if plan in (None, "", "static") else str(plan)
+    known = {"engine", "model", "train", "parallel", "cluster", "straggler", "deepspeed",
+             "device", "plan", "progress"}
+    extra = {k: v for k, v in d.items() if k not in known}
+    return RunConfig(engine=engine, model=model, train=train, parallel=parallel, cluster=cluster,
+                     straggler=straggler, deepspeed=ds, world_size=world_size, plan=plan,
+                     run_dir=run_dir, device=device, progress=bool(d.get("progress", True)),
+                     extra=extra)
+
+
+def _model(m: Mapping[str, Any]) -> ModelConfig:
+    m = dict(m)
+    name = m.pop("name", "tiny")
+    allowed = {f.name for f in fields(ModelConfig)} - {"name"}
+    unknown = sorted(set(m) - allowed)
+    if unknown:
+        raise ConfigError(f"model has unknown fields {unknown}; allowed: {sorted(allowed)}")
+    try:
+        return model_config(str(name), **m)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def _train(t: Mapping[str, Any]) -> TrainConfig:
+    t = {k: v for k, v in t.items() if v is not None or k == "data_seed"}
+    allowed = {f.name for f in fields(TrainConfig)}
+    unknown = sorted(set(t) - allowed)
+    if unknown:
+        raise ConfigError(f"train has unknown fields {unknown}; allowed: {sorted(allowed)}")
+    for k in ("steps", "global_batch_size", "micro_batch_size", "seed", "warmup_steps"):
+        if k in t:
+            t[k] = _int(t[k], f"train.{k}")
+    for k in ("lr", "eps", "weight_decay"):
+        if k in t:
+            t[k] = _float(t[k], f"train.{k}")
+    if "betas" in t:
+        b = t["betas"]
+        if not isinstance(b, (list, tuple)) or len(b) != 2:
+            raise ConfigError(f"train.betas={b!r} must be a pair [beta1, beta2]")
+        t["betas"] = (_float(b[0], "train.betas[0]"), _float(b[1], "train.betas[1]"))
+    if t.get("data_seed") is not None:
+        t["data_seed"] = _int(t["data_seed"], "train.data_seed")
+    tc = TrainConfig(**t)
+    if tc.steps < 1:
+        raise ConfigError(f"train.steps={tc.steps} must be >= 1")
+    for k in ("global_batch_size", "micro_batch_size"):
+        if getattr(tc, k) < 1:
+            raise ConfigError(f"train.{k}={getattr(tc, k)} must be >= 1")
+    if tc.global_batch_size % tc.micro_batch_size:
+        raise ConfigError(f"train.global_batch_size={tc.global_batch_size} is not a multiple of "
+                          f"train.micro_batch_size={tc.micro_batch_size}")
+    if tc.lr <= 0:
+        raise ConfigError(f"train.lr={tc.lr} must be > 0")
+    return tc
+
+
+def _parallel(p: Mapping[str, Any], world: int, model: ModelConfig) -> ParallelConfig:
+    unknown = sorted(set(p) - {"tp", "pp", "dp"})
+    if unknown:
+        raise ConfigError(f"parallel has unknown fields {unknown}; allowed: ['dp', 'pp', 'tp']")
+    tp = _int(p.get("tp") or 1, "parallel.tp")
+    pp = _int(p.get("pp") or 1, "parallel.pp")
+    for k, v in (("tp", tp), ("pp", pp)):
+        if v < 1:
+            raise ConfigError(f"parallel.{k}={v} must be >= 1")
+    if p.get("dp") is None:
+        if world % (tp * pp):
+            raise ConfigError(f"parallel.tp={tp} x parallel.pp={pp} = {tp * pp} does not divide "
+                              f"the world size {world}; launch a multiple of {tp * pp} ranks")
+        dp = world // (tp * pp)
+    else:
+        dp = _int(p["dp"], "parallel.dp")
+        if dp < 1:
+            raise ConfigError(f"parallel.dp={dp} must be >= 1")
+        if tp * pp * dp != world:
+            raise ConfigError(f"parallel layout tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} ranks "
+                              f"does not match the world size {world} (ranks launched); set "
+                              f"parallel.dp=null to infer dp, or launch {tp * pp * dp} ranks")
+    if pp > model.num_layers:
+        raise ConfigError(f"parallel.pp={pp} stages cannot hold model.num_layers="
+                          f"{model.num_layers} layers (each stage needs >= 1 layer)")
+    if model.num_heads % tp:
+        raise ConfigError(f"parallel.tp={tp} does not divide model.num_heads={model.num_heads}")
+    return ParallelConfig(tp, pp, dp)
+
+
+def _cluster(c: Mapping[str, Any], world: int, local_world: int,
+             par: ParallelConfig) -> ClusterConfig:
+    unknown = sorted(set(c) - {"gpus_per_node", "nodes"})
+    if unknown:
+        raise ConfigError(f"cluster has unknown fields {unknown}; allowed: "
+                          f"['gpus_per_node', 'nodes']")
+    gpn = c.get("gpus_per_node")
+    gpn = local_world if gpn is None else _int(gpn, "cluster.gpus_per_node")
+    if gpn < 1:
+        raise ConfigError(f"cluster.gpus_per_node={gpn} must be >= 1")
+    if world % gpn:
+        raise ConfigError(f"cluster.gpus_per_node={gpn} does not divide the world size {world}")
+    nodes = world // gpn
+    if c.get("nodes") is not None and _int(c["nodes"], "cluster.nodes") != nodes:
+        raise ConfigError(f"cluster.nodes={c['nodes']} but world size {world} / "
+                          f"cluster.gpus_per_node={gpn} = {nodes} nodes")
+    if gpn % par.tp:
+        raise ConfigError(f"parallel.tp={par.tp} does not divide cluster.gpus_per_node={gpn}: "
+                          f"a TP group must stay inside one node")
+    return ClusterConfig(gpn, nodes)
+
+
+def load_ds_config(path: str | Path) -> dict:
+    """Read a ds_config JSON file; malformed JSON -> ConfigError with file, line and column."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"deepspeed.config_file={str(path)!r}: file not found")
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"deepspeed.config_file={str(p)!r} is not valid JSON: {e.msg} at line "
+                          f"{e.lineno} column {e.colno}") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"deepspeed.config_file={str(p)!r} must hold a JSON object, "
+                          f"got {type(d).__name__}")
+    return d
+
+
+def _deepspeed(s: Mapping[str, Any], search: tuple[str | Path, ...]) -> DeepSpeedSection:
+    unknown = sorted(set(s) - {"config_file", "config"})
+    if unknown:
+        raise ConfigError(f"deepspeed has unknown fields {unknown}; allowed: "
+                          f"['config', 'config_file']")
+    f = s.get("config_file")
+    cfg: dict = {}
+    path = None
+    if f:
+        cand = [Path(f)] if os.path.isabs(f) else [Path(d) / f for d in search] + [Path(f)]
+        hit = next((c for c in cand if c.is_file()), None)
+        if hit is None:
+            raise ConfigError(f"deepspeed.config_file={f!r}: file not found (looked in "
+                              f"{[str(c) for c in cand]})")
+        path = str(hit.resolve())
+        cfg = load_ds_config(hit)
+    inline = s.get("config") or {}
+    if not isinstance(inline, Mapping):
+        raise ConfigError(f"deepspeed.config must be a mapping of ds_config fields, got {inline!r}")
+    cfg = _merge(cfg, inline)
+    zo = cfg.get("zero_optimization", {})
+    if not isinstance(zo, Mapping):
+        raise ConfigError(f"ds_config zero_optimization must be an object, got {zo!r}")
+    stage = zo.get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
+        raise ConfigError(f"ds_config zero_optimization.stage={stage!r} must be 0, 1, 2 or 3")
+    return DeepSpeedSection(config_file=path, config=cfg)
+
+
+def check_even_batch(t: TrainConfig, p: ParallelConfig, ds: DeepSpeedSection) -> None:
+    """Stock DeepSpeed needs the same micro-batch count on every replica, and batch fields in
+    the ds_config that agree with ``train.*``. Raises ConfigError otherwise."""
+    n = t.num_micro_batches
+    if n % p.dp:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} / "
+                          f"train.micro_batch_size={t.micro_batch_size} = {n} micro-batches do "
+                          f"not split evenly over parallel.dp={p.dp} replicas; use a global batch "
+                          f"that is a multiple of {t.micro_batch_size * p.dp}")
+    c = ds.config
+    want = {"train_batch_size": t.global_batch_size,
+            "train_micro_batch_size_per_gpu": t.micro_batch_size,
+            "gradient_accumulation_steps": n // p.dp}
+    for k, v in want.items():
+        if k in c and c[k] not in (None, "auto") and c[k] != v:
+            raise ConfigError(f"ds_config {k}={c[k]} contradicts the run: train.global_batch_size="
+                              f"{t.global_batch_size}, train.micro_batch_size={t.micro_batch_size}, "
+                              f"dp={p.dp} give {k}={v}; remove it from the JSON (train.* sets it) "
+                              f"or set it to \"auto\"")
+
+
+def _merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) \
+            else v
+    return out
+
+
+def _int(v: Any, where: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
+        raise ConfigError(f"{where}={v!r} must be an integer")
+    return int(v)
+
+
+def _float(v: Any, where: str) -> float:
+    if isinstance(v, bool):
+        raise ConfigError(f"{where}={v!r} must be a number")
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}={v!r} must be a number") from None

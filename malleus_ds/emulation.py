@@ -1,0 +1,133 @@
+"""Straggler emulation (DESIGN.md §6): make chosen ranks look like slow GPUs.
+
+A schedule is a list of ``{rank, rate, start_step, end_step}`` entries. While step ``k`` is in
+``[start_step, end_step)`` (``end_step=None``: until the end), rank ``rank`` runs at ``rate``: after
+each of its micro-batch computes it sleeps ``(rate - 1) ×`` the compute time it just measured, so
+its compute looks ``rate`` times slower to everything else (peers, timers, the rate estimator).
+Entries that overlap on one rank combine by ``max``. Off by default (empty schedule).
+
+Pure Python (no torch): the schedule is validated before any process group exists.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+_KEYS = ("rank", "rate", "start_step", "end_step")
+
+
+class StragglerError(ValueError):
+    """A malformed straggler schedule. The message names the entry, the field and the value."""
+
+
+@dataclass(frozen=True)
+class StragglerEntry:
+    """Rank ``rank`` runs ``rate``× slower during steps ``[start_step, end_step)``."""
+
+    rank: int
+    rate: float                     # ≥ 1.0; 4.0 = four times slower
+    start_step: int = 0             # first slowed step (0-based)
+    end_step: int | None = None     # first step no longer slowed; None = until the end
+
+    def active(self, step: int) -> bool:
+        return self.start_step <= step and (self.end_step is None or step < self.end_step)
+
+
+@dataclass(frozen=True)
+class StragglerSchedule:
+    entries: tuple[StragglerEntry, ...] = ()
+
+    @staticmethod
+    def parse(raw: Iterable[Mapping[str, Any]] | None, world_size: int | None = None
+              ) -> "StragglerSchedule":
+        """Build from plain dicts (e.g. ``[{rank: 1, rate: 4.0, start_step: 5, end_step: 100}]``).
+
+        Raises ``StragglerError`` naming ``straggler.schedule[i].field`` and the bad value.
+        """
+        if raw is None:
+            return StragglerSchedule()
+        if isinstance(raw, Mapping) or isinstance(raw, (str, bytes)):
+            raise StragglerError(f"straggler.schedule must be a list of "
+                                 f"{{rank, rate, start_step, end_step}} entries, got {raw!r}")
+        out = []
+        for i, e in enumerate(raw):
+            where = f"straggler.schedule[{i}]"
+            if not isinstance(e, Mapping):
+                raise StragglerError(f"{where} must be a mapping with keys {list(_KEYS)}, "
+                                     f"got {e!r}")
+            unknown = sorted(set(e) - set(_KEYS))
+            if unknown:
+                raise StragglerError(f"{where} has unknown keys {unknown}; allowed: {list(_KEYS)}")
+            for k in ("rank", "rate"):
+                if k not in e or e[k] is None:
+                    raise StragglerError(f"{where}.{k} is required")
+            rank = _int(e["rank"], f"{where}.rank")
+            if rank < 0:
+                raise StragglerError(f"{where}.rank={rank} must be >= 0")
+            if world_size is not None and rank >= world_size:
+                raise StragglerError(f"{where}.rank={rank} does not exist: the job has "
+                                     f"world_size={world_size} ranks (0..{world_size - 1})")
+            try:
+                rate = float(e["rate"])
+            except (TypeError, ValueError):
+                raise StragglerError(f"{where}.rate={e['rate']!r} is not a number") from None
+            if not rate >= 1.0 or rate == float("inf"):
+                raise StragglerError(f"{where}.rate={rate} must be a finite number >= 1.0 "
+                                     f"(1.0 = healthy; emulation can only slow a rank down)")
+            start = _int(e.get("start_step", 0) or 0, f"{where}.start_step")
+            if start < 0:
+                raise StragglerError(f"{where}.start_step={start} must be >= 0")
+            end = e.get("end_step")
+            if end is not None:
+                end = _int(end, f"{where}.end_step")
+                if end <= start:
+                    raise StragglerError(f"{where}: end_step={end} must be > start_step={start}")
+            out.append(StragglerEntry(rank, rate, start, end))
+        return StragglerSchedule(tuple(out))
+
+    def rate(self, rank: int, step: int) -> float:
+        """Emulated rate of ``rank`` at ``step`` (1.0 when no entry is active)."""
+        r = 1.0
+        for e in self.entries:
+            if e.rank == rank and e.active(step):
+                r = max(r, e.rate)
+        return r
+
+    def rates(self, step: int, world_size: int) -> dict[int, float]:
+        """Active rates at ``step``: {rank: rate} for slowed ranks only."""
+        return {d: x for d in range(world_size) if (x := self.rate(d, step)) > 1.0}
+
+    def to_json(self) -> list[dict]:
+        return [{"rank": e.rank, "rate": e.rate, "start_step": e.start_step,
+                 "end_step": e.end_step} for e in self.entries]
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+
+class Straggler:
+    """Per-rank emulator. Call :meth:`after_compute` right after each timed micro-batch compute."""
+
+    def __init__(self, schedule: StragglerSchedule, rank: int, sleep=time.sleep) -> None:
+        self.schedule = schedule
+        self.rank = rank
+        self._sleep = sleep
+
+    def after_compute(self, step: int, compute_seconds: float) -> float:
+        """Sleep ``(rate - 1) × compute_seconds`` if this rank is slowed at ``step``.
+
+        Returns the seconds slept (0.0 when healthy)."""
+        rate = self.schedule.rate(self.rank, step)
+        if rate <= 1.0 or compute_seconds <= 0:
+            return 0.0
+        delay = (rate - 1.0) * compute_seconds
+        t0 = time.perf_counter()
+        self._sleep(delay)
+        return time.perf_counter() - t0 if self._sleep is time.sleep else delay
+
+
+def _int(v: Any, where: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
+        raise StragglerError(f"{where}={v!r} must be an integer")
+    return int(v)

@@ -1,0 +1,121 @@
+"""Per-step metrics: ``metrics.jsonl`` (rank 0 writes it), throughput phases and the summary.
+
+One JSON object per line and step::
+
+    {"step": 3, "loss": 5.41, "samples": 8, "step_time_s": 0.21,
+     "compute_s": [0.09, 0.36], "emulated_s": [0.0, 0.27], "rates": {"1": 4.0}}
+
+``compute_s[d]`` is rank ``d``'s forward+backward seconds in that step *including* its emulated
+slowdown (what a real slow GPU would show); ``emulated_s[d]`` is the part of it that was the
+emulation's sleep. ``rates`` holds the emulated rates active in that step (slowed ranks only).
+
+A *phase* is a run of steps with the same active ``rates``; the summary reports throughput per
+phase, so one run that turns a straggler on half-way shows healthy vs straggling side by side.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    loss: float                          # global-batch mean loss
+    samples: int                         # samples consumed by this step (the global batch)
+    step_time_s: float                   # wall time of the step on rank 0
+    compute_s: tuple[float, ...] = ()    # per rank, incl. emulated slowdown
+    emulated_s: tuple[float, ...] = ()   # per rank, emulated part only
+    rates: Mapping[str, float] = field(default_factory=dict)  # active emulated rates
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["compute_s"] = list(self.compute_s)
+        d["emulated_s"] = list(self.emulated_s)
+        d["rates"] = dict(self.rates)
+        return d
+
+
+class MetricsWriter:
+    """Appends one line per step to ``<run_dir>/metrics.jsonl`` (flushed each line).
+
+    ``run_dir=None`` writes nothing (non-zero ranks, tests)."""
+
+    def __init__(self, run_dir: str | Path | None) -> None:
+        self.path = Path(run_dir) / METRICS_FILE if run_dir else None
+        self._f = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.path, "w")
+
+    def write(self, rec: StepRecord) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(rec.to_json()) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / METRICS_FILE
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Steps that ran with the same emulated rates."""
+
+    rates: tuple[tuple[int, float], ...]  # ((rank, rate), ...); () = healthy
+    steps: int                            # steps counted (after warm-up)
+    first_step: int
+    mean_step_time_s: float
+    samples_per_s: float
+
+    @property
+    def label(self) -> str:
+        if not self.rates:
+            return "healthy"
+        return ", ".join(f"rank {r} at rate {x:g}" for r, x in self.rates)
+
+
+def phases(records: Iterable[Mapping], warmup_steps: int = 0) -> list[Phase]:
+    """Group steps by active rates (in order of first appearance); skip the first
+    ``warmup_steps`` steps of the run and the first step after each change of rates (it mixes
+    the two regimes)."""
+    groups: dict[tuple, list[Mapping]] = {}
+    prev = None
+    for r in records:
+        key = tuple(sorted((int(k), float(v)) for k, v in (r.get("rates") or {}).items()))
+        changed = prev is not None and key != prev
+        prev = key
+        if r["step"] < warmup_steps or changed:
+            continue
+        groups.setdefault(key, []).append(r)
+    out = []
+    for key, rs in groups.items():
+        t = sum(r["step_time_s"] for r in rs)
+        n = sum(r["samples"] for r in rs)
+        out.append(Phase(key, len(rs), rs[0]["step"], t / len(rs), n / t if t > 0 else 0.0))
+    return out
+
+
+def format_phases(ph: Sequence[Phase]) -> str:
+    """Throughput per phase, with its ratio to the healthy phase when there is one."""
+    base = next((p for p in ph if not p.rates), None)
+    lines = [f"  {'phase':34s} {'steps':>5s} {'step time':>10s} {'samples/s':>10s} "
+             f"{'vs healthy':>10s}"]
+    for p in ph:
+        rel = f"{p.samples_per_s / base.samples_per_s:9.2f}x" if base and base.samples_per_s \
+            else "         -"
+        lines.append(f"  {p.label:34s} {p.steps:5d} {p.mean_step_time_s:9.3f}s "
+                     f"{p.samples_per_s:10.1f} {rel}")
+    return "\n".join(lines)

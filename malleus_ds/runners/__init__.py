@@ -1,0 +1,82 @@
+"""Runner registry: ``engine=<name>`` -> a module with ``run(cfg, env) -> RunSummary``.
+
+The runner interface (what ``malleus_ds/runners/<name>_runner.py`` implements)::
+
+    def validate(cfg: RunConfig) -> None          # optional; engine-specific checks.
+        # Called on every rank BEFORE any process group exists; raise
+        # malleus_ds.config.ConfigError with field names and numbers.
+
+    def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
+        # Called on every rank after torch.distributed's default group is up
+        # (gloo on CPU, nccl on GPU; also for world_size 1). Train cfg.train.steps steps.
+        # Use the shared pieces in malleus_ds.runners.common:
+        #   replica_micro_batches(cfg, step, replica, replicas)  -> sample ids per micro-batch
+        #   ComputeClock(cfg, env): clock.start_step(step); `with clock.compute(): fwd+bwd`
+        #       (or clock.add(seconds)) -> measures compute and applies straggler emulation
+        #   StepReporter(cfg, env): reporter.step_done(step, global_mean_loss, step_time_s,
+        #       clock) on EVERY rank each step (it all-gathers compute seconds; rank 0 writes
+        #       cfg.run_dir/metrics.jsonl and the progress bar); return reporter.finish().
+        # The loss passed to step_done is the global-batch mean (DESIGN.md §5), same on all ranks.
+
+``cfg`` is a frozen :class:`malleus_ds.config.RunConfig`: ``cfg.model`` (ModelConfig),
+``cfg.train`` (steps, batch sizes, seed, ``.optim`` -> OptimConfig), ``cfg.parallel`` (tp/pp/dp),
+``cfg.cluster`` (gpus_per_node, nodes), ``cfg.straggler`` (StragglerSchedule),
+``cfg.deepspeed`` (the ds_config dict + its file), ``cfg.plan`` ("static" or a plan JSON path),
+``cfg.run_dir`` (rank 0 only), ``cfg.world_size``.
+
+Modules are imported lazily by path, so ``engine=torch`` never imports deepspeed and a missing
+runner only fails when it is selected.
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from ..config import ConfigError, RunConfig
+from .base import DistEnv, RunSummary, destroy_process_group, init_process_group
+
+RUNNERS: dict[str, str] = {
+    "torch": "malleus_ds.runners.torch_runner",
+    "deepspeed": "malleus_ds.runners.deepspeed_runner",
+    "malleus": "malleus_ds.runners.malleus_runner",
+}
+
+__all__ = ["RUNNERS", "DistEnv", "RunSummary", "get_runner", "validate", "run", "execute"]
+
+
+def get_runner(engine: str) -> ModuleType:
+    if engine not in RUNNERS:
+        raise ConfigError(f"engine={engine!r} is not known; choose one of {sorted(RUNNERS)}")
+    path = RUNNERS[engine]
+    try:
+        return importlib.import_module(path)
+    except ModuleNotFoundError as e:
+        if e.name == path:
+            raise ConfigError(f"engine={engine!r} is not available in this install: its runner "
+                              f"module {path} does not exist yet") from None
+        raise
+
+
+def validate(cfg: RunConfig) -> ModuleType:
+    """Engine-specific checks (no process group needed). Returns the runner module."""
+    mod = get_runner(cfg.engine)
+    check = getattr(mod, "validate", None)
+    if check is not None:
+        check(cfg)
+    return mod
+
+
+def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
+    """Run ``cfg`` on this rank inside an existing default process group."""
+    return validate(cfg).run(cfg, env)
+
+
+def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
+    """The app's whole sequence on one rank: validate -> process group -> run -> tear down."""
+    env = env or DistEnv.from_environ(cfg.device)
+    mod = validate(cfg)
+    init_process_group(env)
+    try:
+        return mod.run(cfg, env)
+    finally:
+        destroy_process_group()

@@ -1,0 +1,92 @@
+"""What every runner gets and returns: :class:`DistEnv` in, :class:`RunSummary` out."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..metrics import Phase
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job, read from the launcher's environment variables
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``; torchrun and the ``deepspeed``
+    launcher set them). A bare ``python launch/train.py`` is rank 0 of 1."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    device: str = "cpu"          # "cpu" or "cuda:<local_rank>"
+    backend: str = "gloo"        # gloo on CPU, nccl on GPU
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    @staticmethod
+    def from_environ(device: str = "auto") -> "DistEnv":
+        e = os.environ
+        world = int(e.get("WORLD_SIZE", "1"))
+        rank = int(e.get("RANK", "0"))
+        local_rank = int(e.get("LOCAL_RANK", str(rank)))
+        local_world = int(e.get("LOCAL_WORLD_SIZE", str(world)))
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda":
+            return DistEnv(rank, world, local_rank, local_world, f"cuda:{local_rank}", "nccl")
+        return DistEnv(rank, world, local_rank, local_world, "cpu", "gloo")
+
+
+def init_process_group(env: DistEnv) -> None:
+    """Create the default process group (also for a single process, so every engine can use
+    collectives and DeepSpeed finds one). Idempotent."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if env.world_size == 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+    if env.device.startswith("cuda"):
+        torch.cuda.set_device(env.local_rank)
+    dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size)
+
+
+def destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What a run returns on every rank (losses are the global-batch means, the same on all)."""
+
+    engine: str
+    losses: tuple[float, ...]
+    step_times_s: tuple[float, ...]          # wall time per step on this rank
+    samples_per_step: int
+    phases: tuple[Phase, ...] = ()           # throughput by emulated-straggler state (rank 0)
+    metrics_path: str | None = None          # rank 0 only
+    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    @property
+    def samples_per_s(self) -> float:
+        t = sum(self.step_times_s)
+        return self.samples_per_step * len(self.step_times_s) / t if t > 0 else 0.0

@@ -1,0 +1,142 @@
+"""Pieces every runner shares: data assignment, compute timing + straggler emulation, the per-step
+reporter (metrics.jsonl, progress bar, summary).
+
+A runner's step loop looks like::
+
+    clock = ComputeClock(cfg, env)            # times compute, emulates stragglers
+    reporter = StepReporter(cfg, env)         # rank 0: metrics.jsonl + tqdm
+    for step in range(cfg.train.steps):
+        t0 = time.perf_counter(); clock.start_step(step)
+        for ids in replica_micro_batches(cfg, step, dp_rank, dp):
+            with clock.compute():             # forward + backward of one micro-batch
+                ...
+        ...optimizer step...
+        reporter.step_done(step, loss, time.perf_counter() - t0, clock)
+    return reporter.finish()
+"""
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import contextmanager
+
+from ..config import RunConfig
+from ..emulation import Straggler
+from ..metrics import MetricsWriter, StepRecord, format_phases, phases
+from ..plan import even_split
+from ..reference import micro_batches
+from .base import DistEnv, RunSummary
+
+
+def replica_micro_batches(cfg: RunConfig, step: int, replica: int, replicas: int
+                          ) -> list[list[int]]:
+    """Sample ids of the micro-batches replica ``replica`` (of ``replicas``) runs at ``step``.
+
+    The static plan's rule (DESIGN.md §5): micro-batches of the global batch are dealt out in
+    global order, replica ``i`` taking the next ``m_i`` of them (``m_i`` as even as possible)."""
+    mbs = micro_batches(step, cfg.train.global_batch_size, cfg.train.micro_batch_size)
+    b = even_split(len(mbs), replicas)
+    return mbs[b[replica]:b[replica + 1]]
+
+
+class ComputeClock:
+    """Times this rank's compute and applies the straggler emulation after each timed piece.
+
+    ``compute_s`` (per step) includes the emulated sleep, as a slow GPU would show it;
+    ``emulated_s`` is the sleep alone."""
+
+    def __init__(self, cfg: RunConfig, env: DistEnv) -> None:
+        self.straggler = Straggler(cfg.straggler, env.rank)
+        self.cuda = env.device.startswith("cuda")
+        self.step = 0
+        self.compute_s = 0.0
+        self.emulated_s = 0.0
+
+    def start_step(self, step: int) -> None:
+        self.step, self.compute_s, self.emulated_s = step, 0.0, 0.0
+
+    @contextmanager
+    def compute(self):
+        if self.cuda:
+            import torch
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        yield
+        if self.cuda:
+            import torch
+            torch.cuda.synchronize()
+        self.add(time.perf_counter() - t0)
+
+    def add(self, seconds: float) -> None:
+        """Account ``seconds`` of measured compute, then emulate (sleep) if slowed."""
+        slept = self.straggler.after_compute(self.step, seconds)
+        self.compute_s += seconds + slept
+        self.emulated_s += slept
+
+
+class StepReporter:
+    """Gathers per-rank compute seconds each step; rank 0 writes metrics.jsonl and a tqdm bar."""
+
+    def __init__(self, cfg: RunConfig, env: DistEnv, group=None) -> None:
+        self.cfg, self.env, self.group = cfg, env, group
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self.records: list[dict] = []
+        self.writer = MetricsWriter(cfg.run_dir if env.is_rank0 else None)
+        self.bar = None
+        if env.is_rank0 and cfg.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=cfg.train.steps, desc=f"train[{cfg.engine}]", unit="step",
+                            file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+
+    def step_done(self, step: int, loss: float, step_time_s: float, clock: ComputeClock) -> None:
+        import torch
+        import torch.distributed as dist
+
+        comp = [clock.compute_s] * self.env.world_size
+        emu = [clock.emulated_s] * self.env.world_size
+        if dist.is_initialized() and self.env.world_size > 1:
+            mine = torch.tensor([clock.compute_s, clock.emulated_s], dtype=torch.float64,
+                                device=self.env.device)
+            out = [torch.zeros_like(mine) for _ in range(self.env.world_size)]
+            dist.all_gather(out, mine, group=self.group)
+            comp = [float(t[0]) for t in out]
+            emu = [float(t[1]) for t in out]
+        self.losses.append(float(loss))
+        self.times.append(float(step_time_s))
+        rates = {str(r): x for r, x in self.cfg.straggler.rates(step, self.env.world_size).items()}
+        rec = StepRecord(step, float(loss), self.cfg.train.global_batch_size, float(step_time_s),
+                         tuple(comp), tuple(emu), rates)
+        self.records.append(rec.to_json())
+        self.writer.write(rec)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{step_time_s:.3f}", refresh=False)
+
+    def finish(self, **extra) -> RunSummary:
+        self.writer.close()
+        if self.bar is not None:
+            self.bar.close()
+        ph = tuple(phases(self.records, self.cfg.train.warmup_steps))
+        return RunSummary(engine=self.cfg.engine, losses=tuple(self.losses),
+                          step_times_s=tuple(self.times),
+                          samples_per_step=self.cfg.train.global_batch_size, phases=ph,
+                          metrics_path=str(self.writer.path) if self.writer.path else None,
+                          extra=extra)
+
+
+def format_summary(cfg: RunConfig, s: RunSummary) -> str:
+    """The end-of-run summary printed by rank 0."""
+    p = cfg.parallel
+    lines = [f"== malleus_ds run: engine={cfg.engine} model={cfg.model.name} "
+             f"world={cfg.world_size} (tp={p.tp} pp={p.pp} dp={p.dp}) "
+             f"global_batch={cfg.train.global_batch_size} micro_batch={cfg.train.micro_batch_size}"]
+    if s.losses:
+        lines.append(f"  steps={len(s.losses)} loss {s.losses[0]:.4f} -> {s.losses[-1]:.4f}; "
+                     f"overall {s.samples_per_s:.1f} samples/s")
+    if s.phases:
+        lines.append("  throughput by phase (warm-up and transition steps left out):")
+        lines.append(format_phases(s.phases))
+    if s.metrics_path:
+        lines.append(f"  metrics: {s.metrics_path}")
+    return "\n".join(lines)

@@ -1,0 +1,62 @@
+"""``engine=torch``: plain PyTorch AdamW — the reference every other engine is checked against.
+
+On one process this is exactly :func:`malleus_ds.reference.reference_run`. With several ranks
+it is plain data parallelism with the same math: each rank runs its share of the micro-batches
+(static plan order), each micro-batch loss is scaled by ``micro_batch_size / global_batch_size``,
+and gradients are *summed* across ranks (all-reduce SUM) before the identical optimizer step.
+"""
+from __future__ import annotations
+
+import time
+
+from ..config import ConfigError, RunConfig
+from .base import DistEnv, RunSummary
+from .common import ComputeClock, StepReporter, replica_micro_batches
+
+
+def validate(cfg: RunConfig) -> None:
+    p = cfg.parallel
+    if p.tp != 1 or p.pp != 1:
+        raise ConfigError(f"engine=torch is the data-parallel reference: it needs parallel.tp=1 "
+                          f"and parallel.pp=1, got tp={p.tp} pp={p.pp}; use engine=deepspeed "
+                          f"for pp>1 or engine=malleus for tp>1")
+
+
+def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
+    import torch
+    import torch.distributed as dist
+
+    from ..data import ByteCorpus
+    from ..models import build_model, lm_loss
+    from ..reference import make_optimizer
+
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, cfg.train.seed).to(env.device)
+    opt = make_optimizer(model.parameters(), cfg.train.optim)
+    data = ByteCorpus(cfg.model.max_seq_len, seed=cfg.train.corpus_seed)
+    scale = cfg.train.micro_batch_size / cfg.train.global_batch_size
+    multi = dist.is_initialized() and env.world_size > 1
+    clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env)
+
+    for step in range(cfg.train.steps):
+        t0 = time.perf_counter()
+        clock.start_step(step)
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for ids in replica_micro_batches(cfg, step, env.rank, env.world_size):
+            with clock.compute():
+                x, y = (t.to(env.device) for t in data.batch(ids))
+                loss = lm_loss(model(x), y) * scale            # share of the global mean
+                loss.backward()
+            total += loss.item()
+        if multi:
+            for p in model.parameters():                      # summed, not averaged (§5)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+            t = torch.tensor([total], dtype=torch.float64, device=env.device)
+            dist.all_reduce(t)
+            total = float(t)
+        opt.step()
+        reporter.step_done(step, total, time.perf_counter() - t0, clock)
+    return reporter.finish()

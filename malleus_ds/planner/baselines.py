@@ -1,0 +1,69 @@
+"""The three simple baselines the planner must never lose to.
+
+- **static**: the uniform Megatron/DeepSpeed layout, untouched.
+- **data-only**: the static layout, micro-batches re-split across pipelines (exactly).
+- **drop**: static pipelines holding a straggler are removed (their ranks suspended), their
+  micro-batches given to the rest (exactly). Not applicable when every pipeline holds one.
+
+Each returns ``None`` when it does not apply or its plan breaks the memory budget.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..cost import stage_time, validate_for_problem
+from ..plan import Pipeline, Plan, PlanError, Problem
+from .batch import FixedPipeline, split_batches
+
+
+def _valid(problem: Problem, plan: Plan) -> Plan | None:
+    try:
+        validate_for_problem(problem, plan)
+    except PlanError:
+        return None
+    return plan
+
+
+def static(problem: Problem) -> Plan | None:
+    try:
+        return _valid(problem, problem.static_plan())
+    except PlanError:
+        return None
+
+
+def _resplit(problem: Problem, pipes: list[Pipeline]) -> list[Pipeline] | None:
+    M = problem.global_batch_size // problem.micro_batch_size
+    models = [FixedPipeline(tuple(stage_time(problem, s) for s in p.stages)) for p in pipes]
+    res = split_batches(models, [1] * len(models), M)
+    if res is None:
+        return None
+    _, ms = res
+    return [replace(p, micro_batches=m[0]) for p, m in zip(pipes, ms)]
+
+
+def data_only(problem: Problem) -> Plan | None:
+    base = static(problem)
+    if base is None:
+        return None
+    pipes = _resplit(problem, list(base.pipelines))
+    if pipes is None:
+        return None
+    return _valid(problem, replace(base, pipelines=tuple(pipes)))
+
+
+def drop(problem: Problem) -> Plan | None:
+    base = static(problem)
+    if base is None:
+        return None
+    keep = [p for p in base.pipelines if all(problem.rate(r) == 1.0 for r in p.ranks)]
+    if not keep or len(keep) == len(base.pipelines):
+        return None if not keep else data_only(problem)
+    pipes = _resplit(problem, keep)
+    if pipes is None:
+        return None
+    susp = tuple(sorted(r for p in base.pipelines if p not in keep for r in p.ranks))
+    return _valid(problem, replace(base, pipelines=tuple(pipes), suspended=susp))
+
+
+def all_baselines(problem: Problem) -> dict[str, Plan | None]:
+    return {"static": static(problem), "data-only": data_only(problem), "drop": drop(problem)}

@@ -1,0 +1,263 @@
+"""The planner's entry point: heuristic seeds + a pymoo genetic search over the discrete layout
+space, exact inner solvers in the evaluation, and the baselines as a floor.
+
+    from malleus_ds.planner import plan
+    res = plan(problem, seed=0, time_limit=2.0)   # -> PlanResult
+    res.plan, res.step_time, res.efficiency, res.method, res.baselines
+
+The search is reproducible from ``seed`` as long as the time limit does not cut it short
+(generations and stall patience bound it otherwise). Whatever happens, the returned plan is
+valid (checked with :func:`malleus_ds.cost.validate_for_problem`) and no slower than the best
+baseline (static, data-only, drop) and than ``problem.current_plan``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+from ..cost import capacity_fraction, healthy_step_time, step_time, validate_for_problem
+from ..plan import Plan, PlanError, Problem
+from .baselines import all_baselines
+from .placement import build_plan, moved_units, units_to_mb
+from .templates import INFEASIBLE, SearchSpace
+
+_REL = 1e-9
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Search settings (all optional)."""
+
+    seed: int = 0                       # seeds pymoo's random generator
+    time_limit: float | None = None     # seconds for the whole call; None = no limit
+    pop_size: int = 32                  # GA population
+    max_generations: int = 60           # GA generations at most
+    patience: int = 12                  # stop after this many generations without improvement
+    multi_objective: bool = False       # NSGA-II on (step time, state moved) -> Pareto set
+
+
+@dataclass(frozen=True)
+class ParetoPoint:
+    plan: Plan
+    step_time: float
+    moved_units: float
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    plan: Plan
+    step_time: float
+    efficiency: float
+    method: str                                  # search | static | data-only | drop | current
+    baselines: Mapping[str, float | None]        # η of each baseline (None: not applicable)
+    baseline_plans: Mapping[str, Plan | None]
+    seconds: float
+    moved_units: float                           # vs problem.current_plan (0 without one)
+    moved_mb: float | None
+    evaluations: int = 0
+    generations: int = 0
+    search_step_time: float | None = None        # best layout found by the search itself
+    pareto: tuple[ParetoPoint, ...] = field(default=())
+
+    def summary(self) -> str:
+        bl = " ".join(f"{k}={'n/a' if v is None else f'{v:.3f}'}" for k, v in self.baselines.items())
+        mv = f" moved={self.moved_units:.1f} layer-units" if self.moved_units else ""
+        if self.moved_mb:
+            mv += f" ({self.moved_mb:.0f} MB)"
+        return (f"method={self.method} step_time={self.step_time:.2f} eta={self.efficiency:.3f} "
+                f"pipelines={len(self.plan.pipelines)} "
+                f"stages={[len(p.stages) for p in self.plan.pipelines]} "
+                f"suspended={len(self.plan.suspended)}{mv} | baselines eta: {bl} | "
+                f"{self.seconds:.2f}s, {self.evaluations} evals, {self.generations} gens")
+
+
+def _is_healthy(problem: Problem) -> bool:
+    return all(problem.rate(r) == 1.0 for r in problem.rates)
+
+
+def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None = None,
+         config: PlannerConfig | None = None, multi_objective: bool | None = None) -> PlanResult:
+    """Best valid plan for ``problem`` (see module docstring). Keyword args override ``config``."""
+    cfg = config or PlannerConfig()
+    if seed is not None or time_limit is not None or multi_objective is not None:
+        from dataclasses import replace
+        cfg = replace(cfg, **{k: v for k, v in (("seed", seed), ("time_limit", time_limit),
+                                                 ("multi_objective", multi_objective))
+                              if v is not None})
+    t0 = time.perf_counter()
+    deadline = None if cfg.time_limit is None else t0 + max(0.0, cfg.time_limit) * 0.85
+    T_h = healthy_step_time(problem)
+    f = capacity_fraction(problem)
+    old = problem.current_plan
+
+    def eta(T: float) -> float:
+        return T_h / T / f
+
+    cands: list[tuple[float, float, int, str, Plan]] = []   # (T, moved, priority, method, plan)
+    prio = {"current": 0, "static": 1, "search": 2, "data-only": 3, "drop": 4}
+
+    def add(method: str, p: Plan | None) -> None:
+        if p is None:
+            return
+        try:
+            validate_for_problem(problem, p)
+        except PlanError:
+            return
+        cands.append((step_time(problem, p), moved_units(old, p), prio[method], method, p))
+
+    bplans = all_baselines(problem)
+    if old is not None:
+        add("current", old)
+    if _is_healthy(problem):
+        add("static", bplans["static"])
+    else:
+        for k, p in bplans.items():
+            add(k, p)
+    evals = gens = 0
+    search_T = None
+    pareto: tuple[ParetoPoint, ...] = ()
+    if not _is_healthy(problem):
+        space = SearchSpace(problem)
+        found, gens, pareto = _search(space, cfg, deadline, old)
+        evals = space.evaluations
+        for p in found:
+            add("search", p)
+            search_T = min(search_T or math.inf, step_time(problem, p))
+    if not cands:
+        raise PlanError(f"problem '{problem.name}': no valid plan found (the static plan does not "
+                        f"fit in memory and the search found nothing that does); check the "
+                        f"memory section or give more GPUs")
+    best_T = min(c[0] for c in cands)
+    tied = [c for c in cands if c[0] <= best_T * (1 + _REL)]
+    T, mv, _, method, best = min(tied, key=lambda c: (c[1], c[2], c[0]))
+    return PlanResult(
+        plan=best, step_time=T, efficiency=eta(T), method=method,
+        baselines={k: (eta(step_time(problem, p)) if p is not None else None) for k, p in bplans.items()},
+        baseline_plans=bplans, seconds=time.perf_counter() - t0, moved_units=mv,
+        moved_mb=units_to_mb(problem, mv) if old is not None else None,
+        evaluations=evals, generations=gens, search_step_time=search_T, pareto=pareto)
+
+
+# --------------------------------------------------------------------------------------------
+# the genetic search
+# --------------------------------------------------------------------------------------------
+
+
+def _search(space: SearchSpace, cfg: PlannerConfig, deadline: float | None, old: Plan | None
+            ) -> tuple[list[Plan], int, tuple[ParetoPoint, ...]]:
+    from pymoo.algorithms.moo.nsga2 import NSGA2
+    from pymoo.algorithms.soo.nonconvex.ga import GA
+    from pymoo.core.problem import Problem as PymooProblem
+    from pymoo.operators.crossover.sbx import SBX
+    from pymoo.operators.mutation.pm import PM
+    from pymoo.operators.repair.rounding import RoundingRepair
+
+    mo = cfg.multi_objective and old is not None
+    built: dict[tuple, tuple[Plan | None, float]] = {}
+
+    def plan_of(x) -> tuple[Plan | None, float]:
+        k = tuple(np.clip(np.asarray(x, dtype=np.int64), space.xl, space.xu).tolist())
+        if k not in built:
+            T, lay, ev = space.evaluate(k)
+            if ev is None:
+                built[k] = (None, INFEASIBLE)
+            else:
+                p = build_plan(space, lay, ev, old)
+                built[k] = (p, moved_units(old, p))
+        return built[k]
+
+    def objectives(x) -> list[float]:
+        T = space.evaluate(x)[0]
+        if not mo:
+            return [T]
+        p, mv = plan_of(x)
+        return [T, mv if p is not None else INFEASIBLE]
+
+    class _P(PymooProblem):
+        def __init__(self) -> None:
+            super().__init__(n_var=space.n_var, n_obj=2 if mo else 1, xl=space.xl, xu=space.xu,
+                             vtype=int)
+
+        def _evaluate(self, X, out, *args, **kwargs):
+            out["F"] = np.array([objectives(x) for x in X], dtype=float)
+
+    # initial population: the best distinct heuristic seeds, then mutants of them
+    rng = np.random.default_rng(cfg.seed)
+    seeds = space.seeds()
+    scored = []
+    for x in seeds:
+        if deadline is not None and time.perf_counter() > deadline and scored:
+            break
+        scored.append((space.evaluate(x)[0], tuple(x.tolist())))
+    scored.sort()
+    init: list[tuple] = []
+    for _, k in scored:
+        if k not in init:
+            init.append(k)
+    init = init[: cfg.pop_size]
+    base = [np.array(k) for k in init] or [np.array(space.xl)]
+    while len(init) < cfg.pop_size:
+        x = base[len(init) % len(base)].copy()
+        n_mut = 1 + int(rng.integers(0, 3))
+        for i in rng.integers(0, space.n_var, size=n_mut):
+            x[i] = rng.integers(space.xl[i], space.xu[i] + 1)
+        k = tuple(x.tolist())
+        if k not in init:
+            init.append(k)
+        elif len(init) >= 1 and rng.random() < 0.1:   # tiny spaces: allow duplicates to finish
+            init.append(k)
+    X0 = np.array(init, dtype=np.int64)
+    gens = 0
+    kw = dict(pop_size=cfg.pop_size, sampling=X0,
+              crossover=SBX(prob=0.9, eta=15, vtype=float, repair=RoundingRepair()),
+              mutation=PM(eta=5, vtype=float, repair=RoundingRepair()),
+              eliminate_duplicates=True)
+    algo = NSGA2(**kw) if mo else GA(**kw)
+    if space.n_var > 0 and (deadline is None or time.perf_counter() < deadline):
+        algo.setup(_P(), termination=("n_gen", cfg.max_generations + 1), seed=cfg.seed,
+                   verbose=False)
+        best, stall = math.inf, 0
+        while gens < cfg.max_generations and stall < cfg.patience and algo.has_next():
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+            algo.next()
+            gens += 1
+            F = algo.opt.get("F")
+            cur = float(F[:, 0].min()) if F is not None and len(F) else math.inf
+            if cur < best * (1 - 1e-12):
+                best, stall = cur, 0
+            else:
+                stall += 1
+        pop = algo.opt if algo.opt is not None else algo.pop
+        Xs = [tuple(x.tolist()) for x in pop.get("X").astype(np.int64)] if pop is not None else []
+    else:
+        Xs = []
+    # candidates: the GA's best plus the best seeds; ties on step time resolved by migration
+    Xs = Xs + [k for _, k in scored[:4]]
+    ranked = sorted({k: space.evaluate(k)[0] for k in Xs}.items(), key=lambda kv: kv[1])
+    if not ranked or ranked[0][1] >= INFEASIBLE:
+        return [], gens, ()
+    bestT = ranked[0][1]
+    top = [k for k, T in ranked if T <= bestT * (1 + _REL)][:8 if old is not None else 1]
+    plans = [p for p in (plan_of(k)[0] for k in top) if p is not None]
+    pareto: tuple[ParetoPoint, ...] = ()
+    if mo:
+        pts = []
+        for k, T in ranked:
+            if T >= INFEASIBLE:
+                continue
+            p, mv = plan_of(k)
+            if p is not None:
+                pts.append(ParetoPoint(p, T, mv))
+        front, best_mv = [], math.inf
+        for pt in sorted(pts, key=lambda q: (q.step_time, q.moved_units)):
+            if pt.moved_units < best_mv - 1e-9:
+                front.append(pt)
+                best_mv = pt.moved_units
+        pareto = tuple(front)
+        plans += [pt.plan for pt in front[:1]]
+    return plans, gens, pareto

@@ -13,6 +13,9 @@ import os
 def skip_shm_comm_build() -> None:
     if os.environ.get("MALLEUS_BUILD_SHM_OP") == "1":
         return
-    import deepspeed.comm.torch as ds_torch_comm
+    import importlib
 
+    # not `import deepspeed.comm.torch as m`: deepspeed.comm has an attribute `torch` (the real
+    # torch package) that shadows the submodule in that form, so the patch would miss.
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
     ds_torch_comm.build_shm_op = lambda: None

@@ -1,0 +1,172 @@
+"""``engine=deepspeed``: stock DeepSpeed — the static baseline Malleus is compared with.
+
+- ``pp == 1``: ``DeepSpeedEngine`` with ZeRO stage 0/1/2 (from the ds_config) over all ranks.
+- ``pp > 1``: ``PipelineEngine`` over a ``PipelineModule`` of embedding + blocks + head built by
+  our per-layer builders (so initial weights equal the reference), partitioned exactly like
+  :func:`malleus_ds.plan.static_plan` (earlier stages take the remainder). ZeRO stage <= 1.
+- ``tp > 1`` is refused: stock DeepSpeed has no tensor parallelism for this model.
+
+Same math as ``engine=torch``: DeepSpeed scales each micro-batch loss by ``1/GAS`` and averages
+gradients over the ``dp`` replicas, i.e. ``Σ_mb loss_mb / (GAS·dp) = Σ_mb loss_mb · mbs / G``, the
+global-batch mean. The optimizer is a client ``torch.optim.AdamW`` with the run's
+``train.{lr,betas,eps,weight_decay}`` (no JIT-compiled DeepSpeed Adam), unless the ds_config
+names its own ``optimizer`` (then DeepSpeed builds it and ``train.lr`` etc. are not used).
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from torch import nn
+
+from ..config import ConfigError, RunConfig, check_even_batch
+from ..models.llama import EMBED, HEAD, ModelConfig, build_layer, lm_loss
+from ..plan import even_split
+from .base import DistEnv, RunSummary
+from .common import ComputeClock, StepReporter, replica_micro_batches
+
+
+def validate(cfg: RunConfig) -> None:
+    p = cfg.parallel
+    if p.tp != 1:
+        raise ConfigError(f"engine=deepspeed: parallel.tp={p.tp} is not supported — stock "
+                          f"DeepSpeed has no tensor parallelism for this model; use parallel.tp=1 "
+                          f"or engine=malleus for tp>1")
+    if p.pp > 1 and cfg.deepspeed.zero_stage > 1:
+        raise ConfigError(f"engine=deepspeed with parallel.pp={p.pp}: DeepSpeed's PipelineEngine "
+                          f"supports ZeRO stage 0 or 1, the ds_config has zero_optimization.stage="
+                          f"{cfg.deepspeed.zero_stage}; use deepspeed=zero1 (or engine=malleus)")
+    check_even_batch(cfg.train, p, cfg.deepspeed)
+
+
+def build_ds_config(cfg: RunConfig) -> dict:
+    """The ds_config handed to ``deepspeed.initialize``: the user's/preset's, plus batch sizes."""
+    c = copy.deepcopy(dict(cfg.deepspeed.config))
+    t, p = cfg.train, cfg.parallel
+    c["train_batch_size"] = t.global_batch_size
+    c["train_micro_batch_size_per_gpu"] = t.micro_batch_size
+    c["gradient_accumulation_steps"] = t.num_micro_batches // p.dp
+    c.setdefault("steps_per_print", 10**9)
+    c.setdefault("gradient_clipping", 0.0)
+    if "optimizer" not in c:
+        c["zero_allow_untested_optimizer"] = True   # our client torch AdamW
+    for mon in ("csv_monitor", "tensorboard"):      # monitors default to the run folder
+        m = c.get(mon)
+        if isinstance(m, dict) and m.get("enabled") and not m.get("output_path") and cfg.run_dir:
+            m["output_path"] = cfg.run_dir
+    return c
+
+
+# ---------------------------------------------------------------------------------------------
+# pipeline pieces: LayerSpec needs nn.Module classes; each wraps one deterministic layer
+# ---------------------------------------------------------------------------------------------
+
+
+class PipeLayer(nn.Module):
+    """One piece of the decoder for ``PipelineModule`` (EMBED, block index or HEAD)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, seed: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.layer = build_layer(cfg, layer_id, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+def static_parts(num_layers: int, pp: int) -> list[int]:
+    """PipelineModule ``parts`` over [embed, block 0..L-1, head] matching ``static_plan``:
+    stage s holds blocks even_split(L, pp)[s:s+2], plus the embedding (first) / head (last)."""
+    b = even_split(num_layers, pp)
+    return [0] + [b[s] + 1 for s in range(1, pp)] + [num_layers + 2]
+
+
+def _build_pipeline_module(cfg: RunConfig):
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    class StaticPlanPipelineModule(PipelineModule):
+        """PipelineModule partitioned like static_plan (DeepSpeed's 'uniform' counts the
+        embedding and head as layers and 'type:' balances differently)."""
+
+        def _partition_layers(self, method="uniform"):
+            stage_id = self._topo.get_coord(self.global_rank).pipe
+            self.parts = static_parts(cfg.model.num_layers, self.num_stages)
+            self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+    m, seed = cfg.model, cfg.train.seed
+    ids = [EMBED, *range(m.num_layers), HEAD]
+    specs = [LayerSpec(PipeLayer, m, i, seed) for i in ids]
+    return StaticPlanPipelineModule(layers=specs, num_stages=cfg.parallel.pp, loss_fn=lm_loss,
+                                    partition_method="static_plan", activation_checkpoint_interval=0)
+
+
+def _time_pipeline_compute(engine, clock: ComputeClock) -> None:
+    """Time PipelineEngine's forward/backward instructions (communication is separate
+    instructions there) and apply the emulation after each, via an instance copy of its
+    instruction table."""
+    from deepspeed.runtime.pipe import schedule
+
+    table = dict(type(engine)._INSTRUCTION_MAP)
+    for kind in (schedule.ForwardPass, schedule.BackwardPass):
+        fn = table[kind]
+
+        def timed(self, *a, _fn=fn, **kw):
+            with clock.compute():
+                return _fn(self, *a, **kw)
+
+        table[kind] = timed
+    engine._INSTRUCTION_MAP = table
+
+
+def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
+    from ..ds_compat import skip_shm_comm_build
+
+    skip_shm_comm_build()
+    import deepspeed
+    import torch.distributed as dist
+
+    from ..data import ByteCorpus
+    from ..models import build_model
+    from ..reference import make_optimizer
+
+    deepspeed.init_distributed(dist_backend=env.backend)
+    torch.manual_seed(cfg.train.seed)
+    ds_cfg = build_ds_config(cfg)
+    pp, dp = cfg.parallel.pp, cfg.parallel.dp
+    model = _build_pipeline_module(cfg) if pp > 1 else build_model(cfg.model, cfg.train.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    client_opt = None if "optimizer" in ds_cfg else make_optimizer(params, cfg.train.optim)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client_opt,
+                                           model_parameters=params, config=ds_cfg)
+    data = ByteCorpus(cfg.model.max_seq_len, seed=cfg.train.corpus_seed)
+    clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env)
+    # static_plan: rank = dp_rank + dp * pp_rank (tp=1), the same as DeepSpeed's pipe topology
+    dp_rank = env.rank % dp
+
+    for step in range(cfg.train.steps):
+        t0 = time.perf_counter()
+        clock.start_step(step)
+        mbs = replica_micro_batches(cfg, step, dp_rank, dp)
+        if pp > 1:
+            if step == 0:
+                _time_pipeline_compute(engine, clock)
+            batches = iter([data.batch(ids) for ids in mbs])
+            loss = float(engine.train_batch(data_iter=batches))
+        else:
+            total = torch.zeros((), dtype=torch.float64, device=env.device)
+            for ids in mbs:
+                x, y = (t.to(env.device) for t in data.batch(ids))
+                with clock.compute():
+                    out = lm_loss(engine(x), y)
+                    engine.backward(out)        # DeepSpeed scales by 1/GAS, averages over dp
+                engine.step()                   # steps the optimizer at the GAS boundary only
+                total += out.detach().double()
+            total /= len(mbs) * dp              # mean of micro-batch means = global mean
+            if dp > 1:
+                dist.all_reduce(total)
+            loss = float(total)
+        reporter.step_done(step, loss, time.perf_counter() - t0, clock)
+    summary = reporter.finish()
+    engine.destroy() if hasattr(engine, "destroy") else None
+    return summary

@@ -2,6 +2,22 @@
 
 Units: time is "one layer x one micro-batch on a healthy full TP group"; memory is MB.
 Pure Python.
+
+Optional communication terms. With only the DESIGN.md §3 fields a problem is costed exactly by
+the reference model. A problem may add a ``comm`` section (kept in ``Problem.extra``)::
+
+    "comm": {"layer_ms": 12.0,          # ms of one layer x one micro-batch (fwd+bwd) on a
+                                        #   healthy full TP group: converts ms to model units
+             "activation_mb": 32.0,     # MB sent between adjacent stages per micro-batch, one
+                                        #   direction (activations forward, gradients backward)
+             "intra_node_gbps": 300.0,  # GB/s between GPUs of one node
+             "inter_node_gbps": 25.0}   # GB/s between nodes
+
+Then each stage boundary costs ``c = activation_mb / gbps / layer_ms`` model units per
+micro-batch and direction (MB / (GB/s) = ms), charged to the sender: stage ``j`` pays ``c`` for
+the activation it sends to ``j+1`` and ``c`` for the gradient it sends to ``j-1``. The stage
+time becomes ``t_j = y_j l_j + c_(j,j+1) + c_(j-1,j)`` and the 1F1B formula is unchanged. The
+boundary uses the intra-node bandwidth when both stages' first ranks share a node.
 """
 from __future__ import annotations
 
@@ -17,7 +33,53 @@ def group_rate(problem: Problem, ranks: Sequence[int]) -> float:
 
 
 def stage_time(problem: Problem, stage: Stage) -> float:
+    """Compute time of ``stage`` (no communication): ``y * l``."""
     return group_rate(problem, stage.ranks) * stage.num_layers
+
+
+@dataclass(frozen=True)
+class CommSpec:
+    """Optional point-to-point cost between pipeline stages (see module docstring)."""
+
+    layer_ms: float
+    activation_mb: float
+    intra_node_gbps: float
+    inter_node_gbps: float
+
+    def boundary(self, same_node: bool) -> float:
+        """Model units one stage spends sending one micro-batch across one boundary."""
+        bw = self.intra_node_gbps if same_node else self.inter_node_gbps
+        return self.activation_mb / bw / self.layer_ms
+
+
+def comm_spec(problem: Problem) -> CommSpec | None:
+    """The problem's ``comm`` section as a :class:`CommSpec`, or None if absent."""
+    c = problem.extra.get("comm") if problem.extra else None
+    if not c:
+        return None
+    if not isinstance(c, dict):
+        raise PlanError(f"problem.comm: expected an object, got {type(c).__name__}")
+    vals = {}
+    for k in ("layer_ms", "activation_mb", "intra_node_gbps", "inter_node_gbps"):
+        v = c.get(k)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+            raise PlanError(f"comm.{k}={v!r} must be a number > 0 "
+                            f"(fields: layer_ms, activation_mb, intra_node_gbps, inter_node_gbps)")
+        vals[k] = float(v)
+    return CommSpec(**vals)
+
+
+def pipeline_stage_times(problem: Problem, stages: Sequence[Stage]) -> tuple[float, ...]:
+    """Per-stage time of one micro-batch, with communication when the problem gives it."""
+    ts = [stage_time(problem, s) for s in stages]
+    cs = comm_spec(problem)
+    if cs is not None:
+        gpn = problem.gpus_per_node
+        for j in range(len(stages) - 1):
+            c = cs.boundary(stages[j].ranks[0] // gpn == stages[j + 1].ranks[0] // gpn)
+            ts[j] += c        # activation j -> j+1
+            ts[j + 1] += c    # gradient j+1 -> j
+    return tuple(ts)
 
 
 def pipeline_time_from_stage_times(stage_times: Sequence[float], micro_batches: int) -> float:
@@ -33,7 +95,7 @@ class PlanCost:
 
 
 def evaluate(problem: Problem, plan: Plan) -> PlanCost:
-    stage_times = tuple(tuple(stage_time(problem, s) for s in p.stages) for p in plan.pipelines)
+    stage_times = tuple(pipeline_stage_times(problem, p.stages) for p in plan.pipelines)
     pts = tuple(pipeline_time_from_stage_times(ts, p.micro_batches)
                 for ts, p in zip(stage_times, plan.pipelines))
     return PlanCost(step_time=max(pts), pipeline_times=pts, stage_times=stage_times)

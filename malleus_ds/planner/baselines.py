@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..cost import stage_time, validate_for_problem
+from ..cost import pipeline_stage_times, validate_for_problem
 from ..plan import Pipeline, Plan, PlanError, Problem
 from .batch import FixedPipeline, split_batches
 
@@ -33,7 +33,7 @@ def static(problem: Problem) -> Plan | None:
 
 def _resplit(problem: Problem, pipes: list[Pipeline]) -> list[Pipeline] | None:
     M = problem.global_batch_size // problem.micro_batch_size
-    models = [FixedPipeline(tuple(stage_time(problem, s) for s in p.stages)) for p in pipes]
+    models = [FixedPipeline(pipeline_stage_times(problem, p.stages)) for p in pipes]
     res = split_batches(models, [1] * len(models), M)
     if res is None:
         return None

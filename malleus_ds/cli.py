@@ -1,0 +1,123 @@
+"""``malleus-plan`` and ``malleus-sim`` commands.
+
+    malleus-plan PROBLEM.json [-o PLAN.json] [--seed S] [--time-limit SEC] [--multi-objective]
+    malleus-sim  PROBLEM.json [PLAN.json] [--plot FILE.png]
+
+Bad input (missing file, invalid JSON, invalid problem or plan) prints ``<prog>: error: ...``
+on stderr and exits with code 2, like argparse's own usage errors.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .plan import Plan, PlanError, Problem
+
+EXIT_BAD_INPUT = 2
+
+
+def _fail(prog: str, msg: str) -> int:
+    print(f"{prog}: error: {msg}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def _load_problem(path: str) -> Problem:
+    from .cost import comm_spec
+
+    pr = Problem.load(path)
+    comm_spec(pr)  # validates the optional comm section
+    if pr.current_plan is not None:
+        from .cost import validate_for_problem
+
+        try:
+            validate_for_problem(pr, pr.current_plan)
+        except PlanError as e:
+            raise PlanError(f"problem.current_plan is invalid: {e}") from None
+    return pr
+
+
+def plan_main(argv: Sequence[str] | None = None) -> int:
+    prog = "malleus-plan"
+    ap = argparse.ArgumentParser(prog=prog, description="Plan a straggler-aware Malleus layout.")
+    ap.add_argument("problem", help="problem JSON (DESIGN.md §3)")
+    ap.add_argument("-o", "--output", help="write the plan JSON here (default: stdout)")
+    ap.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
+    ap.add_argument("--time-limit", type=float, default=60.0,
+                    help="seconds the planner may take (default 60); the plan is valid regardless")
+    ap.add_argument("--multi-objective", action="store_true",
+                    help="with current_plan: search step time vs state moved; print the Pareto set")
+    args = ap.parse_args(argv)
+    if args.time_limit <= 0:
+        return _fail(prog, f"--time-limit={args.time_limit} must be > 0 seconds")
+    try:
+        pr = _load_problem(args.problem)
+    except PlanError as e:
+        return _fail(prog, f"{args.problem}: {e}")
+    from .planner import plan
+
+    try:
+        res = plan(pr, seed=args.seed, time_limit=args.time_limit,
+                   multi_objective=args.multi_objective)
+    except PlanError as e:
+        return _fail(prog, str(e))
+    summary = f"{pr.name}: {res.summary()}"
+    if args.output:
+        try:
+            res.plan.save(args.output)
+        except OSError as e:
+            return _fail(prog, f"cannot write {args.output}: {e}")
+        print(summary)
+    else:
+        print(res.plan.dumps())
+        print(summary, file=sys.stderr)
+    for pt in res.pareto:
+        print(f"  pareto: step_time={pt.step_time:.2f} moved={pt.moved_units:.1f} layer-units",
+              file=sys.stderr if not args.output else sys.stdout)
+    return 0
+
+
+def sim_main(argv: Sequence[str] | None = None) -> int:
+    prog = "malleus-sim"
+    ap = argparse.ArgumentParser(prog=prog, description="Evaluate a plan under a problem's rates.")
+    ap.add_argument("problem", help="problem JSON (DESIGN.md §3)")
+    ap.add_argument("plan", nargs="?", help="plan JSON (default: the static plan)")
+    ap.add_argument("--plot", help="write a Gantt chart PNG of one step here")
+    args = ap.parse_args(argv)
+    try:
+        pr = _load_problem(args.problem)
+    except PlanError as e:
+        return _fail(prog, f"{args.problem}: {e}")
+    from .cost import validate_for_problem
+    from .planner import all_baselines
+    from .simulate import gantt, simulate, summarize
+
+    try:
+        pl = Plan.load(args.plan) if args.plan else pr.static_plan()
+        validate_for_problem(pr, pl)
+    except PlanError as e:
+        return _fail(prog, f"{args.plan or 'static plan'}: {e}")
+    tl = simulate(pr, pl)
+    s = summarize(pr, pl, tl)
+    print(f"{pr.name}: plan {args.plan or '(static)'}: {len(pl.pipelines)} pipelines, "
+          f"{sum(len(p.stages) for p in pl.pipelines)} stages")
+    print(s.text())
+    from .cost import efficiency
+
+    parts = []
+    for k, p in all_baselines(pr).items():
+        parts.append(f"{k}={'n/a' if p is None else f'{efficiency(pr, p):.3f}'}")
+    print("baselines eta: " + " ".join(parts))
+    if args.plot:
+        try:
+            gantt(pr, pl, args.plot, tl)
+        except OSError as e:
+            return _fail(prog, f"cannot write {args.plot}: {e}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(plan_main())

@@ -1,0 +1,82 @@
+"""Reference cost model (DESIGN.md §3) and the optional communication terms."""
+from __future__ import annotations
+
+import pytest
+
+from malleus_ds.cost import (capacity_fraction, check_memory, comm_spec, efficiency, evaluate,
+                             healthy_step_time, stage_memory_mb, step_time, validate_for_problem)
+from malleus_ds.plan import Pipeline, Plan, PlanError, Problem, Stage
+
+SD8 = {"1": 1.0, "2": 1.9, "4": 3.66, "8": 7.22}
+MEM = {"device_mb": 81920, "reserved_mb": 4096, "layer_static_mb": 1100, "layer_activation_mb": 250,
+       "embedding_mb": 1200, "extra_mb": 3000}
+
+
+def problem(rates=None, comm=None, memory=MEM) -> Problem:
+    d = {"version": 1, "name": "c", "cluster": {"nodes": 8, "gpus_per_node": 8},
+         "model": {"num_layers": 80},
+         "training": {"global_batch_size": 64, "micro_batch_size": 1, "tp": 8, "pp": 4, "dp": 2},
+         "cost": {"tp_slowdown": SD8}, "memory": memory, "rates": rates or {}}
+    if comm:
+        d["comm"] = comm
+    return Problem.from_json(d)
+
+
+def test_static_healthy_step_time_formula():
+    pr = problem()
+    # 4 stages of 20 layers, 32 micro-batches: 80 + 31*20
+    assert healthy_step_time(pr) == pytest.approx(700.0)
+    assert efficiency(pr, pr.static_plan()) == pytest.approx(1.0)
+
+
+def test_one_straggler_sets_the_pace():
+    pr = problem({9: 4.0})
+    c = evaluate(pr, pr.static_plan())
+    # rank 9 is in (dp=1, pp=0): stage 0 of pipeline 1 runs at 4x
+    assert c.pipeline_times == pytest.approx((700.0, 20 * 4 + 60 + 31 * 80))
+    assert capacity_fraction(pr) == pytest.approx((63 + 0.25) / 64)
+    assert efficiency(pr, pr.static_plan()) == pytest.approx(700 / 2620 / ((63 + 0.25) / 64))
+
+
+def test_smaller_group_uses_slowdown_table():
+    pr = problem({9: 4.0})
+    st = Stage((8, 10, 11, 12), (0, 10))
+    from malleus_ds.cost import stage_time
+    assert stage_time(pr, st) == pytest.approx(1.9 * 10)
+    st1 = Stage((9,), (0, 1))
+    assert stage_time(pr, st1) == pytest.approx(7.22 * 4.0)
+
+
+def test_memory_formula_and_rejection():
+    pr = problem()
+    # stage 0 of 4, 20 layers, full group: (20*(1100+250*4) + 1200) * 1 + 3000
+    assert stage_memory_mb(pr, 20, 0, 4, 32, 8) == pytest.approx(20 * 2100 + 1200 + 3000)
+    # in flight = min(S-j, m): one micro-batch -> one activation
+    assert stage_memory_mb(pr, 20, 0, 4, 1, 8) == pytest.approx(20 * 1350 + 1200 + 3000)
+    # a quarter-size group holds 4x the bytes per layer
+    assert stage_memory_mb(pr, 5, 1, 4, 32, 2) == pytest.approx(5 * (1100 + 750) * 4 + 3000)
+    big = Plan(80, 64, 1, (Pipeline(64, (Stage(tuple(range(8)), (0, 80)),)),), tuple(range(8, 64)))
+    with pytest.raises(PlanError) as ei:
+        check_memory(pr, big)
+    assert "pipelines[0].stages[0]" in str(ei.value) and "budget 77824 MB" in str(ei.value)
+    validate_for_problem(pr, pr.static_plan())
+
+
+def test_comm_terms_only_when_given():
+    pr = problem()
+    assert comm_spec(pr) is None
+    comm = {"layer_ms": 10.0, "activation_mb": 50.0, "intra_node_gbps": 500.0, "inter_node_gbps": 25.0}
+    pc = problem(comm=comm)
+    cs = comm_spec(pc)
+    assert cs.boundary(False) == pytest.approx(50 / 25 / 10)
+    # static plan: every boundary crosses nodes (stage j on node j*dp...), c = 0.2 per send
+    c = evaluate(pc, pc.static_plan())
+    assert c.stage_times[0] == pytest.approx((20.2, 20.4, 20.4, 20.2))
+    assert c.step_time == pytest.approx(sum((20.2, 20.4, 20.4, 20.2)) + 31 * 20.4)
+    assert step_time(pc, pc.static_plan()) > step_time(pr, pr.static_plan())
+
+
+def test_comm_section_is_validated():
+    with pytest.raises(PlanError, match="comm.layer_ms"):
+        comm_spec(problem(comm={"layer_ms": 0, "activation_mb": 1, "intra_node_gbps": 1,
+                                "inter_node_gbps": 1}))

@@ -1,0 +1,110 @@
+"""Problem/Plan JSON round-trips and validation messages (DESIGN.md §3)."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from malleus_ds.plan import Pipeline, Plan, PlanError, Problem, Stage, static_plan, validate_plan
+
+EXAMPLES = sorted(Path("/work/shared/examples").glob("*.json")) if Path("/work/shared/examples").is_dir() else []
+
+
+def small_problem(**over) -> dict:
+    d = {"version": 1, "name": "t", "cluster": {"nodes": 2, "gpus_per_node": 4},
+         "model": {"num_layers": 8},
+         "training": {"global_batch_size": 8, "micro_batch_size": 1, "tp": 2, "pp": 2, "dp": 2},
+         "cost": {"tp_slowdown": {"1": 1.0, "2": 1.9}},
+         "memory": None, "rates": {"3": 2.5}, "current_plan": None}
+    d.update(over)
+    return d
+
+
+def test_problem_round_trip_keeps_unknown_fields():
+    d = small_problem(comm={"layer_ms": 1.0}, note="keep me")
+    pr = Problem.from_json(d)
+    again = Problem.from_json(json.loads(pr.dumps()))
+    assert again == pr
+    assert again.extra["note"] == "keep me" and again.extra["comm"] == {"layer_ms": 1.0}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_round_trip(path):
+    pr = Problem.load(path)
+    assert Problem.loads(pr.dumps()) == pr
+
+
+def test_plan_round_trip_with_current_plan_and_extra():
+    pl = static_plan(8, 8, 1, 2, 2, 2)
+    d = pl.to_json()
+    d["made_by"] = "test"
+    pl2 = Plan.from_json(d)
+    assert pl2 == pl and pl2.extra["made_by"] == "test"
+    assert Plan.loads(pl2.dumps()).to_json() == d
+    pr = Problem.from_json(small_problem(current_plan=d))
+    assert Problem.loads(pr.dumps()).current_plan == pl
+
+
+def test_static_plan_rank_formula():
+    pl = static_plan(8, 8, 1, 2, 2, 2)
+    # rank = tp_rank + tp*(dp_rank + dp*pp_rank)
+    assert pl.pipelines[1].stages[1].ranks == (6, 7)
+    assert pl.pipelines[0].stages[1].ranks == (4, 5)
+    validate_plan(pl, tp=2, gpus_per_node=4, world_size=8)
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ({"version": 2}, "version=2"),
+    ({"training": {"global_batch_size": 8, "micro_batch_size": 1, "tp": 3, "pp": 2, "dp": 2}}, "tp=3"),
+    ({"training": {"global_batch_size": 8, "micro_batch_size": 1, "tp": 2, "pp": 2, "dp": 3}}, "12"),
+    ({"rates": {"99": 2.0}}, "rank 99"),
+    ({"rates": {"1": 0.5}}, "rates['1']=0.5"),
+    ({"cost": {"tp_slowdown": {"1": 1.0}}}, "tp/g=2"),
+    ({"model": {"num_layers": 0}}, "num_layers=0"),
+])
+def test_problem_errors_name_the_field(bad, needle):
+    with pytest.raises(PlanError, match=None) as ei:
+        Problem.from_json(small_problem(**bad))
+    assert needle in str(ei.value)
+
+
+def _plan(pipes, suspended=()):
+    return Plan(8, 8, 1, tuple(Pipeline(m, tuple(Stage(tuple(r), tuple(l)) for r, l in st))
+                              for m, st in pipes), tuple(suspended))
+
+
+@pytest.mark.parametrize("pipes, susp, needle", [
+    ([(8, [([0, 1], (0, 4)), ([0, 2], (4, 8))])], (), "rank 0 already appears"),
+    ([(8, [([0, 1], (0, 3)), ([2, 3], (4, 8))])], (), "pipelines[0].stages[1].layers=[4, 8]"),
+    ([(8, [([0, 1], (0, 4)), ([2, 3], (4, 7))])], (), "cover [0, 7)"),
+    ([(8, [([3, 4], (0, 8))])], (), "span nodes"),
+    ([(8, [([0, 1, 2], (0, 8))])], (), "size 3 does not divide tp=2"),
+    ([(7, [([0, 1], (0, 8))])], (), "!= global_batch_size=8"),
+    ([(8, [([0, 1], (0, 8))]), (0, [([2, 3], (0, 8))])], (), "pipelines[1].micro_batches=0"),
+    ([(8, [([0, 1], (0, 8))])], (9,), "rank 9 is outside"),
+])
+def test_plan_errors_name_pipeline_stage_and_numbers(pipes, susp, needle):
+    with pytest.raises(PlanError) as ei:
+        validate_plan(_plan(pipes, susp), tp=2, gpus_per_node=4, world_size=8)
+    assert needle in str(ei.value)
+
+
+def test_plan_from_json_rejects_garbage():
+    for bad, needle in [([], "expected a JSON object"), ({"version": 1}, "missing field"),
+                        ({**static_plan(8, 8, 1, 2, 2, 2).to_json(), "version": 0}, "version=0")]:
+        with pytest.raises(PlanError) as ei:
+            Plan.from_json(bad)
+        assert needle in str(ei.value)
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.loads("{nope")
+
+
+def test_problem_with_rates_is_a_new_frozen_value():
+    pr = Problem.from_json(small_problem())
+    pr2 = pr.with_rates({})
+    assert pr.rate(3) == 2.5 and pr2.rate(3) == 1.0
+    with pytest.raises(Exception):
+        pr.nodes = 3  # frozen
+    assert replace(pr2, name="x").name == "x"

@@ -190,8 +190,8 @@ def _parallel(p: Mapping[str, Any], world: int, model: ModelConfig) -> ParallelC
     unknown = sorted(set(p) - {"tp", "pp", "dp"})
     if unknown:
         raise ConfigError(f"parallel has unknown fields {unknown}; allowed: ['dp', 'pp', 'tp']")
-    tp = _int(p.get("tp") or 1, "parallel.tp")
-    pp = _int(p.get("pp") or 1, "parallel.pp")
+    tp = _int(1 if p.get("tp") is None else p["tp"], "parallel.tp")
+    pp = _int(1 if p.get("pp") is None else p["pp"], "parallel.pp")
     for k, v in (("tp", tp), ("pp", pp)):
         if v < 1:
             raise ConfigError(f"parallel.{k}={v} must be >= 1")

@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import pytest
+
+from malleus_ds.emulation import Straggler, StragglerError, StragglerSchedule
+from malleus_ds.metrics import MetricsWriter, StepRecord, format_phases, phases, read_metrics
+
+
+def test_schedule_windows_and_overlap():
+    s = StragglerSchedule.parse([{"rank": 1, "rate": 2.0, "start_step": 2, "end_step": 4},
+                                 {"rank": 1, "rate": 3.0, "start_step": 3},
+                                 {"rank": 0, "rate": 1.5}])
+    assert [s.rate(1, k) for k in range(6)] == [1.0, 1.0, 2.0, 3.0, 3.0, 3.0]
+    assert s.rate(0, 0) == 1.5 and s.rate(2, 3) == 1.0
+    assert s.rates(3, 3) == {0: 1.5, 1: 3.0}
+    assert not StragglerSchedule.parse([]) and not StragglerSchedule.parse(None)
+    assert StragglerSchedule.parse(s.to_json()) == s
+
+
+def test_off_by_default_and_world_check():
+    with pytest.raises(StragglerError, match=r"rank=4 does not exist"):
+        StragglerSchedule.parse([{"rank": 4, "rate": 2}], world_size=4)
+
+
+def test_straggler_sleeps_rate_minus_one_times_compute():
+    slept = []
+    s = Straggler(StragglerSchedule.parse([{"rank": 1, "rate": 4.0, "start_step": 1}]), rank=1,
+                  sleep=slept.append)
+    assert s.after_compute(0, 0.5) == 0.0                    # before start_step
+    assert s.after_compute(1, 0.5) == pytest.approx(1.5)     # (4 - 1) * 0.5
+    assert slept == [pytest.approx(1.5)]
+    healthy = Straggler(s.schedule, rank=0, sleep=slept.append)
+    assert healthy.after_compute(1, 0.5) == 0.0 and len(slept) == 1
+
+
+def test_real_sleep_is_measured():
+    s = Straggler(StragglerSchedule.parse([{"rank": 0, "rate": 3.0}]), rank=0)
+    assert 0.019 <= s.after_compute(0, 0.01) < 0.2
+
+
+def test_metrics_writer_and_phases(tmp_path):
+    w = MetricsWriter(tmp_path)
+    for k in range(8):
+        rates = {"1": 4.0} if k >= 4 else {}
+        w.write(StepRecord(k, 5.0 - k * 0.1, 8, 1.0 if k < 4 else 4.0, (0.5, 2.0), (0.0, 1.5),
+                           rates))
+    w.close()
+    recs = read_metrics(tmp_path)
+    assert len(recs) == 8 and set(recs[0]) >= {"step", "loss", "samples", "step_time_s",
+                                                 "compute_s"}
+    assert recs[5]["compute_s"] == [0.5, 2.0] and recs[5]["rates"] == {"1": 4.0}
+    ph = phases(recs, warmup_steps=1)
+    assert [p.label for p in ph] == ["healthy", "rank 1 at rate 4"]
+    assert [p.steps for p in ph] == [3, 3]                   # warm-up + transition left out
+    assert ph[0].samples_per_s == pytest.approx(8.0) and ph[1].samples_per_s == pytest.approx(2.0)
+    assert "0.25x" in format_phases(ph)
+    assert MetricsWriter(None).path is None

@@ -19,6 +19,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+_BIG = 1e300
+
 
 class TimeModel(Protocol):
     S: int
@@ -78,7 +80,7 @@ def split_batches(models: Sequence[TimeModel], mult: Sequence[int], M: int
     if not np.isfinite(t1).all():
         return None
     K = max(len(md.sig) for md in models)
-    SIG = np.full((n, K), np.inf)
+    SIG = np.full((n, K), _BIG)          # padding never wins a min / max
     CM = np.ones((n, K))
     for i, md in enumerate(models):
         SIG[i, : len(md.sig)] = md.sig
@@ -90,9 +92,7 @@ def split_batches(models: Sequence[TimeModel], mult: Sequence[int], M: int
         return np.min(SIG + (c - 1)[:, None] * CM, axis=1)
 
     def counts(T: float) -> np.ndarray:
-        with np.errstate(invalid="ignore"):
-            c = np.max(np.floor((T - SIG) / CM), axis=1) + 1
-        c = np.nan_to_num(c, nan=0.0, neginf=0.0, posinf=float(M))
+        c = np.max(np.floor((T - SIG) / CM), axis=1) + 1
         c = np.clip(c, 0, M).astype(np.int64)
         big = T >= TS
         c = np.where(big, np.maximum(c, S), c)
@@ -100,8 +100,9 @@ def split_batches(models: Sequence[TimeModel], mult: Sequence[int], M: int
         c = np.where(down, c - 1, c)
         up = big & (c < M) & (hull_time(c + 1) <= T)
         c = np.where(up, c + 1, c)
-        for i in np.nonzero(~big)[0]:
-            c[i] = models[i].count(T, M)
+        if not big.all():
+            for i in np.nonzero(~big)[0]:
+                c[i] = models[i].count(T, M)
         return np.minimum(c, M)
 
     def times(c: np.ndarray) -> np.ndarray:
@@ -110,25 +111,39 @@ def split_batches(models: Sequence[TimeModel], mult: Sequence[int], M: int
             out[i] = models[i].time(int(c[i]))
         return out
 
-    def feasible(c: np.ndarray) -> bool:
-        return bool((c >= 1).all() and int((mult_a * c).sum()) >= M)
+    def total(c: np.ndarray) -> int:
+        """Micro-batches placed by ``c`` (-1 if a pipeline would get none)."""
+        return int((mult_a * c).sum()) if (c >= 1).all() else -1
 
     lo = float(t1.max())
     c = counts(lo)
-    if feasible(c):
+    n_lo = total(c)
+    if n_lo >= M:
         hi = lo
     else:
         c0 = np.full(n, -(-M // P), dtype=np.int64)
         hi = float(times(c0).max())
+        n_hi = total(counts(hi))
+        n_lo = max(n_lo, P)
+        interp = True
         for _ in range(200):
             if hi - lo <= 1e-12 * max(hi, 1.0):
                 break
-            mid = 0.5 * (lo + hi)
+            # alternate interpolation (the count grows ~linearly in T) with bisection steps
+            if interp and n_hi > n_lo:
+                frac = (M - n_lo) / (n_hi - n_lo)
+                mid = lo + (hi - lo) * min(max(frac, 0.02), 0.98)
+            else:
+                mid = 0.5 * (lo + hi)
+            interp = not interp
             c = counts(mid)
-            if feasible(c):
+            n_mid = total(c)
+            if n_mid >= M:
                 hi = float(times(c).max())
+                n_hi = n_mid
             else:
                 lo = mid
+                n_lo = max(n_mid, P)
         c = counts(hi)
     # remove the surplus from the copies that finish last
     surplus = int((mult_a * c).sum()) - M

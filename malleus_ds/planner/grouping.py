@@ -5,6 +5,8 @@ A node's GPUs are split into TP groups whose sizes divide ``tp`` (a group of ``g
 the node's GPUs, sorted slowest first, into consecutive runs of allowed sizes, for every number
 of suspended stragglers, and keep, for each number of groups, the split with the highest
 throughput ``sum 1/y`` (fewer groups = fewer stages = less bubble; more throughput = faster).
+Suspending GPUs is allowed for healthy ones too (e.g. keep a healthy half-node group and park
+the rest), since one extra stage can cost more bubble than a small group adds throughput.
 The nominal split (``gpus_per_node / tp`` full groups, nobody suspended) is always option 0.
 """
 from __future__ import annotations
@@ -95,10 +97,10 @@ def node_options(node: int, gpus_per_node: int, tp: int, rates: Mapping[int, flo
     if n_slow == 0:
         return [nominal]
     if max_suspend is None:
-        max_suspend = n_slow
+        max_suspend = gpus_per_node - 1   # healthy GPUs too: fewer, fuller groups can win
     parts = tuple(sorted(g for g in range(1, tp + 1) if tp % g == 0))
     best: dict[int, NodeOption] = {}
-    for k in range(0, min(max_suspend, n_slow, gpus_per_node - 1) + 1):
+    for k in range(0, min(max_suspend, gpus_per_node - 1) + 1):
         rest = order[k:]
         for comp in _compositions(len(rest), parts):
             groups, i = [], 0

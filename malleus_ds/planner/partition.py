@@ -75,16 +75,18 @@ def frontier(y: Sequence[float], caps: Sequence[int], L: int) -> tuple[np.ndarra
     t = lay * ys[None, :]
     sigma = t.sum(axis=1)
     cmax = t.max(axis=1)
-    idx = np.lexsort((sigma, cmax))                        # cmax asc, then sigma asc
-    keep, best = [], math.inf
-    for i in idx:
-        if sigma[i] < best - 1e-12:
-            keep.append(i)
-            best = sigma[i]
-    keep = np.asarray(keep, dtype=np.int64)
+    keep = _pareto(sigma, cmax)
     out = np.empty((len(keep), S), dtype=np.int64)
     out[:, order] = lay[keep]
     return sigma[keep], cmax[keep], out
+
+
+def _pareto(sigma: np.ndarray, cmax: np.ndarray) -> np.ndarray:
+    """Indices of the (cmax, sigma) pairs no other pair beats in both, by cmax ascending."""
+    idx = np.lexsort((sigma, cmax))                        # cmax asc, then sigma asc
+    s = sigma[idx]
+    prev = np.concatenate(([np.inf], np.minimum.accumulate(s)[:-1]))
+    return idx[s < prev - 1e-12]
 
 
 def split_layers(y: Sequence[float], caps: Sequence[int], L: int, m: int) -> tuple[float, list[int]] | None:
@@ -155,12 +157,7 @@ class PipelineModel:
             return e, e, np.zeros((0, self.S), np.int64), np.zeros((0, self.S), np.int64)
         s, c, l, o = (np.concatenate(sigs), np.concatenate(cms), np.concatenate(lays),
                       np.concatenate(ords))
-        idx = np.lexsort((s, c))
-        keep, best = [], math.inf
-        for i in idx:
-            if s[i] < best - 1e-12:
-                keep.append(i)
-                best = s[i]
+        keep = _pareto(s, c)
         return s[keep], c[keep], l[keep], o[keep]
 
     @property
@@ -194,10 +191,14 @@ class PipelineModel:
             while m < cap and self.time(m + 1) <= T:
                 m += 1
             return min(m, cap)
-        m = min(self.S - 1, cap)
-        while m >= 1 and self.time(m) > T:
-            m -= 1
-        return m
+        lo, hi = 0, min(self.S - 1, cap)      # time(lo) <= T (or lo = 0); binary search
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.time(mid) <= T:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def layout(self, m: int) -> tuple[list[int], list[int]]:
         """(stage order as indices into ``groups``, layers per stage) optimal for ``m``."""

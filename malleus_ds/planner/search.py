@@ -33,11 +33,12 @@ class PlannerConfig:
     """Search settings (all optional)."""
 
     seed: int = 0                       # seeds pymoo's random generator
-    time_limit: float | None = None     # seconds for the whole call; None = no limit
+    time_limit: float | None = None     # seconds for the whole call; None = auto (see below)
     pop_size: int = 32                  # GA population
     max_generations: int = 60           # GA generations at most
     patience: int = 12                  # stop after this many generations without improvement
     multi_objective: bool = False       # NSGA-II on (step time, state moved) -> Pareto set
+    polish_evals: int = 3000            # coordinate-descent evaluations after the GA (0 = off)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,13 @@ class PlanResult:
                 f"{self.seconds:.2f}s, {self.evaluations} evals, {self.generations} gens")
 
 
+def auto_time_limit(problem: Problem) -> float:
+    """Default planning budget: 1.8 s up to 64 GPUs, growing linearly to 50 s at 1024 GPUs.
+    (Pass ``time_limit=math.inf`` for none; the search usually stops earlier on its own.)"""
+    n = problem.num_gpus
+    return 1.8 + max(0, min(n, 1024) - 64) / (1024 - 64) * 48.2 + max(0, n - 1024) * 0.05
+
+
 def _is_healthy(problem: Problem) -> bool:
     return all(problem.rate(r) == 1.0 for r in problem.rates)
 
@@ -89,7 +97,8 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
                                                  ("multi_objective", multi_objective))
                               if v is not None})
     t0 = time.perf_counter()
-    deadline = None if cfg.time_limit is None else t0 + max(0.0, cfg.time_limit) * 0.85
+    limit = auto_time_limit(problem) if cfg.time_limit is None else cfg.time_limit
+    deadline = None if math.isinf(limit) else t0 + max(0.0, limit) * 0.85
     T_h = healthy_step_time(problem)
     f = capacity_fraction(problem)
     old = problem.current_plan
@@ -238,6 +247,9 @@ def _search(space: SearchSpace, cfg: PlannerConfig, deadline: float | None, old:
         Xs = []
     # candidates: the GA's best plus the best seeds; ties on step time resolved by migration
     Xs = Xs + [k for _, k in scored[:4]]
+    if Xs and cfg.polish_evals > 0:
+        start = min(Xs, key=lambda k: space.evaluate(k)[0])
+        Xs.append(_polish(space, start, deadline, cfg.polish_evals))
     ranked = sorted({k: space.evaluate(k)[0] for k in Xs}.items(), key=lambda kv: kv[1])
     if not ranked or ranked[0][1] >= INFEASIBLE:
         return [], gens, ()
@@ -261,3 +273,60 @@ def _search(space: SearchSpace, cfg: PlannerConfig, deadline: float | None, old:
         pareto = tuple(front)
         plans += [pt.plan for pt in front[:1]]
     return plans, gens, pareto
+
+
+def _polish(space: SearchSpace, x: tuple, deadline: float | None, max_evals: int) -> tuple:
+    """First-improvement coordinate descent from ``x``: number of pipelines, fill policy,
+    each node's grouping option, and each group's pipeline. Deterministic."""
+    best = list(x)
+    bestT = space.evaluate(best)[0]
+    used = 0
+
+    def out_of_budget() -> bool:
+        return used >= max_evals or (deadline is not None and time.perf_counter() > deadline)
+
+    def try_(cand: list[int]) -> bool:
+        nonlocal best, bestT, used
+        cand = np.clip(np.asarray(cand, dtype=np.int64), space.xl, space.xu).tolist()
+        if cand == best:
+            return False
+        used += 1
+        T = space.evaluate(cand)[0]
+        if T < bestT * (1 - 1e-12):
+            best, bestT = cand, T
+            return True
+        return False
+
+    improved = True
+    while improved and not out_of_budget():
+        improved = False
+        P = best[0]
+        for dP in (-1, 1, -2, 2, -4, 4):
+            c = list(best)
+            c[0] = P + dP
+            improved |= try_(c)
+        c = list(best)
+        c[1] = 1 - c[1]
+        improved |= try_(c)
+        for i in range(len(space.special_nodes)):
+            for o in range(int(space.xu[2 + i]) + 1):
+                if out_of_budget():
+                    return tuple(best)
+                c = list(best)
+                c[2 + i] = o
+                improved |= try_(c)
+        P = best[0]
+        slots = [space.slot_offset[i] + k
+                 for i in range(len(space.special_nodes))
+                 for k in range(len(space.options[i][best[2 + i]].groups))]
+        for g in slots:
+            cur = best[g] * P // space.P_max
+            for p in range(P):
+                if p == cur:
+                    continue
+                if out_of_budget():
+                    return tuple(best)
+                c = list(best)
+                c[g] = -(-p * space.P_max // P)
+                improved |= try_(c)
+    return tuple(best)

@@ -1,0 +1,36 @@
+"""malleus_ds: straggler-resilient non-uniform hybrid parallelism (Malleus) on DeepSpeed.
+
+Kept light: importing ``malleus_ds`` imports neither torch nor deepspeed. Names below load on
+first use:
+
+- ``malleus_ds.initialize(model=..., config=ds_config, plan=...)`` — MalleusEngine, shaped like
+  ``deepspeed.initialize`` (``malleus_ds.engine``);
+- ``malleus_ds.build_run_config`` / ``RunConfig`` — the app's validated run configuration;
+- ``malleus_ds.Plan`` / ``Problem`` / ``static_plan`` — the plan contract (DESIGN.md §3).
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "initialize": ("malleus_ds.engine", "initialize"),
+    "build_run_config": ("malleus_ds.config", "build_run_config"),
+    "RunConfig": ("malleus_ds.config", "RunConfig"),
+    "ConfigError": ("malleus_ds.config", "ConfigError"),
+    "Plan": ("malleus_ds.plan", "Plan"),
+    "Problem": ("malleus_ds.plan", "Problem"),
+    "static_plan": ("malleus_ds.plan", "static_plan"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        mod, attr = _LAZY[name]
+        return getattr(importlib.import_module(mod), attr)
+    raise AttributeError(f"module 'malleus_ds' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))

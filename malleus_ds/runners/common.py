@@ -43,7 +43,10 @@ class ComputeClock:
     """Times this rank's compute and applies the straggler emulation after each timed piece.
 
     ``compute_s`` (per step) includes the emulated sleep, as a slow GPU would show it;
-    ``emulated_s`` is the sleep alone."""
+    ``emulated_s`` is the sleep alone. Communication that happens *inside* a timed span
+    (e.g. DeepSpeed reducing gradients in backward hooks) is left out: wrap it in
+    :meth:`excluded` (see :func:`exclude_calls`), so a healthy rank waiting for a slow peer
+    does not look slow itself."""
 
     def __init__(self, cfg: RunConfig, env: DistEnv) -> None:
         self.straggler = Straggler(cfg.straggler, env.rank)
@@ -51,6 +54,8 @@ class ComputeClock:
         self.step = 0
         self.compute_s = 0.0
         self.emulated_s = 0.0
+        self._excluded = 0.0
+        self._ex_depth = 0
 
     def start_step(self, step: int) -> None:
         self.step, self.compute_s, self.emulated_s = step, 0.0, 0.0
@@ -60,18 +65,45 @@ class ComputeClock:
         if self.cuda:
             import torch
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0, ex0 = time.perf_counter(), self._excluded
         yield
         if self.cuda:
             import torch
             torch.cuda.synchronize()
-        self.add(time.perf_counter() - t0)
+        self.add(max(0.0, time.perf_counter() - t0 - (self._excluded - ex0)))
+
+    @contextmanager
+    def excluded(self):
+        """Time spent in here does not count as compute (re-entrant: outermost span counts)."""
+        self._ex_depth += 1
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._ex_depth -= 1
+            if self._ex_depth == 0:
+                self._excluded += time.perf_counter() - t0
 
     def add(self, seconds: float) -> None:
         """Account ``seconds`` of measured compute, then emulate (sleep) if slowed."""
         slept = self.straggler.after_compute(self.step, seconds)
         self.compute_s += seconds + slept
         self.emulated_s += slept
+
+
+def exclude_calls(obj, names, clock: ComputeClock) -> None:
+    """Wrap the bound methods ``names`` of ``obj`` (instance attributes shadow the class's, so
+    internal ``self.name(...)`` calls go through the wrapper) in ``clock.excluded()``."""
+    for name in names:
+        fn = getattr(obj, name, None)
+        if fn is None:
+            continue
+
+        def wrapped(*a, _fn=fn, **kw):
+            with clock.excluded():
+                return _fn(*a, **kw)
+
+        setattr(obj, name, wrapped)
 
 
 class StepReporter:

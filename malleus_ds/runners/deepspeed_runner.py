@@ -24,7 +24,7 @@ from ..config import ConfigError, RunConfig, check_even_batch
 from ..models.llama import EMBED, HEAD, ModelConfig, build_layer, lm_loss
 from ..plan import even_split
 from .base import DistEnv, RunSummary
-from .common import ComputeClock, StepReporter, replica_micro_batches
+from .common import ComputeClock, StepReporter, exclude_calls, replica_micro_batches
 
 
 def validate(cfg: RunConfig) -> None:
@@ -143,6 +143,10 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env)
     # static_plan: rank = dp_rank + dp * pp_rank (tp=1), the same as DeepSpeed's pipe topology
     dp_rank = env.rank % dp
+    # gradient reduction that DeepSpeed runs inside backward (ZeRO hooks, the boundary
+    # epilogue) is communication, not compute: keep it out of the measured compute time
+    exclude_calls(engine, ["allreduce_gradients"], clock)
+    exclude_calls(engine.optimizer, ["reduce_ipg_grads"], clock)
 
     for step in range(cfg.train.steps):
         t0 = time.perf_counter()

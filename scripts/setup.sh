@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Shared setup for scripts/run.sh and scripts/test.sh (source it): a .venv in the repo with
+# malleus_ds installed editable, its dev extras, and the CPU torch wheel (constraints-cpu.txt).
+# Re-runs pip only when setup.py or the constraints changed since the last install.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $PY"
+  "$PY" -m venv .venv
+fi
+# shellcheck disable=SC1091
+source .venv/bin/activate
+STAMP=.venv/.malleus_install_stamp
+WANT="$(cat setup.py constraints-cpu.txt | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  echo "[setup] pip install -e '.[dev]' -c constraints-cpu.txt"
+  python -m pip install -q --upgrade pip setuptools wheel
+  python -m pip install -q -e '.[dev]' -c constraints-cpu.txt
+  echo "$WANT" > "$STAMP"
+fi
+# CPU runs: one thread per rank, DeepSpeed's CPU accelerator unless a GPU says otherwise
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+if ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
+fi

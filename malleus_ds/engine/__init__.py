@@ -1,0 +1,22 @@
+"""MalleusEngine and its parts: schedule, groups, tensor_parallel, grad_sync, optimizer, engine.
+
+``initialize`` imports DeepSpeed lazily, so ``import malleus_ds.engine.schedule`` stays light.
+"""
+from __future__ import annotations
+
+
+def initialize(model=None, config=None, plan=None, *, data=None, args=None):
+    """Build a :class:`~malleus_ds.engine.engine.MalleusEngine`, shaped like
+    ``deepspeed.initialize``: returns ``(engine, optimizer, None, lr_scheduler)``.
+
+    ``model``: a ``ModelConfig``, a whole ``StageModule`` or a stage builder (see MalleusEngine).
+    ``config``: a ds_config dict or JSON path; its ``"malleus"`` section takes ``plan`` (path,
+    JSON object or Plan), ``tp``, ``gpus_per_node``, ``seed``, ``straggler``. ``plan`` (a Plan or
+    path) overrides ``malleus.plan``. Stock fields honoured: ``optimizer`` (Adam/AdamW),
+    ``scheduler``, ``zero_optimization.stage`` (0/1), ``gradient_clipping`` (DeepSpeed's default
+    is 1.0), ``monitor``, ``steps_per_print``, ``wall_clock_breakdown``.
+    """
+    from .engine import MalleusEngine
+
+    engine = MalleusEngine(model, config, plan, data=data, args=args)
+    return engine, engine.optimizer, None, engine.lr_scheduler

@@ -1,0 +1,475 @@
+"""MalleusEngine: a DeepSpeed engine that runs any valid plan with the math of one process.
+
+How it sits on ``DeepSpeedEngine`` (read ``deepspeed/runtime/engine.py`` before changing this):
+the base ``__init__`` assumes one data-parallel group for the whole model (it broadcasts every
+parameter over it, builds one ZeRO optimizer over it, sizes batches by it). In a Malleus plan every
+*layer* has its own replica set, and with different TP sizes every *finest shard* has its own.
+So we hand the base engine a plan-aware ``mpu`` whose data-parallel group is this rank alone, the
+stage module (already TP-sharded) as its model, and a config with ``optimizer`` and
+``zero_optimization`` taken out. The base engine then does what it is good at and nothing that
+would be wrong here: config parsing and checks, device placement, timers, monitor, checkpoint
+engine, LR schedulers (``_scheduler_from_config``) and ``gradient_clipping``. What its single DP
+group cannot express lives in this subclass, each in its own module:
+
+* the 1F1B schedule per heterogeneous pipeline (``schedule.py``, dispatched by ``train_batch``),
+* Megatron TP per stage, any group size dividing heads and FFN (``tensor_parallel.py``),
+* per-layer / per-finest-shard gradient SUM (``grad_sync.py``; stock averages over one group),
+* ZeRO-1 across each replica set with torch AdamW (``optimizer.py``).
+
+Setup reads as named steps: ``build_settings`` → ``build_plan`` (every rank validates the same
+plan and raises the same error before any collective, so bad input never hangs) →
+``build_stage`` → ``build_groups`` (collective, same order everywhere) → ``apply_tp`` →
+``DeepSpeedEngine.__init__`` → ``build_runtime`` (schedule, peers, buckets, optimizer, scheduler).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+from ..data import ByteCorpus, global_batch_ids
+from ..models.llama import ModelConfig, StageModule, lm_loss
+from ..plan import Plan, PlanError, validate_plan
+from .grad_sync import GradSync, build_buckets
+from .groups import GROUPS, plan_rank_sets
+from .optimizer import ShardedOptimizer
+from .schedule import (Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad, one_f_one_b)
+from .tensor_parallel import SHARD_DIM, TPError, apply_tp, check_tp_size
+
+
+@dataclass(frozen=True)
+class MalleusSettings:
+    """The ``"malleus"`` section of the ds_config."""
+
+    plan: Plan | None = None          # a plan object, a path to a plan JSON, or the JSON inline
+    tp: int | None = None             # nominal TP degree; stage TP sizes must divide it (default: lcm in plan)
+    gpus_per_node: int | None = None  # ranks per node (default: the whole world is one node)
+    seed: int = 0                     # model init and data order seed
+    straggler: tuple = ()             # straggler emulation schedule (malleus_ds.emulation), off if empty
+
+    @staticmethod
+    def from_config(sec: Mapping[str, Any] | None) -> "MalleusSettings":
+        sec = dict(sec or {})
+        known = {"plan", "tp", "gpus_per_node", "seed", "straggler"}
+        unknown = sorted(set(sec) - known)
+        if unknown:
+            raise ValueError(f"ds_config.malleus: unknown keys {unknown}; allowed: {sorted(known)}")
+        strag = sec.get("straggler") or ()
+        if isinstance(strag, Mapping):
+            strag = strag.get("schedule") or ()
+        return MalleusSettings(plan=_as_plan(sec.get("plan")), tp=sec.get("tp"),
+                               gpus_per_node=sec.get("gpus_per_node"), seed=int(sec.get("seed", 0)),
+                               straggler=tuple(strag))
+
+
+def _as_plan(p) -> Plan | None:
+    if p is None or isinstance(p, Plan):
+        return p
+    if isinstance(p, Mapping):
+        return Plan.from_json(p)
+    return Plan.load(p)
+
+
+def _load_config(config) -> dict:
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return json.loads(json.dumps(config))           # deep copy, JSON types only
+    path = Path(config)
+    if not path.is_file():
+        raise ValueError(f"ds_config: file not found: {path}")
+    return json.loads(path.read_text())
+
+
+class _PlanMPU:
+    """The ``mpu`` the base engine sees. Its data-parallel group is this rank alone, so the base
+    engine never broadcasts or reduces across ranks that hold different layers; model parallel =
+    this stage's TP group."""
+
+    def __init__(self, rank: int, self_group, tp_group, tp_rank: int, tp_size: int,
+                 stage_id: int, num_stages: int) -> None:
+        self.rank, self.self_group = rank, self_group
+        self.tp_group = tp_group if tp_size > 1 else self_group
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.stage_id, self.num_stages = stage_id, num_stages
+
+    def get_data_parallel_group(self):
+        return self.self_group
+
+    def get_data_parallel_world_size(self):
+        return 1
+
+    def get_data_parallel_rank(self):
+        return 0
+
+    def get_data_parallel_group_ranks(self):
+        return [self.rank]
+
+    def get_model_parallel_group(self):
+        return self.tp_group
+
+    def get_model_parallel_world_size(self):
+        return self.tp_size
+
+    def get_model_parallel_rank(self):
+        return self.tp_rank
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+    def get_pipeline_model_parallel_world_size(self):
+        return self.num_stages
+
+    def get_pipeline_model_parallel_rank(self):
+        return self.stage_id
+
+
+class MalleusEngine(DeepSpeedEngine):
+    """One engine per rank, built from a plan (DESIGN.md §5).
+
+    ``model``: a ``ModelConfig`` (each rank builds only its layers, seeded by ``malleus.seed``),
+    a whole ``StageModule`` (each rank copies its layers out of it), or a callable
+    ``(start, end) -> StageModule``. ``plan``: a ``Plan``, a path, or None to use
+    ``config["malleus"]["plan"]``. ``data``: an object with ``batch(ids) -> (inputs, targets)``
+    and ``seq_len``; default ``ByteCorpus(model.max_seq_len, seed)``.
+    """
+
+    def __init__(self, model, config=None, plan=None, *, data=None, args=None) -> None:
+        _init_deepspeed_comm()
+        rank, world = tdist.get_rank(), tdist.get_world_size()
+        user_cfg = _load_config(config)
+        settings = self.build_settings(user_cfg)
+        cfg, make_stage = _model_builder(model, settings.seed)
+        plan = self.build_plan(_as_plan(plan) or settings.plan, cfg, world, settings, user_cfg)
+        zero_stage, optim = _optimizer_settings(user_cfg)
+        loc = plan.locate(rank)
+        stage_module = make_stage(*plan.pipelines[loc[0]].stages[loc[1]].layers) if loc else nn.Module()
+        self.build_groups(plan, world)
+        tp_rank, tp_size, tp_group = 0, 1, None
+        if loc is not None:
+            st = plan.pipelines[loc[0]].stages[loc[1]]
+            tp_rank, tp_size = st.ranks.index(rank), st.tp
+            tp_group = GROUPS.get(st.ranks) if st.tp > 1 else None
+            apply_tp(stage_module, tp_group, tp_rank, tp_size)
+        mpu = _PlanMPU(rank, GROUPS.get((rank,)), tp_group, tp_rank, tp_size,
+                       loc[1] if loc else 0, len(plan.pipelines[loc[0]].stages) if loc else 1)
+        base_cfg = _base_ds_config(user_cfg, plan, loc)
+        super().__init__(args=args, model=stage_module, mpu=mpu, config=base_cfg,
+                         config_class=DeepSpeedConfig(base_cfg, mpu))
+        self.build_runtime(plan, cfg, settings, loc, tp_rank, tp_size, tp_group, zero_stage, optim,
+                           data)
+
+    # ------------------------------------------------------------------ build steps
+
+    @staticmethod
+    def build_settings(user_cfg: dict) -> MalleusSettings:
+        for key in ("fp16", "bf16"):
+            if (user_cfg.get(key) or {}).get("enabled"):
+                raise ValueError(f"ds_config.{key}.enabled: MalleusEngine trains in fp32 only for now")
+        return MalleusSettings.from_config(user_cfg.get("malleus"))
+
+    @staticmethod
+    def build_plan(plan: Plan | None, cfg: ModelConfig, world: int, s: MalleusSettings,
+                   user_cfg: dict) -> Plan:
+        """Validate on every rank, before any collective: the same error everywhere, no hang."""
+        if plan is None:
+            raise PlanError("MalleusEngine: no plan given (pass plan=... or set "
+                            "ds_config.malleus.plan to a plan JSON file)")
+        sizes = [st.tp for p in plan.pipelines for st in p.stages] or [1]
+        tp = s.tp or _lcm(sizes)
+        validate_plan(plan, tp=tp, gpus_per_node=s.gpus_per_node or world, world_size=world,
+                      num_layers=cfg.num_layers)
+        for i, p in enumerate(plan.pipelines):
+            for j, st in enumerate(p.stages):
+                try:
+                    check_tp_size(cfg, st.tp, f"pipelines[{i}].stages[{j}]")
+                except TPError as e:
+                    raise PlanError(str(e)) from None
+        mbs_cfg = user_cfg.get("train_micro_batch_size_per_gpu")
+        if mbs_cfg is not None and mbs_cfg != plan.micro_batch_size:
+            raise PlanError(f"ds_config.train_micro_batch_size_per_gpu={mbs_cfg} differs from "
+                            f"plan.micro_batch_size={plan.micro_batch_size}; drop it (the plan's wins)")
+        return plan
+
+    @staticmethod
+    def build_groups(plan: Plan, world: int) -> None:
+        """Collective: every rank creates the same sorted list of missing groups."""
+        GROUPS.ensure(plan_rank_sets(plan, world))
+
+    def build_runtime(self, plan, cfg, settings, loc, tp_rank, tp_size, tp_group, zero_stage, optim,
+                      data) -> None:
+        self.plan, self.model_cfg, self.settings = plan, cfg, settings
+        self.zero_stage = zero_stage
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+        self.data = data if data is not None else ByteCorpus(cfg.max_seq_len, seed=settings.seed)
+        self.seq_len = getattr(self.data, "seq_len", cfg.max_seq_len)
+        self.located = loc
+        self.named = dict(self.module.named_parameters())
+        rank = self.global_rank
+        if loc is not None:
+            i, j = loc
+            pipe = plan.pipelines[i]
+            self.pipeline_id, self.stage_id, self.num_stages = i, j, len(pipe.stages)
+            self.micro_batches = pipe.micro_batches
+            self.sample_offset = sum(p.micro_batches for p in plan.pipelines[:i]) * plan.micro_batch_size
+            self.schedule = one_f_one_b(j, self.num_stages, pipe.micro_batches)
+            me, prev = pipe.stages[j], pipe.stages[j - 1] if j > 0 else None
+            nxt = pipe.stages[j + 1] if j + 1 < len(pipe.stages) else None
+            # activations: receiver k of the next stage gets them from sender k % g
+            self.act_src = prev.ranks[me.ranks.index(rank) % prev.tp] if prev else None
+            self.act_dsts = [r for k, r in enumerate(nxt.ranks) if k % me.tp == tp_rank] if nxt else []
+            # gradients: receiver t of the previous stage gets them from sender t % g_next
+            self.grad_src = nxt.ranks[tp_rank % nxt.tp] if nxt else None
+            self.grad_dsts = [r for t, r in enumerate(prev.ranks) if t % me.tp == tp_rank] if prev else []
+        else:
+            self.pipeline_id = self.stage_id = None
+            self.num_stages, self.micro_batches, self.schedule = 0, 0, []
+        shapes = {n: tuple(p.shape) for n, p in self.named.items()}
+        self.buckets = build_buckets(plan, rank, shapes)
+        self.grad_sync = GradSync(self.buckets, GROUPS)
+        self.optimizer = ShardedOptimizer(self.buckets, GROUPS, self.named, rank, zero_stage, optim)
+        self.basic_optimizer = self.optimizer.optimizer
+        self.lr_scheduler = self._scheduler_from_config(self.optimizer.optimizer)
+        self.straggler = None
+        if settings.straggler:
+            from ..emulation import Straggler, StragglerSchedule
+            self.straggler = Straggler(StragglerSchedule.parse(settings.straggler,
+                                                               self.world_size), rank)
+        self.compute_seconds = 0.0
+        self._dispatch: dict[type, Callable] = {
+            Forward: self._exec_forward, Backward: self._exec_backward,
+            RecvAct: self._exec_recv_act, SendAct: self._exec_send_act,
+            RecvGrad: self._exec_recv_grad, SendGrad: self._exec_send_grad,
+        }
+
+    # ------------------------------------------------------------------ training
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage_id is not None and self.stage_id == self.num_stages - 1
+
+    def my_micro_batches(self, step: int) -> list[list[int]]:
+        """Sample ids of this pipeline's micro-batches at ``step`` (DESIGN.md §5)."""
+        ids = list(global_batch_ids(step, self.plan.global_batch_size))
+        mbs = self.plan.micro_batch_size
+        mine = ids[self.sample_offset:self.sample_offset + self.micro_batches * mbs]
+        return [mine[k:k + mbs] for k in range(0, len(mine), mbs)]
+
+    def train_batch(self, data_iter=None, step: int | None = None) -> float:
+        """Run one global step of the plan; returns the global-batch mean loss on every rank.
+
+        ``step`` picks the global batch (default: ``global_steps``); ``data_iter`` is unused
+        (data comes from ``self.data`` by sample id, so every rank can fetch any micro-batch).
+        """
+        step = self.global_steps if step is None else step
+        self.compute_seconds, self._loss_sum = 0.0, 0.0
+        if self.located is not None:
+            for p in self.named.values():
+                p.grad = None
+            self._step, self._ids = step, self.my_micro_batches(step)
+            self._inputs, self._outputs, self._grads_in, self._grads_out = {}, {}, {}, {}
+            self._sends: list = []
+            for ins in self.schedule:
+                self._dispatch[type(ins)](ins)
+            for h, _ in self._sends:
+                h.wait()
+            self._sends = []
+            grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
+                     for n, p in self.named.items()}
+            flats = self.grad_sync.reduce(grads)
+        else:
+            flats = []
+        coef = 1.0
+        clip = self.gradient_clipping()
+        if clip and clip > 0:
+            sq = torch.tensor([self.optimizer.owned_sq_norm(flats)], dtype=torch.float64)
+            tdist.all_reduce(sq)
+            self._global_grad_norm = float(sq.sqrt())
+            coef = min(1.0, clip / (self._global_grad_norm + 1e-6))
+        self.optimizer.step(flats, coef)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        mine = self._loss_sum if (self.is_last_stage and self.tp_rank == 0) else 0.0
+        loss_t = torch.tensor([mine], dtype=torch.float64)
+        tdist.all_reduce(loss_t)
+        loss = float(loss_t)
+        self.global_steps += 1
+        self.global_samples += self.plan.global_batch_size
+        if self.global_rank == 0 and self.monitor.enabled:
+            self.monitor.write_events([("Train/Samples/train_loss", loss, self.global_samples)])
+        return loss
+
+    def _timed(self, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        dt = time.perf_counter() - t0
+        self.compute_seconds += dt
+        if self.straggler is not None:
+            self.straggler.after_compute(self._step, dt)
+        return out
+
+    def _exec_forward(self, ins: Forward) -> None:
+        k = ins.micro_batch
+        x = y = None
+        if self.is_first_stage or self.is_last_stage:
+            x, y = self.data.batch(self._ids[k])            # (B, T) tokens, (B, T) targets
+        if not self.is_first_stage:
+            x = self._inputs[k]                             # (B, T, H), requires grad
+        scale = self.plan.micro_batch_size / self.plan.global_batch_size
+
+        def run():
+            out = self.module(x)
+            return lm_loss(out, y) * scale if self.is_last_stage else out
+
+        out = self._timed(run)
+        if self.is_last_stage:
+            self._loss_sum += out.item()
+        self._outputs[k] = out
+
+    def _exec_backward(self, ins: Backward) -> None:
+        k = ins.micro_batch
+        out = self._outputs.pop(k)
+        grad = None if self.is_last_stage else self._grads_out.pop(k)
+        self._timed(lambda: out.backward(grad))
+        if not self.is_first_stage:
+            self._grads_in[k] = self._inputs.pop(k).grad
+
+    def _act_shape(self) -> tuple[int, int, int]:
+        return (self.plan.micro_batch_size, self.seq_len, self.model_cfg.hidden_size)
+
+    def _exec_recv_act(self, ins: RecvAct) -> None:
+        buf = torch.empty(self._act_shape())
+        tdist.recv(buf, src=self.act_src, tag=ins.micro_batch)
+        self._inputs[ins.micro_batch] = buf.requires_grad_()
+
+    def _exec_send_act(self, ins: SendAct) -> None:
+        t = self._outputs[ins.micro_batch].detach().contiguous()
+        for dst in self.act_dsts:
+            self._sends.append((tdist.isend(t, dst, tag=ins.micro_batch), t))
+
+    def _exec_recv_grad(self, ins: RecvGrad) -> None:
+        buf = torch.empty(self._act_shape())
+        tdist.recv(buf, src=self.grad_src, tag=ins.micro_batch)
+        self._grads_out[ins.micro_batch] = buf
+
+    def _exec_send_grad(self, ins: SendGrad) -> None:
+        t = self._grads_in.pop(ins.micro_batch).contiguous()
+        for dst in self.grad_dsts:
+            self._sends.append((tdist.isend(t, dst, tag=ins.micro_batch), t))
+
+    # ------------------------------------------------------------------ stock API
+
+    def forward(self, *inputs, **kwargs):
+        """Run this rank's stage module (no pipeline); training goes through ``train_batch``."""
+        return self.module(*inputs, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        raise RuntimeError("MalleusEngine runs whole pipelined steps: use engine.train_batch()")
+
+    def step(self, *args, **kwargs):
+        raise RuntimeError("MalleusEngine runs whole pipelined steps: use engine.train_batch()")
+
+    def local_shards(self) -> dict[str, tuple[torch.Tensor, int | None, int, int]]:
+        """``name -> (local tensor, TP split dim or None, tp_rank, tp_size)`` for checking and
+        gathering: the full tensor's slice ``tp_rank`` of ``tp_size`` along dim."""
+        out = {}
+        for n, p in self.named.items():
+            local = n.split(".", 2)[2] if n.startswith("blocks.") else None
+            out[n] = (p.detach().clone(), SHARD_DIM.get(local) if local else None,
+                      self.tp_rank, self.tp_size)
+        return out
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _lcm(xs) -> int:
+    from math import lcm
+    return lcm(*xs)
+
+
+def _init_deepspeed_comm() -> None:
+    """Let DeepSpeed's comm layer wrap an existing torch.distributed world (or start one)."""
+    from ..ds_compat import skip_shm_comm_build
+    import deepspeed.comm as dscomm
+
+    skip_shm_comm_build()
+    if tdist.is_initialized():
+        dscomm.init_distributed(dist_backend=tdist.get_backend(), dist_init_required=False)
+    else:
+        dscomm.init_distributed()
+
+
+def _model_builder(model, seed: int) -> tuple[ModelConfig, Callable[[int, int], nn.Module]]:
+    if isinstance(model, ModelConfig):
+        return model, lambda s, e: StageModule(model, s, e, seed)
+    if isinstance(model, StageModule):
+        full = model
+
+        def from_full(s: int, e: int) -> nn.Module:
+            st = StageModule(full.cfg, s, e, seed)
+            src = dict(full.named_parameters())
+            with torch.no_grad():
+                for n, p in st.named_parameters():
+                    p.copy_(src[n])
+            return st
+        return full.cfg, from_full
+    if callable(model):
+        probe_cfg = getattr(model, "cfg", None)
+        if not isinstance(probe_cfg, ModelConfig):
+            raise TypeError("model: a callable stage builder must carry its ModelConfig as .cfg")
+        return probe_cfg, model
+    raise TypeError(f"model: expected a ModelConfig, a StageModule or a stage builder, got "
+                    f"{type(model).__name__}")
+
+
+def _optimizer_settings(user_cfg: dict):
+    """(zero stage, optimizer factory) from the stock ``optimizer`` / ``zero_optimization`` fields."""
+    from ..reference import OptimConfig, make_optimizer
+
+    zero = int((user_cfg.get("zero_optimization") or {}).get("stage", 0))
+    if zero not in (0, 1):
+        raise ValueError(f"ds_config.zero_optimization.stage={zero}: MalleusEngine supports 0 and 1 "
+                         f"(ZeRO-1 optimizer-state sharding across each layer's replicas)")
+    sec = user_cfg.get("optimizer") or {}
+    typ = str(sec.get("type", "AdamW"))
+    params = dict(sec.get("params") or {})
+    if typ.lower() not in ("adam", "adamw"):
+        raise ValueError(f"ds_config.optimizer.type={typ!r}: MalleusEngine supports Adam/AdamW "
+                         f"(torch.optim.AdamW, decoupled weight decay)")
+    if params.pop("adam_w_mode", True) is False:
+        raise ValueError("ds_config.optimizer.params.adam_w_mode=false is not supported (AdamW only)")
+    for k in ("torch_adam", "fused"):
+        params.pop(k, None)
+    unknown = set(params) - {"lr", "betas", "eps", "weight_decay"}
+    if unknown:
+        raise ValueError(f"ds_config.optimizer.params: unsupported keys {sorted(unknown)}")
+    oc = OptimConfig(**{k: (tuple(v) if k == "betas" else v) for k, v in params.items()})
+    return zero, lambda ps: make_optimizer(ps, oc)
+
+
+def _base_ds_config(user_cfg: dict, plan: Plan, loc) -> dict:
+    """The config the base engine gets: batch sizes of this rank's pipeline (DP world = 1), and
+    no optimizer / ZeRO section (this subclass builds those; see the module docstring)."""
+    base = {k: v for k, v in user_cfg.items()
+            if k not in ("malleus", "optimizer", "zero_optimization", "train_batch_size",
+                         "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}
+    m = plan.pipelines[loc[0]].micro_batches if loc else 1
+    base["train_micro_batch_size_per_gpu"] = plan.micro_batch_size
+    base["gradient_accumulation_steps"] = m
+    base["train_batch_size"] = plan.micro_batch_size * m
+    return base

@@ -1,0 +1,109 @@
+"""Process groups from a plan: pure rank arithmetic first, ``new_group`` calls in one place.
+
+Plans are not grids (DeepSpeed's ``ProcessTopology`` cannot describe them), so the plan carries
+explicit rank lists. :func:`layer_holders` / :func:`sync_rank_sets` compute, with no processes,
+every rank set the engine will talk over; :class:`GroupCache` turns rank sets into process groups.
+
+``torch.distributed.new_group`` is collective over the whole world and must be called in the same
+order on every rank, so ``GroupCache.ensure`` creates the *sorted* list of missing sets, and every
+rank (suspended ones too) calls it with the same plan. Groups are cached by sorted rank tuple for
+the life of the process, so a re-plan only creates the sets it has not seen before.
+"""
+from __future__ import annotations
+
+from math import lcm
+from typing import Iterable
+
+from ..plan import Plan, Stage
+
+#: Layer ids beyond blocks 0..L-1 (match ``malleus_ds.models.llama``).
+EMBED = -1
+HEAD = -2
+
+RankSet = tuple[int, ...]
+
+
+def layer_holders(plan: Plan, layer: int) -> list[Stage]:
+    """The stage holding ``layer`` in each pipeline, in pipeline order (EMBED: first stages,
+    HEAD: last stages)."""
+    out = []
+    for p in plan.pipelines:
+        if layer == EMBED:
+            out.append(p.stages[0])
+        elif layer == HEAD:
+            out.append(p.stages[-1])
+        else:
+            out.append(next(s for s in p.stages if s.start <= layer < s.end))
+    return out
+
+
+def finest_degree(holders: Iterable[Stage]) -> int:
+    """The TP degree of the finest shards of a layer: lcm of its holders' TP sizes."""
+    return lcm(*(s.tp for s in holders))
+
+
+def chunk_holders(holders: list[Stage], chunk: int, degree: int) -> RankSet:
+    """Ranks holding finest chunk ``chunk`` (of ``degree``) of a TP-sharded weight: one per pipeline."""
+    return tuple(sorted(s.ranks[chunk // (degree // s.tp)] for s in holders))
+
+
+def replicated_holders(holders: list[Stage]) -> RankSet:
+    """Ranks holding a weight that TP replicates (norms, embedding, head): every TP rank."""
+    return tuple(sorted(r for s in holders for r in s.ranks))
+
+
+def layer_ids(plan: Plan) -> list[int]:
+    return [EMBED, *range(plan.num_layers), HEAD]
+
+
+def sync_rank_sets(plan: Plan) -> set[RankSet]:
+    """Every rank set a gradient all-reduce of ``plan`` uses (size >= 2 only)."""
+    out: set[RankSet] = set()
+    for layer in layer_ids(plan):
+        h = layer_holders(plan, layer)
+        out.add(replicated_holders(h))
+        if layer >= 0:
+            G = finest_degree(h)
+            out.update(chunk_holders(h, c, G) for c in range(G))
+    return {s for s in out if len(s) > 1}
+
+
+def tp_rank_sets(plan: Plan) -> set[RankSet]:
+    return {tuple(sorted(s.ranks)) for p in plan.pipelines for s in p.stages if s.tp > 1}
+
+
+def plan_rank_sets(plan: Plan, world_size: int) -> list[RankSet]:
+    """All sets ``MalleusEngine`` needs for ``plan``: TP groups, sync groups and one singleton
+    per rank (the 1-rank "data parallel group" handed to the DeepSpeed base engine)."""
+    sets = sync_rank_sets(plan) | tp_rank_sets(plan) | {(r,) for r in range(world_size)}
+    return sorted(sets, key=lambda s: (len(s), s))
+
+
+class GroupCache:
+    """Process groups keyed by sorted rank tuple, created in one global order."""
+
+    def __init__(self) -> None:
+        self._groups: dict[RankSet, object] = {}
+
+    def ensure(self, rank_sets: Iterable[Iterable[int]]) -> None:
+        """Create the missing groups. Collective: call on every rank with the same sets."""
+        import torch.distributed as dist
+
+        todo = sorted({tuple(sorted(s)) for s in rank_sets} - set(self._groups),
+                      key=lambda s: (len(s), s))
+        for rs in todo:
+            self._groups[rs] = dist.new_group(list(rs))
+
+    def get(self, ranks: Iterable[int]):
+        rs = tuple(sorted(ranks))
+        if rs not in self._groups:
+            raise KeyError(f"no process group for ranks {list(rs)}; GroupCache.ensure must "
+                           f"create it on every rank first")
+        return self._groups[rs]
+
+    def __contains__(self, ranks) -> bool:
+        return tuple(sorted(ranks)) in self._groups
+
+
+#: One cache per process: engines built one after another (tests, re-plans) share groups.
+GROUPS = GroupCache()

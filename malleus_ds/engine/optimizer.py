@@ -1,0 +1,97 @@
+"""ZeRO-1 over per-layer replica sets: torch AdamW on this rank's share of every sync bucket.
+
+Stock ``DeepSpeedZeroOptimizer`` partitions one flat buffer per param group across one process
+group per group (MoE uses that for expert-data-parallel groups), but our replica sets are per
+*finest TP chunk*: the two halves of one ``wq`` held whole by a TP=1 pipeline sync with two
+different TP=2 ranks, which no per-parameter group can express; it also averages gradients over
+the group instead of summing them (DESIGN.md §5). So the bucket (grad_sync.Bucket) is the unit:
+
+* ZeRO stage 0: every member keeps fp32 Adam state for the whole bucket;
+* ZeRO stage 1: member ``k`` of the bucket's sorted ranks keeps state for the ``k``-th even
+  slice only, updates it, and the slices are all-gathered back into everyone's parameters.
+
+AdamW is element-wise, so updating a flat slice gives the same numbers as updating whole
+tensors (``foreach=False`` keeps the per-element math identical to the reference).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .grad_sync import Bucket, flatten, unflatten
+
+
+class ShardedOptimizer:
+    """Owns fp32 masters of this rank's bucket ranges and a torch optimizer over them."""
+
+    def __init__(self, buckets: list[Bucket], groups, params: dict[str, nn.Parameter], rank: int,
+                 zero_stage: int, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]):
+        if zero_stage not in (0, 1):
+            raise ValueError(f"zero_optimization.stage={zero_stage}: MalleusEngine supports "
+                             f"stage 0 and 1 (optimizer-state sharding across a layer's replicas)")
+        self.buckets, self.params, self.zero_stage = buckets, params, zero_stage
+        self.groups = [groups.get(b.ranks) if len(b.ranks) > 1 else None for b in buckets]
+        self.owned = [b.partition(rank) for b in buckets]            # grad-norm ownership
+        self.ranges = [o if zero_stage >= 1 else (0, b.numel) for o, b in zip(self.owned, buckets)]
+        data = {n: p.data for n, p in params.items()}
+        self.masters: list[nn.Parameter | None] = []
+        for b, (lo, hi) in zip(buckets, self.ranges):
+            flat = flatten(b, data)
+            self.masters.append(nn.Parameter(flat[lo:hi].clone()) if hi > lo else None)
+        live = [m for m in self.masters if m is not None]
+        # a rank with nothing to update (suspended) still gets an optimizer for schedulers
+        self.optimizer = make_optimizer(live if live else [nn.Parameter(torch.zeros(0))])
+        self._gather = [torch.empty(b.padded_part * len(b.ranks)) if zero_stage >= 1
+                        and len(b.ranks) > 1 else None for b in buckets]
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def owned_sq_norm(self, flats: list[torch.Tensor]) -> float:
+        """Sum of squares of the gradient elements this rank owns (each element has one owner)."""
+        s = 0.0
+        for f, (lo, hi) in zip(flats, self.owned):
+            if hi > lo:
+                s += float(f[lo:hi].double().pow(2).sum())
+        return s
+
+    @torch.no_grad()
+    def step(self, flats: list[torch.Tensor], clip_coef: float = 1.0) -> None:
+        for m, f, (lo, hi) in zip(self.masters, flats, self.ranges):
+            if m is not None:
+                g = f[lo:hi]
+                m.grad = g * clip_coef if clip_coef != 1.0 else g
+        self.optimizer.step()
+        for i, b in enumerate(self.buckets):
+            m, (lo, hi), buf = self.masters[i], self.ranges[i], self._gather[i]
+            if buf is None:            # stage 0 (or a 1-rank set): we own the whole bucket
+                if m is not None:
+                    unflatten(b, m.data, self.params_data())   # lo == 0, hi == numel here
+                continue
+            per = b.padded_part
+            mine = torch.zeros(per)
+            if m is not None:
+                mine[:hi - lo] = m.data
+            _all_gather(buf, mine, self.groups[i])
+            unflatten(b, buf[:b.numel], self.params_data())
+        for m in self.masters:
+            if m is not None:
+                m.grad = None
+
+    def params_data(self) -> dict[str, torch.Tensor]:
+        return {n: p.data for n, p in self.params.items()}
+
+
+def _all_gather(out: torch.Tensor, mine: torch.Tensor, group) -> None:
+    try:
+        dist.all_gather_into_tensor(out, mine, group=group)
+    except (RuntimeError, NotImplementedError):
+        n = out.numel() // mine.numel()
+        dist.all_gather(list(out.view(n, -1).unbind(0)), mine, group=group)

@@ -16,8 +16,9 @@ STAMP=.venv/.malleus_install_stamp
 WANT="$(cat setup.py constraints-cpu.txt | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "[setup] pip install -e '.[dev]' -c constraints-cpu.txt"
-  python -m pip install -q --upgrade pip setuptools wheel
-  python -m pip install -q -e '.[dev]' -c constraints-cpu.txt
+  # (the grep drops pip's notes about local index folders this machine may not have)
+  python -m pip install -q --upgrade pip setuptools wheel 2>&1 | { grep -v "is ignored: it is neither" || true; }
+  python -m pip install -q -e '.[dev]' -c constraints-cpu.txt 2>&1 | { grep -v "is ignored: it is neither" || true; }
   echo "$WANT" > "$STAMP"
 fi
 # CPU runs: one thread per rank, DeepSpeed's CPU accelerator unless a GPU says otherwise

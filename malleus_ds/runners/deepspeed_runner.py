@@ -123,7 +123,11 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     from ..ds_compat import skip_shm_comm_build
 
     skip_shm_comm_build()
+    import warnings
+
     import deepspeed
+
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
     import torch.distributed as dist
 
     from ..data import ByteCorpus

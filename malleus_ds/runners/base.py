@@ -12,8 +12,9 @@ from ..metrics import Phase
 @dataclass(frozen=True)
 class DistEnv:
     """This process's place in the job, read from the launcher's environment variables
-    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``; torchrun and the ``deepspeed``
-    launcher set them). A bare ``python launch/train.py`` is rank 0 of 1."""
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, and ``LOCAL_WORLD_SIZE`` from torchrun or
+    ``LOCAL_SIZE`` from the ``deepspeed`` launcher). A bare ``python launch/train.py`` is rank 0
+    of 1."""
 
     rank: int = 0
     world_size: int = 1
@@ -32,7 +33,7 @@ class DistEnv:
         world = int(e.get("WORLD_SIZE", "1"))
         rank = int(e.get("RANK", "0"))
         local_rank = int(e.get("LOCAL_RANK", str(rank)))
-        local_world = int(e.get("LOCAL_WORLD_SIZE", str(world)))
+        local_world = int(e.get("LOCAL_WORLD_SIZE") or e.get("LOCAL_SIZE") or world)
         if device == "auto":
             import torch
 

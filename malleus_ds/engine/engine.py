@@ -185,6 +185,7 @@ class MalleusEngine(DeepSpeedEngine):
         if plan is None:
             raise PlanError("MalleusEngine: no plan given (pass plan=... or set "
                             "ds_config.malleus.plan to a plan JSON file)")
+        check_world(plan, world)
         sizes = [st.tp for p in plan.pipelines for st in p.stages] or [1]
         tp = s.tp or _lcm(sizes)
         validate_plan(plan, tp=tp, gpus_per_node=s.gpus_per_node or world, world_size=world,
@@ -236,8 +237,9 @@ class MalleusEngine(DeepSpeedEngine):
             self.num_stages, self.micro_batches, self.schedule = 0, 0, []
         shapes = {n: tuple(p.shape) for n, p in self.named.items()}
         self.buckets = build_buckets(plan, rank, shapes)
-        self.grad_sync = GradSync(self.buckets, GROUPS)
-        self.optimizer = ShardedOptimizer(self.buckets, GROUPS, self.named, rank, zero_stage, optim)
+        self.grad_sync = GradSync(self.buckets, GROUPS, device=self.device)
+        self.optimizer = ShardedOptimizer(self.buckets, GROUPS, self.named, rank, zero_stage, optim,
+                                          device=self.device)
         self.basic_optimizer = self.optimizer.optimizer
         self.lr_scheduler = self._scheduler_from_config(self.optimizer.optimizer)
         self.straggler = None
@@ -246,6 +248,7 @@ class MalleusEngine(DeepSpeedEngine):
             self.straggler = Straggler(StragglerSchedule.parse(settings.straggler,
                                                                self.world_size), rank)
         self.compute_seconds = 0.0
+        self.clock = None
         self._dispatch: dict[type, Callable] = {
             Forward: self._exec_forward, Backward: self._exec_backward,
             RecvAct: self._exec_recv_act, SendAct: self._exec_send_act,
@@ -296,7 +299,8 @@ class MalleusEngine(DeepSpeedEngine):
         coef = 1.0
         clip = self.gradient_clipping()
         if clip and clip > 0:
-            sq = torch.tensor([self.optimizer.owned_sq_norm(flats)], dtype=torch.float64)
+            sq = torch.tensor([self.optimizer.owned_sq_norm(flats)], dtype=torch.float64,
+                              device=self.device)
             tdist.all_reduce(sq)
             self._global_grad_norm = float(sq.sqrt())
             coef = min(1.0, clip / (self._global_grad_norm + 1e-6))
@@ -304,7 +308,7 @@ class MalleusEngine(DeepSpeedEngine):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         mine = self._loss_sum if (self.is_last_stage and self.tp_rank == 0) else 0.0
-        loss_t = torch.tensor([mine], dtype=torch.float64)
+        loss_t = torch.tensor([mine], dtype=torch.float64, device=self.device)
         tdist.all_reduce(loss_t)
         loss = float(loss_t)
         self.global_steps += 1
@@ -313,7 +317,15 @@ class MalleusEngine(DeepSpeedEngine):
             self.monitor.write_events([("Train/Samples/train_loss", loss, self.global_samples)])
         return loss
 
+    def set_compute_clock(self, clock) -> None:
+        """Time forward/backward with ``clock.compute()`` (``malleus_ds.runners.common.ComputeClock``,
+        which also applies straggler emulation) instead of the engine's own timer."""
+        self.clock = clock
+
     def _timed(self, fn):
+        if self.clock is not None:
+            with self.clock.compute():
+                return fn()
         t0 = time.perf_counter()
         out = fn()
         dt = time.perf_counter() - t0
@@ -326,7 +338,7 @@ class MalleusEngine(DeepSpeedEngine):
         k = ins.micro_batch
         x = y = None
         if self.is_first_stage or self.is_last_stage:
-            x, y = self.data.batch(self._ids[k])            # (B, T) tokens, (B, T) targets
+            x, y = (t.to(self.device) for t in self.data.batch(self._ids[k]))  # (B, T) tokens, targets
         if not self.is_first_stage:
             x = self._inputs[k]                             # (B, T, H), requires grad
         scale = self.plan.micro_batch_size / self.plan.global_batch_size
@@ -352,7 +364,7 @@ class MalleusEngine(DeepSpeedEngine):
         return (self.plan.micro_batch_size, self.seq_len, self.model_cfg.hidden_size)
 
     def _exec_recv_act(self, ins: RecvAct) -> None:
-        buf = torch.empty(self._act_shape())
+        buf = torch.empty(self._act_shape(), device=self.device)
         tdist.recv(buf, src=self.act_src, tag=ins.micro_batch)
         self._inputs[ins.micro_batch] = buf.requires_grad_()
 
@@ -362,7 +374,7 @@ class MalleusEngine(DeepSpeedEngine):
             self._sends.append((tdist.isend(t, dst, tag=ins.micro_batch), t))
 
     def _exec_recv_grad(self, ins: RecvGrad) -> None:
-        buf = torch.empty(self._act_shape())
+        buf = torch.empty(self._act_shape(), device=self.device)
         tdist.recv(buf, src=self.grad_src, tag=ins.micro_batch)
         self._grads_out[ins.micro_batch] = buf
 
@@ -389,12 +401,21 @@ class MalleusEngine(DeepSpeedEngine):
         out = {}
         for n, p in self.named.items():
             local = n.split(".", 2)[2] if n.startswith("blocks.") else None
-            out[n] = (p.detach().clone(), SHARD_DIM.get(local) if local else None,
+            out[n] = (p.detach().cpu().clone(), SHARD_DIM.get(local) if local else None,
                       self.tp_rank, self.tp_size)
         return out
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def check_world(plan: Plan, world: int) -> None:
+    """A plan may leave ranks out (they idle, like suspended ones) but not name missing ones."""
+    named = plan.all_ranks
+    if named and max(named) >= world:
+        raise PlanError(f"plan names rank {max(named)}, outside the world of {world} ranks that "
+                        f"were launched (0..{world - 1}); launch {max(named) + 1} ranks or use a "
+                        f"plan made for {world}")
 
 
 def _lcm(xs) -> int:

@@ -120,11 +120,11 @@ def view(t: torch.Tensor, pc: Piece) -> torch.Tensor:
 
 
 def flatten(bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor | None = None,
-            mask: bool = False) -> torch.Tensor:
+            mask: bool = False, device=None) -> torch.Tensor:
     """Concatenate the bucket's pieces of ``tensors`` into one flat buffer (zeros where
     ``mask`` and the piece does not contribute)."""
     if out is None:
-        out = torch.empty(bucket.numel, dtype=torch.float32)
+        out = torch.empty(bucket.numel, dtype=torch.float32, device=device)
     o = 0
     for pc in bucket.pieces:
         dst = out[o:o + pc.numel]
@@ -158,10 +158,10 @@ def unflatten(bucket: Bucket, flat: torch.Tensor, tensors: dict[str, torch.Tenso
 class GradSync:
     """All-reduce (SUM) every bucket's gradients among its holders."""
 
-    def __init__(self, buckets: list[Bucket], groups) -> None:
+    def __init__(self, buckets: list[Bucket], groups, device=None) -> None:
         self.buckets = buckets
         self.groups = [groups.get(b.ranks) if len(b.ranks) > 1 else None for b in buckets]
-        self.flats = [torch.empty(b.numel, dtype=torch.float32) for b in buckets]
+        self.flats = [torch.empty(b.numel, dtype=torch.float32, device=device) for b in buckets]
 
     def reduce(self, grads: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """Returns the summed flat gradient of every bucket (buffers reused across steps)."""

@@ -28,7 +28,8 @@ class ShardedOptimizer:
     """Owns fp32 masters of this rank's bucket ranges and a torch optimizer over them."""
 
     def __init__(self, buckets: list[Bucket], groups, params: dict[str, nn.Parameter], rank: int,
-                 zero_stage: int, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]):
+                 zero_stage: int, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 device=None):
         if zero_stage not in (0, 1):
             raise ValueError(f"zero_optimization.stage={zero_stage}: MalleusEngine supports "
                              f"stage 0 and 1 (optimizer-state sharding across a layer's replicas)")
@@ -39,12 +40,12 @@ class ShardedOptimizer:
         data = {n: p.data for n, p in params.items()}
         self.masters: list[nn.Parameter | None] = []
         for b, (lo, hi) in zip(buckets, self.ranges):
-            flat = flatten(b, data)
+            flat = flatten(b, data, device=device)
             self.masters.append(nn.Parameter(flat[lo:hi].clone()) if hi > lo else None)
         live = [m for m in self.masters if m is not None]
         # a rank with nothing to update (suspended) still gets an optimizer for schedulers
-        self.optimizer = make_optimizer(live if live else [nn.Parameter(torch.zeros(0))])
-        self._gather = [torch.empty(b.padded_part * len(b.ranks)) if zero_stage >= 1
+        self.optimizer = make_optimizer(live if live else [nn.Parameter(torch.zeros(0, device=device))])
+        self._gather = [torch.empty(b.padded_part * len(b.ranks), device=device) if zero_stage >= 1
                         and len(b.ranks) > 1 else None for b in buckets]
 
     @property
@@ -76,7 +77,7 @@ class ShardedOptimizer:
                     unflatten(b, m.data, self.params_data())   # lo == 0, hi == numel here
                 continue
             per = b.padded_part
-            mine = torch.zeros(per)
+            mine = torch.zeros(per, device=buf.device)
             if m is not None:
                 mine[:hi - lo] = m.data
             _all_gather(buf, mine, self.groups[i])
@@ -91,7 +92,8 @@ class ShardedOptimizer:
 
 def _all_gather(out: torch.Tensor, mine: torch.Tensor, group) -> None:
     try:
-        dist.all_gather_into_tensor(out, mine, group=group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, mine, group=group)
     except (RuntimeError, NotImplementedError):
         n = out.numel() // mine.numel()
         dist.all_gather(list(out.view(n, -1).unbind(0)), mine, group=group)

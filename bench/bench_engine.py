@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""MalleusEngine vs stock DeepSpeed on the same static layout, no stragglers, side by side.
+
+Two layouts on 2 local CPU ranks (gloo), each in one process group, engines built once and timed
+in alternating rounds (stock, malleus, stock, malleus, ...) so machine noise hits both alike:
+
+* ``dp2``: ZeRO-1 data parallel over 2 replicas — stock ``DeepSpeedEngine`` (client torch
+  AdamW, ZeRO stage 1) vs MalleusEngine on ``static_plan(tp=1, pp=1, dp=2)``, ZeRO-1;
+* ``pp2``: 2 pipeline stages — stock ``PipelineEngine`` (partition 'uniform' over
+  embed + L blocks + head, identical to static_plan's) vs MalleusEngine on
+  ``static_plan(tp=1, pp=2, dp=1)``.
+
+Reported: median step time of each engine over the timed steps and the ratio malleus/stock
+(target <= 1.10). Both engines train the same model from the same init on the same batches.
+
+    python bench/bench_engine.py                 # ~1-2 min on 2 CPU cores
+    python bench/bench_engine.py --model small --seq 64 --steps 6 --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _stock_engine(layout, cfg, G, mbs, seed):
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    from malleus_ds.models import build_model
+    from malleus_ds.models.llama import EMBED, HEAD, lm_loss
+    from malleus_ds.reference import OptimConfig, make_optimizer
+    from malleus_ds.runners.deepspeed_runner import PipeLayer
+
+    ds = {"train_batch_size": G, "train_micro_batch_size_per_gpu": mbs,
+          "gradient_accumulation_steps": G // mbs // (2 if layout == "dp2" else 1),
+          "gradient_clipping": 0.0, "steps_per_print": 10**9,
+          "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
+    if layout == "dp2":
+        model = build_model(cfg, seed)
+    else:
+        specs = [LayerSpec(PipeLayer, cfg, i, seed) for i in [EMBED, *range(cfg.num_layers), HEAD]]
+        model = PipelineModule(layers=specs, num_stages=2, loss_fn=lm_loss,
+                               partition_method="uniform", activation_checkpoint_interval=0)
+    params = [p for p in model.parameters()]
+    opt = make_optimizer(params, OptimConfig())
+    eng, *_ = deepspeed.initialize(model=model, optimizer=opt, model_parameters=params, config=ds)
+    return eng
+
+
+def _worker(rank, world, layout, model_name, seq, G, steps, rounds, warmup):
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    from malleus_ds.data import ByteCorpus
+    from malleus_ds.engine.engine import MalleusEngine, _init_deepspeed_comm
+    from malleus_ds.models import model_config
+    from malleus_ds.models.llama import lm_loss
+    from malleus_ds.plan import static_plan
+    from malleus_ds.reference import micro_batches
+
+    cfg = model_config(model_name, max_seq_len=seq)
+    mbs, seed = 1, 0
+    data = ByteCorpus(seq, seed=seed)
+    _init_deepspeed_comm()
+    stock = _stock_engine(layout, cfg, G, mbs, seed)
+    stock_mpu = groups.mpu
+    pp, dp = (1, 2) if layout == "dp2" else (2, 1)
+    plan = static_plan(cfg.num_layers, G, mbs, tp=1, pp=pp, dp=dp)
+    ds = {"zero_optimization": {"stage": 1}, "gradient_clipping": 0.0, "steps_per_print": 10**9}
+    mal = MalleusEngine(cfg, ds, plan, data=data)
+    mal_mpu = groups.mpu
+
+    def stock_step(step):
+        mbl = micro_batches(step, G, mbs)
+        if layout == "pp2":
+            return float(stock.train_batch(data_iter=iter([data.batch(ids) for ids in mbl])))
+        mine = mbl[rank * len(mbl) // 2:(rank + 1) * len(mbl) // 2]   # static_plan's split
+        for ids in mine:
+            x, y = data.batch(ids)
+            loss = lm_loss(stock(x), y)
+            stock.backward(loss)
+            stock.step()
+        return float(loss)
+
+    times = {"stock": [], "malleus": []}
+    step = {"stock": 0, "malleus": 0}
+    for r in range(rounds):
+        for name in ("stock", "malleus"):
+            groups.mpu = stock_mpu if name == "stock" else mal_mpu
+            for k in range(steps + (warmup if r == 0 else 0)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if name == "stock":
+                    stock_step(step[name])
+                else:
+                    mal.train_batch(step=step[name])
+                dist.barrier()
+                dt = time.perf_counter() - t0
+                step[name] += 1
+                if r > 0 or k >= warmup:
+                    times[name].append(dt)
+    return times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layouts", default="dp2,pp2")
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per engine per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    a = ap.parse_args()
+    from tests.dist.harness import run_distributed
+
+    print(f"model={a.model} seq={a.seq} G={a.global_batch} mbs=1, 2 CPU ranks (gloo), "
+          f"{a.rounds} alternating rounds x {a.steps} steps, median step time")
+    print(f"{'layout':8} {'stock s':>9} {'malleus s':>10} {'ratio':>7}")
+    worst = 0.0
+    for layout in a.layouts.split(","):
+        res = run_distributed(_worker, 2, layout, a.model, a.seq, a.global_batch, a.steps,
+                              a.rounds, a.warmup, timeout=900)[0]
+        s, m = statistics.median(res["stock"]), statistics.median(res["malleus"])
+        worst = max(worst, m / s)
+        print(f"{layout:8} {s:9.4f} {m:10.4f} {m / s:7.3f}")
+    print(f"worst ratio malleus/stock = {worst:.3f} ({'within' if worst <= 1.10 else 'OVER'} 10%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

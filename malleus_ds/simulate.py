@@ -43,6 +43,15 @@ class Timeline:
     busy: tuple[tuple[float, ...], ...]      # per pipeline, per stage: compute time
     ranks: tuple[tuple[tuple[int, ...], ...], ...]
 
+    def rank_ops(self, rank: int) -> tuple[Op, ...]:
+        """The per-rank timeline: ops of the stage holding ``rank`` (all its TP group runs them
+        together); empty for a suspended rank."""
+        for i, rs in enumerate(self.ranks):
+            for j, r in enumerate(rs):
+                if rank in r:
+                    return tuple(o for o in self.ops if o.pipeline == i and o.stage == j)
+        return ()
+
 
 def one_f_one_b(S: int, j: int, m: int) -> list[tuple[str, int]]:
     """The 1F1B op order of stage ``j`` of ``S`` for ``m`` micro-batches."""

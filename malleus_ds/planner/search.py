@@ -19,9 +19,11 @@ from typing import Mapping
 
 import numpy as np
 
-from ..cost import capacity_fraction, healthy_step_time, step_time, validate_for_problem
+from ..cost import (capacity_fraction, comm_spec, healthy_step_time, pipeline_stage_times,
+                    step_time, validate_for_problem)
 from ..plan import Plan, PlanError, Problem
 from .baselines import all_baselines
+from .batch import FixedPipeline, split_batches
 from .placement import build_plan, moved_units, units_to_mb
 from .templates import INFEASIBLE, SearchSpace
 
@@ -74,6 +76,20 @@ class PlanResult:
                 f"stages={[len(p.stages) for p in self.plan.pipelines]} "
                 f"suspended={len(self.plan.suspended)}{mv} | baselines eta: {bl} | "
                 f"{self.seconds:.2f}s, {self.evaluations} evals, {self.generations} gens")
+
+
+def _resplit_with_comm(problem: Problem, p: Plan) -> Plan | None:
+    """``p`` with micro-batches re-split exactly for its stage times *including* communication
+    (the layout search optimises the reference compute model)."""
+    from dataclasses import replace
+
+    M = problem.global_batch_size // problem.micro_batch_size
+    models = [FixedPipeline(pipeline_stage_times(problem, q.stages)) for q in p.pipelines]
+    res = split_batches(models, [1] * len(models), M)
+    if res is None:
+        return None
+    return replace(p, pipelines=tuple(replace(q, micro_batches=m[0])
+                                      for q, m in zip(p.pipelines, res[1])))
 
 
 def auto_time_limit(problem: Problem) -> float:
@@ -133,6 +149,8 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
         space = SearchSpace(problem)
         found, gens, pareto = _search(space, cfg, deadline, old)
         evals = space.evaluations
+        if comm_spec(problem) is not None:   # the search costs compute only: re-split data
+            found = found + [q for q in (_resplit_with_comm(problem, p) for p in found) if q]
         for p in found:
             add("search", p)
             search_T = min(search_T or math.inf, step_time(problem, p))

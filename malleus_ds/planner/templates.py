@@ -203,7 +203,7 @@ class SearchSpace:
         out = []
         for P in Ps:
             for ch in choices:
-                for mode in ("spread", "node"):
+                for mode in ("spread", "node", "pack"):
                     assign = self._assign(P, ch, mode)
                     for policy in (0, 1):
                         out.append(self.encode(P, policy, ch, assign))
@@ -213,7 +213,15 @@ class SearchSpace:
         load = [0.0] * P
         heap = [(0.0, p) for p in range(P)]
         assign = [[0] * len(self.options[i][c].groups) for i, c in enumerate(choice)]
-        if mode == "node":
+        if mode == "pack":
+            # slow groups together, filling pipelines to the average depth one after another:
+            # a few slow pipelines then get fewer micro-batches (data-only within the layout)
+            depth = max(1, -(-(self.problem.num_gpus // self.tp) // P))
+            items = sorted(((gr.y, i, k) for i, c in enumerate(choice)
+                            for k, gr in enumerate(self.options[i][c].groups)), reverse=True)
+            for n, (_, i, k) in enumerate(items):
+                assign[i][k] = min(n // depth, P - 1)
+        elif mode == "node":
             items = sorted(((sum(1.0 / g.y for g in self.options[i][c].groups), i)
                             for i, c in enumerate(choice)), reverse=True)
             for w, i in items:

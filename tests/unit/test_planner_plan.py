@@ -204,3 +204,16 @@ def test_planner_imports_neither_torch_nor_deepspeed_nor_omegaconf():
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_comm_costs_are_used_to_pick_and_split():
+    d = dict(EXAMPLES["problem_32gpu_two_slow"])
+    d["comm"] = {"layer_ms": 5.0, "activation_mb": 100.0, "intra_node_gbps": 200.0,
+                 "inter_node_gbps": 10.0}
+    pr = Problem.from_json(d)
+    res = plan(pr, seed=0, config=FAST)
+    validate_for_problem(pr, res.plan)
+    assert res.step_time == pytest.approx(step_time(pr, res.plan))   # comm-aware step time
+    for p in all_baselines(pr).values():
+        if p is not None:
+            assert res.step_time <= step_time(pr, p) * (1 + 1e-9)

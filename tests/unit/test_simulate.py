@@ -43,6 +43,10 @@ def test_uniform_pipeline_matches_cost_model():
             if nxt in done:
                 assert o.start >= done[nxt].end - 1e-9
     assert str(tl.ops[0]) == "0F0"
+    # per-rank view: rank 5 is tp_rank 1 of (dp 0, pp 1) -> stage 1 of pipeline 0
+    ops5 = tl.rank_ops(5)
+    assert [str(o) for o in ops5][:3] == ["1F0", "1B0", "1F1"]
+    assert all(o.pipeline == 0 and o.stage == 1 for o in ops5)
 
 
 def test_summary_and_straggler():

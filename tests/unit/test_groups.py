@@ -1,0 +1,88 @@
+"""Rank sets and gradient buckets from a plan, without processes."""
+import random
+
+from malleus_ds.engine.grad_sync import build_buckets, split_name
+from malleus_ds.engine.groups import EMBED, HEAD, plan_rank_sets, sync_rank_sets
+from malleus_ds.engine.tensor_parallel import SHARD_DIM
+from malleus_ds.models.llama import StageModule, model_config
+from malleus_ds.plan import Plan
+from tests.dist.test_malleus_cases import random_plan
+from tests.dist.test_malleus_equivalence import HETERO
+
+CFG = model_config("tiny", max_seq_len=16)
+
+
+def local_shapes(plan: Plan, rank: int) -> dict:
+    loc = plan.locate(rank)
+    if loc is None:
+        return {}
+    st = plan.pipelines[loc[0]].stages[loc[1]]
+    out = {}
+    for n, p in StageModule(CFG, st.start, st.end, 0).named_parameters():
+        shape = list(p.shape)
+        layer, local = split_name(n)
+        if layer >= 0 and local in SHARD_DIM:
+            shape[SHARD_DIM[local]] //= st.tp
+        out[n] = tuple(shape)
+    return out
+
+
+def test_hetero_rank_sets():
+    plan = Plan.from_json(HETERO)
+    assert sync_rank_sets(plan) == {(0, 3), (1, 3), (2, 3), (1, 2, 3)}
+    sets = plan_rank_sets(plan, 4)
+    assert sets[:4] == [(0,), (1,), (2,), (3,)] and (1, 2) in sets     # TP group
+    assert sets == sorted(sets, key=lambda s: (len(s), s))             # one global order
+
+
+def _elements(plan: Plan, world: int):
+    """(name, global position) of every element -> {rank: bucket ranks}; and bucket layouts."""
+    holders: dict = {}
+    layouts: dict = {}
+    for r in range(world):
+        loc = plan.locate(r)
+        tp_rank, g = (0, 1) if loc is None else (
+            plan.pipelines[loc[0]].stages[loc[1]].ranks.index(r), plan.pipelines[loc[0]].stages[loc[1]].tp)
+        shapes = local_shapes(plan, r)
+        for b in build_buckets(plan, r, shapes):
+            keys = []
+            for pc in b.pieces:
+                off = pc.start + (tp_rank * shapes[pc.name][pc.dim] if pc.dim is not None else 0)
+                keys.append((pc.name, pc.dim, off, pc.length if pc.dim is not None else pc.numel))
+                holders.setdefault(keys[-1], {})[r] = b.ranks
+            layouts.setdefault(b.ranks, {})[r] = (keys, b.numel)
+    return holders, layouts
+
+
+def test_buckets_consistent_for_random_plans():
+    rng = random.Random(7)
+    for _ in range(40):
+        world = rng.randint(2, 7)
+        plan = Plan.from_json(random_plan(rng, world, G=12))
+        holders, layouts = _elements(plan, world)
+        for rs, per_rank in layouts.items():
+            assert set(per_rank) == set(rs), (rs, sorted(per_rank))     # every member has it
+            first = next(iter(per_rank.values()))
+            assert all(v == first for v in per_rank.values()), rs     # identical layout
+        for key, per_rank in holders.items():
+            sets = set(per_rank.values())
+            assert len(sets) == 1 and set(per_rank) == set(next(iter(sets))), key
+        # every pipeline holds every layer exactly once: sharded chunks have one rank per pipeline
+        for (name, dim, _o, _n), per_rank in holders.items():
+            layer, _ = split_name(name)
+            if dim is not None:
+                assert len(per_rank) == len(plan.pipelines), name
+        # replicated embedding/head: held by every TP rank of first/last stages
+        emb = [k for k in holders if k[0].startswith("embed.")]
+        assert emb and all(set(holders[k]) == {r for p in plan.pipelines for r in p.stages[0].ranks}
+                           for k in emb)
+
+
+def test_partition_covers_bucket_once():
+    plan = Plan.from_json(HETERO)
+    for r in range(4):
+        for b in build_buckets(plan, r, local_shapes(plan, r)):
+            parts = sorted(b.partition(m) for m in b.ranks)
+            assert parts[0][0] == 0 and parts[-1][1] == b.numel
+            assert all(a[1] == c[0] for a, c in zip(parts, parts[1:]))
+    assert EMBED == -1 and HEAD == -2

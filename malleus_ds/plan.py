@@ -130,10 +130,14 @@ class Plan:
             if not isinstance(p, Mapping) or "stages" not in p or "micro_batches" not in p:
                 raise PlanError(f"{where}: expected an object with 'micro_batches' and 'stages'")
             stages = []
+            if not isinstance(p["stages"], Sequence) or isinstance(p["stages"], (str, bytes)):
+                raise PlanError(f"{where}.stages: expected a list, got {p['stages']!r}")
             for j, s in enumerate(p["stages"]):
                 sw = f"{where}.stages[{j}]"
                 if not isinstance(s, Mapping) or "ranks" not in s or "layers" not in s:
                     raise PlanError(f"{sw}: expected an object with 'ranks' and 'layers'")
+                if not isinstance(s["ranks"], Sequence) or isinstance(s["ranks"], (str, bytes)):
+                    raise PlanError(f"{sw}.ranks: expected a list of ranks, got {s['ranks']!r}")
                 layers = s["layers"]
                 if not isinstance(layers, Sequence) or len(layers) != 2:
                     raise PlanError(f"{sw}.layers: expected [start, end], got {layers!r}")
@@ -148,7 +152,8 @@ class Plan:
             global_batch_size=_int(d["global_batch_size"], "plan.global_batch_size"),
             micro_batch_size=_int(d["micro_batch_size"], "plan.micro_batch_size"),
             pipelines=tuple(pipes),
-            suspended=tuple(_int(r, "plan.suspended") for r in d.get("suspended", [])),
+            suspended=tuple(_int(r, "plan.suspended") for r in _list(d.get("suspended", []),
+                                                                        "plan.suspended")),
             extra={k: v for k, v in d.items() if k not in known},
         )
 
@@ -387,12 +392,18 @@ class Problem:
             raise PlanError(f"training: {gbs // mbs} micro-batches cannot feed dp={dp} pipelines")
         if pp > L:
             raise PlanError(f"training.pp={pp} exceeds model.num_layers={L}")
+        if not isinstance(co, Mapping):
+            raise PlanError(f"problem.cost: expected an object, got {co!r}")
         raw_sd = co.get("tp_slowdown") or {str(1 << k): float(1 << k) for k in range(8) if (1 << k) <= tp}
+        if not isinstance(raw_sd, Mapping):
+            raise PlanError(f"cost.tp_slowdown: expected an object {{tp/g: slowdown}}, got {raw_sd!r}")
         sd: dict[int, float] = {}
         for k, v in raw_sd.items():
             kk = _int(k, "cost.tp_slowdown key")
             if kk < 1 or tp % kk:
                 raise PlanError(f"cost.tp_slowdown: key {k} (tp/g) must divide tp={tp}")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise PlanError(f"cost.tp_slowdown['{k}']={v!r} must be a number > 0")
             sd[kk] = float(v)
         for f in range(1, tp + 1):
             if tp % f == 0 and f not in sd:
@@ -408,17 +419,20 @@ class Problem:
                 if k not in m:
                     raise PlanError(f"memory.{k} is missing")
                 v = m[k]
-                if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-                    raise PlanError(f"memory.{k}={v!r} must be a number >= 0")
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
+                    raise PlanError(f"memory.{k}={v!r} must be a finite number >= 0")
                 vals[k] = float(v)
             mem = Memory(**vals)
         rates: dict[int, float] = {}
-        for k, v in (d.get("rates") or {}).items():
+        raw_rates = d.get("rates") or {}
+        if not isinstance(raw_rates, Mapping):
+            raise PlanError(f"problem.rates: expected an object {{rank: rate}}, got {raw_rates!r}")
+        for k, v in raw_rates.items():
             r = _int(k, "rates key")
             if not 0 <= r < nodes * gpn:
                 raise PlanError(f"rates: rank {r} is outside 0..{nodes * gpn - 1}")
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 1.0:
-                raise PlanError(f"rates['{k}']={v!r} must be a number >= 1.0 (1.0 = healthy)")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 1.0 <= v < float("inf"):
+                raise PlanError(f"rates['{k}']={v!r} must be a finite number >= 1.0 (1.0 = healthy)")
             rates[r] = float(v)
         cur = d.get("current_plan")
         current = Plan.from_json(cur) if cur else None
@@ -466,6 +480,14 @@ def _int(v: Any, where: str) -> int:
     if isinstance(v, float) and v.is_integer():
         return int(v)
     raise PlanError(f"{where}: expected an integer, got {v!r}")
+
+
+def _list(v: Any, where: str) -> Sequence[Any]:
+    if v is None:
+        return []
+    if not isinstance(v, Sequence) or isinstance(v, (str, bytes)):
+        raise PlanError(f"{where}: expected a list, got {v!r}")
+    return v
 
 
 def _section(d: Mapping[str, Any], name: str) -> Mapping[str, Any]:

@@ -108,3 +108,37 @@ def test_problem_with_rates_is_a_new_frozen_value():
     with pytest.raises(Exception):
         pr.nodes = 3  # frozen
     assert replace(pr2, name="x").name == "x"
+
+
+def test_malformed_inputs_raise_plan_error_only():
+    """Fuzz: any field replaced by junk gives PlanError (never a TypeError/KeyError)."""
+    import copy
+    import random
+
+    from malleus_ds.cost import validate_for_problem
+
+    base = small_problem(current_plan=static_plan(8, 8, 1, 2, 2, 2).to_json())
+    junk = [None, 1, -3, 2.5, "x", [], {}, [1, 2], {"a": 1}, True, "7", [[0, 1]], float("nan"),
+            float("inf")]
+
+    def paths(d, pre=()):
+        items = d.items() if isinstance(d, dict) else enumerate(d) if isinstance(d, list) else ()
+        for k, v in items:
+            yield pre + (k,)
+            yield from paths(v, pre + (k,))
+
+    ps = list(paths(base))
+    rnd = random.Random(0)
+    for _ in range(1500):
+        d = copy.deepcopy(base)
+        p = rnd.choice(ps)
+        cur = d
+        for k in p[:-1]:
+            cur = cur[k]
+        cur[p[-1]] = rnd.choice(junk)
+        try:
+            pr = Problem.from_json(d)
+            if pr.current_plan is not None:
+                validate_for_problem(pr, pr.current_plan)
+        except PlanError:
+            pass

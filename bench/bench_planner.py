@@ -1,5 +1,10 @@
 """Planner benchmark: η of the three baselines and of the Malleus planner, side by side.
 
+Columns: static / data-only / drop baselines, ``P=dp`` (our planner with the number of pipelines
+fixed at dp, as Malleus's planner keeps it; an ablation), ``malleus`` (our planner, searching
+the number of pipelines), its ratio to the best baseline, the winning candidate and the
+planning seconds of the ``malleus`` column.
+
     .venv/bin/python bench/bench_planner.py [--only NAME_SUBSTRING] [--seed 0] [--time-limit S]
 
 Scenarios span 8-1024 GPUs, 1-24 stragglers, rates 1.3-12, whole slow nodes and mild
@@ -15,7 +20,7 @@ import time
 
 from malleus_ds.cost import validate_for_problem
 from malleus_ds.plan import Problem
-from malleus_ds.planner import plan
+from malleus_ds.planner import PlannerConfig, plan
 
 SD8 = {"1": 1.0, "2": 1.9, "4": 3.66, "8": 7.22}
 SD4 = {"1": 1.0, "2": 1.9, "4": 3.66}
@@ -82,7 +87,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rows = []
     hdr = (f"{'scenario':<22} {'GPUs':>5} {'strag':>5} {'static':>7} {'data':>7} {'drop':>7} "
-           f"{'malleus':>8} {'vs best':>7} {'method':<9} {'plan s':>7}")
+           f"{'P=dp':>7} {'malleus':>8} {'vs best':>7} {'method':<9} {'plan s':>7}")
     print(hdr)
     print("-" * len(hdr))
     ok = True
@@ -94,14 +99,19 @@ def main(argv=None) -> int:
         res = plan(pr, seed=args.seed, time_limit=args.time_limit)  # None: auto budget
         dt = time.perf_counter() - t0
         validate_for_problem(pr, res.plan)
+        # ablation: the same planner with the number of pipelines fixed at dp (as Malleus does)
+        fixed = plan(pr, seed=args.seed, time_limit=args.time_limit,
+                     config=PlannerConfig(num_pipelines=pr.dp))
+        validate_for_problem(pr, fixed.plan)
         bl = res.baselines
         best_bl = max(v for v in bl.values() if v is not None)
         ok &= res.efficiency >= best_bl - 1e-9
         fmt = lambda v: "   n/a" if v is None else f"{v:7.3f}"
         print(f"{pr.name:<22} {pr.num_gpus:>5} {n_strag:>5} {fmt(bl['static'])} {fmt(bl['data-only'])} "
-              f"{fmt(bl['drop'])} {res.efficiency:8.3f} {res.efficiency / best_bl:6.2f}x "
+              f"{fmt(bl['drop'])} {fixed.efficiency:7.3f} {res.efficiency:8.3f} "
+              f"{res.efficiency / best_bl:6.2f}x "
               f"{res.method:<9} {dt:7.2f}", flush=True)
-        rows.append((pr, res, dt, bl))
+        rows.append((pr, res, dt, bl, fixed))
     if rows:
         n = len(rows)
         mean = lambda xs: sum(xs) / len(xs)
@@ -110,6 +120,7 @@ def main(argv=None) -> int:
               f"{mean([r[3]['static'] or 0 for r in rows]):7.3f} "
               f"{mean([r[3]['data-only'] or 0 for r in rows]):7.3f} "
               f"{mean([r[3]['drop'] or 0 for r in rows]):7.3f} "
+              f"{mean([r[4].efficiency for r in rows]):7.3f} "
               f"{mean([r[1].efficiency for r in rows]):8.3f} {'':>7} {'':<9} "
               f"{mean([r[2] for r in rows]):7.2f}")
         print(f"{n} scenarios; malleus >= best baseline on every one: {ok}; "

@@ -41,6 +41,7 @@ class PlannerConfig:
     patience: int = 12                  # stop after this many generations without improvement
     multi_objective: bool = False       # NSGA-II on (step time, state moved) -> Pareto set
     polish_evals: int = 3000            # coordinate-descent evaluations after the GA (0 = off)
+    num_pipelines: int | None = None    # fix the number of pipelines (Malleus: dp); None = search
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
     search_T = None
     pareto: tuple[ParetoPoint, ...] = ()
     if not _is_healthy(problem):
-        space = SearchSpace(problem)
+        space = SearchSpace(problem, cfg.num_pipelines)
         found, gens, pareto = _search(space, cfg, deadline, old)
         evals = space.evaluations
         if comm_spec(problem) is not None:   # the search costs compute only: re-split data

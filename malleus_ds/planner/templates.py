@@ -55,7 +55,8 @@ class Evaluation:
 
 
 class SearchSpace:
-    def __init__(self, problem: Problem):
+    def __init__(self, problem: Problem, num_pipelines: int | None = None):
+        """``num_pipelines`` fixes P (Malleus keeps ``dp``); None searches it."""
         self.problem = problem
         pr = problem
         self.tp, self.L, self.gpn = pr.tp, pr.num_layers, pr.gpus_per_node
@@ -81,6 +82,8 @@ class SearchSpace:
         self.xl = np.zeros(self.n_var, dtype=np.int64)
         self.xu = np.zeros(self.n_var, dtype=np.int64)
         self.xl[0], self.xu[0] = 1, self.P_max
+        if num_pipelines is not None:
+            self.xl[0] = self.xu[0] = max(1, min(num_pipelines, self.P_max))
         self.xu[1] = 1
         for i, opts in enumerate(self.options):
             self.xu[2 + i] = len(opts) - 1
@@ -188,7 +191,7 @@ class SearchSpace:
             Ps.add(n_nodes_groups // S)
             Ps.add(-(-n_nodes_groups // S))
         Ps.add(n_nodes_groups // s_min - 1)
-        Ps = sorted(p for p in Ps if 1 <= p <= self.P_max)
+        Ps = sorted({min(max(p, int(self.xl[0])), int(self.xu[0])) for p in Ps})
         choices = []
         for lam in (None, 1.0, 0.1, 0.03, 0.0):
             ch = []

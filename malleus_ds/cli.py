@@ -9,9 +9,7 @@ on stderr and exits with code 2, like argparse's own usage errors.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 from typing import Sequence
 
 from .plan import Plan, PlanError, Problem

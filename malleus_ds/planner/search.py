@@ -287,7 +287,10 @@ def _search(space: SearchSpace, cfg: PlannerConfig, deadline: float | None, old:
         front, best_mv = [], math.inf
         for pt in sorted(pts, key=lambda q: (q.step_time, q.moved_units)):
             if pt.moved_units < best_mv - 1e-9:
-                front.append(pt)
+                if front and pt.step_time <= front[-1].step_time * (1 + _REL):
+                    front[-1] = pt          # same step time up to rounding: keep the cheaper
+                else:
+                    front.append(pt)
                 best_mv = pt.moved_units
         pareto = tuple(front)
         plans += [pt.plan for pt in front[:1]]

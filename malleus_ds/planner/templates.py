@@ -17,7 +17,6 @@ Genome (integers, one encode/decode for everything):
 from __future__ import annotations
 
 import heapq
-import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -213,7 +212,6 @@ class SearchSpace:
         return out
 
     def _assign(self, P: int, choice: list[int], mode: str) -> list[list[int]]:
-        load = [0.0] * P
         heap = [(0.0, p) for p in range(P)]
         assign = [[0] * len(self.options[i][c].groups) for i, c in enumerate(choice)]
         if mode == "pack":
@@ -238,5 +236,4 @@ class SearchSpace:
                 l, p = heapq.heappop(heap)
                 assign[i][k] = p
                 heapq.heappush(heap, (l + w, p))
-        del load
         return assign

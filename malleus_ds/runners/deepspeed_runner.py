@@ -174,6 +174,9 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
             if dp > 1:
                 dist.all_reduce(total)
             loss = float(total)
+            if engine.monitor.enabled and env.is_rank0:   # PipelineEngine logs its own loss
+                engine.monitor.write_events([("Train/Samples/train_loss", loss,
+                                              engine.global_samples)])
         reporter.step_done(step, loss, time.perf_counter() - t0, clock)
     summary = reporter.finish()
     engine.destroy() if hasattr(engine, "destroy") else None

@@ -50,7 +50,8 @@ def _free_port():
 def test_torchrun_two_ranks_writes_metrics_with_straggler(tmp_path):
     out = tmp_path / "run"
     p = _run(_torchrun(2) + TINY + ["engine=deepspeed", "train.steps=5", f"hydra.run.dir={out}",
-                                    "straggler.schedule=[{rank:1,rate:3.0,start_step:3,end_step:100}]"],
+                                    "straggler.schedule=[{rank:1,rate:3.0,start_step:3,end_step:100}]",
+                                    "+deepspeed.config.csv_monitor={enabled:true,job_name:mon}"],
              cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     recs = _metrics(out)
@@ -60,6 +61,8 @@ def test_torchrun_two_ranks_writes_metrics_with_straggler(tmp_path):
     assert recs[4]["emulated_s"][1] > 0 and recs[4]["emulated_s"][0] == 0
     assert "rank 1 at rate 3" in p.stdout and "healthy" in p.stdout
     assert sorted(os.listdir(tmp_path)) == ["run"]            # no per-rank folders
+    # DeepSpeed's monitor, enabled in the ds_config, writes into the run folder
+    assert len((out / "mon" / "Train_Samples_train_loss.csv").read_text().splitlines()) == 6
     # same losses as the single-process reference on the same global batches
     from malleus_ds.models import model_config
     from malleus_ds.reference import reference_run

@@ -330,8 +330,21 @@ class Problem:
                            self.tp, self.pp, self.dp)
 
     def with_rates(self, rates: Mapping[int, float], current_plan: Plan | None = None) -> "Problem":
+        """A copy with new ``rates`` (rank -> rate; keys may be ints or digit strings, as in
+        JSON) and ``current_plan``. Measured rates below 1.0 (a GPU a little faster than the
+        healthy reference) are clamped to 1.0. Raises ``PlanError`` for a rank outside the
+        cluster or a rate that is not a finite number > 0."""
         from dataclasses import replace
-        return replace(self, rates=dict(rates), current_plan=current_plan)
+
+        norm: dict[int, float] = {}
+        for k, v in rates.items():
+            r = _int(k, "rates key")
+            if not 0 <= r < self.num_gpus:
+                raise PlanError(f"rates: rank {r} is outside 0..{self.num_gpus - 1}")
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 < v < float("inf"):
+                raise PlanError(f"rates['{k}']={v!r} must be a finite number > 0 (1.0 = healthy)")
+            norm[r] = max(1.0, float(v))
+        return replace(self, rates=norm, current_plan=current_plan)
 
     def to_json(self) -> dict:
         out = dict(self.extra)

@@ -142,3 +142,14 @@ def test_malformed_inputs_raise_plan_error_only():
                 validate_for_problem(pr, pr.current_plan)
         except PlanError:
             pass
+
+
+def test_with_rates_normalises_keys_and_validates():
+    pr = Problem.from_json(small_problem())
+    assert pr.with_rates({"5": 2}).rates == {5: 2.0}
+    assert pr.with_rates({"5": 2}).rate(5) == 2.0
+    with pytest.raises(PlanError, match="rank 8 is outside"):
+        pr.with_rates({8: 2.0})
+    assert pr.with_rates({1: 0.9}).rate(1) == 1.0          # measurement noise: healthy
+    with pytest.raises(PlanError, match="finite number > 0"):
+        pr.with_rates({1: float("nan")})

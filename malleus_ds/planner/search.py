@@ -138,7 +138,8 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
     bplans = all_baselines(problem)
     if old is not None:
         add("current", old)
-    if _is_healthy(problem):
+    healthy = _is_healthy(problem)
+    if healthy:
         add("static", bplans["static"])
     else:
         for k, p in bplans.items():
@@ -146,7 +147,8 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
     evals = gens = 0
     search_T = None
     pareto: tuple[ParetoPoint, ...] = ()
-    if not _is_healthy(problem):
+    # healthy: the static plan (the user's layout) unless it does not fit in memory
+    if not healthy or bplans["static"] is None:
         space = SearchSpace(problem, cfg.num_pipelines)
         found, gens, pareto = _search(space, cfg, deadline, old)
         evals = space.evaluations

@@ -217,3 +217,14 @@ def test_comm_costs_are_used_to_pick_and_split():
     for p in all_baselines(pr).values():
         if p is not None:
             assert res.step_time <= step_time(pr, p) * (1 + 1e-9)
+
+
+def test_healthy_problem_whose_static_plan_overflows_memory_gets_searched():
+    d = dict(EXAMPLES["problem_64gpu_one_slow"])
+    d["rates"] = {}
+    d["training"] = dict(d["training"], pp=1, dp=8)       # 80 layers on one stage: too big
+    pr = Problem.from_json(d)
+    assert all_baselines(pr)["static"] is None
+    res = plan(pr, seed=0, config=FAST)
+    validate_for_problem(pr, res.plan)
+    assert res.method == "search" and len(res.plan.pipelines[0].stages) >= 2

@@ -111,3 +111,6 @@ def test_multirun_launches_ranks_per_job(tmp_path):
     assert len(a) == len(b) == 3 and len(a[0]["compute_s"]) == 2
     assert a[0]["rates"] == {} and b[0]["rates"] == {"1": 2.0}
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)
+    q = _run([sys.executable, str(REPO / "launch" / "summarize.py"), str(sweep)], cwd=tmp_path)
+    assert q.returncode == 0, q.stderr
+    assert "straggler.schedule=[{rank:1,rate:2.0}]" in q.stdout and "1.00x" in q.stdout

@@ -14,7 +14,7 @@ group cannot express lives in this subclass, each in its own module:
 * the 1F1B schedule per heterogeneous pipeline (``schedule.py``, dispatched by ``train_batch``),
 * Megatron TP per stage, any group size dividing heads and FFN (``tensor_parallel.py``),
 * per-layer / per-finest-shard gradient SUM (``grad_sync.py``; stock averages over one group),
-* ZeRO-1 across each replica set with torch AdamW (``optimizer.py``).
+* ZeRO-1/2 across each replica set with torch AdamW (``optimizer.py``).
 
 Setup reads as named steps: ``build_settings`` → ``build_plan`` (every rank validates the same
 plan and raises the same error before any collective, so bad input never hangs) →
@@ -237,7 +237,8 @@ class MalleusEngine(DeepSpeedEngine):
             self.num_stages, self.micro_batches, self.schedule = 0, 0, []
         shapes = {n: tuple(p.shape) for n, p in self.named.items()}
         self.buckets = build_buckets(plan, rank, shapes)
-        self.grad_sync = GradSync(self.buckets, GROUPS, device=self.device)
+        self.grad_sync = GradSync(self.buckets, GROUPS, device=self.device, zero_stage=zero_stage,
+                                  rank=rank)
         self.optimizer = ShardedOptimizer(self.buckets, GROUPS, self.named, rank, zero_stage, optim,
                                           device=self.device)
         self.basic_optimizer = self.optimizer.optimizer
@@ -294,6 +295,8 @@ class MalleusEngine(DeepSpeedEngine):
             grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
                      for n, p in self.named.items()}
             flats = self.grad_sync.reduce(grads)
+            for p in self.named.values():       # summed grads live in the buckets now
+                p.grad = None
         else:
             flats = []
         coef = 1.0
@@ -463,9 +466,9 @@ def _optimizer_settings(user_cfg: dict):
     from ..reference import OptimConfig, make_optimizer
 
     zero = int((user_cfg.get("zero_optimization") or {}).get("stage", 0))
-    if zero not in (0, 1):
-        raise ValueError(f"ds_config.zero_optimization.stage={zero}: MalleusEngine supports 0 and 1 "
-                         f"(ZeRO-1 optimizer-state sharding across each layer's replicas)")
+    if zero not in (0, 1, 2):
+        raise ValueError(f"ds_config.zero_optimization.stage={zero}: MalleusEngine supports 0, 1 "
+                         f"and 2 (sharding across each layer's replicas); ZeRO-3 is not supported")
     sec = user_cfg.get("optimizer") or {}
     typ = str(sec.get("type", "AdamW"))
     params = dict(sec.get("params") or {})

@@ -156,17 +156,38 @@ def unflatten(bucket: Bucket, flat: torch.Tensor, tensors: dict[str, torch.Tenso
 
 
 class GradSync:
-    """All-reduce (SUM) every bucket's gradients among its holders."""
+    """Sum every bucket's gradients among its holders.
 
-    def __init__(self, buckets: list[Bucket], groups, device=None) -> None:
+    ZeRO stage 0/1: all-reduce the whole flat bucket (every member gets every summed element).
+    ZeRO stage 2: reduce-scatter, so each member receives only the summed gradients of its own
+    ZeRO partition (half the traffic of an all-reduce; the reduced gradient is never stored
+    whole). ``reduce`` returns, per bucket, ``(tensor, offset)``: the summed gradients of bucket
+    elements ``[offset, offset + len(tensor))``.
+    """
+
+    def __init__(self, buckets: list[Bucket], groups, device=None, zero_stage: int = 0,
+                 rank: int | None = None) -> None:
         self.buckets = buckets
         self.groups = [groups.get(b.ranks) if len(b.ranks) > 1 else None for b in buckets]
-        self.flats = [torch.empty(b.numel, dtype=torch.float32, device=device) for b in buckets]
+        self.scatter = [zero_stage >= 2 and len(b.ranks) > 1 for b in buckets]
+        self.flats = [torch.zeros(b.padded_part * len(b.ranks) if sc else b.numel,
+                                  dtype=torch.float32, device=device)
+                      for b, sc in zip(buckets, self.scatter)]
+        self.parts = [torch.empty(b.padded_part, dtype=torch.float32, device=device) if sc else None
+                      for b, sc in zip(buckets, self.scatter)]
+        self.offsets = [b.ranks.index(rank) * b.padded_part if sc else 0
+                        for b, sc in zip(buckets, self.scatter)]
 
-    def reduce(self, grads: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Returns the summed flat gradient of every bucket (buffers reused across steps)."""
-        for b, grp, flat in zip(self.buckets, self.groups, self.flats):
-            flatten(b, grads, flat, mask=True)
-            if grp is not None:
-                dist.all_reduce(flat, group=grp)
-        return self.flats
+    def reduce(self, grads: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+        out = []
+        for b, grp, flat, part, off in zip(self.buckets, self.groups, self.flats, self.parts,
+                                           self.offsets):
+            flatten(b, grads, flat[:b.numel], mask=True)
+            if part is not None:
+                dist.reduce_scatter_tensor(part, flat, group=grp)
+                out.append((part, off))
+            else:
+                if grp is not None:
+                    dist.all_reduce(flat, group=grp)
+                out.append((flat, 0))
+        return out

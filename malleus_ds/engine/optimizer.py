@@ -8,7 +8,12 @@ the group instead of summing them (DESIGN.md §5). So the bucket (grad_sync.Buck
 
 * ZeRO stage 0: every member keeps fp32 Adam state for the whole bucket;
 * ZeRO stage 1: member ``k`` of the bucket's sorted ranks keeps state for the ``k``-th even
-  slice only, updates it, and the slices are all-gathered back into everyone's parameters.
+  slice only, updates it, and the slices are all-gathered back into everyone's parameters;
+* ZeRO stage 2: as stage 1, and the gradients arrive by reduce-scatter (``GradSync``), so the
+  summed gradient exists only as each member's slice. (Stock DeepSpeed refuses ZeRO-2 with its
+  PipelineEngine because it reduces in backward hooks per micro-batch; here the reduction happens
+  once per step after the pipeline drains, so it composes with any schedule. The per-rank
+  accumulation buffer ``param.grad`` stays whole across the micro-batches of a step.)
 
 AdamW is element-wise, so updating a flat slice gives the same numbers as updating whole
 tensors (``foreach=False`` keeps the per-element math identical to the reference).
@@ -30,9 +35,9 @@ class ShardedOptimizer:
     def __init__(self, buckets: list[Bucket], groups, params: dict[str, nn.Parameter], rank: int,
                  zero_stage: int, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                  device=None):
-        if zero_stage not in (0, 1):
+        if zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_optimization.stage={zero_stage}: MalleusEngine supports "
-                             f"stage 0 and 1 (optimizer-state sharding across a layer's replicas)")
+                             f"stages 0, 1 and 2 (sharding across each layer's replicas)")
         self.buckets, self.params, self.zero_stage = buckets, params, zero_stage
         self.groups = [groups.get(b.ranks) if len(b.ranks) > 1 else None for b in buckets]
         self.owned = [b.partition(rank) for b in buckets]            # grad-norm ownership
@@ -55,19 +60,20 @@ class ShardedOptimizer:
     def state_dict(self):
         return self.optimizer.state_dict()
 
-    def owned_sq_norm(self, flats: list[torch.Tensor]) -> float:
+    def owned_sq_norm(self, flats: list[tuple[torch.Tensor, int]]) -> float:
         """Sum of squares of the gradient elements this rank owns (each element has one owner)."""
         s = 0.0
-        for f, (lo, hi) in zip(flats, self.owned):
+        for (f, off), (lo, hi) in zip(flats, self.owned):
             if hi > lo:
-                s += float(f[lo:hi].double().pow(2).sum())
+                s += float(f[lo - off:hi - off].double().pow(2).sum())
         return s
 
     @torch.no_grad()
-    def step(self, flats: list[torch.Tensor], clip_coef: float = 1.0) -> None:
-        for m, f, (lo, hi) in zip(self.masters, flats, self.ranges):
+    def step(self, flats: list[tuple[torch.Tensor, int]], clip_coef: float = 1.0) -> None:
+        """``flats``: per bucket, summed gradients of elements ``[offset, offset + len)``."""
+        for m, (f, off), (lo, hi) in zip(self.masters, flats, self.ranges):
             if m is not None:
-                g = f[lo:hi]
+                g = f[lo - off:hi - off]
                 m.grad = g * clip_coef if clip_coef != 1.0 else g
         self.optimizer.step()
         for i, b in enumerate(self.buckets):

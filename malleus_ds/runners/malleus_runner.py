@@ -56,9 +56,9 @@ def validate(cfg: RunConfig) -> None:
     except (PlanError, TPError) as e:
         raise ConfigError(f"engine=malleus plan={cfg.plan}: {e}") from None
     zero = cfg.deepspeed.zero_stage
-    if zero not in (0, 1):
+    if zero not in (0, 1, 2):
         raise ConfigError(f"engine=malleus: ds_config zero_optimization.stage={zero} is not "
-                          f"supported; use stage 0 or 1 (deepspeed=zero1)")
+                          f"supported; use stage 0, 1 or 2 (e.g. deepspeed=zero1)")
 
 
 def build_ds_config(cfg: RunConfig, plan: Plan) -> dict:

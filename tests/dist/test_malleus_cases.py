@@ -23,20 +23,21 @@ def plan_json(pipes, G=8, mbs=1, L=4, suspended=()):
             "suspended": list(suspended)}
 
 
-def ds_config(zero: int, eps: float = EPS) -> dict:
-    return {"zero_optimization": {"stage": zero}, "gradient_clipping": 0.0,
+def ds_config(zero: int, eps: float = EPS, clip: float = 0.0) -> dict:
+    return {"zero_optimization": {"stage": zero}, "gradient_clipping": clip,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": eps}}}
 
 
 def train_cases(rank, world, cases):
-    """Worker: for each (plan_json, zero, steps, eps) build an engine, train, return
+    """Worker: for each (plan_json, zero, steps, eps[, clip]) build an engine, train, return
     (losses, {name: (array, dim, tp_rank, tp_size)})."""
     import malleus_ds
     from malleus_ds.plan import Plan
 
     out = []
-    for pj, zero, steps, eps in cases:
-        eng, *_ = malleus_ds.initialize(model=CFG, config=ds_config(zero, eps), plan=Plan.from_json(pj))
+    for pj, zero, steps, eps, *clip in cases:
+        eng, *_ = malleus_ds.initialize(model=CFG, config=ds_config(zero, eps, *clip),
+                                        plan=Plan.from_json(pj))
         losses = [eng.train_batch() for _ in range(steps)]
         shards = {n: (t.numpy(), d, a, b) for n, (t, d, a, b) in eng.local_shards().items()}
         out.append((losses, shards))
@@ -46,19 +47,50 @@ def train_cases(rank, world, cases):
 _REF: dict = {}
 
 
-def reference(G, mbs, steps, eps):
+def reference(G, mbs, steps, eps, clip=0.0):
     from malleus_ds.reference import OptimConfig, reference_run
 
-    key = (G, mbs, steps, eps)
+    key = (G, mbs, steps, eps, clip)
     if key not in _REF:
-        _REF[key] = reference_run(CFG, seed=0, steps=steps, global_batch_size=G,
-                                  micro_batch_size=mbs, optim=OptimConfig(lr=1e-3, eps=eps))
+        if clip:
+            _REF[key] = clipped_reference(G, mbs, steps, eps, clip)
+        else:
+            _REF[key] = reference_run(CFG, seed=0, steps=steps, global_batch_size=G,
+                                      micro_batch_size=mbs, optim=OptimConfig(lr=1e-3, eps=eps))
     return _REF[key]
 
 
-def check(pj, results, steps=STEPS, eps=EPS, loss_rtol=1e-5, param_rtol=1e-5):
+def clipped_reference(G, mbs, steps, eps, clip):
+    """reference_run plus torch.nn.utils.clip_grad_norm_ before each step (DeepSpeed's
+    gradient_clipping semantics: scale by max_norm / (norm + 1e-6) when that is < 1)."""
+    import torch
+
+    from malleus_ds.data import ByteCorpus
+    from malleus_ds.models import build_model, lm_loss
+    from malleus_ds.reference import OptimConfig, make_optimizer, micro_batches
+
+    model = build_model(CFG, 0)
+    opt = make_optimizer(model.parameters(), OptimConfig(lr=1e-3, eps=eps))
+    data = ByteCorpus(CFG.max_seq_len, seed=0)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for ids in micro_batches(step, G, mbs):
+            x, y = data.batch(ids)
+            loss = lm_loss(model(x), y) * (mbs / G)
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=False)
+        opt.step()
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def check(pj, results, steps=STEPS, eps=EPS, loss_rtol=1e-5, param_rtol=1e-5, clip=0.0):
     """Every rank's losses equal the reference; every held shard equals the reference slice."""
-    ref_losses, ref_sd = reference(pj["global_batch_size"], pj["micro_batch_size"], steps, eps)
+    ref_losses, ref_sd = reference(pj["global_batch_size"], pj["micro_batch_size"], steps, eps,
+                                   clip)
     seen = set()
     for rank, (losses, shards) in enumerate(results):
         np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol, err_msg=f"rank {rank} losses")

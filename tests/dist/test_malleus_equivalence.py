@@ -23,33 +23,35 @@ SIX = plan_json([(1, [([0], (0, 1)), ([1], (1, 3)), ([2], (3, 4))]),
                  (3, [([3, 4], (0, 2)), ([5], (2, 4))])], G=8, mbs=2)
 
 
-def test_four_ranks_hetero_zero0_zero1_and_suspended():
-    cases = [(HETERO, 0, STEPS, EPS), (HETERO, 1, STEPS, EPS), (SUSPENDED, 1, STEPS, EPS)]
-    res = run_distributed(train_cases, 4, cases, timeout=240)
-    for k, (pj, *_rest) in enumerate(cases):
-        check(pj, [r[k] for r in res])
+def test_four_ranks_hetero_zero012_suspended_clipping_default_eps():
+    cases = [(HETERO, 0, STEPS, EPS), (HETERO, 1, STEPS, EPS), (HETERO, 2, STEPS, EPS),
+             (SUSPENDED, 1, STEPS, EPS), (SUSPENDED, 2, 5, EPS, 0.05),
+             (HETERO, 1, STEPS, 1e-8)]
+    res = run_distributed(train_cases, 4, cases, timeout=300)
+    for k, (pj, _zero, steps, eps, *clip) in enumerate(cases):
+        # Adam's usual eps=1e-8: losses still agree to 1e-5, params to 1e-3 (see EPS)
+        check(pj, [r[k] for r in res], steps=steps, eps=eps, clip=(clip or [0.0])[0],
+              param_rtol=1e-5 if eps == EPS else 1e-3)
 
 
-def test_six_ranks_three_vs_two_stages_tp2_zero1():
-    res = run_distributed(train_cases, 6, [(SIX, 1, STEPS, EPS)], timeout=240)
-    check(SIX, [r[0] for r in res])
+def test_six_ranks_three_vs_two_stages_tp2_and_random_plans():
+    rng = random.Random(3)
+    cases = [(SIX, 1, STEPS, EPS)] + [(random_plan(rng, 6, G=rng.choice([8, 12])),
+                                       rng.choice([0, 1, 2]), STEPS, EPS) for _ in range(2)]
+    res = run_distributed(train_cases, 6, cases, timeout=300)
+    for k, (pj, _z, steps, eps) in enumerate(cases):
+        check(pj, [r[k] for r in res], steps=steps, eps=eps)
 
 
-def test_default_eps_losses():
-    """With Adam's usual eps=1e-8 the losses still agree to 1e-5 (params to 1e-3, see EPS)."""
-    res = run_distributed(train_cases, 4, [(HETERO, 1, STEPS, 1e-8)], timeout=240)
-    check(HETERO, [r[0] for r in res], eps=1e-8, param_rtol=1e-3)
-
-
-@pytest.mark.parametrize("world,seed", [(4, 1), (5, 2), (6, 3)])
+@pytest.mark.parametrize("world,seed", [(4, 1), (5, 2)])
 def test_random_valid_plans(world, seed):
     """Property: random valid plans (suspended ranks, 1-3 pipelines, TP 1/2/4, random cuts and
-    micro-batch splits), ZeRO 0 or 1, all equal the reference."""
+    micro-batch splits), ZeRO 0, 1 or 2, all equal the reference."""
     rng = random.Random(seed)
     cases = []
     for _ in range(2):
         pj = random_plan(rng, world, G=rng.choice([8, 12]), mbs=1)
-        cases.append((pj, rng.choice([0, 1]), 6, EPS))
-    res = run_distributed(train_cases, world, cases, timeout=240)
+        cases.append((pj, rng.choice([0, 1, 2]), STEPS, EPS))
+    res = run_distributed(train_cases, world, cases, timeout=300)
     for k, (pj, _z, steps, eps) in enumerate(cases):
         check(pj, [r[k] for r in res], steps=steps, eps=eps)

@@ -111,6 +111,11 @@ def main() -> None:
             print(format_summary(rc, summary), flush=True)
 
     sys.argv = strip_local_rank(sys.argv)
+    if any(k in os.environ for k in _LAUNCHED) and ({"--multirun", "-m"} & set(sys.argv)):
+        print("[malleus_ds] --multirun inside torchrun/deepspeed is not supported (every rank "
+              "would run the whole sweep). Run the sweep from one process instead: "
+              "python launch/train.py --multirun nproc_per_node=N <overrides>", file=sys.stderr)
+        sys.exit(2)
     if _rank() != 0:
         sys.argv += _non_zero_rank_overrides()
     app()

@@ -42,3 +42,14 @@ def test_dist_env_from_launchers(monkeypatch):
     e = DistEnv.from_environ("cpu")
     assert (e.rank, e.world_size, e.local_rank, e.local_world_size, e.backend) == (5, 8, 1, 4, "gloo")
     assert not e.is_rank0
+
+
+def test_multirun_inside_a_launcher_is_refused():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    p = subprocess.run([sys.executable, str(TRAIN), "--multirun", "train.steps=1"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--multirun inside torchrun/deepspeed is not supported" in p.stderr

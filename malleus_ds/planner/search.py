@@ -42,6 +42,8 @@ class PlannerConfig:
     multi_objective: bool = False       # NSGA-II on (step time, state moved) -> Pareto set
     polish_evals: int = 3000            # coordinate-descent evaluations after the GA (0 = off)
     num_pipelines: int | None = None    # fix the number of pipelines (Malleus: dp); None = search
+    min_improvement: float = 0.0        # keep current_plan unless the best plan is this much
+                                        #   faster (relative, e.g. 0.05 = 5%): migration costs
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,9 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
                         f"fit in memory and the search found nothing that does); check the "
                         f"memory section or give more GPUs")
     best_T = min(c[0] for c in cands)
+    cur = [c for c in cands if c[3] == "current"]
+    if cur and cfg.min_improvement > 0 and best_T > cur[0][0] * (1 - cfg.min_improvement):
+        best_T = cur[0][0]          # not worth a migration: the current plan is within the margin
     tied = [c for c in cands if c[0] <= best_T * (1 + _REL)]
     T, mv, _, method, best = min(tied, key=lambda c: (c[1], c[2], c[0]))
     return PlanResult(

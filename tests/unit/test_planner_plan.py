@@ -228,3 +228,14 @@ def test_healthy_problem_whose_static_plan_overflows_memory_gets_searched():
     res = plan(pr, seed=0, config=FAST)
     validate_for_problem(pr, res.plan)
     assert res.method == "search" and len(res.plan.pipelines[0].stages) >= 2
+
+
+def test_min_improvement_keeps_current_plan_within_margin():
+    pr = example("problem_64gpu_one_slow")
+    cur = plan(pr, seed=0, config=FAST).plan
+    slower = pr.with_rates({9: 4.0, 41: 1.3}, current_plan=cur)
+    base = plan(slower, seed=0, config=FAST)
+    kept = plan(slower, seed=0, config=PlannerConfig(pop_size=12, max_generations=8, patience=4,
+                                                      min_improvement=0.5))
+    assert kept.method == "current" and kept.plan == cur and kept.moved_units == 0.0
+    assert base.step_time <= kept.step_time

@@ -97,10 +97,10 @@ def node_options(node: int, gpus_per_node: int, tp: int, rates: Mapping[int, flo
     if n_slow == 0:
         return [nominal]
     if max_suspend is None:
-        max_suspend = gpus_per_node - 1   # healthy GPUs too: fewer, fuller groups can win
+        max_suspend = gpus_per_node       # healthy GPUs too, even the whole node
     parts = tuple(sorted(g for g in range(1, tp + 1) if tp % g == 0))
     best: dict[int, NodeOption] = {}
-    for k in range(0, min(max_suspend, gpus_per_node - 1) + 1):
+    for k in range(0, min(max_suspend, gpus_per_node) + 1):
         rest = order[k:]
         for comp in _compositions(len(rest), parts):
             groups, i = [], 0

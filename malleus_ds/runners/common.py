@@ -119,7 +119,8 @@ class StepReporter:
         if env.is_rank0 and cfg.progress:
             from tqdm import tqdm
             self.bar = tqdm(total=cfg.train.steps, desc=f"train[{cfg.engine}]", unit="step",
-                            file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+                            file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
+                            disable=None)  # None: off when stderr is not a terminal
 
     def step_done(self, step: int, loss: float, step_time_s: float, clock: ComputeClock) -> None:
         import torch

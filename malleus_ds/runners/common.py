@@ -165,8 +165,11 @@ def format_summary(cfg: RunConfig, s: RunSummary) -> str:
              f"world={cfg.world_size} (tp={p.tp} pp={p.pp} dp={p.dp}) "
              f"global_batch={cfg.train.global_batch_size} micro_batch={cfg.train.micro_batch_size}"]
     if s.losses:
+        w = cfg.train.warmup_steps if len(s.step_times_s) > cfg.train.warmup_steps else 0
+        t = sum(s.step_times_s[w:])
+        tput = s.samples_per_step * (len(s.step_times_s) - w) / t if t > 0 else 0.0
         lines.append(f"  steps={len(s.losses)} loss {s.losses[0]:.4f} -> {s.losses[-1]:.4f}; "
-                     f"overall {s.samples_per_s:.1f} samples/s")
+                     f"{tput:.1f} samples/s after {w} warm-up step(s)")
     if s.phases:
         lines.append("  throughput by phase (warm-up and transition steps left out):")
         lines.append(format_phases(s.phases))

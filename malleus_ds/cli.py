@@ -48,6 +48,8 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
                          "50 s at 1024); the plan is valid regardless")
     ap.add_argument("--multi-objective", action="store_true",
                     help="with current_plan: search step time vs state moved; print the Pareto set")
+    ap.add_argument("--pareto-dir", help="with --multi-objective: write each Pareto plan here as "
+                                         "pareto_<k>.json (fastest first)")
     args = ap.parse_args(argv)
     if args.time_limit is not None and args.time_limit <= 0:
         return _fail(prog, f"--time-limit={args.time_limit} must be > 0 seconds")
@@ -72,9 +74,24 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     else:
         print(res.plan.dumps())
         print(summary, file=sys.stderr)
-    for pt in res.pareto:
-        print(f"  pareto: step_time={pt.step_time:.2f} moved={pt.moved_units:.1f} layer-units",
-              file=sys.stderr if not args.output else sys.stdout)
+    stream = sys.stderr if not args.output else sys.stdout
+    for k, pt in enumerate(res.pareto):
+        where = ""
+        if args.pareto_dir:
+            from pathlib import Path
+
+            out = Path(args.pareto_dir) / f"pareto_{k}.json"
+            try:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                pt.plan.save(out)
+            except OSError as e:
+                return _fail(prog, f"cannot write {out}: {e}")
+            where = f" -> {out}"
+        print(f"  pareto[{k}]: step_time={pt.step_time:.2f} moved={pt.moved_units:.1f} "
+              f"layer-units{where}", file=stream)
+    if args.multi_objective and pr.current_plan is None:
+        print("  note: --multi-objective needs problem.current_plan; planned for step time only",
+              file=stream)
     return 0
 
 

@@ -81,3 +81,20 @@ def test_bad_plan_and_args_exit_2(tmp_path, capsys):
     bad_comm = write_problem(tmp_path, comm={"layer_ms": -1})
     assert plan_main([str(bad_comm)]) == 2
     assert "comm.layer_ms" in capsys.readouterr().err
+
+
+def test_multi_objective_writes_pareto_plans(tmp_path, capsys):
+    prob = write_problem(tmp_path)
+    pr = Problem.load(prob)
+    d = json.loads(prob.read_text())
+    d["current_plan"] = pr.static_plan().to_json()
+    prob.write_text(json.dumps(d))
+    out = tmp_path / "plan.json"
+    pdir = tmp_path / "pareto"
+    assert plan_main([str(prob), "-o", str(out), "--multi-objective", "--pareto-dir", str(pdir),
+                      "--time-limit", "5"]) == 0
+    text = capsys.readouterr().out
+    files = sorted(pdir.glob("pareto_*.json"))
+    assert files and "pareto[0]" in text
+    for f in files:
+        validate_for_problem(pr, Plan.load(f))

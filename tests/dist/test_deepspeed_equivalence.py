@@ -18,21 +18,21 @@ MODEL = {"name": "tiny", "num_layers": 4, "hidden_size": 32, "num_heads": 4, "ma
 LR = 3e-3
 
 
-def _reference():
-    cfg = model_config(**MODEL)
+def _reference(**model):
+    cfg = model_config(**{**MODEL, **model})
     losses, _ = reference_run(cfg, seed=3, steps=STEPS, global_batch_size=G, micro_batch_size=MBS,
                               optim=OptimConfig(lr=LR))
     return losses
 
 
-def _rank_fn(rank, world, pp, ds_file):
+def _rank_fn(rank, world, pp, ds_file, model=None):
     from pathlib import Path
 
     from malleus_ds import runners
     from malleus_ds.config import build_run_config
 
     conf = Path(__file__).resolve().parents[2] / "conf" / "deepspeed"
-    d = {"engine": "deepspeed", "model": MODEL, "progress": False,
+    d = {"engine": "deepspeed", "model": {**MODEL, **(model or {})}, "progress": False,
          "train": {"steps": STEPS, "global_batch_size": G, "micro_batch_size": MBS, "seed": 3,
                    "lr": LR},
          "parallel": {"tp": 1, "pp": pp, "dp": None}, "deepspeed": {"config_file": ds_file}}
@@ -50,6 +50,14 @@ def test_deepspeed_matches_reference(pp, ds_file):
         assert len(losses) == STEPS
         np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=f"rank {r}")
     assert ref[-1] < ref[0]  # it trains
+
+
+def test_pipeline_with_data_parallel_and_uneven_layers_matches_reference():
+    # 4 ranks = 2 stages x 2 replicas; 5 layers split 3 + 2 as static_plan does
+    ref = _reference(num_layers=5)
+    got = run_distributed(_rank_fn, 4, 2, "zero1.json", {"num_layers": 5}, timeout=240)
+    for r, losses in enumerate(got):
+        np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=f"rank {r}")
 
 
 def _torch_rank_fn(rank, world):

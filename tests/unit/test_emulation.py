@@ -35,7 +35,7 @@ def test_straggler_sleeps_rate_minus_one_times_compute():
 
 def test_real_sleep_is_measured():
     s = Straggler(StragglerSchedule.parse([{"rank": 0, "rate": 3.0}]), rank=0)
-    assert 0.019 <= s.after_compute(0, 0.01) < 0.2
+    assert 0.019 <= s.after_compute(0, 0.01) < 2.0
 
 
 def test_metrics_writer_and_phases(tmp_path):

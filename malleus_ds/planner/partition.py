@@ -49,22 +49,26 @@ def layer_cap(memory: Memory | None, tp: int, g: int, j: int, S: int, m: int, L:
     return cap
 
 
-def frontier(y: Sequence[float], caps: Sequence[int], L: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def frontier(y: Sequence[float], caps: Sequence[int], L: int,
+             const: Sequence[float] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Non-dominated (sigma, cmax, layers) of splits of ``L`` layers over stages ``y``/``caps``.
 
+    Stage ``j`` takes ``y_j * l_j + const_j`` (``const``: e.g. point-to-point time, default 0).
     Returns arrays ``sigma (K,)``, ``cmax (K,)`` sorted by cmax ascending (sigma descending)
     and ``layers (K, S)`` in the given stage order. ``K == 0`` means no split fits.
     """
     y = np.asarray(y, dtype=float)
     S = len(y)
+    cst = np.zeros(S) if const is None else np.asarray(const, dtype=float)
     caps = np.minimum(np.asarray(caps, dtype=np.int64), L - (S - 1))
     if S == 0 or S > L or (caps < 1).any() or caps.sum() < L:
         return np.zeros(0), np.zeros(0), np.zeros((0, S), dtype=np.int64)
     order = np.argsort(y, kind="stable")           # fastest first: greedy fill order
-    ys, cs = y[order], caps[order]
-    cand = np.unique(np.concatenate([ys[j] * np.arange(1, cs[j] + 1) for j in range(S)]))
+    ys, cs, cc = y[order], caps[order], cst[order]
+    cand = np.unique(np.concatenate([ys[j] * np.arange(1, cs[j] + 1) + cc[j] for j in range(S)]))
     # (K, S) per-stage bounds for each candidate cap C
-    b = np.minimum(cs[None, :], np.floor(cand[:, None] / ys[None, :] + _EPS).astype(np.int64))
+    b = np.minimum(cs[None, :],
+                   np.floor((cand[:, None] - cc[None, :]) / ys[None, :] + _EPS).astype(np.int64))
     ok = (b >= 1).all(axis=1) & (b.sum(axis=1) >= L)
     b = b[ok]
     if len(b) == 0:
@@ -72,7 +76,7 @@ def frontier(y: Sequence[float], caps: Sequence[int], L: int) -> tuple[np.ndarra
     extra = b - 1
     cum_before = np.cumsum(extra, axis=1) - extra
     lay = 1 + np.clip((L - S) - cum_before, 0, extra)     # (K, S) greedy fill
-    t = lay * ys[None, :]
+    t = lay * ys[None, :] + cc[None, :]
     sigma = t.sum(axis=1)
     cmax = t.max(axis=1)
     keep = _pareto(sigma, cmax)
@@ -130,6 +134,7 @@ class PipelineModel:
     L: int
     tp: int
     memory: Memory | None
+    link: float = 0.0            # per-boundary point-to-point cost (model units), 0 = none
     sig: np.ndarray = field(init=False)
     cm: np.ndarray = field(init=False)
     _lay: np.ndarray = field(init=False, repr=False)
@@ -148,7 +153,10 @@ class PipelineModel:
             ys = [self.groups[i][0] for i in o]
             caps = [layer_cap(self.memory, self.tp, self.groups[i][1], j, self.S, m, self.L)
                     for j, i in enumerate(o)]
-            s, c, l = frontier(ys, caps, self.L)
+            const = None
+            if self.link and self.S > 1:     # each boundary charges both of its stages
+                const = [self.link * ((j > 0) + (j < self.S - 1)) for j in range(self.S)]
+            s, c, l = frontier(ys, caps, self.L, const)
             if len(s):
                 sigs.append(s), cms.append(c), lays.append(l)
                 ords.append(np.tile(np.asarray(o), (len(s), 1)))

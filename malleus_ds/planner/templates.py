@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..cost import comm_spec
 from ..plan import Problem
 from .batch import split_batches
 from .grouping import Group, NodeOption, is_healthy_full, node_options, nominal_groups
@@ -87,6 +88,10 @@ class SearchSpace:
         for i, opts in enumerate(self.options):
             self.xu[2 + i] = len(opts) - 1
         self.xu[2 + len(self.special_nodes):] = self.P_max - 1
+        # with a comm section, charge every stage boundary the inter-node cost (an upper bound:
+        # placement may put neighbours on one node); the final choice uses the exact cost
+        cs = comm_spec(problem)
+        self.link = cs.boundary(False) if cs is not None else 0.0
         self._models: dict[tuple, PipelineModel] = {}
         self._cache: dict[tuple, Evaluation | None] = {}
         self.evaluations = 0
@@ -95,7 +100,7 @@ class SearchSpace:
     def model(self, key: tuple) -> PipelineModel:
         md = self._models.get(key)
         if md is None:
-            md = PipelineModel(key, self.L, self.tp, self.problem.memory)
+            md = PipelineModel(key, self.L, self.tp, self.problem.memory, self.link)
             self._models[key] = md
         return md
 

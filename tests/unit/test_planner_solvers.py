@@ -130,3 +130,22 @@ def test_node_options_nominal_first_and_suspension():
     # throughput strictly increases with the number of groups along the kept options
     tps = [o.throughput for o in sorted(opts[1:], key=lambda o: len(o.groups))]
     assert tps == sorted(tps)
+
+
+@pytest.mark.parametrize("seed", range(15))
+def test_frontier_with_stage_constants_matches_brute_force(seed):
+    from malleus_ds.planner.partition import frontier
+
+    rnd = random.Random(300 + seed)
+    S = rnd.randint(1, 4)
+    L = rnd.randint(S, 10)
+    y = [rnd.choice([1.0, 1.9, 3.66]) for _ in range(S)]
+    c = [rnd.choice([0.0, 0.3, 1.7]) for _ in range(S)]
+    caps = [L] * S
+    m = rnd.randint(1, 6)
+    want = math.inf
+    for ls in compositions(L, S):
+        t = [a * b + k for a, b, k in zip(y, ls, c)]
+        want = min(want, sum(t) + (m - 1) * max(t))
+    sig, cm, _ = frontier(y, caps, L, c)
+    assert float((sig + (m - 1) * cm).min()) == pytest.approx(want, rel=1e-12)

@@ -93,6 +93,23 @@ def _pareto(sigma: np.ndarray, cmax: np.ndarray) -> np.ndarray:
     return idx[s < prev - 1e-12]
 
 
+def _hull_count(sig: np.ndarray, cm: np.ndarray, T: float, cap: int) -> int:
+    """Largest ``m <= cap`` with ``min_k sig_k + (m - 1) cm_k <= T`` (0 if none)."""
+    if len(sig) == 0 or cap < 1:
+        return 0
+
+    def t(m: int) -> float:
+        return float(np.min(sig + (m - 1) * cm))
+
+    m = int(np.max(np.floor((T - sig) / cm))) + 1
+    m = max(0, min(m, cap))
+    while m > 0 and t(m) > T:
+        m -= 1
+    while m < cap and t(m + 1) <= T:
+        m += 1
+    return m
+
+
 def split_layers(y: Sequence[float], caps: Sequence[int], L: int, m: int) -> tuple[float, list[int]] | None:
     """Exact min of ``sum y l + (m-1) max y l`` over splits; ``None`` if memory forbids any."""
     sig, cm, lay = frontier(y, caps, L)
@@ -140,19 +157,21 @@ class PipelineModel:
     _lay: np.ndarray = field(init=False, repr=False)
     _ord: np.ndarray = field(init=False, repr=False)
     _small: dict = field(init=False, repr=False, default_factory=dict)
+    _nomem: tuple | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         self.S = len(self.groups)
         self._orders = stage_orders([a for a, _ in self.groups], [b for _, b in self.groups])
         self.sig, self.cm, self._lay, self._ord = self._build(self.S)
 
-    def _build(self, m: int):
-        """Frontier valid for ``m`` micro-batches (for any ``m >= S`` when ``m == S``)."""
+    def _build(self, m: int, memory: bool = True):
+        """Frontier valid for ``m`` micro-batches (for any ``m >= S`` when ``m == S``);
+        ``memory=False``: without memory caps (a bound)."""
         sigs, cms, lays, ords = [], [], [], []
-        for o in self._orders:
+        for o in (self._orders if memory else self._orders[:1]):   # order only matters for memory
             ys = [self.groups[i][0] for i in o]
-            caps = [layer_cap(self.memory, self.tp, self.groups[i][1], j, self.S, m, self.L)
-                    for j, i in enumerate(o)]
+            caps = [layer_cap(self.memory if memory else None, self.tp, self.groups[i][1], j,
+                              self.S, m, self.L) for j, i in enumerate(o)]
             const = None
             if self.link and self.S > 1:     # each boundary charges both of its stages
                 const = [self.link * ((j > 0) + (j < self.S - 1)) for j in range(self.S)]
@@ -173,7 +192,7 @@ class PipelineModel:
         return len(self.sig) > 0
 
     def _frontier_for(self, m: int):
-        if m >= self.S:
+        if m >= self.S or self.memory is None:      # no memory: caps do not depend on m
             return self.sig, self.cm, self._lay, self._ord
         if m not in self._small:
             self._small[m] = self._build(m)
@@ -199,8 +218,17 @@ class PipelineModel:
             while m < cap and self.time(m + 1) <= T:
                 m += 1
             return min(m, cap)
-        lo, hi = 0, min(self.S - 1, cap)      # time(lo) <= T (or lo = 0); binary search
-        while lo < hi:
+        # m < S: exact frontiers are built per m (looser memory caps), so first narrow the range:
+        # the m >= S frontier has tighter caps (an upper bound on time(m): a lower bound on the
+        # count); the frontier without memory caps is a lower bound on time(m).
+        hi = min(self.S - 1, cap)
+        lo = min(_hull_count(self.sig, self.cm, T, hi), hi)
+        if self.memory is None or lo >= hi:
+            return lo
+        if self._nomem is None:
+            self._nomem = self._build(self.S, memory=False)
+        hi = min(hi, _hull_count(self._nomem[0], self._nomem[1], T, hi))
+        while lo < hi:                        # time(lo) <= T (or lo = 0); binary search
             mid = (lo + hi + 1) // 2
             if self.time(mid) <= T:
                 lo = mid

@@ -322,8 +322,13 @@ class MalleusEngine(DeepSpeedEngine):
 
     def set_compute_clock(self, clock) -> None:
         """Time forward/backward with ``clock.compute()`` (``malleus_ds.runners.common.ComputeClock``,
-        which also applies straggler emulation) instead of the engine's own timer."""
+        which also applies straggler emulation) instead of the engine's own timer. TP all-reduces
+        inside forward/backward are left out of compute via ``clock.excluded()``, so a healthy
+        rank waiting for a slow TP peer does not look slow itself."""
+        from . import tensor_parallel
+
         self.clock = clock
+        tensor_parallel.set_comm_context(clock.excluded if clock is not None else None)
 
     def _timed(self, fn):
         if self.clock is not None:
@@ -371,7 +376,12 @@ class MalleusEngine(DeepSpeedEngine):
         tdist.recv(buf, src=self.act_src, tag=ins.micro_batch)
         self._inputs[ins.micro_batch] = buf.requires_grad_()
 
+    def _prune_sends(self) -> None:
+        # keep only unfinished isends alive: bounds send buffers by what is really in flight
+        self._sends = [(h, t) for h, t in self._sends if not h.is_completed()]
+
     def _exec_send_act(self, ins: SendAct) -> None:
+        self._prune_sends()
         t = self._outputs[ins.micro_batch].detach().contiguous()
         for dst in self.act_dsts:
             self._sends.append((tdist.isend(t, dst, tag=ins.micro_batch), t))
@@ -382,6 +392,7 @@ class MalleusEngine(DeepSpeedEngine):
         self._grads_out[ins.micro_batch] = buf
 
     def _exec_send_grad(self, ins: SendGrad) -> None:
+        self._prune_sends()
         t = self._grads_in.pop(ins.micro_batch).contiguous()
         for dst in self.grad_dsts:
             self._sends.append((tdist.isend(t, dst, tag=ins.micro_batch), t))

@@ -44,6 +44,24 @@ def check_tp_size(cfg, tp_size: int, where: str = "") -> None:
                       f"{cfg.ffn}; use TP groups whose size divides {cfg.ffn}")
 
 
+_COMM_CONTEXT = None
+
+
+def set_comm_context(factory) -> None:
+    """Run every TP all-reduce inside ``factory()`` (e.g. ``ComputeClock.excluded``), or plainly
+    when None. Process-wide: one engine per process."""
+    global _COMM_CONTEXT
+    _COMM_CONTEXT = factory
+
+
+def _all_reduce(t: torch.Tensor, group) -> None:
+    if _COMM_CONTEXT is None:
+        dist.all_reduce(t, group=group)
+    else:
+        with _COMM_CONTEXT():
+            dist.all_reduce(t, group=group)
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -53,7 +71,7 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        _all_reduce(grad, ctx.group)
         return grad, None
 
 
@@ -61,7 +79,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous()
-        dist.all_reduce(x, group=group)
+        _all_reduce(x, group)
         return x
 
     @staticmethod

@@ -1,4 +1,5 @@
-"""``launch/train.py engine=malleus``: a plan file runs exactly that plan; a bad one fails on every rank."""
+"""``launch/train.py engine=malleus``: a plan file runs exactly that plan (with straggler
+emulation, same losses as the reference); a bad one fails on every rank."""
 from __future__ import annotations
 
 import json
@@ -31,10 +32,14 @@ def test_plan_file_runs_and_matches_reference(tmp_path):
     out = tmp_path / "run"
     # train.global_batch_size=16 is overridden by the plan's 8
     p = _torchrun(4, [f"plan={plan}", "train.steps=4", "train.global_batch_size=16",
-                      f"hydra.run.dir={out}"], tmp_path)
+                      f"hydra.run.dir={out}",
+                      "straggler.schedule=[{rank:1,rate:3.0,start_step:2,end_step:100}]"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["samples"] for r in recs] == [8] * 4 and all(len(r["compute_s"]) == 4 for r in recs)
+    # rank 1 (TP=2 stage with rank 2) is slowed from step 2 on; nobody else sleeps
+    assert recs[1]["emulated_s"] == [0.0] * 4 and recs[3]["emulated_s"][1] > 0
+    assert [e for r, e in enumerate(recs[3]["emulated_s"]) if r != 1] == [0.0] * 3
     from malleus_ds.models import model_config
     from malleus_ds.reference import reference_run
     ref, _ = reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=4,

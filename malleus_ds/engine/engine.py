@@ -252,9 +252,11 @@ class MalleusEngine(DeepSpeedEngine):
         self.clock = None
         self._dispatch: dict[type, Callable] = {
             Forward: self._exec_forward, Backward: self._exec_backward,
-            RecvAct: self._exec_recv_act, SendAct: self._exec_send_act,
-            RecvGrad: self._exec_recv_grad, SendGrad: self._exec_send_grad,
+            RecvAct: self._exec_recv, SendAct: self._exec_send,
+            RecvGrad: self._exec_recv, SendGrad: self._exec_send,
         }
+        # a collective on the default group before the first batch_isend_irecv (NCCL requires it)
+        tdist.barrier()
 
     # ------------------------------------------------------------------ training
 
@@ -287,8 +289,16 @@ class MalleusEngine(DeepSpeedEngine):
             self._step, self._ids = step, self.my_micro_batches(step)
             self._inputs, self._outputs, self._grads_in, self._grads_out = {}, {}, {}, {}
             self._sends: list = []
-            for ins in self.schedule:
-                self._dispatch[type(ins)](ins)
+            sched, i = self.schedule, 0
+            while i < len(sched):
+                ins = sched[i]
+                nxt = sched[i + 1] if i + 1 < len(sched) else None
+                if isinstance(ins, (SendAct, SendGrad)) and isinstance(nxt, (RecvAct, RecvGrad)):
+                    self._exec_send_recv(ins, nxt)
+                    i += 2
+                else:
+                    self._dispatch[type(ins)](ins)
+                    i += 1
             for h, _ in self._sends:
                 h.wait()
             self._sends = []
@@ -371,31 +381,52 @@ class MalleusEngine(DeepSpeedEngine):
     def _act_shape(self) -> tuple[int, int, int]:
         return (self.plan.micro_batch_size, self.seq_len, self.model_cfg.hidden_size)
 
-    def _exec_recv_act(self, ins: RecvAct) -> None:
+    # Point-to-point. Sends are asynchronous, receives block (the rule schedule.simulate proves
+    # deadlock-free). A send followed directly by a receive (1F1B's steady state: "SA k, RG i"
+    # and "SG i, RA k+1") is issued as ONE batch_isend_irecv: on NCCL, ops between a pair run
+    # in order on one stream and a send completes only when matched, so issuing them one by
+    # one could leave both neighbours waiting on each other (Megatron's send_forward_recv_backward).
+
+    def _send_parts(self, ins) -> tuple[torch.Tensor, list[int]]:
+        if isinstance(ins, SendAct):
+            return self._outputs[ins.micro_batch].detach().contiguous(), self.act_dsts
+        return self._grads_in.pop(ins.micro_batch).contiguous(), self.grad_dsts
+
+    def _recv_parts(self, ins) -> tuple[torch.Tensor, int]:
         buf = torch.empty(self._act_shape(), device=self.device)
-        tdist.recv(buf, src=self.act_src, tag=ins.micro_batch)
-        self._inputs[ins.micro_batch] = buf.requires_grad_()
+        return buf, (self.act_src if isinstance(ins, RecvAct) else self.grad_src)
+
+    def _recv_done(self, ins, buf: torch.Tensor) -> None:
+        if isinstance(ins, RecvAct):
+            self._inputs[ins.micro_batch] = buf.requires_grad_()
+        else:
+            self._grads_out[ins.micro_batch] = buf
 
     def _prune_sends(self) -> None:
         # keep only unfinished isends alive: bounds send buffers by what is really in flight
         self._sends = [(h, t) for h, t in self._sends if not h.is_completed()]
 
-    def _exec_send_act(self, ins: SendAct) -> None:
+    def _exec_send(self, ins) -> None:
         self._prune_sends()
-        t = self._outputs[ins.micro_batch].detach().contiguous()
-        for dst in self.act_dsts:
+        t, dsts = self._send_parts(ins)
+        for dst in dsts:
             self._sends.append((tdist.isend(t, dst, tag=ins.micro_batch), t))
 
-    def _exec_recv_grad(self, ins: RecvGrad) -> None:
-        buf = torch.empty(self._act_shape(), device=self.device)
-        tdist.recv(buf, src=self.grad_src, tag=ins.micro_batch)
-        self._grads_out[ins.micro_batch] = buf
+    def _exec_recv(self, ins) -> None:
+        buf, src = self._recv_parts(ins)
+        tdist.recv(buf, src=src, tag=ins.micro_batch)
+        self._recv_done(ins, buf)
 
-    def _exec_send_grad(self, ins: SendGrad) -> None:
+    def _exec_send_recv(self, send, recv) -> None:
         self._prune_sends()
-        t = self._grads_in.pop(ins.micro_batch).contiguous()
-        for dst in self.grad_dsts:
-            self._sends.append((tdist.isend(t, dst, tag=ins.micro_batch), t))
+        t, dsts = self._send_parts(send)
+        buf, src = self._recv_parts(recv)
+        ops = [tdist.P2POp(tdist.isend, t, d, tag=send.micro_batch) for d in dsts]
+        ops.append(tdist.P2POp(tdist.irecv, buf, src, tag=recv.micro_batch))
+        reqs = tdist.batch_isend_irecv(ops)
+        self._sends.extend((r, t) for r in reqs[:-1])
+        reqs[-1].wait()
+        self._recv_done(recv, buf)
 
     # ------------------------------------------------------------------ stock API
 

@@ -16,9 +16,9 @@ Multi-process rules:
   before Hydra parses it (its value goes to ``LOCAL_RANK``);
 - only rank 0 owns the Hydra run folder; other ranks get ``hydra.run.dir=.``,
   ``hydra.output_subdir=null`` and console-only logging, so they create no folders or files;
-- a bare ``python launch/train.py nproc_per_node=N`` (and every ``--multirun`` job) launches its
-  ``N`` ranks through torchrun as a subprocess, passing the job's overrides and its run folder;
-  Hydra itself runs in the one outer process.
+- a bare ``python launch/train.py nproc_per_node=N`` (N > 1) and every ``--multirun`` job (any N)
+  launch their ``N`` ranks through torchrun as a subprocess, passing the job's overrides and its
+  run folder; Hydra itself runs in the one outer process.
 """
 from __future__ import annotations
 
@@ -91,7 +91,10 @@ def main() -> None:
         hc = HydraConfig.get()
         launched = any(k in os.environ for k in _LAUNCHED)
         nproc = int(cfg.get("nproc_per_node") or 1)
-        if not launched and nproc > 1:
+        # --multirun jobs always get fresh rank processes: DeepSpeed keeps process-group state
+        # in module globals, so two jobs in one process would share (destroyed) groups
+        from hydra.types import RunMode
+        if not launched and (nproc > 1 or hc.mode == RunMode.MULTIRUN):
             rc = _launch_ranks(nproc, list(hc.overrides.task), hc.runtime.output_dir)
             if rc != 0:
                 sys.exit(rc)

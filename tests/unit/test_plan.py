@@ -153,3 +153,43 @@ def test_with_rates_normalises_keys_and_validates():
     assert pr.with_rates({1: 0.9}).rate(1) == 1.0          # measurement noise: healthy
     with pytest.raises(PlanError, match="finite number > 0"):
         pr.with_rates({1: float("nan")})
+
+
+def test_random_plans_round_trip_and_validate():
+    """Hypothesis: any structurally valid plan survives JSON and validates again."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @st.composite
+    def plans(draw):
+        L = draw(st.integers(1, 12))
+        n_pipes = draw(st.integers(1, 3))
+        ranks = iter(range(64))
+        pipes = []
+        for _ in range(n_pipes):
+            S = draw(st.integers(1, min(L, 3)))
+            cuts = sorted(draw(st.sets(st.integers(1, L - 1), min_size=S - 1, max_size=S - 1))
+                          ) if S > 1 else []
+            b = [0] + cuts + [L]
+            stages = []
+            for j in range(len(b) - 1):
+                g = draw(st.sampled_from([1, 2]))
+                first = next(ranks)
+                if g == 2 and first % 2 == 0:
+                    rs = (first, next(ranks))
+                else:
+                    rs = (first,)
+                stages.append(Stage(rs, (b[j], b[j + 1])))
+            pipes.append(Pipeline(draw(st.integers(1, 4)), tuple(stages)))
+        gbs = sum(p.micro_batches for p in pipes)
+        return Plan(L, gbs, 1, tuple(pipes), ())
+
+    @settings(max_examples=60, deadline=None)
+    @given(plans())
+    def check(pl):
+        validate_plan(pl, tp=2, gpus_per_node=4)
+        again = Plan.loads(pl.dumps())
+        assert again == pl
+        validate_plan(again, tp=2, gpus_per_node=4)
+
+    check()

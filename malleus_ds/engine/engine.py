@@ -35,6 +35,7 @@ from torch import nn
 
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils import log_dist
 
 from ..data import ByteCorpus, global_batch_ids
 from ..models.llama import ModelConfig, StageModule, lm_loss
@@ -278,10 +279,14 @@ class MalleusEngine(DeepSpeedEngine):
     def train_batch(self, data_iter=None, step: int | None = None) -> float:
         """Run one global step of the plan; returns the global-batch mean loss on every rank.
 
-        ``step`` picks the global batch (default: ``global_steps``); ``data_iter`` is unused
-        (data comes from ``self.data`` by sample id, so every rank can fetch any micro-batch).
+        Data: by default from ``self.data`` by sample id (``step`` picks the global batch,
+        default ``global_steps``; pipeline ``i`` takes the next ``m_i`` micro-batches, DESIGN.md
+        §5), so every rank can fetch any micro-batch. Or, like stock ``PipelineEngine``, pass
+        ``data_iter`` yielding ``(inputs, targets)`` for *this rank's pipeline's* micro-batches
+        in order; first and last stages read it once per micro-batch.
         """
         step = self.global_steps if step is None else step
+        self._data_iter = data_iter
         self.compute_seconds, self._loss_sum = 0.0, 0.0
         if self.located is not None:
             for p in self.named.values():
@@ -326,8 +331,13 @@ class MalleusEngine(DeepSpeedEngine):
         loss = float(loss_t)
         self.global_steps += 1
         self.global_samples += self.plan.global_batch_size
-        if self.global_rank == 0 and self.monitor.enabled:
-            self.monitor.write_events([("Train/Samples/train_loss", loss, self.global_samples)])
+        if self.global_rank == 0:
+            if self.monitor.enabled:
+                self.monitor.write_events([("Train/Samples/train_loss", loss, self.global_samples)])
+            every = self.steps_per_print()
+            if every and self.global_steps % every == 0:
+                log_dist(f"step={self.global_steps} loss={loss:.6f} "
+                         f"lr={self.optimizer.param_groups[0]['lr']:.3e}", ranks=[0])
         return loss
 
     def set_compute_clock(self, clock) -> None:
@@ -356,7 +366,9 @@ class MalleusEngine(DeepSpeedEngine):
         k = ins.micro_batch
         x = y = None
         if self.is_first_stage or self.is_last_stage:
-            x, y = (t.to(self.device) for t in self.data.batch(self._ids[k]))  # (B, T) tokens, targets
+            batch = next(self._data_iter) if self._data_iter is not None \
+                else self.data.batch(self._ids[k])
+            x, y = (t.to(self.device) for t in batch)       # (B, T) tokens, (B, T) targets
         if not self.is_first_stage:
             x = self._inputs[k]                             # (B, T, H), requires grad
         scale = self.plan.micro_batch_size / self.plan.global_batch_size

@@ -16,7 +16,7 @@ BAD = {
 }
 
 
-def _try_all(rank, world, cases):
+def _try_all(rank, world, cases, out_dir):
     import malleus_ds
     from malleus_ds.plan import Plan
 
@@ -27,15 +27,31 @@ def _try_all(rank, world, cases):
             out[name] = "no error"
         except Exception as e:  # noqa: BLE001 - the test inspects the message
             out[name] = f"{type(e).__name__}: {e}"
-    # the world is still usable afterwards: a good plan trains one step
-    eng, *_ = malleus_ds.initialize(model=CFG, config=ds_config(1), plan=Plan.from_json(GOOD))
+    # the world is still usable afterwards: a good plan trains, with a csv monitor and a
+    # WarmupLR scheduler from the stock ds_config fields, and a data_iter on the pipeline ends
+    cfg = dict(ds_config(1), csv_monitor={"enabled": True, "output_path": out_dir, "job_name": "m"},
+               scheduler={"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                         "warmup_num_steps": 4}})
+    eng, _opt, _dl, sched = malleus_ds.initialize(model=CFG, config=cfg, plan=Plan.from_json(GOOD))
     out["after"] = eng.train_batch()
+    out["sched"] = type(sched).__name__
+    if eng.located is not None:
+        ids = eng.my_micro_batches(1)
+        out["iter_loss"] = eng.train_batch(data_iter=iter([eng.data.batch(i) for i in ids]))
+    else:
+        out["iter_loss"] = eng.train_batch()
+    out["lr"] = [g["lr"] for g in eng.optimizer.param_groups]   # WarmupLR (log) after 2 steps
     return out
 
 
-def test_bad_plans_fail_on_every_rank_then_good_plan_runs():
-    res = run_distributed(_try_all, 4, {k: v[0] for k, v in BAD.items()}, timeout=180)
+def test_bad_plans_fail_on_every_rank_then_good_plan_runs(tmp_path):
+    import glob
+
+    res = run_distributed(_try_all, 4, {k: v[0] for k, v in BAD.items()}, str(tmp_path), timeout=180)
     for rank, out in enumerate(res):
         for name, (_pj, needle) in BAD.items():
             assert "PlanError" in out[name] and needle in out[name], (rank, name, out[name])
         assert out["after"] == res[0]["after"] > 0
+        assert out["sched"] == "WarmupLR" and 0 < out["lr"][0] < 1e-3
+        assert out["iter_loss"] == res[0]["iter_loss"] > 0
+    assert glob.glob(str(tmp_path / "**" / "*train_loss*"), recursive=True), list(tmp_path.rglob("*"))

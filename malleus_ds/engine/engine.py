@@ -23,6 +23,7 @@ plan and raises the same error before any collective, so bad input never hangs) 
 """
 from __future__ import annotations
 
+import copy
 import json
 import time
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from ..data import ByteCorpus, global_batch_ids
 from ..models.llama import ModelConfig, StageModule, lm_loss
 from ..plan import Plan, PlanError, validate_plan
 from .grad_sync import GradSync, build_buckets
-from .groups import GROUPS, plan_rank_sets
+from .groups import GROUPS, check_world, plan_rank_sets
 from .optimizer import ShardedOptimizer
 from .schedule import (Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad, one_f_one_b)
 from .tensor_parallel import SHARD_DIM, TPError, apply_tp, check_tp_size
@@ -84,7 +85,7 @@ def _load_config(config) -> dict:
     if config is None:
         return {}
     if isinstance(config, Mapping):
-        return json.loads(json.dumps(config))           # deep copy, JSON types only
+        return copy.deepcopy(dict(config))
     path = Path(config)
     if not path.is_file():
         raise ValueError(f"ds_config: file not found: {path}")
@@ -464,15 +465,6 @@ class MalleusEngine(DeepSpeedEngine):
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def check_world(plan: Plan, world: int) -> None:
-    """A plan may leave ranks out (they idle, like suspended ones) but not name missing ones."""
-    named = plan.all_ranks
-    if named and max(named) >= world:
-        raise PlanError(f"plan names rank {max(named)}, outside the world of {world} ranks that "
-                        f"were launched (0..{world - 1}); launch {max(named) + 1} ranks or use a "
-                        f"plan made for {world}")
 
 
 def _lcm(xs) -> int:

@@ -52,6 +52,17 @@ def replicated_holders(holders: list[Stage]) -> RankSet:
     return tuple(sorted(r for s in holders for r in s.ranks))
 
 
+def check_world(plan: Plan, world: int) -> None:
+    """A plan may leave ranks out (they idle, like suspended ones) but not name missing ones."""
+    from ..plan import PlanError
+
+    named = plan.all_ranks
+    if named and max(named) >= world:
+        raise PlanError(f"plan names rank {max(named)}, outside the world of {world} ranks that "
+                        f"were launched (0..{world - 1}); launch {max(named) + 1} ranks or use a "
+                        f"plan made for {world}")
+
+
 def layer_ids(plan: Plan) -> list[int]:
     return [EMBED, *range(plan.num_layers), HEAD]
 

@@ -43,7 +43,7 @@ def nominal_tp(cfg: RunConfig, plan: Plan) -> int:
 def validate(cfg: RunConfig) -> None:
     from ..engine.tensor_parallel import TPError, check_tp_size
 
-    from ..engine.engine import check_world
+    from ..engine.groups import check_world
 
     plan = load_plan(cfg)
     try:

@@ -453,6 +453,31 @@ class MalleusEngine(DeepSpeedEngine):
     def step(self, *args, **kwargs):
         raise RuntimeError("MalleusEngine runs whole pipelined steps: use engine.train_batch()")
 
+    def local_state(self) -> dict:
+        """This rank's training state by global parameter name, for re-planning / migration:
+        ``{"params": {name: shard}, "exp_avg": {...}, "exp_avg_sq": {...}, "step": Adam step,
+        "global_steps": steps trained}``; shards as in :meth:`local_shards`. Collective (ZeRO
+        partitions are gathered): call on every rank."""
+        st = self.optimizer.gather_state()
+        return {"params": {n: p.detach().clone() for n, p in self.named.items()},
+                **st, "step": self.optimizer.step_count(), "global_steps": self.global_steps}
+
+    @torch.no_grad()
+    def load_local_state(self, state: dict) -> None:
+        """Inverse of :meth:`local_state` for *this* engine's local shards (a migrator or a
+        checkpoint loader slices them out of the old layout). Local only, no communication."""
+        missing = sorted(set(self.named) - set(state["params"]))
+        if missing:
+            raise KeyError(f"load_local_state: no state for local parameters {missing[:4]}...")
+        for n, p in self.named.items():
+            if state["params"][n].shape != p.shape:
+                raise ValueError(f"load_local_state: {n} has shape {tuple(state['params'][n].shape)}, "
+                                 f"this rank holds {tuple(p.shape)}")
+            p.copy_(state["params"][n])
+        self.optimizer.load_state({k: state[k] for k in ("exp_avg", "exp_avg_sq")}, state["step"])
+        self.global_steps = state.get("global_steps", self.global_steps)
+        self.global_samples = self.global_steps * self.plan.global_batch_size
+
     def local_shards(self) -> dict[str, tuple[torch.Tensor, int | None, int, int]]:
         """``name -> (local tensor, TP split dim or None, tp_rank, tp_size)`` for checking and
         gathering: the full tensor's slice ``tp_rank`` of ``tp_size`` along dim."""

@@ -95,6 +95,53 @@ class ShardedOptimizer:
     def params_data(self) -> dict[str, torch.Tensor]:
         return {n: p.data for n, p in self.params.items()}
 
+    # -------------------------------------------------------------- state by parameter name
+    # For re-planning / migration: Adam states leave and enter as tensors shaped like this
+    # rank's local parameter shards, named by global parameter name (never by bucket offsets).
+
+    _KEYS = ("exp_avg", "exp_avg_sq")
+
+    def step_count(self) -> int:
+        for m in self.masters:
+            if m is not None and "step" in self.optimizer.state[m]:
+                return int(self.optimizer.state[m]["step"])
+        return 0
+
+    @torch.no_grad()
+    def gather_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{"exp_avg": {name: local-shard tensor}, "exp_avg_sq": {...}}`` for every local
+        parameter. Collective over each bucket's ranks (ZeRO partitions are all-gathered), so
+        every rank of the plan must call it, in the same step."""
+        out = {k: {n: torch.zeros_like(p) for n, p in self.params.items()} for k in self._KEYS}
+        for i, b in enumerate(self.buckets):
+            m, (lo, hi), buf = self.masters[i], self.ranges[i], self._gather[i]
+            st = self.optimizer.state[m] if m is not None else {}
+            for k in self._KEYS:
+                part = st.get(k, torch.zeros(hi - lo, device=buf.device if buf is not None else None))
+                if buf is None:
+                    unflatten(b, part, out[k])                 # we hold the whole bucket
+                    continue
+                mine = torch.zeros(b.padded_part, device=buf.device)
+                mine[:hi - lo] = part
+                full = torch.empty_like(buf)
+                _all_gather(full, mine, self.groups[i])
+                unflatten(b, full[:b.numel], out[k])
+        return out
+
+    @torch.no_grad()
+    def load_state(self, states: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        """Set masters from the current parameters and Adam states from ``states`` (as returned
+        by :meth:`gather_state`, for this rank's local parameters); no communication."""
+        data = self.params_data()
+        for i, b in enumerate(self.buckets):
+            m, (lo, hi) = self.masters[i], self.ranges[i]
+            if m is None:
+                continue
+            m.data.copy_(flatten(b, data, device=m.device)[lo:hi])
+            st = {k: flatten(b, states[k], device=m.device)[lo:hi].clone() for k in self._KEYS}
+            st["step"] = torch.tensor(float(step))
+            self.optimizer.state[m] = st
+
 
 def _all_gather(out: torch.Tensor, mine: torch.Tensor, group) -> None:
     try:

@@ -41,6 +41,11 @@ def _try_all(rank, world, cases, out_dir):
     else:
         out["iter_loss"] = eng.train_batch()
     out["lr"] = [g["lr"] for g in eng.optimizer.param_groups]   # WarmupLR (log) after 2 steps
+    # model given as a whole StageModule: each rank copies its layers out of it
+    from malleus_ds.models import build_model
+    whole, *_ = malleus_ds.initialize(model=build_model(CFG, 0), config=ds_config(1),
+                                      plan=Plan.from_json(GOOD))
+    out["whole"] = whole.train_batch(step=0)
     return out
 
 
@@ -54,4 +59,5 @@ def test_bad_plans_fail_on_every_rank_then_good_plan_runs(tmp_path):
         assert out["after"] == res[0]["after"] > 0
         assert out["sched"] == "WarmupLR" and 0 < out["lr"][0] < 1e-3
         assert out["iter_loss"] == res[0]["iter_loss"] > 0
+        assert out["whole"] == out["after"]
     assert glob.glob(str(tmp_path / "**" / "*train_loss*"), recursive=True), list(tmp_path.rglob("*"))

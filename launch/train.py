@@ -85,7 +85,7 @@ def main() -> None:
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
     def app(cfg: DictConfig) -> None:
         from malleus_ds.config import ConfigError, build_run_config
-        from malleus_ds.runners import DistEnv, execute
+        from malleus_ds.runners import DistEnv, execute, validate
         from malleus_ds.runners.common import format_summary
 
         hc = HydraConfig.get()
@@ -94,7 +94,14 @@ def main() -> None:
         # --multirun jobs always get fresh rank processes: DeepSpeed keeps process-group state
         # in module globals, so two jobs in one process would share (destroyed) groups
         from hydra.types import RunMode
+        plain = OmegaConf.to_container(cfg, resolve=True)
         if not launched and (nproc > 1 or hc.mode == RunMode.MULTIRUN):
+            try:  # fail here, with one clear message, before starting any rank
+                validate(build_run_config(plain, world_size=nproc, local_world_size=nproc,
+                                          ds_search_dirs=(CONF_DIR / "deepspeed",)))
+            except ConfigError as e:
+                print(f"[malleus_ds] config error: {e}", file=sys.stderr, flush=True)
+                sys.exit(2)
             rc = _launch_ranks(nproc, list(hc.overrides.task), hc.runtime.output_dir)
             if rc != 0:
                 sys.exit(rc)
@@ -102,8 +109,7 @@ def main() -> None:
         env = DistEnv.from_environ(str(cfg.get("device", "auto")))
         run_dir = hc.runtime.output_dir if env.is_rank0 else None
         try:
-            rc = build_run_config(OmegaConf.to_container(cfg, resolve=True),
-                                  world_size=env.world_size,
+            rc = build_run_config(plain, world_size=env.world_size,
                                   local_world_size=env.local_world_size, run_dir=run_dir,
                                   ds_search_dirs=(CONF_DIR / "deepspeed",))
             summary = execute(rc, env)

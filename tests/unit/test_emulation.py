@@ -55,3 +55,34 @@ def test_metrics_writer_and_phases(tmp_path):
     assert ph[0].samples_per_s == pytest.approx(8.0) and ph[1].samples_per_s == pytest.approx(2.0)
     assert "0.25x" in format_phases(ph)
     assert MetricsWriter(None).path is None
+
+
+def test_compute_clock_leaves_out_communication_and_emulates():
+    import time
+
+    from malleus_ds.config import build_run_config
+    from malleus_ds.runners import DistEnv
+    from malleus_ds.runners.common import ComputeClock, exclude_calls
+
+    cfg = build_run_config({"straggler": {"schedule": [{"rank": 0, "rate": 2.0, "start_step": 1}]}},
+                           world_size=1)
+    clock = ComputeClock(cfg, DistEnv())
+
+    class Engine:  # stands in for DeepSpeed: backward calls a reduction internally
+        def reduce(self):
+            time.sleep(0.2)
+
+        def backward(self):
+            time.sleep(0.05)
+            self.reduce()
+
+    eng = Engine()
+    exclude_calls(eng, ["reduce"], clock)
+    clock.start_step(0)
+    with clock.compute():
+        eng.backward()
+    assert 0.04 <= clock.compute_s < 0.15 and clock.emulated_s == 0.0   # the 0.2 s left out
+    clock.start_step(1)                                                 # now rate 2
+    with clock.compute():
+        time.sleep(0.05)
+    assert clock.emulated_s >= 0.045 and clock.compute_s >= 0.095

@@ -478,6 +478,44 @@ class MalleusEngine(DeepSpeedEngine):
         self.global_steps = state.get("global_steps", self.global_steps)
         self.global_samples = self.global_steps * self.plan.global_batch_size
 
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **_kw):
+        """Every rank writes its :meth:`local_state` (+ plan, LR scheduler, ``client_state``) to
+        ``save_dir/tag/malleus_rank{r}.pt``; rank 0 writes ``save_dir/latest``. Collective."""
+        rank = self.global_rank
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        state = self.local_state()
+        d = Path(save_dir) / tag
+        d.mkdir(parents=True, exist_ok=True)
+        torch.save({"plan": self.plan.to_json(), "state": state, "client_state": client_state or {},
+                    "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None},
+                   d / f"malleus_rank{rank:05d}.pt")
+        tdist.barrier()
+        if save_latest and rank == 0:
+            (Path(save_dir) / "latest").write_text(tag)
+        tdist.barrier()
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, **_kw):
+        """Load what :meth:`save_checkpoint` wrote under the *same* plan (a different plan needs
+        a migration: slice the old ranks' ``local_state`` for the new layout). Returns
+        ``(path, client_state)`` like DeepSpeed."""
+        if tag is None:
+            tag = (Path(load_dir) / "latest").read_text().strip()
+        f = Path(load_dir) / str(tag) / f"malleus_rank{self.global_rank:05d}.pt"
+        ck = torch.load(f, weights_only=False)
+        if Plan.from_json(ck["plan"]) != self.plan:
+            raise PlanError(f"checkpoint {f.parent} was written under a different plan than this "
+                            f"engine runs; load it with that plan, then migrate")
+        st = ck["state"]
+        if not load_optimizer_states:
+            st = dict(st, exp_avg={n: torch.zeros_like(t) for n, t in st["params"].items()},
+                      exp_avg_sq={n: torch.zeros_like(t) for n, t in st["params"].items()}, step=0)
+        self.load_local_state(st)
+        if load_lr_scheduler_states and self.lr_scheduler is not None and ck["lr_scheduler"]:
+            self.lr_scheduler.load_state_dict(ck["lr_scheduler"])
+        return str(f), ck["client_state"]
+
     def local_shards(self) -> dict[str, tuple[torch.Tensor, int | None, int, int]]:
         """``name -> (local tensor, TP split dim or None, tp_rank, tp_size)`` for checking and
         gathering: the full tensor's slice ``tp_rank`` of ``tp_size`` along dim."""

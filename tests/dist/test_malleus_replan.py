@@ -1,4 +1,4 @@
-"""Re-planning keeps the math: train on plan A, hand each rank its slices of the state under
+"""Re-planning and checkpoints keep the math: train on plan A, hand each rank its slices of the state under
 plan B (a naive all-gather "migrator" for the test), train on; equals one 10-step reference run.
 
 This exercises the engine side of migration (DESIGN.md §6): ``local_state`` / ``load_local_state``
@@ -56,3 +56,23 @@ def test_replan_hetero_to_other_layout_zero1_then_zero2():
     pb = plan_json([(3, [([2, 0], (0, 3)), ([1], (3, 4))]), (5, [([3], (0, 4))])])
     res = run_distributed(_replan, 4, HETERO, pb, 5, 5, 1, 2, timeout=240)
     check(pb, res, steps=10, eps=EPS)      # losses of all 10 steps and final shards
+
+
+def _save_load(rank, world, pj, ckpt_dir, k1, k2):
+    import malleus_ds
+    from malleus_ds.plan import Plan
+
+    a, *_ = malleus_ds.initialize(model=CFG, config=ds_config(1), plan=Plan.from_json(pj))
+    losses = [a.train_batch() for _ in range(k1)]
+    a.save_checkpoint(ckpt_dir, client_state={"note": "hi"})
+    b, *_ = malleus_ds.initialize(model=CFG, config=ds_config(1), plan=Plan.from_json(pj))
+    _path, client = b.load_checkpoint(ckpt_dir)
+    assert client == {"note": "hi"} and b.global_steps == k1
+    losses += [b.train_batch() for _ in range(k2)]
+    return losses, {n: (t.numpy(), d, x, y) for n, (t, d, x, y) in b.local_shards().items()}
+
+
+def test_save_checkpoint_then_load_into_fresh_engine(tmp_path):
+    res = run_distributed(_save_load, 4, HETERO, str(tmp_path), 3, 3, timeout=240)
+    check(HETERO, res, steps=6, eps=EPS)
+    assert (tmp_path / "latest").read_text() == "global_step3"

@@ -18,8 +18,15 @@ group cannot express lives in this subclass, each in its own module:
 
 Setup reads as named steps: ``build_settings`` → ``build_plan`` (every rank validates the same
 plan and raises the same error before any collective, so bad input never hangs) →
-``build_stage`` → ``build_groups`` (collective, same order everywhere) → ``apply_tp`` →
+build the stage module → ``build_groups`` (collective, same order everywhere) → ``apply_tp`` →
 ``DeepSpeedEngine.__init__`` → ``build_runtime`` (schedule, peers, buckets, optimizer, scheduler).
+
+Public surface: ``train_batch(data_iter=None, step=None)`` (one global step, returns the
+global-batch mean loss on every rank), ``local_shards()``, ``local_state()`` /
+``load_local_state()`` (state by global parameter name, for re-planning and migration),
+``save_checkpoint`` / ``load_checkpoint`` (same plan), ``set_compute_clock``. Not supported:
+fp16/bf16, ZeRO-3, DeepSpeed's ``forward/backward/step`` loop (use ``train_batch``),
+vocab-parallel embedding/head (they are replicated inside a TP group).
 """
 from __future__ import annotations
 

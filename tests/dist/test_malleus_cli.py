@@ -54,3 +54,16 @@ def test_plan_naming_more_ranks_than_launched_fails_on_every_rank(tmp_path):
     assert p.returncode != 0
     text = p.stdout + p.stderr
     assert text.count("outside the world of 2 ranks") >= 2, text[-3000:]
+
+
+def test_static_plan_with_tp2_dp2(tmp_path):
+    out = tmp_path / "run"
+    p = _torchrun(4, ["plan=static", "parallel.tp=2", "parallel.dp=2", "train.steps=3",
+                      f"hydra.run.dir={out}"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    from malleus_ds.models import model_config
+    from malleus_ds.reference import reference_run
+    ref, _ = reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=3,
+                           global_batch_size=8, micro_batch_size=1)
+    np.testing.assert_allclose([r["loss"] for r in recs], ref, rtol=1e-5)

@@ -9,6 +9,7 @@ so a hang fails instead of blocking CI.
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 import traceback
 
@@ -25,7 +26,9 @@ def _entry(fn, rank, world_size, init_file, queue, args, env):
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size)
         out = fn(rank, world_size, *args)
-        queue.put((rank, "ok", out))
+        # plain pickle copies tensor storages by value; the queue's own pickler would pass
+        # shared-memory handles that die with this process
+        queue.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report any failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -75,7 +78,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, env: dic
                                            f"{[procs[i].exitcode for i in dead]}) without reporting")
                     continue
                 if status == "ok":
-                    results[rank] = payload
+                    results[rank] = pickle.loads(payload)
                 else:
                     errors[rank] = payload
                     break  # fail fast: the others may be stuck waiting on the failed rank

@@ -24,6 +24,16 @@ def _hang(rank, world):
     return rank
 
 
+def _tensor_result(rank, world):
+    return {"rank": rank, "t": torch.full((3,), float(rank))}
+
+
+def test_tensors_come_back_after_ranks_exit():
+    out = run_distributed(_tensor_result, 2)
+    assert [o["rank"] for o in out] == [0, 1]
+    assert torch.equal(out[1]["t"], torch.ones(3))
+
+
 def test_allreduce_two_ranks():
     assert run_distributed(_allreduce, 2) == [3.0, 3.0]
 

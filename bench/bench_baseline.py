@@ -7,7 +7,7 @@ schedule slows rank 1 phase by phase: healthy, then rate 2, 3, 4, 8, each for
 the first step of each phase left out), so every ratio is measured side by side in one process
 group. This is the number Malleus is judged against: a static layout runs at its slowest rank.
 
-    python bench/bench_baseline.py                    # ~1-2 min on 2 CPU cores
+    python bench/bench_baseline.py                    # ~3 min on 2 CPU cores
     python bench/bench_baseline.py --engine malleus   # same schedule on another engine
 
 Checks (printed, exit 1 on failure): a rate-3 rank makes the step >= 2x slower.
@@ -35,7 +35,7 @@ def main() -> int:
     ap.add_argument("--rates", default="2,3,4,8", help="straggler rates, one phase each")
     ap.add_argument("--slow-rank", type=int, default=1)
     ap.add_argument("--steps-per-phase", type=int, default=4)
-    ap.add_argument("--cycles", type=int, default=2,
+    ap.add_argument("--cycles", type=int, default=3,
                     help="repeat the healthy,2,3,... cycle to spread out machine noise")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=None, help="run folder (default: a temp dir)")

@@ -119,65 +119,91 @@ def _time_pipeline_compute(engine, clock: ComputeClock) -> None:
     engine._INSTRUCTION_MAP = table
 
 
-def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
+def build_engine(cfg: RunConfig, env: DistEnv):
+    """``deepspeed.initialize`` on our model: DeepSpeedEngine (pp=1) or PipelineEngine (pp>1)."""
+    import warnings
+
     from ..ds_compat import skip_shm_comm_build
 
     skip_shm_comm_build()
-    import warnings
-
     import deepspeed
 
-    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
-    import torch.distributed as dist
-
-    from ..data import ByteCorpus
     from ..models import build_model
     from ..reference import make_optimizer
 
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
     deepspeed.init_distributed(dist_backend=env.backend)
     torch.manual_seed(cfg.train.seed)
     ds_cfg = build_ds_config(cfg)
-    pp, dp = cfg.parallel.pp, cfg.parallel.dp
-    model = _build_pipeline_module(cfg) if pp > 1 else build_model(cfg.model, cfg.train.seed)
+    if cfg.parallel.pp > 1:
+        model = _build_pipeline_module(cfg)
+    else:
+        model = build_model(cfg.model, cfg.train.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     client_opt = None if "optimizer" in ds_cfg else make_optimizer(params, cfg.train.optim)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client_opt,
                                            model_parameters=params, config=ds_cfg)
-    data = ByteCorpus(cfg.model.max_seq_len, seed=cfg.train.corpus_seed)
-    clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env)
-    # static_plan: rank = dp_rank + dp * pp_rank (tp=1), the same as DeepSpeed's pipe topology
-    dp_rank = env.rank % dp
+    return engine
+
+
+def instrument(engine, clock: ComputeClock) -> None:
+    """Compute timing + straggler emulation on a stock engine, without subclassing it."""
     # gradient reduction that DeepSpeed runs inside backward (ZeRO hooks, the boundary
     # epilogue) is communication, not compute: keep it out of the measured compute time
     exclude_calls(engine, ["allreduce_gradients"], clock)
     exclude_calls(engine.optimizer, ["reduce_ipg_grads"], clock)
+    if hasattr(engine, "train_batch"):          # PipelineEngine: time its compute instructions
+        _time_pipeline_compute(engine, clock)
 
+
+def data_parallel_step(engine, data, mbs: list[list[int]], dp: int, env: DistEnv,
+                       clock: ComputeClock) -> float:
+    """One optimizer step of DeepSpeedEngine over this replica's micro-batches; returns the
+    global-batch mean loss (same on every rank)."""
+    import torch.distributed as dist
+
+    total = torch.zeros((), dtype=torch.float64, device=env.device)
+    for ids in mbs:
+        x, y = (t.to(env.device) for t in data.batch(ids))
+        with clock.compute():
+            out = lm_loss(engine(x), y)
+            engine.backward(out)        # DeepSpeed scales by 1/GAS, averages over dp
+        engine.step()                   # steps the optimizer at the GAS boundary only
+        total += out.detach().double()
+    total /= len(mbs) * dp              # mean of micro-batch means = global mean
+    if dp > 1:
+        dist.all_reduce(total)
+    loss = float(total)
+    if engine.monitor.enabled and env.is_rank0:   # PipelineEngine logs its own loss
+        engine.monitor.write_events([("Train/Samples/train_loss", loss, engine.global_samples)])
+    return loss
+
+
+def pipeline_step(engine, data, mbs: list[list[int]]) -> float:
+    """One PipelineEngine step (1F1B over this pipeline's micro-batches); its returned loss is
+    already the mean over micro-batches and data-parallel replicas, on every stage."""
+    return float(engine.train_batch(data_iter=iter([data.batch(ids) for ids in mbs])))
+
+
+def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
+    from ..data import ByteCorpus
+
+    engine = build_engine(cfg, env)
+    data = ByteCorpus(cfg.model.max_seq_len, seed=cfg.train.corpus_seed)
+    clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env)
+    instrument(engine, clock)
+    pp, dp = cfg.parallel.pp, cfg.parallel.dp
+    dp_rank = env.rank % dp  # static_plan: rank = dp_rank + dp * pp_rank (tp=1) = DS pipe topology
     for step in range(cfg.train.steps):
         t0 = time.perf_counter()
         clock.start_step(step)
         mbs = replica_micro_batches(cfg, step, dp_rank, dp)
         if pp > 1:
-            if step == 0:
-                _time_pipeline_compute(engine, clock)
-            batches = iter([data.batch(ids) for ids in mbs])
-            loss = float(engine.train_batch(data_iter=batches))
+            loss = pipeline_step(engine, data, mbs)
         else:
-            total = torch.zeros((), dtype=torch.float64, device=env.device)
-            for ids in mbs:
-                x, y = (t.to(env.device) for t in data.batch(ids))
-                with clock.compute():
-                    out = lm_loss(engine(x), y)
-                    engine.backward(out)        # DeepSpeed scales by 1/GAS, averages over dp
-                engine.step()                   # steps the optimizer at the GAS boundary only
-                total += out.detach().double()
-            total /= len(mbs) * dp              # mean of micro-batch means = global mean
-            if dp > 1:
-                dist.all_reduce(total)
-            loss = float(total)
-            if engine.monitor.enabled and env.is_rank0:   # PipelineEngine logs its own loss
-                engine.monitor.write_events([("Train/Samples/train_loss", loss,
-                                              engine.global_samples)])
+            loss = data_parallel_step(engine, data, mbs, dp, env, clock)
         reporter.step_done(step, loss, time.perf_counter() - t0, clock)
     summary = reporter.finish()
-    engine.destroy() if hasattr(engine, "destroy") else None
+    if hasattr(engine, "destroy"):
+        engine.destroy()
     return summary

@@ -12,7 +12,9 @@ The runner interface (what ``malleus_ds/runners/<name>_runner.py`` implements)::
         # Use the shared pieces in malleus_ds.runners.common:
         #   replica_micro_batches(cfg, step, replica, replicas)  -> sample ids per micro-batch
         #   ComputeClock(cfg, env): clock.start_step(step); `with clock.compute(): fwd+bwd`
-        #       (or clock.add(seconds)) -> measures compute and applies straggler emulation
+        #       (or clock.add(seconds)) -> measures compute and applies straggler emulation;
+        #       communication inside a timed span goes in `with clock.excluded():` (or wrap
+        #       methods with exclude_calls(obj, [names], clock)) so waiting is not compute
         #   StepReporter(cfg, env): reporter.step_done(step, global_mean_loss, step_time_s,
         #       clock) on EVERY rank each step (it all-gathers compute seconds; rank 0 writes
         #       cfg.run_dir/metrics.jsonl and the progress bar); return reporter.finish().

@@ -93,6 +93,14 @@ class Plan:
                     return i, j
         return None
 
+    def describe(self) -> str:
+        """One line, e.g. ``2 pipelines: [TP2 0-4] x5 | [TP1 0-2, TP1 2-4] x3; suspended [5]``."""
+        pipes = " | ".join(
+            "[" + ", ".join(f"TP{s.tp} {s.start}-{s.end}" for s in p.stages) + f"] x{p.micro_batches}"
+            for p in self.pipelines)
+        tail = f"; suspended {list(self.suspended)}" if self.suspended else ""
+        return f"{len(self.pipelines)} pipelines: {pipes}{tail}"
+
     def to_json(self) -> dict:
         out = dict(self.extra)
         out.update(

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from ..config import RunConfig
 from ..emulation import Straggler
 from ..metrics import MetricsWriter, StepRecord, format_phases, phases
-from ..plan import even_split
+from ..plan import Plan, even_split
 from ..reference import micro_batches
 from .base import DistEnv, RunSummary
 
@@ -160,10 +160,17 @@ class StepReporter:
 
 def format_summary(cfg: RunConfig, s: RunSummary) -> str:
     """The end-of-run summary printed by rank 0."""
-    p = cfg.parallel
+    p, plan = cfg.parallel, s.extra.get("plan")
+    if plan:    # a plan's layout and batch sizes win over parallel.* and train.*
+        pl = Plan.from_json(plan)
+        layout, gbs, mbs = "", pl.global_batch_size, pl.micro_batch_size
+    else:
+        layout = f" (tp={p.tp} pp={p.pp} dp={p.dp})"
+        gbs, mbs = cfg.train.global_batch_size, cfg.train.micro_batch_size
     lines = [f"== malleus_ds run: engine={cfg.engine} model={cfg.model.name} "
-             f"world={cfg.world_size} (tp={p.tp} pp={p.pp} dp={p.dp}) "
-             f"global_batch={cfg.train.global_batch_size} micro_batch={cfg.train.micro_batch_size}"]
+             f"world={cfg.world_size}{layout} global_batch={gbs} micro_batch={mbs}"]
+    if plan:
+        lines.append(f"  plan: {pl.describe()}")
     if s.losses:
         w = cfg.train.warmup_steps if len(s.step_times_s) > cfg.train.warmup_steps else 0
         t = sum(s.step_times_s[w:])

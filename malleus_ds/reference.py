@@ -39,8 +39,12 @@ def micro_batches(step: int, global_batch_size: int, micro_batch_size: int):
 
 def reference_run(cfg: ModelConfig, *, seed: int, steps: int, global_batch_size: int,
                   micro_batch_size: int, optim: OptimConfig = OptimConfig(),
-                  data_seed: int | None = None):
-    """Train ``steps`` steps on one process. Returns (per-step losses, final state_dict)."""
+                  data_seed: int | None = None, grad_clip: float = 0.0):
+    """Train ``steps`` steps on one process. Returns (per-step losses, final state_dict).
+
+    ``grad_clip > 0`` clips the summed gradients' global norm before each step
+    (``clip_grad_norm_``: scale by ``max_norm / (norm + 1e-6)`` when that is < 1), which is
+    DeepSpeed's ``gradient_clipping``."""
     torch.manual_seed(seed)
     model = build_model(cfg, seed)
     opt = make_optimizer(model.parameters(), optim)
@@ -55,6 +59,8 @@ def reference_run(cfg: ModelConfig, *, seed: int, steps: int, global_batch_size:
             loss = lm_loss(model(x), y) * scale
             loss.backward()
             total += loss.item()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=False)
         opt.step()
         losses.append(total)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -52,39 +52,10 @@ def reference(G, mbs, steps, eps, clip=0.0):
 
     key = (G, mbs, steps, eps, clip)
     if key not in _REF:
-        if clip:
-            _REF[key] = clipped_reference(G, mbs, steps, eps, clip)
-        else:
-            _REF[key] = reference_run(CFG, seed=0, steps=steps, global_batch_size=G,
-                                      micro_batch_size=mbs, optim=OptimConfig(lr=1e-3, eps=eps))
+        _REF[key] = reference_run(CFG, seed=0, steps=steps, global_batch_size=G,
+                                  micro_batch_size=mbs, optim=OptimConfig(lr=1e-3, eps=eps),
+                                  grad_clip=clip)
     return _REF[key]
-
-
-def clipped_reference(G, mbs, steps, eps, clip):
-    """reference_run plus torch.nn.utils.clip_grad_norm_ before each step (DeepSpeed's
-    gradient_clipping semantics: scale by max_norm / (norm + 1e-6) when that is < 1)."""
-    import torch
-
-    from malleus_ds.data import ByteCorpus
-    from malleus_ds.models import build_model, lm_loss
-    from malleus_ds.reference import OptimConfig, make_optimizer, micro_batches
-
-    model = build_model(CFG, 0)
-    opt = make_optimizer(model.parameters(), OptimConfig(lr=1e-3, eps=eps))
-    data = ByteCorpus(CFG.max_seq_len, seed=0)
-    losses = []
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for ids in micro_batches(step, G, mbs):
-            x, y = data.batch(ids)
-            loss = lm_loss(model(x), y) * (mbs / G)
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=False)
-        opt.step()
-        losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def check(pj, results, steps=STEPS, eps=EPS, loss_rtol=1e-5, param_rtol=1e-5, clip=0.0):

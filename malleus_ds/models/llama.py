@@ -100,7 +100,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # normalise in fp32 and cast back, as Meta's LLaMA does (``_norm(x.float()).type_as(x)``):
+        # under fp16 the backward of rsqrt (~ rms^-3) overflows for small hidden states; in fp32
+        # training both casts are no-ops, so the arithmetic is unchanged
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
 def rotary_tables(seq_len: int, head_dim: int, theta: float, device=None):

@@ -21,19 +21,26 @@ plan and raises the same error before any collective, so bad input never hangs) 
 build the stage module → ``build_groups`` (collective, same order everywhere) → ``apply_tp`` →
 ``DeepSpeedEngine.__init__`` → ``build_runtime`` (schedule, peers, buckets, optimizer, scheduler).
 
+Mixed precision (``"bf16"`` / ``"fp16"``, see ``precision.py``): the stage module is cast here,
+before the base engine sees it, and the base engine gets a config without ``fp16`` / ``bf16`` /
+``data_types``: its own answer to them would be a ``BF16_Optimizer`` / ``FP16_Optimizer`` over its
+single DP group (which we replace), and on CPU it refuses fp16 outright. ``fp16_enabled()`` /
+``bfloat16_enabled()`` report the user's setting once the engine is built.
+
 Public surface: ``train_batch(data_iter=None, step=None)`` (one global step, returns the
 global-batch mean loss on every rank), ``local_shards()``, ``local_state()`` /
 ``load_local_state()`` (state by global parameter name, for re-planning and migration),
-``save_checkpoint`` / ``load_checkpoint`` (same plan), ``set_compute_clock``. Not supported:
-fp16/bf16, ZeRO-3, DeepSpeed's ``forward/backward/step`` loop (use ``train_batch``),
-vocab-parallel embedding/head (they are replicated inside a TP group).
+``save_checkpoint`` / ``load_checkpoint`` (same plan), ``set_compute_clock``. bf16 and fp16 (with
+static or dynamic loss scaling) train with fp32 masters, fp32 gradient accumulation and reduction
+(``precision.py``). Not supported: ZeRO-3, DeepSpeed's ``forward/backward/step`` loop (use
+``train_batch``), vocab-parallel embedding/head (they are replicated inside a TP group).
 """
 from __future__ import annotations
 
 import copy
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -51,6 +58,7 @@ from ..plan import Plan, PlanError, validate_plan
 from .grad_sync import GradSync, build_buckets
 from .groups import GROUPS, check_world, plan_rank_sets
 from .optimizer import ShardedOptimizer
+from .precision import Precision, load_scaler_state, scaler_state
 from .schedule import (Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad, one_f_one_b)
 from .tensor_parallel import SHARD_DIM, TPError, apply_tp, check_tp_size
 
@@ -64,6 +72,7 @@ class MalleusSettings:
     gpus_per_node: int | None = None  # ranks per node (default: the whole world is one node)
     seed: int = 0                     # model init and data order seed
     straggler: tuple = ()             # straggler emulation schedule (malleus_ds.emulation), off if empty
+    precision: Precision = Precision()  # from the stock "fp16" / "bf16" sections (build_settings)
 
     @staticmethod
     def from_config(sec: Mapping[str, Any] | None) -> "MalleusSettings":
@@ -170,6 +179,13 @@ class MalleusEngine(DeepSpeedEngine):
             tp_rank, tp_size = st.ranks.index(rank), st.tp
             tp_group = GROUPS.get(st.ranks) if st.tp > 1 else None
             apply_tp(stage_module, tp_group, tp_rank, tp_size)
+        if settings.precision.mixed:
+            # what DeepSpeedEngine._cast_module_mixed_precision does (parameters only; the
+            # model has no buffers); the fp32 masters are then made from these casts, as
+            # DeepSpeed's BF16_Optimizer / FP16_Optimizer make theirs
+            with torch.no_grad():
+                for p in stage_module.parameters():
+                    p.data = p.data.to(settings.precision.dtype)
         mpu = _PlanMPU(rank, GROUPS.get((rank,)), tp_group, tp_rank, tp_size,
                        loc[1] if loc else 0, len(plan.pipelines[loc[0]].stages) if loc else 1)
         base_cfg = _base_ds_config(user_cfg, plan, loc)
@@ -182,10 +198,10 @@ class MalleusEngine(DeepSpeedEngine):
 
     @staticmethod
     def build_settings(user_cfg: dict) -> MalleusSettings:
-        for key in ("fp16", "bf16"):
-            if (user_cfg.get(key) or {}).get("enabled"):
-                raise ValueError(f"ds_config.{key}.enabled: MalleusEngine trains in fp32 only for now")
-        return MalleusSettings.from_config(user_cfg.get("malleus"))
+        """The ``malleus`` section plus the precision from ``fp16`` / ``bf16`` / ``data_types``;
+        pure, so a bad config raises the same error on every rank before any collective."""
+        s = MalleusSettings.from_config(user_cfg.get("malleus"))
+        return replace(s, precision=Precision.from_config(user_cfg))
 
     @staticmethod
     def build_plan(plan: Plan | None, cfg: ModelConfig, world: int, s: MalleusSettings,
@@ -252,6 +268,7 @@ class MalleusEngine(DeepSpeedEngine):
                                           device=self.device)
         self.basic_optimizer = self.optimizer.optimizer
         self.lr_scheduler = self._scheduler_from_config(self.optimizer.optimizer)
+        self.build_precision(settings.precision)
         self.straggler = None
         if settings.straggler:
             from ..emulation import Straggler, StragglerSchedule
@@ -266,6 +283,57 @@ class MalleusEngine(DeepSpeedEngine):
         }
         # a collective on the default group before the first batch_isend_irecv (NCCL requires it)
         tdist.barrier()
+
+    def build_precision(self, prec: Precision) -> None:
+        """fp32 gradient accumulators, the fp16 loss scaler and the dtype of p2p buffers
+        (``precision.py`` says what runs in which dtype and which DeepSpeed choices we follow)."""
+        self.precision = prec
+        self.act_dtype = prec.dtype
+        self.loss_scaler = prec.make_loss_scaler()
+        self.optimizer.loss_scaler = self.loss_scaler     # like DeepSpeed's fp16 optimizers
+        self.optimizer.overflow = False
+        self.skipped_steps = 0
+        self._acc: dict[str, torch.Tensor] | None = None
+        if prec.mixed:
+            self._acc = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                         for n, p in self.named.items()}
+            if prec.immediate_grad_update:
+                for n, p in self.named.items():
+                    p.register_post_accumulate_grad_hook(
+                        lambda q, a=self._acc[n]: self._accumulate_one(q, a))
+
+    @staticmethod
+    @torch.no_grad()
+    def _accumulate_one(p: torch.Tensor, acc: torch.Tensor) -> None:
+        acc.add_(p.grad)            # low-precision grad, upcast exactly, summed in fp32
+        p.grad = None
+
+    def _accumulate_grads(self) -> None:
+        """After a micro-batch's backward: move low-precision grads into the fp32 buffers
+        (BF16_Optimizer.update_hp_grads; a no-op with immediate_grad_update)."""
+        if self._acc is None or self.precision.immediate_grad_update:
+            return
+        for n, p in self.named.items():
+            if p.grad is not None:
+                self._accumulate_one(p, self._acc[n])
+
+    @property
+    def cur_scale(self) -> float:
+        """The fp16 loss scale now (1.0 without fp16)."""
+        return float(self.loss_scaler.cur_scale) if self.loss_scaler is not None else 1.0
+
+    def fp16_enabled(self) -> bool:
+        prec = self.__dict__.get("precision")
+        return prec.dtype == torch.float16 if prec is not None else super().fp16_enabled()
+
+    def bfloat16_enabled(self) -> bool:
+        prec = self.__dict__.get("precision")
+        return prec.dtype == torch.bfloat16 if prec is not None else super().bfloat16_enabled()
+
+    def get_data_types(self):
+        """(model dtype, gradient accumulation dtype): accumulation is always fp32 here."""
+        prec = self.__dict__.get("precision")
+        return (prec.dtype, torch.float32) if prec is not None else super().get_data_types()
 
     # ------------------------------------------------------------------ training
 
@@ -296,9 +364,13 @@ class MalleusEngine(DeepSpeedEngine):
         step = self.global_steps if step is None else step
         self._data_iter = data_iter
         self.compute_seconds, self._loss_sum = 0.0, 0.0
+        self._loss_mult = self.cur_scale       # fp16: this step's loss scale (1.0 otherwise)
         if self.located is not None:
             for p in self.named.values():
                 p.grad = None
+            if self._acc is not None:
+                for a in self._acc.values():
+                    a.zero_()
             self._step, self._ids = step, self.my_micro_batches(step)
             self._inputs, self._outputs, self._grads_in, self._grads_out = {}, {}, {}, {}
             self._sends: list = []
@@ -315,13 +387,35 @@ class MalleusEngine(DeepSpeedEngine):
             for h, _ in self._sends:
                 h.wait()
             self._sends = []
-            grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
-                     for n, p in self.named.items()}
-            flats = self.grad_sync.reduce(grads)
+            if self._acc is not None:           # mixed precision: fp32 accumulators
+                grads = self._acc
+            else:
+                grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
+                         for n, p in self.named.items()}
+            flats = self.grad_sync.reduce(grads)   # fp32 buckets, summed over replicas
             for p in self.named.values():       # summed grads live in the buckets now
                 p.grad = None
         else:
             flats = []
+        # One world all-reduce: the global-batch loss and, with fp16/bf16, the count of
+        # non-finite summed-gradient elements (each element is held by at least one rank, and a
+        # rank's inf/nan makes its bucket's sum non-finite), so every rank takes the same
+        # skip decision.
+        check = self.precision.check_overflow
+        mine = self._loss_sum if (self.is_last_stage and self.tp_rank == 0) else 0.0
+        bad = sum(int((~torch.isfinite(f)).sum()) for f, _ in flats) if check else 0
+        red = torch.tensor([mine, float(bad)], dtype=torch.float64, device=self.device)
+        tdist.all_reduce(red)
+        loss, overflow = float(red[0]), bool(red[1] > 0)
+        self.optimizer.overflow = overflow
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(overflow)   # DeepSpeed's static/dynamic scaler
+        if overflow:
+            self._finish_step(loss, skipped=True)
+            return loss
+        if self._loss_mult != 1.0:                    # unscale in fp32 (a power of 2: exact)
+            for f, _ in flats:
+                f.mul_(1.0 / self._loss_mult)
         coef = 1.0
         clip = self.gradient_clipping()
         if clip and clip > 0:
@@ -333,10 +427,17 @@ class MalleusEngine(DeepSpeedEngine):
         self.optimizer.step(flats, coef)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        mine = self._loss_sum if (self.is_last_stage and self.tp_rank == 0) else 0.0
-        loss_t = torch.tensor([mine], dtype=torch.float64, device=self.device)
-        tdist.all_reduce(loss_t)
-        loss = float(loss_t)
+        self._finish_step(loss, skipped=False)
+        return loss
+
+    def _finish_step(self, loss: float, skipped: bool) -> None:
+        """Counters, monitor and log (a skipped step still counts in global_steps, not in the
+        LR schedule: DeepSpeedEngine._take_model_step)."""
+        if skipped:
+            self.skipped_steps += 1
+            if self.global_rank == 0:
+                log_dist(f"step={self.global_steps}: non-finite gradients, step skipped "
+                         f"({self.precision.name}; loss scale now {self.cur_scale:g})", ranks=[0])
         self.global_steps += 1
         self.global_samples += self.plan.global_batch_size
         if self.global_rank == 0:
@@ -346,7 +447,6 @@ class MalleusEngine(DeepSpeedEngine):
             if every and self.global_steps % every == 0:
                 log_dist(f"step={self.global_steps} loss={loss:.6f} "
                          f"lr={self.optimizer.param_groups[0]['lr']:.3e}", ranks=[0])
-        return loss
 
     def set_compute_clock(self, clock) -> None:
         """Time forward/backward with ``clock.compute()`` (``malleus_ds.runners.common.ComputeClock``,
@@ -388,13 +488,19 @@ class MalleusEngine(DeepSpeedEngine):
         out = self._timed(run)
         if self.is_last_stage:
             self._loss_sum += out.item()
+            if self._loss_mult != 1.0:      # fp16 loss scaling (fp32 loss, power-of-2 scale)
+                out = out * self._loss_mult
         self._outputs[k] = out
 
     def _exec_backward(self, ins: Backward) -> None:
         k = ins.micro_batch
         out = self._outputs.pop(k)
         grad = None if self.is_last_stage else self._grads_out.pop(k)
-        self._timed(lambda: out.backward(grad))
+        def run():
+            out.backward(grad)
+            self._accumulate_grads()
+
+        self._timed(run)
         if not self.is_first_stage:
             self._grads_in[k] = self._inputs.pop(k).grad
 
@@ -413,7 +519,7 @@ class MalleusEngine(DeepSpeedEngine):
         return self._grads_in.pop(ins.micro_batch).contiguous(), self.grad_dsts
 
     def _recv_parts(self, ins) -> tuple[torch.Tensor, int]:
-        buf = torch.empty(self._act_shape(), device=self.device)
+        buf = torch.empty(self._act_shape(), dtype=self.act_dtype, device=self.device)
         return buf, (self.act_src if isinstance(ins, RecvAct) else self.grad_src)
 
     def _recv_done(self, ins, buf: torch.Tensor) -> None:
@@ -463,11 +569,17 @@ class MalleusEngine(DeepSpeedEngine):
     def local_state(self) -> dict:
         """This rank's training state by global parameter name, for re-planning / migration:
         ``{"params": {name: shard}, "exp_avg": {...}, "exp_avg_sq": {...}, "step": Adam step,
-        "global_steps": steps trained}``; shards as in :meth:`local_shards`. Collective (ZeRO
-        partitions are gathered): call on every rank."""
-        st = self.optimizer.gather_state()
-        return {"params": {n: p.detach().clone() for n, p in self.named.items()},
-                **st, "step": self.optimizer.step_count(), "global_steps": self.global_steps}
+        "global_steps": steps trained, "skipped_steps": ..., "loss_scaler": fp16 scaler state
+        or None}``; shards as in :meth:`local_shards`. With bf16/fp16, ``params`` are the fp32
+        MASTER weights (the low-precision parameters are their casts), so a re-plan loses
+        nothing. Collective (ZeRO partitions are gathered): call on every rank."""
+        st = self.optimizer.gather_state(masters=self.precision.mixed)
+        params = st.pop("master", None)
+        if params is None:
+            params = {n: p.detach().clone() for n, p in self.named.items()}
+        return {"params": params, **st, "step": self.optimizer.step_count(),
+                "global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
+                "loss_scaler": scaler_state(self.loss_scaler)}
 
     @torch.no_grad()
     def load_local_state(self, state: dict) -> None:
@@ -480,8 +592,12 @@ class MalleusEngine(DeepSpeedEngine):
             if state["params"][n].shape != p.shape:
                 raise ValueError(f"load_local_state: {n} has shape {tuple(state['params'][n].shape)}, "
                                  f"this rank holds {tuple(p.shape)}")
-            p.copy_(state["params"][n])
-        self.optimizer.load_state({k: state[k] for k in ("exp_avg", "exp_avg_sq")}, state["step"])
+            p.copy_(state["params"][n])     # casts fp32 masters to bf16/fp16 when mixed
+        # masters from the given (fp32) values, not from the low-precision parameters
+        self.optimizer.load_state({k: state[k] for k in ("exp_avg", "exp_avg_sq")}, state["step"],
+                                  params=state["params"])
+        load_scaler_state(self.loss_scaler, state.get("loss_scaler"))
+        self.skipped_steps = state.get("skipped_steps", self.skipped_steps)
         self.global_steps = state.get("global_steps", self.global_steps)
         self.global_samples = self.global_steps * self.plan.global_batch_size
 
@@ -525,7 +641,9 @@ class MalleusEngine(DeepSpeedEngine):
 
     def local_shards(self) -> dict[str, tuple[torch.Tensor, int | None, int, int]]:
         """``name -> (local tensor, TP split dim or None, tp_rank, tp_size)`` for checking and
-        gathering: the full tensor's slice ``tp_rank`` of ``tp_size`` along dim."""
+        gathering: the full tensor's slice ``tp_rank`` of ``tp_size`` along dim. These are the
+        live parameters (bf16/fp16 under mixed precision); :meth:`local_state` has the fp32
+        masters."""
         out = {}
         for n, p in self.named.items():
             local = n.split(".", 2)[2] if n.startswith("blocks.") else None
@@ -604,10 +722,12 @@ def _optimizer_settings(user_cfg: dict):
 
 def _base_ds_config(user_cfg: dict, plan: Plan, loc) -> dict:
     """The config the base engine gets: batch sizes of this rank's pipeline (DP world = 1), and
-    no optimizer / ZeRO section (this subclass builds those; see the module docstring)."""
+    no optimizer / ZeRO / precision section (this subclass builds those; see the module
+    docstring)."""
     base = {k: v for k, v in user_cfg.items()
             if k not in ("malleus", "optimizer", "zero_optimization", "train_batch_size",
-                         "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}
+                         "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                         "fp16", "bf16", "bfloat16", "data_types")}
     m = plan.pipelines[loc[0]].micro_batches if loc else 1
     base["train_micro_batch_size_per_gpu"] = plan.micro_batch_size
     base["gradient_accumulation_steps"] = m

@@ -50,7 +50,11 @@ class ShardedOptimizer:
         live = [m for m in self.masters if m is not None]
         # a rank with nothing to update (suspended) still gets an optimizer for schedulers
         self.optimizer = make_optimizer(live if live else [nn.Parameter(torch.zeros(0, device=device))])
-        self._gather = [torch.empty(b.padded_part * len(b.ranks), device=device) if zero_stage >= 1
+        # ZeRO-1/2 all-gather the updated slices in the PARAMETER dtype (bf16/fp16 under mixed
+        # precision, as BF16_Optimizer.update_lp_params: cast, then gather half the bytes)
+        self.param_dtype = next(iter(params.values())).dtype if params else torch.float32
+        self._gather = [torch.empty(b.padded_part * len(b.ranks), dtype=self.param_dtype,
+                                    device=device) if zero_stage >= 1
                         and len(b.ranks) > 1 else None for b in buckets]
 
     @property
@@ -83,9 +87,9 @@ class ShardedOptimizer:
                     unflatten(b, m.data, self.params_data())   # lo == 0, hi == numel here
                 continue
             per = b.padded_part
-            mine = torch.zeros(per, device=buf.device)
+            mine = torch.zeros(per, dtype=buf.dtype, device=buf.device)
             if m is not None:
-                mine[:hi - lo] = m.data
+                mine[:hi - lo] = m.data            # fp32 master -> parameter dtype
             _all_gather(buf, mine, self.groups[i])
             unflatten(b, buf[:b.numel], self.params_data())
         for m in self.masters:
@@ -108,31 +112,40 @@ class ShardedOptimizer:
         return 0
 
     @torch.no_grad()
-    def gather_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """``{"exp_avg": {name: local-shard tensor}, "exp_avg_sq": {...}}`` for every local
-        parameter. Collective over each bucket's ranks (ZeRO partitions are all-gathered), so
-        every rank of the plan must call it, in the same step."""
-        out = {k: {n: torch.zeros_like(p) for n, p in self.params.items()} for k in self._KEYS}
+    def gather_state(self, masters: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+        """``{"exp_avg": {name: local-shard tensor}, "exp_avg_sq": {...}}`` (fp32) for every
+        local parameter, and ``"master"``: the fp32 master weights when ``masters``. Collective
+        over each bucket's ranks (ZeRO partitions are all-gathered), so every rank of the plan
+        must call it, in the same step."""
+        keys = self._KEYS + (("master",) if masters else ())
+        out = {k: {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                   for n, p in self.params.items()} for k in keys}
         for i, b in enumerate(self.buckets):
             m, (lo, hi), buf = self.masters[i], self.ranges[i], self._gather[i]
             st = self.optimizer.state[m] if m is not None else {}
-            for k in self._KEYS:
-                part = st.get(k, torch.zeros(hi - lo, device=buf.device if buf is not None else None))
+            dev = buf.device if buf is not None else None
+            for k in keys:
+                if k == "master":
+                    part = m.data if m is not None else torch.zeros(0, device=dev)
+                else:
+                    part = st.get(k, torch.zeros(hi - lo, device=dev))
                 if buf is None:
                     unflatten(b, part, out[k])                 # we hold the whole bucket
                     continue
-                mine = torch.zeros(b.padded_part, device=buf.device)
+                mine = torch.zeros(b.padded_part, dtype=torch.float32, device=buf.device)
                 mine[:hi - lo] = part
-                full = torch.empty_like(buf)
+                full = torch.empty(buf.shape, dtype=torch.float32, device=buf.device)
                 _all_gather(full, mine, self.groups[i])
                 unflatten(b, full[:b.numel], out[k])
         return out
 
     @torch.no_grad()
-    def load_state(self, states: dict[str, dict[str, torch.Tensor]], step: int) -> None:
-        """Set masters from the current parameters and Adam states from ``states`` (as returned
-        by :meth:`gather_state`, for this rank's local parameters); no communication."""
-        data = self.params_data()
+    def load_state(self, states: dict[str, dict[str, torch.Tensor]], step: int,
+                   params: dict[str, torch.Tensor] | None = None) -> None:
+        """Set masters from ``params`` (fp32 master values by name; default: the current
+        parameters) and Adam states from ``states`` (as returned by :meth:`gather_state`, for
+        this rank's local parameters); no communication."""
+        data = self.params_data() if params is None else params
         for i, b in enumerate(self.buckets):
             m, (lo, hi) = self.masters[i], self.ranges[i]
             if m is None:

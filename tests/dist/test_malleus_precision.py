@@ -26,13 +26,14 @@ import numpy as np
 
 from tests.dist.harness import run_distributed
 from tests.dist.test_malleus_cases import CFG, EPS, ds_config, plan_json
-from tests.dist.test_malleus_equivalence import HETERO
+from tests.dist.test_malleus_equivalence import HETERO, SUSPENDED
 
 ONE = plan_json([(8, [([0], (0, 4))])])
 # re-plan target for HETERO: p0 TP2 [2, 0] layers 0-3 then [1]; p1 [3] all; micro-batches 3/5
 REPLAN_B = plan_json([(3, [([2, 0], (0, 3)), ([1], (3, 4))]), (5, [([3], (0, 4))])])
 STEPS = 8
 LR = 1e-3                  # ds_config()'s AdamW lr
+CLIP = 0.05                # small enough to clip every step (the fp32 clipping test uses it)
 LOSS_RTOL_BF16, PARAM_RTOL_BF16 = 1e-3, 3e-2
 LOSS_RTOL_FP16, PARAM_RTOL_FP16 = 1e-4, 5e-3     # fp16 keeps 11 significant bits, bf16 8
 # fp16 scaler forced to overflow: at 2^20 and 2^19 the scaled fp16 backward overflows, at 2^18
@@ -49,9 +50,11 @@ def mp_config(zero: int, **prec) -> dict:
 # ---------------------------------------------------------------------- the reference
 
 
-def mp_reference(dtype_name: str, steps: int, G: int = 8, mbs: int = 1, fp16: dict | None = None):
-    """Single process, mixed precision, DeepSpeed's recipe (module docstring). Returns
-    (losses, masters by name, skipped steps, loss scale before each step)."""
+def mp_reference(dtype_name: str, steps: int, G: int = 8, mbs: int = 1, fp16: dict | None = None,
+                 clip: float = 0.0):
+    """Single process, mixed precision, DeepSpeed's recipe (module docstring); ``clip``: global
+    gradient-norm clipping of the unscaled fp32 gradients. Returns (losses, masters by name,
+    skipped steps, loss scale before each step)."""
     from unittest import mock
 
     import torch
@@ -101,6 +104,12 @@ def mp_reference(dtype_name: str, steps: int, G: int = 8, mbs: int = 1, fp16: di
             continue
         for m, a in zip(masters, acc):
             m.grad = a.mul_(1.0 / scale) if scale != 1.0 else a
+        if clip:      # DeepSpeed's gradient_clipping: x max_norm / (norm + 1e-6) when < 1;
+            # the norm in float64 like the engine, so an fp16 cast of the masters cannot flip
+            norm = sum(float(m.grad.double().pow(2).sum()) for m in masters) ** 0.5
+            coef = min(1.0, clip / (norm + 1e-6))
+            for m in masters:
+                m.grad = m.grad * coef
         opt.step()
         with torch.no_grad():
             for p, m in zip(params, masters):
@@ -111,10 +120,10 @@ def mp_reference(dtype_name: str, steps: int, G: int = 8, mbs: int = 1, fp16: di
 _REF: dict = {}
 
 
-def reference(dtype_name, steps, fp16=None):
-    key = (dtype_name, steps, repr(fp16))
+def reference(dtype_name, steps, fp16=None, clip=0.0):
+    key = (dtype_name, steps, repr(fp16), clip)
     if key not in _REF:
-        _REF[key] = mp_reference(dtype_name, steps, fp16=fp16)
+        _REF[key] = mp_reference(dtype_name, steps, fp16=fp16, clip=clip)
     return _REF[key]
 
 
@@ -151,7 +160,10 @@ def _one_rank(rank, world):
     bf16 = _train(ONE, mp_config(0, bf16={"enabled": True}), STEPS)
     imm = _train(ONE, mp_config(0, bf16={"enabled": True, "immediate_grad_update": True}), STEPS)
     fp16 = _train(ONE, mp_config(0, fp16=FP16_FORCED), STEPS)
-    return bf16, imm, fp16
+    # clipping acts on the unscaled fp32 gradients (scale 2^16: no overflow in these steps)
+    clip = _train(ONE, dict(mp_config(0, fp16=dict(FP16_FORCED, initial_scale_power=16)),
+                            gradient_clipping=CLIP), 4)
+    return bf16, imm, fp16, clip
 
 
 def _four_ranks(rank, world, ckpt_dir):
@@ -168,6 +180,7 @@ def _four_ranks(rank, world, ckpt_dir):
         out["both"] = f"{type(e).__name__}: {e}"
     out["bf16"] = _train(HETERO, mp_config(1, bf16={"enabled": True}), 10)
     out["fp16"] = _train(HETERO, mp_config(2, fp16=FP16_FORCED), STEPS)
+    out["suspended"] = _train(SUSPENDED, mp_config(2, bf16={"enabled": True}), 4)
     # checkpoint carries the fp32 masters: 2 steps, save, fresh engine loads, 2 more steps
     # reproduce the first 4 losses of the uninterrupted run bit for bit (bf16 copies would not)
     cfg = mp_config(1, bf16={"enabled": True})
@@ -239,7 +252,7 @@ def _check_masters(masters_by_rank, ref_masters, atol, fro_rtol=None):
 
 
 def test_one_rank_bf16_and_fp16_equal_the_mixed_precision_reference():
-    (bf16, imm, fp16), = run_distributed(_one_rank, 1, timeout=180)
+    (bf16, imm, fp16, clip), = run_distributed(_one_rank, 1, timeout=180)
     ref_losses, ref_masters, _, _ = reference("bf16", STEPS)
     for r in (bf16, imm):
         assert r["dtypes"] == {"torch.bfloat16", "masters:torch.float32"} and r["cast_ok"]
@@ -258,6 +271,12 @@ def test_one_rank_bf16_and_fp16_equal_the_mixed_precision_reference():
     np.testing.assert_allclose(fp16["losses"], f_losses, rtol=1e-6)
     _check_masters([fp16["masters"]], f_masters, atol=1e-6)
 
+    c_losses, c_masters, c_skipped, _ = reference(
+        "fp16", 4, dict(FP16_FORCED, initial_scale_power=16), clip=CLIP)
+    assert not c_skipped and clip["skipped_steps"] == 0
+    np.testing.assert_allclose(clip["losses"], c_losses, rtol=1e-6)
+    _check_masters([clip["masters"]], c_masters, atol=1e-6)
+
 
 def test_four_ranks_hetero_bf16_fp16_overflow_checkpoint_and_bad_config(tmp_path):
     res = run_distributed(_four_ranks, 4, str(tmp_path), timeout=300)
@@ -274,6 +293,11 @@ def test_four_ranks_hetero_bf16_fp16_overflow_checkpoint_and_bad_config(tmp_path
         assert r["dtypes"] <= {"torch.bfloat16", "masters:torch.float32"} and r["cast_ok"]
         assert r["skipped_steps"] == 0
     _check_masters([o["bf16"]["masters"] for o in res], ref_masters, 2 * LR * 10, PARAM_RTOL_BF16)
+
+    # a suspended rank (2) next to 2-stage and 1-stage pipelines, ZeRO-2, bf16
+    for rank, out in enumerate(res):
+        np.testing.assert_allclose(out["suspended"]["losses"], ref_losses[:4], rtol=LOSS_RTOL_BF16)
+    assert res[2]["suspended"]["masters"] == {}
 
     # fp16, dynamic scale forced to overflow: every rank skips the same steps with the same
     # scale history as the reference, then trains on and matches it

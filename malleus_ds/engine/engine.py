@@ -403,8 +403,10 @@ class MalleusEngine(DeepSpeedEngine):
         # skip decision.
         check = self.precision.check_overflow
         mine = self._loss_sum if (self.is_last_stage and self.tp_rank == 0) else 0.0
-        bad = sum(int((~torch.isfinite(f)).sum()) for f, _ in flats) if check else 0
-        red = torch.tensor([mine, float(bad)], dtype=torch.float64, device=self.device)
+        red = torch.tensor([mine, 0.0], dtype=torch.float64, device=self.device)
+        if check:                        # counted on the device: no host sync per bucket
+            for f, _ in flats:
+                red[1] += (~torch.isfinite(f)).sum()
         tdist.all_reduce(red)
         loss, overflow = float(red[0]), bool(red[1] > 0)
         self.optimizer.overflow = overflow

@@ -59,6 +59,12 @@ def validate(cfg: RunConfig) -> None:
     if zero not in (0, 1, 2):
         raise ConfigError(f"engine=malleus: ds_config zero_optimization.stage={zero} is not "
                           f"supported; use stage 0, 1 or 2 (e.g. deepspeed=zero1)")
+    from ..engine.engine import MalleusEngine
+
+    try:    # the malleus section and fp16/bf16/data_types, as the engine will read them
+        MalleusEngine.build_settings(build_ds_config(cfg, plan))
+    except ValueError as e:
+        raise ConfigError(f"engine=malleus: {e}") from None
 
 
 def build_ds_config(cfg: RunConfig, plan: Plan) -> dict:

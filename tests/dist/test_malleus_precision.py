@@ -198,31 +198,18 @@ def _four_ranks(rank, world, ckpt_dir):
 
 def _replan_bf16(world, k1, k2):
     import torch
-    import torch.distributed as dist
 
     import malleus_ds
-    from malleus_ds.engine.tensor_parallel import shard
     from malleus_ds.plan import Plan
-    from tests.dist.test_malleus_replan import _to_full
+    from tests.dist.test_malleus_replan import gather_full_state, load_full_state
 
     cfg = mp_config(1, bf16={"enabled": True})
     a, *_ = malleus_ds.initialize(model=CFG, config=cfg, plan=Plan.from_json(HETERO))
     losses = [a.train_batch() for _ in range(k1)]
-    st, info = a.local_state(), {n: v[1:] for n, v in a.local_shards().items()}
-    everyone = [None] * world
-    dist.all_gather_object(everyone, (st, info))
-    full = {k: {} for k in ("params", "exp_avg", "exp_avg_sq")}
-    for s, inf in everyone:
-        for k in full:
-            for n, t in s[k].items():
-                _to_full(t, n, *inf[n], full[k])
+    full, st = gather_full_state(a, world)
     b, *_ = malleus_ds.initialize(model=CFG, config=mp_config(2, bf16={"enabled": True}),
                                   plan=Plan.from_json(REPLAN_B))
-    mine = {k: {} for k in full}
-    for n, (_t, dim, tr, ts) in b.local_shards().items():
-        for k in full:
-            mine[k][n] = full[k][n] if dim is None else shard(full[k][n], dim, tr, ts)
-    b.load_local_state(dict(mine, step=st["step"], global_steps=st["global_steps"]))
+    mine = load_full_state(b, full, st)
     st_b, lp_b = b.local_state(), b.local_shards()
     exact = all(torch.equal(st_b["params"][n], mine["params"][n]) and
                 torch.equal(lp_b[n][0], mine["params"][n].to(torch.bfloat16)) for n in lp_b)

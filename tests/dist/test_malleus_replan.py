@@ -23,16 +23,12 @@ def _to_full(t, name, dim, tp_rank, tp_size, full):
     f.narrow(dim, tp_rank * w, w).copy_(t)
 
 
-def _replan(rank, world, pa, pb, k1, k2, zero_a, zero_b):
+def gather_full_state(engine, world):
+    """Collective: the whole model's params and Adam states as full tensors by global name (a
+    naive all-gather "migrator"), plus this rank's ``local_state`` for its step counters."""
     import torch.distributed as dist
 
-    import malleus_ds
-    from malleus_ds.engine.tensor_parallel import shard
-    from malleus_ds.plan import Plan
-
-    a, *_ = malleus_ds.initialize(model=CFG, config=ds_config(zero_a), plan=Plan.from_json(pa))
-    losses = [a.train_batch() for _ in range(k1)]
-    st, info = a.local_state(), {n: v[1:] for n, v in a.local_shards().items()}
+    st, info = engine.local_state(), {n: v[1:] for n, v in engine.local_shards().items()}
     everyone = [None] * world
     dist.all_gather_object(everyone, (st, info))
     full = {k: {} for k in ("params", "exp_avg", "exp_avg_sq")}
@@ -40,12 +36,30 @@ def _replan(rank, world, pa, pb, k1, k2, zero_a, zero_b):
         for k in full:
             for n, t in s[k].items():
                 _to_full(t, n, *inf[n], full[k])
-    b, *_ = malleus_ds.initialize(model=CFG, config=ds_config(zero_b), plan=Plan.from_json(pb))
+    return full, st
+
+
+def load_full_state(engine, full, st):
+    """Hand ``engine`` its slices of ``full`` (from :func:`gather_full_state`); returns them."""
+    from malleus_ds.engine.tensor_parallel import shard
+
     mine = {k: {} for k in full}
-    for n, (_t, dim, tr, ts) in b.local_shards().items():
+    for n, (_t, dim, tr, ts) in engine.local_shards().items():
         for k in full:
             mine[k][n] = full[k][n] if dim is None else shard(full[k][n], dim, tr, ts)
-    b.load_local_state(dict(mine, step=st["step"], global_steps=st["global_steps"]))
+    engine.load_local_state(dict(mine, step=st["step"], global_steps=st["global_steps"]))
+    return mine
+
+
+def _replan(rank, world, pa, pb, k1, k2, zero_a, zero_b):
+    import malleus_ds
+    from malleus_ds.plan import Plan
+
+    a, *_ = malleus_ds.initialize(model=CFG, config=ds_config(zero_a), plan=Plan.from_json(pa))
+    losses = [a.train_batch() for _ in range(k1)]
+    full, st = gather_full_state(a, world)
+    b, *_ = malleus_ds.initialize(model=CFG, config=ds_config(zero_b), plan=Plan.from_json(pb))
+    load_full_state(b, full, st)
     losses += [b.train_batch() for _ in range(k2)]
     return losses, {n: (t.numpy(), d, x, y) for n, (t, d, x, y) in b.local_shards().items()}
 

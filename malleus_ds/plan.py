@@ -167,18 +167,11 @@ class Plan:
 
     @staticmethod
     def loads(text: str) -> "Plan":
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanError(f"plan: not valid JSON ({e})") from None
-        return Plan.from_json(d)
+        return Plan.from_json(_parse_json(text, "plan"))
 
     @staticmethod
     def load(path: str | Path) -> "Plan":
-        p = Path(path)
-        if not p.is_file():
-            raise PlanError(f"plan: file not found: {p}")
-        return Plan.loads(p.read_text())
+        return Plan.loads(_read_text(path, "plan"))
 
 
 def static_plan(num_layers: int, global_batch_size: int, micro_batch_size: int,
@@ -466,23 +459,30 @@ class Problem:
 
     @staticmethod
     def loads(text: str) -> "Problem":
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanError(f"problem: not valid JSON ({e})") from None
-        return Problem.from_json(d)
+        return Problem.from_json(_parse_json(text, "problem"))
 
     @staticmethod
     def load(path: str | Path) -> "Problem":
-        p = Path(path)
-        if not p.is_file():
-            raise PlanError(f"problem: file not found: {p}")
-        return Problem.loads(p.read_text())
+        return Problem.loads(_read_text(path, "problem"))
 
 
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
+
+
+def _parse_json(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanError(f"{what}: not valid JSON ({e})") from None
+
+
+def _read_text(path: str | Path, what: str) -> str:
+    p = Path(path)
+    if not p.is_file():
+        raise PlanError(f"{what}: file not found: {p}")
+    return p.read_text()
 
 
 def _check_version(what: str, d: Mapping[str, Any]) -> None:

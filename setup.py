@@ -21,6 +21,7 @@ setup(
         "numpy>=1.24",
         "matplotlib>=3.7",
         "tqdm>=4.60",
+        "tensorboard>=2.14",   # DeepSpeed's TensorBoard monitor (ds_config "tensorboard")
     ],
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100"],

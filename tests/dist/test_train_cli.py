@@ -51,7 +51,8 @@ def test_torchrun_two_ranks_writes_metrics_with_straggler(tmp_path):
     out = tmp_path / "run"
     p = _run(_torchrun(2) + TINY + ["engine=deepspeed", "train.steps=5", f"hydra.run.dir={out}",
                                     "straggler.schedule=[{rank:1,rate:3.0,start_step:3,end_step:100}]",
-                                    "+deepspeed.config.csv_monitor={enabled:true,job_name:mon}"],
+                                    "+deepspeed.config.csv_monitor={enabled:true,job_name:mon}",
+                                    "+deepspeed.config.tensorboard={enabled:true,job_name:tb}"],
              cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     recs = _metrics(out)
@@ -63,6 +64,9 @@ def test_torchrun_two_ranks_writes_metrics_with_straggler(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["run"]            # no per-rank folders
     # DeepSpeed's monitor, enabled in the ds_config, writes into the run folder
     assert len((out / "mon" / "Train_Samples_train_loss.csv").read_text().splitlines()) == 6
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    ev = EventAccumulator(str(out / "tb")).Reload()
+    assert len(ev.Scalars("Train/Samples/train_loss")) == 5
     # same losses as the single-process reference on the same global batches
     from malleus_ds.models import model_config
     from malleus_ds.reference import reference_run

@@ -39,6 +39,14 @@ def replica_micro_batches(cfg: RunConfig, step: int, replica: int, replicas: int
     return mbs[b[replica]:b[replica + 1]]
 
 
+def monitors_to_run_dir(ds_config: dict, run_dir: str | None) -> None:
+    """DeepSpeed monitors enabled without an ``output_path`` write into the run folder."""
+    for mon in ("csv_monitor", "tensorboard"):
+        m = ds_config.get(mon)
+        if isinstance(m, dict) and m.get("enabled") and not m.get("output_path") and run_dir:
+            m["output_path"] = run_dir
+
+
 class ComputeClock:
     """Times this rank's compute and applies the straggler emulation after each timed piece.
 

@@ -24,7 +24,8 @@ from ..config import ConfigError, RunConfig, check_even_batch
 from ..models.llama import EMBED, HEAD, ModelConfig, build_layer, lm_loss
 from ..plan import even_split
 from .base import DistEnv, RunSummary
-from .common import ComputeClock, StepReporter, exclude_calls, replica_micro_batches
+from .common import (ComputeClock, StepReporter, exclude_calls, monitors_to_run_dir,
+                     replica_micro_batches)
 
 
 def validate(cfg: RunConfig) -> None:
@@ -51,10 +52,7 @@ def build_ds_config(cfg: RunConfig) -> dict:
     c.setdefault("gradient_clipping", 0.0)
     if "optimizer" not in c:
         c["zero_allow_untested_optimizer"] = True   # our client torch AdamW
-    for mon in ("csv_monitor", "tensorboard"):      # monitors default to the run folder
-        m = c.get(mon)
-        if isinstance(m, dict) and m.get("enabled") and not m.get("output_path") and cfg.run_dir:
-            m["output_path"] = cfg.run_dir
+    monitors_to_run_dir(c, cfg.run_dir)
     return c
 
 

@@ -17,7 +17,7 @@ from math import lcm
 from ..config import ConfigError, RunConfig
 from ..plan import Plan, PlanError, static_plan, validate_plan
 from .base import DistEnv, RunSummary
-from .common import ComputeClock, StepReporter
+from .common import ComputeClock, StepReporter, monitors_to_run_dir
 
 
 def load_plan(cfg: RunConfig) -> Plan:
@@ -79,6 +79,7 @@ def build_ds_config(cfg: RunConfig, plan: Plan) -> dict:
     c.pop("zero_allow_untested_optimizer", None)
     c["malleus"] = dict(c.get("malleus") or {}, seed=t.seed, tp=nominal_tp(cfg, plan),
                         gpus_per_node=gpus_per_node(cfg))
+    monitors_to_run_dir(c, cfg.run_dir)
     return c
 
 

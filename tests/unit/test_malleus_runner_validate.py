@@ -19,3 +19,18 @@ def test_both_precisions_rejected_before_launch():
 
 def test_bf16_passes_validation():
     runners.validate(_malleus({"bf16": {"enabled": True}}))
+
+
+def test_monitors_default_to_the_run_folder_for_every_stock_engine(tmp_path):
+    from malleus_ds.config import build_run_config
+    from malleus_ds.runners import deepspeed_runner, malleus_runner
+
+    mon = {"csv_monitor": {"enabled": True}, "tensorboard": {"enabled": True, "output_path": "/x"}}
+    for engine, mod in (("malleus", malleus_runner), ("deepspeed", deepspeed_runner)):
+        c = build_run_config({"engine": engine, "plan": "static", "model": {"name": "tiny"},
+                              "train": {"steps": 1, "global_batch_size": 8, "micro_batch_size": 1},
+                              "deepspeed": {"config": mon}}, world_size=2, run_dir=str(tmp_path))
+        ds = (mod.build_ds_config(c, malleus_runner.load_plan(c)) if engine == "malleus"
+              else mod.build_ds_config(c))
+        assert ds["csv_monitor"]["output_path"] == str(tmp_path), engine
+        assert ds["tensorboard"]["output_path"] == "/x", engine        # the user's own wins

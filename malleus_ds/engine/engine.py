@@ -52,7 +52,8 @@ from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import log_dist
 
-from ..data import ByteCorpus, global_batch_ids
+from ..data import ByteCorpus
+from ..reference import micro_batches
 from ..models.llama import ModelConfig, StageModule, lm_loss
 from ..plan import Plan, PlanError, validate_plan
 from .grad_sync import GradSync, build_buckets
@@ -347,10 +348,9 @@ class MalleusEngine(DeepSpeedEngine):
 
     def my_micro_batches(self, step: int) -> list[list[int]]:
         """Sample ids of this pipeline's micro-batches at ``step`` (DESIGN.md §5)."""
-        ids = list(global_batch_ids(step, self.plan.global_batch_size))
-        mbs = self.plan.micro_batch_size
-        mine = ids[self.sample_offset:self.sample_offset + self.micro_batches * mbs]
-        return [mine[k:k + mbs] for k in range(0, len(mine), mbs)]
+        first = self.sample_offset // self.plan.micro_batch_size
+        every = micro_batches(step, self.plan.global_batch_size, self.plan.micro_batch_size)
+        return every[first:first + self.micro_batches]
 
     def train_batch(self, data_iter=None, step: int | None = None) -> float:
         """Run one global step of the plan; returns the global-batch mean loss on every rank.

@@ -1,0 +1,33 @@
+"""Straggler emulation from the ds_config's ``malleus.straggler`` (the engine's own timer, used
+when no runner clock is attached): only the scheduled rank sleeps, (rate - 1) x its measured
+compute, and only inside the scheduled steps. Sleeps are recorded, not timed."""
+from tests.dist.harness import run_distributed
+from tests.dist.test_malleus_cases import CFG, ds_config, plan_json
+
+TWO_PIPES = plan_json([(4, [([0], (0, 4))]), (4, [([1], (0, 4))])], G=8)
+
+
+def _train(rank, world):
+    import malleus_ds
+    from malleus_ds.plan import Plan
+
+    cfg = ds_config(1)
+    cfg["malleus"] = {"straggler": [{"rank": 1, "rate": 3.0, "start_step": 1, "end_step": 2}]}
+    eng, *_ = malleus_ds.initialize(model=CFG, config=cfg, plan=Plan.from_json(TWO_PIPES))
+    slept: list[float] = []
+    eng.straggler._sleep = slept.append
+    per_step = []
+    for _ in range(3):
+        n = len(slept)
+        eng.train_batch()
+        per_step.append((eng.compute_seconds, slept[n:]))
+    return per_step
+
+
+def test_only_the_scheduled_rank_sleeps_in_its_steps():
+    r0, r1 = run_distributed(_train, 2)
+    assert all(s == [] for _, s in r0)
+    assert r1[0][1] == [] and r1[2][1] == []                 # outside [start_step, end_step)
+    compute, sleeps = r1[1]
+    assert len(sleeps) == 8                                  # 4 forwards + 4 backwards
+    assert abs(sum(sleeps) - 2.0 * compute) <= 1e-6 * max(compute, 1e-9)

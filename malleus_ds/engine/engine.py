@@ -54,9 +54,10 @@ from deepspeed.utils import log_dist
 
 from ..data import ByteCorpus
 from ..reference import micro_batches
-from ..models.llama import ModelConfig, StageModule, lm_loss
+from ..layout import build_buckets
+from ..models.llama import ModelConfig, StageModule, lm_loss, param_table
 from ..plan import Plan, PlanError, validate_plan
-from .grad_sync import GradSync, build_buckets
+from .grad_sync import GradSync
 from .groups import GROUPS, check_world, plan_rank_sets
 from .optimizer import ShardedOptimizer
 from .precision import Precision, load_scaler_state, scaler_state
@@ -261,8 +262,8 @@ class MalleusEngine(DeepSpeedEngine):
         else:
             self.pipeline_id = self.stage_id = None
             self.num_stages, self.micro_batches, self.schedule = 0, 0, []
-        shapes = {n: tuple(p.shape) for n, p in self.named.items()}
-        self.buckets = build_buckets(plan, rank, shapes)
+        self.param_table = param_table(cfg)
+        self.buckets = build_buckets(plan, self.param_table, rank)
         self.grad_sync = GradSync(self.buckets, GROUPS, device=self.device, zero_stage=zero_stage,
                                   rank=rank)
         self.optimizer = ShardedOptimizer(self.buckets, GROUPS, self.named, rank, zero_stage, optim,

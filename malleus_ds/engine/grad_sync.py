@@ -1,7 +1,8 @@
 """Per-layer gradient sync (DESIGN.md §5), bucketed by rank set.
 
-Every local parameter is cut into *pieces*: for a TP-sharded weight, the finest chunks at the
-layer's finest TP degree ``G`` (lcm of its holders' TP sizes) that this rank holds; for a weight TP
+The bucket layout is the slice map's (``malleus_ds.layout.build_buckets``): every local
+parameter is cut into *pieces*: for a TP-sharded weight, the finest chunks at the layer's finest
+TP degree ``G`` (lcm of its holders' TP sizes) that this rank holds; for a weight TP
 replicates (norms, embedding, head), the whole tensor. Each piece has a holder set (one rank per
 pipeline for a chunk; every TP rank of every holding stage for a replicated weight). Pieces with
 the same holder set go into one flat bucket, ordered by (layer, name, chunk) so every member lays
@@ -15,108 +16,18 @@ For replicated weights every TP rank of a pipeline holds the same full gradient,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 
-from ..plan import Plan
-from .groups import (EMBED, HEAD, chunk_holders, finest_degree, layer_holders,
-                     replicated_holders)
-from .tensor_parallel import SHARD_DIM
-
-
-def split_name(name: str) -> tuple[int, str]:
-    """``"blocks.5.attn.wq.weight"`` -> (5, "attn.wq.weight"); embedding/head -> EMBED/HEAD."""
-    head, _, rest = name.partition(".")
-    if head == "blocks":
-        idx, _, rest = rest.partition(".")
-        return int(idx), rest
-    if head == "embed":
-        return EMBED, rest
-    if head == "head":
-        return HEAD, rest
-    raise ValueError(f"parameter {name!r} is not embed.*, blocks.<layer>.* or head.*")
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A slice of one local parameter: ``narrow(dim, start, length)`` (dim None: flat view)."""
-    name: str
-    dim: int | None
-    start: int
-    length: int
-    contribute: bool        # False: add zeros (a non-zero TP rank of a replicated weight)
-    numel: int
-
-
-@dataclass
-class Bucket:
-    ranks: tuple[int, ...]
-    pieces: list[Piece] = field(default_factory=list)
-    numel: int = 0
-
-    def partition(self, rank: int) -> tuple[int, int]:
-        """ZeRO-1 range ``[lo, hi)`` of the flat bucket owned by ``rank`` (even split)."""
-        n = len(self.ranks)
-        per = -(-self.numel // n)
-        k = self.ranks.index(rank)
-        return min(self.numel, k * per), min(self.numel, (k + 1) * per)
-
-    @property
-    def padded_part(self) -> int:
-        return -(-self.numel // len(self.ranks))
-
-
-def _order(layer: int, L: int) -> int:
-    return -1 if layer == EMBED else (L if layer == HEAD else layer)
-
-
-def build_buckets(plan: Plan, rank: int, shapes: dict[str, tuple[int, ...]]) -> list[Bucket]:
-    """Buckets of ``rank`` for its local parameters ``shapes`` (name -> local shape).
-
-    Pure: no processes. Sorted by rank set, the order in which the all-reduces are issued.
-    """
-    loc = plan.locate(rank)
-    if loc is None:
-        return []
-    my_stage = plan.pipelines[loc[0]].stages[loc[1]]
-    tp_rank, g = my_stage.ranks.index(rank), my_stage.tp
-    L = plan.num_layers
-    keyed: dict[tuple[int, ...], list[tuple[tuple, Piece]]] = {}
-    for name, shape in shapes.items():
-        layer, local = split_name(name)
-        holders = layer_holders(plan, layer)
-        numel = 1
-        for s in shape:
-            numel *= s
-        dim = SHARD_DIM.get(local) if layer >= 0 else None
-        if dim is None:
-            rs = replicated_holders(holders)
-            pieces = [(rs, 0, Piece(name, None, 0, numel, tp_rank == 0, numel))]
-        else:
-            G = finest_degree(holders)
-            per_rank = G // g                    # finest chunks inside my shard
-            w = shape[dim] // per_rank
-            pieces = []
-            for c_local in range(per_rank):
-                c = tp_rank * per_rank + c_local
-                rs = chunk_holders(holders, c, G)
-                pieces.append((rs, c, Piece(name, dim, c_local * w, w, True, numel // per_rank)))
-        for rs, c, pc in pieces:
-            keyed.setdefault(rs, []).append(((_order(layer, L), local, c), pc))
-    out = []
-    for rs in sorted(keyed, key=lambda s: (len(s), s)):
-        b = Bucket(rs)
-        for _, pc in sorted(keyed[rs], key=lambda kv: kv[0]):
-            b.pieces.append(pc)
-            b.numel += pc.numel
-        out.append(b)
-    return out
+from ..layout import Bucket, Piece, build_buckets  # noqa: F401  (re-exported: the bucket layout)
 
 
 def view(t: torch.Tensor, pc: Piece) -> torch.Tensor:
-    return t.reshape(-1) if pc.dim is None else t.narrow(pc.dim, pc.start, pc.length)
+    """The piece's elements of local tensor ``t`` as a view, in canonical order (split dim first,
+    ``malleus_ds.layout``): flattening it gives the piece's slice of the bucket."""
+    if pc.dim is None:
+        return t.reshape(-1)
+    return t.narrow(pc.dim, pc.start, pc.length).movedim(pc.dim, 0)
 
 
 def flatten(bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor | None = None,

@@ -14,42 +14,17 @@ from __future__ import annotations
 from math import lcm
 from typing import Iterable
 
+from ..layout import (EMBED, HEAD, RankSet, chunk_holders, owner_holders,  # noqa: F401
+                      replicated_holders, sync_rank_sets)
 from ..plan import Plan, Stage
 
-#: Layer ids beyond blocks 0..L-1 (match ``malleus_ds.models.llama``).
-EMBED = -1
-HEAD = -2
-
-RankSet = tuple[int, ...]
-
-
-def layer_holders(plan: Plan, layer: int) -> list[Stage]:
-    """The stage holding ``layer`` in each pipeline, in pipeline order (EMBED: first stages,
-    HEAD: last stages)."""
-    out = []
-    for p in plan.pipelines:
-        if layer == EMBED:
-            out.append(p.stages[0])
-        elif layer == HEAD:
-            out.append(p.stages[-1])
-        else:
-            out.append(next(s for s in p.stages if s.start <= layer < s.end))
-    return out
+#: The stage holding ``layer`` in each pipeline (EMBED: first stages, HEAD: last stages).
+layer_holders = owner_holders
 
 
 def finest_degree(holders: Iterable[Stage]) -> int:
     """The TP degree of the finest shards of a layer: lcm of its holders' TP sizes."""
     return lcm(*(s.tp for s in holders))
-
-
-def chunk_holders(holders: list[Stage], chunk: int, degree: int) -> RankSet:
-    """Ranks holding finest chunk ``chunk`` (of ``degree``) of a TP-sharded weight: one per pipeline."""
-    return tuple(sorted(s.ranks[chunk // (degree // s.tp)] for s in holders))
-
-
-def replicated_holders(holders: list[Stage]) -> RankSet:
-    """Ranks holding a weight that TP replicates (norms, embedding, head): every TP rank."""
-    return tuple(sorted(r for s in holders for r in s.ranks))
 
 
 def check_world(plan: Plan, world: int) -> None:
@@ -61,22 +36,6 @@ def check_world(plan: Plan, world: int) -> None:
         raise PlanError(f"plan names rank {max(named)}, outside the world of {world} ranks that "
                         f"were launched (0..{world - 1}); launch {max(named) + 1} ranks or use a "
                         f"plan made for {world}")
-
-
-def layer_ids(plan: Plan) -> list[int]:
-    return [EMBED, *range(plan.num_layers), HEAD]
-
-
-def sync_rank_sets(plan: Plan) -> set[RankSet]:
-    """Every rank set a gradient all-reduce of ``plan`` uses (size >= 2 only)."""
-    out: set[RankSet] = set()
-    for layer in layer_ids(plan):
-        h = layer_holders(plan, layer)
-        out.add(replicated_holders(h))
-        if layer >= 0:
-            G = finest_degree(h)
-            out.update(chunk_holders(h, c, G) for c in range(G))
-    return {s for s in out if len(s) > 1}
 
 
 def tp_rank_sets(plan: Plan) -> set[RankSet]:

@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..models.llama import TP_PLAN
+
 #: Block parameter (name inside a block) -> dimension it is split along under TP (absent: replicated).
-SHARD_DIM: dict[str, int] = {
-    "attn.wq.weight": 0, "attn.wk.weight": 0, "attn.wv.weight": 0, "attn.wo.weight": 1,
-    "mlp.w_gate.weight": 0, "mlp.w_up.weight": 0, "mlp.w_down.weight": 1,
-}
+#: The model's own TP plan; the slice map reads the same through ``param_table``.
+SHARD_DIM: dict[str, int] = TP_PLAN
 
 
 class TPError(ValueError):

@@ -93,6 +93,15 @@ def model_config(name: str, **overrides) -> ModelConfig:
 # ----------------------------------------------------------------------------------------------
 
 
+#: The TP plan of a block (torchtitan's ``apply_tp`` / HF's ``base_model_tp_plan``): parameter name
+#: inside a block -> the dim TP splits (absent: replicated). Column-parallel (out, in) weights split
+#: dim 0 (attention by whole heads), row-parallel ones dim 1.
+TP_PLAN: dict[str, int] = {
+    "attn.wq.weight": 0, "attn.wk.weight": 0, "attn.wv.weight": 0, "attn.wo.weight": 1,
+    "mlp.w_gate.weight": 0, "mlp.w_up.weight": 0, "mlp.w_down.weight": 1,
+}
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -272,3 +281,18 @@ class StageModule(nn.Module):
 def build_model(cfg: ModelConfig, seed: int) -> StageModule:
     """The whole model on one process (the reference for every equivalence test)."""
     return StageModule(cfg, 0, cfg.num_layers, seed)
+
+
+def param_table(cfg: ModelConfig):
+    """The whole model's :class:`~malleus_ds.layout.ParamTable` (global name, full shape, TP split
+    dim, owner), read off modules built on the meta device (no memory, no init)."""
+    from ..layout import ParamSpec, ParamTable
+
+    with torch.device("meta"):
+        emb, blk, head = Embedding(cfg), Block(cfg), Head(cfg)
+    specs = [ParamSpec(f"embed.{n}", tuple(p.shape), None, EMBED) for n, p in emb.named_parameters()]
+    block = [(n, tuple(p.shape), TP_PLAN.get(n)) for n, p in blk.named_parameters()]
+    for layer in range(cfg.num_layers):
+        specs += [ParamSpec(f"blocks.{layer}.{n}", s, d, layer) for n, s, d in block]
+    specs += [ParamSpec(f"head.{n}", tuple(p.shape), None, HEAD) for n, p in head.named_parameters()]
+    return ParamTable(tuple(specs))

@@ -1,10 +1,9 @@
 """Rank sets and gradient buckets from a plan, without processes."""
 import random
 
-from malleus_ds.engine.grad_sync import build_buckets, split_name
 from malleus_ds.engine.groups import EMBED, HEAD, plan_rank_sets, sync_rank_sets
-from malleus_ds.engine.tensor_parallel import SHARD_DIM
-from malleus_ds.models.llama import StageModule, model_config
+from malleus_ds.layout import build_buckets, local_shards
+from malleus_ds.models.llama import model_config, param_table
 from malleus_ds.plan import Plan
 from tests.dist.test_malleus_cases import random_plan
 from tests.dist.test_malleus_equivalence import HETERO
@@ -12,19 +11,7 @@ from tests.dist.test_malleus_equivalence import HETERO
 CFG = model_config("tiny", max_seq_len=16)
 
 
-def local_shapes(plan: Plan, rank: int) -> dict:
-    loc = plan.locate(rank)
-    if loc is None:
-        return {}
-    st = plan.pipelines[loc[0]].stages[loc[1]]
-    out = {}
-    for n, p in StageModule(CFG, st.start, st.end, 0).named_parameters():
-        shape = list(p.shape)
-        layer, local = split_name(n)
-        if layer >= 0 and local in SHARD_DIM:
-            shape[SHARD_DIM[local]] //= st.tp
-        out[n] = tuple(shape)
-    return out
+TABLE = param_table(CFG)
 
 
 def test_hetero_rank_sets():
@@ -40,15 +27,16 @@ def _elements(plan: Plan, world: int):
     holders: dict = {}
     layouts: dict = {}
     for r in range(world):
-        loc = plan.locate(r)
-        tp_rank, g = (0, 1) if loc is None else (
-            plan.pipelines[loc[0]].stages[loc[1]].ranks.index(r), plan.pipelines[loc[0]].stages[loc[1]].tp)
-        shapes = local_shapes(plan, r)
-        for b in build_buckets(plan, r, shapes):
+        shards = local_shards(plan, TABLE, r)
+        for b in build_buckets(plan, TABLE, r):
             keys = []
             for pc in b.pieces:
-                off = pc.start + (tp_rank * shapes[pc.name][pc.dim] if pc.dim is not None else 0)
+                sh = shards[pc.name]
+                off = pc.start + (sh.tp_rank * sh.shape[pc.dim] if pc.dim is not None else 0)
                 keys.append((pc.name, pc.dim, off, pc.length if pc.dim is not None else pc.numel))
+                # the canonical interval agrees with the local view's position
+                assert pc.glo == sh.interval[0] + pc.start * (pc.numel // pc.length
+                                                              if pc.dim is not None else 0)
                 holders.setdefault(keys[-1], {})[r] = b.ranks
             layouts.setdefault(b.ranks, {})[r] = (keys, b.numel)
     return holders, layouts
@@ -69,7 +57,6 @@ def test_buckets_consistent_for_random_plans():
             assert len(sets) == 1 and set(per_rank) == set(next(iter(sets))), key
         # every pipeline holds every layer exactly once: sharded chunks have one rank per pipeline
         for (name, dim, _o, _n), per_rank in holders.items():
-            layer, _ = split_name(name)
             if dim is not None:
                 assert len(per_rank) == len(plan.pipelines), name
         # replicated embedding/head: held by every TP rank of first/last stages
@@ -81,7 +68,7 @@ def test_buckets_consistent_for_random_plans():
 def test_partition_covers_bucket_once():
     plan = Plan.from_json(HETERO)
     for r in range(4):
-        for b in build_buckets(plan, r, local_shapes(plan, r)):
+        for b in build_buckets(plan, TABLE, r):
             parts = sorted(b.partition(m) for m in b.ranks)
             assert parts[0][0] == 0 and parts[-1][1] == b.numel
             assert all(a[1] == c[0] for a, c in zip(parts, parts[1:]))

@@ -121,3 +121,39 @@ def test_scale_1024_ranks_80_layers():
           f"{dt:.2f} s")
     assert tp.bytes == tp.lower_bound > 0
     assert dt < 10.0
+
+
+def test_rounds_bounded_and_deadlock_free():
+    from malleus_ds.migrate.rounds import Message, messages, rounds, simulate
+
+    rng = random.Random(4)
+    for _ in range(15):
+        world = rng.randint(3, 6)
+        pa = Plan.from_json(random_plan(rng, world, G=12))
+        pb = Plan.from_json(random_plan(rng, world, G=12))
+        mixed = rng.random() < 0.5
+        tp = transfer_plan(Layout(pa, rng.randint(0, 2)), Layout(pb, rng.randint(0, 2)), TABLE,
+                           mixed=mixed, param_bytes=2 if mixed else 4)
+        cap = rng.choice([4096, 20000, 1 << 30])
+        msgs = messages(tp, cap, mixed)
+        assert all(m.nbytes <= cap for m in msgs)
+        # the messages carry exactly the plan's elements
+        assert sum(m.numel for m in msgs) == sum(t.numel for t in tp.transfers)
+        rds = rounds(msgs, cap)
+        assert sorted(m.id for rd in rds for m in rd) == list(range(len(msgs)))
+        simulate(rds, world, cap)
+
+
+def test_simulate_catches_a_deadlock():
+    from malleus_ds.migrate.rounds import Message, simulate_views
+
+    a = Message(0, 0, 1, "fp32", (), 4)
+    b = Message(1, 1, 0, "fp32", (), 4)
+    ok = [[[("send", a)], [("recv", b)]], [[("recv", a)], [("send", b)]]]
+    assert simulate_views(ok) == 2
+    crossed = [[[("send", a)], [("recv", b)]], [[("send", b)], [("recv", a)]]]
+    with pytest.raises(AssertionError, match="deadlock"):
+        simulate_views(crossed)
+    over = [[[("send", a), ("recv", b)]], [[("recv", a), ("send", b)]]]
+    with pytest.raises(AssertionError, match="bytes in flight"):
+        simulate_views(over, cap_bytes=4)

@@ -18,8 +18,10 @@ group cannot express lives in this subclass, each in its own module:
 
 Setup reads as named steps: ``build_settings`` → ``build_plan`` (every rank validates the same
 plan and raises the same error before any collective, so bad input never hangs) →
-build the stage module → ``build_groups`` (collective, same order everywhere) → ``apply_tp`` →
-``DeepSpeedEngine.__init__`` → ``build_runtime`` (schedule, peers, buckets, optimizer, scheduler).
+``build_groups`` (collective, same order everywhere) → ``build_stage`` (module, TP, dtype) →
+``DeepSpeedEngine.__init__`` → ``build_engine_state`` (what outlives a plan) with the first
+:class:`~malleus_ds.engine.runtime.PlanRuntime` (schedule, peers, buckets, optimizer). A plan
+switch (``switch.py``) builds the next runtime, moves state into it and drops the old one.
 
 Mixed precision (``"bf16"`` / ``"fp16"``, see ``precision.py``): the stage module is cast here,
 before the base engine sees it, and the base engine gets a config without ``fp16`` / ``bf16`` /
@@ -54,15 +56,13 @@ from deepspeed.utils import log_dist
 
 from ..data import ByteCorpus
 from ..reference import micro_batches
-from ..layout import build_buckets
 from ..models.llama import ModelConfig, StageModule, lm_loss, param_table
 from ..plan import Plan, PlanError, validate_plan
-from .grad_sync import GradSync
 from .groups import GROUPS, check_world, plan_rank_sets
-from .optimizer import ShardedOptimizer
+from .runtime import PlanRuntime, StageSpec, accumulate_one, build_runtime, build_stage, locate
 from .precision import Precision, load_scaler_state, scaler_state
-from .schedule import (Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad, one_f_one_b)
-from .tensor_parallel import SHARD_DIM, TPError, apply_tp, check_tp_size
+from .schedule import Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad
+from .tensor_parallel import SHARD_DIM, TPError, check_tp_size
 
 
 @dataclass(frozen=True)
@@ -172,29 +172,17 @@ class MalleusEngine(DeepSpeedEngine):
         cfg, make_stage = _model_builder(model, settings.seed)
         plan = self.build_plan(_as_plan(plan) or settings.plan, cfg, world, settings, user_cfg)
         zero_stage, optim = _optimizer_settings(user_cfg)
-        loc = plan.locate(rank)
-        stage_module = make_stage(*plan.pipelines[loc[0]].stages[loc[1]].layers) if loc else nn.Module()
         self.build_groups(plan, world)
-        tp_rank, tp_size, tp_group = 0, 1, None
-        if loc is not None:
-            st = plan.pipelines[loc[0]].stages[loc[1]]
-            tp_rank, tp_size = st.ranks.index(rank), st.tp
-            tp_group = GROUPS.get(st.ranks) if st.tp > 1 else None
-            apply_tp(stage_module, tp_group, tp_rank, tp_size)
-        if settings.precision.mixed:
-            # what DeepSpeedEngine._cast_module_mixed_precision does (parameters only; the
-            # model has no buffers); the fp32 masters are then made from these casts, as
-            # DeepSpeed's BF16_Optimizer / FP16_Optimizer make theirs
-            with torch.no_grad():
-                for p in stage_module.parameters():
-                    p.data = p.data.to(settings.precision.dtype)
-        mpu = _PlanMPU(rank, GROUPS.get((rank,)), tp_group, tp_rank, tp_size,
+        spec = locate(plan, rank)
+        stage_module = build_stage(plan, spec, make_stage, settings.precision)
+        loc = spec.located
+        mpu = _PlanMPU(rank, GROUPS.get((rank,)), spec.tp_group, spec.tp_rank, spec.tp_size,
                        loc[1] if loc else 0, len(plan.pipelines[loc[0]].stages) if loc else 1)
         base_cfg = _base_ds_config(user_cfg, plan, loc)
         super().__init__(args=args, model=stage_module, mpu=mpu, config=base_cfg,
                          config_class=DeepSpeedConfig(base_cfg, mpu))
-        self.build_runtime(plan, cfg, settings, loc, tp_rank, tp_size, tp_group, zero_stage, optim,
-                           data)
+        self._user_cfg, self._make_stage, self._make_optimizer = user_cfg, make_stage, optim
+        self.build_engine_state(plan, cfg, settings, zero_stage, data)
 
     # ------------------------------------------------------------------ build steps
 
@@ -234,48 +222,26 @@ class MalleusEngine(DeepSpeedEngine):
         """Collective: every rank creates the same sorted list of missing groups."""
         GROUPS.ensure(plan_rank_sets(plan, world))
 
-    def build_runtime(self, plan, cfg, settings, loc, tp_rank, tp_size, tp_group, zero_stage, optim,
-                      data) -> None:
-        self.plan, self.model_cfg, self.settings = plan, cfg, settings
-        self.zero_stage = zero_stage
-        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+    def build_engine_state(self, plan, cfg, settings, zero_stage, data) -> None:
+        """What outlives a plan (data, loss scaler, LR schedule, emulation, dispatch table), and
+        the first plan's runtime."""
+        self.model_cfg, self.settings = cfg, settings
+        self.param_table = param_table(cfg)
         self.data = data if data is not None else ByteCorpus(cfg.max_seq_len, seed=settings.seed)
         self.seq_len = getattr(self.data, "seq_len", cfg.max_seq_len)
-        self.located = loc
-        self.named = dict(self.module.named_parameters())
-        rank = self.global_rank
-        if loc is not None:
-            i, j = loc
-            pipe = plan.pipelines[i]
-            self.pipeline_id, self.stage_id, self.num_stages = i, j, len(pipe.stages)
-            self.micro_batches = pipe.micro_batches
-            self.sample_offset = sum(p.micro_batches for p in plan.pipelines[:i]) * plan.micro_batch_size
-            self.schedule = one_f_one_b(j, self.num_stages, pipe.micro_batches)
-            me, prev = pipe.stages[j], pipe.stages[j - 1] if j > 0 else None
-            nxt = pipe.stages[j + 1] if j + 1 < len(pipe.stages) else None
-            # activations: receiver k of the next stage gets them from sender k % g
-            self.act_src = prev.ranks[me.ranks.index(rank) % prev.tp] if prev else None
-            self.act_dsts = [r for k, r in enumerate(nxt.ranks) if k % me.tp == tp_rank] if nxt else []
-            # gradients: receiver t of the previous stage gets them from sender t % g_next
-            self.grad_src = nxt.ranks[tp_rank % nxt.tp] if nxt else None
-            self.grad_dsts = [r for t, r in enumerate(prev.ranks) if t % me.tp == tp_rank] if prev else []
-        else:
-            self.pipeline_id = self.stage_id = None
-            self.num_stages, self.micro_batches, self.schedule = 0, 0, []
-        self.param_table = param_table(cfg)
-        self.buckets = build_buckets(plan, self.param_table, rank)
-        self.grad_sync = GradSync(self.buckets, GROUPS, device=self.device, zero_stage=zero_stage,
-                                  rank=rank)
-        self.optimizer = ShardedOptimizer(self.buckets, GROUPS, self.named, rank, zero_stage, optim,
-                                          device=self.device)
-        self.basic_optimizer = self.optimizer.optimizer
+        self.precision = settings.precision
+        self.act_dtype = self.precision.dtype
+        self.loss_scaler = self.precision.make_loss_scaler()
+        self.skipped_steps = 0
+        self.runtime = None
+        self.adopt(self.build_plan_runtime(plan, self.module, locate(plan, self.global_rank),
+                                           zero_stage))
         self.lr_scheduler = self._scheduler_from_config(self.optimizer.optimizer)
-        self.build_precision(settings.precision)
         self.straggler = None
         if settings.straggler:
             from ..emulation import Straggler, StragglerSchedule
             self.straggler = Straggler(StragglerSchedule.parse(settings.straggler,
-                                                               self.world_size), rank)
+                                                               self.world_size), self.global_rank)
         self.compute_seconds = 0.0
         self.clock = None
         self._dispatch: dict[type, Callable] = {
@@ -286,29 +252,26 @@ class MalleusEngine(DeepSpeedEngine):
         # a collective on the default group before the first batch_isend_irecv (NCCL requires it)
         tdist.barrier()
 
-    def build_precision(self, prec: Precision) -> None:
-        """fp32 gradient accumulators, the fp16 loss scaler and the dtype of p2p buffers
-        (``precision.py`` says what runs in which dtype and which DeepSpeed choices we follow)."""
-        self.precision = prec
-        self.act_dtype = prec.dtype
-        self.loss_scaler = prec.make_loss_scaler()
+    def build_plan_runtime(self, plan: Plan, module: nn.Module, spec: StageSpec,
+                           zero_stage: int) -> PlanRuntime:
+        return build_runtime(plan, self.global_rank, spec, module, self.param_table, zero_stage,
+                             self._make_optimizer, self.precision, self.device)
+
+    def adopt(self, rt: PlanRuntime) -> None:
+        """Make ``rt`` the running plan: the engine's per-plan attributes point into it."""
+        self.runtime = rt
+        self.module = rt.module
+        self.plan, self.located, self.named = rt.plan, rt.located, rt.named
+        self.tp_rank, self.tp_size, self.tp_group = rt.spec.tp_rank, rt.spec.tp_size, rt.spec.tp_group
+        for k in ("pipeline_id", "stage_id", "num_stages", "micro_batches", "sample_offset",
+                  "schedule", "act_src", "act_dsts", "grad_src", "grad_dsts", "buckets",
+                  "grad_sync", "zero_stage"):
+            setattr(self, k, getattr(rt, k))
+        self.optimizer = rt.optimizer
+        self.basic_optimizer = rt.optimizer.optimizer
+        self._acc = rt.acc
         self.optimizer.loss_scaler = self.loss_scaler     # like DeepSpeed's fp16 optimizers
         self.optimizer.overflow = False
-        self.skipped_steps = 0
-        self._acc: dict[str, torch.Tensor] | None = None
-        if prec.mixed:
-            self._acc = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                         for n, p in self.named.items()}
-            if prec.immediate_grad_update:
-                for n, p in self.named.items():
-                    p.register_post_accumulate_grad_hook(
-                        lambda q, a=self._acc[n]: self._accumulate_one(q, a))
-
-    @staticmethod
-    @torch.no_grad()
-    def _accumulate_one(p: torch.Tensor, acc: torch.Tensor) -> None:
-        acc.add_(p.grad)            # low-precision grad, upcast exactly, summed in fp32
-        p.grad = None
 
     def _accumulate_grads(self) -> None:
         """After a micro-batch's backward: move low-precision grads into the fp32 buffers
@@ -317,7 +280,7 @@ class MalleusEngine(DeepSpeedEngine):
             return
         for n, p in self.named.items():
             if p.grad is not None:
-                self._accumulate_one(p, self._acc[n])
+                accumulate_one(p, self._acc[n])
 
     @property
     def cur_scale(self) -> float:
@@ -675,13 +638,14 @@ def _init_deepspeed_comm() -> None:
         dscomm.init_distributed()
 
 
-def _model_builder(model, seed: int) -> tuple[ModelConfig, Callable[[int, int], nn.Module]]:
+def _model_builder(model, seed: int) -> tuple[ModelConfig, Callable[..., nn.Module]]:
+    """(config, ``make_stage(start, end, init=True)``)."""
     if isinstance(model, ModelConfig):
-        return model, lambda s, e: StageModule(model, s, e, seed)
+        return model, lambda s, e, init=True: StageModule(model, s, e, seed, init=init)
     if isinstance(model, StageModule):
         full = model
 
-        def from_full(s: int, e: int) -> nn.Module:
+        def from_full(s: int, e: int, init: bool = True) -> nn.Module:
             st = StageModule(full.cfg, s, e, seed)
             src = dict(full.named_parameters())
             with torch.no_grad():
@@ -693,7 +657,7 @@ def _model_builder(model, seed: int) -> tuple[ModelConfig, Callable[[int, int], 
         probe_cfg = getattr(model, "cfg", None)
         if not isinstance(probe_cfg, ModelConfig):
             raise TypeError("model: a callable stage builder must carry its ModelConfig as .cfg")
-        return probe_cfg, model
+        return probe_cfg, lambda s, e, init=True: model(s, e)
     raise TypeError(f"model: expected a ModelConfig, a StageModule or a stage builder, got "
                     f"{type(model).__name__}")
 

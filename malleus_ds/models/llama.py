@@ -233,8 +233,9 @@ def _init_module(mod: nn.Module, cfg: ModelConfig, seed: int, layer_id: int) -> 
             p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-def build_layer(cfg: ModelConfig, layer_id: int, seed: int) -> nn.Module:
-    """Build one piece (``EMBED``, a block index, or ``HEAD``) with its deterministic init."""
+def build_layer(cfg: ModelConfig, layer_id: int, seed: int, init: bool = True) -> nn.Module:
+    """Build one piece (``EMBED``, a block index, or ``HEAD``) with its deterministic init
+    (``init=False``: skip it, for a stage whose weights arrive by migration)."""
     if layer_id == EMBED:
         mod: nn.Module = Embedding(cfg)
     elif layer_id == HEAD:
@@ -243,7 +244,8 @@ def build_layer(cfg: ModelConfig, layer_id: int, seed: int) -> nn.Module:
         mod = Block(cfg)
     else:
         raise ValueError(f"layer {layer_id} outside 0..{cfg.num_layers - 1}")
-    _init_module(mod, cfg, seed, layer_id)
+    if init:
+        _init_module(mod, cfg, seed, layer_id)
     return mod
 
 
@@ -255,7 +257,8 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, start: int, end: int, seed: int,
-                 with_embedding: bool | None = None, with_head: bool | None = None) -> None:
+                 with_embedding: bool | None = None, with_head: bool | None = None,
+                 init: bool = True) -> None:
         super().__init__()
         if not 0 <= start < end <= cfg.num_layers:
             raise ValueError(f"stage layers [{start}, {end}) outside [0, {cfg.num_layers})")
@@ -263,9 +266,10 @@ class StageModule(nn.Module):
         self.start, self.end = start, end
         first = start == 0 if with_embedding is None else with_embedding
         last = end == cfg.num_layers if with_head is None else with_head
-        self.embed = build_layer(cfg, EMBED, seed) if first else None
-        self.blocks = nn.ModuleDict({str(l): build_layer(cfg, l, seed) for l in range(start, end)})
-        self.head = build_layer(cfg, HEAD, seed) if last else None
+        self.embed = build_layer(cfg, EMBED, seed, init) if first else None
+        self.blocks = nn.ModuleDict({str(l): build_layer(cfg, l, seed, init)
+                                     for l in range(start, end)})
+        self.head = build_layer(cfg, HEAD, seed, init) if last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) on the first stage, else hidden (B, T, H) -> hidden, or logits if last."""

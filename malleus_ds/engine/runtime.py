@@ -1,0 +1,140 @@
+"""Everything one rank holds for one plan, in one object, so a plan switch is "build the next
+runtime, move state into it, drop the old one" (DESIGN.md §6-7).
+
+A :class:`PlanRuntime` owns the stage module (TP-sharded, in the training dtype), the pipeline
+peers and 1F1B schedule, the gradient buckets and their sync, the ZeRO-sharded optimizer with its
+fp32 masters, and the fp32 gradient accumulators of mixed precision. What outlives a plan (the
+step counters, the loss scaler, the LR schedule, the data) stays on the engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..layout import Bucket, ParamTable, build_buckets
+from ..plan import Plan
+from .grad_sync import GradSync
+from .groups import GROUPS
+from .optimizer import ShardedOptimizer
+from .precision import Precision
+from .schedule import one_f_one_b
+from .tensor_parallel import apply_tp
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Where ``rank`` sits in a plan: (pipeline, stage) or None, and its TP group."""
+
+    located: tuple[int, int] | None
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: Any = None
+
+
+def locate(plan: Plan, rank: int) -> StageSpec:
+    loc = plan.locate(rank)
+    if loc is None:
+        return StageSpec(None)
+    st = plan.pipelines[loc[0]].stages[loc[1]]
+    return StageSpec(loc, st.ranks.index(rank), st.tp, GROUPS.get(st.ranks) if st.tp > 1 else None)
+
+
+def build_stage(plan: Plan, spec: StageSpec, make_stage: Callable[..., nn.Module],
+                precision: Precision, init: bool = True) -> nn.Module:
+    """This rank's stage module for ``plan``: built (``init=False``: weights will be migrated in),
+    TP-sharded, cast to the training dtype. Process groups must exist (``GROUPS.ensure``)."""
+    if spec.located is None:
+        return nn.Module()
+    st = plan.pipelines[spec.located[0]].stages[spec.located[1]]
+    module = make_stage(st.start, st.end, init)
+    apply_tp(module, spec.tp_group, spec.tp_rank, spec.tp_size)
+    if precision.mixed:
+        # what DeepSpeedEngine._cast_module_mixed_precision does (parameters only; the model
+        # has no buffers); fp32 masters are then made from these casts, as DeepSpeed's
+        # BF16_Optimizer / FP16_Optimizer make theirs
+        with torch.no_grad():
+            for p in module.parameters():
+                p.data = p.data.to(precision.dtype)
+    return module
+
+
+@dataclass(eq=False)
+class PlanRuntime:
+    plan: Plan
+    spec: StageSpec
+    module: nn.Module
+    named: dict[str, nn.Parameter]
+    zero_stage: int
+    buckets: list[Bucket]
+    grad_sync: GradSync
+    optimizer: ShardedOptimizer
+    pipeline_id: int | None = None
+    stage_id: int | None = None
+    num_stages: int = 0
+    micro_batches: int = 0
+    sample_offset: int = 0
+    schedule: list = field(default_factory=list)
+    act_src: int | None = None
+    act_dsts: list[int] = field(default_factory=list)
+    grad_src: int | None = None
+    grad_dsts: list[int] = field(default_factory=list)
+    acc: dict[str, torch.Tensor] | None = None        # fp32 grad accumulators (mixed precision)
+    hooks: list = field(default_factory=list)
+
+    @property
+    def located(self):
+        return self.spec.located
+
+    def close(self) -> None:
+        """Drop hooks and references so the old plan's tensors can be freed."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        self.named.clear()
+        self.acc = None
+
+
+def build_runtime(plan: Plan, rank: int, spec: StageSpec, module: nn.Module, table: ParamTable,
+                  zero_stage: int, make_optimizer, precision: Precision, device) -> PlanRuntime:
+    """Peers, schedule, buckets, gradient sync, sharded optimizer and accumulators for ``module``
+    (already on ``device``) under ``plan``."""
+    named = dict(module.named_parameters())
+    buckets = build_buckets(plan, table, rank)
+    rt = PlanRuntime(
+        plan=plan, spec=spec, module=module, named=named, zero_stage=zero_stage, buckets=buckets,
+        grad_sync=GradSync(buckets, GROUPS, device=device, zero_stage=zero_stage, rank=rank),
+        optimizer=ShardedOptimizer(buckets, GROUPS, named, rank, zero_stage, make_optimizer,
+                                   device=device))
+    if spec.located is not None:
+        i, j = spec.located
+        pipe = plan.pipelines[i]
+        rt.pipeline_id, rt.stage_id, rt.num_stages = i, j, len(pipe.stages)
+        rt.micro_batches = pipe.micro_batches
+        rt.sample_offset = sum(p.micro_batches for p in plan.pipelines[:i]) * plan.micro_batch_size
+        rt.schedule = one_f_one_b(j, rt.num_stages, pipe.micro_batches)
+        me, prev = pipe.stages[j], pipe.stages[j - 1] if j > 0 else None
+        nxt = pipe.stages[j + 1] if j + 1 < len(pipe.stages) else None
+        tp_rank = spec.tp_rank
+        # activations: receiver k of the next stage gets them from sender k % g
+        rt.act_src = prev.ranks[me.ranks.index(rank) % prev.tp] if prev else None
+        rt.act_dsts = [r for k, r in enumerate(nxt.ranks) if k % me.tp == tp_rank] if nxt else []
+        # gradients: receiver t of the previous stage gets them from sender t % g_next
+        rt.grad_src = nxt.ranks[tp_rank % nxt.tp] if nxt else None
+        rt.grad_dsts = [r for t, r in enumerate(prev.ranks) if t % me.tp == tp_rank] if prev else []
+    if precision.mixed:
+        rt.acc = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                  for n, p in named.items()}
+        if precision.immediate_grad_update:
+            for n, p in named.items():
+                rt.hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda q, a=rt.acc[n]: accumulate_one(q, a)))
+    return rt
+
+
+@torch.no_grad()
+def accumulate_one(p: torch.Tensor, acc: torch.Tensor) -> None:
+    acc.add_(p.grad)            # low-precision grad, upcast exactly, summed in fp32
+    p.grad = None

@@ -39,12 +39,10 @@ static or dynamic loss scaling) train with fp32 masters, fp32 gradient accumulat
 """
 from __future__ import annotations
 
-import copy
-import json
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Callable
 
 import torch
 import torch.distributed as tdist
@@ -61,53 +59,9 @@ from ..plan import Plan, PlanError, validate_plan
 from .groups import GROUPS, check_world, plan_rank_sets
 from .runtime import PlanRuntime, StageSpec, accumulate_one, build_runtime, build_stage, locate
 from .precision import Precision, load_scaler_state, scaler_state
+from .settings import MalleusSettings, as_plan, base_ds_config, load_config, optimizer_settings
 from .schedule import Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad
 from .tensor_parallel import SHARD_DIM, TPError, check_tp_size
-
-
-@dataclass(frozen=True)
-class MalleusSettings:
-    """The ``"malleus"`` section of the ds_config."""
-
-    plan: Plan | None = None          # a plan object, a path to a plan JSON, or the JSON inline
-    tp: int | None = None             # nominal TP degree; stage TP sizes must divide it (default: lcm in plan)
-    gpus_per_node: int | None = None  # ranks per node (default: the whole world is one node)
-    seed: int = 0                     # model init and data order seed
-    straggler: tuple = ()             # straggler emulation schedule (malleus_ds.emulation), off if empty
-    precision: Precision = Precision()  # from the stock "fp16" / "bf16" sections (build_settings)
-
-    @staticmethod
-    def from_config(sec: Mapping[str, Any] | None) -> "MalleusSettings":
-        sec = dict(sec or {})
-        known = {"plan", "tp", "gpus_per_node", "seed", "straggler"}
-        unknown = sorted(set(sec) - known)
-        if unknown:
-            raise ValueError(f"ds_config.malleus: unknown keys {unknown}; allowed: {sorted(known)}")
-        strag = sec.get("straggler") or ()
-        if isinstance(strag, Mapping):
-            strag = strag.get("schedule") or ()
-        return MalleusSettings(plan=_as_plan(sec.get("plan")), tp=sec.get("tp"),
-                               gpus_per_node=sec.get("gpus_per_node"), seed=int(sec.get("seed", 0)),
-                               straggler=tuple(strag))
-
-
-def _as_plan(p) -> Plan | None:
-    if p is None or isinstance(p, Plan):
-        return p
-    if isinstance(p, Mapping):
-        return Plan.from_json(p)
-    return Plan.load(p)
-
-
-def _load_config(config) -> dict:
-    if config is None:
-        return {}
-    if isinstance(config, Mapping):
-        return copy.deepcopy(dict(config))
-    path = Path(config)
-    if not path.is_file():
-        raise ValueError(f"ds_config: file not found: {path}")
-    return json.loads(path.read_text())
 
 
 class _PlanMPU:
@@ -167,18 +121,18 @@ class MalleusEngine(DeepSpeedEngine):
     def __init__(self, model, config=None, plan=None, *, data=None, args=None) -> None:
         _init_deepspeed_comm()
         rank, world = tdist.get_rank(), tdist.get_world_size()
-        user_cfg = _load_config(config)
+        user_cfg = load_config(config)
         settings = self.build_settings(user_cfg)
         cfg, make_stage = _model_builder(model, settings.seed)
-        plan = self.build_plan(_as_plan(plan) or settings.plan, cfg, world, settings, user_cfg)
-        zero_stage, optim = _optimizer_settings(user_cfg)
+        plan = self.build_plan(as_plan(plan) or settings.plan, cfg, world, settings, user_cfg)
+        zero_stage, optim = optimizer_settings(user_cfg)
         self.build_groups(plan, world)
         spec = locate(plan, rank)
         stage_module = build_stage(plan, spec, make_stage, settings.precision)
         loc = spec.located
         mpu = _PlanMPU(rank, GROUPS.get((rank,)), spec.tp_group, spec.tp_rank, spec.tp_size,
                        loc[1] if loc else 0, len(plan.pipelines[loc[0]].stages) if loc else 1)
-        base_cfg = _base_ds_config(user_cfg, plan, loc)
+        base_cfg = base_ds_config(user_cfg, plan, loc)
         super().__init__(args=args, model=stage_module, mpu=mpu, config=base_cfg,
                          config_class=DeepSpeedConfig(base_cfg, mpu))
         self._user_cfg, self._make_stage, self._make_optimizer = user_cfg, make_stage, optim
@@ -660,43 +614,3 @@ def _model_builder(model, seed: int) -> tuple[ModelConfig, Callable[..., nn.Modu
         return probe_cfg, lambda s, e, init=True: model(s, e)
     raise TypeError(f"model: expected a ModelConfig, a StageModule or a stage builder, got "
                     f"{type(model).__name__}")
-
-
-def _optimizer_settings(user_cfg: dict):
-    """(zero stage, optimizer factory) from the stock ``optimizer`` / ``zero_optimization`` fields."""
-    from ..reference import OptimConfig, make_optimizer
-
-    zero = int((user_cfg.get("zero_optimization") or {}).get("stage", 0))
-    if zero not in (0, 1, 2):
-        raise ValueError(f"ds_config.zero_optimization.stage={zero}: MalleusEngine supports 0, 1 "
-                         f"and 2 (sharding across each layer's replicas); ZeRO-3 is not supported")
-    sec = user_cfg.get("optimizer") or {}
-    typ = str(sec.get("type", "AdamW"))
-    params = dict(sec.get("params") or {})
-    if typ.lower() not in ("adam", "adamw"):
-        raise ValueError(f"ds_config.optimizer.type={typ!r}: MalleusEngine supports Adam/AdamW "
-                         f"(torch.optim.AdamW, decoupled weight decay)")
-    if params.pop("adam_w_mode", True) is False:
-        raise ValueError("ds_config.optimizer.params.adam_w_mode=false is not supported (AdamW only)")
-    for k in ("torch_adam", "fused"):
-        params.pop(k, None)
-    unknown = set(params) - {"lr", "betas", "eps", "weight_decay"}
-    if unknown:
-        raise ValueError(f"ds_config.optimizer.params: unsupported keys {sorted(unknown)}")
-    oc = OptimConfig(**{k: (tuple(v) if k == "betas" else v) for k, v in params.items()})
-    return zero, lambda ps: make_optimizer(ps, oc)
-
-
-def _base_ds_config(user_cfg: dict, plan: Plan, loc) -> dict:
-    """The config the base engine gets: batch sizes of this rank's pipeline (DP world = 1), and
-    no optimizer / ZeRO / precision section (this subclass builds those; see the module
-    docstring)."""
-    base = {k: v for k, v in user_cfg.items()
-            if k not in ("malleus", "optimizer", "zero_optimization", "train_batch_size",
-                         "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                         "fp16", "bf16", "bfloat16", "data_types")}
-    m = plan.pipelines[loc[0]].micro_batches if loc else 1
-    base["train_micro_batch_size_per_gpu"] = plan.micro_batch_size
-    base["gradient_accumulation_steps"] = m
-    base["train_batch_size"] = plan.micro_batch_size * m
-    return base

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..layout import Bucket, Piece, build_buckets  # noqa: F401  (re-exported: the bucket layout)
+from ..layout import Bucket, Piece
 
 
 def view(t: torch.Tensor, pc: Piece) -> torch.Tensor:

@@ -14,8 +14,7 @@ from __future__ import annotations
 from math import lcm
 from typing import Iterable
 
-from ..layout import (EMBED, HEAD, RankSet, chunk_holders, owner_holders,  # noqa: F401
-                      replicated_holders, sync_rank_sets)
+from ..layout import RankSet, owner_holders, sync_rank_sets
 from ..plan import Plan, Stage
 
 #: The stage holding ``layer`` in each pipeline (EMBED: first stages, HEAD: last stages).

@@ -1,8 +1,8 @@
 """Rank sets and gradient buckets from a plan, without processes."""
 import random
 
-from malleus_ds.engine.groups import EMBED, HEAD, plan_rank_sets, sync_rank_sets
-from malleus_ds.layout import build_buckets, local_shards
+from malleus_ds.engine.groups import plan_rank_sets, sync_rank_sets
+from malleus_ds.layout import EMBED, HEAD, build_buckets, local_shards
 from malleus_ds.models.llama import model_config, param_table
 from malleus_ds.plan import Plan
 from tests.dist.test_malleus_cases import random_plan

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from malleus_ds.engine.engine import MalleusSettings, _base_ds_config, _optimizer_settings
+from malleus_ds.engine.settings import MalleusSettings, base_ds_config, optimizer_settings
 from malleus_ds.plan import Plan
 from tests.dist.test_malleus_equivalence import HETERO
 
@@ -20,18 +20,18 @@ def test_plan_inline_path_and_unknown_keys(tmp_path):
 
 
 def test_stock_fields():
-    zero, make = _optimizer_settings({"zero_optimization": {"stage": 2},
+    zero, make = optimizer_settings({"zero_optimization": {"stage": 2},
                                       "optimizer": {"type": "Adam", "params": {"lr": 0.1, "betas": [0.8, 0.9]}}})
     assert zero == 2
     import torch
     opt = make([torch.nn.Parameter(torch.zeros(2))])
     assert isinstance(opt, torch.optim.AdamW) and opt.param_groups[0]["betas"] == (0.8, 0.9)
     with pytest.raises(ValueError, match="stage=3"):
-        _optimizer_settings({"zero_optimization": {"stage": 3}})
+        optimizer_settings({"zero_optimization": {"stage": 3}})
     with pytest.raises(ValueError, match="'SGD'"):
-        _optimizer_settings({"optimizer": {"type": "SGD"}})
+        optimizer_settings({"optimizer": {"type": "SGD"}})
     plan = Plan.from_json(HETERO)
-    base = _base_ds_config({"optimizer": {}, "zero_optimization": {}, "malleus": {},
+    base = base_ds_config({"optimizer": {}, "zero_optimization": {}, "malleus": {},
                             "train_batch_size": 99, "gradient_clipping": 0.5}, plan, (0, 1))
     assert base == {"gradient_clipping": 0.5, "train_micro_batch_size_per_gpu": 1,
                     "gradient_accumulation_steps": 5, "train_batch_size": 5}
@@ -72,7 +72,7 @@ def test_precision_sections_parse_with_deepspeeds_models():
         with pytest.raises(ValueError, match=needle):
             MalleusEngine.build_settings(cfg)
     # the base engine never sees the precision sections (the subclass owns them)
-    base = _base_ds_config({"bf16": {"enabled": True}, "fp16": {"enabled": False},
+    base = base_ds_config({"bf16": {"enabled": True}, "fp16": {"enabled": False},
                             "data_types": {}, "gradient_clipping": 0.5},
                            Plan.from_json(HETERO), (0, 1))
     assert not {"bf16", "fp16", "data_types"} & set(base)

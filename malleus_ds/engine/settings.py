@@ -1,0 +1,100 @@
+"""The ``"malleus"`` section of a ds_config and the stock sections MalleusEngine reads itself.
+
+Pure parsing (no process groups): every rank raises the same error for a bad config before any
+collective, so bad input never hangs.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..plan import Plan
+from .precision import Precision
+
+
+@dataclass(frozen=True)
+class MalleusSettings:
+    """The ``"malleus"`` section of the ds_config."""
+
+    plan: Plan | None = None          # a plan object, a path to a plan JSON, or the JSON inline
+    tp: int | None = None             # nominal TP degree; stage TP sizes must divide it (default: lcm in plan)
+    gpus_per_node: int | None = None  # ranks per node (default: the whole world is one node)
+    seed: int = 0                     # model init and data order seed
+    straggler: tuple = ()             # straggler emulation schedule (malleus_ds.emulation), off if empty
+    precision: Precision = Precision()  # from the stock "fp16" / "bf16" sections (build_settings)
+
+    @staticmethod
+    def from_config(sec: Mapping[str, Any] | None) -> "MalleusSettings":
+        sec = dict(sec or {})
+        known = {"plan", "tp", "gpus_per_node", "seed", "straggler"}
+        unknown = sorted(set(sec) - known)
+        if unknown:
+            raise ValueError(f"ds_config.malleus: unknown keys {unknown}; allowed: {sorted(known)}")
+        strag = sec.get("straggler") or ()
+        if isinstance(strag, Mapping):
+            strag = strag.get("schedule") or ()
+        return MalleusSettings(plan=as_plan(sec.get("plan")), tp=sec.get("tp"),
+                               gpus_per_node=sec.get("gpus_per_node"), seed=int(sec.get("seed", 0)),
+                               straggler=tuple(strag))
+
+
+def as_plan(p) -> Plan | None:
+    if p is None or isinstance(p, Plan):
+        return p
+    if isinstance(p, Mapping):
+        return Plan.from_json(p)
+    return Plan.load(p)
+
+
+def load_config(config) -> dict:
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    path = Path(config)
+    if not path.is_file():
+        raise ValueError(f"ds_config: file not found: {path}")
+    return json.loads(path.read_text())
+
+
+def optimizer_settings(user_cfg: dict):
+    """(zero stage, optimizer factory) from the stock ``optimizer`` / ``zero_optimization`` fields."""
+    from ..reference import OptimConfig, make_optimizer
+
+    zero = int((user_cfg.get("zero_optimization") or {}).get("stage", 0))
+    if zero not in (0, 1, 2):
+        raise ValueError(f"ds_config.zero_optimization.stage={zero}: MalleusEngine supports 0, 1 "
+                         f"and 2 (sharding across each layer's replicas); ZeRO-3 is not supported")
+    sec = user_cfg.get("optimizer") or {}
+    typ = str(sec.get("type", "AdamW"))
+    params = dict(sec.get("params") or {})
+    if typ.lower() not in ("adam", "adamw"):
+        raise ValueError(f"ds_config.optimizer.type={typ!r}: MalleusEngine supports Adam/AdamW "
+                         f"(torch.optim.AdamW, decoupled weight decay)")
+    if params.pop("adam_w_mode", True) is False:
+        raise ValueError("ds_config.optimizer.params.adam_w_mode=false is not supported (AdamW only)")
+    for k in ("torch_adam", "fused"):
+        params.pop(k, None)
+    unknown = set(params) - {"lr", "betas", "eps", "weight_decay"}
+    if unknown:
+        raise ValueError(f"ds_config.optimizer.params: unsupported keys {sorted(unknown)}")
+    oc = OptimConfig(**{k: (tuple(v) if k == "betas" else v) for k, v in params.items()})
+    return zero, lambda ps: make_optimizer(ps, oc)
+
+
+def base_ds_config(user_cfg: dict, plan: Plan, loc) -> dict:
+    """The config the base engine gets: batch sizes of this rank's pipeline (DP world = 1), and
+    no optimizer / ZeRO / precision section (this subclass builds those; see the module
+    docstring)."""
+    base = {k: v for k, v in user_cfg.items()
+            if k not in ("malleus", "optimizer", "zero_optimization", "train_batch_size",
+                         "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                         "fp16", "bf16", "bfloat16", "data_types")}
+    m = plan.pipelines[loc[0]].micro_batches if loc else 1
+    base["train_micro_batch_size_per_gpu"] = plan.micro_batch_size
+    base["gradient_accumulation_steps"] = m
+    base["train_batch_size"] = plan.micro_batch_size * m
+    return base

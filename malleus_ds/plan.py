@@ -93,6 +93,19 @@ class Plan:
                     return i, j
         return None
 
+    @property
+    def id(self) -> str:
+        """A short name for logs and events: the plan's ``name`` field if it has one, else
+        ``plan-`` + 8 hex digits of a hash of its layout (equal layouts, equal ids)."""
+        name = self.extra.get("name")
+        if isinstance(name, str) and name:
+            return name
+        import hashlib
+
+        core = {k: v for k, v in self.to_json().items() if k in (
+            "num_layers", "global_batch_size", "micro_batch_size", "pipelines", "suspended")}
+        return "plan-" + hashlib.sha1(json.dumps(core, sort_keys=True).encode()).hexdigest()[:8]
+
     def describe(self) -> str:
         """One line, e.g. ``2 pipelines: [TP2 0-4] x5 | [TP1 0-2, TP1 2-4] x3; suspended [5]``."""
         pipes = " | ".join(

@@ -39,12 +39,14 @@ def micro_batches(step: int, global_batch_size: int, micro_batch_size: int):
 
 def reference_run(cfg: ModelConfig, *, seed: int, steps: int, global_batch_size: int,
                   micro_batch_size: int, optim: OptimConfig = OptimConfig(),
-                  data_seed: int | None = None, grad_clip: float = 0.0):
+                  data_seed: int | None = None, grad_clip: float = 0.0,
+                  adam_out: dict | None = None):
     """Train ``steps`` steps on one process. Returns (per-step losses, final state_dict).
 
     ``grad_clip > 0`` clips the summed gradients' global norm before each step
     (``clip_grad_norm_``: scale by ``max_norm / (norm + 1e-6)`` when that is < 1), which is
-    DeepSpeed's ``gradient_clipping``."""
+    DeepSpeed's ``gradient_clipping``. ``adam_out``: filled with ``{name: {"exp_avg": ...,
+    "exp_avg_sq": ...}}`` after the last step (for checking migrated optimizer states)."""
     torch.manual_seed(seed)
     model = build_model(cfg, seed)
     opt = make_optimizer(model.parameters(), optim)
@@ -63,4 +65,8 @@ def reference_run(cfg: ModelConfig, *, seed: int, steps: int, global_batch_size:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=False)
         opt.step()
         losses.append(total)
+    if adam_out is not None:
+        for n, p in model.named_parameters():
+            st = opt.state.get(p, {})
+            adam_out[n] = {k: st[k].detach().clone() for k in ("exp_avg", "exp_avg_sq") if k in st}
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

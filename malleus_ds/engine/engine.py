@@ -279,6 +279,9 @@ class MalleusEngine(DeepSpeedEngine):
         ``data_iter`` yielding ``(inputs, targets)`` for *this rank's pipeline's* micro-batches
         in order; first and last stages read it once per micro-batch.
         """
+        if getattr(self, "_broken", None):
+            from ..migrate.transport import MigrationError
+            raise MigrationError(self._broken)
         step = self.global_steps if step is None else step
         self._data_iter = data_iter
         self.compute_seconds, self._loss_sum = 0.0, 0.0
@@ -367,6 +370,15 @@ class MalleusEngine(DeepSpeedEngine):
             if every and self.global_steps % every == 0:
                 log_dist(f"step={self.global_steps} loss={loss:.6f} "
                          f"lr={self.optimizer.param_groups[0]['lr']:.3e}", ranks=[0])
+
+    def switch_plan(self, new_plan):
+        """Move this running engine to ``new_plan`` (a Plan, path or plan JSON) in place:
+        collective, at a step boundary; parameters, fp32 masters and Adam states migrate with
+        point-to-point transfers, the LR schedule and loss scaler carry over, and training
+        continues with the same math. Returns a :class:`~malleus_ds.engine.switch.MigrationReport`
+        (the same on every rank). See ``engine/switch.py``."""
+        from .switch import switch_plan
+        return switch_plan(self, new_plan)
 
     def set_compute_clock(self, clock) -> None:
         """Time forward/backward with ``clock.compute()`` (``malleus_ds.runners.common.ComputeClock``,

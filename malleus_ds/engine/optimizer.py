@@ -112,6 +112,26 @@ class ShardedOptimizer:
         return 0
 
     @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """fp32 training: masters := this rank's ranges of the parameters (after a migration
+        wrote the parameters; in fp32 the master IS the parameter)."""
+        data = self.params_data()
+        for i, b in enumerate(self.buckets):
+            m, (lo, hi) = self.masters[i], self.ranges[i]
+            if m is not None:
+                m.data.copy_(flatten(b, data, device=m.device)[lo:hi])
+
+    def set_step(self, step: int) -> None:
+        """Adam's step counter on every master (moments default to zeros where absent)."""
+        for m in self.masters:
+            if m is not None:
+                st = self.optimizer.state[m]
+                for k in self._KEYS:
+                    if k not in st:
+                        st[k] = torch.zeros_like(m.data)
+                st["step"] = torch.tensor(float(step))
+
+    @torch.no_grad()
     def gather_state(self, masters: bool = False) -> dict[str, dict[str, torch.Tensor]]:
         """``{"exp_avg": {name: local-shard tensor}, "exp_avg_sq": {...}}`` (fp32) for every
         local parameter, and ``"master"``: the fp32 master weights when ``masters``. Collective

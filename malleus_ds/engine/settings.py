@@ -16,6 +16,15 @@ from .precision import Precision
 
 
 @dataclass(frozen=True)
+class SwitchAt:
+    """A scripted plan switch: before training step ``step``, migrate to ``plan``."""
+
+    step: int
+    plan: Plan
+    where: str                        # "ds_config.malleus.switch[i]", for error messages
+
+
+@dataclass(frozen=True)
 class MalleusSettings:
     """The ``"malleus"`` section of the ds_config."""
 
@@ -25,11 +34,15 @@ class MalleusSettings:
     seed: int = 0                     # model init and data order seed
     straggler: tuple = ()             # straggler emulation schedule (malleus_ds.emulation), off if empty
     precision: Precision = Precision()  # from the stock "fp16" / "bf16" sections (build_settings)
+    switch: tuple[SwitchAt, ...] = ()   # scripted plan switches, by step (runner: malleus.switch)
+    migrate_bucket_mb: float = 256.0    # packed bytes in flight per rank during a migration (MB)
+    migrate_timeout_s: float = 300.0    # a migration transfer not done by then fails the job (s)
 
     @staticmethod
     def from_config(sec: Mapping[str, Any] | None) -> "MalleusSettings":
         sec = dict(sec or {})
-        known = {"plan", "tp", "gpus_per_node", "seed", "straggler"}
+        known = {"plan", "tp", "gpus_per_node", "seed", "straggler", "switch",
+                 "migrate_bucket_mb", "migrate_timeout_s"}
         unknown = sorted(set(sec) - known)
         if unknown:
             raise ValueError(f"ds_config.malleus: unknown keys {unknown}; allowed: {sorted(known)}")
@@ -38,7 +51,49 @@ class MalleusSettings:
             strag = strag.get("schedule") or ()
         return MalleusSettings(plan=as_plan(sec.get("plan")), tp=sec.get("tp"),
                                gpus_per_node=sec.get("gpus_per_node"), seed=int(sec.get("seed", 0)),
-                               straggler=tuple(strag))
+                               straggler=tuple(strag), switch=parse_switch(sec.get("switch")),
+                               migrate_bucket_mb=_positive(sec, "migrate_bucket_mb", 256.0),
+                               migrate_timeout_s=_positive(sec, "migrate_timeout_s", 300.0))
+
+
+def _positive(sec: Mapping[str, Any], key: str, default: float) -> float:
+    v = sec.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise ValueError(f"ds_config.malleus.{key}={v!r} must be a number > 0")
+    return float(v)
+
+
+def parse_switch(entries) -> tuple[SwitchAt, ...]:
+    """``[{"step": K, "plan": PATH | {plan JSON}}, ...]`` with steps >= 1 in increasing order;
+    every plan file is read and parsed here (validated against the job by the engine at start-up).
+    Errors name the entry."""
+    from ..plan import PlanError
+
+    if entries is None or entries == []:
+        return ()
+    if isinstance(entries, (str, bytes)) or not isinstance(entries, (list, tuple)):
+        raise ValueError(f"ds_config.malleus.switch must be a list of {{step, plan}} entries, "
+                         f"got {entries!r}")
+    out: list[SwitchAt] = []
+    for i, e in enumerate(entries):
+        where = f"ds_config.malleus.switch[{i}]"
+        if not isinstance(e, Mapping) or set(e) != {"step", "plan"}:
+            raise ValueError(f"{where}: expected {{step: K, plan: PATH}}, got {e!r}")
+        step = e["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"{where}.step={step!r} must be an integer >= 1 (the switch happens "
+                             f"before that training step)")
+        if out and step <= out[-1].step:
+            raise ValueError(f"{where}.step={step} is not after the previous entry's step "
+                             f"{out[-1].step}; list switches in increasing step order")
+        try:
+            plan = as_plan(e["plan"])
+        except (PlanError, OSError) as err:
+            raise ValueError(f"{where}.plan: {err}") from None
+        if plan is None:
+            raise ValueError(f"{where}.plan is missing")
+        out.append(SwitchAt(step, plan, where))
+    return tuple(out)
 
 
 def as_plan(p) -> Plan | None:

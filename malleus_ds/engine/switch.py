@@ -1,0 +1,229 @@
+"""``engine.switch_plan(new_plan)``: move a running engine to another plan in place (DESIGN.md §6).
+
+Collective, at a step boundary, on the same engine object; no process restarts:
+
+1. validate the new plan with the start-up checks, on every rank, before anything moves;
+2. create the process groups it needs (cached by rank set) and agree on Adam's step;
+3. build the next :class:`~malleus_ds.engine.runtime.PlanRuntime` (stage module without init,
+   TP, buckets, sharded optimizer, schedule);
+4. compute the transfer plan (``migrate/transfer.py``, the same on every rank), copy what this
+   rank keeps locally, and run the bounded rounds of packed point-to-point messages
+   (``migrate/transport.py``): parameters, fp32 masters (mixed precision) and Adam moments at
+   ZeRO-partition granularity, never an all-gather of whole buckets;
+5. derive what is not sent: fp32 masters from parameters (fp32), low-precision parameters from
+   masters (bf16/fp16), Adam's step;
+6. adopt the new runtime, carry the LR scheduler and the loss scaler, drop the old runtime.
+
+A failure anywhere in 3-5 marks the engine broken (``train_batch`` refuses to run) and raises
+:class:`~malleus_ds.migrate.transport.MigrationError` naming the step and the peers: the job never
+trains on half-moved state.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as tdist
+
+from ..layout import merge, intersect
+from ..migrate.apply import StateView, pack_parts, unpack_parts
+from ..migrate.rounds import messages, rounds
+from ..migrate.transfer import Layout, Transfer, transfer_plan
+from ..migrate.transport import MigrationError, run_rounds
+from ..plan import PlanError
+from .groups import GROUPS, plan_rank_sets
+from .runtime import PlanRuntime, build_stage, locate
+
+
+@dataclass(frozen=True)
+class MigrationReport:
+    """What a switch did, the same on every rank. ``bytes``: sent over the network, all ranks
+    summed; ``seconds``: wall time, max over ranks; ``peak_extra_bytes``: buffer memory the switch
+    allocated (the next runtime's state + staging), max over ranks."""
+
+    step: int
+    from_plan: str
+    to_plan: str
+    bytes: int
+    seconds: float
+    peak_extra_bytes: int
+    lower_bound: int
+    transfers: int
+    messages: int
+    rounds: int
+
+    def event(self) -> dict:
+        """The ``migrate`` line of metrics.jsonl (DESIGN.md §6)."""
+        return {"event": "migrate", "step": self.step, "from": self.from_plan, "to": self.to_plan,
+                "bytes": self.bytes, "seconds": round(self.seconds, 4),
+                "peak_extra_bytes": self.peak_extra_bytes}
+
+
+def _runtime_bytes(rt: PlanRuntime) -> int:
+    ts = [p for p in rt.named.values()]
+    opt = rt.optimizer
+    for m in opt.masters:
+        if m is not None:
+            ts.append(m)
+            ts += [v for v in opt.optimizer.state[m].values() if torch.is_tensor(v) and v.dim()]
+    ts += [t for t in rt.grad_sync.flats + rt.grad_sync.parts + opt._gather if t is not None]
+    ts += list((rt.acc or {}).values())
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _local_parts(old: StateView, new: StateView, rank: int) -> list[Transfer]:
+    """What this rank holds under both plans, as (rank -> rank) parts to copy old -> new."""
+    out = []
+    for (kind, name), hs in new.index.items():
+        mine_old = old.index.get((kind, name))
+        if not mine_old:
+            continue
+        both = intersect(merge((h.lo, h.hi) for h in hs), merge((h.lo, h.hi) for h in mine_old))
+        out += [Transfer(rank, rank, kind, name, a, b) for a, b in both]
+    return out
+
+
+def _chunks(parts: list[Transfer], cap: int):
+    """Split parts into groups of at most ``cap`` elements (bounded staging memory)."""
+    group, room = [], cap
+    for t in parts:
+        lo = t.lo
+        while lo < t.hi:
+            n = min(room, t.hi - lo)
+            group.append(Transfer(t.src, t.dst, t.kind, t.name, lo, lo + n))
+            lo, room = lo + n, room - n
+            if room == 0:
+                yield group
+                group, room = [], cap
+    if group:
+        yield group
+
+
+@torch.no_grad()
+def _copy_local(old: StateView, new: StateView, parts: list[Transfer], cap_bytes: int,
+                device) -> int:
+    """Copy kept slices from the old buffers into the new ones, through a bounded staging buffer
+    per dtype. Returns the staging bytes used."""
+    peak = 0
+    by_dtype: dict[torch.dtype, list[Transfer]] = {}
+    for t in parts:
+        dt = old.buffer(t.kind, old.index[(t.kind, t.name)][0].buf).dtype
+        by_dtype.setdefault(dt, []).append(t)
+    for dt, ps in by_dtype.items():
+        size = torch.empty(0, dtype=dt).element_size()
+        for group in _chunks(ps, max(1, cap_bytes // size)):
+            n = sum(t.numel for t in group)
+            buf = torch.empty(n, dtype=dt, device=device)
+            peak = max(peak, n * size)
+            pack_parts(old, group, buf)
+            unpack_parts(new, group, buf)
+    return peak
+
+
+@torch.no_grad()
+def _derive(rt: PlanRuntime, new: StateView, mixed: bool, adam_step: int, rank: int,
+            cap_bytes: int, device) -> None:
+    """Fill what was not sent: masters from params (fp32), params from masters (mixed), step."""
+    if mixed:
+        parts = [Transfer(rank, rank, "master", h.name, h.lo, h.hi) for h in new.holds("master")]
+        for group in _chunks(parts, max(1, cap_bytes // 4)):
+            buf = torch.empty(sum(t.numel for t in group), dtype=torch.float32, device=device)
+            pack_parts(new, group, buf)
+            lp = buf.to(rt.optimizer.param_dtype)         # the cast training does after a step
+            unpack_parts(new, [Transfer(rank, rank, "param", t.name, t.lo, t.hi) for t in group], lp)
+    else:
+        rt.optimizer.refresh_masters()
+    rt.optimizer.set_step(adam_step)
+
+
+def switch_plan(engine, new_plan) -> MigrationReport:
+    """See the module docstring. ``new_plan``: a Plan, a path or plan JSON."""
+    from .settings import as_plan
+
+    if getattr(engine, "_broken", None):
+        raise MigrationError(engine._broken)
+    t0 = time.perf_counter()
+    rank, world = engine.global_rank, engine.world_size
+    step = engine.global_steps
+    old_rt: PlanRuntime = engine.runtime
+    from_id = old_rt.plan.id
+    plan = engine.build_plan(as_plan(new_plan), engine.model_cfg, world, engine.settings,
+                             engine._user_cfg)
+    for f in ("global_batch_size", "micro_batch_size"):
+        if getattr(plan, f) != getattr(old_rt.plan, f):
+            raise PlanError(f"switch_plan: new plan {f}={getattr(plan, f)} differs from the "
+                            f"running plan's {getattr(old_rt.plan, f)}; the global batch never "
+                            f"changes within a run")
+    GROUPS.ensure(plan_rank_sets(plan, world))             # collective, same order everywhere
+    agree = torch.tensor([float(old_rt.optimizer.step_count())], dtype=torch.float64,
+                         device=engine.device)
+    tdist.all_reduce(agree, op=tdist.ReduceOp.MAX)
+    adam_step = int(agree.item())
+
+    mixed = engine.precision.mixed
+    table = engine.param_table
+    cap = max(1, int(engine.settings.migrate_bucket_mb * 2**20))
+    param_dtype = engine.precision.dtype if mixed else torch.float32
+    param_bytes = torch.empty(0, dtype=param_dtype).element_size()
+    tplan = transfer_plan(Layout(old_rt.plan, old_rt.zero_stage), Layout(plan, old_rt.zero_stage),
+                          table, mixed=mixed, param_bytes=param_bytes,
+                          gpus_per_node=engine.settings.gpus_per_node)
+    msgs = messages(tplan, cap, mixed)
+    rds = rounds(msgs, cap)
+    rt = None
+    try:
+        spec = locate(plan, rank)
+        module = build_stage(plan, spec, engine._make_stage, engine.precision, init=False)
+        module.to(engine.device)
+        rt = engine.build_plan_runtime(plan, module, spec, old_rt.zero_stage)
+        old_v = StateView(old_rt, table, rank, mixed)
+        new_v = StateView(rt, table, rank, mixed)
+        staging = _copy_local(old_v, new_v, _local_parts(old_v, new_v, rank), cap, engine.device)
+        stats = run_rounds(rank, rds, old_v, new_v, {"fp32": torch.float32, "param": param_dtype},
+                           engine.device, timeout_s=engine.settings.migrate_timeout_s, step=step)
+        _derive(rt, new_v, mixed, adam_step, rank, cap, engine.device)
+        peak = _runtime_bytes(rt) + max(staging, stats.peak_buffer_bytes)
+    except Exception as e:
+        engine._broken = (f"a plan switch before step {step} failed ({type(e).__name__}: "
+                          f"{str(e)[:300]}); this engine's state may be half-moved and it will not "
+                          f"train: restart from the last checkpoint")
+        if rt is not None:
+            rt.close()
+        if isinstance(e, MigrationError):
+            raise
+        raise MigrationError(f"rank {rank}: migration before step {step} failed: "
+                             f"{type(e).__name__}: {e}") from e
+
+    old_sched, old_groups = engine.lr_scheduler, engine.optimizer.param_groups
+    engine.adopt(rt)
+    _carry_schedule(engine, old_sched, old_groups)
+    old_rt.close()
+    del old_rt, old_v, new_v
+    gc.collect()
+    if engine.device is not None and str(engine.device).startswith("cuda"):
+        torch.cuda.empty_cache()
+    seconds = time.perf_counter() - t0
+    tot = torch.tensor([float(stats.bytes_sent)], dtype=torch.float64, device=engine.device)
+    mx = torch.tensor([seconds, float(peak)], dtype=torch.float64, device=engine.device)
+    tdist.all_reduce(tot)
+    tdist.all_reduce(mx, op=tdist.ReduceOp.MAX)
+    return MigrationReport(step=step, from_plan=from_id, to_plan=plan.id, bytes=int(tot[0]),
+                           seconds=float(mx[0]), peak_extra_bytes=int(mx[1]),
+                           lower_bound=tplan.lower_bound, transfers=len(tplan.transfers),
+                           messages=len(msgs), rounds=len(rds))
+
+
+def _carry_schedule(engine, old_sched, old_groups) -> None:
+    """The LR schedule continues where it was: a scheduler over the new optimizer with the old
+    one's state, and the current hyper-parameters copied group by group."""
+    new_opt = engine.optimizer.optimizer
+    for g_new, g_old in zip(new_opt.param_groups, old_groups):
+        for k, v in g_old.items():
+            if k != "params":
+                g_new[k] = v
+    sched = engine._scheduler_from_config(new_opt) if old_sched is not None else None
+    if sched is not None:
+        sched.load_state_dict(old_sched.state_dict())
+    engine.lr_scheduler = sched

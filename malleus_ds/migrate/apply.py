@@ -1,0 +1,139 @@
+"""Engine state by slice: read and write a runtime's buffers by (kind, tensor, canonical interval).
+
+The slice map (``malleus_ds.layout.holdings``) says where each held interval lives: a parameter
+shard (``param``) or a bucket's optimizer range (``master`` / ``exp_avg`` / ``exp_avg_sq``). A
+canonical interval of a parameter shard is, in memory, up to three 2-D strided windows of the
+shard viewed split-dim-first (``(rows along the split dim, the rest)``): a partial first row, whole
+rows, a partial last row — e.g. a column block of a row-parallel weight is whole rows of its
+transposed view. Optimizer ranges are flat fp32 vectors. :func:`pack_parts` / :func:`unpack_parts`
+move many such windows in one ``kernels.pack`` call (one Triton launch on GPU).
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from typing import Iterable, Sequence
+
+import torch
+
+from kernels.pack import pack, unpack, window_of
+
+from ..layout import Hold, ParamTable, holdings
+from .transfer import Transfer
+
+
+def canonical_2d(t: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """``t`` viewed split-dim-first as (rows, cols), row-major = the canonical flat order."""
+    if dim is None:
+        return t.view(1, -1)
+    v = t.movedim(dim, 0)
+    try:
+        return v.view(v.shape[0], -1) if v.dim() != 2 else v
+    except RuntimeError:
+        raise ValueError(f"a tensor of shape {tuple(t.shape)} split along dim {dim} has no 2-D "
+                         f"split-dim-first view; migration supports parameters of <= 2 dims "
+                         f"or splits whose other dims merge") from None
+
+
+def row_windows(v: torch.Tensor, x: int, n: int) -> list[torch.Tensor]:
+    """Views of elements ``[x, x + n)`` of 2-D ``v`` in row-major order (at most three)."""
+    if n <= 0:
+        return []
+    C = v.shape[1]
+    r0, c0 = divmod(x, C)
+    r1, c1 = divmod(x + n, C)
+    if r0 == r1:
+        return [v[r0, c0:c1]]
+    out = []
+    if c0:
+        out.append(v[r0, c0:])
+        r0 += 1
+    if r1 > r0:
+        out.append(v[r0:r1])
+    if c1:
+        out.append(v[r1, :c1])
+    return out
+
+
+class StateView:
+    """Slices of one :class:`~malleus_ds.engine.runtime.PlanRuntime`'s state by global name."""
+
+    def __init__(self, rt, table: ParamTable, rank: int, mixed: bool) -> None:
+        self.rt, self.table = rt, table
+        self.index: dict[tuple[str, str], list[Hold]] = {}
+        for h in holdings(rt.plan, table, rank, rt.zero_stage, mixed, rt.buckets):
+            self.index.setdefault((h.kind, h.name), []).append(h)
+        for v in self.index.values():
+            v.sort(key=lambda h: h.lo)
+        self._starts = {k: [h.lo for h in v] for k, v in self.index.items()}
+        self._canon: dict[str, torch.Tensor] = {}
+
+    def holds(self, kind: str | None = None) -> Iterable[Hold]:
+        for (k, _), hs in self.index.items():
+            if kind is None or k == kind:
+                yield from hs
+
+    def buffer(self, kind: str, buf) -> torch.Tensor:
+        """The tensor holding ``kind`` at buffer ``buf`` (param name or bucket index)."""
+        if kind == "param":
+            return self.rt.named[buf].data
+        opt = self.rt.optimizer
+        m = opt.masters[buf]
+        if kind == "master":
+            return m.data
+        st = opt.optimizer.state[m]
+        if kind not in st:      # before the first step Adam has no moments yet: zeros
+            st[kind] = torch.zeros_like(m.data)
+        return st[kind]
+
+    def views(self, kind: str, name: str, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(base, view)`` pairs covering elements ``[lo, hi)`` of ``kind`` of ``name``, in order."""
+        hs, starts = self.index.get((kind, name)), self._starts.get((kind, name))
+        if not hs:
+            raise KeyError(f"this rank holds no {kind} of {name}")
+        out = []
+        i = max(0, bisect_right(starts, lo) - 1)
+        a = lo
+        while a < hi:
+            if i >= len(hs) or hs[i].lo > a or hs[i].hi <= a:
+                raise KeyError(f"this rank does not hold {kind} {name}[{a}:{hi}]")
+            h = hs[i]
+            b = min(hi, h.hi)
+            base = self.buffer(kind, h.buf)
+            x = h.off + a - h.lo
+            if kind == "param":
+                v = self._canon.get(name)
+                if v is None:
+                    v = self._canon[name] = canonical_2d(base, self.table[name].split_dim)
+                out += [(base, w) for w in row_windows(v, x, b - a)]
+            else:
+                out.append((base, base[x:x + b - a]))
+            a, i = b, i + 1
+        return out
+
+
+def _windows(view_pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+    tensors: list[torch.Tensor] = []
+    ids: dict[int, int] = {}
+    wins = []
+    for base, v in view_pairs:
+        k = ids.get(id(base))
+        if k is None:
+            k = ids[id(base)] = len(tensors)
+            tensors.append(base)
+        wins.append(window_of(k, base, v))
+    return tensors, wins
+
+
+def pack_parts(sv: StateView, parts: Iterable[Transfer], out: torch.Tensor) -> torch.Tensor:
+    """Pack the elements of ``parts`` (read from ``sv``) back to back into ``out``."""
+    pairs = [p for t in parts for p in sv.views(t.kind, t.name, t.lo, t.hi)]
+    tensors, wins = _windows(pairs)
+    return pack(tensors, wins, out) if wins else out[:0]
+
+
+def unpack_parts(sv: StateView, parts: Iterable[Transfer], buf: torch.Tensor) -> None:
+    """Write ``buf`` (as packed by :func:`pack_parts`) into ``parts`` of ``sv``."""
+    pairs = [p for t in parts for p in sv.views(t.kind, t.name, t.lo, t.hi)]
+    tensors, wins = _windows(pairs)
+    if wins:
+        unpack(buf, tensors, wins)

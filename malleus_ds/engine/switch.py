@@ -20,6 +20,7 @@ trains on half-moved state.
 """
 from __future__ import annotations
 
+import datetime
 import gc
 import time
 from dataclasses import dataclass
@@ -185,16 +186,34 @@ def switch_plan(engine, new_plan) -> MigrationReport:
                            engine.device, timeout_s=engine.settings.migrate_timeout_s, step=step)
         _derive(rt, new_v, mixed, adam_step, rank, cap, engine.device)
         peak = _runtime_bytes(rt) + max(staging, stats.peak_buffer_bytes)
-    except Exception as e:
-        engine._broken = (f"a plan switch before step {step} failed ({type(e).__name__}: "
-                          f"{str(e)[:300]}); this engine's state may be half-moved and it will not "
-                          f"train: restart from the last checkpoint")
+    except Exception as e:      # noqa: BLE001 - every failure ends in the agreement below
+        failure = e
+    else:
+        failure = None
+    # Agreement: every rank learns whether any rank failed, with a deadline (a rank that died
+    # or hangs cannot make the others wait forever). Only if all succeeded is the new runtime
+    # adopted; otherwise every rank raises and the engine refuses to train.
+    try:
+        bad = _agree_failed(rank, world, failure is not None, engine.device,
+                            2 * engine.settings.migrate_timeout_s + 10)
+        unsure = None
+    except Exception as e:     # noqa: BLE001 - a dead peer can break the group itself
+        bad, unsure = rank, e
+    if bad is not None:
+        if failure is not None:
+            why = f"{type(failure).__name__}: {str(failure)[:400]}"
+        elif unsure is not None:
+            why = (f"the ranks could not agree on its outcome (a rank died or hangs: "
+                   f"{str(unsure).splitlines()[0][:200]})")
+        else:
+            why = f"rank {bad} failed (see its error)"
+        engine._broken = (f"a plan switch before step {step} failed ({why}); this engine's state "
+                          f"may be half-moved and it will not train: restart from the last "
+                          f"checkpoint")
         if rt is not None:
             rt.close()
-        if isinstance(e, MigrationError):
-            raise
-        raise MigrationError(f"rank {rank}: migration before step {step} failed: "
-                             f"{type(e).__name__}: {e}") from e
+        raise MigrationError(f"rank {rank}: migration {from_id} -> {plan.id} before step {step} "
+                             f"failed: {why}") from failure
 
     old_sched, old_groups = engine.lr_scheduler, engine.optimizer.param_groups
     engine.adopt(rt)
@@ -227,3 +246,13 @@ def _carry_schedule(engine, old_sched, old_groups) -> None:
     if sched is not None:
         sched.load_state_dict(old_sched.state_dict())
     engine.lr_scheduler = sched
+
+
+def _agree_failed(rank: int, world: int, failed: bool, device, timeout_s: float) -> int | None:
+    """The lowest rank that failed (None if none), agreed by all ranks within ``timeout_s``;
+    raises if the agreement itself cannot complete."""
+    flag = torch.tensor([float(rank if failed else world)], dtype=torch.float64, device=device)
+    work = tdist.all_reduce(flag, op=tdist.ReduceOp.MIN, async_op=True)
+    work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    low = int(flag.item())
+    return low if low < world else None

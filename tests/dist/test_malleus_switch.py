@@ -102,3 +102,136 @@ def _identity(rank, world, pj):
 def test_identical_and_micro_batch_only_switches_move_nothing():
     res = run_distributed(_identity, 4, HETERO, timeout=120)
     assert all(r[:2] == (0, 0) for r in res), res
+
+
+# ---------------------------------------------------------------------- bf16
+
+
+def _bf16(rank, world):
+    import torch
+
+    import malleus_ds
+    from malleus_ds.plan import Plan
+    from tests.dist.test_malleus_precision import mp_config
+
+    eng, *_ = malleus_ds.initialize(model=CFG, config=mp_config(1, bf16={"enabled": True}),
+                                    plan=Plan.from_json(HETERO))
+    losses, diffs, casts = [], [], []
+    for step in range(6):
+        if step in (2, 4):
+            before = gather_full_state(eng, world)[0]
+            eng.switch_plan(Plan.from_json(B if step == 2 else C))
+            diffs.append(_full_equal(before, gather_full_state(eng, world)[0]))
+            st = eng.local_state()            # fp32 masters: the live bf16 params are their casts
+            casts.append(max((float((p.detach().float() - st["params"][n].to(torch.bfloat16)
+                                     .float()).abs().max()) for n, p in eng.named.items()),
+                             default=0.0))
+            assert all(p.dtype == torch.bfloat16 for p in eng.named.values())
+        losses.append(eng.train_batch())
+    return losses, diffs, casts
+
+
+def test_bf16_switches_move_masters_exactly():
+    from tests.dist.test_malleus_precision import LOSS_RTOL_BF16, reference
+
+    res = run_distributed(_bf16, 4, timeout=240)
+    ref_losses = reference("bf16", 6)[0]
+    for losses, diffs, casts in res:
+        assert diffs == [0.0, 0.0] and casts == [0.0, 0.0], (diffs, casts)
+        np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL_BF16)
+
+
+# ---------------------------------------------------------------------- random sequences
+
+
+def _random_case(seed: int, world: int):
+    rng = random.Random(seed)
+    plans = [random_plan(rng, world, G=8) for _ in range(4)]
+    steps = sorted(rng.sample(range(1, 6), 3))
+    return plans[0], list(zip(steps, plans[1:])), rng.randint(0, 2)
+
+
+@pytest.mark.parametrize("world,seed", [(4, 1), (5, 2), (6, 3)])
+def test_random_plan_sequences(world, seed):
+    start, seq, zero = _random_case(seed, world)
+    res = run_distributed(_switching, world, start, seq, ds_config(zero), 6, False, timeout=300)
+    check(seq[-1][1], [r[0] for r in res], steps=6, eps=EPS)
+    _check_adam(res, 6)
+
+
+# ---------------------------------------------------------------------- no growth
+
+
+def _many(rank, world, n):
+    import gc
+
+    import torch
+
+    import malleus_ds
+    from malleus_ds.engine.groups import GROUPS
+    from malleus_ds.plan import Plan
+
+    eng, *_ = malleus_ds.initialize(model=CFG, config=ds_config(1), plan=Plan.from_json(HETERO))
+    eng.train_batch()
+    counts = []
+    for i in range(n):
+        eng.switch_plan(Plan.from_json(B if i % 2 == 0 else HETERO))
+        if i in (1, n - 1):
+            gc.collect()
+            tensors = sum(1 for o in gc.get_objects() if torch.is_tensor(o))
+            elems = sum(o.numel() for o in gc.get_objects() if torch.is_tensor(o))
+            counts.append((len(GROUPS._groups), tensors, elems))
+    return counts, eng.train_batch()
+
+
+def test_fifty_switches_grow_neither_groups_nor_memory():
+    res = run_distributed(_many, 4, 50, timeout=240)
+    for counts, _loss in res:
+        (g1, t1, e1), (g2, t2, e2) = counts
+        assert g1 == g2, f"process groups grew {g1} -> {g2}"
+        assert t2 <= t1 and e2 <= e1, f"live tensors grew: {t1} -> {t2}, elements {e1} -> {e2}"
+
+
+# ---------------------------------------------------------------------- faults
+
+
+def _fault(rank, world, bad):
+    import time
+
+    import malleus_ds
+    import malleus_ds.migrate.transport as transport
+    from malleus_ds.migrate.transport import MigrationError
+    from malleus_ds.plan import Plan
+
+    cfg = dict(ds_config(1), malleus={"migrate_timeout_s": 3})
+    eng, *_ = malleus_ds.initialize(model=CFG, config=cfg, plan=Plan.from_json(HETERO))
+    eng.train_batch()
+    before = {n: p.detach().clone() for n, p in eng.named.items()}
+    if rank == bad:
+        def boom(r, t):
+            raise OSError("injected: NIC went away")
+        transport.before_round = boom
+    t0 = time.perf_counter()
+    try:
+        eng.switch_plan(Plan.from_json(C))
+        return "no error", 0.0, False, False
+    except MigrationError as e:
+        msg = str(e)
+    took = time.perf_counter() - t0
+    try:
+        eng.train_batch()
+        refused = False
+    except MigrationError:
+        refused = True
+    kept = all((p.detach() == before[n]).all() for n, p in eng.named.items())
+    return msg, took, refused, kept
+
+
+def test_a_failed_transfer_stops_every_rank_with_a_message():
+    res = run_distributed(_fault, 4, 1, timeout=120)
+    for rank, (msg, took, refused, kept) in enumerate(res):
+        assert "before step 1" in msg, (rank, msg)
+        assert ("injected" in msg) if rank == 1 else ("rank 1" in msg), (rank, msg)
+        assert took < 20, took
+        assert refused, f"rank {rank} trained after a failed switch"
+        assert kept, f"rank {rank}: the old plan's parameters were modified"

@@ -94,6 +94,7 @@ class RunConfig:
     run_dir: str | None = None          # rank 0 writes metrics.jsonl here; None = no files
     device: str = "auto"                # auto | cpu | cuda
     progress: bool = True               # tqdm bar on rank 0
+    malleus: Mapping[str, Any] = field(default_factory=dict, hash=False)  # engine=malleus extras
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False)  # unparsed sections
 
 
@@ -132,12 +133,31 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
     plan = d.get("plan", "static")
     plan = "static" if plan in (None, "", "static") else str(plan)
     known = {"engine", "model", "train", "parallel", "cluster", "straggler", "deepspeed",
-             "device", "plan", "progress"}
+             "device", "plan", "progress", "malleus"}
     extra = {k: v for k, v in d.items() if k not in known}
     return RunConfig(engine=engine, model=model, train=train, parallel=parallel, cluster=cluster,
                      straggler=straggler, deepspeed=ds, world_size=world_size, plan=plan,
                      run_dir=run_dir, device=device, progress=bool(d.get("progress", True)),
-                     extra=extra)
+                     malleus=_malleus(d.get("malleus") or {}, engine), extra=extra)
+
+
+#: The app's ``malleus.*`` keys (the engine's own ds_config ``malleus`` section has more).
+MALLEUS_KEYS = ("switch", "migrate_bucket_mb", "migrate_timeout_s")
+
+
+def _malleus(m: Mapping[str, Any], engine: str) -> dict:
+    """``malleus.*``: kept as plain values (the engine's settings parser checks them in depth);
+    here only unknown keys and use with another engine are refused."""
+    if not isinstance(m, Mapping):
+        raise ConfigError(f"malleus must be a mapping with keys {list(MALLEUS_KEYS)}, got {m!r}")
+    unknown = sorted(set(m) - set(MALLEUS_KEYS))
+    if unknown:
+        raise ConfigError(f"malleus has unknown fields {unknown}; allowed: {list(MALLEUS_KEYS)}")
+    out = {k: v for k, v in m.items() if v is not None}
+    if out.get("switch") and engine != "malleus":
+        raise ConfigError(f"malleus.switch is set but engine={engine}: live plan switches need "
+                          f"engine=malleus")
+    return out
 
 
 def _model(m: Mapping[str, Any]) -> ModelConfig:

@@ -5,12 +5,20 @@ One JSON object per line and step::
     {"step": 3, "loss": 5.41, "samples": 8, "step_time_s": 0.21,
      "compute_s": [0.09, 0.36], "emulated_s": [0.0, 0.27], "rates": {"1": 4.0}}
 
+Lines with an ``"event"`` key are events, not steps (DESIGN.md §6), e.g. a live plan switch::
+
+    {"event": "migrate", "step": 5, "from": "plan-1a2b3c4d", "to": "plan-5e6f7a8b",
+     "bytes": 1234567, "seconds": 0.08, "peak_extra_bytes": 2345678}
+
+and engine=malleus step lines carry ``"plan"``, the id of the plan that ran the step.
+
 ``compute_s[d]`` is rank ``d``'s forward+backward seconds in that step *including* its emulated
 slowdown (what a real slow GPU would show); ``emulated_s[d]`` is the part of it that was the
 emulation's sleep. ``rates`` holds the emulated rates active in that step (slowed ranks only).
 
-A *phase* is a run of steps with the same active ``rates``; the summary reports throughput per
-phase, so one run that turns a straggler on half-way shows healthy vs straggling side by side.
+A *phase* is a run of steps with the same active ``rates`` (and plan); the summary reports
+throughput per phase, so one run that turns a straggler on half-way, or switches plans, shows
+the regimes side by side.
 """
 from __future__ import annotations
 
@@ -31,12 +39,15 @@ class StepRecord:
     compute_s: tuple[float, ...] = ()    # per rank, incl. emulated slowdown
     emulated_s: tuple[float, ...] = ()   # per rank, emulated part only
     rates: Mapping[str, float] = field(default_factory=dict)  # active emulated rates
+    plan: str | None = None              # engine=malleus: id of the plan that ran the step
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["compute_s"] = list(self.compute_s)
         d["emulated_s"] = list(self.emulated_s)
         d["rates"] = dict(self.rates)
+        if self.plan is None:
+            d.pop("plan")
         return d
 
 
@@ -53,8 +64,12 @@ class MetricsWriter:
             self._f = open(self.path, "w")
 
     def write(self, rec: StepRecord) -> None:
+        self.write_event(rec.to_json())
+
+    def write_event(self, obj: Mapping) -> None:
+        """One JSON object per line (an event such as ``{"event": "migrate", ...}``)."""
         if self._f is not None:
-            self._f.write(json.dumps(rec.to_json()) + "\n")
+            self._f.write(json.dumps(dict(obj)) + "\n")
             self._f.flush()
 
     def close(self) -> None:
@@ -63,11 +78,13 @@ class MetricsWriter:
             self._f = None
 
 
-def read_metrics(path: str | Path) -> list[dict]:
+def read_metrics(path: str | Path, events: bool = False) -> list[dict]:
+    """Step lines of a metrics.jsonl (or its run folder); ``events=True``: event lines instead."""
     p = Path(path)
     if p.is_dir():
         p = p / METRICS_FILE
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return [r for r in rows if ("event" in r) == events]
 
 
 @dataclass(frozen=True)
@@ -79,12 +96,12 @@ class Phase:
     first_step: int
     mean_step_time_s: float
     samples_per_s: float
+    plan: str | None = None               # engine=malleus: the plan that ran these steps
 
     @property
     def label(self) -> str:
-        if not self.rates:
-            return "healthy"
-        return ", ".join(f"rank {r} at rate {x:g}" for r, x in self.rates)
+        lab = ", ".join(f"rank {r} at rate {x:g}" for r, x in self.rates) or "healthy"
+        return f"{lab} | {self.plan}" if self.plan else lab
 
 
 def phases(records: Iterable[Mapping], warmup_steps: int = 0) -> list[Phase]:
@@ -94,7 +111,10 @@ def phases(records: Iterable[Mapping], warmup_steps: int = 0) -> list[Phase]:
     groups: dict[tuple, list[Mapping]] = {}
     prev = None
     for r in records:
-        key = tuple(sorted((int(k), float(v)) for k, v in (r.get("rates") or {}).items()))
+        if "event" in r:
+            continue
+        key = (tuple(sorted((int(k), float(v)) for k, v in (r.get("rates") or {}).items())),
+               r.get("plan"))
         changed = prev is not None and key != prev
         prev = key
         if r["step"] < warmup_steps or changed:
@@ -104,18 +124,20 @@ def phases(records: Iterable[Mapping], warmup_steps: int = 0) -> list[Phase]:
     for key, rs in groups.items():
         t = sum(r["step_time_s"] for r in rs)
         n = sum(r["samples"] for r in rs)
-        out.append(Phase(key, len(rs), rs[0]["step"], t / len(rs), n / t if t > 0 else 0.0))
+        out.append(Phase(key[0], len(rs), rs[0]["step"], t / len(rs), n / t if t > 0 else 0.0,
+                         key[1]))
     return out
 
 
 def format_phases(ph: Sequence[Phase]) -> str:
     """Throughput per phase, with its ratio to the healthy phase when there is one."""
     base = next((p for p in ph if not p.rates), None)
-    lines = [f"  {'phase':34s} {'steps':>5s} {'step time':>10s} {'samples/s':>10s} "
+    w = max([34] + [len(p.label) for p in ph])
+    lines = [f"  {'phase':{w}s} {'steps':>5s} {'step time':>10s} {'samples/s':>10s} "
              f"{'vs healthy':>10s}"]
     for p in ph:
         rel = f"{p.samples_per_s / base.samples_per_s:9.2f}x" if base and base.samples_per_s \
             else "         -"
-        lines.append(f"  {p.label:34s} {p.steps:5d} {p.mean_step_time_s:9.3f}s "
+        lines.append(f"  {p.label:{w}s} {p.steps:5d} {p.mean_step_time_s:9.3f}s "
                      f"{p.samples_per_s:10.1f} {rel}")
     return "\n".join(lines)

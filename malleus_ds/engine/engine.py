@@ -61,7 +61,7 @@ from .runtime import PlanRuntime, StageSpec, accumulate_one, build_runtime, buil
 from .precision import Precision, load_scaler_state, scaler_state
 from .settings import MalleusSettings, as_plan, base_ds_config, load_config, optimizer_settings
 from .schedule import Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad
-from .tensor_parallel import SHARD_DIM, TPError, check_tp_size
+from .tensor_parallel import TPError, check_tp_size
 
 
 class _PlanMPU:
@@ -125,6 +125,11 @@ class MalleusEngine(DeepSpeedEngine):
         settings = self.build_settings(user_cfg)
         cfg, make_stage = _model_builder(model, settings.seed)
         plan = self.build_plan(as_plan(plan) or settings.plan, cfg, world, settings, user_cfg)
+        for sw in settings.switch:      # every scripted switch is checked before any collective
+            try:
+                self.build_plan(sw.plan, cfg, world, settings, user_cfg)
+            except PlanError as e:
+                raise PlanError(f"{sw.where} (plan {sw.plan.id}): {e}") from None
         zero_stage, optim = optimizer_settings(user_cfg)
         self.build_groups(plan, world)
         spec = locate(plan, rank)
@@ -137,6 +142,8 @@ class MalleusEngine(DeepSpeedEngine):
                          config_class=DeepSpeedConfig(base_cfg, mpu))
         self._user_cfg, self._make_stage, self._make_optimizer = user_cfg, make_stage, optim
         self.build_engine_state(plan, cfg, settings, zero_stage, data)
+        self.migrations: list = []          # MigrationReport of every switch, in order
+        self._pending_switches = list(settings.switch)
 
     # ------------------------------------------------------------------ build steps
 
@@ -282,6 +289,7 @@ class MalleusEngine(DeepSpeedEngine):
         if getattr(self, "_broken", None):
             from ..migrate.transport import MigrationError
             raise MigrationError(self._broken)
+        self.apply_scheduled_switch()
         step = self.global_steps if step is None else step
         self._data_iter = data_iter
         self.compute_seconds, self._loss_sum = 0.0, 0.0
@@ -371,6 +379,17 @@ class MalleusEngine(DeepSpeedEngine):
                 log_dist(f"step={self.global_steps} loss={loss:.6f} "
                          f"lr={self.optimizer.param_groups[0]['lr']:.3e}", ranks=[0])
 
+    def apply_scheduled_switch(self):
+        """Run the ``malleus.switch`` entry due before step ``global_steps``, if any (collective;
+        ``train_batch`` calls it first, a runner may call it earlier to time it apart from the
+        step). Returns its MigrationReport or None."""
+        while self._pending_switches and self._pending_switches[0].step < self.global_steps:
+            self._pending_switches.pop(0)           # resumed past it
+        if self._pending_switches and self._pending_switches[0].step == self.global_steps:
+            sw = self._pending_switches.pop(0)
+            return self.switch_plan(sw.plan)
+        return None
+
     def switch_plan(self, new_plan):
         """Move this running engine to ``new_plan`` (a Plan, path or plan JSON) in place:
         collective, at a step boundary; parameters, fp32 masters and Adam states migrate with
@@ -378,7 +397,9 @@ class MalleusEngine(DeepSpeedEngine):
         continues with the same math. Returns a :class:`~malleus_ds.engine.switch.MigrationReport`
         (the same on every rank). See ``engine/switch.py``."""
         from .switch import switch_plan
-        return switch_plan(self, new_plan)
+        report = switch_plan(self, new_plan)
+        self.migrations.append(report)
+        return report
 
     def set_compute_clock(self, clock) -> None:
         """Time forward/backward with ``clock.compute()`` (``malleus_ds.runners.common.ComputeClock``,
@@ -534,42 +555,21 @@ class MalleusEngine(DeepSpeedEngine):
         self.global_samples = self.global_steps * self.plan.global_batch_size
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **_kw):
-        """Every rank writes its :meth:`local_state` (+ plan, LR scheduler, ``client_state``) to
-        ``save_dir/tag/malleus_rank{r}.pt``; rank 0 writes ``save_dir/latest``. Collective."""
-        rank = self.global_rank
-        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
-        state = self.local_state()
-        d = Path(save_dir) / tag
-        d.mkdir(parents=True, exist_ok=True)
-        torch.save({"plan": self.plan.to_json(), "state": state, "client_state": client_state or {},
-                    "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None},
-                   d / f"malleus_rank{rank:05d}.pt")
-        tdist.barrier()
-        if save_latest and rank == 0:
-            (Path(save_dir) / "latest").write_text(tag)
-        tdist.barrier()
-        return True
+        """Every rank writes what it holds (parameter shards, fp32 masters, its ZeRO partition of
+        Adam's moments; nothing gathered) to ``save_dir/tag/malleus_rank{r:05d}.pt``; rank 0
+        commits ``meta.json`` and ``save_dir/latest``. Loads under any plan, ZeRO stage,
+        precision or world size. Collective. See ``engine/checkpoint.py``."""
+        from .checkpoint import save_checkpoint
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
                         load_lr_scheduler_states=True, **_kw):
-        """Load what :meth:`save_checkpoint` wrote under the *same* plan (a different plan needs
-        a migration: slice the old ranks' ``local_state`` for the new layout). Returns
-        ``(path, client_state)`` like DeepSpeed."""
-        if tag is None:
-            tag = (Path(load_dir) / "latest").read_text().strip()
-        f = Path(load_dir) / str(tag) / f"malleus_rank{self.global_rank:05d}.pt"
-        ck = torch.load(f, weights_only=False)
-        if Plan.from_json(ck["plan"]) != self.plan:
-            raise PlanError(f"checkpoint {f.parent} was written under a different plan than this "
-                            f"engine runs; load it with that plan, then migrate")
-        st = ck["state"]
-        if not load_optimizer_states:
-            st = dict(st, exp_avg={n: torch.zeros_like(t) for n, t in st["params"].items()},
-                      exp_avg_sq={n: torch.zeros_like(t) for n, t in st["params"].items()}, step=0)
-        self.load_local_state(st)
-        if load_lr_scheduler_states and self.lr_scheduler is not None and ck["lr_scheduler"]:
-            self.lr_scheduler.load_state_dict(ck["lr_scheduler"])
-        return str(f), ck["client_state"]
+        """Load what :meth:`save_checkpoint` wrote, under this engine's plan, ZeRO stage,
+        precision and world size (any of them may differ from the saving job's). Returns
+        ``(path, client_state)`` like DeepSpeed. Collective. See ``engine/checkpoint.py``."""
+        from .checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states,
+                               load_lr_scheduler_states)
 
     def local_shards(self) -> dict[str, tuple[torch.Tensor, int | None, int, int]]:
         """``name -> (local tensor, TP split dim or None, tp_rank, tp_size)`` for checking and
@@ -578,9 +578,9 @@ class MalleusEngine(DeepSpeedEngine):
         masters."""
         out = {}
         for n, p in self.named.items():
-            local = n.split(".", 2)[2] if n.startswith("blocks.") else None
-            out[n] = (p.detach().cpu().clone(), SHARD_DIM.get(local) if local else None,
-                      self.tp_rank, self.tp_size)
+            dim = self.param_table[n].split_dim
+            out[n] = (p.detach().cpu().clone(), dim, self.tp_rank if dim is not None else 0,
+                      self.tp_size if dim is not None else 1)
         return out
 
 

@@ -122,6 +122,7 @@ class StepReporter:
         self.losses: list[float] = []
         self.times: list[float] = []
         self.records: list[dict] = []
+        self.events: list[dict] = []
         self.writer = MetricsWriter(cfg.run_dir if env.is_rank0 else None)
         self.bar = None
         if env.is_rank0 and cfg.progress:
@@ -130,7 +131,15 @@ class StepReporter:
                             file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
                             disable=None)  # None: off when stderr is not a terminal
 
-    def step_done(self, step: int, loss: float, step_time_s: float, clock: ComputeClock) -> None:
+    def event(self, obj: dict) -> None:
+        """An event line in metrics.jsonl (rank 0 writes; every rank keeps it for the summary)."""
+        self.events.append(dict(obj))
+        self.writer.write_event(obj)
+        if self.bar is not None and obj.get("event") == "migrate":
+            self.bar.write(f"[malleus_ds] {format_event(obj)}")
+
+    def step_done(self, step: int, loss: float, step_time_s: float, clock: ComputeClock,
+                  plan: str | None = None) -> None:
         import torch
         import torch.distributed as dist
 
@@ -147,7 +156,7 @@ class StepReporter:
         self.times.append(float(step_time_s))
         rates = {str(r): x for r, x in self.cfg.straggler.rates(step, self.env.world_size).items()}
         rec = StepRecord(step, float(loss), self.cfg.train.global_batch_size, float(step_time_s),
-                         tuple(comp), tuple(emu), rates)
+                         tuple(comp), tuple(emu), rates, plan)
         self.records.append(rec.to_json())
         self.writer.write(rec)
         if self.bar is not None:
@@ -163,7 +172,16 @@ class StepReporter:
                           step_times_s=tuple(self.times),
                           samples_per_step=self.cfg.train.global_batch_size, phases=ph,
                           metrics_path=str(self.writer.path) if self.writer.path else None,
-                          extra=extra)
+                          extra=dict(extra, events=list(self.events)) if self.events else extra)
+
+
+def format_event(ev: dict) -> str:
+    """One line for a metrics event (a live plan switch)."""
+    if ev.get("event") == "migrate":
+        return (f"migrate before step {ev['step']}: {ev['from']} -> {ev['to']}, "
+                f"{ev['bytes'] / 2**20:.2f} MiB sent in {ev['seconds']:.3f} s, "
+                f"{ev['peak_extra_bytes'] / 2**20:.2f} MiB extra at peak")
+    return str(ev)
 
 
 def format_summary(cfg: RunConfig, s: RunSummary) -> str:
@@ -188,6 +206,11 @@ def format_summary(cfg: RunConfig, s: RunSummary) -> str:
     if s.phases:
         lines.append("  throughput by phase (warm-up and transition steps left out):")
         lines.append(format_phases(s.phases))
+    for ev in s.extra.get("events", ()):
+        lines.append(f"  {format_event(ev)}")
+    final = s.extra.get("final_plan")
+    if final and final != plan:
+        lines.append(f"  final plan: {Plan.from_json(final).describe()}")
     if s.metrics_path:
         lines.append(f"  metrics: {s.metrics_path}")
     return "\n".join(lines)

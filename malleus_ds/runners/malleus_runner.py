@@ -37,24 +37,36 @@ def gpus_per_node(cfg: RunConfig) -> int:
 
 
 def nominal_tp(cfg: RunConfig, plan: Plan) -> int:
-    return lcm(cfg.parallel.tp, *(s.tp for q in plan.pipelines for s in q.stages))
+    """The job's TP degree: every TP group of the plan and of the scripted switch plans
+    (``malleus.switch``) divides it."""
+    plans = [plan]
+    for e in cfg.malleus.get("switch") or ():
+        try:    # unreadable entries are reported by the settings parser, naming the entry
+            plans.append(Plan.load(e["plan"]))
+        except (PlanError, TypeError, KeyError):
+            pass
+    return lcm(cfg.parallel.tp, *(s.tp for p in plans for q in p.pipelines for s in q.stages))
 
 
-def validate(cfg: RunConfig) -> None:
+def check_plan(cfg: RunConfig, plan: Plan, tp: int, where: str) -> None:
+    """The start-up checks of a plan against this job (world, layers, node shape, TP sizes)."""
+    from ..engine.groups import check_world
     from ..engine.tensor_parallel import TPError, check_tp_size
 
-    from ..engine.groups import check_world
-
-    plan = load_plan(cfg)
     try:
         check_world(plan, cfg.world_size)
-        validate_plan(plan, tp=nominal_tp(cfg, plan), gpus_per_node=gpus_per_node(cfg),
+        validate_plan(plan, tp=tp, gpus_per_node=gpus_per_node(cfg),
                       world_size=cfg.world_size, num_layers=cfg.model.num_layers)
         for i, q in enumerate(plan.pipelines):
             for j, s in enumerate(q.stages):
                 check_tp_size(cfg.model, s.tp, f"plan pipelines[{i}].stages[{j}]")
     except (PlanError, TPError) as e:
-        raise ConfigError(f"engine=malleus plan={cfg.plan}: {e}") from None
+        raise ConfigError(f"engine=malleus {where}: {e}") from None
+
+
+def validate(cfg: RunConfig) -> None:
+    plan = load_plan(cfg)
+    check_plan(cfg, plan, nominal_tp(cfg, plan), f"plan={cfg.plan}")
     zero = cfg.deepspeed.zero_stage
     if zero not in (0, 1, 2):
         raise ConfigError(f"engine=malleus: ds_config zero_optimization.stage={zero} is not "
@@ -62,9 +74,21 @@ def validate(cfg: RunConfig) -> None:
     from ..engine.engine import MalleusEngine
 
     try:    # the malleus section and fp16/bf16/data_types, as the engine will read them
-        MalleusEngine.build_settings(build_ds_config(cfg, plan))
+        settings = MalleusEngine.build_settings(build_ds_config(cfg, plan))
     except ValueError as e:
-        raise ConfigError(f"engine=malleus: {e}") from None
+        raise ConfigError(f"engine=malleus: {e}".replace("ds_config.malleus.switch",
+                                                          "malleus.switch")) from None
+    for sw in settings.switch:
+        where = sw.where.replace("ds_config.", "")
+        if sw.step >= cfg.train.steps:
+            raise ConfigError(f"{where}.step={sw.step} is not before the run's end "
+                              f"(train.steps={cfg.train.steps}); it would never happen")
+        for f in ("global_batch_size", "micro_batch_size"):
+            if getattr(sw.plan, f) != getattr(plan, f):
+                raise ConfigError(f"{where}.plan {f}={getattr(sw.plan, f)} differs from the "
+                                  f"starting plan's {getattr(plan, f)}; the global batch never "
+                                  f"changes within a run")
+        check_plan(cfg, sw.plan, nominal_tp(cfg, sw.plan), f"{where}.plan")
 
 
 def build_ds_config(cfg: RunConfig, plan: Plan) -> dict:
@@ -79,6 +103,9 @@ def build_ds_config(cfg: RunConfig, plan: Plan) -> dict:
     c.pop("zero_allow_untested_optimizer", None)
     c["malleus"] = dict(c.get("malleus") or {}, seed=t.seed, tp=nominal_tp(cfg, plan),
                         gpus_per_node=gpus_per_node(cfg))
+    for k, v in cfg.malleus.items():                    # the app's malleus.* win
+        if k != "switch" or v:
+            c["malleus"][k] = [dict(e) for e in v] if k == "switch" else v
     monitors_to_run_dir(c, cfg.run_dir)
     return c
 
@@ -95,8 +122,11 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env)
     engine.set_compute_clock(clock)                     # timing + straggler emulation
     for step in range(cfg.train.steps):
+        report = engine.apply_scheduled_switch()        # timed apart from the step
+        if report is not None:
+            reporter.event(report.event())
         t0 = time.perf_counter()
         clock.start_step(step)
         loss = engine.train_batch(step=step)
-        reporter.step_done(step, loss, time.perf_counter() - t0, clock)
-    return reporter.finish(plan=plan.to_json())
+        reporter.step_done(step, loss, time.perf_counter() - t0, clock, plan=engine.plan.id)
+    return reporter.finish(plan=plan.to_json(), final_plan=engine.plan.to_json())

@@ -67,3 +67,50 @@ def test_static_plan_with_tp2_dp2(tmp_path):
     ref, _ = reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=3,
                            global_batch_size=8, micro_batch_size=1)
     np.testing.assert_allclose([r["loss"] for r in recs], ref, rtol=1e-5)
+
+
+def test_scripted_switches_from_the_command_line(tmp_path):
+    """'malleus.switch=[{step:2,plan:B},{step:4,plan:C}]' switches live: migrate events in
+    metrics.jsonl, steps tagged with their plan, same losses as the reference, a summary that
+    lists the migrations."""
+    from tests.dist.test_malleus_switch import B, C
+
+    pb, pc = tmp_path / "b.json", tmp_path / "c.json"
+    pb.write_text(json.dumps(B))
+    pc.write_text(json.dumps(C))
+    out = tmp_path / "run"
+    p = _torchrun(4, ["plan=static", "parallel.dp=4", "train.steps=6", f"hydra.run.dir={out}",
+                      f"malleus.switch=[{{step:2,plan:{pb}}},{{step:4,plan:{pc}}}]"], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    events = [r for r in rows if "event" in r]
+    steps = [r for r in rows if "event" not in r]
+    assert [(e["event"], e["step"]) for e in events] == [("migrate", 2), ("migrate", 4)]
+    assert all(e["bytes"] > 0 and e["seconds"] > 0 and e["peak_extra_bytes"] > 0 for e in events)
+    assert events[0]["to"] == events[1]["from"] == steps[2]["plan"] != steps[1]["plan"]
+    assert steps[5]["plan"] == events[1]["to"]
+    from malleus_ds.models import model_config
+    from malleus_ds.reference import reference_run
+    ref, _ = reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=6,
+                           global_batch_size=8, micro_batch_size=1)
+    np.testing.assert_allclose([r["loss"] for r in steps], ref, rtol=1e-5)
+    assert p.stdout.count("migrate before step") == 2, p.stdout[-2000:]
+
+
+def test_bad_switch_entries_fail_at_start_on_every_rank(tmp_path):
+    from tests.dist.test_malleus_switch import C
+
+    pc = tmp_path / "c.json"
+    pc.write_text(json.dumps(C))
+    bad = {
+        "missing": (f"malleus.switch=[{{step:2,plan:{tmp_path / 'nope.json'}}}]", "file not found"),
+        "order": (f"malleus.switch=[{{step:3,plan:{pc}}},{{step:2,plan:{pc}}}]",
+                  "is not after the previous entry's step 3"),
+        "world": (f"malleus.switch=[{{step:1,plan:{pc}}}]", "outside the world of 2 ranks"),
+    }
+    for name, (arg, msg) in bad.items():
+        p = _torchrun(2, ["plan=static", "train.steps=4", f"hydra.run.dir={tmp_path / name}", arg],
+                      tmp_path)
+        text = p.stdout + p.stderr
+        assert p.returncode != 0, name
+        assert text.count(msg) >= 2 and "malleus.switch[" in text, (name, text[-2000:])

@@ -31,8 +31,10 @@ single DP group (which we replace), and on CPU it refuses fp16 outright. ``fp16_
 
 Public surface: ``train_batch(data_iter=None, step=None)`` (one global step, returns the
 global-batch mean loss on every rank), ``local_shards()``, ``local_state()`` /
-``load_local_state()`` (state by global parameter name, for re-planning and migration),
-``save_checkpoint`` / ``load_checkpoint`` (same plan), ``set_compute_clock``. bf16 and fp16 (with
+``load_local_state()`` (state by global parameter name, gathered: for tests and tools),
+``switch_plan(plan)`` (live migration, ``switch.py``), ``save_checkpoint`` / ``load_checkpoint``
+(per-rank slices; load under any plan, ZeRO stage, precision or world size: ``checkpoint.py``),
+``set_compute_clock``. bf16 and fp16 (with
 static or dynamic loss scaling) train with fp32 masters, fp32 gradient accumulation and reduction
 (``precision.py``). Not supported: ZeRO-3, DeepSpeed's ``forward/backward/step`` loop (use
 ``train_batch``), vocab-parallel embedding/head (they are replicated inside a TP group).
@@ -41,7 +43,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -214,9 +215,9 @@ class MalleusEngine(DeepSpeedEngine):
         tdist.barrier()
 
     def build_plan_runtime(self, plan: Plan, module: nn.Module, spec: StageSpec,
-                           zero_stage: int) -> PlanRuntime:
+                           zero_stage: int, prev: PlanRuntime | None = None) -> PlanRuntime:
         return build_runtime(plan, self.global_rank, spec, module, self.param_table, zero_stage,
-                             self._make_optimizer, self.precision, self.device)
+                             self._make_optimizer, self.precision, self.device, prev=prev)
 
     def adopt(self, rt: PlanRuntime) -> None:
         """Make ``rt`` the running plan: the engine's per-plan attributes point into it."""

@@ -20,7 +20,7 @@ tensors (``foreach=False`` keeps the per-element math identical to the reference
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,12 @@ class ShardedOptimizer:
 
     def __init__(self, buckets: list[Bucket], groups, params: dict[str, nn.Parameter], rank: int,
                  zero_stage: int, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                 device=None):
+                 device=None, reuse: Mapping[tuple, tuple[nn.Parameter, dict]] | None = None,
+                 from_params: bool = True):
+        """``reuse``: masters and Adam state of a previous plan by :func:`bucket_key` — a bucket
+        laid out identically keeps its tensors (a plan switch moves nothing there; indices in
+        :attr:`reused`). ``from_params=False``: other masters start uninitialised (a switch
+        fills them)."""
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_optimization.stage={zero_stage}: MalleusEngine supports "
                              f"stages 0, 1 and 2 (sharding across each layer's replicas)")
@@ -44,18 +49,36 @@ class ShardedOptimizer:
         self.ranges = [o if zero_stage >= 1 else (0, b.numel) for o, b in zip(self.owned, buckets)]
         data = {n: p.data for n, p in params.items()}
         self.masters: list[nn.Parameter | None] = []
-        for b, (lo, hi) in zip(buckets, self.ranges):
-            flat = flatten(b, data, device=device)
-            self.masters.append(nn.Parameter(flat[lo:hi].clone()) if hi > lo else None)
+        self.reused: set[int] = set()
+        kept: dict[int, dict] = {}
+        for i, (b, (lo, hi)) in enumerate(zip(buckets, self.ranges)):
+            old = (reuse or {}).get(bucket_key(b, (lo, hi)))
+            if old is not None:
+                self.masters.append(old[0])
+                self.reused.add(i)
+                kept[i] = old[1]
+            elif hi <= lo:
+                self.masters.append(None)
+            elif from_params:
+                self.masters.append(nn.Parameter(flatten(b, data, device=device)[lo:hi].clone()))
+            else:
+                self.masters.append(nn.Parameter(torch.empty(hi - lo, device=device)))
         live = [m for m in self.masters if m is not None]
         # a rank with nothing to update (suspended) still gets an optimizer for schedulers
         self.optimizer = make_optimizer(live if live else [nn.Parameter(torch.zeros(0, device=device))])
+        for i, st in kept.items():
+            self.optimizer.state[self.masters[i]] = st
         # ZeRO-1/2 all-gather the updated slices in the PARAMETER dtype (bf16/fp16 under mixed
         # precision, as BF16_Optimizer.update_lp_params: cast, then gather half the bytes)
         self.param_dtype = next(iter(params.values())).dtype if params else torch.float32
         self._gather = [torch.empty(b.padded_part * len(b.ranks), dtype=self.param_dtype,
                                     device=device) if zero_stage >= 1
                         and len(b.ranks) > 1 else None for b in buckets]
+
+    def reusable(self) -> dict[tuple, tuple[nn.Parameter, dict]]:
+        """``bucket_key -> (master, Adam state)`` for a next plan's optimizer to keep."""
+        return {bucket_key(b, r): (m, self.optimizer.state[m])
+                for b, r, m in zip(self.buckets, self.ranges, self.masters) if m is not None}
 
     @property
     def param_groups(self):
@@ -114,11 +137,11 @@ class ShardedOptimizer:
     @torch.no_grad()
     def refresh_masters(self) -> None:
         """fp32 training: masters := this rank's ranges of the parameters (after a migration
-        wrote the parameters; in fp32 the master IS the parameter)."""
+        wrote the parameters; in fp32 the master IS the parameter). Reused buckets are current."""
         data = self.params_data()
         for i, b in enumerate(self.buckets):
             m, (lo, hi) = self.masters[i], self.ranges[i]
-            if m is not None:
+            if m is not None and i not in self.reused:
                 m.data.copy_(flatten(b, data, device=m.device)[lo:hi])
 
     def set_step(self, step: int) -> None:
@@ -174,6 +197,11 @@ class ShardedOptimizer:
             st = {k: flatten(b, states[k], device=m.device)[lo:hi].clone() for k in self._KEYS}
             st["step"] = torch.tensor(float(step))
             self.optimizer.state[m] = st
+
+
+def bucket_key(b: Bucket, rng: tuple[int, int]) -> tuple:
+    """Identity of a bucket's optimizer range: same rank set, same pieces, same range."""
+    return b.ranks, tuple(b.pieces), tuple(rng)
 
 
 def _all_gather(out: torch.Tensor, mine: torch.Tensor, group) -> None:

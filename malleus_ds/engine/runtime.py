@@ -9,7 +9,7 @@ step counters, the loss scaler, the LR schedule, the data) stays on the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -43,13 +43,23 @@ def locate(plan: Plan, rank: int) -> StageSpec:
 
 
 def build_stage(plan: Plan, spec: StageSpec, make_stage: Callable[..., nn.Module],
-                precision: Precision, init: bool = True) -> nn.Module:
-    """This rank's stage module for ``plan``: built (``init=False``: weights will be migrated in),
-    TP-sharded, cast to the training dtype. Process groups must exist (``GROUPS.ensure``)."""
+                precision: Precision, *, reuse: Mapping[str, nn.Parameter] | None = None,
+                device=None) -> nn.Module:
+    """This rank's stage module for ``plan``: built, TP-sharded, cast to the training dtype.
+    Process groups must exist (``GROUPS.ensure``).
+
+    ``reuse`` (a plan switch): the module is built on the meta device (no init, no memory), then
+    every parameter takes the given tensor object (one the previous plan held with exactly this
+    shard: nothing moves, nothing is copied) or fresh uninitialised memory on ``device`` that the
+    migration fills."""
     if spec.located is None:
         return nn.Module()
     st = plan.pipelines[spec.located[0]].stages[spec.located[1]]
-    module = make_stage(st.start, st.end, init)
+    if reuse is None:
+        module = make_stage(st.start, st.end, True)
+    else:
+        with torch.device("meta"):
+            module = make_stage(st.start, st.end, False)
     apply_tp(module, spec.tp_group, spec.tp_rank, spec.tp_size)
     if precision.mixed:
         # what DeepSpeedEngine._cast_module_mixed_precision does (parameters only; the model
@@ -58,6 +68,13 @@ def build_stage(plan: Plan, spec: StageSpec, make_stage: Callable[..., nn.Module
         with torch.no_grad():
             for p in module.parameters():
                 p.data = p.data.to(precision.dtype)
+    if reuse is not None:
+        for name, p in list(module.named_parameters()):
+            old = reuse.get(name)
+            if old is None or old.shape != p.shape or old.dtype != p.dtype:
+                old = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device))
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner) if owner else module, leaf, old)
     return module
 
 
@@ -98,16 +115,20 @@ class PlanRuntime:
 
 
 def build_runtime(plan: Plan, rank: int, spec: StageSpec, module: nn.Module, table: ParamTable,
-                  zero_stage: int, make_optimizer, precision: Precision, device) -> PlanRuntime:
+                  zero_stage: int, make_optimizer, precision: Precision, device,
+                  prev: "PlanRuntime | None" = None) -> PlanRuntime:
     """Peers, schedule, buckets, gradient sync, sharded optimizer and accumulators for ``module``
-    (already on ``device``) under ``plan``."""
+    (already on ``device``) under ``plan``. ``prev`` (a plan switch): optimizer buckets laid out
+    as before keep their masters and Adam state, other masters start empty (migrated in)."""
     named = dict(module.named_parameters())
     buckets = build_buckets(plan, table, rank)
     rt = PlanRuntime(
         plan=plan, spec=spec, module=module, named=named, zero_stage=zero_stage, buckets=buckets,
         grad_sync=GradSync(buckets, GROUPS, device=device, zero_stage=zero_stage, rank=rank),
         optimizer=ShardedOptimizer(buckets, GROUPS, named, rank, zero_stage, make_optimizer,
-                                   device=device))
+                                   device=device,
+                                   reuse=prev.optimizer.reusable() if prev is not None else None,
+                                   from_params=prev is None))
     if spec.located is not None:
         i, j = spec.located
         pipe = plan.pipelines[i]

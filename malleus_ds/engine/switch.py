@@ -21,14 +21,13 @@ trains on half-moved state.
 from __future__ import annotations
 
 import datetime
-import gc
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
 
-from ..layout import merge, intersect
+from ..layout import intersect, local_shards, merge
 from ..migrate.apply import StateView, pack_parts, unpack_parts
 from ..migrate.rounds import messages, rounds
 from ..migrate.transfer import Layout, Transfer, transfer_plan
@@ -54,6 +53,7 @@ class MigrationReport:
     transfers: int
     messages: int
     rounds: int
+    timing: tuple[tuple[str, float], ...] = ()   # seconds per phase of the switch, max over ranks
 
     def event(self) -> dict:
         """The ``migrate`` line of metrics.jsonl (DESIGN.md §6)."""
@@ -62,7 +62,13 @@ class MigrationReport:
                 "peak_extra_bytes": self.peak_extra_bytes}
 
 
-def _runtime_bytes(rt: PlanRuntime) -> int:
+def _runtime_bytes(rt: PlanRuntime, old: PlanRuntime) -> int:
+    """Bytes of ``rt``'s state tensors that ``old`` does not share (what the switch allocated)."""
+    shared = {id(t) for t in _runtime_tensors(old)}
+    return sum(t.numel() * t.element_size() for t in _runtime_tensors(rt) if id(t) not in shared)
+
+
+def _runtime_tensors(rt: PlanRuntime) -> list:
     ts = [p for p in rt.named.values()]
     opt = rt.optimizer
     for m in opt.masters:
@@ -71,15 +77,25 @@ def _runtime_bytes(rt: PlanRuntime) -> int:
             ts += [v for v in opt.optimizer.state[m].values() if torch.is_tensor(v) and v.dim()]
     ts += [t for t in rt.grad_sync.flats + rt.grad_sync.parts + opt._gather if t is not None]
     ts += list((rt.acc or {}).values())
-    return sum(t.numel() * t.element_size() for t in ts)
+    return ts
 
 
-def _local_parts(old: StateView, new: StateView, rank: int) -> list[Transfer]:
-    """What this rank holds under both plans, as (rank -> rank) parts to copy old -> new."""
+def _kept(rt: PlanRuntime, old: PlanRuntime, h) -> bool:
+    """Is new holding ``h`` in a tensor the new runtime took over from the old one?"""
+    if h.kind == "param":
+        return rt.named[h.buf] is old.named.get(h.buf)
+    return h.buf in rt.optimizer.reused
+
+
+def _local_parts(old: StateView, new: StateView, rank: int, rt: PlanRuntime,
+                 old_rt: PlanRuntime) -> list[Transfer]:
+    """What this rank holds under both plans, as (rank -> rank) parts to copy old -> new
+    (slices in tensors the new runtime took over are already in place)."""
     out = []
     for (kind, name), hs in new.index.items():
         mine_old = old.index.get((kind, name))
-        if not mine_old:
+        hs = [h for h in hs if not _kept(rt, old_rt, h)]
+        if not mine_old or not hs:
             continue
         both = intersect(merge((h.lo, h.hi) for h in hs), merge((h.lo, h.hi) for h in mine_old))
         out += [Transfer(rank, rank, kind, name, a, b) for a, b in both]
@@ -124,11 +140,12 @@ def _copy_local(old: StateView, new: StateView, parts: list[Transfer], cap_bytes
 
 
 @torch.no_grad()
-def _derive(rt: PlanRuntime, new: StateView, mixed: bool, adam_step: int, rank: int,
-            cap_bytes: int, device) -> None:
+def _derive(rt: PlanRuntime, old_rt: PlanRuntime, new: StateView, mixed: bool, adam_step: int,
+            rank: int, cap_bytes: int, device) -> None:
     """Fill what was not sent: masters from params (fp32), params from masters (mixed), step."""
     if mixed:
-        parts = [Transfer(rank, rank, "master", h.name, h.lo, h.hi) for h in new.holds("master")]
+        parts = [Transfer(rank, rank, "master", h.name, h.lo, h.hi) for h in new.holds("master")
+                 if not (_kept(rt, old_rt, h) and rt.named[h.name] is old_rt.named.get(h.name))]
         for group in _chunks(parts, max(1, cap_bytes // 4)):
             buf = torch.empty(sum(t.numel for t in group), dtype=torch.float32, device=device)
             pack_parts(new, group, buf)
@@ -157,11 +174,13 @@ def switch_plan(engine, new_plan) -> MigrationReport:
             raise PlanError(f"switch_plan: new plan {f}={getattr(plan, f)} differs from the "
                             f"running plan's {getattr(old_rt.plan, f)}; the global batch never "
                             f"changes within a run")
+    marks = [("validate", time.perf_counter())]
     GROUPS.ensure(plan_rank_sets(plan, world))             # collective, same order everywhere
     agree = torch.tensor([float(old_rt.optimizer.step_count())], dtype=torch.float64,
                          device=engine.device)
     tdist.all_reduce(agree, op=tdist.ReduceOp.MAX)
     adam_step = int(agree.item())
+    marks.append(("groups", time.perf_counter()))
 
     mixed = engine.precision.mixed
     table = engine.param_table
@@ -173,19 +192,29 @@ def switch_plan(engine, new_plan) -> MigrationReport:
                           gpus_per_node=engine.settings.gpus_per_node)
     msgs = messages(tplan, cap, mixed)
     rds = rounds(msgs, cap)
+    marks.append(("transfer plan", time.perf_counter()))
     rt = None
     try:
         spec = locate(plan, rank)
-        module = build_stage(plan, spec, engine._make_stage, engine.precision, init=False)
-        module.to(engine.device)
-        rt = engine.build_plan_runtime(plan, module, spec, old_rt.zero_stage)
+        old_sh, new_sh = local_shards(old_rt.plan, table, rank), local_shards(plan, table, rank)
+        keep = {n: old_rt.named[n] for n, sh in new_sh.items()
+                if n in old_sh and old_sh[n].interval == sh.interval and n in old_rt.named}
+        module = build_stage(plan, spec, engine._make_stage, engine.precision, reuse=keep,
+                             device=engine.device)
+        rt = engine.build_plan_runtime(plan, module, spec, old_rt.zero_stage, prev=old_rt)
         old_v = StateView(old_rt, table, rank, mixed)
         new_v = StateView(rt, table, rank, mixed)
-        staging = _copy_local(old_v, new_v, _local_parts(old_v, new_v, rank), cap, engine.device)
+        marks.append(("build runtime", time.perf_counter()))
+        staging = _copy_local(old_v, new_v, _local_parts(old_v, new_v, rank, rt, old_rt), cap,
+                              engine.device)
+        marks.append(("local copies", time.perf_counter()))
         stats = run_rounds(rank, rds, old_v, new_v, {"fp32": torch.float32, "param": param_dtype},
                            engine.device, timeout_s=engine.settings.migrate_timeout_s, step=step)
-        _derive(rt, new_v, mixed, adam_step, rank, cap, engine.device)
-        peak = _runtime_bytes(rt) + max(staging, stats.peak_buffer_bytes)
+        marks.append(("transfers", time.perf_counter()))
+        _derive(rt, old_rt, new_v, mixed, adam_step, rank, cap, engine.device)
+        rt.optimizer.reused = set()     # taken-over buckets are ordinary from now on
+        marks.append(("derive", time.perf_counter()))
+        peak = _runtime_bytes(rt, old_rt) + max(staging, stats.peak_buffer_bytes)
     except Exception as e:      # noqa: BLE001 - every failure ends in the agreement below
         failure = e
     else:
@@ -219,19 +248,26 @@ def switch_plan(engine, new_plan) -> MigrationReport:
     engine.adopt(rt)
     _carry_schedule(engine, old_sched, old_groups)
     old_rt.close()
+    # freed by reference counting (no gc.collect(): a full collection costs ~0.3 s with
+    # DeepSpeed loaded, and the runtime holds no cycles); a caller still holding the old
+    # optimizer returned by initialize() keeps that one alive
     del old_rt, old_v, new_v
-    gc.collect()
     if engine.device is not None and str(engine.device).startswith("cuda"):
         torch.cuda.empty_cache()
     seconds = time.perf_counter() - t0
+    marks.append(("adopt + free", time.perf_counter()))
+    timing = tuple((name, round(b - a, 6)) for (_, a), (name, b) in
+                   zip([("start", t0)] + marks[:-1], marks))
     tot = torch.tensor([float(stats.bytes_sent)], dtype=torch.float64, device=engine.device)
-    mx = torch.tensor([seconds, float(peak)], dtype=torch.float64, device=engine.device)
+    mx = torch.tensor([seconds, float(peak), *(v for _, v in timing)], dtype=torch.float64,
+                      device=engine.device)
     tdist.all_reduce(tot)
     tdist.all_reduce(mx, op=tdist.ReduceOp.MAX)
+    timing = tuple((k, float(v)) for (k, _), v in zip(timing, mx[2:].tolist()))
     return MigrationReport(step=step, from_plan=from_id, to_plan=plan.id, bytes=int(tot[0]),
                            seconds=float(mx[0]), peak_extra_bytes=int(mx[1]),
                            lower_bound=tplan.lower_bound, transfers=len(tplan.transfers),
-                           messages=len(msgs), rounds=len(rds))
+                           messages=len(msgs), rounds=len(rds), timing=timing)
 
 
 def _carry_schedule(engine, old_sched, old_groups) -> None:

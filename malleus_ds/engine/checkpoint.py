@@ -1,0 +1,517 @@
+"""Checkpoints that load under any plan, ZeRO stage, precision or world size (DESIGN.md §6-7).
+
+"Checkpoints are per-rank files named by global parameter name; loading one under another plan
+or world size uses the same transfer plan, reading slices from files instead of peers."
+
+File format (one tag directory ``save_dir/tag/``):
+
+* ``malleus_rank{r:05d}.pt``, one per rank of the SAVING world (``torch.save``, zip format so it
+  loads with ``mmap=True``)::
+
+      {"format": FORMAT, "save_id": int, "rank": r,
+       "meta": {... the same fields as meta.json ...},
+       "engine": {"adam_step", "global_steps", "skipped_steps", "global_samples",
+                  "loss_scaler", "lr_scheduler", "param_groups", "client_state"},
+       "slices": {(kind, name, lo, hi): 1-D tensor}}
+
+  ``slices`` is exactly what the rank held (``malleus_ds.layout.holdings``), one flat tensor per
+  holding in canonical order (split dim first, flattened): its parameter shards in the parameter
+  dtype (``param``) and, per bucket, the fp32 ``master`` (bf16/fp16 only), ``exp_avg`` and
+  ``exp_avg_sq`` of the range it owned — under ZeRO-1/2 only its partition. Nothing is gathered,
+  so a save moves no bytes between ranks and every file is the size of what its rank held.
+* ``meta.json`` (rank 0, written LAST, so it is the commit record: a directory without it is an
+  unfinished save): format, save_id, plan JSON, world size, ZeRO stage, precision, Adam step and
+  counters, batch sizes, and the parameter table (name -> [shape, split dim]) so a checkpoint of
+  another model is refused by name, not by a shape error deep in a copy.
+* ``save_dir/latest``: the tag (rank 0, after meta.json, only with ``save_latest``).
+
+Every file is written under a temporary name, fsync'ed and renamed, so a crash never leaves a half
+file under a final name; ``save_id`` (rank 0's random number, the same in every file of one save)
+catches a tag directory that mixes files of two saves.
+
+Loading (:func:`load_checkpoint`): for each interval this rank holds NOW, the saved plan's
+holdings (``plan_holdings`` with the saved ZeRO stage and precision) say which saved ranks held
+it, split at every saved holding boundary exactly like the live transfer plan (``_Sources``);
+each needed file is opened once with ``mmap=True`` and only the slices read are paged in, through
+a staging buffer of at most ``malleus.migrate_bucket_mb`` per copy (never a whole-model tensor).
+What was not stored is derived per the RUNNING precision, as a live switch does: fp32 masters are
+the parameters (packed from them); under bf16/fp16 parameters are casts of the masters where
+this rank holds a master, read from the saved parameters elsewhere. Precision may differ between
+save and load: an fp32 checkpoint's parameters serve as masters, a bf16/fp16 checkpoint's masters
+serve as fp32 parameters (or are cast into another low-precision dtype).
+"""
+from __future__ import annotations
+
+import json
+import os
+from bisect import bisect_right
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as tdist
+
+from ..layout import STATE_KINDS, Hold, merge, plan_holdings, subtract
+from ..migrate.apply import StateView, pack_parts, unpack_parts
+from ..migrate.transfer import Transfer, _Sources
+from ..plan import Plan
+
+FORMAT = "malleus-checkpoint-v1"
+META = "meta.json"
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names the file and the numbers."""
+
+
+def rank_file(d: Path, rank: int) -> Path:
+    return d / f"malleus_rank{rank:05d}.pt"
+
+
+# ----------------------------------------------------------------------------- pure: what to read
+
+
+@dataclass(frozen=True)
+class Want:
+    """Fill elements ``[lo, hi)`` of ``kind`` of ``name`` (running engine) from the checkpoint's
+    ``src_kind`` (the same kind, or the other fp32 copy of the weights across precisions)."""
+
+    kind: str
+    src_kind: str
+    name: str
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class Read:
+    """Copy elements ``[lo, hi)`` of ``src_kind`` of ``name`` from saved rank ``file_rank``'s file
+    into ``kind`` of this rank's running state."""
+
+    file_rank: int
+    src_kind: str
+    kind: str
+    name: str
+    lo: int
+    hi: int
+
+
+def wants(holds: Iterable[Hold], *, mixed: bool, saved_mixed: bool, same_param_dtype: bool,
+          optimizer_states: bool = True) -> list[Want]:
+    """What this rank must read, from its current ``holds`` (``layout.holdings``), in a
+    deterministic order. ``mixed`` / ``saved_mixed``: bf16/fp16 now / in the checkpoint;
+    ``same_param_dtype``: the checkpoint's parameters have the running parameter dtype."""
+    by: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for h in holds:
+        by.setdefault((h.kind, h.name), []).append((h.lo, h.hi))
+    ivs = {k: merge(v) for k, v in by.items()}
+    fp32 = "master" if saved_mixed else "param"      # the checkpoint's fp32 weights
+    out = []
+    for (kind, name), iv in sorted(ivs.items()):
+        if kind in STATE_KINDS:
+            src = kind if optimizer_states else None
+        elif kind == "master":
+            src = fp32
+        elif not mixed:
+            src = fp32
+        else:
+            # low-precision parameters where this rank has a master are casts of it (derived
+            # after the reads, as training does); elsewhere read the saved parameters if they
+            # have this dtype, else cast the saved fp32 weights
+            iv = subtract(iv, ivs.get(("master", name), []))
+            src = "param" if same_param_dtype else fp32
+        if src is not None:
+            out += [Want(kind, src, name, a, b) for a, b in iv]
+    return out
+
+
+def plan_reads(ws: Sequence[Want], saved: dict[tuple[str, str], list[tuple[int, int, int]]],
+               rank: int, saved_world: int, home: int | None = None) -> list[Read]:
+    """Which saved rank's file each part of each want comes from. ``saved``: ``plan_holdings``
+    of the saved plan (saved ZeRO stage and precision). Every element is read exactly once, from
+    one saved holder, and each read lies inside ONE saved holding (cut at every holding boundary,
+    as the live transfer plan cuts them). Holder choice: a file this rank opens anyway (``home``,
+    then files already chosen) first, so few files are opened; then the holder ``(h - rank) mod
+    saved_world`` nearest, which spreads the ranks' reads over the files."""
+    used = {home} if home is not None else set()
+    sources: dict[tuple[str, str], _Sources] = {}
+    out = []
+    for w in ws:
+        key = (w.src_kind, w.name)
+        src = sources.get(key)
+        if src is None:
+            entries = saved.get(key)
+            if not entries:
+                raise CheckpointError(f"the checkpoint holds no {w.src_kind} of {w.name} (this "
+                                      f"rank needs elements [{w.lo}, {w.hi}) of it as {w.kind})")
+            src = sources[key] = _Sources(entries)
+        try:
+            for a, b, holders in src.split(w.lo, w.hi):
+                h = min(holders, key=lambda r: (r not in used, (r - rank) % saved_world))
+                used.add(h)
+                out.append(Read(h, w.src_kind, w.kind, w.name, a, b))
+        except ValueError as e:
+            raise CheckpointError(f"the checkpoint's {w.src_kind} of {w.name}: {e}") from None
+    return out
+
+
+def chunked(reads: Iterable[Read], cap: int) -> Iterable[list[Read]]:
+    """Groups of reads of at most ``cap`` elements in all (a long read is split)."""
+    group, room = [], cap
+    for r in reads:
+        lo = r.lo
+        while lo < r.hi:
+            n = min(room, r.hi - lo)
+            group.append(replace(r, lo=lo, hi=lo + n))
+            lo, room = lo + n, room - n
+            if room == 0:
+                yield group
+                group, room = [], cap
+    if group:
+        yield group
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _atomic(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
+    """Write through ``write(file)`` to a temporary name, fsync, then rename onto ``path``: a crash
+    leaves either the old file or the new one under ``path``, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _agree(engine, err: str | None, what: str) -> None:
+    """Collective: every rank raises if any rank failed (so no rank goes on into a collective
+    that a failed rank never reaches); doubles as a barrier."""
+    flags = torch.zeros(engine.world_size, dtype=torch.int64, device=engine.device)
+    if err is not None:
+        flags[engine.global_rank] = 1
+    tdist.all_reduce(flags)
+    bad = [int(i) for i in torch.nonzero(flags.cpu()).flatten()]
+    if bad:
+        raise CheckpointError(f"{what} failed on rank(s) {bad}" + (f": {err}" if err else
+                                                                  "; see their errors"))
+
+
+def _table_json(table) -> dict[str, list]:
+    return {s.name: [list(s.shape), s.split_dim] for s in table}
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def _held_slices(engine) -> dict[tuple[str, str, int, int], torch.Tensor]:
+    """This rank's holdings as CPU flat tensors in canonical order, one per holding."""
+    rt, rank = engine.runtime, engine.global_rank
+    sv = StateView(rt, engine.param_table, rank, engine.precision.mixed)
+    opt = rt.optimizer
+    out = {}
+    for h in sorted(sv.holds(), key=lambda h: (h.kind, h.name, h.lo)):
+        n = h.hi - h.lo
+        key = (h.kind, h.name, h.lo, h.hi)
+        if h.kind in STATE_KINDS and h.kind not in opt.optimizer.state[opt.masters[h.buf]]:
+            # before the first step Adam has no moments: they are zeros (StateView.buffer would
+            # insert them into the state without a step, which AdamW then trips over)
+            out[key] = torch.zeros(n, dtype=torch.float32)
+            continue
+        dt = rt.named[h.name].dtype if h.kind == "param" else torch.float32
+        buf = torch.empty(n, dtype=dt, device=engine.device)
+        pack_parts(sv, [Transfer(rank, rank, h.kind, h.name, h.lo, h.hi)], buf)
+        out[key] = buf.cpu()
+    return out
+
+
+def _write_rank_file(engine, path: Path, meta: dict, client_state) -> None:
+    """This rank's file (module docstring); its CPU copies are freed on return."""
+    from .precision import scaler_state
+
+    sched, opt = engine.lr_scheduler, engine.runtime.optimizer
+    payload = {
+        "format": FORMAT, "save_id": meta["save_id"], "rank": engine.global_rank, "meta": meta,
+        "engine": {"adam_step": meta["adam_step"], "global_steps": engine.global_steps,
+                   "skipped_steps": engine.skipped_steps, "global_samples": engine.global_samples,
+                   "loss_scaler": scaler_state(engine.loss_scaler),
+                   "lr_scheduler": sched.state_dict() if sched is not None else None,
+                   "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                    for g in opt.param_groups],
+                   "client_state": client_state or {}},
+        "slices": _held_slices(engine)}
+    _atomic(path, lambda f: torch.save(payload, f))
+
+
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True
+                    ) -> bool:
+    """See the module docstring. Collective."""
+    rank, world = engine.global_rank, engine.world_size
+    plan, rt, prec = engine.plan, engine.runtime, engine.precision
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    d = Path(save_dir) / tag
+    # Adam's step (a suspended rank has no moments: take the max) and rank 0's save id, at once
+    sid = int.from_bytes(os.urandom(7), "little") if rank == 0 else 0
+    agree = torch.tensor([rt.optimizer.step_count(), sid], dtype=torch.int64, device=engine.device)
+    tdist.all_reduce(agree, op=tdist.ReduceOp.MAX)
+    adam_step, sid = (int(x) for x in agree.cpu())
+    meta = {"format": FORMAT, "save_id": sid, "tag": tag, "plan": plan.to_json(),
+            "world_size": world, "zero_stage": rt.zero_stage,
+            "precision": {"name": prec.name, "mixed": prec.mixed},
+            "num_layers": plan.num_layers, "global_batch_size": plan.global_batch_size,
+            "micro_batch_size": plan.micro_batch_size, "adam_step": adam_step,
+            "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+            "global_samples": engine.global_samples, "params": _table_json(engine.param_table)}
+    err = None
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        if rank == 0:       # an older save under this tag is uncommitted from here on
+            (d / META).unlink(missing_ok=True)
+    except OSError as e:
+        err = f"cannot prepare {d}: {e}"
+    _agree(engine, err, f"save_checkpoint({d})")
+    try:
+        _write_rank_file(engine, rank_file(d, rank), meta, client_state)
+    except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
+        err = f"rank {rank} could not write {rank_file(d, rank)}: {type(e).__name__}: {e}"
+    _agree(engine, err, f"save_checkpoint({d})")        # every rank file is complete
+    if rank == 0:
+        try:
+            _atomic(d / META, lambda f: f.write(json.dumps(meta, indent=1) + "\n"), "w")
+            if save_latest:
+                _atomic(Path(save_dir) / LATEST, lambda f: f.write(tag), "w")
+        except OSError as e:
+            err = f"rank 0 could not commit {d / META}: {e}"
+    _agree(engine, err, f"save_checkpoint({d})")        # `latest` names a committed checkpoint
+    return True
+
+
+# ----------------------------------------------------------------------------- load: checks
+
+
+def resolve(load_dir, tag=None) -> tuple[Path, dict]:
+    """``(tag directory, meta.json)``; CheckpointError (the same on every rank: it reads only
+    shared files) if anything is missing. Pure apart from reading files."""
+    root = Path(load_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} does not exist")
+    if tag is None:
+        latest = root / LATEST
+        if not latest.is_file():
+            raise CheckpointError(f"{root} has no '{LATEST}' file; pass tag=... (the "
+                                  f"subdirectory to load) or save with save_latest=True")
+        tag = latest.read_text().strip()
+    d = root / str(tag)
+    if not d.is_dir():
+        raise CheckpointError(f"checkpoint {d} does not exist (tag {tag!r} in {root})")
+    mf = d / META
+    if not mf.is_file():
+        raise CheckpointError(f"checkpoint {d} has no {META}: its save did not finish (or it was "
+                              f"not written by MalleusEngine.save_checkpoint)")
+    try:
+        meta = json.loads(mf.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{mf}: not valid JSON ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{mf}: format {meta.get('format')!r}, this engine reads {FORMAT!r}")
+    return d, meta
+
+
+def check_compatible(d: Path, meta: dict, plan: Plan, table) -> Plan:
+    """The saved plan, after checking the checkpoint fits the running job: same model (layers,
+    parameter names, shapes, split dims), same global and micro batch size, all rank files there."""
+    for f in ("num_layers", "global_batch_size", "micro_batch_size"):
+        if meta.get(f) != getattr(plan, f):
+            raise CheckpointError(f"checkpoint {d} has {f}={meta.get(f)}, this engine runs "
+                                  f"{f}={getattr(plan, f)}; a checkpoint loads only into the same "
+                                  f"model and global batch")
+    saved, mine = meta.get("params", {}), _table_json(table)
+    for n in sorted(set(saved) | set(mine)):
+        if saved.get(n) != mine.get(n):
+            raise CheckpointError(f"checkpoint {d}: parameter {n} is [shape, split dim] "
+                                  f"{saved.get(n)} there and {mine.get(n)} in this engine's model")
+    try:
+        sp = Plan.from_json(meta["plan"])
+    except Exception as e:  # noqa: BLE001 - a PlanError or a malformed field
+        raise CheckpointError(f"{d / META}: unreadable plan ({e})") from None
+    W = int(meta["world_size"])
+    missing = [r for r in range(W) if not rank_file(d, r).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {d} was saved by {W} ranks but lacks "
+                              f"{len(missing)} rank file(s): {rank_file(d, missing[0]).name}"
+                              + (f" ... {rank_file(d, missing[-1]).name}" if len(missing) > 1 else ""))
+    return sp
+
+
+# ----------------------------------------------------------------------------- load: copy
+
+
+def _open(d: Path, r: int, meta: dict) -> dict:
+    """Saved rank ``r``'s file, memory-mapped (slices are paged in when read), checked against
+    meta.json. These are our own files, trusted like DeepSpeed's: ``client_state`` and the
+    scheduler state are arbitrary picklable objects, so ``weights_only=False``."""
+    f = rank_file(d, r)
+    try:
+        ck = torch.load(f, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"cannot read {f}: {type(e).__name__}: {e}") from None
+    if not isinstance(ck, dict) or ck.get("format") != FORMAT or ck.get("rank") != r:
+        raise CheckpointError(f"{f}: not a {FORMAT} file of rank {r}")
+    if ck.get("save_id") != meta["save_id"]:
+        raise CheckpointError(f"{f}: written by another save (id {ck.get('save_id')}) than "
+                              f"{d / META} (id {meta['save_id']}); {d} mixes two checkpoints")
+    return ck
+
+
+class _Index:
+    """One file's slices by (kind, name), sorted, for interval lookup."""
+
+    def __init__(self, f: Path, slices: dict) -> None:
+        self.f = f
+        self.by: dict[tuple[str, str], list[tuple[int, int, torch.Tensor]]] = {}
+        for (kind, name, lo, hi), t in slices.items():
+            if t.dim() != 1 or t.numel() != hi - lo:
+                raise CheckpointError(f"{f}: {kind} {name}[{lo}:{hi}] holds {tuple(t.shape)}, "
+                                      f"expected {hi - lo} elements")
+            self.by.setdefault((kind, name), []).append((lo, hi, t))
+        for v in self.by.values():
+            v.sort(key=lambda e: e[0])
+        self.starts = {k: [e[0] for e in v] for k, v in self.by.items()}
+
+    def slice(self, kind: str, name: str, lo: int, hi: int) -> torch.Tensor:
+        v = self.by.get((kind, name), [])
+        i = bisect_right(self.starts.get((kind, name), []), lo) - 1
+        if i < 0 or v[i][1] < hi:
+            raise CheckpointError(f"{self.f}: has no {kind} of {name}[{lo}:{hi}], although the "
+                                  f"saved plan says this rank held it")
+        a, _, t = v[i]
+        return t[lo - a:hi - a]
+
+
+@torch.no_grad()
+def _copy_in(sv: StateView, idx: _Index, reads: list[Read], rank: int, cap_bytes: int,
+             device) -> None:
+    """Copy ``reads`` out of one file into the running state, per destination dtype through a
+    CPU staging buffer of at most ``cap_bytes`` (the cast to the running dtype happens here)."""
+    by_dtype: dict[torch.dtype, list[Read]] = {}
+    for r in reads:
+        dt = sv.rt.named[r.name].dtype if r.kind == "param" else torch.float32
+        by_dtype.setdefault(dt, []).append(r)
+    for dt, rs in by_dtype.items():
+        size = torch.empty(0, dtype=dt).element_size()
+        for group in chunked(rs, max(1, cap_bytes // size)):
+            stage = torch.empty(sum(r.hi - r.lo for r in group), dtype=dt)
+            o = 0
+            for r in group:
+                stage[o:o + r.hi - r.lo].copy_(idx.slice(r.src_kind, r.name, r.lo, r.hi))
+                o += r.hi - r.lo
+            unpack_parts(sv, [Transfer(r.file_rank, rank, r.kind, r.name, r.lo, r.hi)
+                              for r in group], stage.to(device))
+
+
+@torch.no_grad()
+def _derive(rt, sv: StateView, mixed: bool, rank: int, cap_bytes: int, device) -> None:
+    """What the files did not provide: low-precision parameters as casts of the masters this rank
+    holds (the cast training does after a step), or fp32 masters from the parameters."""
+    if not mixed:
+        # every master := its bucket range of the parameters, packed straight into it (a
+        # master is its segments in order). Not ``refresh_masters``: after a plan switch that
+        # skips the buckets the switch reused, which this load has overwritten all the same.
+        opt = rt.optimizer
+        for b, (lo, hi), m in zip(opt.buckets, opt.ranges, opt.masters):
+            if m is not None:
+                pack_parts(sv, [Transfer(rank, rank, "param", pc.name, a, e)
+                                for pc, a, e in b.segments(lo, hi)], m.data)
+        return
+    parts = [Read(rank, "master", "master", h.name, h.lo, h.hi) for h in sv.holds("master")]
+    for group in chunked(parts, max(1, cap_bytes // 4)):
+        buf = torch.empty(sum(r.hi - r.lo for r in group), dtype=torch.float32, device=device)
+        pack_parts(sv, [Transfer(rank, rank, "master", r.name, r.lo, r.hi) for r in group], buf)
+        unpack_parts(sv, [Transfer(rank, rank, "param", r.name, r.lo, r.hi) for r in group],
+                     buf.to(rt.optimizer.param_dtype))
+
+
+def _load_state(engine, d: Path, meta: dict, saved_plan: Plan, optimizer_states: bool) -> dict:
+    """Read this rank's current holdings out of the files; returns the saved engine state."""
+    rt, rank, table = engine.runtime, engine.global_rank, engine.param_table
+    mixed = engine.precision.mixed
+    W = int(meta["world_size"])
+    sp_name, saved_mixed = meta["precision"]["name"], bool(meta["precision"]["mixed"])
+    home = rank if rank < W else 0          # the file whose engine state / client_state we take
+    sv = StateView(rt, table, rank, mixed)
+    ws = wants(sv.holds(), mixed=mixed, saved_mixed=saved_mixed,
+               same_param_dtype=sp_name == engine.precision.name,
+               optimizer_states=optimizer_states)
+    saved = plan_holdings(saved_plan, table, int(meta["zero_stage"]), saved_mixed)
+    reads = plan_reads(ws, saved, rank, W, home)
+    by_file: dict[int, list[Read]] = {}
+    for r in reads:
+        by_file.setdefault(r.file_rank, []).append(r)
+    cap = max(1, int(engine.settings.migrate_bucket_mb * 2**20))
+    state = None
+    for fr in [home] + sorted(set(by_file) - {home}):
+        ck = _open(d, fr, meta)
+        if fr == home:
+            state = ck["engine"]
+        if fr in by_file:
+            _copy_in(sv, _Index(rank_file(d, fr), ck["slices"]), by_file[fr], rank, cap,
+                     engine.device)
+        del ck                              # unmaps the file
+    _derive(rt, sv, mixed, rank, cap, engine.device)
+    opt = rt.optimizer
+    if not optimizer_states:               # fresh moments (a trained engine may have some)
+        for m in opt.masters:
+            if m is not None:
+                for k in STATE_KINDS:
+                    if k in opt.optimizer.state[m]:
+                        opt.optimizer.state[m][k].zero_()
+    opt.set_step(int(meta["adam_step"]) if optimizer_states else 0)
+    return state
+
+
+def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True) -> tuple[str, Any]:
+    """See the module docstring. Collective. Returns ``(path of the file the engine state came
+    from, client_state)`` like DeepSpeed; ``client_state`` is the one this rank saved (rank 0's
+    for a rank beyond the saving world). ``load_optimizer_states=False``: weights only (fp32
+    masters still come from the file under mixed precision), Adam moments zero, step 0."""
+    from .precision import load_scaler_state
+
+    # checks read only shared files: the same error on every rank, before any collective
+    d, meta = resolve(load_dir, tag)
+    saved_plan = check_compatible(d, meta, engine.plan, engine.param_table)
+    err = state = None
+    try:
+        state = _load_state(engine, d, meta, saved_plan, load_optimizer_states)
+    except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
+        err = f"{type(e).__name__}: {e}"
+        # this rank's state may be half-written: train_batch refuses until a load succeeds
+        engine._broken = f"load_checkpoint({d}) failed ({err[:300]}); load a checkpoint again"
+    try:
+        _agree(engine, err, f"load_checkpoint({d})")
+    except CheckpointError as e:
+        engine._broken = getattr(engine, "_broken", None) or f"load_checkpoint({d}) failed: {e}"
+        raise
+    engine._broken = None
+    engine.global_steps = int(state["global_steps"])
+    engine.skipped_steps = int(state["skipped_steps"])
+    engine.global_samples = int(state["global_samples"])
+    load_scaler_state(engine.loss_scaler, state["loss_scaler"])
+    engine.optimizer.overflow = False
+    if load_optimizer_states or load_lr_scheduler_states:
+        # the LR (and the other hyper-parameters) the saved schedule had reached: a scheduler
+        # steps after the optimizer, so without this the first step would use the initial LR
+        for g, sg in zip(engine.optimizer.param_groups, state["param_groups"]):
+            g.update(sg)
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"]:
+        engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    W = int(meta["world_size"])
+    home = engine.global_rank if engine.global_rank < W else 0
+    return str(rank_file(d, home)), state["client_state"]

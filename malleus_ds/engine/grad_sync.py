@@ -48,6 +48,26 @@ def flatten(bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor 
     return out
 
 
+def flatten_range(bucket: Bucket, tensors: dict[str, torch.Tensor], lo: int, hi: int,
+                  out: torch.Tensor) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of the flat bucket (``flatten(...)[lo:hi]`` without building the
+    whole bucket) into ``out`` (length ``hi - lo``)."""
+    o = 0
+    for pc in bucket.pieces:
+        a, b = max(o, lo), min(o + pc.numel, hi)
+        if a < b:
+            v = view(tensors[pc.name], pc)
+            dst = out[a - lo:b - lo]
+            if a == o and b == o + pc.numel:
+                dst.view(v.shape).copy_(v)
+            else:       # a partial piece (at most the first and the last): via a flat copy
+                dst.copy_(v.reshape(-1)[a - o:b - o])
+        o += pc.numel
+        if o >= hi:
+            break
+    return out
+
+
 def unflatten(bucket: Bucket, flat: torch.Tensor, tensors: dict[str, torch.Tensor],
               lo: int = 0, hi: int | None = None) -> None:
     """Write ``flat`` (the whole bucket) back into the pieces of ``tensors`` overlapping [lo, hi)."""
@@ -81,9 +101,13 @@ class GradSync:
         self.buckets = buckets
         self.groups = [groups.get(b.ranks) if len(b.ranks) > 1 else None for b in buckets]
         self.scatter = [zero_stage >= 2 and len(b.ranks) > 1 for b in buckets]
-        self.flats = [torch.zeros(b.padded_part * len(b.ranks) if sc else b.numel,
+        # every step overwrites [0, numel) (flatten writes every piece); only the padding a
+        # reduce-scatter needs past numel must be zeros, so skip the memset of the rest
+        self.flats = [torch.empty(b.padded_part * len(b.ranks) if sc else b.numel,
                                   dtype=torch.float32, device=device)
                       for b, sc in zip(buckets, self.scatter)]
+        for b, f in zip(buckets, self.flats):
+            f[b.numel:].zero_()
         self.parts = [torch.empty(b.padded_part, dtype=torch.float32, device=device) if sc else None
                       for b, sc in zip(buckets, self.scatter)]
         self.offsets = [b.ranks.index(rank) * b.padded_part if sc else 0

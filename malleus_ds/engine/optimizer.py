@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .grad_sync import Bucket, flatten, unflatten
+from .grad_sync import Bucket, flatten, flatten_range, unflatten
 
 
 class ShardedOptimizer:
@@ -60,7 +60,8 @@ class ShardedOptimizer:
             elif hi <= lo:
                 self.masters.append(None)
             elif from_params:
-                self.masters.append(nn.Parameter(flatten(b, data, device=device)[lo:hi].clone()))
+                self.masters.append(nn.Parameter(flatten_range(
+                    b, data, lo, hi, torch.empty(hi - lo, dtype=torch.float32, device=device))))
             else:
                 self.masters.append(nn.Parameter(torch.empty(hi - lo, device=device)))
         live = [m for m in self.masters if m is not None]
@@ -142,7 +143,7 @@ class ShardedOptimizer:
         for i, b in enumerate(self.buckets):
             m, (lo, hi) = self.masters[i], self.ranges[i]
             if m is not None and i not in self.reused:
-                m.data.copy_(flatten(b, data, device=m.device)[lo:hi])
+                flatten_range(b, data, lo, hi, m.data)
 
     def set_step(self, step: int) -> None:
         """Adam's step counter on every master (moments default to zeros where absent)."""
@@ -193,7 +194,7 @@ class ShardedOptimizer:
             m, (lo, hi) = self.masters[i], self.ranges[i]
             if m is None:
                 continue
-            m.data.copy_(flatten(b, data, device=m.device)[lo:hi])
+            flatten_range(b, data, lo, hi, m.data)
             st = {k: flatten(b, states[k], device=m.device)[lo:hi].clone() for k in self._KEYS}
             st["step"] = torch.tensor(float(step))
             self.optimizer.state[m] = st

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from functools import partial
 from dataclasses import dataclass
 
 import torch
@@ -121,22 +122,31 @@ def _chunks(parts: list[Transfer], cap: int):
 @torch.no_grad()
 def _copy_local(old: StateView, new: StateView, parts: list[Transfer], cap_bytes: int,
                 device) -> int:
-    """Copy kept slices from the old buffers into the new ones, through a bounded staging buffer
-    per dtype. Returns the staging bytes used."""
+    """Copy kept slices from the old buffers into the new ones: directly where both sides are
+    one window of the same shape (the usual case: a whole shard or range), else through a
+    bounded staging buffer per dtype. Returns the staging bytes used."""
     peak = 0
-    by_dtype: dict[torch.dtype, list[Transfer]] = {}
+    staged: dict[torch.dtype, list[Transfer]] = {}
     for t in parts:
-        dt = old.buffer(t.kind, old.index[(t.kind, t.name)][0].buf).dtype
-        by_dtype.setdefault(dt, []).append(t)
-    for dt, ps in by_dtype.items():
+        src = old.views(t.kind, t.name, t.lo, t.hi, natural=True)
+        dst = new.views(t.kind, t.name, t.lo, t.hi, natural=True)
+        if len(src) == 1 and len(dst) == 1 and src[0][1].shape == dst[0][1].shape:
+            dst[0][1].copy_(src[0][1])
+        else:
+            staged.setdefault(src[0][0].dtype, []).append(t)
+    for dt, ps in staged.items():
         size = torch.empty(0, dtype=dt).element_size()
         for group in _chunks(ps, max(1, cap_bytes // size)):
             n = sum(t.numel for t in group)
             buf = torch.empty(n, dtype=dt, device=device)
             peak = max(peak, n * size)
-            pack_parts(old, group, buf)
-            unpack_parts(new, group, buf)
+            pack_parts(old, group, buf, natural=True)
+            unpack_parts(new, group, buf, natural=True)
     return peak
+
+
+def _copy_local_into(out: list[int], *args) -> None:
+    out.append(_copy_local(*args))
 
 
 @torch.no_grad()
@@ -205,12 +215,14 @@ def switch_plan(engine, new_plan) -> MigrationReport:
         old_v = StateView(old_rt, table, rank, mixed)
         new_v = StateView(rt, table, rank, mixed)
         marks.append(("build runtime", time.perf_counter()))
-        staging = _copy_local(old_v, new_v, _local_parts(old_v, new_v, rank, rt, old_rt), cap,
-                              engine.device)
-        marks.append(("local copies", time.perf_counter()))
+        staging: list[int] = []     # local copies run while the first round is on the wire
+        local = partial(_copy_local_into, staging, old_v, new_v,
+                        _local_parts(old_v, new_v, rank, rt, old_rt), cap, engine.device)
         stats = run_rounds(rank, rds, old_v, new_v, {"fp32": torch.float32, "param": param_dtype},
-                           engine.device, timeout_s=engine.settings.migrate_timeout_s, step=step)
-        marks.append(("transfers", time.perf_counter()))
+                           engine.device, timeout_s=engine.settings.migrate_timeout_s, step=step,
+                           overlap=local)
+        staging = staging[0]
+        marks.append(("transfers + local copies", time.perf_counter()))
         _derive(rt, old_rt, new_v, mixed, adam_step, rank, cap, engine.device)
         rt.optimizer.reused = set()     # taken-over buckets are ordinary from now on
         marks.append(("derive", time.perf_counter()))

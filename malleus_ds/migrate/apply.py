@@ -85,8 +85,15 @@ class StateView:
             st[kind] = torch.zeros_like(m.data)
         return st[kind]
 
-    def views(self, kind: str, name: str, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(base, view)`` pairs covering elements ``[lo, hi)`` of ``kind`` of ``name``, in order."""
+    def views(self, kind: str, name: str, lo: int, hi: int, natural: bool = False
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(base, view)`` pairs covering elements ``[lo, hi)`` of ``kind`` of ``name``, in order.
+
+        ``natural``: a parameter slice made of whole indices along its split dim (every TP slice
+        and every difference of TP slices) is returned as ONE view in the tensor's own memory
+        order (``narrow`` along the split dim) instead of the canonical, split-dim-first order:
+        for a row-parallel weight that avoids a transposing copy on both ends. Both ends of a
+        transfer of the same kind must use the same setting (the packed layout differs)."""
         hs, starts = self.index.get((kind, name)), self._starts.get((kind, name))
         if not hs:
             raise KeyError(f"this rank holds no {kind} of {name}")
@@ -100,7 +107,12 @@ class StateView:
             b = min(hi, h.hi)
             base = self.buffer(kind, h.buf)
             x = h.off + a - h.lo
-            if kind == "param":
+            spec = self.table[name] if kind == "param" else None
+            R = spec.numel // spec.shape[spec.split_dim] if spec and spec.split_dim is not None \
+                else 0
+            if natural and R and x % R == 0 and (b - a) % R == 0:
+                out.append((base, base.narrow(spec.split_dim, x // R, (b - a) // R)))
+            elif kind == "param":
                 v = self._canon.get(name)
                 if v is None:
                     v = self._canon[name] = canonical_2d(base, self.table[name].split_dim)
@@ -124,16 +136,19 @@ def _windows(view_pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]):
     return tensors, wins
 
 
-def pack_parts(sv: StateView, parts: Iterable[Transfer], out: torch.Tensor) -> torch.Tensor:
-    """Pack the elements of ``parts`` (read from ``sv``) back to back into ``out``."""
-    pairs = [p for t in parts for p in sv.views(t.kind, t.name, t.lo, t.hi)]
+def pack_parts(sv: StateView, parts: Iterable[Transfer], out: torch.Tensor,
+               natural: bool = False) -> torch.Tensor:
+    """Pack the elements of ``parts`` (read from ``sv``) back to back into ``out`` (canonical
+    order; ``natural``: see :meth:`StateView.views`)."""
+    pairs = [p for t in parts for p in sv.views(t.kind, t.name, t.lo, t.hi, natural)]
     tensors, wins = _windows(pairs)
     return pack(tensors, wins, out) if wins else out[:0]
 
 
-def unpack_parts(sv: StateView, parts: Iterable[Transfer], buf: torch.Tensor) -> None:
-    """Write ``buf`` (as packed by :func:`pack_parts`) into ``parts`` of ``sv``."""
-    pairs = [p for t in parts for p in sv.views(t.kind, t.name, t.lo, t.hi)]
+def unpack_parts(sv: StateView, parts: Iterable[Transfer], buf: torch.Tensor,
+                 natural: bool = False) -> None:
+    """Write ``buf`` (as packed by :func:`pack_parts` with the same ``natural``) into ``parts``."""
+    pairs = [p for t in parts for p in sv.views(t.kind, t.name, t.lo, t.hi, natural)]
     tensors, wins = _windows(pairs)
     if wins:
         unpack(buf, tensors, wins)

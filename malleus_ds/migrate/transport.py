@@ -34,12 +34,17 @@ class TransportStats:
     bytes_received: int = 0
     peak_buffer_bytes: int = 0
     rounds: int = 0
+    pack_s: float = 0.0
+    wait_s: float = 0.0
+    unpack_s: float = 0.0
 
 
 def run_rounds(rank: int, rds: list[list[Message]], old: StateView, new: StateView,
-               wire_dtype: dict[str, torch.dtype], device, *, timeout_s: float, step: int
-               ) -> TransportStats:
-    """Execute ``rank``'s part of the rounds: pack from ``old``, send, receive, unpack into ``new``."""
+               wire_dtype: dict[str, torch.dtype], device, *, timeout_s: float, step: int,
+               overlap: Callable[[], None] | None = None) -> TransportStats:
+    """Execute ``rank``'s part of the rounds: pack from ``old``, send, receive, unpack into
+    ``new``. ``overlap``: local work (the switch's local copies) run once while the first
+    round's messages are on the wire."""
     stats = TransportStats()
     for t, ops in enumerate(rank_rounds(rds, rank)):
         before_round(rank, t)
@@ -47,11 +52,12 @@ def run_rounds(rank: int, rds: list[list[Message]], old: StateView, new: StateVi
             continue
         stats.rounds += 1
         p2p, bufs, live = [], [], 0
+        tp = time.perf_counter()
         for kind, m in ops:
             buf = torch.empty(m.numel, dtype=wire_dtype[m.wire], device=device)
             live += buf.numel() * buf.element_size()
             if kind == "send":
-                pack_parts(old, m.parts, buf)
+                pack_parts(old, m.parts, buf, natural=True)
                 p2p.append(dist.P2POp(dist.isend, buf, m.dst, tag=m.id))
                 stats.bytes_sent += m.nbytes
             else:
@@ -60,7 +66,11 @@ def run_rounds(rank: int, rds: list[list[Message]], old: StateView, new: StateVi
             bufs.append(buf)
         stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, live)
         t0 = time.perf_counter()
+        stats.pack_s += t0 - tp
         reqs = dist.batch_isend_irecv(p2p)
+        if overlap is not None:
+            overlap()
+            overlap = None
         pending = [m.dst if k == "send" else m.src for k, m in ops]
         for req, (kind, m) in zip(reqs, ops):
             left = max(0.1, timeout_s - (time.perf_counter() - t0))
@@ -73,7 +83,12 @@ def run_rounds(rank: int, rds: list[list[Message]], old: StateView, new: StateVi
                     f"{m.dst if kind == 'send' else m.src} did not complete within "
                     f"malleus.migrate_timeout_s={timeout_s:g} (peers this round: "
                     f"{sorted(set(pending))}): {str(e).splitlines()[0][:200]}") from None
+        tu = time.perf_counter()
+        stats.wait_s += tu - t0
         for (kind, m), buf in zip(ops, bufs):
             if kind == "recv":
-                unpack_parts(new, m.parts, buf)
+                unpack_parts(new, m.parts, buf, natural=True)
+        stats.unpack_s += time.perf_counter() - tu
+    if overlap is not None:         # this rank had nothing on the wire
+        overlap()
     return stats

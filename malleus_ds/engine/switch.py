@@ -284,15 +284,16 @@ def switch_plan(engine, new_plan) -> MigrationReport:
 
 def _carry_schedule(engine, old_sched, old_groups) -> None:
     """The LR schedule continues where it was: a scheduler over the new optimizer with the old
-    one's state, and the current hyper-parameters copied group by group."""
+    one's state, then the current hyper-parameters copied group by group (after: building a
+    DeepSpeed scheduler resets the optimizer's LR to the schedule's start)."""
     new_opt = engine.optimizer.optimizer
+    sched = engine._scheduler_from_config(new_opt) if old_sched is not None else None
+    if sched is not None:
+        sched.load_state_dict(old_sched.state_dict())
     for g_new, g_old in zip(new_opt.param_groups, old_groups):
         for k, v in g_old.items():
             if k != "params":
                 g_new[k] = v
-    sched = engine._scheduler_from_config(new_opt) if old_sched is not None else None
-    if sched is not None:
-        sched.load_state_dict(old_sched.state_dict())
     engine.lr_scheduler = sched
 
 

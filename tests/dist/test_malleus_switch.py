@@ -92,8 +92,18 @@ def _identity(rank, world, pj):
     import malleus_ds
     from malleus_ds.plan import Plan
 
-    eng, *_ = malleus_ds.initialize(model=CFG, config=ds_config(1), plan=Plan.from_json(pj))
+    cfg = dict(ds_config(1), scheduler={"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10}})
+    eng, *_ = malleus_ds.initialize(model=CFG, config=cfg, plan=Plan.from_json(pj))
     eng.train_batch()
+    eng.train_batch()
+    before = (eng.lr_scheduler.state_dict(), eng.optimizer.param_groups[0]["lr"])
+    rep = eng.switch_plan(Plan.from_json(B))            # LR schedule carries over
+    after = (eng.lr_scheduler.state_dict(), eng.optimizer.param_groups[0]["lr"])
+    assert rep.bytes > 0 and before == after, (before, after)
+    eng.train_batch()
+    assert eng.optimizer.param_groups[0]["lr"] > before[1]      # still warming up
+    eng.switch_plan(Plan.from_json(pj))
     same = eng.switch_plan(Plan.from_json(pj))
     other_mb = dict(pj, pipelines=[dict(p) for p in pj["pipelines"]])
     other_mb["pipelines"][0]["micro_batches"] += 1

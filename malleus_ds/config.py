@@ -81,6 +81,19 @@ class DeepSpeedSection:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """``checkpoint.*``: where and how often the app saves, and whether it resumes."""
+
+    dir: str | None = None              # absolute folder (resolved against the CWD); None = none
+    every: int = 0                      # save every N optimizer steps; 0 = only at the end
+    resume: bool = False                # continue from ``dir/latest``
+
+    @property
+    def enabled(self) -> bool:
+        return self.dir is not None
+
+
+@dataclass(frozen=True)
 class RunConfig:
     engine: str
     model: ModelConfig
@@ -95,6 +108,7 @@ class RunConfig:
     device: str = "auto"                # auto | cpu | cuda
     progress: bool = True               # tqdm bar on rank 0
     malleus: Mapping[str, Any] = field(default_factory=dict, hash=False)  # engine=malleus extras
+    checkpoint: CheckpointConfig = CheckpointConfig()
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False)  # unparsed sections
 
 
@@ -133,12 +147,13 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
     plan = d.get("plan", "static")
     plan = "static" if plan in (None, "", "static") else str(plan)
     known = {"engine", "model", "train", "parallel", "cluster", "straggler", "deepspeed",
-             "device", "plan", "progress", "malleus"}
+             "device", "plan", "progress", "malleus", "checkpoint"}
     extra = {k: v for k, v in d.items() if k not in known}
     return RunConfig(engine=engine, model=model, train=train, parallel=parallel, cluster=cluster,
                      straggler=straggler, deepspeed=ds, world_size=world_size, plan=plan,
                      run_dir=run_dir, device=device, progress=bool(d.get("progress", True)),
-                     malleus=_malleus(d.get("malleus") or {}, engine), extra=extra)
+                     malleus=_malleus(d.get("malleus") or {}, engine),
+                     checkpoint=_checkpoint(d.get("checkpoint") or {}), extra=extra)
 
 
 #: The app's ``malleus.*`` keys (the engine's own ds_config ``malleus`` section has more).
@@ -158,6 +173,35 @@ def _malleus(m: Mapping[str, Any], engine: str) -> dict:
         raise ConfigError(f"malleus.switch is set but engine={engine}: live plan switches need "
                           f"engine=malleus")
     return out
+
+
+def _checkpoint(c: Mapping[str, Any]) -> CheckpointConfig:
+    """``checkpoint.*``. ``dir`` is made absolute here (against the CWD every rank shares), so
+    the summary and the saved files name one folder whatever the ranks' later CWD."""
+    allowed = [f.name for f in fields(CheckpointConfig)]
+    if not isinstance(c, Mapping):
+        raise ConfigError(f"checkpoint must be a mapping with keys {allowed}, got {c!r}")
+    unknown = sorted(set(c) - set(allowed))
+    if unknown:
+        raise ConfigError(f"checkpoint has unknown fields {unknown}; allowed: {allowed}")
+    d = c.get("dir")
+    if isinstance(d, int) and not isinstance(d, bool):
+        d = str(d)                      # Hydra reads `checkpoint.dir=2024` as a number
+    if d is not None and (not isinstance(d, (str, os.PathLike)) or not str(d).strip()):
+        raise ConfigError(f"checkpoint.dir={d!r} must be a folder path (or null for none)")
+    every = _int(0 if c.get("every") is None else c["every"], "checkpoint.every")
+    if every < 0:
+        raise ConfigError(f"checkpoint.every={every} must be >= 0 (0 = save only at the end "
+                          f"of the run)")
+    resume = False if c.get("resume") is None else c["resume"]
+    if not isinstance(resume, bool):
+        raise ConfigError(f"checkpoint.resume={resume!r} must be true or false")
+    if d is None and (every > 0 or resume):
+        what = f"checkpoint.every={every}" if every > 0 else "checkpoint.resume=true"
+        raise ConfigError(f"{what} needs checkpoint.dir (the folder to save to / resume from); "
+                          f"set checkpoint.dir=PATH")
+    return CheckpointConfig(dir=None if d is None else os.path.abspath(os.fspath(d)),
+                            every=every, resume=resume)
 
 
 def _model(m: Mapping[str, Any]) -> ModelConfig:

@@ -15,9 +15,13 @@ The runner interface (what ``malleus_ds/runners/<name>_runner.py`` implements)::
         #       (or clock.add(seconds)) -> measures compute and applies straggler emulation;
         #       communication inside a timed span goes in `with clock.excluded():` (or wrap
         #       methods with exclude_calls(obj, [names], clock)) so waiting is not compute
-        #   StepReporter(cfg, env): reporter.step_done(step, global_mean_loss, step_time_s,
-        #       clock) on EVERY rank each step (it all-gathers compute seconds; rank 0 writes
-        #       cfg.run_dir/metrics.jsonl and the progress bar); return reporter.finish().
+        #   Checkpointer(cfg, env) (runners/checkpoint.py): ck.start (first step; > 0 when
+        #       resuming from ck.resumed), ck.after_step(done, write, reporter) each step,
+        #       ck.finish(steps, write, reporter), reporter.finish(**ck.summary())
+        #   StepReporter(cfg, env, first_step=ck.start): reporter.step_done(step,
+        #       global_mean_loss, step_time_s, clock) on EVERY rank each step (it all-gathers
+        #       compute seconds; rank 0 writes cfg.run_dir/metrics.jsonl and the progress
+        #       bar); return reporter.finish(**ck.summary()).
         # The loss passed to step_done is the global-batch mean (DESIGN.md §5), same on all ranks.
 
 ``cfg`` is a frozen :class:`malleus_ds.config.RunConfig`: ``cfg.model`` (ModelConfig),
@@ -36,6 +40,7 @@ from types import ModuleType
 
 from ..config import ConfigError, RunConfig
 from .base import DistEnv, RunSummary, destroy_process_group, init_process_group
+from .checkpoint import nothing_to_run, resume_point
 
 RUNNERS: dict[str, str] = {
     "torch": "malleus_ds.runners.torch_runner",
@@ -60,11 +65,13 @@ def get_runner(engine: str) -> ModuleType:
 
 
 def validate(cfg: RunConfig) -> ModuleType:
-    """Engine-specific checks (no process group needed). Returns the runner module."""
+    """Engine-specific checks and, with ``checkpoint.resume``, the checkpoint to resume from (no
+    process group needed). Returns the runner module."""
     mod = get_runner(cfg.engine)
     check = getattr(mod, "validate", None)
     if check is not None:
         check(cfg)
+    resume_point(cfg)
     return mod
 
 
@@ -77,6 +84,9 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
     """The app's whole sequence on one rank: validate -> process group -> run -> tear down."""
     env = env or DistEnv.from_environ(cfg.device)
     mod = validate(cfg)
+    saved = resume_point(cfg)
+    if saved is not None and saved.step >= cfg.train.steps:
+        return nothing_to_run(cfg, saved)       # no engine, no process group, no files
     init_process_group(env)
     try:
         return mod.run(cfg, env)

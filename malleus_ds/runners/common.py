@@ -117,8 +117,9 @@ def exclude_calls(obj, names, clock: ComputeClock) -> None:
 class StepReporter:
     """Gathers per-rank compute seconds each step; rank 0 writes metrics.jsonl and a tqdm bar."""
 
-    def __init__(self, cfg: RunConfig, env: DistEnv, group=None) -> None:
+    def __init__(self, cfg: RunConfig, env: DistEnv, group=None, first_step: int = 0) -> None:
         self.cfg, self.env, self.group = cfg, env, group
+        self.first_step = first_step        # a resumed run starts at its checkpoint's step
         self.losses: list[float] = []
         self.times: list[float] = []
         self.records: list[dict] = []
@@ -127,8 +128,9 @@ class StepReporter:
         self.bar = None
         if env.is_rank0 and cfg.progress:
             from tqdm import tqdm
-            self.bar = tqdm(total=cfg.train.steps, desc=f"train[{cfg.engine}]", unit="step",
-                            file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
+            self.bar = tqdm(total=cfg.train.steps, initial=first_step,
+                            desc=f"train[{cfg.engine}]", unit="step", file=sys.stderr,
+                            dynamic_ncols=True, mininterval=0.5,
                             disable=None)  # None: off when stderr is not a terminal
 
     def event(self, obj: dict) -> None:
@@ -137,6 +139,10 @@ class StepReporter:
         self.writer.write_event(obj)
         if self.bar is not None and obj.get("event") == "migrate":
             self.bar.write(f"[malleus_ds] {format_event(obj)}")
+
+    def note(self, obj: dict) -> None:
+        """An event line in metrics.jsonl that the summary does not list (a checkpoint save)."""
+        self.writer.write_event(obj)
 
     def step_done(self, step: int, loss: float, step_time_s: float, clock: ComputeClock,
                   plan: str | None = None) -> None:
@@ -167,7 +173,8 @@ class StepReporter:
         self.writer.close()
         if self.bar is not None:
             self.bar.close()
-        ph = tuple(phases(self.records, self.cfg.train.warmup_steps))
+        # warm-up is per process: a resumed run warms up again from its first step
+        ph = tuple(phases(self.records, self.first_step + self.cfg.train.warmup_steps))
         return RunSummary(engine=self.cfg.engine, losses=tuple(self.losses),
                           step_times_s=tuple(self.times),
                           samples_per_step=self.cfg.train.global_batch_size, phases=ph,
@@ -203,6 +210,15 @@ def format_summary(cfg: RunConfig, s: RunSummary) -> str:
         tput = s.samples_per_step * (len(s.step_times_s) - w) / t if t > 0 else 0.0
         lines.append(f"  steps={len(s.losses)} loss {s.losses[0]:.4f} -> {s.losses[-1]:.4f}; "
                      f"{tput:.1f} samples/s after {w} warm-up step(s)")
+    resumed = s.extra.get("resumed_from")
+    if resumed:
+        skipped = s.extra.get("skipped_switches")
+        lines.append(f"  resumed from step {resumed['step']}: {resumed['path']}"
+                     + (f" (malleus.switch entries at steps {skipped} were before it: skipped)"
+                        if skipped else ""))
+    if s.extra.get("nothing_to_run"):
+        lines.append(f"  nothing to run: the checkpoint is at step {resumed['step']} and "
+                     f"train.steps={cfg.train.steps}; raise train.steps to train further")
     if s.phases:
         lines.append("  throughput by phase (warm-up and transition steps left out):")
         lines.append(format_phases(s.phases))
@@ -211,6 +227,12 @@ def format_summary(cfg: RunConfig, s: RunSummary) -> str:
     final = s.extra.get("final_plan")
     if final and final != plan:
         lines.append(f"  final plan: {Plan.from_json(final).describe()}")
+    ck = s.extra.get("checkpoints")
+    if ck:
+        tags = ck["tags"]
+        shown = ", ".join(tags) if len(tags) <= 4 else f"{tags[0]}, ..., {tags[-1]}"
+        lines.append(f"  checkpoints: {len(tags)} saved to {ck['dir']} ({shown}; "
+                     f"latest = {tags[-1]})")
     if s.metrics_path:
         lines.append(f"  metrics: {s.metrics_path}")
     return "\n".join(lines)

@@ -11,6 +11,11 @@ gradients over the ``dp`` replicas, i.e. ``Σ_mb loss_mb / (GAS·dp) = Σ_mb los
 global-batch mean. The optimizer is a client ``torch.optim.AdamW`` with the run's
 ``train.{lr,betas,eps,weight_decay}`` (no JIT-compiled DeepSpeed Adam), unless the ds_config
 names its own ``optimizer`` (then DeepSpeed builds it and ``train.lr`` etc. are not used).
+
+Checkpoints (``checkpoint.dir``) are DeepSpeed's own (``engine.save_checkpoint`` /
+``load_checkpoint``: module, ZeRO partitions, LR scheduler, counters). Stock DeepSpeed loads them
+only under the layout that saved them, so resuming with another world size, tp/pp/dp, ZeRO stage
+or precision is a ConfigError before any process group (``runners/checkpoint.py``).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from ..config import ConfigError, RunConfig, check_even_batch
 from ..models.llama import EMBED, HEAD, ModelConfig, build_layer, lm_loss
 from ..plan import even_split
 from .base import DistEnv, RunSummary
+from .checkpoint import Checkpointer
 from .common import (ComputeClock, StepReporter, exclude_calls, monitors_to_run_dir,
                      replica_micro_batches)
 
@@ -187,12 +193,24 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     from ..data import ByteCorpus
 
     engine = build_engine(cfg, env)
+    ck = Checkpointer(cfg, env)
+    if ck.resumed is not None:
+        path, client = engine.load_checkpoint(str(ck.resumed.root), tag=ck.resumed.tag)
+        if path is None or (client or {}).get("step") != ck.resumed.step:
+            raise ConfigError(f"checkpoint {ck.resumed.path}: DeepSpeed could not load it as the "
+                              f"checkpoint of step {ck.resumed.step} (got {path}, client state "
+                              f"{client!r})")
+
+    def write(root, tag: str, done: int) -> None:
+        engine.save_checkpoint(str(root), tag=tag, client_state={"step": done},
+                               save_latest=False)   # the app writes `latest` after run.json
+
     data = ByteCorpus(cfg.model.max_seq_len, seed=cfg.train.corpus_seed)
-    clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env)
+    clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env, first_step=ck.start)
     instrument(engine, clock)
     pp, dp = cfg.parallel.pp, cfg.parallel.dp
     dp_rank = env.rank % dp  # static_plan: rank = dp_rank + dp * pp_rank (tp=1) = DS pipe topology
-    for step in range(cfg.train.steps):
+    for step in range(ck.start, cfg.train.steps):
         t0 = time.perf_counter()
         clock.start_step(step)
         mbs = replica_micro_batches(cfg, step, dp_rank, dp)
@@ -201,7 +219,9 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
         else:
             loss = data_parallel_step(engine, data, mbs, dp, env, clock)
         reporter.step_done(step, loss, time.perf_counter() - t0, clock)
-    summary = reporter.finish()
+        ck.after_step(step + 1, write, reporter)
+    ck.finish(cfg.train.steps, write, reporter)
+    summary = reporter.finish(**ck.summary())
     if hasattr(engine, "destroy"):
         engine.destroy()
     return summary

@@ -6,6 +6,12 @@ over ``train.*``; a plan whose ``num_layers`` differs from ``model.num_layers``,
 the job does not have, or whose TP sizes do not divide the model's heads is a ConfigError on every
 rank before any process group exists. On local CPU processes all ranks count as one node unless
 ``cluster.nodes * cluster.gpus_per_node`` equals the world size.
+
+Checkpoints (``checkpoint.dir``): ``MalleusEngine.save_checkpoint`` (per-rank slice files,
+``engine/checkpoint.py``), which load under any plan and world size: a resumed run runs the plan
+it is given (``plan=...``), not the one that saved; its ``load_checkpoint`` restores weights,
+Adam state, LR schedule, loss scaler and ``global_steps``, so ``malleus.switch`` entries before
+the resumed step are dropped.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from math import lcm
 from ..config import ConfigError, RunConfig
 from ..plan import Plan, PlanError, static_plan, validate_plan
 from .base import DistEnv, RunSummary
+from .checkpoint import Checkpointer
 from .common import ComputeClock, StepReporter, monitors_to_run_dir
 
 
@@ -119,9 +126,26 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
         cfg.train, global_batch_size=plan.global_batch_size, micro_batch_size=plan.micro_batch_size))
     data = ByteCorpus(cfg.model.max_seq_len, seed=cfg.train.corpus_seed)
     engine = MalleusEngine(cfg.model, build_ds_config(cfg, plan), plan, data=data)
-    clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env)
+    ck = Checkpointer(cfg, env)
+    if ck.resumed is not None:
+        from ..engine.checkpoint import CheckpointError
+
+        try:    # its checks read shared files only: the same error on every rank
+            _, client = engine.load_checkpoint(str(ck.resumed.root), tag=ck.resumed.tag)
+        except CheckpointError as e:
+            raise ConfigError(f"checkpoint.resume: {e}") from None
+        if (client or {}).get("step") != ck.resumed.step or engine.global_steps != ck.start:
+            raise ConfigError(f"checkpoint {ck.resumed.path}: engine files of step "
+                              f"{engine.global_steps} (client state {client!r}), run.json of "
+                              f"step {ck.resumed.step}; the folder mixes two saves")
+
+    def write(root, tag: str, done: int) -> None:
+        engine.save_checkpoint(str(root), tag=tag, client_state={"step": done},
+                               save_latest=False)   # the app writes `latest` after run.json
+
+    clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env, first_step=ck.start)
     engine.set_compute_clock(clock)                     # timing + straggler emulation
-    for step in range(cfg.train.steps):
+    for step in range(ck.start, cfg.train.steps):
         report = engine.apply_scheduled_switch()        # timed apart from the step
         if report is not None:
             reporter.event(report.event())
@@ -129,4 +153,8 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
         clock.start_step(step)
         loss = engine.train_batch(step=step)
         reporter.step_done(step, loss, time.perf_counter() - t0, clock, plan=engine.plan.id)
-    return reporter.finish(plan=plan.to_json(), final_plan=engine.plan.to_json())
+        ck.after_step(step + 1, write, reporter)
+    ck.finish(cfg.train.steps, write, reporter)
+    skipped = [sw.step for sw in engine.settings.switch if sw.step < ck.start]  # and ds_config's
+    extra = dict(ck.summary(), **({"skipped_switches": skipped} if skipped else {}))
+    return reporter.finish(plan=plan.to_json(), final_plan=engine.plan.to_json(), **extra)

@@ -4,6 +4,10 @@ On one process this is exactly :func:`malleus_ds.reference.reference_run`. With 
 it is plain data parallelism with the same math: each rank runs its share of the micro-batches
 (static plan order), each micro-batch loss is scaled by ``micro_batch_size / global_batch_size``,
 and gradients are *summed* across ranks (all-reduce SUM) before the identical optimizer step.
+
+Checkpoints (``checkpoint.dir``): every replica holds the whole state, so rank 0 alone writes
+``global_step{N}/torch_state.pt`` (model and optimizer state dicts and the step); every rank
+loads it on resume, under any world size.
 """
 from __future__ import annotations
 
@@ -11,7 +15,11 @@ import time
 
 from ..config import ConfigError, RunConfig
 from .base import DistEnv, RunSummary
+from .checkpoint import Checkpointer, atomic_torch_save
 from .common import ComputeClock, StepReporter, replica_micro_batches
+
+STATE_FILE = "torch_state.pt"
+FORMAT = "malleus_ds-torch-state-v1"
 
 
 def validate(cfg: RunConfig) -> None:
@@ -36,9 +44,24 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     data = ByteCorpus(cfg.model.max_seq_len, seed=cfg.train.corpus_seed)
     scale = cfg.train.micro_batch_size / cfg.train.global_batch_size
     multi = dist.is_initialized() and env.world_size > 1
-    clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env)
+    ck = Checkpointer(cfg, env)
+    if ck.resumed is not None:
+        st = torch.load(ck.resumed.path / STATE_FILE, map_location=env.device, weights_only=True)
+        if st.get("format") != FORMAT or st.get("step") != ck.resumed.step:
+            raise ConfigError(f"checkpoint {ck.resumed.path / STATE_FILE}: not a {FORMAT} file "
+                              f"of step {ck.resumed.step}")
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        del st
 
-    for step in range(cfg.train.steps):
+    def write(root, tag: str, done: int) -> None:
+        if env.is_rank0:
+            atomic_torch_save({"format": FORMAT, "step": done,
+                               "model": model.state_dict(), "optimizer": opt.state_dict()},
+                              root / tag / STATE_FILE)
+
+    clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env, first_step=ck.start)
+    for step in range(ck.start, cfg.train.steps):
         t0 = time.perf_counter()
         clock.start_step(step)
         opt.zero_grad(set_to_none=True)
@@ -59,4 +82,6 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
             total = float(t)
         opt.step()
         reporter.step_done(step, total, time.perf_counter() - t0, clock)
-    return reporter.finish()
+        ck.after_step(step + 1, write, reporter)
+    ck.finish(cfg.train.steps, write, reporter)
+    return reporter.finish(**ck.summary())

@@ -1,0 +1,319 @@
+"""App checkpoints (``checkpoint.dir`` / ``every`` / ``resume``), shared by the three runners.
+
+One folder per ``checkpoint.dir``::
+
+    DIR/latest               the tag of the newest complete checkpoint (rank 0 writes it last)
+    DIR/global_step{N}/      one checkpoint; N = optimizer steps done
+        run.json             the app's record (below), written after every engine file
+        ...                  the engine's own files:
+                               engine=malleus    malleus_rank*.pt + meta.json (engine/checkpoint.py)
+                               engine=deepspeed  DeepSpeed's stock files (mp_rank_*, zero_pp_*)
+                               engine=torch      torch_state.pt (rank 0: model, optimizer, step)
+
+``run.json`` holds the training position and what a resume must match::
+
+    {"format": FORMAT, "engine": "malleus", "step": 3, "world_size": 4,
+     "global_batch_size": 8, "micro_batch_size": 1, "data_seed": 0, "model": {...},
+     "parallel": {"tp": 1, "pp": 1, "dp": 4}, "zero_stage": 1, "precision": "fp32"}
+
+The position is ``step`` alone: the global batch of step ``k`` is a pure function of ``k``, the
+global batch size and the data seed (``reference.micro_batches``), so a run resumed at step N
+with the same three sees the same samples as one that never stopped. Weights, optimizer state,
+LR schedule and (engine=malleus) loss scaler come from the engine's files.
+
+Resume checks (:func:`resume_point`) read only shared files and run before any process group,
+so every rank fails with the same :class:`ConfigError`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import ConfigError, RunConfig
+from .base import DistEnv
+
+FORMAT = "malleus_ds-run-checkpoint-v1"
+RUN_FILE = "run.json"
+LATEST = "latest"
+#: what every engine needs unchanged on resume (the data position and the model's tensors)
+COMMON = ("engine", "model", "global_batch_size", "micro_batch_size", "data_seed")
+#: what an engine's own format needs on top: stock DeepSpeed loads only under the saving layout
+STRICT = {"deepspeed": ("world_size", "parallel", "zero_stage", "precision")}
+#: the config field each record key comes from (for messages)
+FIELD = {"global_batch_size": "train.global_batch_size", "micro_batch_size":
+         "train.micro_batch_size", "data_seed": "train.data_seed", "world_size": "world_size",
+         "parallel": "parallel", "zero_stage": "ds_config zero_optimization.stage",
+         "precision": "ds_config precision (bf16/fp16)", "engine": "engine"}
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, dict):         # parallel: tp=1 pp=1 dp=2
+        return " ".join(f"{k}={x}" for k, x in v.items())
+    return str(v)
+
+
+def tag_of(step: int) -> str:
+    return f"global_step{step}"
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A committed checkpoint: ``root/tag`` with its ``run.json``."""
+
+    root: Path
+    tag: str
+    meta: dict
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+    @property
+    def path(self) -> Path:
+        return self.root / self.tag
+
+
+def _batch(cfg: RunConfig) -> tuple[int, int]:
+    """The global and micro batch the run really uses (engine=malleus: its plan's)."""
+    if cfg.engine == "malleus":
+        from .malleus_runner import load_plan
+
+        p = load_plan(cfg)
+        return p.global_batch_size, p.micro_batch_size
+    return cfg.train.global_batch_size, cfg.train.micro_batch_size
+
+
+def _precision(cfg: RunConfig) -> str:
+    if cfg.engine == "torch":
+        return "fp32"
+    c = cfg.deepspeed.config
+    for name, keys in (("bf16", ("bf16", "bfloat16")), ("fp16", ("fp16",))):
+        if any(isinstance(c.get(k), dict) and c[k].get("enabled") for k in keys):
+            return name
+    return "fp32"
+
+
+def run_record(cfg: RunConfig, step: int) -> dict:
+    """``run.json`` for a checkpoint of ``cfg`` after ``step`` steps (JSON-normalised)."""
+    g, mbs = _batch(cfg)
+    p = cfg.parallel
+    rec = {"format": FORMAT, "engine": cfg.engine, "step": step, "world_size": cfg.world_size,
+           "global_batch_size": g, "micro_batch_size": mbs, "data_seed": cfg.train.corpus_seed,
+           "model": dataclasses.asdict(cfg.model), "parallel": {"tp": p.tp, "pp": p.pp, "dp": p.dp},
+           "zero_stage": 0 if cfg.engine == "torch" else cfg.deepspeed.zero_stage,
+           "precision": _precision(cfg)}
+    return json.loads(json.dumps(rec))
+
+
+def read_saved(root: Path) -> Saved | None:
+    """The checkpoint ``root/latest`` names; None when there is no ``latest``. ConfigError when
+    ``latest`` names something that is not a complete app checkpoint."""
+    latest = root / LATEST
+    if not latest.is_file():
+        return None
+    tag = latest.read_text().strip()
+    rf = root / tag / RUN_FILE
+    if not tag or not rf.is_file():
+        raise ConfigError(f"checkpoint.dir={root}: '{LATEST}' names {tag!r} but {rf} does not "
+                          f"exist: an unfinished save, or a checkpoint not written by "
+                          f"launch/train.py")
+    try:
+        meta = json.loads(rf.read_text())
+    except ValueError as e:
+        raise ConfigError(f"checkpoint {rf} is not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "step" not in meta:
+        raise ConfigError(f"checkpoint {rf}: not a {FORMAT} record")
+    return Saved(root, tag, meta)
+
+
+def resume_point(cfg: RunConfig) -> Saved | None:
+    """The checkpoint a ``checkpoint.resume=true`` run starts from, checked against the run;
+    None when not resuming. Pure apart from reading files (no process group needed)."""
+    if not cfg.checkpoint.resume:
+        return None
+    root = Path(cfg.checkpoint.dir)
+    saved = read_saved(root)
+    if saved is None:
+        # resume=true promises to continue at the saved step: starting from scratch instead
+        # would silently retrain (and overwrite) what the user meant to continue
+        where = "has no 'latest' file" if root.is_dir() else "does not exist"
+        raise ConfigError(f"checkpoint.resume=true but checkpoint.dir={root} {where}: there is "
+                          f"no checkpoint to continue from; run once with checkpoint.resume="
+                          f"false to start from scratch, or point checkpoint.dir at the folder "
+                          f"a run saved to")
+    now = run_record(cfg, saved.step)
+    for k in COMMON + STRICT.get(cfg.engine, ()):
+        was, is_ = saved.meta.get(k), now[k]
+        if was == is_:
+            continue
+        if k == "engine":
+            raise ConfigError(f"checkpoint {saved.path} was saved by engine={was}, this run has "
+                              f"engine={is_}; resume with engine={was}")
+        if k == "model":
+            diff = [f"model.{f}={(was or {}).get(f)!r} there, {v!r} here"
+                    for f, v in is_.items() if (was or {}).get(f) != v]
+            raise ConfigError(f"checkpoint {saved.path} holds another model: {'; '.join(diff)}")
+        if k in STRICT.get(cfg.engine, ()):
+            m = saved.meta
+            raise ConfigError(
+                f"checkpoint {saved.path} was saved by engine={cfg.engine} with {FIELD[k]} "
+                f"{_fmt(was)}, this run has {_fmt(is_)}: stock DeepSpeed checkpoints load only "
+                f"under the layout that saved them ({m.get('world_size')} ranks, "
+                f"{_fmt(m.get('parallel'))}, ZeRO stage {m.get('zero_stage')}, "
+                f"{m.get('precision')}); resume with that layout, or use engine=malleus, whose "
+                f"checkpoints load under any plan and world size")
+        raise ConfigError(f"checkpoint {saved.path} has {FIELD[k]}={was}, this run {is_}: the "
+                          f"data position of step {saved.step} and the optimizer state belong to "
+                          f"{FIELD[k]}={was}; resume with it")
+    return saved
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    """Write under a temporary name, fsync, rename: never a half file under the final name."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    import torch
+
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _agree(env: DistEnv, err: str | None, what: str) -> None:
+    """Every rank learns every rank's error (so none carries on alone); raise the first."""
+    errs = [err]
+    if env.world_size > 1:
+        import torch.distributed as dist
+
+        errs = [None] * env.world_size
+        dist.all_gather_object(errs, err)
+    bad = [(r, e) for r, e in enumerate(errs) if e]
+    if bad:
+        raise CheckpointSaveError(f"{what} failed on rank {bad[0][0]}: {bad[0][1]}")
+
+
+def _barrier(env: DistEnv) -> None:
+    if env.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+class CheckpointSaveError(RuntimeError):
+    """Saving a checkpoint failed (on some rank); raised on every rank."""
+
+
+#: ``write(root, tag, step)``: the engine's save of its state after ``step`` steps into
+#: ``root/tag`` (collective for engine=malleus/deepspeed), without touching ``root/latest``.
+Writer = Callable[[Path, str, int], None]
+
+
+class Checkpointer:
+    """A runner's side of checkpointing: where the run starts, when it saves, summary facts.
+
+    Loop::
+
+        ck = Checkpointer(cfg, env)
+        if ck.resumed: <engine load from ck.resumed.root / ck.resumed.tag>
+        for step in range(ck.start, cfg.train.steps):
+            ...; reporter.step_done(step, ...)
+            ck.after_step(step + 1, write, reporter)
+        ck.finish(cfg.train.steps, write, reporter)
+        return reporter.finish(**ck.summary())
+    """
+
+    def __init__(self, cfg: RunConfig, env: DistEnv) -> None:
+        self.cfg, self.env = cfg, env
+        self.resumed = resume_point(cfg)
+        self.start = self.resumed.step if self.resumed else 0
+        self.last_saved: int | None = self.start if self.resumed else None
+        self.tags: list[str] = []
+        c = cfg.checkpoint
+        if c.enabled and not c.resume and env.is_rank0:
+            try:
+                old = read_saved(Path(c.dir))
+            except ConfigError:
+                old = None
+            if old is not None:
+                print(f"[malleus_ds] note: checkpoint.dir={c.dir} already holds checkpoints "
+                      f"('latest' = {old.tag}); this run starts from scratch "
+                      f"(checkpoint.resume=false) and overwrites the tags it reaches",
+                      file=sys.stderr, flush=True)
+
+    def after_step(self, done: int, write: Writer, reporter=None) -> None:
+        """Save if ``checkpoint.every`` divides ``done`` (steps done)."""
+        c = self.cfg.checkpoint
+        if c.enabled and c.every > 0 and done % c.every == 0:
+            self.save(done, write, reporter)
+
+    def finish(self, done: int, write: Writer, reporter=None) -> None:
+        """The end-of-run save (when ``checkpoint.dir`` is set and it has not just saved)."""
+        if self.cfg.checkpoint.enabled and done > self.start and self.last_saved != done:
+            self.save(done, write, reporter)
+
+    def save(self, done: int, write: Writer, reporter=None) -> None:
+        """``write`` the engine state into ``dir/global_step{done}``, then rank 0 commits it:
+        ``run.json`` and ``latest``, each only after every rank's files are complete."""
+        t0 = time.perf_counter()
+        root, tag = Path(self.cfg.checkpoint.dir), tag_of(done)
+        err = None
+        if self.env.is_rank0:       # an older save under this tag is uncommitted from here on
+            try:
+                (root / tag).mkdir(parents=True, exist_ok=True)
+                (root / tag / RUN_FILE).unlink(missing_ok=True)
+            except OSError as e:
+                err = f"cannot prepare {root / tag}: {e}"
+        _agree(self.env, err, f"saving checkpoint {root / tag}")
+        try:
+            write(root, tag, done)
+        except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
+            err = f"{type(e).__name__}: {e}"
+        _agree(self.env, err, f"saving checkpoint {root / tag}")
+        if self.env.is_rank0:
+            try:
+                _atomic_text(root / tag / RUN_FILE,
+                             json.dumps(run_record(self.cfg, done), indent=1) + "\n")
+                _atomic_text(root / LATEST, tag)
+            except OSError as e:
+                err = f"cannot commit {root / tag / RUN_FILE}: {e}"
+        _agree(self.env, err, f"saving checkpoint {root / tag}")
+        self.tags.append(tag)
+        self.last_saved = done
+        if reporter is not None:
+            reporter.note({"event": "checkpoint", "step": done, "path": str(root / tag),
+                           "seconds": round(time.perf_counter() - t0, 6)})
+
+    def summary(self) -> dict:
+        """``RunSummary.extra`` entries for :func:`common.format_summary`."""
+        out: dict[str, Any] = {}
+        if self.resumed is not None:
+            out["resumed_from"] = {"step": self.resumed.step, "path": str(self.resumed.path)}
+        if self.tags:
+            out["checkpoints"] = {"dir": self.cfg.checkpoint.dir, "tags": list(self.tags)}
+        return out
+
+
+def nothing_to_run(cfg: RunConfig, saved: Saved):
+    """The summary of a resumed run whose checkpoint already reached ``train.steps``."""
+    from .base import RunSummary
+
+    return RunSummary(engine=cfg.engine, losses=(), step_times_s=(),
+                      samples_per_step=int(saved.meta["global_batch_size"]),
+                      extra={"resumed_from": {"step": saved.step, "path": str(saved.path)},
+                             "nothing_to_run": True})

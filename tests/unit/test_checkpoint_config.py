@@ -1,0 +1,170 @@
+"""``checkpoint.*``: parsing, resume checks against ``run.json``, the save protocol (one process,
+a fake engine writer) and the summary lines — no process group needed."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from malleus_ds import runners
+from malleus_ds.config import CheckpointConfig, ConfigError
+from malleus_ds.runners.base import DistEnv, RunSummary
+from malleus_ds.runners.checkpoint import (RUN_FILE, Checkpointer, CheckpointSaveError,
+                                           resume_point, run_record)
+from malleus_ds.runners.common import format_summary
+from tests.unit.test_config import cfg
+
+
+def test_defaults_and_relative_dir(tmp_path, monkeypatch):
+    assert cfg().checkpoint == CheckpointConfig(None, 0, False)
+    assert not cfg().checkpoint.enabled
+    monkeypatch.chdir(tmp_path)
+    c = cfg(checkpoint={"dir": "ck", "every": 5}).checkpoint
+    assert c == CheckpointConfig(str(tmp_path / "ck"), 5, False) and c.enabled
+    assert cfg(checkpoint={"dir": 2024}).checkpoint.dir == str(tmp_path / "2024")
+
+
+@pytest.mark.parametrize("section,pattern", [
+    ({"dir": "x", "evry": 2}, r"checkpoint has unknown fields \['evry'\]; allowed: "
+                              r"\['dir', 'every', 'resume'\]"),
+    ({"dir": "x", "every": -1}, r"checkpoint.every=-1 must be >= 0"),
+    ({"dir": "x", "every": 1.5}, r"checkpoint.every=1.5 must be an integer"),
+    ({"dir": "x", "resume": "yes"}, r"checkpoint.resume='yes' must be true or false"),
+    ({"every": 3}, r"checkpoint.every=3 needs checkpoint.dir"),
+    ({"resume": True}, r"checkpoint.resume=true needs checkpoint.dir"),
+    ({"dir": "  "}, r"checkpoint.dir='  ' must be a folder path"),
+    ([1, 2], r"checkpoint must be a mapping"),
+])
+def test_bad_checkpoint_sections(section, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        cfg(checkpoint=section)
+
+
+def test_default_yaml_has_the_section():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    conf = Path(__file__).resolve().parents[2] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        c = compose(config_name="config", overrides=["checkpoint.dir=/tmp/x",
+                                                     "checkpoint.every=2"])
+    assert OmegaConf.to_container(c)["checkpoint"] == {"dir": "/tmp/x", "every": 2,
+                                                       "resume": False}
+
+
+def _save(tmp_path, step=3, **kw):
+    """A committed app checkpoint of ``cfg(**kw)`` at ``step`` (fake engine files)."""
+    c = cfg(checkpoint={"dir": str(tmp_path)}, **kw)
+    Checkpointer(c, DistEnv()).save(step, lambda root, tag, done: None)
+    return c
+
+
+def _resume(tmp_path, steps=6, train=None, **kw):
+    return cfg(checkpoint={"dir": str(tmp_path), "resume": True},
+               train={"steps": steps, **(train or {})}, **kw)
+
+
+def test_save_protocol_writes_run_json_then_latest(tmp_path):
+    c = cfg(checkpoint={"dir": str(tmp_path), "every": 2}, train={"steps": 5})
+    ck, seen = Checkpointer(c, DistEnv()), []
+
+    def write(root, tag, done):
+        seen.append((root, tag, done))
+        assert not (root / tag / RUN_FILE).exists()       # committed only after the files
+        (root / tag / "engine.pt").write_text("x")
+
+    for done in range(1, 6):
+        ck.after_step(done, write)
+    ck.finish(5, write)
+    ck.finish(5, write)                                    # already saved: no second save
+    assert [s[1:] for s in seen] == [("global_step2", 2), ("global_step4", 4),
+                                     ("global_step5", 5)]
+    assert (tmp_path / "latest").read_text() == "global_step5"
+    assert json.loads((tmp_path / "global_step4" / RUN_FILE).read_text()) == run_record(c, 4)
+    assert ck.summary() == {"checkpoints": {"dir": str(tmp_path), "tags": [
+        "global_step2", "global_step4", "global_step5"]}}
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+def test_a_failed_write_commits_nothing(tmp_path):
+    _save(tmp_path, 2)
+    c = cfg(checkpoint={"dir": str(tmp_path)})
+
+    def write(root, tag, done):
+        raise OSError("disk full")
+
+    with pytest.raises(CheckpointSaveError, match="global_step4 failed on rank 0: OSError: disk"):
+        Checkpointer(c, DistEnv()).save(4, write)
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    assert not (tmp_path / "global_step4" / RUN_FILE).exists()
+
+
+def test_resume_point_and_nothing_to_run(tmp_path):
+    _save(tmp_path, 3)
+    saved = resume_point(_resume(tmp_path))
+    assert (saved.step, saved.tag, saved.path) == (3, "global_step3", tmp_path / "global_step3")
+    assert resume_point(cfg()) is None
+    # a checkpoint at or past train.steps: execute returns at once, no process group
+    c = _resume(tmp_path, steps=3)
+    s = runners.execute(c, DistEnv())
+    assert s.losses == () and s.extra["nothing_to_run"]
+    text = format_summary(c, s)
+    assert f"resumed from step 3: {tmp_path / 'global_step3'}" in text
+    assert "nothing to run: the checkpoint is at step 3 and train.steps=3" in text
+
+
+def test_resume_without_a_checkpoint(tmp_path):
+    with pytest.raises(ConfigError, match=f"checkpoint.dir={tmp_path} has no 'latest' file: "
+                                          f"there is no checkpoint to continue from"):
+        runners.validate(_resume(tmp_path))
+    with pytest.raises(ConfigError, match="does not exist: there is no checkpoint"):
+        runners.validate(_resume(tmp_path / "nope"))
+    (tmp_path / "latest").write_text("global_step9")
+    with pytest.raises(ConfigError, match="'latest' names 'global_step9' but .* does not exist: "
+                                          "an unfinished save"):
+        runners.validate(_resume(tmp_path))
+
+
+def test_resume_must_match_engine_model_batch_and_data(tmp_path):
+    _save(tmp_path, 3)
+    bad = [({"engine": "deepspeed"}, r"saved by engine=torch, this run has engine=deepspeed"),
+           ({"model": {"name": "tiny", "num_layers": 2}},
+            r"holds another model: model.num_layers=4 there, 2 here"),
+           ({"train": {"global_batch_size": 16}},
+            r"has train.global_batch_size=8, this run 16"),
+           ({"train": {"data_seed": 5}}, r"has train.data_seed=0, this run 5")]
+    for kw, pattern in bad:
+        with pytest.raises(ConfigError, match=pattern):
+            resume_point(_resume(tmp_path, **kw))
+    # engine=torch: every replica holds the whole state, so another world size is fine
+    assert resume_point(_resume(tmp_path, world=4)).step == 3
+
+
+def test_deepspeed_resume_needs_the_saving_layout(tmp_path):
+    ds = {"deepspeed": {"config": {"zero_optimization": {"stage": 1}}}}
+    _save(tmp_path, 2, engine="deepspeed", world=2, **ds)
+    assert resume_point(_resume(tmp_path, engine="deepspeed", world=2, **ds)).step == 2
+    with pytest.raises(ConfigError, match=r"world_size 2, this run has 4: stock DeepSpeed "
+                                          r"checkpoints load only under the layout"):
+        resume_point(_resume(tmp_path, engine="deepspeed", world=4, **ds))
+    z2 = {"deepspeed": {"config": {"zero_optimization": {"stage": 2}}}}
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage 1, this run has 2"):
+        resume_point(_resume(tmp_path, engine="deepspeed", world=2, **z2))
+    pp = {"parallel": {"tp": 1, "pp": 2, "dp": None}}
+    with pytest.raises(ConfigError, match=r"with parallel tp=1 pp=1 dp=2, this run has "
+                                          r"tp=1 pp=2 dp=1"):
+        resume_point(_resume(tmp_path, engine="deepspeed", world=2, **ds, **pp))
+
+
+def test_summary_lines():
+    c = cfg()
+    s = RunSummary(engine="torch", losses=(5.0, 4.9), step_times_s=(0.1, 0.1), samples_per_step=8,
+                   extra={"resumed_from": {"step": 4, "path": "/ck/global_step4"},
+                          "checkpoints": {"dir": "/ck", "tags": [f"global_step{i}"
+                                                                 for i in range(5, 11)]}})
+    text = format_summary(c, s)
+    assert "resumed from step 4: /ck/global_step4" in text
+    assert ("checkpoints: 6 saved to /ck (global_step5, ..., global_step10; "
+            "latest = global_step10)") in text

@@ -4,8 +4,9 @@ Collective, at a step boundary, on the same engine object; no process restarts:
 
 1. validate the new plan with the start-up checks, on every rank, before anything moves;
 2. create the process groups it needs (cached by rank set) and agree on Adam's step;
-3. build the next :class:`~malleus_ds.engine.runtime.PlanRuntime` (stage module without init,
-   TP, buckets, sharded optimizer, schedule);
+3. build the next :class:`~malleus_ds.engine.runtime.PlanRuntime` (stage module on the meta
+   device, TP, buckets, sharded optimizer, schedule): a parameter shard or optimizer bucket that
+   is the same under both plans keeps its tensors, the rest gets fresh memory;
 4. compute the transfer plan (``migrate/transfer.py``, the same on every rank), copy what this
    rank keeps locally, and run the bounded rounds of packed point-to-point messages
    (``migrate/transport.py``): parameters, fp32 masters (mixed precision) and Adam moments at
@@ -22,8 +23,8 @@ from __future__ import annotations
 
 import datetime
 import time
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as tdist
@@ -226,7 +227,8 @@ def switch_plan(engine, new_plan) -> MigrationReport:
         _derive(rt, old_rt, new_v, mixed, adam_step, rank, cap, engine.device)
         rt.optimizer.reused = set()     # taken-over buckets are ordinary from now on
         marks.append(("derive", time.perf_counter()))
-        peak = _runtime_bytes(rt, old_rt) + max(staging, stats.peak_buffer_bytes)
+        # local copies overlap the first round: their staging and the wire buffers coexist
+        peak = _runtime_bytes(rt, old_rt) + staging + stats.peak_buffer_bytes
     except Exception as e:      # noqa: BLE001 - every failure ends in the agreement below
         failure = e
     else:

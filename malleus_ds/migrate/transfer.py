@@ -10,8 +10,8 @@ both plans come from the slice map (``malleus_ds.layout.plan_holdings``), and
   rank receives the master anyway, so those elements are not sent twice;
 * every needed element arrives exactly once, from one old holder chosen by Hetu's NEW_GREEDY
   rule: a holder on the receiver's node first, then the holder with the fewest bytes assigned so
-  far, ties broken by the lower rank. Transfers are cut at every holding boundary on both sides,
-  so each one reads one source buffer and writes one destination buffer.
+  far, ties broken by the lower rank. Consecutive elements from one sender form one transfer;
+  each end maps it onto its own buffers (``apply.StateView.views`` splits at buffer boundaries).
 
 The lower bound on network bytes is Σ over ranks of the elements newly held × bytes per element;
 this plan meets it exactly (``TransferPlan.bytes == lower_bound``), which the tests check against
@@ -48,7 +48,8 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Layout:
-    """What decides holdings: the plan, its ZeRO stage, and whether a fp32 master exists."""
+    """What decides holdings besides the precision (``mixed``, passed on its own): the plan and
+    its ZeRO stage."""
 
     plan: Plan
     zero_stage: int = 0

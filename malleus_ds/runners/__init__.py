@@ -89,6 +89,13 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
         return nothing_to_run(cfg, saved)       # no engine, no process group, no files
     init_process_group(env)
     try:
-        return mod.run(cfg, env)
+        summary = mod.run(cfg, env)
+        # every rank leaves together: a rank tearing gloo down while a peer still finishes its
+        # last transfer can abort the peer at exit ("terminate called without an active
+        # exception", SIGABRT) after a run that succeeded
+        import torch.distributed as dist
+        if dist.is_initialized() and env.world_size > 1:
+            dist.barrier()
+        return summary
     finally:
         destroy_process_group()

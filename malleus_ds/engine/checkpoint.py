@@ -31,7 +31,7 @@ catches a tag directory that mixes files of two saves.
 
 Loading (:func:`load_checkpoint`): for each interval this rank holds NOW, the saved plan's
 holdings (``plan_holdings`` with the saved ZeRO stage and precision) say which saved ranks held
-it, split at every saved holding boundary exactly like the live transfer plan (``_Sources``);
+it, split at every saved holding boundary exactly like the live transfer plan (``HolderIndex``);
 each needed file is opened once with ``mmap=True`` and only the slices read are paged in, through
 a staging buffer of at most ``malleus.migrate_bucket_mb`` per copy (never a whole-model tensor).
 What was not stored is derived per the RUNNING precision, as a live switch does: fp32 masters are
@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import os
 from bisect import bisect_right
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -54,7 +54,7 @@ import torch.distributed as tdist
 
 from ..layout import STATE_KINDS, Hold, merge, plan_holdings, subtract
 from ..migrate.apply import StateView, pack_parts, unpack_parts
-from ..migrate.transfer import Transfer, _Sources
+from ..migrate.transfer import Transfer, HolderIndex, chunked
 from ..plan import Plan
 
 FORMAT = "malleus-checkpoint-v1"
@@ -136,7 +136,7 @@ def plan_reads(ws: Sequence[Want], saved: dict[tuple[str, str], list[tuple[int, 
     then files already chosen) first, so few files are opened; then the holder ``(h - rank) mod
     saved_world`` nearest, which spreads the ranks' reads over the files."""
     used = {home} if home is not None else set()
-    sources: dict[tuple[str, str], _Sources] = {}
+    sources: dict[tuple[str, str], HolderIndex] = {}
     out = []
     for w in ws:
         key = (w.src_kind, w.name)
@@ -146,7 +146,7 @@ def plan_reads(ws: Sequence[Want], saved: dict[tuple[str, str], list[tuple[int, 
             if not entries:
                 raise CheckpointError(f"the checkpoint holds no {w.src_kind} of {w.name} (this "
                                       f"rank needs elements [{w.lo}, {w.hi}) of it as {w.kind})")
-            src = sources[key] = _Sources(entries)
+            src = sources[key] = HolderIndex(entries)
         try:
             for a, b, holders in src.split(w.lo, w.hi):
                 h = min(holders, key=lambda r: (r not in used, (r - rank) % saved_world))
@@ -155,22 +155,6 @@ def plan_reads(ws: Sequence[Want], saved: dict[tuple[str, str], list[tuple[int, 
         except ValueError as e:
             raise CheckpointError(f"the checkpoint's {w.src_kind} of {w.name}: {e}") from None
     return out
-
-
-def chunked(reads: Iterable[Read], cap: int) -> Iterable[list[Read]]:
-    """Groups of reads of at most ``cap`` elements in all (a long read is split)."""
-    group, room = [], cap
-    for r in reads:
-        lo = r.lo
-        while lo < r.hi:
-            n = min(room, r.hi - lo)
-            group.append(replace(r, lo=lo, hi=lo + n))
-            lo, room = lo + n, room - n
-            if room == 0:
-                yield group
-                group, room = [], cap
-    if group:
-        yield group
 
 
 # ----------------------------------------------------------------------------- files

@@ -32,7 +32,7 @@ import torch.distributed as tdist
 from ..layout import intersect, local_shards, merge
 from ..migrate.apply import StateView, pack_parts, unpack_parts
 from ..migrate.rounds import messages, rounds
-from ..migrate.transfer import Layout, Transfer, transfer_plan
+from ..migrate.transfer import Layout, Transfer, chunked, transfer_plan
 from ..migrate.transport import MigrationError, run_rounds
 from ..plan import PlanError
 from .groups import GROUPS, plan_rank_sets
@@ -104,22 +104,6 @@ def _local_parts(old: StateView, new: StateView, rank: int, rt: PlanRuntime,
     return out
 
 
-def _chunks(parts: list[Transfer], cap: int):
-    """Split parts into groups of at most ``cap`` elements (bounded staging memory)."""
-    group, room = [], cap
-    for t in parts:
-        lo = t.lo
-        while lo < t.hi:
-            n = min(room, t.hi - lo)
-            group.append(Transfer(t.src, t.dst, t.kind, t.name, lo, lo + n))
-            lo, room = lo + n, room - n
-            if room == 0:
-                yield group
-                group, room = [], cap
-    if group:
-        yield group
-
-
 @torch.no_grad()
 def _copy_local(old: StateView, new: StateView, parts: list[Transfer], cap_bytes: int,
                 device) -> int:
@@ -137,7 +121,7 @@ def _copy_local(old: StateView, new: StateView, parts: list[Transfer], cap_bytes
             staged.setdefault(src[0][0].dtype, []).append(t)
     for dt, ps in staged.items():
         size = torch.empty(0, dtype=dt).element_size()
-        for group in _chunks(ps, max(1, cap_bytes // size)):
+        for group in chunked(ps, max(1, cap_bytes // size)):
             n = sum(t.numel for t in group)
             buf = torch.empty(n, dtype=dt, device=device)
             peak = max(peak, n * size)
@@ -157,7 +141,7 @@ def _derive(rt: PlanRuntime, old_rt: PlanRuntime, new: StateView, mixed: bool, a
     if mixed:
         parts = [Transfer(rank, rank, "master", h.name, h.lo, h.hi) for h in new.holds("master")
                  if not (_kept(rt, old_rt, h) and rt.named[h.name] is old_rt.named.get(h.name))]
-        for group in _chunks(parts, max(1, cap_bytes // 4)):
+        for group in chunked(parts, max(1, cap_bytes // 4)):
             buf = torch.empty(sum(t.numel for t in group), dtype=torch.float32, device=device)
             pack_parts(new, group, buf)
             lp = buf.to(rt.optimizer.param_dtype)         # the cast training does after a step

@@ -20,7 +20,8 @@ an independent element-by-element count.
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Iterator, TypeVar
 
 from ..layout import Interval, ParamTable, intersect, kinds, merge, plan_holdings, subtract
 from ..plan import Plan
@@ -93,7 +94,7 @@ def _by_rank(entries) -> dict[int, list[Interval]]:
     return out
 
 
-class _Sources:
+class HolderIndex:
     """Old holders of one (kind, tensor), cut into elementary segments: for any interval, which
     ranks hold each part."""
 
@@ -150,7 +151,7 @@ def transfer_plan(old: Layout, new: Layout, table: ParamTable, *, mixed: bool = 
                 if not need:
                     continue
                 if src is None:
-                    src = _Sources(old_e)
+                    src = HolderIndex(old_e)
                 for a, b in need:
                     out.lower_bound += (b - a) * size
                     cur = None
@@ -167,6 +168,27 @@ def transfer_plan(old: Layout, new: Layout, table: ParamTable, *, mixed: bool = 
                             cur = [s, x, y]
                     out.transfers.append(Transfer(cur[0], r, kind, spec.name, cur[1], cur[2]))
     return out
+
+
+S = TypeVar("S")
+
+
+def chunked(slices: Iterable[S], cap: int) -> Iterator[list[S]]:
+    """Groups of slices (anything with ``lo`` / ``hi``, e.g. :class:`Transfer`) of at most ``cap``
+    elements in all, a long slice split across groups: bounded staging buffers."""
+    group: list = []
+    room = cap
+    for t in slices:
+        lo = t.lo
+        while lo < t.hi:
+            n = min(room, t.hi - lo)
+            group.append(replace(t, lo=lo, hi=lo + n))
+            lo, room = lo + n, room - n
+            if room == 0:
+                yield group
+                group, room = [], cap
+    if group:
+        yield group
 
 
 def local_copies(old: Layout, new: Layout, table: ParamTable, rank: int, *, mixed: bool = False

@@ -224,6 +224,15 @@ class CheckpointSaveError(RuntimeError):
 Writer = Callable[[Path, str, int], None]
 
 
+def engine_writer(engine) -> Writer:
+    """A :data:`Writer` for an engine with DeepSpeed's ``save_checkpoint`` (stock DeepSpeed and
+    MalleusEngine): the engine's own files with the step as client state; the app writes
+    ``latest`` itself, after ``run.json``."""
+    def write(root, tag: str, done: int) -> None:
+        engine.save_checkpoint(str(root), tag=tag, client_state={"step": done}, save_latest=False)
+    return write
+
+
 class Checkpointer:
     """A runner's side of checkpointing: where the run starts, when it saves, summary facts.
 

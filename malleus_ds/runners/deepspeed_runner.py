@@ -29,7 +29,7 @@ from ..config import ConfigError, RunConfig, check_even_batch
 from ..models.llama import EMBED, HEAD, ModelConfig, build_layer, lm_loss
 from ..plan import even_split
 from .base import DistEnv, RunSummary
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, engine_writer
 from .common import (ComputeClock, StepReporter, exclude_calls, monitors_to_run_dir,
                      replica_micro_batches)
 
@@ -201,9 +201,7 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
                               f"checkpoint of step {ck.resumed.step} (got {path}, client state "
                               f"{client!r})")
 
-    def write(root, tag: str, done: int) -> None:
-        engine.save_checkpoint(str(root), tag=tag, client_state={"step": done},
-                               save_latest=False)   # the app writes `latest` after run.json
+    write = engine_writer(engine)
 
     data = ByteCorpus(cfg.model.max_seq_len, seed=cfg.train.corpus_seed)
     clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env, first_step=ck.start)

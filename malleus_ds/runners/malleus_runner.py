@@ -23,7 +23,7 @@ from math import lcm
 from ..config import ConfigError, RunConfig
 from ..plan import Plan, PlanError, static_plan, validate_plan
 from .base import DistEnv, RunSummary
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, engine_writer
 from .common import ComputeClock, StepReporter, monitors_to_run_dir
 
 
@@ -139,9 +139,7 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
                               f"{engine.global_steps} (client state {client!r}), run.json of "
                               f"step {ck.resumed.step}; the folder mixes two saves")
 
-    def write(root, tag: str, done: int) -> None:
-        engine.save_checkpoint(str(root), tag=tag, client_state={"step": done},
-                               save_latest=False)   # the app writes `latest` after run.json
+    write = engine_writer(engine)
 
     clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env, first_step=ck.start)
     engine.set_compute_clock(clock)                     # timing + straggler emulation

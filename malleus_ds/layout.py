@@ -199,33 +199,86 @@ class Piece:
     glo: int = 0
 
 
+def piece_parts(n: int, k: int) -> list[Interval]:
+    """ZeRO split of one piece of ``n`` elements over ``k`` members: member ``j`` owns
+    ``[j*c, min(n, (j+1)*c))`` with ``c = ceil(n / k)``."""
+    c = -(-n // k)
+    return [(min(n, j * c), min(n, (j + 1) * c)) for j in range(k)]
+
+
 @dataclass
 class Bucket:
+    """Pieces with one holder set, laid out in one flat buffer **member-major**: member ``j``'s
+    slot is ``[j*P, (j+1)*P)`` and holds its part of every piece in order (each piece split
+    :func:`piece_parts`, padded to ``ceil(n/k)``), ``P`` = :attr:`padded_part`. So a member's
+    ZeRO-1/2 range is contiguous (one master, one reduce-scatter slice) while each piece is
+    partitioned on its own: a layer whose holders do not change keeps its partition when other
+    layers join or leave the bucket, and a plan switch moves none of its optimizer state."""
+
     ranks: RankSet
     pieces: list[Piece] = field(default_factory=list)
-    numel: int = 0
+    numel: int = 0                  # real elements (padding not counted)
 
     def partition(self, rank: int) -> Interval:
-        """ZeRO-1/2 range ``[lo, hi)`` of the flat bucket owned by ``rank`` (even split)."""
+        """ZeRO-1/2 range ``[lo, hi)`` of the flat buffer owned by ``rank``."""
         per = self.padded_part
         k = self.ranks.index(rank)
-        return min(self.numel, k * per), min(self.numel, (k + 1) * per)
+        return k * per, (k + 1) * per
 
     @property
     def padded_part(self) -> int:
-        return -(-self.numel // len(self.ranks))
+        k = len(self.ranks)
+        return sum(-(-pc.numel // k) for pc in self.pieces)
 
-    def segments(self, lo: int, hi: int) -> Iterator[tuple[Piece, int, int]]:
-        """``(piece, a, b)``: the canonical interval ``[a, b)`` of each piece overlapping flat
-        range ``[lo, hi)``, in flat order."""
-        o = 0
-        for pc in self.pieces:
-            a, b = max(o, lo), min(o + pc.numel, hi)
-            if a < b:
-                yield pc, pc.glo + a - o, pc.glo + b - o
-            o += pc.numel
-            if o >= hi:
+    @property
+    def flat_size(self) -> int:
+        """Length of the flat buffer, padding included."""
+        return self.padded_part * len(self.ranks)
+
+    def entries(self) -> list[tuple[Piece, int, int, int]]:
+        """``(piece, a, b, flat_offset)``: piece-local elements ``[a, b)`` sit at ``flat_offset``,
+        in flat order; padding is what no entry covers. Computed once (a bucket is complete
+        when ``build_buckets`` returns it; gradient sync walks this every step)."""
+        key = (len(self.pieces), self.numel)
+        cached = self.__dict__.get("_entries")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        k, out = len(self.ranks), []
+        per = self.padded_part
+        parts = [piece_parts(pc.numel, k) for pc in self.pieces]
+        for j in range(k):
+            o = j * per
+            for pc, pp in zip(self.pieces, parts):
+                a, b = pp[j]
+                if a < b:
+                    out.append((pc, a, b, o))
+                o += -(-pc.numel // k)
+        self.__dict__["_entries"] = (key, out)
+        return out
+
+    def padding(self, lo: int = 0, hi: int | None = None) -> list[Interval]:
+        """Flat positions in ``[lo, hi)`` that hold no element (to be kept at zero)."""
+        hi = self.flat_size if hi is None else hi
+        out, cur = [], lo
+        for _, a, b, f in self.entries():
+            if f + b - a <= cur:
+                continue
+            if f >= hi:
                 break
+            if f > cur:
+                out.append((cur, min(f, hi)))
+            cur = f + b - a
+        if cur < hi:
+            out.append((cur, hi))
+        return out
+
+    def segments(self, lo: int, hi: int) -> Iterator[tuple[Piece, int, int, int]]:
+        """``(piece, a, b, flat_pos)``: the canonical interval ``[a, b)`` of each piece part
+        overlapping flat range ``[lo, hi)``, and where it starts in the flat buffer."""
+        for pc, a, b, f in self.entries():
+            x, y = max(f, lo), min(f + b - a, hi)
+            if x < y:
+                yield pc, pc.glo + a + x - f, pc.glo + a + y - f, x
 
 
 def _order(owner: int, L: int) -> int:
@@ -324,12 +377,10 @@ def holdings(plan: Plan, table: ParamTable, rank: int, zero_stage: int, mixed: b
     bks = build_buckets(plan, table, rank) if buckets is None else buckets
     opt_kinds = kinds(mixed)[1:]
     for i, b in enumerate(bks):
-        lo, hi = b.partition(rank) if zero_stage >= 1 else (0, b.numel)
-        o = 0
-        for pc, a, e in b.segments(lo, hi):
+        lo, hi = b.partition(rank) if zero_stage >= 1 else (0, b.flat_size)
+        for pc, a, e, f in b.segments(lo, hi):
             for kd in opt_kinds:
-                out.append(Hold(kd, pc.name, a, e, i, o))
-            o += e - a
+                out.append(Hold(kd, pc.name, a, e, i, f - lo))
     return out
 
 
@@ -371,20 +422,16 @@ def plan_holdings(plan: Plan, table: ParamTable, zero_stage: int, mixed: bool
     opt_kinds = kinds(mixed)[1:]
     for rs, entries in keyed.items():
         entries.sort(key=lambda e: e[0])
-        numel = sum(e[3] for e in entries)
-        per = -(-numel // len(rs))
-        for k, r in enumerate(rs):
-            lo, hi = (min(numel, k * per), min(numel, (k + 1) * per)) if zero_stage >= 1 \
-                else (0, numel)
-            o = 0
-            for _, name, glo, n in entries:
-                a, b = max(o, lo), min(o + n, hi)
-                if a < b:
-                    for kd in opt_kinds:
-                        out.setdefault((kd, name), []).append((glo + a - o, glo + b - o, r))
-                o += n
-                if o >= hi:
-                    break
+        K = len(rs)
+        for _, name, glo, n in entries:
+            c = -(-n // K)          # piece_parts(n, K), inlined: this loop is the hot one
+            parts = [(glo + j * c, glo + min(n, (j + 1) * c)) for j in range(K) if j * c < n]
+            if zero_stage >= 1:     # member k owns part k
+                items = [(a, b, r) for (a, b), r in zip(parts, rs)]
+            else:                   # every member holds every part
+                items = [(a, b, r) for r in rs for a, b in parts]
+            for kd in opt_kinds:
+                out.setdefault((kd, name), []).extend(items)
     return out
 
 

@@ -405,14 +405,9 @@ def _derive(rt, sv: StateView, mixed: bool, rank: int, cap_bytes: int, device) -
     """What the files did not provide: low-precision parameters as casts of the masters this rank
     holds (the cast training does after a step), or fp32 masters from the parameters."""
     if not mixed:
-        # every master := its bucket range of the parameters, packed straight into it (a
-        # master is its segments in order). Not ``refresh_masters``: after a plan switch that
-        # skips the buckets the switch reused, which this load has overwritten all the same.
-        opt = rt.optimizer
-        for b, (lo, hi), m in zip(opt.buckets, opt.ranges, opt.masters):
-            if m is not None:
-                pack_parts(sv, [Transfer(rank, rank, "param", pc.name, a, e)
-                                for pc, a, e in b.segments(lo, hi)], m.data)
+        # every master := its range of the parameters (a switch leaves no bucket marked reused)
+        rt.optimizer.reused = set()
+        rt.optimizer.refresh_masters()
         return
     parts = [Read(rank, "master", "master", h.name, h.lo, h.hi) for h in sv.holds("master")]
     for group in chunked(parts, max(1, cap_bytes // 4)):

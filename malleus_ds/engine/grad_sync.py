@@ -30,60 +30,90 @@ def view(t: torch.Tensor, pc: Piece) -> torch.Tensor:
     return t.narrow(pc.dim, pc.start, pc.length).movedim(pc.dim, 0)
 
 
+def row_windows(v: torch.Tensor, x: int, n: int) -> list[torch.Tensor]:
+    """Views of elements ``[x, x + n)`` of 2-D ``v`` in row-major order (at most three)."""
+    if n <= 0:
+        return []
+    C = v.shape[1]
+    r0, c0 = divmod(x, C)
+    r1, c1 = divmod(x + n, C)
+    if r0 == r1:
+        return [v[r0, c0:c1]]
+    out = []
+    if c0:
+        out.append(v[r0, c0:])
+        r0 += 1
+    if r1 > r0:
+        out.append(v[r0:r1])
+    if c1:
+        out.append(v[r1, :c1])
+    return out
+
+
+def part_views(t: torch.Tensor, pc: Piece, a: int, b: int) -> list[torch.Tensor]:
+    """Views of piece-local elements ``[a, b)`` (canonical order) of local tensor ``t``."""
+    v = view(t, pc)
+    if v.dim() == 1:
+        return [v[a:b]]
+    if v.dim() > 2:
+        v = v.reshape(v.shape[0], -1)       # a view for split-dim-first layouts we produce
+    return row_windows(v, a, b - a)
+
+
+def _copy_in(dst: torch.Tensor, views: list[torch.Tensor]) -> None:
+    o = 0
+    for w in views:
+        n = w.numel()
+        dst[o:o + n].view(w.shape).copy_(w)
+        o += n
+
+
+def _copy_out(src: torch.Tensor, views: list[torch.Tensor]) -> None:
+    o = 0
+    for w in views:
+        n = w.numel()
+        w.copy_(src[o:o + n].view(w.shape))
+        o += n
+
+
+def zero_padding(flat: torch.Tensor, bucket: Bucket, lo: int = 0) -> None:
+    """Zero the padding positions of ``flat``, which holds flat range ``[lo, lo + len)``."""
+    for a, b in bucket.padding(lo, lo + flat.numel()):
+        flat[a - lo:b - lo].zero_()
+
+
 def flatten(bucket: Bucket, tensors: dict[str, torch.Tensor], out: torch.Tensor | None = None,
             mask: bool = False, device=None) -> torch.Tensor:
-    """Concatenate the bucket's pieces of ``tensors`` into one flat buffer (zeros where
-    ``mask`` and the piece does not contribute)."""
+    """The bucket's pieces of ``tensors`` in its flat, member-major layout
+    (``Bucket.entries``; zeros where ``mask`` and the piece does not contribute). ``out`` (length
+    ``flat_size``) must have zeros in its padding; a new one is zero-filled."""
     if out is None:
-        out = torch.empty(bucket.numel, dtype=torch.float32, device=device)
-    o = 0
-    for pc in bucket.pieces:
-        dst = out[o:o + pc.numel]
+        out = torch.zeros(bucket.flat_size, dtype=torch.float32, device=device)
+    for pc, a, b, f in bucket.entries():
+        dst = out[f:f + b - a]
         if mask and not pc.contribute:
             dst.zero_()
         else:
-            src = view(tensors[pc.name], pc)
-            dst.view(src.shape).copy_(src)
-        o += pc.numel
+            _copy_in(dst, part_views(tensors[pc.name], pc, a, b))
     return out
 
 
 def flatten_range(bucket: Bucket, tensors: dict[str, torch.Tensor], lo: int, hi: int,
                   out: torch.Tensor) -> torch.Tensor:
-    """Elements ``[lo, hi)`` of the flat bucket (``flatten(...)[lo:hi]`` without building the
-    whole bucket) into ``out`` (length ``hi - lo``)."""
-    o = 0
-    for pc in bucket.pieces:
-        a, b = max(o, lo), min(o + pc.numel, hi)
-        if a < b:
-            v = view(tensors[pc.name], pc)
-            dst = out[a - lo:b - lo]
-            if a == o and b == o + pc.numel:
-                dst.view(v.shape).copy_(v)
-            else:       # a partial piece (at most the first and the last): via a flat copy
-                dst.copy_(v.reshape(-1)[a - o:b - o])
-        o += pc.numel
-        if o >= hi:
-            break
+    """Flat elements ``[lo, hi)`` (``flatten(...)[lo:hi]`` without building the whole buffer)
+    into ``out`` (length ``hi - lo``; padding written as zeros)."""
+    zero_padding(out, bucket, lo)
+    for pc, a, b, f in bucket.entries():
+        x, y = max(f, lo), min(f + b - a, hi)
+        if x < y:
+            _copy_in(out[x - lo:y - lo], part_views(tensors[pc.name], pc, a + x - f, a + y - f))
     return out
 
 
-def unflatten(bucket: Bucket, flat: torch.Tensor, tensors: dict[str, torch.Tensor],
-              lo: int = 0, hi: int | None = None) -> None:
-    """Write ``flat`` (the whole bucket) back into the pieces of ``tensors`` overlapping [lo, hi)."""
-    hi = bucket.numel if hi is None else hi
-    o = 0
-    for pc in bucket.pieces:
-        a, b = max(o, lo), min(o + pc.numel, hi)
-        if a < b:
-            v = view(tensors[pc.name], pc)
-            if a == o and b == o + pc.numel:
-                v.copy_(flat[o:o + pc.numel].view(v.shape))
-            else:   # partial piece: go through a contiguous copy
-                tmp = v.contiguous().reshape(-1)
-                tmp[a - o:b - o] = flat[a:b]
-                v.copy_(tmp.view(v.shape))
-        o += pc.numel
+def unflatten(bucket: Bucket, flat: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``flat`` (the whole flat buffer, ``flat_size``) back into the pieces of ``tensors``."""
+    for pc, a, b, f in bucket.entries():
+        _copy_out(flat[f:f + b - a], part_views(tensors[pc.name], pc, a, b))
 
 
 class GradSync:
@@ -101,13 +131,12 @@ class GradSync:
         self.buckets = buckets
         self.groups = [groups.get(b.ranks) if len(b.ranks) > 1 else None for b in buckets]
         self.scatter = [zero_stage >= 2 and len(b.ranks) > 1 for b in buckets]
-        # every step overwrites [0, numel) (flatten writes every piece); only the padding a
-        # reduce-scatter needs past numel must be zeros, so skip the memset of the rest
-        self.flats = [torch.empty(b.padded_part * len(b.ranks) if sc else b.numel,
-                                  dtype=torch.float32, device=device)
-                      for b, sc in zip(buckets, self.scatter)]
+        # member-major flat buffers (``Bucket.entries``): every step overwrites the elements,
+        # so only the padding is zeroed (no memset, no first touch, of the rest here)
+        self.flats = [torch.empty(b.flat_size, dtype=torch.float32, device=device)
+                      for b in buckets]
         for b, f in zip(buckets, self.flats):
-            f[b.numel:].zero_()
+            zero_padding(f, b)
         self.parts = [torch.empty(b.padded_part, dtype=torch.float32, device=device) if sc else None
                       for b, sc in zip(buckets, self.scatter)]
         self.offsets = [b.ranks.index(rank) * b.padded_part if sc else 0
@@ -117,7 +146,7 @@ class GradSync:
         out = []
         for b, grp, flat, part, off in zip(self.buckets, self.groups, self.flats, self.parts,
                                            self.offsets):
-            flatten(b, grads, flat[:b.numel], mask=True)
+            flatten(b, grads, flat, mask=True)
             if part is not None:
                 dist.reduce_scatter_tensor(part, flat, group=grp)
                 out.append((part, off))

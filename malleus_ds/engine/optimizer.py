@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .grad_sync import Bucket, flatten, flatten_range, unflatten
+from .grad_sync import Bucket, flatten, flatten_range, unflatten, zero_padding
 
 
 class ShardedOptimizer:
@@ -46,7 +46,8 @@ class ShardedOptimizer:
         self.buckets, self.params, self.zero_stage = buckets, params, zero_stage
         self.groups = [groups.get(b.ranks) if len(b.ranks) > 1 else None for b in buckets]
         self.owned = [b.partition(rank) for b in buckets]            # grad-norm ownership
-        self.ranges = [o if zero_stage >= 1 else (0, b.numel) for o, b in zip(self.owned, buckets)]
+        self.ranges = [o if zero_stage >= 1 else (0, b.flat_size)
+                       for o, b in zip(self.owned, buckets)]
         data = {n: p.data for n, p in params.items()}
         self.masters: list[nn.Parameter | None] = []
         self.reused: set[int] = set()
@@ -63,7 +64,9 @@ class ShardedOptimizer:
                 self.masters.append(nn.Parameter(flatten_range(
                     b, data, lo, hi, torch.empty(hi - lo, dtype=torch.float32, device=device))))
             else:
-                self.masters.append(nn.Parameter(torch.empty(hi - lo, device=device)))
+                m = torch.empty(hi - lo, device=device)
+                zero_padding(m, b, lo)      # a migration writes every element, never padding
+                self.masters.append(nn.Parameter(m))
         live = [m for m in self.masters if m is not None]
         # a rank with nothing to update (suspended) still gets an optimizer for schedulers
         self.optimizer = make_optimizer(live if live else [nn.Parameter(torch.zeros(0, device=device))])
@@ -108,14 +111,14 @@ class ShardedOptimizer:
             m, (lo, hi), buf = self.masters[i], self.ranges[i], self._gather[i]
             if buf is None:            # stage 0 (or a 1-rank set): we own the whole bucket
                 if m is not None:
-                    unflatten(b, m.data, self.params_data())   # lo == 0, hi == numel here
+                    unflatten(b, m.data, self.params_data())   # the whole flat buffer here
                 continue
             per = b.padded_part
             mine = torch.zeros(per, dtype=buf.dtype, device=buf.device)
             if m is not None:
                 mine[:hi - lo] = m.data            # fp32 master -> parameter dtype
             _all_gather(buf, mine, self.groups[i])
-            unflatten(b, buf[:b.numel], self.params_data())
+            unflatten(b, buf, self.params_data())
         for m in self.masters:
             if m is not None:
                 m.grad = None
@@ -177,10 +180,10 @@ class ShardedOptimizer:
                     unflatten(b, part, out[k])                 # we hold the whole bucket
                     continue
                 mine = torch.zeros(b.padded_part, dtype=torch.float32, device=buf.device)
-                mine[:hi - lo] = part
+                mine[:part.numel()] = part
                 full = torch.empty(buf.shape, dtype=torch.float32, device=buf.device)
                 _all_gather(full, mine, self.groups[i])
-                unflatten(b, full[:b.numel], out[k])
+                unflatten(b, full, out[k])
         return out
 
     @torch.no_grad()

@@ -17,6 +17,7 @@ import torch
 
 from kernels.pack import pack, unpack, window_of
 
+from ..engine.grad_sync import row_windows
 from ..layout import Hold, ParamTable, holdings
 from .transfer import Transfer
 
@@ -32,26 +33,6 @@ def canonical_2d(t: torch.Tensor, dim: int | None) -> torch.Tensor:
         raise ValueError(f"a tensor of shape {tuple(t.shape)} split along dim {dim} has no 2-D "
                          f"split-dim-first view; migration supports parameters of <= 2 dims "
                          f"or splits whose other dims merge") from None
-
-
-def row_windows(v: torch.Tensor, x: int, n: int) -> list[torch.Tensor]:
-    """Views of elements ``[x, x + n)`` of 2-D ``v`` in row-major order (at most three)."""
-    if n <= 0:
-        return []
-    C = v.shape[1]
-    r0, c0 = divmod(x, C)
-    r1, c1 = divmod(x + n, C)
-    if r0 == r1:
-        return [v[r0, c0:c1]]
-    out = []
-    if c0:
-        out.append(v[r0, c0:])
-        r0 += 1
-    if r1 > r0:
-        out.append(v[r0:r1])
-    if c1:
-        out.append(v[r1, :c1])
-    return out
 
 
 class StateView:

@@ -139,6 +139,8 @@ def transfer_plan(old: Layout, new: Layout, table: ParamTable, *, mixed: bool = 
             if not new_e:
                 continue
             old_e = oh.get(key, [])
+            if new_e == old_e:      # same holders, same slices (most tensors in a re-plan)
+                continue
             old_r = _by_rank(old_e)
             masters = _by_rank(nh.get(("master", spec.name), ())) if mixed and kind == "param" \
                 else {}

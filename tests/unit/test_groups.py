@@ -70,6 +70,50 @@ def test_partition_covers_bucket_once():
     for r in range(4):
         for b in build_buckets(plan, TABLE, r):
             parts = sorted(b.partition(m) for m in b.ranks)
-            assert parts[0][0] == 0 and parts[-1][1] == b.numel
+            assert parts[0][0] == 0 and parts[-1][1] == b.flat_size
             assert all(a[1] == c[0] for a, c in zip(parts, parts[1:]))
     assert EMBED == -1 and HEAD == -2
+
+
+def test_flat_layout_covers_every_piece_once_and_partitions_are_per_piece():
+    from malleus_ds.layout import Bucket, Piece, piece_parts
+
+    rng = random.Random(3)
+    for _ in range(30):
+        world = rng.randint(2, 7)
+        plan = Plan.from_json(random_plan(rng, world, G=12))
+        for r in range(world):
+            for b in build_buckets(plan, TABLE, r):
+                seen, slots = {}, []
+                for pc, a, e, f in b.entries():
+                    seen.setdefault(pc.name + str(pc.glo), []).append((a, e))
+                    slots.append((f, f + e - a))
+                for pc in b.pieces:
+                    got = sorted(seen[pc.name + str(pc.glo)])
+                    assert got[0][0] == 0 and got[-1][1] == pc.numel
+                    assert all(x[1] == y[0] for x, y in zip(got, got[1:]))
+                slots.sort()
+                assert all(x[1] <= y[0] for x, y in zip(slots, slots[1:]))
+                assert slots[-1][1] <= b.flat_size
+    # a piece's ZeRO part depends only on its size and the rank set, not on its bucket-mates
+    p1, p2 = Piece("a", 0, 0, 4, True, 10, 0), Piece("b", 0, 0, 4, True, 7, 0)
+    alone, shared = Bucket((0, 3), [p1], 10), Bucket((0, 3), [p2, p1], 17)
+    part = {(pc.name, a, e) for pc, a, e, _ in alone.segments(*alone.partition(3))}
+    part2 = {(pc.name, a, e) for pc, a, e, _ in shared.segments(*shared.partition(3))
+             if pc.name == "a"}
+    assert part == part2 == {("a", 5, 10)} and piece_parts(10, 2) == [(0, 5), (5, 10)]
+
+
+def test_padding_is_the_complement_of_the_entries():
+    rng = random.Random(5)
+    for _ in range(20):
+        world = rng.randint(2, 6)
+        plan = Plan.from_json(random_plan(rng, world, G=12))
+        for r in range(world):
+            for b in build_buckets(plan, TABLE, r):
+                used = [(f, f + e - a) for _pc, a, e, f in b.entries()]
+                cover = sorted(used + b.padding())
+                assert cover[0][0] == 0 and cover[-1][1] == b.flat_size
+                assert all(x[1] == y[0] for x, y in zip(cover, cover[1:]))
+                lo, hi = b.partition(r)
+                assert all(lo <= x < y <= hi for x, y in b.padding(lo, hi))

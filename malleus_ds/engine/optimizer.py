@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .grad_sync import Bucket, flatten, flatten_range, unflatten, zero_padding
+from .grad_sync import Bucket, flatten_range, unflatten, zero_padding
 
 
 class ShardedOptimizer:
@@ -198,7 +198,8 @@ class ShardedOptimizer:
             if m is None:
                 continue
             flatten_range(b, data, lo, hi, m.data)
-            st = {k: flatten(b, states[k], device=m.device)[lo:hi].clone() for k in self._KEYS}
+            st = {k: flatten_range(b, states[k], lo, hi, torch.empty_like(m.data))
+                  for k in self._KEYS}
             st["step"] = torch.tensor(float(step))
             self.optimizer.state[m] = st
 

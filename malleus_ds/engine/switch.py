@@ -29,10 +29,10 @@ from functools import partial
 import torch
 import torch.distributed as tdist
 
-from ..layout import intersect, local_shards, merge
+from ..layout import local_shards
 from ..migrate.apply import StateView, pack_parts, unpack_parts
 from ..migrate.rounds import messages, rounds
-from ..migrate.transfer import Layout, Transfer, chunked, transfer_plan
+from ..migrate.transfer import Layout, Transfer, chunked, kept_slices, transfer_plan
 from ..migrate.transport import MigrationError, run_rounds
 from ..plan import PlanError
 from .groups import GROUPS, plan_rank_sets
@@ -93,15 +93,8 @@ def _local_parts(old: StateView, new: StateView, rank: int, rt: PlanRuntime,
                  old_rt: PlanRuntime) -> list[Transfer]:
     """What this rank holds under both plans, as (rank -> rank) parts to copy old -> new
     (slices in tensors the new runtime took over are already in place)."""
-    out = []
-    for (kind, name), hs in new.index.items():
-        mine_old = old.index.get((kind, name))
-        hs = [h for h in hs if not _kept(rt, old_rt, h)]
-        if not mine_old or not hs:
-            continue
-        both = intersect(merge((h.lo, h.hi) for h in hs), merge((h.lo, h.hi) for h in mine_old))
-        out += [Transfer(rank, rank, kind, name, a, b) for a, b in both]
-    return out
+    moving = [h for h in new.holds() if not _kept(rt, old_rt, h)]
+    return [Transfer(rank, rank, *k) for k in kept_slices(old.holds(), moving)]
 
 
 @torch.no_grad()

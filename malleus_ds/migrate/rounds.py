@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .transfer import Transfer, TransferPlan
+from .transfer import Transfer, TransferPlan, chunked
 
 
 @dataclass(frozen=True)
@@ -51,21 +51,9 @@ def messages(tp: TransferPlan, cap_bytes: int, mixed: bool = False) -> list[Mess
     out: list[Message] = []
     for (src, dst, wire), ts in sorted(groups.items()):
         per = tp.param_bytes if wire == "param" else 4
-        cap = max(1, cap_bytes // per)            # elements per message
-        parts: list[Transfer] = []
-        room = cap
-        for t in ts:
-            lo = t.lo
-            while lo < t.hi:
-                n = min(room, t.hi - lo)
-                parts.append(Transfer(t.src, t.dst, t.kind, t.name, lo, lo + n))
-                lo += n
-                room -= n
-                if room == 0:
-                    out.append(Message(len(out), src, dst, wire, tuple(parts), cap * per))
-                    parts, room = [], cap
-        if parts:
-            out.append(Message(len(out), src, dst, wire, tuple(parts), (cap - room) * per))
+        for parts in chunked(ts, max(1, cap_bytes // per)):     # elements per message
+            out.append(Message(len(out), src, dst, wire, tuple(parts),
+                               sum(t.numel for t in parts) * per))
     return out
 
 

@@ -5,7 +5,7 @@ precision) with no communication, after Megatron-Core's resharding planner: hold
 both plans come from the slice map (``malleus_ds.layout.plan_holdings``), and
 
 * each rank needs, per (kind, tensor), its new holdings minus its old ones — nothing it already
-  holds moves (what it holds in another buffer is a local copy, :func:`local_copies`);
+  holds moves (what it holds in another buffer is a local copy, :func:`kept_slices`);
 * under bf16/fp16 the low-precision ``param`` is re-cast from the fp32 ``master`` wherever the
   rank receives the master anyway, so those elements are not sent twice;
 * every needed element arrives exactly once, from one old holder chosen by Hetu's NEW_GREEDY
@@ -68,21 +68,6 @@ class TransferPlan:
     @property
     def bytes(self) -> int:
         return sum(self.bytes_of(t) for t in self.transfers)
-
-    def sends(self, rank: int) -> list[Transfer]:
-        return [t for t in self.transfers if t.src == rank]
-
-    def recvs(self, rank: int) -> list[Transfer]:
-        return [t for t in self.transfers if t.dst == rank]
-
-    def bytes_by_rank(self) -> dict[int, tuple[int, int]]:
-        """rank -> (bytes sent, bytes received)."""
-        out: dict[int, list[int]] = {}
-        for t in self.transfers:
-            b = self.bytes_of(t)
-            out.setdefault(t.src, [0, 0])[0] += b
-            out.setdefault(t.dst, [0, 0])[1] += b
-        return {r: (s, v) for r, (s, v) in out.items()}
 
 
 def _by_rank(entries) -> dict[int, list[Interval]]:
@@ -193,22 +178,18 @@ def chunked(slices: Iterable[S], cap: int) -> Iterator[list[S]]:
         yield group
 
 
-def local_copies(old: Layout, new: Layout, table: ParamTable, rank: int, *, mixed: bool = False
-                 ) -> list[tuple[str, str, int, int]]:
-    """``(kind, name, lo, hi)`` that ``rank`` holds under both layouts: copied from its old
-    buffers into its new ones, never sent."""
-    oh = plan_holdings(old.plan, table, old.zero_stage, mixed)
-    nh = plan_holdings(new.plan, table, new.zero_stage, mixed)
-    return local_copies_from(oh, nh, rank)
-
-
-def local_copies_from(oh, nh, rank: int) -> list[tuple[str, str, int, int]]:
+def kept_slices(old: Iterable, new: Iterable) -> list[tuple[str, str, int, int]]:
+    """``(kind, name, lo, hi)`` a rank holds both in ``old`` and in ``new`` (its holdings under
+    two plans, anything with ``kind`` / ``name`` / ``lo`` / ``hi`` such as ``layout.Hold``): copied
+    from its old buffers into its new ones, never sent. Per rank, no other rank's holdings."""
+    by_old: dict[tuple[str, str], list[Interval]] = {}
+    for h in old:
+        by_old.setdefault((h.kind, h.name), []).append((h.lo, h.hi))
+    by_new: dict[tuple[str, str], list[Interval]] = {}
+    for h in new:
+        by_new.setdefault((h.kind, h.name), []).append((h.lo, h.hi))
     out = []
-    for key, entries in nh.items():
-        mine_new = merge((lo, hi) for lo, hi, r in entries if r == rank)
-        if not mine_new:
-            continue
-        mine_old = merge((lo, hi) for lo, hi, r in oh.get(key, ()) if r == rank)
-        for a, b in intersect(mine_new, mine_old):
-            out.append((key[0], key[1], a, b))
+    for key, iv in by_new.items():
+        if key in by_old:
+            out += [(key[0], key[1], a, b) for a, b in intersect(merge(iv), merge(by_old[key]))]
     return out

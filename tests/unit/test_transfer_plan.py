@@ -5,7 +5,7 @@ import time
 import pytest
 
 from malleus_ds.layout import holdings
-from malleus_ds.migrate.transfer import Layout, local_copies, transfer_plan
+from malleus_ds.migrate.transfer import Layout, kept_slices, transfer_plan
 from malleus_ds.models.llama import model_config, param_table
 from malleus_ds.plan import Plan, static_plan
 from tests.dist.test_malleus_cases import random_plan
@@ -93,7 +93,8 @@ def test_local_copies_cover_what_stays():
     old, new = _elements(pa, 5, 1, False), _elements(pb, 5, 2, False)
     for r in range(5):
         got = {}
-        for kind, name, lo, hi in local_copies(Layout(pa, 1), Layout(pb, 2), TABLE, r):
+        for kind, name, lo, hi in kept_slices(holdings(pa, TABLE, r, 1, False),
+                                              holdings(pb, TABLE, r, 2, False)):
             got.setdefault((kind, name), set()).update(range(lo, hi))
         for (kind, name, rr), elems in new.items():
             if rr == r:
@@ -124,7 +125,7 @@ def test_scale_1024_ranks_80_layers():
 
 
 def test_rounds_bounded_and_deadlock_free():
-    from malleus_ds.migrate.rounds import Message, messages, rounds, simulate
+    from malleus_ds.migrate.rounds import messages, rounds, simulate
 
     rng = random.Random(4)
     for _ in range(15):

@@ -75,26 +75,32 @@ def test_partition_covers_bucket_once():
     assert EMBED == -1 and HEAD == -2
 
 
-def test_flat_layout_covers_every_piece_once_and_partitions_are_per_piece():
-    from malleus_ds.layout import Bucket, Piece, piece_parts
-
-    rng = random.Random(3)
-    for _ in range(30):
-        world = rng.randint(2, 7)
+def _random_buckets(seed: int, plans: int, max_world: int):
+    """(rank, bucket) of every rank of ``plans`` random valid plans."""
+    rng = random.Random(seed)
+    for _ in range(plans):
+        world = rng.randint(2, max_world)
         plan = Plan.from_json(random_plan(rng, world, G=12))
         for r in range(world):
             for b in build_buckets(plan, TABLE, r):
-                seen, slots = {}, []
-                for pc, a, e, f in b.entries():
-                    seen.setdefault(pc.name + str(pc.glo), []).append((a, e))
-                    slots.append((f, f + e - a))
-                for pc in b.pieces:
-                    got = sorted(seen[pc.name + str(pc.glo)])
-                    assert got[0][0] == 0 and got[-1][1] == pc.numel
-                    assert all(x[1] == y[0] for x, y in zip(got, got[1:]))
-                slots.sort()
-                assert all(x[1] <= y[0] for x, y in zip(slots, slots[1:]))
-                assert slots[-1][1] <= b.flat_size
+                yield r, b
+
+
+def test_flat_layout_covers_every_piece_once_and_partitions_are_per_piece():
+    from malleus_ds.layout import Bucket, Piece, piece_parts
+
+    for _r, b in _random_buckets(3, 30, 7):
+        seen, slots = {}, []
+        for pc, a, e, f in b.entries():
+            seen.setdefault(pc.name + str(pc.glo), []).append((a, e))
+            slots.append((f, f + e - a))
+        for pc in b.pieces:
+            got = sorted(seen[pc.name + str(pc.glo)])
+            assert got[0][0] == 0 and got[-1][1] == pc.numel
+            assert all(x[1] == y[0] for x, y in zip(got, got[1:]))
+        slots.sort()
+        assert all(x[1] <= y[0] for x, y in zip(slots, slots[1:]))
+        assert slots[-1][1] <= b.flat_size
     # a piece's ZeRO part depends only on its size and the rank set, not on its bucket-mates
     p1, p2 = Piece("a", 0, 0, 4, True, 10, 0), Piece("b", 0, 0, 4, True, 7, 0)
     alone, shared = Bucket((0, 3), [p1], 10), Bucket((0, 3), [p2, p1], 17)
@@ -105,15 +111,10 @@ def test_flat_layout_covers_every_piece_once_and_partitions_are_per_piece():
 
 
 def test_padding_is_the_complement_of_the_entries():
-    rng = random.Random(5)
-    for _ in range(20):
-        world = rng.randint(2, 6)
-        plan = Plan.from_json(random_plan(rng, world, G=12))
-        for r in range(world):
-            for b in build_buckets(plan, TABLE, r):
-                used = [(f, f + e - a) for _pc, a, e, f in b.entries()]
-                cover = sorted(used + b.padding())
-                assert cover[0][0] == 0 and cover[-1][1] == b.flat_size
-                assert all(x[1] == y[0] for x, y in zip(cover, cover[1:]))
-                lo, hi = b.partition(r)
-                assert all(lo <= x < y <= hi for x, y in b.padding(lo, hi))
+    for r, b in _random_buckets(5, 20, 6):
+        used = [(f, f + e - a) for _pc, a, e, f in b.entries()]
+        cover = sorted(used + b.padding())
+        assert cover[0][0] == 0 and cover[-1][1] == b.flat_size
+        assert all(x[1] == y[0] for x, y in zip(cover, cover[1:]))
+        lo, hi = b.partition(r)
+        assert all(lo <= x < y <= hi for x, y in b.padding(lo, hi))

@@ -50,14 +50,25 @@ def row_windows(v: torch.Tensor, x: int, n: int) -> list[torch.Tensor]:
     return out
 
 
+def as_rows(v: torch.Tensor) -> torch.Tensor:
+    """A split-dim-first tensor as a 2-D VIEW (rows along the split dim): row-major order is the
+    canonical order. Raises rather than copy (writes through a copy would be lost)."""
+    if v.dim() == 2:
+        return v
+    try:
+        return v.view(v.shape[0], -1)
+    except RuntimeError:
+        raise ValueError(f"a parameter slice of shape {tuple(v.shape)} (split dim first) has no "
+                         f"2-D view; slicing supports parameters of <= 2 dims or splits whose "
+                         f"other dims merge") from None
+
+
 def part_views(t: torch.Tensor, pc: Piece, a: int, b: int) -> list[torch.Tensor]:
     """Views of piece-local elements ``[a, b)`` (canonical order) of local tensor ``t``."""
     v = view(t, pc)
     if v.dim() == 1:
         return [v[a:b]]
-    if v.dim() > 2:
-        v = v.reshape(v.shape[0], -1)       # a view for split-dim-first layouts we produce
-    return row_windows(v, a, b - a)
+    return row_windows(as_rows(v), a, b - a)
 
 
 def _copy_in(dst: torch.Tensor, views: list[torch.Tensor]) -> None:

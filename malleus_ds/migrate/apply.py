@@ -17,22 +17,14 @@ import torch
 
 from kernels.pack import pack, unpack, window_of
 
-from ..engine.grad_sync import row_windows
+from ..engine.grad_sync import as_rows, row_windows
 from ..layout import Hold, ParamTable, holdings
 from .transfer import Transfer
 
 
 def canonical_2d(t: torch.Tensor, dim: int | None) -> torch.Tensor:
     """``t`` viewed split-dim-first as (rows, cols), row-major = the canonical flat order."""
-    if dim is None:
-        return t.view(1, -1)
-    v = t.movedim(dim, 0)
-    try:
-        return v.view(v.shape[0], -1) if v.dim() != 2 else v
-    except RuntimeError:
-        raise ValueError(f"a tensor of shape {tuple(t.shape)} split along dim {dim} has no 2-D "
-                         f"split-dim-first view; migration supports parameters of <= 2 dims "
-                         f"or splits whose other dims merge") from None
+    return t.view(1, -1) if dim is None else as_rows(t.movedim(dim, 0))
 
 
 class StateView:

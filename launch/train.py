@@ -33,6 +33,7 @@ if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO))
 
 _LAUNCHED = ("RANK", "LOCAL_RANK")  # env vars torchrun / the deepspeed launcher set per rank
+_CONFIG_ERROR_GRACE_S = 3.0  # a rank with a config error waits this long before exiting
 
 
 def strip_local_rank(argv: list[str]) -> list[str]:
@@ -115,6 +116,12 @@ def main() -> None:
             summary = execute(rc, env)
         except ConfigError as e:
             print(f"[malleus_ds] config error (rank {env.rank}): {e}", file=sys.stderr, flush=True)
+            if env.world_size > 1:
+                # torchrun stops the other ranks as soon as one exits; the checks are the same
+                # everywhere, so linger a moment and let every rank print its own message
+                # (rank 0 reaches them last: it sets up the Hydra run folder first)
+                import time
+                time.sleep(_CONFIG_ERROR_GRACE_S)
             sys.exit(2)
         if env.is_rank0:
             print(format_summary(rc, summary), flush=True)

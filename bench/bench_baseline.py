@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from malleus_ds.metrics import read_metrics  # noqa: E402
+from malleus_ds.metrics import emulated_rates, read_metrics  # noqa: E402
 
 
 def main() -> int:
@@ -73,7 +73,7 @@ def main() -> int:
     by_rate: dict[float, list[float]] = {}
     prev = None
     for r in recs:
-        x = float((r["rates"] or {}).get(str(a.slow_rank), 1.0))
+        x = float(emulated_rates(r).get(str(a.slow_rank), 1.0))
         if r["step"] >= w and x == prev:
             by_rate.setdefault(x, []).append(r["step_time_s"])
         prev = x

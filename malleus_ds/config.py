@@ -157,7 +157,9 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
 
 
 #: The app's ``malleus.*`` keys (the engine's own ds_config ``malleus`` section has more).
-MALLEUS_KEYS = ("switch", "migrate_bucket_mb", "migrate_timeout_s")
+MALLEUS_KEYS = ("switch", "migrate_bucket_mb", "migrate_timeout_s", "adaptive", "detect",
+                "horizon_steps", "replan_at", "planner_time_limit_s", "min_improvement",
+                "migrate_gbps", "tp_slowdown", "device_mb")
 
 
 def _malleus(m: Mapping[str, Any], engine: str) -> dict:
@@ -169,9 +171,10 @@ def _malleus(m: Mapping[str, Any], engine: str) -> dict:
     if unknown:
         raise ConfigError(f"malleus has unknown fields {unknown}; allowed: {list(MALLEUS_KEYS)}")
     out = {k: v for k, v in m.items() if v is not None}
-    if out.get("switch") and engine != "malleus":
-        raise ConfigError(f"malleus.switch is set but engine={engine}: live plan switches need "
-                          f"engine=malleus")
+    for k, what in (("switch", "live plan switches"), ("replan_at", "forced re-plans")):
+        if out.get(k) and engine != "malleus":
+            raise ConfigError(f"malleus.{k} is set but engine={engine}: {what} need "
+                              f"engine=malleus")
     return out
 
 

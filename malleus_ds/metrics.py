@@ -3,20 +3,29 @@
 One JSON object per line and step::
 
     {"step": 3, "loss": 5.41, "samples": 8, "step_time_s": 0.21,
-     "compute_s": [0.09, 0.36], "emulated_s": [0.0, 0.27], "rates": {"1": 4.0}}
+     "compute_s": [0.09, 0.36], "emulated_s": [0.0, 0.27], "emulated_rates": {"1": 4.0},
+     "measured_rates": [1.0, 3.96]}
 
-Lines with an ``"event"`` key are events, not steps (DESIGN.md §6), e.g. a live plan switch::
+Lines with an ``"event"`` key are events, not steps (DESIGN.md §6): a re-plan of the adaptive
+loop (``control.py``; ``adopted: false`` when the new plan would not repay its migration within
+``malleus.horizon_steps``), then the live switch it caused::
 
-    {"event": "migrate", "step": 5, "from": "plan-1a2b3c4d", "to": "plan-5e6f7a8b",
+    {"event": "replan", "step": 9, "trigger": "onset", "measured_rates": [1.0, 1.0, 1.0, 5.02],
+     "from": "plan-1a2b3c4d", "to": "plan-5e6f7a8b", "planning_s": 0.8,
+     "predicted_step_s": [0.40, 0.15], "predicted_migration_s": 0.3, "adopted": true, ...}
+    {"event": "migrate", "step": 9, "from": "plan-1a2b3c4d", "to": "plan-5e6f7a8b",
      "bytes": 1234567, "seconds": 0.08, "peak_extra_bytes": 2345678}
 
-and engine=malleus step lines carry ``"plan"``, the id of the plan that ran the step.
+and engine=malleus step lines carry ``"plan"``, the id of the plan that ran the step, and
+``"measured_rates"``, each rank's smoothed measured rate (``straggler.py``; null until measured).
 
 ``compute_s[d]`` is rank ``d``'s forward+backward seconds in that step *including* its emulated
 slowdown (what a real slow GPU would show); ``emulated_s[d]`` is the part of it that was the
-emulation's sleep. ``rates`` holds the emulated rates active in that step (slowed ranks only).
+emulation's sleep. ``emulated_rates`` holds the emulation's schedule active in that step (slowed
+ranks only): what the experiment configured, never seen by the planner. (Files written before
+this rename call it ``rates``; readers accept both.)
 
-A *phase* is a run of steps with the same active ``rates`` (and plan); the summary reports
+A *phase* is a run of steps with the same ``emulated_rates`` (and plan); the summary reports
 throughput per phase, so one run that turns a straggler on half-way, or switches plans, shows
 the regimes side by side.
 """
@@ -38,16 +47,20 @@ class StepRecord:
     step_time_s: float                   # wall time of the step on rank 0
     compute_s: tuple[float, ...] = ()    # per rank, incl. emulated slowdown
     emulated_s: tuple[float, ...] = ()   # per rank, emulated part only
-    rates: Mapping[str, float] = field(default_factory=dict)  # active emulated rates
+    emulated_rates: Mapping[str, float] = field(default_factory=dict)  # emulation schedule
     plan: str | None = None              # engine=malleus: id of the plan that ran the step
+    measured_rates: tuple | None = None  # engine=malleus: smoothed measured rate per rank
 
     def to_json(self) -> dict:
         d = asdict(self)
         d["compute_s"] = list(self.compute_s)
         d["emulated_s"] = list(self.emulated_s)
-        d["rates"] = dict(self.rates)
-        if self.plan is None:
-            d.pop("plan")
+        d["emulated_rates"] = dict(self.emulated_rates)
+        for k in ("plan", "measured_rates"):
+            if d[k] is None:
+                d.pop(k)
+        if self.measured_rates is not None:
+            d["measured_rates"] = list(self.measured_rates)
         return d
 
 
@@ -104,6 +117,11 @@ class Phase:
         return f"{lab} | {self.plan}" if self.plan else lab
 
 
+def emulated_rates(rec: Mapping) -> Mapping[str, float]:
+    """A step line's emulated rates (``rates`` in files from before the rename)."""
+    return rec.get("emulated_rates", rec.get("rates")) or {}
+
+
 def phases(records: Iterable[Mapping], warmup_steps: int = 0) -> list[Phase]:
     """Group steps by active rates (in order of first appearance); skip the first
     ``warmup_steps`` steps of the run and the first step after each change of rates (it mixes
@@ -113,7 +131,7 @@ def phases(records: Iterable[Mapping], warmup_steps: int = 0) -> list[Phase]:
     for r in records:
         if "event" in r:
             continue
-        key = (tuple(sorted((int(k), float(v)) for k, v in (r.get("rates") or {}).items())),
+        key = (tuple(sorted((int(k), float(v)) for k, v in emulated_rates(r).items())),
                r.get("plan"))
         changed = prev is not None and key != prev
         prev = key

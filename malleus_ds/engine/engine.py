@@ -145,6 +145,9 @@ class MalleusEngine(DeepSpeedEngine):
         self.build_engine_state(plan, cfg, settings, zero_stage, data)
         self.migrations: list = []          # MigrationReport of every switch, in order
         self._pending_switches = list(settings.switch)
+        from ..control import Controller
+        self.control = Controller(self, settings.adaptive)   # the adaptive loop (control.py)
+        self.events: list[dict] = []        # replan / migrate events not yet taken (take_events)
 
     # ------------------------------------------------------------------ build steps
 
@@ -291,9 +294,11 @@ class MalleusEngine(DeepSpeedEngine):
             from ..migrate.transport import MigrationError
             raise MigrationError(self._broken)
         self.apply_scheduled_switch()
+        t_step = time.perf_counter()
         step = self.global_steps if step is None else step
         self._data_iter = data_iter
         self.compute_seconds, self._loss_sum = 0.0, 0.0
+        self._step = step
         self._loss_mult = self.cur_scale       # fp16: this step's loss scale (1.0 otherwise)
         if self.located is not None:
             for p in self.named.values():
@@ -327,23 +332,28 @@ class MalleusEngine(DeepSpeedEngine):
                 p.grad = None
         else:
             flats = []
-        # One world all-reduce: the global-batch loss and, with fp16/bf16, the count of
-        # non-finite summed-gradient elements (each element is held by at least one rank, and a
-        # rank's inf/nan makes its bucket's sum non-finite), so every rank takes the same
-        # skip decision.
+        probe_s = self.control.probe(step) if self.control.probe_due(step) else 0.0
+        # One world all-reduce: the global-batch loss; with fp16/bf16, the count of non-finite
+        # summed-gradient elements (each element is held by at least one rank, and a rank's
+        # inf/nan makes its bucket's sum non-finite), so every rank takes the same skip
+        # decision; and the adaptive loop's per-rank timings and rank 0's "decision ready" flag.
         check = self.precision.check_overflow
         mine = self._loss_sum if (self.is_last_stage and self.tp_rank == 0) else 0.0
-        red = torch.tensor([mine, 0.0], dtype=torch.float64, device=self.device)
+        comp = self.clock.compute_s if self.clock is not None else self.compute_seconds
+        red = torch.tensor([mine, 0.0, *self.control.slots(comp, probe_s)], dtype=torch.float64,
+                           device=self.device)
         if check:                        # counted on the device: no host sync per bucket
             for f, _ in flats:
                 red[1] += (~torch.isfinite(f)).sum()
         tdist.all_reduce(red)
         loss, overflow = float(red[0]), bool(red[1] > 0)
+        self.control.observe(step, red[2:].tolist())
         self.optimizer.overflow = overflow
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)   # DeepSpeed's static/dynamic scaler
         if overflow:
             self._finish_step(loss, skipped=True)
+            self.control.step_done(time.perf_counter() - t_step)
             return loss
         if self._loss_mult != 1.0:                    # unscale in fp32 (a power of 2: exact)
             for f, _ in flats:
@@ -360,6 +370,7 @@ class MalleusEngine(DeepSpeedEngine):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self._finish_step(loss, skipped=False)
+        self.control.step_done(time.perf_counter() - t_step)
         return loss
 
     def _finish_step(self, loss: float, skipped: bool) -> None:
@@ -381,25 +392,53 @@ class MalleusEngine(DeepSpeedEngine):
                          f"lr={self.optimizer.param_groups[0]['lr']:.3e}", ranks=[0])
 
     def apply_scheduled_switch(self):
-        """Run the ``malleus.switch`` entry due before step ``global_steps``, if any (collective;
-        ``train_batch`` calls it first, a runner may call it earlier to time it apart from the
-        step). Returns its MigrationReport or None."""
+        """At the boundary before step ``global_steps`` (collective; ``train_batch`` calls it
+        first, a runner may call it earlier to time it apart from the step): the adaptive loop's
+        ready decisions and forced re-plans (``control.py``), then the ``malleus.switch`` entry
+        due now. Their ``replan`` / ``migrate`` events go to :meth:`take_events`. Returns the
+        last MigrationReport or None."""
+        report = None
+        for event, plan in self.control.before_step(self.global_steps):
+            if plan is not None and event.get("from") != self.plan.id:
+                event = dict(event, adopted=False, to=self.plan.id,
+                             reason=f"stale: planned against {event.get('from')}, "
+                                    f"running {self.plan.id}")
+                plan = None
+            self.events.append(event)
+            if plan is not None:
+                report = self.switch_plan(plan, rates=event.get("measured_rates"))
+            else:
+                self.control.considered(event.get("measured_rates"))
         while self._pending_switches and self._pending_switches[0].step < self.global_steps:
             self._pending_switches.pop(0)           # resumed past it
         if self._pending_switches and self._pending_switches[0].step == self.global_steps:
             sw = self._pending_switches.pop(0)
-            return self.switch_plan(sw.plan)
-        return None
+            report = self.switch_plan(sw.plan)
+        return report
 
-    def switch_plan(self, new_plan):
+    def take_events(self) -> list[dict]:
+        """``replan`` and ``migrate`` events since the last call, in order (metrics.jsonl)."""
+        out, self.events = self.events, []
+        return out
+
+    @property
+    def measured_rates(self) -> list[float | None]:
+        """Each rank's smoothed measured straggling rate (None: not measured yet)."""
+        from ..straggler import as_list
+        return as_list(self.control.measured)
+
+    def switch_plan(self, new_plan, rates=None):
         """Move this running engine to ``new_plan`` (a Plan, path or plan JSON) in place:
         collective, at a step boundary; parameters, fp32 masters and Adam states migrate with
         point-to-point transfers, the LR schedule and loss scaler carry over, and training
         continues with the same math. Returns a :class:`~malleus_ds.engine.switch.MigrationReport`
-        (the same on every rank). See ``engine/switch.py``."""
+        (the same on every rank). See ``engine/switch.py``. ``rates``: the measured rates the
+        new plan was made for (the adaptive loop's new reference; default: today's measurement)."""
         from .switch import switch_plan
         report = switch_plan(self, new_plan)
         self.migrations.append(report)
+        self.events.append(report.event())
+        self.control.switched(self.plan, rates)
         return report
 
     def set_compute_clock(self, clock) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..control import ADAPTIVE_KEYS, AdaptiveSettings
 from ..plan import Plan
 from .precision import Precision
 
@@ -37,12 +38,13 @@ class MalleusSettings:
     switch: tuple[SwitchAt, ...] = ()   # scripted plan switches, by step (runner: malleus.switch)
     migrate_bucket_mb: float = 256.0    # packed bytes in flight per rank during a migration (MB)
     migrate_timeout_s: float = 300.0    # a migration transfer not done by then fails the job (s)
+    adaptive: AdaptiveSettings = AdaptiveSettings()   # the adaptive loop (control.py)
 
     @staticmethod
     def from_config(sec: Mapping[str, Any] | None) -> "MalleusSettings":
         sec = dict(sec or {})
         known = {"plan", "tp", "gpus_per_node", "seed", "straggler", "switch",
-                 "migrate_bucket_mb", "migrate_timeout_s"}
+                 "migrate_bucket_mb", "migrate_timeout_s", *ADAPTIVE_KEYS}
         unknown = sorted(set(sec) - known)
         if unknown:
             raise ValueError(f"ds_config.malleus: unknown keys {unknown}; allowed: {sorted(known)}")
@@ -53,7 +55,8 @@ class MalleusSettings:
                                gpus_per_node=sec.get("gpus_per_node"), seed=int(sec.get("seed", 0)),
                                straggler=tuple(strag), switch=parse_switch(sec.get("switch")),
                                migrate_bucket_mb=_positive(sec, "migrate_bucket_mb", 256.0),
-                               migrate_timeout_s=_positive(sec, "migrate_timeout_s", 300.0))
+                               migrate_timeout_s=_positive(sec, "migrate_timeout_s", 300.0),
+                               adaptive=AdaptiveSettings.from_config(sec))
 
 
 def _positive(sec: Mapping[str, Any], key: str, default: float) -> float:

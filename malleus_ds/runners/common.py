@@ -137,7 +137,7 @@ class StepReporter:
         """An event line in metrics.jsonl (rank 0 writes; every rank keeps it for the summary)."""
         self.events.append(dict(obj))
         self.writer.write_event(obj)
-        if self.bar is not None and obj.get("event") == "migrate":
+        if self.bar is not None and obj.get("event") in ("migrate", "replan"):
             self.bar.write(f"[malleus_ds] {format_event(obj)}")
 
     def note(self, obj: dict) -> None:
@@ -145,7 +145,7 @@ class StepReporter:
         self.writer.write_event(obj)
 
     def step_done(self, step: int, loss: float, step_time_s: float, clock: ComputeClock,
-                  plan: str | None = None) -> None:
+                  plan: str | None = None, measured_rates=None) -> None:
         import torch
         import torch.distributed as dist
 
@@ -162,7 +162,8 @@ class StepReporter:
         self.times.append(float(step_time_s))
         rates = {str(r): x for r, x in self.cfg.straggler.rates(step, self.env.world_size).items()}
         rec = StepRecord(step, float(loss), self.cfg.train.global_batch_size, float(step_time_s),
-                         tuple(comp), tuple(emu), rates, plan)
+                         tuple(comp), tuple(emu), rates, plan,
+                         None if measured_rates is None else tuple(measured_rates))
         self.records.append(rec.to_json())
         self.writer.write(rec)
         if self.bar is not None:
@@ -183,7 +184,17 @@ class StepReporter:
 
 
 def format_event(ev: dict) -> str:
-    """One line for a metrics event (a live plan switch)."""
+    """One line for a metrics event (a re-plan, a live plan switch)."""
+    if ev.get("event") == "replan":
+        rates = ", ".join(f"rank {d} {x:g}" for d, x in enumerate(ev.get("measured_rates") or ())
+                          if x is not None and x > 1.0) or "all healthy"
+        head = f"replan before step {ev['step']} ({ev.get('trigger')}; measured {rates})"
+        if ev.get("trigger") == "error":
+            return f"{head}: {ev.get('reason')}"
+        pred = ev.get("predicted_step_s") or [None, None]
+        verdict = (f"-> {ev['to']}" if ev.get("adopted") else f"kept {ev.get('from')}")
+        return (f"{head}: planned in {ev.get('planning_s', 0):.2f} s, step "
+                f"{pred[0]} s -> {pred[1]} s predicted, {verdict} ({ev.get('reason')})")
     if ev.get("event") == "migrate":
         return (f"migrate before step {ev['step']}: {ev['from']} -> {ev['to']}, "
                 f"{ev['bytes'] / 2**20:.2f} MiB sent in {ev['seconds']:.3f} s, "

@@ -83,8 +83,12 @@ def validate(cfg: RunConfig) -> None:
     try:    # the malleus section and fp16/bf16/data_types, as the engine will read them
         settings = MalleusEngine.build_settings(build_ds_config(cfg, plan))
     except ValueError as e:
-        raise ConfigError(f"engine=malleus: {e}".replace("ds_config.malleus.switch",
-                                                          "malleus.switch")) from None
+        raise ConfigError(f"engine=malleus: {e}".replace("ds_config.malleus.", "malleus.")
+                          ) from None
+    for i, k in enumerate(settings.adaptive.replan_at):
+        if k >= cfg.train.steps:
+            raise ConfigError(f"malleus.replan_at[{i}]={k} is not before the run's end "
+                              f"(train.steps={cfg.train.steps}); it would never happen")
     for sw in settings.switch:
         where = sw.where.replace("ds_config.", "")
         if sw.step >= cfg.train.steps:
@@ -144,15 +148,17 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env, first_step=ck.start)
     engine.set_compute_clock(clock)                     # timing + straggler emulation
     for step in range(ck.start, cfg.train.steps):
-        report = engine.apply_scheduled_switch()        # timed apart from the step
-        if report is not None:
-            reporter.event(report.event())
+        engine.apply_scheduled_switch()     # re-plans and switches, timed apart from the step
+        for ev in engine.take_events():
+            reporter.event(ev)
         t0 = time.perf_counter()
         clock.start_step(step)
         loss = engine.train_batch(step=step)
-        reporter.step_done(step, loss, time.perf_counter() - t0, clock, plan=engine.plan.id)
+        reporter.step_done(step, loss, time.perf_counter() - t0, clock, plan=engine.plan.id,
+                           measured_rates=engine.measured_rates)
         ck.after_step(step + 1, write, reporter)
     ck.finish(cfg.train.steps, write, reporter)
+    engine.control.close()
     skipped = [sw.step for sw in engine.settings.switch if sw.step < ck.start]  # and ds_config's
     extra = dict(ck.summary(), **({"skipped_switches": skipped} if skipped else {}))
     return reporter.finish(plan=plan.to_json(), final_plan=engine.plan.to_json(), **extra)

@@ -58,7 +58,7 @@ def test_torchrun_two_ranks_writes_metrics_with_straggler(tmp_path):
     recs = _metrics(out)
     assert [r["step"] for r in recs] == list(range(5))
     assert all(len(r["compute_s"]) == 2 and r["samples"] == 8 for r in recs)
-    assert recs[2]["rates"] == {} and recs[3]["rates"] == {"1": 3.0}
+    assert recs[2]["emulated_rates"] == {} and recs[3]["emulated_rates"] == {"1": 3.0}
     assert recs[4]["emulated_s"][1] > 0 and recs[4]["emulated_s"][0] == 0
     assert "rank 1 at rate 3" in p.stdout and "healthy" in p.stdout
     assert sorted(os.listdir(tmp_path)) == ["run"]            # no per-rank folders
@@ -113,7 +113,7 @@ def test_multirun_launches_ranks_per_job(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     a, b = _metrics(sweep / "0"), _metrics(sweep / "1")
     assert len(a) == len(b) == 3 and len(a[0]["compute_s"]) == 2
-    assert a[0]["rates"] == {} and b[0]["rates"] == {"1": 2.0}
+    assert a[0]["emulated_rates"] == {} and b[0]["emulated_rates"] == {"1": 2.0}
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)
     q = _run([sys.executable, str(REPO / "launch" / "summarize.py"), str(sweep)], cwd=tmp_path)
     assert q.returncode == 0, q.stderr

@@ -48,7 +48,7 @@ def test_metrics_writer_and_phases(tmp_path):
     recs = read_metrics(tmp_path)
     assert len(recs) == 8 and set(recs[0]) >= {"step", "loss", "samples", "step_time_s",
                                                  "compute_s"}
-    assert recs[5]["compute_s"] == [0.5, 2.0] and recs[5]["rates"] == {"1": 4.0}
+    assert recs[5]["compute_s"] == [0.5, 2.0] and recs[5]["emulated_rates"] == {"1": 4.0}
     ph = phases(recs, warmup_steps=1)
     assert [p.label for p in ph] == ["healthy", "rank 1 at rate 4"]
     assert [p.steps for p in ph] == [3, 3]                   # warm-up + transition left out

@@ -34,3 +34,25 @@ def test_monitors_default_to_the_run_folder_for_every_stock_engine(tmp_path):
               else mod.build_ds_config(c))
         assert ds["csv_monitor"]["output_path"] == str(tmp_path), engine
         assert ds["tensorboard"]["output_path"] == "/x", engine        # the user's own wins
+
+
+@pytest.mark.parametrize("m, pattern", [
+    ({"detect": {"every": 0}}, r"malleus.detect.every=0 must be"),
+    ({"detect": {"healthy": 0.5}}, r"malleus.detect.healthy=0.5 must be"),
+    ({"detect": {"change": 0}}, r"malleus.detect.change=0"),
+    ({"replan_at": [5, 3]}, r"malleus.replan_at\[1\]=3 is not after replan_at\[0\]=5"),
+    ({"replan_at": [12]}, r"malleus.replan_at\[0\]=12 is not before the run's end "
+                          r"\(train.steps=10\)"),
+    ({"horizon_steps": 0}, r"malleus.horizon_steps=0 must be an integer >= 1"),
+    ({"adaptive": "on"}, r"malleus.adaptive='on' must be true or false"),
+])
+def test_adaptive_settings_rejected_before_launch(m, pattern):
+    c = cfg(world=2, engine="malleus", plan="static", malleus=m, train={"steps": 10},
+            deepspeed={"config": {"zero_optimization": {"stage": 1}}})
+    with pytest.raises(ConfigError, match=pattern):
+        runners.validate(c)
+
+
+def test_replan_at_needs_engine_malleus():
+    with pytest.raises(ConfigError, match="malleus.replan_at is set but engine=deepspeed"):
+        cfg(world=2, engine="deepspeed", malleus={"replan_at": [3]})

@@ -1,0 +1,160 @@
+#!/usr/bin/env python
+"""The adaptive loop end to end: five runs of one straggler schedule, side by side.
+
+4 local CPU ranks (gloo), the same model, data and schedule for each run: healthy for
+``--onset`` steps, rank 3 at rate ``--rate`` until ``--recover``, healthy again until ``--steps``.
+
+* ``deepspeed``  stock DeepSpeed ZeRO-1, static data parallel (dp=4);
+* ``static``     MalleusEngine on the same static layout, ``malleus.adaptive=false``;
+* ``adaptive``   MalleusEngine with the adaptive loop (the default): it must find the straggler,
+                 re-plan, migrate, and come back after recovery by itself;
+* ``oracle``     MalleusEngine told the truth: scripted switches (``malleus.switch``) at the
+                 exact steps to the planner's best plan for the true rates, and back;
+* ``healthy``    the adaptive engine without any straggler (it must not re-plan).
+
+Throughput per phase counts every step of the phase, including the steps an engine spends
+detecting, and adds the seconds of its migrations (timed apart from the steps). Targets while the
+straggler lasts: adaptive >= 2.5x deepspeed and >= 0.85x oracle; after recovery >= 0.95x
+healthy; 0 re-plans in the healthy run. ``--rounds 2`` runs the five twice, interleaved, and
+reports the median per run (these machines are noisy).
+
+    python bench/bench_adaptive.py                 # ~4 min on 2 CPU cores
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from malleus_ds.metrics import read_metrics  # noqa: E402
+
+MODEL = ["model=tiny", "model.num_layers=4", "model.hidden_size=256", "model.num_heads=4",
+         "model.max_seq_len=128", "train.global_batch_size=16", "train.micro_batch_size=2"]
+
+
+def oracle_plan(a, out: Path) -> Path:
+    """The planner's best plan for the true rates (what the oracle switches to)."""
+    from malleus_ds.control import job_problem
+    from malleus_ds.plan import static_plan
+    from malleus_ds.planner import plan
+
+    cur = static_plan(4, 16, 2, 1, 1, 4)
+    pr = job_problem(cur, 4, 4, 1, {1: 1.0}, None).with_rates({3: a.rate}, current_plan=cur)
+    p = out / "oracle_plan.json"
+    plan(pr, seed=0).plan.save(p)
+    return p
+
+
+def run(name: str, a, out: Path, oracle: Path) -> Path:
+    d = out / name
+    sched = "[]" if name == "healthy" else \
+        f"[{{rank:3,rate:{a.rate},start_step:{a.onset},end_step:{a.recover}}}]"
+    over = [*MODEL, f"train.steps={a.steps}", "train.warmup_steps=2", "progress=false",
+            f"straggler.schedule={sched}", f"hydra.run.dir={d}"]
+    if name == "deepspeed":
+        over += ["engine=deepspeed", "deepspeed=zero1"]
+    else:
+        over += ["engine=malleus", "deepspeed=zero1"]
+    if name == "static":
+        over += ["malleus.adaptive=false"]
+    if name == "oracle":
+        static = out / "static_plan.json"
+        from malleus_ds.plan import static_plan
+        static_plan(4, 16, 2, 1, 1, 4).save(static)
+        over += ["malleus.adaptive=false",
+                 f"malleus.switch=[{{step:{a.onset},plan:{oracle}}},"
+                 f"{{step:{a.recover},plan:{static}}}]"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           str(REPO / "launch" / "train.py"), *over, *a.overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        print(" ".join(cmd), p.stdout[-3000:], p.stderr[-3000:], sep="\n")
+        raise SystemExit(f"run {name} failed")
+    return d
+
+
+def phase_tput(d: Path, lo: int, hi: int) -> float:
+    """Samples/s over steps [lo, hi), migrations before those steps included."""
+    steps = [r for r in read_metrics(d) if lo <= r["step"] < hi]
+    mig = sum(e["seconds"] for e in read_metrics(d, events=True)
+              if e["event"] == "migrate" and lo <= e["step"] < hi)
+    return sum(r["samples"] for r in steps) / (sum(r["step_time_s"] for r in steps) + mig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rate", type=float, default=5.0)
+    ap.add_argument("--onset", type=int, default=10)
+    ap.add_argument("--recover", type=int, default=70)
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--out", default=None, help="folder for the runs (default: a temp dir)")
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
+    a = ap.parse_args()
+    out = Path(a.out or tempfile.mkdtemp(prefix="bench_adaptive_"))
+    out.mkdir(parents=True, exist_ok=True)
+    oracle = oracle_plan(a, out)
+    names = ["deepspeed", "static", "adaptive", "oracle", "healthy"]
+    res: dict[str, list[dict]] = {n: [] for n in names}
+    for k in range(a.rounds):
+        for n in names:
+            d = run(n, a, out / f"round{k}", oracle)
+            ev = read_metrics(d, events=True)
+            rp = [e for e in ev if e["event"] == "replan"]
+            first = next((e for e in rp if e.get("adopted")), None)
+            res[n].append({
+                "healthy": phase_tput(d, 2, a.onset),
+                "straggler": phase_tput(d, a.onset, a.recover),
+                "after": phase_tput(d, a.recover, a.steps),
+                "replans": len(rp), "adopted": sum(bool(e.get("adopted")) for e in rp),
+                "latency": (first["step"] - a.onset) if first and n == "adaptive" else None,
+                "planning_s": [e.get("planning_s") for e in rp],
+                "migrate_s": [round(e["seconds"], 3) for e in ev if e["event"] == "migrate"],
+                "dir": str(d)})
+            print(f"round {k} {n:9s} done: {json.dumps(res[n][-1])}", flush=True)
+
+    def med(n, k):
+        return statistics.median(r[k] for r in res[n])
+
+    print(f"\n4 CPU ranks, rank 3 at rate {a.rate:g} during steps [{a.onset}, {a.recover}), "
+          f"{a.steps} steps, {a.rounds} round(s); samples/s (migrations included)")
+    print(f"  {'run':10s} {'healthy':>9s} {'straggler':>10s} {'after':>9s} {'re-plans':>9s}")
+    for n in names:
+        print(f"  {n:10s} {med(n, 'healthy'):9.1f} {med(n, 'straggler'):10.1f} "
+              f"{med(n, 'after'):9.1f} {statistics.median(r['replans'] for r in res[n]):9g}")
+    ad = res["adaptive"]
+    lat = [r["latency"] for r in ad]
+    print(f"  adaptive: detection + planning latency (steps from onset to the first switch): "
+          f"{lat}; planning s per re-plan: {[r['planning_s'] for r in ad]}; "
+          f"migration s: {[r['migrate_s'] for r in ad]}")
+    s_ad, s_ds, s_or = med("adaptive", "straggler"), med("deepspeed", "straggler"), \
+        med("oracle", "straggler")
+    after_ratio = med("adaptive", "after") / med("healthy", "after")
+    healthy_replans = max(r["replans"] for r in res["healthy"])
+    checks = [
+        (f"straggler: adaptive / deepspeed = {s_ad / s_ds:.2f} (target >= 2.5)", s_ad / s_ds >= 2.5),
+        (f"straggler: adaptive / oracle    = {s_ad / s_or:.2f} (target >= 0.85)", s_ad / s_or >= 0.85),
+        (f"after recovery: adaptive / healthy = {after_ratio:.2f} (target >= 0.95)",
+         after_ratio >= 0.95),
+        (f"healthy run re-plans = {healthy_replans} (target 0)", healthy_replans == 0),
+    ]
+    print(f"  static / deepspeed while straggling = {med('static', 'straggler') / s_ds:.2f}; "
+          f"oracle / deepspeed = {s_or / s_ds:.2f}")
+    for text, ok in checks:
+        print(f"  {text}: {'PASS' if ok else 'FAIL'}")
+    print(f"runs: {out}")
+    return 0 if all(ok for _, ok in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,543 @@
+"""The adaptive loop (DESIGN.md §6): measure → detect → plan in the background → switch.
+
+Data flows one way:
+
+1. **Timings.** Every step, each rank's compute seconds (communication left out) and, on a
+   suspended rank, a probe's seconds ride in the step's existing loss all-reduce: no extra
+   collective, and every rank sees every rank's numbers.
+2. **Rates** (``straggler.RateEstimator``): per-unit compute time relative to the healthy
+   reference, median-smoothed; identical on every rank.
+3. **Detection** (``straggler.Detector``), rank 0 only, every ``detect.every`` steps.
+4. **Planning problem** of the running job (:func:`job_problem`) with the measured rates and
+   ``current_plan`` = the running plan; the planner runs in a background thread on rank 0 while
+   training continues on the old plan.
+5. **Cost-aware decision** (:func:`decide`): adopt the new plan only if its predicted gain over
+   ``horizon_steps`` exceeds the predicted migration time (bytes of the transfer plan ÷ the
+   bandwidth measured by earlier migrations).
+6. **Broadcast and switch** at the first step boundary after rank 0's result is ready: rank 0
+   raises a flag in a step's all-reduce, every rank then joins one ``broadcast_object_list``
+   before the next step and calls ``engine.switch_plan``.
+
+This module holds the decisions; the engine (``engine/engine.py``) only calls :meth:`Controller`
+hooks at fixed points of a step, so the whole loop is driven by ``train_batch``.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from .plan import Memory, Plan, PlanError, Problem
+from .straggler import DetectConfig, Detector, RateEstimator, as_list, cost_units, ideal_slowdown
+
+ADAPTIVE_KEYS = ("adaptive", "detect", "horizon_steps", "replan_at", "planner_time_limit_s",
+         "min_improvement", "migrate_gbps", "tp_slowdown", "device_mb")
+
+
+@dataclass(frozen=True)
+class AdaptiveSettings:
+    """The adaptive keys of the ``malleus`` section (``malleus.*`` in the app)."""
+
+    enabled: bool = True                 # malleus.adaptive: detect, re-plan and migrate by itself
+    detect: DetectConfig = field(default_factory=DetectConfig)
+    horizon_steps: int = 100             # a switch must pay for its migration within this many steps
+    replan_at: tuple[int, ...] = ()      # forced re-plans before these steps (tests, demos)
+    planner_time_limit_s: float | None = None   # None: the planner's automatic budget
+    min_improvement: float = 0.05        # the planner keeps the running plan unless this much faster
+    migrate_gbps: float = 1.0            # bandwidth assumed before the first migration is measured
+    tp_slowdown: Mapping[int, float] | None = None   # tp/g -> slowdown; None: ideal (tp/g)
+    device_mb: float | None = None       # memory per device for the planner; None: detected
+
+    @staticmethod
+    def from_config(sec: Mapping[str, Any]) -> "AdaptiveSettings":
+        """Parse and check; ValueError naming ``ds_config.malleus.<key>`` and the value."""
+        p = "ds_config.malleus"
+        en = sec.get("adaptive", True)
+        if not isinstance(en, bool):
+            raise ValueError(f"{p}.adaptive={en!r} must be true or false")
+        det = sec.get("detect") or {}
+        if not isinstance(det, Mapping):
+            raise ValueError(f"{p}.detect must be a mapping of {list(DetectConfig.__dataclass_fields__)}, "
+                             f"got {det!r}")
+        known = set(DetectConfig.__dataclass_fields__)
+        unknown = sorted(set(det) - known)
+        if unknown:
+            raise ValueError(f"{p}.detect: unknown keys {unknown}; allowed: {sorted(known)}")
+        for k, v in det.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"malleus.detect.{k}={v!r} must be a number")
+            if k in ("every", "window", "confirm", "cooldown") and int(v) != v:
+                raise ValueError(f"malleus.detect.{k}={v!r} must be an integer")
+        dc = DetectConfig(**{k: (int(v) if k in ("every", "window", "confirm", "cooldown")
+                                 else float(v)) for k, v in det.items()})
+        dc.check()
+        hz = sec.get("horizon_steps", 100)
+        if isinstance(hz, bool) or not isinstance(hz, int) or hz < 1:
+            raise ValueError(f"{p}.horizon_steps={hz!r} must be an integer >= 1 (steps over "
+                             f"which a re-plan's gain must repay its migration)")
+        ra = sec.get("replan_at") or ()
+        if isinstance(ra, (str, bytes)) or not isinstance(ra, (list, tuple)):
+            raise ValueError(f"{p}.replan_at must be a list of step numbers, got {ra!r}")
+        for i, s in enumerate(ra):
+            if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+                raise ValueError(f"{p}.replan_at[{i}]={s!r} must be an integer >= 1 (the re-plan "
+                                 f"happens before that training step)")
+            if i and s <= ra[i - 1]:
+                raise ValueError(f"{p}.replan_at[{i}]={s} is not after replan_at[{i - 1}]="
+                                 f"{ra[i - 1]}; list steps in increasing order")
+        tl = sec.get("planner_time_limit_s")
+        if tl is not None and (isinstance(tl, bool) or not isinstance(tl, (int, float)) or tl <= 0):
+            raise ValueError(f"{p}.planner_time_limit_s={tl!r} must be a number > 0 (or null: auto)")
+        mi = sec.get("min_improvement", 0.05)
+        if isinstance(mi, bool) or not isinstance(mi, (int, float)) or not 0 <= mi < 1:
+            raise ValueError(f"{p}.min_improvement={mi!r} must be a number in [0, 1)")
+        bw = sec.get("migrate_gbps", 1.0)
+        if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not bw > 0:
+            raise ValueError(f"{p}.migrate_gbps={bw!r} must be a number > 0 (GB/s)")
+        sd = sec.get("tp_slowdown")
+        if sd is not None:
+            if not isinstance(sd, Mapping):
+                raise ValueError(f"{p}.tp_slowdown must map tp/g to a slowdown, got {sd!r}")
+            try:
+                sd = {int(k): float(v) for k, v in sd.items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"{p}.tp_slowdown={dict(sd)!r}: keys are integers tp/g, values "
+                                 f"numbers") from None
+        dm = sec.get("device_mb")
+        if dm is not None and (isinstance(dm, bool) or not isinstance(dm, (int, float)) or dm <= 0):
+            raise ValueError(f"{p}.device_mb={dm!r} must be a number > 0 (or null: detected)")
+        return AdaptiveSettings(en, dc, hz, tuple(ra), None if tl is None else float(tl),
+                                float(mi), float(bw), sd, None if dm is None else float(dm))
+
+
+# ------------------------------------------------------------------------------ the job as a problem
+
+
+def nominal_shape(plan: Plan, world: int, tp: int) -> tuple[int, int]:
+    """(pp, dp) of the job's uniform layout: the starting plan's when it is uniform, else the
+    fewest stages that tile the world (the planner's static baseline)."""
+    dp0, pp0 = len(plan.pipelines), len(plan.pipelines[0].stages)
+    if tp * pp0 * dp0 == world:
+        return pp0, dp0
+    for pp in range(1, plan.num_layers + 1):
+        if world % (tp * pp) == 0:
+            return pp, world // (tp * pp)
+    raise PlanError(f"no uniform layout of {world} ranks with tp={tp} and at most "
+                    f"{plan.num_layers} stages")
+
+
+def memory_model(table, cfg, micro_batch_size: int, seq_len: int, mixed: bool,
+                 device_mb: float) -> Memory:
+    """The planner's memory terms from the model's real sizes (DESIGN.md §3): per layer the
+    parameter + gradient + fp32 master + Adam bytes (not divided by ZeRO: conservative) and
+    Megatron's activation estimate ``s·b·h·(34 + 5·a·s/h)`` bytes at 16 bits (×2 in fp32)."""
+    per_param = (2 + 4 + 4 + 8) if mixed else (4 + 4 + 8)
+    layer = sum(s.numel for s in table if s.owner == 0)
+    ends = [sum(s.numel for s in table if s.owner == o) for o in {s.owner for s in table} if o < 0]
+    emb = max(ends, default=0)          # the larger of embedding and head, charged to each end
+    h, a = cfg.hidden_size, cfg.num_heads
+    act = seq_len * micro_batch_size * h * (34 + 5 * a * seq_len / h) * (1 if mixed else 2)
+    mb = 2.0 ** 20
+    return Memory(device_mb=device_mb, reserved_mb=0.1 * device_mb,
+                  layer_static_mb=layer * per_param / mb, layer_activation_mb=act / mb,
+                  embedding_mb=emb * per_param / mb, extra_mb=0.0)
+
+
+def device_memory_mb(device, ranks_on_host: int) -> float:
+    """Memory one rank may use: the GPU's, or on CPU this host's RAM shared by its ranks."""
+    import os
+
+    if device is not None and str(device).startswith("cuda"):
+        import torch
+        return torch.cuda.get_device_properties(device).total_memory / 2 ** 20
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total / 2 ** 20 / max(1, ranks_on_host)
+
+
+def fit_running_plan(problem: Problem, plan: Plan) -> Problem:
+    """The memory model is an estimate; the running plan demonstrably fits. If the model says it
+    does not, raise the device budget to the running plan's peak stage, so plans that need no
+    more memory than today's stay allowed."""
+    from dataclasses import replace
+
+    from .cost import stage_memory_mb
+
+    m = problem.memory
+    if m is None:
+        return problem
+    peak = max(stage_memory_mb(problem, s.num_layers, j, len(p.stages), p.micro_batches, len(s.ranks))
+               for p in plan.pipelines for j, s in enumerate(p.stages))
+    if peak <= m.budget_mb:
+        return problem
+    return replace(problem, memory=replace(m, device_mb=peak + m.reserved_mb))
+
+
+def job_problem(plan: Plan, world: int, gpus_per_node: int, tp: int,
+                tp_slowdown: Mapping[int, float], memory: Memory | None) -> Problem:
+    """The planning problem of a running job (rates are filled in per re-plan)."""
+    pp, dp = nominal_shape(plan, world, tp)
+    return Problem(name="running-job", nodes=world // gpus_per_node, gpus_per_node=gpus_per_node,
+                   num_layers=plan.num_layers, global_batch_size=plan.global_batch_size,
+                   micro_batch_size=plan.micro_batch_size, tp=tp, pp=pp, dp=dp,
+                   tp_slowdown=dict(tp_slowdown), memory=memory, rates={})
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Rank 0's answer to a trigger; broadcast to every rank."""
+
+    event: dict                  # the ``replan`` line of metrics.jsonl
+    plan: dict | None            # plan JSON to switch to, None = stay
+
+
+def decide(problem: Problem, current: Plan, new: Plan, trigger: str, rates: list[float],
+           step: int, planning_s: float, step_s: float | None, nbytes: int, migrate_s: float,
+           settings: AdaptiveSettings) -> Decision:
+    """The cost rule (pure): adopt ``new`` iff it differs and its predicted gain over
+    ``horizon_steps`` exceeds the predicted migration seconds (forced: always). Step times are
+    the cost model's (``problem`` carries the measured rates), in seconds calibrated so that the
+    running plan's prediction equals its measured ``step_s``."""
+    from .cost import step_time
+
+    old_T, new_T = step_time(problem, current), step_time(problem, new)
+    scale = step_s / old_T if step_s and old_T > 0 else None
+    pred = [round(old_T * scale, 4), round(new_T * scale, 4)] if scale else \
+        [round(old_T, 4), round(new_T, 4)]
+    gain_s = (pred[0] - pred[1]) * settings.horizon_steps if scale else None
+    if new.id == current.id:
+        adopt, why = False, "the running plan is still the best"
+    elif trigger == "forced":
+        adopt, why = True, "forced"
+    elif gain_s is None:
+        adopt, why = False, "no measured step time yet"
+    elif gain_s > migrate_s:
+        adopt, why = True, (f"gain {gain_s:.2f} s over {settings.horizon_steps} steps > "
+                            f"migration {migrate_s:.2f} s")
+    else:
+        adopt, why = False, (f"gain {gain_s:.2f} s over {settings.horizon_steps} steps <= "
+                             f"migration {migrate_s:.2f} s")
+    event = {"event": "replan", "step": step, "trigger": trigger,
+             "measured_rates": [round(float(r), 3) for r in rates],
+             "from": current.id, "to": new.id if adopt else current.id, "planned": new.id,
+             "planning_s": round(planning_s, 4), "predicted_step_s": pred,
+             "predicted_migration_s": round(migrate_s, 4), "bytes": int(nbytes),
+             "adopted": adopt, "reason": why}
+    return Decision(event, new.to_json() if adopt else None)
+
+
+class PlannerClient:
+    """Rank 0's planner process (``planner/worker.py``): :meth:`request` sends a problem,
+    :meth:`poll` / :meth:`wait` return the answer; a reader thread only waits on the pipe."""
+
+    def __init__(self) -> None:
+        import os
+        import queue
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        root = str(Path(__file__).resolve().parents[1])
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen([sys.executable, "-m", "malleus_ds.planner.worker"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env)
+        self.answers: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, name="malleus-planner-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        import json
+
+        for line in self.proc.stdout:
+            try:
+                self.answers.put(json.loads(line))
+            except ValueError:
+                self.answers.put({"error": f"planner worker wrote {line[:200]!r}"})
+        self.answers.put({"error": f"the planner worker exited (code {self.proc.wait()})"})
+
+    def request(self, req: dict) -> None:
+        import json
+
+        try:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+        except OSError as e:
+            self.answers.put({"error": f"the planner worker is gone: {e}"})
+
+    def poll(self) -> dict | None:
+        import queue
+        try:
+            return self.answers.get_nowait()
+        except queue.Empty:
+            return None
+
+    def wait(self, timeout_s: float) -> dict:
+        import queue
+        try:
+            return self.answers.get(timeout=timeout_s)
+        except queue.Empty:
+            return {"error": f"the planner did not answer within {timeout_s:g} s"}
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=5)
+        except Exception:       # noqa: BLE001 - best effort at shutdown
+            self.proc.kill()
+
+
+# ------------------------------------------------------------------------------ the controller
+
+
+class Controller:
+    """One per engine. Hooks, in step order: :meth:`slots` (values for the step's all-reduce),
+    :meth:`observe` (after it), :meth:`step_done` (wall time), :meth:`before_step` (collective, at
+    the next step boundary: ready decisions and forced re-plans → plans to switch to)."""
+
+    #: seconds a forced re-plan waits for the planner worker
+    FORCED_TIMEOUT_S = 120.0
+
+    def __init__(self, engine, settings: AdaptiveSettings) -> None:
+        self.engine, self.s = engine, settings
+        self.rank, self.world = engine.global_rank, engine.world_size
+        plan = engine.plan
+        sizes = [st.tp for p in plan.pipelines for st in p.stages] or [1]
+        self.tp = engine.settings.tp or math.lcm(*sizes)
+        self.slowdown = self._slowdown(self.tp)
+        self.est = RateEstimator(self.world, settings.detect.window)
+        self.det = Detector(self.world, settings.detect) if self.rank == 0 else None
+        self.units = cost_units(plan, self.world, self.tp, self.slowdown)
+        self.measured = np.full(self.world, np.nan)
+        self.step_times: deque[float] = deque(maxlen=max(3, settings.detect.window))
+        self.forced = list(settings.replan_at)
+        self.ready = False                # every rank: rank 0 flagged a decision in an all-reduce
+        self._pending: dict | None = None  # rank 0: the request the worker is planning
+        self._result: Decision | None = None   # rank 0: a decision not yet flagged
+        self._generation = 0              # bumped by every switch: older requests are stale
+        self._problem: Problem | None = None
+        self._probe_block = None
+        self.disabled_reason: str | None = None
+        self._client: PlannerClient | None = None
+        if self.rank == 0 and self.world > 1 and (settings.enabled or settings.replan_at):
+            self._client = PlannerClient()   # imports the planner while the engine warms up
+
+    def _slowdown(self, tp: int) -> dict[int, float]:
+        """tp/g -> slowdown: the user's ``tp_slowdown`` where given, else ideal (tp/g)."""
+        user = self.s.tp_slowdown or {}
+        return {k: float(user.get(k, v)) for k, v in ideal_slowdown(tp).items()}
+
+    # -- hooks inside a step ------------------------------------------------------------------
+
+    def probe_due(self, step: int) -> bool:
+        """A rank without work times a probe on detection steps (so it can come back)."""
+        return self.engine.located is None and step % self.s.detect.every == 0
+
+    def probe(self, step: int) -> float:
+        """Seconds of one decoder block's forward + backward on a dummy micro-batch, timed like
+        training compute (straggler emulation applies): how a rank without work stays measured.
+        The block is built once (fixed seed, the caller's RNG untouched) and kept."""
+        import torch
+
+        e = self.engine
+        if self._probe_block is None:
+            from .models.llama import Block
+
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                blk = Block(e.model_cfg).to(device=e.device, dtype=e.act_dtype)
+                x = torch.randn(e.plan.micro_batch_size, e.seq_len, e.model_cfg.hidden_size,
+                                device=e.device, dtype=e.act_dtype)
+            self._probe_block, self._probe_x = blk, x
+        blk = self._probe_block
+
+        def run():
+            x = self._probe_x.detach().requires_grad_()
+            blk(x).float().sum().backward()
+
+        before = e.clock.compute_s if e.clock is not None else e.compute_seconds
+        e._timed(run)
+        for p in blk.parameters():
+            p.grad = None
+        return (e.clock.compute_s if e.clock is not None else e.compute_seconds) - before
+
+    def slots(self, compute_s: float, probe_s: float) -> list[float]:
+        """``[decision ready (rank 0), compute_s per rank..., probe per-unit s per rank...]``,
+        this rank's entries filled in, the rest 0: summed by the step's all-reduce."""
+        out = [0.0] * (1 + 2 * self.world)
+        if self.rank == 0:
+            self._collect()
+            out[0] = 1.0 if self._result is not None else 0.0
+        out[1 + self.rank] = compute_s
+        out[1 + self.world + self.rank] = probe_s / self.slowdown[self.tp] if probe_s > 0 else 0.0
+        return out
+
+    def observe(self, step: int, summed: list[float]) -> None:
+        """After the all-reduce: rates (every rank), detection and a re-plan request (rank 0)."""
+        w = self.world
+        self.ready = self.ready or summed[0] > 0.5
+        comp = np.asarray(summed[1:1 + w], dtype=float)
+        probe = np.asarray(summed[1 + w:1 + 2 * w], dtype=float)
+        probe[probe <= 0] = np.nan
+        self.est.add(comp, self.units, probe)
+        self.measured = self.est.rates()
+        if (self.det is None or not self.s.enabled or self._client is None
+                or self._pending is not None or self._result is not None or self.ready
+                or (step + 1) % self.s.detect.every):
+            return
+        trig = self.det.check(self.measured)
+        if trig is not None:
+            self._request(trig.kind, list(trig.rates), step + 1)
+
+    def step_done(self, seconds: float) -> None:
+        self.step_times.append(seconds)
+
+    # -- at a step boundary (collective) ------------------------------------------------------
+
+    def before_step(self, step: int) -> list[tuple[dict, dict | None]]:
+        """Decisions to apply before ``step``, the same on every rank, in order: a background
+        result rank 0 flagged in an earlier all-reduce, then a forced re-plan due now. Each is
+        (replan event, plan JSON or None). The engine skips one planned against a plan that is
+        no longer running (``event["from"]``)."""
+        import torch.distributed as dist
+
+        out = []
+        if self.ready:
+            obj = [None]
+            if self.rank == 0:
+                obj[0], self._result = self._result, None
+            dist.broadcast_object_list(obj, src=0)
+            self.ready = False
+            if obj[0] is not None:
+                out.append((dict(obj[0].event, step=step), obj[0].plan))
+        while self.forced and self.forced[0] < step:
+            self.forced.pop(0)                       # resumed past it
+        if self.forced and self.forced[0] == step:
+            self.forced.pop(0)
+            obj = [None]
+            if self.rank == 0:
+                obj[0] = self._forced(step)
+            dist.broadcast_object_list(obj, src=0)
+            out.append((obj[0].event, obj[0].plan))
+        return out
+
+    def switched(self, plan: Plan, rates: list[float] | None) -> None:
+        """After any switch (adaptive, forced or scripted): cost units of the new plan, the rates
+        it was made for, and results planned against the old one become stale."""
+        tp = math.lcm(self.tp, *(st.tp for q in plan.pipelines for st in q.stages))
+        if tp != self.tp:       # engine API without a nominal tp: the plans' TP sizes set it
+            self.tp, self._problem = tp, None
+            self.slowdown = self._slowdown(tp)
+        self.units = cost_units(plan, self.world, self.tp, self.slowdown)
+        self.step_times.clear()
+        self._generation += 1
+        self._result = None                  # planned against the old plan, never flagged
+        if plan.locate(self.rank) is not None:
+            self._probe_block = None         # back at work: free the probe's block
+        if self.det is not None:
+            self.det.planned_for(rates if rates is not None else self._normalised())
+
+    def considered(self, rates: list[float] | None) -> None:
+        """A planning attempt that kept the running plan: its rates are now the reference."""
+        if self.det is not None:
+            self.det.planned_for(rates if rates else self._normalised())
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # -- rank 0 internals ---------------------------------------------------------------------
+
+    def _normalised(self) -> list[float]:
+        r = np.where(np.isnan(self.measured), 1.0, self.measured)
+        h = self.s.detect.healthy
+        return [1.0 if x < h else round(float(x), 3) for x in r]
+
+    def _job_problem(self) -> Problem | None:
+        if self._problem is None and self.disabled_reason is None:
+            e = self.engine
+            try:
+                gpn = e.settings.gpus_per_node or self.world
+                dev = self.s.device_mb or device_memory_mb(e.device, min(gpn, self.world))
+                mem = memory_model(e.param_table, e.model_cfg, e.plan.micro_batch_size,
+                                   e.seq_len, e.precision.mixed, dev)
+                pr = job_problem(e.plan, self.world, gpn, self.tp, self.slowdown, mem)
+                self._problem = fit_running_plan(pr, e.plan)
+            except (PlanError, ValueError) as err:
+                self.disabled_reason = f"the running job cannot be planned for: {err}"
+        return self._problem
+
+    def _request(self, trigger: str, rates: list[float], step: int) -> None:
+        pr = self._job_problem()
+        if pr is None:
+            self._result = self._error(trigger, step, self.disabled_reason)
+            return
+        pr = pr.with_rates({d: r for d, r in enumerate(rates) if r > 1.0},
+                           current_plan=self.engine.plan)
+        self._pending = {"trigger": trigger, "rates": rates, "step": step, "problem": pr,
+                         "gen": self._generation, "t0": time.perf_counter()}
+        self._client.request({"problem": pr.to_json(), "seed": step, "forced": trigger == "forced",
+                              "time_limit": self.s.planner_time_limit_s,
+                              "min_improvement": self.s.min_improvement})
+
+    def _collect(self, answer: dict | None = None) -> None:
+        """Turn the worker's answer (if any) into a decision (stale ones are dropped)."""
+        p = self._pending
+        if p is None:
+            return
+        ans = answer if answer is not None else self._client.poll()
+        if ans is None:
+            return
+        self._pending = None
+        if p["gen"] != self._generation:
+            return
+        if "error" in ans:
+            self._result = self._error(p["trigger"], p["step"], f"planning failed: {ans['error']}")
+            return
+        new = Plan.from_json(ans["plan"])
+        cur = self.engine.plan
+        nbytes = self._bytes_for(new) if new.id != cur.id else 0
+        step_s = float(np.median(self.step_times)) if self.step_times else None
+        self._result = decide(p["problem"], cur, new, p["trigger"], p["rates"], p["step"],
+                              time.perf_counter() - p["t0"], step_s, nbytes,
+                              self._migrate_s_for(nbytes), self.s)
+
+    def _forced(self, step: int) -> Decision:
+        if self._client is None:
+            return self._error("forced", step, "no planner (a single rank)")
+        if self._pending is not None:              # finish (and drop) what is in flight
+            self._collect(self._client.wait(self.FORCED_TIMEOUT_S))
+            self._result = None
+        self._request("forced", self._normalised(), step)
+        if self._pending is not None:
+            self._collect(self._client.wait(self.FORCED_TIMEOUT_S))
+        res, self._result = self._result, None
+        return res
+
+    def _error(self, trigger: str, step: int, why: str) -> Decision:
+        return Decision({"event": "replan", "step": step, "trigger": trigger, "adopted": False,
+                         "reason": why, "measured_rates": as_list(self.measured)}, None)
+
+    def _bytes_for(self, new: Plan) -> int:
+        from .migrate.transfer import Layout, transfer_plan
+
+        e = self.engine
+        pb = e.precision.dtype.itemsize if e.precision.mixed else 4
+        return transfer_plan(Layout(e.plan, e.zero_stage), Layout(new, e.zero_stage),
+                             e.param_table, mixed=e.precision.mixed, param_bytes=pb,
+                             gpus_per_node=e.settings.gpus_per_node).bytes
+
+    def _migrate_s_for(self, nbytes: int) -> float:
+        """Predicted switch seconds: bytes ÷ the effective bandwidth of earlier switches
+        (``migrate_gbps`` until one was measured), plus the fixed part of a switch that moved
+        nothing (0.05 s until one was measured)."""
+        done = [m for m in self.engine.migrations if m.bytes > 0 and m.seconds > 0]
+        bw = (sum(m.bytes for m in done) / sum(m.seconds for m in done)) if done \
+            else self.s.migrate_gbps * 1e9
+        fixed = min((m.seconds for m in self.engine.migrations if m.bytes == 0), default=0.05)
+        return fixed + nbytes / bw

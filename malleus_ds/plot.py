@@ -1,0 +1,688 @@
+"""``malleus-plot``: throughput, straggler phases and re-plan/migrate events of a run, as one PNG.
+
+    malleus-plot RUN_DIR [-o FILE.png] [--window N]
+
+``RUN_DIR`` is a run folder (it holds ``metrics.jsonl``) or a Hydra ``--multirun`` sweep folder
+(run folders below it, e.g. ``0/``, ``1/``, ...; found by their ``metrics.jsonl``).
+
+The data side (reading metrics, per-step arrays, straggler regions, events, job labels) is pure
+and separate from the drawing, so it can be tested without looking at pixels.
+
+Bad input (missing folder, no metrics.jsonl, a corrupt line, a file without step lines) prints
+``malleus-plot: error: ...`` on stderr and exits with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import textwrap
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .metrics import METRICS_FILE
+
+PROG = "malleus-plot"
+EXIT_BAD_INPUT = 2
+DEFAULT_OUTPUT = "throughput.png"
+HEALTHY_THRESHOLD = 1.2        # DESIGN.md §6: a measured rate below this counts as healthy
+FIGSIZE = (11.0, 7.0)
+FIGSIZE_ONE_PANEL = (11.0, 5.0)
+DPI = 120
+EVENT_KINDS = ("replan", "migrate")
+
+
+class PlotError(Exception):
+    """Bad input: reported as one ``malleus-plot: error: ...`` line, exit code 2."""
+
+
+# --------------------------------------------------------------------------------------------
+# data (pure)
+
+
+@dataclass(frozen=True)
+class Event:
+    """A ``replan`` or ``migrate`` line of metrics.jsonl, with the text drawn next to its line."""
+
+    kind: str              # "replan" | "migrate"
+    step: int
+    label: str
+    adopted: bool = True   # replan only: False = the planner's plan was not worth moving to
+    trigger: str | None = None
+
+
+@dataclass(frozen=True)
+class Region:
+    """Recorded steps ``start <= step < end`` during which some emulated straggler was active."""
+
+    start: int
+    end: int               # exclusive: the first recorded step after the region (or last + 1)
+    label: str             # e.g. "rank 3 at rate 5"
+
+
+@dataclass
+class RunData:
+    """One run folder's metrics as per-step arrays (index i = the i-th step line of the file)."""
+
+    path: Path
+    name: str                                   # label in plots (job overrides for a multirun)
+    steps: np.ndarray                           # int
+    samples: np.ndarray                         # float
+    step_time_s: np.ndarray                     # float
+    compute_s: np.ndarray                       # (steps, ranks), NaN where missing
+    emulated_rates: list[dict[int, float]]      # per step: {rank: rate} of slowed ranks
+    measured_rates: np.ndarray | None           # (steps, ranks), NaN = not measured; None = absent
+    events: list[Event] = field(default_factory=list)
+    overrides: list[str] | None = None          # <run>/.hydra/overrides.yaml, when present
+
+    @property
+    def throughput(self) -> np.ndarray:
+        """samples / step_time_s per step (NaN where the step time is not positive)."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(self.step_time_s > 0, self.samples / self.step_time_s, np.nan)
+
+    @property
+    def mean_throughput(self) -> float:
+        """All samples over all step time (samples/s)."""
+        t = float(np.sum(self.step_time_s))
+        return float(np.sum(self.samples)) / t if t > 0 else float("nan")
+
+    @property
+    def world_size(self) -> int:
+        n = self.compute_s.shape[1]
+        if self.measured_rates is not None:
+            n = max(n, self.measured_rates.shape[1])
+        return max([n] + [r + 1 for er in self.emulated_rates for r in er])
+
+
+def _natural_key(p: Path) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.as_posix())]
+
+
+def find_run_dirs(root: str | Path) -> list[Path]:
+    """``root`` itself when it holds metrics.jsonl, else every folder below it that does
+    (in natural order: 0, 1, 2, ..., 10)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise PlotError(f"{root}: no such folder" if not root.exists() else f"{root}: not a folder")
+    if (root / METRICS_FILE).is_file():
+        return [root]
+    found = sorted((p.parent for p in root.rglob(METRICS_FILE) if p.is_file()),
+                   key=lambda d: _natural_key(d.relative_to(root)))
+    if not found:
+        raise PlotError(f"{root}: no {METRICS_FILE} found in it or below it")
+    return found
+
+
+def _num(v, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{what} is {v!r}, not a number")
+    return float(v)
+
+
+def _num_list(v, what: str) -> list[float]:
+    """A list of numbers or nulls (NaN)."""
+    if not isinstance(v, list):
+        raise ValueError(f"{what} is {v!r}, not a list")
+    return [float("nan") if x is None else _num(x, what) for x in v]
+
+
+def _rates_dict(v, what: str) -> dict[int, float]:
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise ValueError(f"{what} is {v!r}, not an object")
+    try:
+        return {int(k): _num(x, what) for k, x in v.items()}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
+def parse_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
+    """(step lines, event lines) of a metrics.jsonl, checked. Blank lines are skipped; a line that
+    is not a JSON object, or a step line without numeric ``step``/``samples``/``step_time_s``,
+    raises PlotError naming the file and line number."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlotError(f"{path}: cannot read: {e}") from None
+    steps, events = [], []
+    for no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise ValueError(f"a JSON {type(obj).__name__}, not an object")
+            if "event" in obj:
+                if obj["event"] in EVENT_KINDS:
+                    if "step" not in obj:
+                        raise ValueError(f"{obj['event']} event without \"step\"")
+                    _num(obj["step"], "step")
+                events.append(obj)
+                continue
+            for k in ("step", "samples", "step_time_s"):
+                if k not in obj:
+                    raise ValueError(f"step line without {k!r}")
+                _num(obj[k], k)
+            for k in ("compute_s", "measured_rates"):
+                if obj.get(k) is not None:
+                    _num_list(obj[k], k)
+            for k in ("emulated_rates", "rates"):
+                _rates_dict(obj.get(k), k)
+        except ValueError as e:   # json.JSONDecodeError is a ValueError
+            raise PlotError(f"{path}:{no}: corrupt line: {e}") from None
+        steps.append(obj)
+    if not steps:
+        raise PlotError(f"{path}: no step lines")
+    return steps, events
+
+
+def _matrix(rows: Sequence[list[float] | None], width: int) -> np.ndarray:
+    m = np.full((len(rows), width), np.nan)
+    for i, r in enumerate(rows):
+        if r:
+            m[i, :len(r)] = r
+    return m
+
+
+def event_label(ev: Mapping) -> str:
+    """The text drawn next to an event's vertical line."""
+    if ev["event"] == "replan":
+        trig = ev.get("trigger") or "?"
+        head = f"replan ({trig})"
+        if ev.get("adopted", True) is False:
+            head += "\nnot adopted"
+        ps = ev.get("planning_s")
+        return head + (f"\n{ps:.1f} s plan" if isinstance(ps, (int, float)) else "")
+    parts = []
+    if isinstance(ev.get("bytes"), (int, float)):
+        b = ev["bytes"]
+        parts.append(f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB")
+    if isinstance(ev.get("seconds"), (int, float)):
+        parts.append(f"{ev['seconds']:.2f} s")
+    return "migrate" + (" " + ", ".join(parts) if parts else "")
+
+
+def extract_events(lines: Iterable[Mapping]) -> list[Event]:
+    """replan / migrate events (others are ignored), in step order."""
+    out = []
+    for ev in lines:
+        kind = ev.get("event")
+        if kind not in EVENT_KINDS:
+            continue
+        out.append(Event(kind, int(ev["step"]), event_label(ev),
+                         adopted=ev.get("adopted", True) is not False if kind == "replan" else True,
+                         trigger=ev.get("trigger") if kind == "replan" else None))
+    return sorted(out, key=lambda e: (e.step, EVENT_KINDS.index(e.kind)))
+
+
+def read_overrides(run_dir: Path) -> list[str] | None:
+    """``<run>/.hydra/overrides.yaml`` (a list of ``key=value`` strings), or None."""
+    p = run_dir / ".hydra" / "overrides.yaml"
+    if not p.is_file():
+        return None
+    try:
+        import yaml
+
+        v = yaml.safe_load(p.read_text())
+    except Exception:  # noqa: BLE001 - an unreadable label source only loses the label
+        return None
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        return None
+    return [str(x) for x in v]
+
+
+def read_run(run_dir: str | Path, name: str | None = None) -> RunData:
+    """One run folder's metrics.jsonl (and overrides) as a RunData."""
+    run_dir = Path(run_dir)
+    lines, evs = parse_metrics(run_dir / METRICS_FILE)
+    comp = [_num_list(r["compute_s"], "compute_s") if r.get("compute_s") is not None else None
+            for r in lines]
+    meas_present = any(isinstance(r.get("measured_rates"), list) for r in lines)
+    meas = [_num_list(r["measured_rates"], "measured_rates")
+            if r.get("measured_rates") is not None else None for r in lines]
+    width_c = max((len(c) for c in comp if c), default=0)
+    width_m = max((len(m) for m in meas if m), default=0)
+    emu = [_rates_dict(r["emulated_rates"] if "emulated_rates" in r else r.get("rates"),
+                       "emulated_rates") for r in lines]
+    return RunData(
+        path=run_dir,
+        name=name if name is not None else run_dir.resolve().name,
+        steps=np.array([int(r["step"]) for r in lines], dtype=int),
+        samples=np.array([float(r["samples"]) for r in lines]),
+        step_time_s=np.array([float(r["step_time_s"]) for r in lines]),
+        compute_s=_matrix(comp, width_c),
+        emulated_rates=emu,
+        measured_rates=_matrix(meas, width_m) if meas_present else None,
+        events=extract_events(evs),
+        overrides=read_overrides(run_dir),
+    )
+
+
+def job_labels(runs: Sequence[RunData], root: Path | None = None) -> list[str]:
+    """One label per job: its overrides that differ between jobs (``key=value, ...``); the
+    folder (relative to ``root``) where a job has no overrides.yaml or nothing differs."""
+    def folder(r: RunData) -> str:
+        if root is not None:
+            try:
+                rel = r.path.resolve().relative_to(Path(root).resolve()).as_posix()
+                if rel != ".":
+                    return rel
+            except ValueError:
+                pass
+        return r.path.name
+
+    if len(runs) < 2 or any(r.overrides is None for r in runs):
+        return [folder(r) for r in runs]
+    # key -> the override as written ("engine=malleus"; "~key" has no "=")
+    parsed = [{o.split("=", 1)[0]: o for o in r.overrides} for r in runs]
+    keys: list[str] = []
+    for d in parsed:
+        keys += [k for k in d if k not in keys]
+    differ = [k for k in keys if len({d.get(k) for d in parsed}) > 1]
+    return [", ".join(d[k] for k in differ if k in d) or folder(r) for r, d in zip(runs, parsed)]
+
+
+def load_runs(root: str | Path) -> list[RunData]:
+    """All runs at or below ``root``; a multirun's jobs are labelled by :func:`job_labels`."""
+    root = Path(root)
+    dirs = find_run_dirs(root)
+    runs = [read_run(d) for d in dirs]
+    if len(runs) > 1:
+        for r, lab in zip(runs, job_labels(runs, root)):
+            r.name = lab
+    return runs
+
+
+def rates_label(rates: Mapping[int, float]) -> str:
+    """``{3: 5.0}`` -> ``rank 3 at rate 5``; ranks sharing a rate are listed together."""
+    by_rate: dict[float, list[int]] = {}
+    for r, x in sorted(rates.items()):
+        by_rate.setdefault(float(x), []).append(int(r))
+    parts = []
+    for x, ranks in by_rate.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        parts.append(f"{who} at rate {x:g}")
+    return ", ".join(parts)
+
+
+def straggler_regions(runs: Sequence[RunData]) -> list[Region]:
+    """Contiguous stretches of recorded steps in which some emulated straggler was active, taken
+    over the union of ``runs`` (one run: its own). A region's label lists the distinct schedules
+    seen in it, in order (``" / "`` between them)."""
+    active: dict[int, list[str]] = {}
+    all_steps: set[int] = set()
+    for run in runs:
+        for s, er in zip(run.steps.tolist(), run.emulated_rates):
+            all_steps.add(s)
+            if er:
+                labs = active.setdefault(s, [])
+                lab = rates_label(er)
+                if lab not in labs:
+                    labs.append(lab)
+    out: list[Region] = []
+    start, labels, prev = None, [], None
+    for s in sorted(all_steps):
+        if s in active:
+            if start is None:
+                start, labels = s, []
+            labels += [x for x in active[s] if x not in labels]
+        elif start is not None:
+            out.append(Region(start, s, " / ".join(labels)))
+            start = None
+        prev = s
+    if start is not None:
+        out.append(Region(start, prev + 1, " / ".join(labels)))
+    return out
+
+
+def emulated_rate_series(run: RunData) -> dict[int, np.ndarray]:
+    """Per slowed rank (slowed in any step): its emulated rate each step (1 when not slowed)."""
+    ranks = sorted({r for er in run.emulated_rates for r in er})
+    return {r: np.array([er.get(r, 1.0) for er in run.emulated_rates]) for r in ranks}
+
+
+def rolling_median(y: np.ndarray, window: int = 5) -> np.ndarray:
+    """Centred rolling median (NaNs ignored; the window shrinks at the ends)."""
+    y = np.asarray(y, dtype=float)
+    if window <= 1 or y.size == 0:
+        return y.copy()
+    left = (window - 1) // 2
+    right = window - 1 - left
+    padded = np.concatenate([np.full(left, np.nan), y, np.full(right, np.nan)])
+    win = np.lib.stride_tricks.sliding_window_view(padded, window)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # an all-NaN window -> NaN
+        return np.nanmedian(win, axis=1)
+
+
+# --------------------------------------------------------------------------------------------
+# drawing
+
+REPLAN_COLOR = "tab:purple"
+MIGRATE_COLOR = "tab:green"
+STRAGGLER_COLOR = "tab:red"
+
+
+def _rank_colors(n: int) -> list:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10" if n <= 10 else "tab20"]
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
+def _place_event_labels(fig, ax, items, max_rows: int = 4, top: float = 0.985) -> float:
+    """Write event labels near the top of ``ax``: ``items`` = (x, text, ha, color). A label that
+    would overlap one already placed goes one row lower (at most ``max_rows`` rows; labels that
+    fit nowhere are dropped, their lines stay). Returns the lowest label edge (axes fraction)."""
+    from matplotlib.transforms import blended_transform_factory
+
+    if not items:
+        return 1.0
+    trans = blended_transform_factory(ax.transData, ax.transAxes)
+    renderer = fig.canvas.get_renderer()
+    axbb = ax.get_window_extent(renderer)
+    texts = []
+    for x, s, ha, color in sorted(items, key=lambda t: t[0]):
+        t = ax.text(x, top, s, transform=trans, ha=ha, va="top", fontsize=7.5, color=color,
+                    zorder=5, bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none",
+                                        alpha=0.85))
+        bb = t.get_window_extent(renderer)
+        if bb.x1 > axbb.x1 - 2 and ha == "left":        # keep inside the axes
+            t.set_ha("right")
+        elif bb.x0 < axbb.x0 + 2 and ha == "right":
+            t.set_ha("left")
+        texts.append(t)
+    boxes = [t.get_window_extent(renderer) for t in texts]
+    row_h = (max(b.height for b in boxes) + 6) / axbb.height
+    rows: list[list[tuple[float, float]]] = []
+    used = 0
+    for t, b in zip(texts, boxes):
+        lo, hi = b.x0 - 4, b.x1 + 4
+        for r in range(max_rows):
+            if r == len(rows):
+                rows.append([])
+            if all(hi <= a or lo >= z for a, z in rows[r]):
+                rows[r].append((lo, hi))
+                t.set_y(top - r * row_h)
+                used = max(used, r + 1)
+                break
+        else:
+            t.remove()
+    return top - used * row_h
+
+
+def _headroom(ax, data_max: float, lowest_label: float, bottom: float = 0.0) -> None:
+    """y limits so that the data stays below the event labels."""
+    if not np.isfinite(data_max) or data_max <= bottom:
+        return
+    frac = max(0.45, lowest_label - 0.03)
+    ax.set_ylim(bottom, bottom + (data_max - bottom) / frac)
+
+
+def _shade(ax, regions: Sequence[Region], labels: bool) -> None:
+    from matplotlib.transforms import blended_transform_factory
+
+    trans = blended_transform_factory(ax.transData, ax.transAxes)
+    for reg in regions:
+        ax.axvspan(reg.start - 0.5, reg.end - 0.5, color=STRAGGLER_COLOR, alpha=0.10, lw=0,
+                   zorder=0)
+        if labels and reg.label:
+            ax.text(reg.start - 0.3, 0.03, reg.label, transform=trans, ha="left", va="bottom",
+                    fontsize=8, color="darkred", zorder=5,
+                    bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none", alpha=0.7))
+
+
+def _event_lines(ax, events: Sequence[Event], color=None, marker: bool = True) -> None:
+    from matplotlib.transforms import blended_transform_factory
+
+    trans = blended_transform_factory(ax.transData, ax.transAxes)
+    for ev in events:
+        c = color or (REPLAN_COLOR if ev.kind == "replan" else MIGRATE_COLOR)
+        if ev.kind == "replan":
+            ax.axvline(ev.step, color=c, ls="--" if ev.adopted else ":", lw=1.2,
+                       alpha=1.0 if ev.adopted else 0.7, zorder=3)
+            if marker:
+                ax.plot([ev.step], [1.0], transform=trans, marker="v", ms=7, clip_on=False,
+                        mec=c, mfc=c if ev.adopted else "white", mew=1.3, zorder=6)
+        else:
+            ax.axvline(ev.step, color=c, ls="-", lw=1.2, zorder=3)
+
+
+def _legend(ax, handles=None, **kw) -> None:
+    kw.setdefault("fontsize", 8)
+    if handles is not None:
+        kw["handles"] = handles
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
+              frameon=False, **kw)
+
+
+def _event_proxies(events: Sequence[Event], color=None) -> list:
+    from matplotlib.lines import Line2D
+
+    h = []
+    if any(e.kind == "replan" and e.adopted for e in events):
+        h.append(Line2D([], [], color=color or REPLAN_COLOR, ls="--", marker="v", ms=6,
+                        label="replan"))
+    if any(e.kind == "replan" and not e.adopted for e in events):
+        h.append(Line2D([], [], color=color or REPLAN_COLOR, ls=":", marker="v", ms=6,
+                        mfc="white", label="replan, not adopted"))
+    if any(e.kind == "migrate" for e in events):
+        h.append(Line2D([], [], color=color or MIGRATE_COLOR, ls="-", label="migrate"))
+    return h
+
+
+MAX_RANK_LINES = 12   # more ranks than this: only the slowed ones get a colour and a legend entry
+
+
+def _highlighted_ranks(run: RunData, values: np.ndarray, threshold: float | None) -> list[int]:
+    """Ranks drawn in colour: all of them for a small job, else those the emulation slowed or
+    whose value ever crossed ``threshold``."""
+    n = values.shape[1]
+    if n <= MAX_RANK_LINES:
+        return list(range(n))
+    hot = {r for er in run.emulated_rates for r in er}
+    if threshold is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            hot |= {d for d in range(n) if np.nanmax(values[:, d]) >= threshold}
+    return sorted(d for d in hot if d < n)[:20]
+
+
+def _rank_lines(ax, x, values: np.ndarray, hot: Sequence[int], colors, lw: float) -> None:
+    others = [d for d in range(values.shape[1]) if d not in hot]
+    for k, d in enumerate(others):
+        ax.plot(x, values[:, d], color="0.6", lw=0.7, alpha=0.6, zorder=3,
+                label=f"other ranks ({len(others)})" if k == 0 else None)
+    for d in hot:
+        ax.plot(x, values[:, d], color=colors[d], lw=lw, label=f"rank {d}", zorder=4)
+
+
+def _bottom_panel(ax, run: RunData, regions: Sequence[Region], title: str | None) -> None:
+    n = run.world_size
+    _shade(ax, regions, labels=False)
+    _event_lines(ax, run.events, color="0.55", marker=False)
+    x = run.steps
+    if run.measured_rates is not None:
+        m = run.measured_rates
+        hot = _highlighted_ranks(run, m, HEALTHY_THRESHOLD)
+        if n <= MAX_RANK_LINES:
+            colors = _rank_colors(n)
+        else:    # colours for the highlighted ranks only, so they stay far apart
+            ranks = hot + sorted({r for er in run.emulated_rates for r in er} - set(hot))
+            colors = dict(zip(ranks, _rank_colors(len(ranks))))
+        _rank_lines(ax, x, m, hot, colors, lw=1.6)
+        emu = emulated_rate_series(run)
+        for d, ys in emu.items():
+            ax.step(x, ys, where="mid", color=colors[d], ls="--", lw=1.0, alpha=0.9, zorder=3)
+        ax.axhline(HEALTHY_THRESHOLD, color="0.3", ls=":", lw=1.2,
+                   label=f"healthy threshold ({HEALTHY_THRESHOLD:g})", zorder=2)
+        from matplotlib.lines import Line2D
+
+        handles, _ = ax.get_legend_handles_labels()
+        if emu:
+            handles.append(Line2D([], [], color="0.3", ls="--", lw=1.0,
+                                  label="emulated rate (schedule)"))
+        top = np.nanmax(np.concatenate([m.ravel()] + [v for v in emu.values()]
+                                       + [np.array([HEALTHY_THRESHOLD])]))
+        ax.set_ylim(0, top * 1.12 if np.isfinite(top) else 2.0)
+        ax.set_ylabel("measured rate\n(1 = healthy)")
+        _legend(ax, handles=handles, ncol=1 if len(handles) <= 12 else 2)
+    else:
+        c = run.compute_s
+        hot = _highlighted_ranks(run, c, None)
+        colors = _rank_colors(n) if n <= MAX_RANK_LINES else \
+            dict(zip(hot, _rank_colors(len(hot))))
+        _rank_lines(ax, x, c, hot, colors, lw=1.3)
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel("compute s")
+        if c.shape[1]:
+            _legend(ax)
+    if title:
+        ax.set_title(title, fontsize=9, loc="left")
+    ax.grid(True, alpha=0.35)
+
+
+def draw(runs: Sequence[RunData], out: str | Path, title: str, window: int = 5) -> Path:
+    """Write the figure for ``runs`` (one run, or a multirun's jobs) to ``out`` (PNG)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    single = len(runs) == 1
+    with_rates = [r for r in runs if r.measured_rates is not None]
+    bottom_run = runs[0] if single else (with_rates[0] if len(with_rates) == 1 else None)
+    fig = Figure(figsize=FIGSIZE if bottom_run is not None else FIGSIZE_ONE_PANEL, dpi=DPI)
+    FigureCanvasAgg(fig)
+    if bottom_run is not None:
+        ax, ax2 = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    else:
+        ax, ax2 = fig.subplots(1, 1), None
+    regions = straggler_regions(runs)
+    _shade(ax, regions, labels=True)
+    data_max = 0.0
+    job_colors = _rank_colors(len(runs))
+    label_items = []
+    for i, run in enumerate(runs):
+        thr = run.throughput
+        med = rolling_median(thr, window)
+        if single:
+            raw_c, med_c = "tab:blue", "tab:blue"
+        else:
+            raw_c = med_c = job_colors[i]
+        ax.plot(run.steps, thr, color=raw_c, lw=0.8, alpha=0.4, zorder=2,
+                label="per step" if single else None)
+        lab = (f"rolling median ({window} steps)" if single else
+               textwrap.fill(f"{run.name} ({run.mean_throughput:.1f}/s)", 42))
+        ax.plot(run.steps, med, color=med_c, lw=2.2, zorder=4, label=lab)
+        if np.isfinite(thr).any():
+            data_max = max(data_max, float(np.nanmax(thr)))
+        ev_color = None if single else job_colors[i]
+        _event_lines(ax, run.events, color=ev_color)
+        for ev in run.events:
+            c = ev_color or (REPLAN_COLOR if ev.kind == "replan" else MIGRATE_COLOR)
+            # replan text to the left of its line, migrate to the right: the usual replan ->
+            # migrate pair one step apart then spreads apart instead of colliding
+            label_items.append((ev.step, ev.label, "right" if ev.kind == "replan" else "left", c))
+    handles, _ = ax.get_legend_handles_labels()
+    if regions:
+        handles.append(Patch(color=STRAGGLER_COLOR, alpha=0.15, label="emulated straggler"))
+    all_events = [e for r in runs for e in r.events]
+    handles += _event_proxies(all_events, color=None if single else "0.35")
+    ax.set_ylabel("throughput (samples/s)")
+    ax.grid(True, alpha=0.35)
+    steps_all = np.concatenate([r.steps for r in runs])
+    ax.set_xlim(steps_all.min() - 0.5, steps_all.max() + 0.5)
+    _legend(ax, handles=handles)
+    ax.set_title(title, fontsize=11, pad=10)   # room for the replan markers on the top edge
+    if ax2 is not None:
+        sub = None if single else f"measured rates: {bottom_run.name}"
+        _bottom_panel(ax2, bottom_run, straggler_regions([bottom_run]), sub)
+        ax2.set_xlabel("step")
+    else:
+        ax.set_xlabel("step")
+    ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    lowest = _place_event_labels(fig, ax, label_items)
+    _headroom(ax, data_max, lowest)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=DPI)
+    return out
+
+
+def figure_title(root: Path, runs: Sequence[RunData]) -> str:
+    name = root.resolve().name
+    if len(runs) == 1:
+        r = runs[0]
+        return (f"{name}: mean {r.mean_throughput:.1f} samples/s over {len(r.steps)} steps")
+    return f"{name}: {len(runs)} jobs"
+
+
+# --------------------------------------------------------------------------------------------
+# command
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=PROG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.dedent("""\
+            Plot a training run's throughput and its straggler / re-plan / migrate history
+            from RUN_DIR/metrics.jsonl as one PNG.
+
+            Top panel: throughput per step (samples / step_time_s) as a thin line plus a bold
+              rolling median; steps with an emulated straggler active shaded red and labelled
+              ("rank 3 at rate 5"); re-plans as dashed vertical lines (a hollow marker: the new
+              plan was not adopted), migrations as solid ones, each labelled with its trigger
+              and planning time, or bytes moved and seconds taken.
+            Bottom panel: each rank's measured rate (engine=malleus) with the emulated schedule
+              of slowed ranks as thin dashed steps in the same colour and the healthy threshold
+              (1.2) dotted; per-rank compute seconds when no rates were measured. Above 12
+              ranks only slowed ranks (emulated, or measured >= 1.2) get a colour; the rest
+              are grey.
+
+            RUN_DIR may also be a Hydra --multirun sweep folder: one line per job (labelled by
+            the overrides that differ between jobs), straggler shading over all jobs; the bottom
+            panel only when exactly one job measured rates."""),
+        epilog="Exit code 2 on bad input (missing folder, no metrics.jsonl, corrupt line).")
+    ap.add_argument("run_dir", metavar="RUN_DIR",
+                    help="run folder with metrics.jsonl, or a --multirun sweep folder")
+    ap.add_argument("-o", "--output", metavar="FILE.png",
+                    help=f"where to write the PNG (default: RUN_DIR/{DEFAULT_OUTPUT})")
+    ap.add_argument("--window", type=int, default=5, metavar="N",
+                    help="rolling-median window in steps (default 5)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.window < 1:
+        print(f"{PROG}: error: --window={args.window} must be >= 1", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    root = Path(args.run_dir)
+    try:
+        runs = load_runs(root)
+        out = Path(args.output) if args.output else root / DEFAULT_OUTPUT
+        try:
+            written = draw(runs, out, figure_title(root, runs), window=args.window)
+        except OSError as e:
+            raise PlotError(f"cannot write {out}: {e}") from None
+    except PlotError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(written)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Measured straggling rates and re-plan detection (DESIGN.md §2, §6).
+
+The loop an engine runs, every step and every ``DetectConfig.every`` steps::
+
+    units = cost_units(plan, world, tp, tp_slowdown)       # once per plan
+    est.add(compute_s, units, probe_s)                     # every step (gathered timings)
+    trig = det.check(est.rates())                          # every cfg.every steps
+    if trig: plan for trig.rates ...; det.planned_for(trig.rates); est.reset() on a switch
+
+* :func:`cost_units` — work a rank does under a plan: layers held × micro-batches of its
+  pipeline × the TP-size slowdown of its group (0 for a rank without work).
+* :class:`RateEstimator` — per-step rates ``x_d`` = (compute seconds / units) relative to a
+  robust healthy reference, smoothed by a median over the last few steps. Suspended ranks are
+  measured by a probe (per-unit seconds).
+* :class:`Detector` — Malleus's rule: a rate below ``healthy`` counts as 1.0; a re-plan needs some
+  rate to differ from the one the current plan was made for by ``change`` (relative), in
+  ``confirm`` consecutive detections, and none is raised during a ``cooldown`` after planning.
+
+numpy only: no torch, no torch.distributed, no deepspeed, no omegaconf.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .plan import Plan
+
+
+def ideal_slowdown(tp: int) -> dict[int, float]:
+    """A TP-size slowdown table with perfect scaling: ``{tp/g: tp/g}`` for every divisor."""
+    return {k: float(k) for k in range(1, tp + 1) if tp % k == 0}
+
+
+def cost_units(plan: Plan, world: int, tp: int, tp_slowdown: Mapping[int, float]) -> np.ndarray:
+    """Per-rank work under ``plan`` (length ``world``, float64), in "one layer × one micro-batch
+    on a healthy full TP group": ``layers held × micro-batches × tp_slowdown[tp // g]``.
+
+    0.0 for a rank the plan does not use (suspended or absent). Raises ``ValueError`` for a rank
+    outside the world, a group size that does not divide ``tp``, or a missing slowdown key.
+    """
+    out = np.zeros(world, dtype=np.float64)
+    for i, pipe in enumerate(plan.pipelines):
+        for j, stage in enumerate(pipe.stages):
+            where = f"pipelines[{i}].stages[{j}]"
+            if tp % stage.tp:
+                raise ValueError(f"{where}: TP group size {stage.tp} does not divide tp={tp}")
+            key = tp // stage.tp
+            if key not in tp_slowdown:
+                raise ValueError(f"{where}: tp_slowdown has no entry for key {key} (= tp {tp} / "
+                                 f"group size {stage.tp}); keys: {sorted(tp_slowdown)}")
+            u = stage.num_layers * pipe.micro_batches * float(tp_slowdown[key])
+            for r in stage.ranks:
+                if not 0 <= r < world:
+                    raise ValueError(f"{where}: rank {r} is outside 0..{world - 1}")
+                out[r] = u
+    return out
+
+
+@dataclass(frozen=True)
+class DetectConfig:
+    """When a measured rate shift triggers re-planning (Malleus's defaults)."""
+
+    every: int = 2          # run detection every N steps
+    window: int = 5         # median over the last N per-step rates (smoothing)
+    healthy: float = 1.2    # a smoothed rate below this counts as healthy (1.0)
+    change: float = 0.3     # re-plan when |r - p| >= change * p for some rank (relative)...
+    confirm: int = 2        # ...in this many consecutive detections (hysteresis)
+    cooldown: int = 2       # detections skipped after a planning attempt
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming ``malleus.detect.<field>=<value>`` for a bad field."""
+        rules = (("every", self.every >= 1, ">= 1"), ("window", self.window >= 1, ">= 1"),
+                 ("healthy", self.healthy >= 1.0, ">= 1.0 (1.0 = healthy)"),
+                 ("change", self.change > 0, "> 0 (relative, e.g. 0.3 = 30%)"),
+                 ("confirm", self.confirm >= 1, ">= 1"), ("cooldown", self.cooldown >= 0, ">= 0"))
+        for name, ok, need in rules:
+            if not ok:  # NaN fails every comparison, so it is rejected too
+                raise ValueError(f"malleus.detect.{name}={getattr(self, name)!r} must be {need}")
+
+
+def _vector(x: Sequence[float], world: int, what: str) -> np.ndarray:
+    a = np.asarray(x, dtype=np.float64).reshape(-1)
+    if a.shape != (world,):
+        raise ValueError(f"{what}: expected {world} values (one per rank), got {a.size}")
+    return a
+
+
+class RateEstimator:
+    """Per-rank straggling rates from per-step compute timings, median-smoothed.
+
+    Per-unit time ``t_d`` = compute seconds / cost units for a rank with work, else its probe's
+    per-unit seconds. Each step's times are divided by that step's median over active ranks (a
+    step that is slow for everyone, e.g. a busy host, moves nobody's rate) and kept for
+    ``window`` steps. Smoothing comes first: :meth:`rates` takes each rank's median over the
+    window, then divides by the reference = the median of the smoothed values of the active
+    ranks within ``band`` × the fastest one, so up to half the ranks may straggle without moving
+    it. (Taking the reference per step instead would let one lucky-fast step of one rank make
+    every other rank look slow: on shared CPUs per-step compute varies by 2-3×.)
+    """
+
+    def __init__(self, world: int, window: int = 5, band: float = 1.5):
+        if world < 1 or window < 1 or not band >= 1.0:
+            raise ValueError(f"RateEstimator: need world >= 1, window >= 1, band >= 1.0; got "
+                             f"world={world}, window={window}, band={band}")
+        self.world, self.window, self.band = world, window, band
+        self._rows: deque[np.ndarray] = deque(maxlen=window)
+        self._active = np.ones(world, dtype=bool)     # ranks with work in the latest step
+
+    def add(self, compute_s: Sequence[float], units: Sequence[float],
+            probe_s: Sequence[float] | None = None) -> np.ndarray:
+        """Record one step and return its raw rates (NaN = no measurement for that rank).
+
+        ``compute_s[d]``: rank d's compute seconds this step (communication left out);
+        ``units[d]``: from :func:`cost_units` (0 = no work); ``probe_s[d]``: per-unit seconds of
+        a probe run by a rank without work (NaN or <= 0 = none). A step in which no active rank
+        has a positive finite time returns all-NaN and is not kept (it would only push real
+        measurements out of the window).
+        """
+        c = _vector(compute_s, self.world, "compute_s")
+        u = _vector(units, self.world, "units")
+        active = u > 0
+        t = np.full(self.world, np.nan)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t[active] = c[active] / u[active]
+        if probe_s is not None:
+            p = _vector(probe_s, self.world, "probe_s")
+            use = ~active & np.isfinite(p) & (p > 0)
+            t[use] = p[use]
+        t[~(np.isfinite(t) & (t > 0))] = np.nan   # a zero/negative/inf time is no measurement
+        valid = active & ~np.isnan(t)
+        if not valid.any():
+            return np.full(self.world, np.nan)
+        ta = t[valid]
+        self._rows.append(t / float(np.median(ta)))
+        self._active = active
+        return t / float(np.median(ta[ta <= self.band * ta.min()]))
+
+    def rates(self) -> np.ndarray:
+        """Smoothed rates: per rank the median over the kept rows, ignoring NaN; NaN where no
+        row has a measurement. Not clamped (a rank may read 0.9)."""
+        if not self._rows:
+            return np.full(self.world, np.nan)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)   # all-NaN columns -> NaN
+            sm = np.nanmedian(np.stack(self._rows), axis=0)
+        act = sm[self._active & ~np.isnan(sm)]
+        if not act.size:
+            return np.full(self.world, np.nan)
+        return sm / float(np.median(act[act <= self.band * act.min()]))
+
+    def reset(self) -> None:
+        """Forget the history (after a plan switch, when units change). Never called here."""
+        self._rows.clear()
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """A confirmed rate shift: plan for ``rates``."""
+
+    kind: str                   # "onset" | "change" | "recovery"
+    rates: tuple[float, ...]    # normalised smoothed rates (healthy ones = 1.0), per rank
+
+
+class Detector:
+    """Decides, from smoothed rates, when to re-plan (see :class:`DetectConfig`).
+
+    ``planned`` holds the normalised rates the current plan was made for (all 1.0 at start).
+    """
+
+    def __init__(self, world: int, cfg: DetectConfig = DetectConfig()):
+        cfg.check()
+        self.world, self.cfg = world, cfg
+        self.planned = np.ones(world, dtype=np.float64)
+        self.streak = 0       # consecutive detections with a shift
+        self.cooldown = 0     # detections still to skip
+
+    def normalise(self, rates: Sequence[float]) -> np.ndarray:
+        """A rate below ``healthy`` -> 1.0; NaN (no data) -> the planned value for that rank."""
+        r = _vector(rates, self.world, "rates").copy()
+        nan = np.isnan(r)
+        r[nan] = self.planned[nan]
+        r[r < self.cfg.healthy] = 1.0
+        return r
+
+    def check(self, rates: Sequence[float]) -> Trigger | None:
+        """One detection (every ``cfg.every`` steps) on :meth:`RateEstimator.rates`."""
+        if self.cooldown > 0:
+            self.cooldown -= 1
+            return None
+        r, p = self.normalise(rates), self.planned
+        shifted = bool(np.any(np.abs(r - p) >= self.cfg.change * p))
+        self.streak = self.streak + 1 if shifted else 0
+        if self.streak < self.cfg.confirm:
+            return None
+        if np.all(r == 1.0) and np.any(p > 1.0):
+            kind = "recovery"
+        elif np.all(p == 1.0):
+            kind = "onset"
+        else:
+            kind = "change"
+        return Trigger(kind, tuple(round(float(x), 3) for x in r))
+
+    def planned_for(self, rates: Sequence[float]) -> None:
+        """After a planning attempt (adopted or not): remember ``rates``, restart hysteresis and
+        the cooldown."""
+        self.planned = self.normalise(rates)
+        self.streak = 0
+        self.cooldown = self.cfg.cooldown
+
+
+def as_list(rates: Sequence[float]) -> list[float | None]:
+    """Rates for logs/JSON: rounded to 3 decimals, NaN -> None."""
+    return [None if np.isnan(x) else round(float(x), 3) for x in np.asarray(rates, dtype=float)]

@@ -1,0 +1,118 @@
+"""The adaptive loop keeps the math (DESIGN.md §6): one engine trains while an emulated straggler
+comes and goes; the engine measures it, re-plans in the background, migrates live, comes back
+after recovery, and obeys a forced re-plan. Per-step losses, final parameters and Adam states
+equal one single-process run; the events say what happened, the same on every rank."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tests.dist.harness import run_distributed
+from tests.dist.test_malleus_cases import CFG, check, ds_config, plan_json
+from tests.dist.test_malleus_switch import _check_adam
+
+STATIC = plan_json([(2, [([r], (0, 4))]) for r in range(4)])      # dp=4, 2 micro-batches each
+SLOW_FROM, SLOW_TO, RATE = 8, 22, 8.0
+
+
+def _adaptive(rank, world, max_steps):
+    import malleus_ds
+    from malleus_ds.plan import Plan
+
+    cfg = ds_config(1)
+    cfg["malleus"] = {"straggler": [{"rank": 3, "rate": RATE, "start_step": SLOW_FROM,
+                                     "end_step": SLOW_TO}],
+                      "detect": {"every": 1}, "planner_time_limit_s": 0.5}
+    eng, *_ = malleus_ds.initialize(model=CFG, config=cfg, plan=Plan.from_json(STATIC))
+    losses, events, forced_at, plans = [], [], None, {}
+    while len(losses) < max_steps:
+        losses.append(eng.train_batch())
+        plans[eng.plan.id] = eng.plan.to_json()
+        events += [dict(e, at=len(losses)) for e in eng.take_events()]
+        recovered = any(e["event"] == "replan" and e.get("adopted") and e["trigger"] == "recovery"
+                        for e in events)
+        if recovered and forced_at is None:     # events are identical on every rank
+            forced_at = len(losses) + 2
+            eng.control.forced.append(forced_at)
+        if forced_at is not None and len(losses) >= forced_at + 2:
+            break
+    eng.apply_scheduled_switch()
+    events += eng.take_events()
+    st = eng.local_state()
+    shards = {n: (t.numpy(), d, a, b) for n, (t, d, a, b) in eng.local_shards().items()}
+    adam = {n: (st["exp_avg"][n].numpy(), st["exp_avg_sq"][n].numpy()) for n in st["exp_avg"]}
+    eng.control.close()
+    return (losses, shards), events, eng.measured_rates, adam, plans
+
+
+def test_adaptive_run_detects_replans_migrates_recovers_and_keeps_the_math():
+    res = run_distributed(_adaptive, 4, 70, timeout=400)
+    steps = len(res[0][0][0])
+    assert all(len(r[0][0]) == steps for r in res)
+    check(STATIC, [r[0] for r in res], steps=steps)
+    _check_adam([(r[0], None, None, r[3]) for r in res], steps)
+    events = res[0][1]
+    assert all(r[1] == events for r in res), "every rank saw the same events"
+    replans = [e for e in events if e["event"] == "replan"]
+    adopted = [e for e in replans if e["adopted"]]
+    migrates = [e for e in events if e["event"] == "migrate"]
+    # nothing happens while everyone is healthy
+    assert all(e["step"] > SLOW_FROM for e in replans), replans
+    onset = next(e for e in adopted if e["trigger"] in ("onset", "change"))
+    assert onset["step"] < SLOW_TO and onset["measured_rates"][3] > 4, onset
+    assert onset["predicted_step_s"][1] < onset["predicted_step_s"][0]
+    assert onset["step"] - SLOW_FROM <= 14, f"detected and planned late: {onset}"
+    rec = next(e for e in adopted if e["trigger"] == "recovery")
+    assert rec["step"] > SLOW_TO and all(x == 1.0 for x in rec["measured_rates"])
+    forced = [e for e in adopted if e["trigger"] == "forced"]
+    assert len(forced) == 1 and forced[0]["from"] != forced[0]["to"]
+    # every adopted re-plan is followed by its migration, at the same step boundary
+    for e in adopted:
+        m = next(m for m in migrates if m["from"] == e["from"] and m["to"] == e["to"]
+                 and m["step"] == e["step"])
+        assert m["seconds"] > 0
+    # the plan made for the straggler gives rank 3 less work (or none)
+    from malleus_ds.plan import Plan
+    from malleus_ds.straggler import cost_units
+    units = cost_units(Plan.from_json(res[0][4][onset["to"]]), 4, 1, {1: 1.0})
+    assert units[3] < units[:3].min(), units
+    # after recovery and the forced switch the rates read healthy again
+    assert all(x is None or x < 1.5 for x in res[0][2]), res[0][2]
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_forced_replans_from_the_command_line_log_events_and_plot(tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           str(REPO / "launch" / "train.py"), "model=tiny", "model.max_seq_len=16",
+           "progress=false", "engine=malleus", "train.steps=8", "malleus.replan_at=[3,6]",
+           "malleus.adaptive=false", f"hydra.run.dir={out}",
+           "straggler.schedule=[{rank:2,rate:2.0,start_step:1}]"]
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "event" not in r]
+    evs = [r for r in rows if "event" in r]
+    assert [(e["event"], e["step"], e.get("trigger")) for e in evs] == [
+        ("replan", 3, "forced"), ("migrate", 3, None), ("replan", 6, "forced"), ("migrate", 6, None)]
+    assert evs[0]["to"] == evs[1]["to"] != evs[0]["from"] and evs[2]["from"] == evs[0]["to"]
+    assert steps[2]["plan"] == evs[0]["from"] and steps[3]["plan"] == evs[0]["to"]
+    assert steps[0]["emulated_rates"] == {} and steps[1]["emulated_rates"] == {"2": 2.0}
+    assert len(steps[-1]["measured_rates"]) == 4 and steps[-1]["measured_rates"][2] > 1.3
+    assert "replan before step 3 (forced" in p.stdout and "migrate before step 6" in p.stdout
+    from malleus_ds.models import model_config
+    from malleus_ds.reference import reference_run
+    ref, _ = reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=8,
+                           global_batch_size=8, micro_batch_size=1)
+    np.testing.assert_allclose([r["loss"] for r in steps], ref, rtol=1e-5)
+    from malleus_ds.plot import main as plot_main
+    assert plot_main([str(out), "-o", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

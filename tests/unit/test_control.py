@@ -1,0 +1,206 @@
+"""The adaptive loop's decisions without processes (control.py, planner/worker.py): settings, the
+planning problem of a running job, the cost rule, the planner worker, and the controller driven
+by synthetic timings through detection → background re-plan → decision."""
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from malleus_ds.control import (AdaptiveSettings, Controller, PlannerClient, decide,
+                                job_problem, memory_model, nominal_shape)
+from malleus_ds.cost import step_time
+from malleus_ds.models.llama import PRESETS, param_table
+from malleus_ds.plan import Plan, PlanError, static_plan
+from malleus_ds.planner.worker import alternative_plan, answer
+from malleus_ds.straggler import DetectConfig
+
+
+@pytest.mark.parametrize("sec, match", [
+    ({"adaptive": "yes"}, r"malleus.adaptive='yes' must be true or false"),
+    ({"detect": {"every": 0}}, r"malleus.detect.every=0"),
+    ({"detect": {"healthy": 0.9}}, r"malleus.detect.healthy=0.9"),
+    ({"detect": {"change": -0.1}}, r"malleus.detect.change=-0.1"),
+    ({"detect": {"window": 2.5}}, r"malleus.detect.window=2.5 must be an integer"),
+    ({"detect": {"evry": 2}}, r"unknown keys \['evry'\]"),
+    ({"horizon_steps": 0}, r"horizon_steps=0 must be an integer >= 1"),
+    ({"replan_at": [5, 5]}, r"replan_at\[1\]=5 is not after replan_at\[0\]=5"),
+    ({"replan_at": [0]}, r"replan_at\[0\]=0 must be an integer >= 1"),
+    ({"replan_at": "5"}, r"replan_at must be a list"),
+    ({"planner_time_limit_s": 0}, r"planner_time_limit_s=0"),
+    ({"min_improvement": 1.5}, r"min_improvement=1.5"),
+])
+def test_settings_errors_name_the_field(sec, match):
+    with pytest.raises(ValueError, match=match):
+        AdaptiveSettings.from_config(sec)
+
+
+def test_settings_defaults_and_values():
+    s = AdaptiveSettings.from_config({})
+    assert s.enabled and s.detect == DetectConfig() and s.horizon_steps == 100
+    s = AdaptiveSettings.from_config({"adaptive": False, "detect": {"every": 1, "healthy": 1.5},
+                                      "replan_at": [3, 9], "tp_slowdown": {"1": 1, "2": 1.9}})
+    assert not s.enabled and s.detect.every == 1 and s.detect.healthy == 1.5
+    assert s.replan_at == (3, 9) and s.tp_slowdown == {1: 1.0, 2: 1.9}
+
+
+def test_job_problem_is_a_valid_problem_for_the_running_plan():
+    from malleus_ds.cost import validate_for_problem
+
+    for plan, tp in [(static_plan(4, 8, 1, 1, 1, 4), 1), (static_plan(8, 16, 2, 2, 2, 2), 2)]:
+        world = sum(len(s.ranks) for p in plan.pipelines for s in p.stages)
+        pr = job_problem(plan, world, world, tp, {k: float(k) for k in (1, 2) if tp % k == 0},
+                         None)
+        assert (pr.tp, pr.pp * pr.dp * pr.tp) == (tp, world)
+        validate_for_problem(pr, plan)
+    # a non-uniform starting plan: the fewest stages that tile the world
+    odd = Plan.from_json({"version": 1, "num_layers": 4, "global_batch_size": 8,
+                          "micro_batch_size": 1, "pipelines": [
+                              {"micro_batches": 5, "stages": [{"ranks": [0], "layers": [0, 4]}]},
+                              {"micro_batches": 3, "stages": [{"ranks": [1], "layers": [0, 1]},
+                                                              {"ranks": [2], "layers": [1, 4]}]}],
+                          "suspended": [3]})
+    assert nominal_shape(odd, 4, 1) == (1, 4)
+
+
+def test_memory_model_from_real_sizes():
+    cfg = PRESETS["70b"]
+    m = memory_model(param_table(cfg), cfg, 1, 4096, True, 81920.0)
+    # our 70B layer (no GQA): 4h² + 3·h·ffn = 0.97e9 params x 18 bytes (bf16 param, fp32 grad,
+    # master and two Adam moments)
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    assert m.layer_static_mb == pytest.approx((4 * h * h + 3 * h * f + 2 * h) * 18 / 2**20)
+    # Megatron's s·b·h·(34 + 5·a·s/h) bytes at 16 bits
+    assert m.layer_activation_mb == pytest.approx(4096 * h * (34 + 5 * 64 * 4096 / h) / 2**20)
+    assert m.embedding_mb == pytest.approx((cfg.vocab_size + 1) * h * 18 / 2**20)   # + norm
+    assert m.budget_mb == pytest.approx(0.9 * 81920)
+    assert memory_model(param_table(cfg), cfg, 1, 4096, False, 1.0).layer_static_mb == \
+        pytest.approx(m.layer_static_mb * 16 / 18)
+
+
+def _problem(rates=None, cur=None):
+    plan = static_plan(4, 8, 1, 1, 1, 4)
+    pr = job_problem(plan, 4, 4, 1, {1: 1.0}, None)
+    return pr.with_rates(rates or {}, current_plan=cur or plan), plan
+
+
+def test_cost_rule():
+    pr, cur = _problem({3: 5.0})
+    new = Plan.from_json(answer({"problem": pr.to_json()})["plan"])
+    assert new.id != cur.id and step_time(pr, new) < step_time(pr, cur) / 2
+    s = AdaptiveSettings(horizon_steps=10)
+    d = decide(pr, cur, new, "onset", [1, 1, 1, 5], 9, 0.4, 1.0, 10**6, 0.5, s)
+    ev = d.event
+    assert d.plan == new.to_json() and ev["adopted"] and ev["to"] == new.id
+    assert ev["predicted_step_s"][0] == 1.0          # calibrated on the measured step time
+    assert ev["predicted_step_s"][1] == pytest.approx(step_time(pr, new) / step_time(pr, cur),
+                                                      abs=1e-3)
+    assert set(ev) >= {"event", "step", "trigger", "measured_rates", "from", "to", "planning_s",
+                       "predicted_step_s"}
+    # the same gain does not repay a migration longer than it
+    gain = (1.0 - ev["predicted_step_s"][1]) * 10
+    d = decide(pr, cur, new, "onset", [1, 1, 1, 5], 9, 0.4, 1.0, 10**9, gain + 0.1, s)
+    assert d.plan is None and not d.event["adopted"] and d.event["to"] == cur.id
+    assert "migration" in d.event["reason"]
+    # forced always moves; the same plan never does; no step time yet: stay
+    assert decide(pr, cur, new, "forced", [1] * 4, 5, 0.1, 1.0, 1, 1e9, s).plan is not None
+    assert decide(pr, cur, cur, "change", [1] * 4, 5, 0.1, 1.0, 0, 0.0, s).plan is None
+    assert decide(pr, cur, new, "onset", [1] * 4, 5, 0.1, None, 1, 0.0, s).plan is None
+
+
+def test_worker_forced_gives_another_valid_plan_and_errors_are_answers():
+    from malleus_ds.cost import validate_for_problem
+
+    pr, cur = _problem()                          # healthy: the planner keeps the static plan
+    a = answer({"problem": pr.to_json(), "forced": True})
+    alt = Plan.from_json(a["plan"])
+    assert alt.id != cur.id and a["method"] == "forced-alternative"
+    validate_for_problem(pr, alt)
+    assert alternative_plan(pr, alt).id != alt.id
+    assert "error" in answer({"problem": {"version": 1}})
+    one = static_plan(1, 1, 1, 1, 1, 1)
+    pr1 = job_problem(one, 1, 1, 1, {1: 1.0}, None).with_rates({}, current_plan=one)
+    with pytest.raises(PlanError, match="no valid plan other than the running one"):
+        alternative_plan(pr1, one)
+
+
+def test_planner_client_round_trip_in_its_own_process():
+    pr, cur = _problem({2: 4.0})
+    c = PlannerClient()
+    try:
+        c.request({"problem": pr.to_json(), "seed": 1})
+        c.request("not json at all")
+        a, b = c.wait(60), c.wait(60)
+        assert Plan.from_json(a["plan"]).id != cur.id and a["planning_s"] > 0
+        assert "error" in b
+    finally:
+        c.close()
+    assert c.proc.poll() is not None                    # closed: the worker exited
+
+
+class _FakeEngine(SimpleNamespace):
+    """What Controller reads off a MalleusEngine."""
+
+
+def _engine(plan, rank=0, world=4):
+    from malleus_ds.engine.precision import Precision
+
+    cfg = PRESETS["tiny"]
+    return _FakeEngine(global_rank=rank, world_size=world, plan=plan, located=plan.locate(rank),
+                       settings=SimpleNamespace(tp=1, gpus_per_node=world),
+                       param_table=param_table(cfg), model_cfg=cfg, seq_len=cfg.max_seq_len,
+                       precision=Precision(), zero_stage=1, device="cpu", migrations=[])
+
+
+def _drive(ctl, plan, rates, steps, rng, base=0.01):
+    """Feed ``steps`` steps of synthetic timings (± 10% noise) through slots/observe."""
+    from malleus_ds.straggler import cost_units
+
+    units = cost_units(plan, 4, 1, {1: 1.0})
+    for k in range(steps):
+        comp = units * base * np.asarray(rates) * rng.uniform(0.9, 1.1, 4)
+        summed = [0.0] + list(comp) + [0.0] * 4
+        summed[0] = ctl.slots(comp[0], 0.0)[0]     # rank 0's flag, as the all-reduce would sum
+        ctl.observe(k, summed)
+        ctl.step_done(float(comp.max()) * 1.2)
+        yield k
+
+
+def test_controller_detects_plans_in_the_background_and_decides():
+    plan = static_plan(4, 8, 1, 1, 1, 4)
+    ctl = Controller(_engine(plan), AdaptiveSettings(detect=DetectConfig(every=1)))
+    rng = np.random.default_rng(0)
+    try:
+        for _ in _drive(ctl, plan, [1, 1, 1, 1], 30, rng):
+            assert ctl._pending is None and ctl._result is None      # healthy: nothing
+        requested = None
+        for k in _drive(ctl, plan, [1, 1, 1, 5], 200, rng):
+            if ctl._pending is not None and requested is None:
+                requested = k
+                assert ctl._pending["trigger"] == "onset"
+            if ctl.ready:
+                break
+            time.sleep(0.02)                   # training goes on while the worker plans
+        assert requested is not None and requested <= 5, "detected within the first window"
+        ev = ctl._result.event
+        assert ev["trigger"] == "onset" and ev["adopted"], ev
+        assert ev["measured_rates"][3] == pytest.approx(5.0, rel=0.15)
+        new = Plan.from_json(ctl._result.plan)
+        assert new.locate(3) is None or new.pipelines[new.locate(3)[0]].micro_batches < 2
+    finally:
+        ctl.close()
+
+
+def test_running_plan_always_fits_the_memory_model():
+    from malleus_ds.control import fit_running_plan
+    from malleus_ds.cost import validate_for_problem
+
+    cfg = PRESETS["70b"]
+    plan = static_plan(80, 8, 1, 1, 4, 1)
+    tight = memory_model(param_table(cfg), cfg, 1, 4096, True, 1000.0)   # "1 GB devices"
+    pr = job_problem(plan, 4, 4, 1, {1: 1.0}, tight)
+    with pytest.raises(PlanError, match="needs .* MB > budget 900 MB"):
+        validate_for_problem(pr, plan)
+    fitted = fit_running_plan(pr, plan)
+    validate_for_problem(fitted, plan)
+    assert fit_running_plan(fitted, plan) is fitted

@@ -1,0 +1,281 @@
+"""Measured rates and re-plan detection (malleus_ds/straggler.py, DESIGN.md §6) on synthetic
+traces: no processes, numpy RNG with fixed seeds. The harness drives RateEstimator + Detector
+exactly as the engine does: ``add`` every step, ``check`` every ``cfg.every`` steps, and
+``planned_for`` on every trigger."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from malleus_ds.plan import Pipeline, Plan, Stage, static_plan, validate_plan
+from malleus_ds.straggler import (DetectConfig, Detector, RateEstimator, Trigger, as_list,
+                                  cost_units, ideal_slowdown)
+
+BASE = 0.01     # seconds per unit on a healthy rank
+CFG = DetectConfig()
+W4 = dict(plan=static_plan(8, 8, 1, 1, 2, 2), world=4, tp=1)       # 2 pipelines x 2 stages
+W8 = dict(plan=static_plan(8, 8, 1, 2, 2, 2), world=8, tp=2)       # TP-2 groups
+
+
+def suspended_plan() -> Plan:
+    """World 4, rank 3 suspended; non-uniform layers and micro-batches."""
+    return Plan(num_layers=4, global_batch_size=4, micro_batch_size=1, suspended=(3,),
+                pipelines=(Pipeline(2, (Stage((0,), (0, 2)), Stage((1,), (2, 4)))),
+                           Pipeline(2, (Stage((2,), (0, 4)),))))
+
+
+def run_trace(plan, world, tp, rate_at, steps, *, seed=0, noise=0.0, spike_every=None,
+              initial=None, probe=True, cfg=CFG):
+    """Simulate ``steps`` steps; ``rate_at(step)`` gives the true per-rank rates. Returns the
+    triggers as ``(step, kind, rates)``. ``noise``: uniform multiplicative ±noise per rank per
+    step; ``spike_every``: mean gap of single-step 5x spikes on random ranks; ``initial``: rates
+    the running plan was made for (``planned_for`` before step 0)."""
+    rng = np.random.default_rng(seed)
+    units = cost_units(plan, world, tp, ideal_slowdown(tp))
+    est, det = RateEstimator(world, cfg.window), Detector(world, cfg)
+    if initial is not None:
+        det.planned_for(initial)
+    next_spike = rng.integers(4, 2 * spike_every - 3) if spike_every else -1
+    out = []
+    for step in range(steps):
+        factor = np.asarray(rate_at(step), float) * rng.uniform(1 - noise, 1 + noise, world)
+        if step == next_spike:
+            factor[rng.integers(world)] *= 5.0
+            next_spike += rng.integers(4, 2 * spike_every - 3)     # gaps 4..(2*mean-4)
+        compute = units * BASE * factor
+        probe_s = np.where(units == 0, BASE * factor, np.nan) if probe else None
+        est.add(compute, units, probe_s)
+        if (step + 1) % cfg.every == 0:
+            trig = det.check(est.rates())
+            if trig is not None:
+                det.planned_for(trig.rates)
+                out.append((step, trig.kind, trig.rates))
+    return out
+
+
+def one_slow(world, rank, rate):
+    r = np.ones(world)
+    r[rank] = rate
+    return r
+
+
+# -- 1. step change ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("setup", [W4, W8], ids=["world4", "world8-tp2"])
+def test_step_change_detected_within_two_windows_as_onset(setup):
+    world, onset = setup["world"], 20
+    trace = run_trace(**setup, rate_at=lambda k: one_slow(world, 2, 3.0 if k >= onset else 1.0),
+                      steps=60, seed=1, noise=0.05)
+    assert len(trace) == 1, trace
+    step, kind, rates = trace[0]
+    assert kind == "onset"
+    assert onset <= step < onset + 2 * CFG.window
+    assert rates[2] == pytest.approx(3.0, rel=0.1)
+    assert [r for d, r in enumerate(rates) if d != 2] == [1.0] * (world - 1)
+
+
+# -- 2./3. noise and spikes do not trigger ---------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_twenty_percent_noise_never_triggers(seed):
+    assert run_trace(**W4, rate_at=lambda k: np.ones(4), steps=100, seed=seed, noise=0.2) == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_single_step_spikes_never_trigger(seed):
+    assert run_trace(**W4, rate_at=lambda k: np.ones(4), steps=100, seed=seed, noise=0.2,
+                     spike_every=7) == []
+
+
+# -- 4. slow drift: exactly one re-plan (relative change) ------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_slow_drift_to_1_6_triggers_exactly_once(seed):
+    drift = lambda k: one_slow(4, 1, 1.0 + 0.6 * min(k, 100) / 100)  # noqa: E731
+    trace = run_trace(**W4, rate_at=drift, steps=160, seed=seed, noise=0.05)
+    assert [kind for _, kind, _ in trace] == ["onset"], trace
+    step, _, rates = trace[0]
+    assert 1.3 <= rates[1] < 1.45 and 40 <= step <= 70
+
+
+def test_noiseless_drift_replans_once_at_onset():
+    """Detector level, one smoothed rate per detection: the onset is planned at ~1.3, and 1.6 is
+    within 30% of that, so the rest of the drift (and staying at 1.6) changes nothing."""
+    det, kinds = Detector(1, DetectConfig(cooldown=0)), []
+    for r in list(np.linspace(1.0, 1.6, 61)) + [1.6] * 20:
+        t = det.check([r])
+        if t:
+            det.planned_for(t.rates)
+            kinds.append((t.kind, t.rates[0]))
+    assert len(kinds) == 1 and kinds[0][0] == "onset" and 1.3 <= kinds[0][1] <= 1.32
+
+
+# -- 5./6. suspended rank probes and recovery ----------------------------------------------
+
+
+def test_suspended_rank_probe_no_trigger_while_slow_then_recovery():
+    plan = suspended_plan()
+    validate_plan(plan, tp=1, gpus_per_node=4, world_size=4)
+    rate = lambda k: one_slow(4, 3, 5.0 if k < 40 else 1.0)  # noqa: E731
+    trace = run_trace(plan, 4, 1, rate, 80, seed=3, noise=0.1, initial=[1, 1, 1, 5])
+    assert len(trace) == 1, trace
+    step, kind, rates = trace[0]
+    assert kind == "recovery" and rates == (1.0, 1.0, 1.0, 1.0)
+    assert 40 <= step < 40 + 2 * CFG.window
+    # Without a probe the suspended rank keeps its planned rate: nothing ever triggers.
+    assert run_trace(plan, 4, 1, rate, 80, seed=3, noise=0.1, initial=[1, 1, 1, 5],
+                     probe=False) == []
+
+
+def test_suspended_rank_probe_is_measured():
+    est = RateEstimator(4)
+    units = cost_units(suspended_plan(), 4, 1, {1: 1.0})
+    assert units.tolist() == [4.0, 4.0, 8.0, 0.0]
+    row = est.add(units * BASE, units, [7.0, 7.0, 7.0, 5 * BASE])   # probes of active ranks ignored
+    assert row == pytest.approx([1, 1, 1, 5])
+    row = est.add(units * BASE, units, [np.nan, 0, -1, 0.0])
+    assert row[:3] == pytest.approx([1, 1, 1]) and math.isnan(row[3])
+    assert est.rates() == pytest.approx([1, 1, 1, 5])   # NaN rows ignored by the median
+
+
+def test_straggling_active_rank_recovers():
+    rate = lambda k: one_slow(4, 1, 5.0 if k < 30 else 1.0)  # noqa: E731
+    trace = run_trace(**W4, rate_at=rate, steps=70, seed=4, noise=0.1, initial=[1, 5, 1, 1])
+    assert [(kind, rates) for _, kind, rates in trace] == [("recovery", (1.0,) * 4)]
+    assert 30 <= trace[0][0] < 30 + 2 * CFG.window
+
+
+# -- 7. change after planning --------------------------------------------------------------
+
+
+def test_change_three_to_six_triggers_change():
+    rate = lambda k: one_slow(4, 1, 3.0 if k < 30 else 6.0)  # noqa: E731
+    trace = run_trace(**W4, rate_at=rate, steps=70, seed=5, noise=0.05, initial=[1, 3, 1, 1])
+    assert len(trace) == 1, trace
+    step, kind, rates = trace[0]
+    assert kind == "change" and 30 <= step < 30 + 2 * CFG.window
+    assert rates[1] == pytest.approx(6.0, rel=0.1) and rates[0] == rates[2] == rates[3] == 1.0
+
+
+def test_change_three_to_three_and_a_half_is_ignored():
+    rate = lambda k: one_slow(4, 1, 3.0 if k < 30 else 3.5)  # noqa: E731
+    assert run_trace(**W4, rate_at=rate, steps=80, seed=6, noise=0.05,
+                     initial=[1, 3, 1, 1]) == []
+
+
+# -- 8. cost units and normalisation --------------------------------------------------------
+
+
+def nonuniform_plan() -> Plan:
+    """World 8, tp 2: TP-2 and TP-1 stages, non-uniform layers/micro-batches, rank 3 suspended,
+    rank 7 absent."""
+    return Plan(num_layers=8, global_batch_size=8, micro_batch_size=1, suspended=(3,),
+                pipelines=(Pipeline(3, (Stage((0, 1), (0, 3)), Stage((2,), (3, 8)))),
+                           Pipeline(5, (Stage((4, 5), (0, 2)), Stage((6,), (2, 8))))))
+
+
+def test_cost_units_nonuniform_plan():
+    plan = nonuniform_plan()
+    validate_plan(plan, tp=2, gpus_per_node=4, world_size=8)
+    units = cost_units(plan, 8, 2, {1: 1.0, 2: 1.9})
+    assert units.dtype == np.float64
+    assert units.tolist() == pytest.approx([9, 9, 28.5, 0, 10, 10, 57, 0])
+    with pytest.raises(ValueError, match="key 2"):
+        cost_units(plan, 8, 2, {1: 1.0})
+    with pytest.raises(ValueError, match="outside 0..5"):
+        cost_units(plan, 6, 2, {1: 1.0, 2: 1.9})
+    assert cost_units(static_plan(8, 8, 1, 2, 2, 2), 8, 2, {1: 1.0}).tolist() == [16.0] * 8
+
+
+def test_ideal_slowdown_and_as_list():
+    assert ideal_slowdown(8) == {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}
+    assert ideal_slowdown(6) == {1: 1.0, 2: 2.0, 3: 3.0, 6: 6.0}
+    assert as_list(np.array([1.23456, np.nan, 2])) == [1.235, None, 2.0]
+
+
+def test_normalisation_by_units():
+    # Rank 1 holds twice the layers of rank 0: twice the compute is healthy.
+    plan = Plan(6, 2, 1, (Pipeline(2, (Stage((0,), (0, 2)), Stage((1,), (2, 6)))),))
+    units = cost_units(plan, 2, 1, {1: 1.0})
+    assert units.tolist() == [4.0, 8.0]
+    assert RateEstimator(2).add([0.4, 0.8], units) == pytest.approx([1.0, 1.0])
+    # Equal seconds for half the work: rank 0 is the 2x straggler, not rank 1.
+    assert RateEstimator(2).add([0.4, 0.4], units) == pytest.approx([2.0, 1.0])
+    # The TP-size slowdown is part of the units: a slow (TP-1, x1.9) group reads 1 too.
+    units = cost_units(nonuniform_plan(), 8, 2, {1: 1.0, 2: 1.9})
+    row = RateEstimator(8).add(units * BASE, units)
+    assert row[[0, 1, 2, 4, 5, 6]] == pytest.approx([1.0] * 6)
+    assert np.isnan(row[[3, 7]]).all()
+
+
+# -- 9. robust reference --------------------------------------------------------------------
+
+
+def test_reference_robust_to_half_the_ranks_straggling():
+    units = cost_units(**W4, tp_slowdown={1: 1.0})
+    rng = np.random.default_rng(9)
+    est = RateEstimator(4)
+    for _ in range(5):
+        row = est.add(units * BASE * np.array([1, 4, 1, 4]) * rng.uniform(0.97, 1.03, 4), units)
+        assert row == pytest.approx([1, 4, 1, 4], rel=0.08)
+    assert est.rates() == pytest.approx([1, 4, 1, 4], rel=0.05)
+
+
+def test_estimator_window_reset_and_empty_steps():
+    est = RateEstimator(2, window=3)
+    assert np.isnan(est.rates()).all()
+    u = np.array([1.0, 1.0])
+    for slow in (3, 3, 2, 2, 3):
+        est.add([1.0, slow], u)
+    assert est.rates() == pytest.approx([1, 2])            # only the last 3 rows: 2, 2, 3
+    assert np.isnan(est.add([0.0, np.nan], u)).all()       # no active positive time
+    assert est.rates() == pytest.approx([1, 2])            # ...and that step was not kept
+    with pytest.raises(ValueError, match="compute_s"):
+        est.add([1.0], u)
+    est.reset()
+    assert np.isnan(est.rates()).all()
+
+
+# -- detector semantics --------------------------------------------------------------------
+
+
+def test_detector_confirm_cooldown_and_normalise():
+    det = Detector(3, DetectConfig(confirm=2, cooldown=2))
+    assert det.normalise([0.9, 1.19, np.nan]).tolist() == [1.0, 1.0, 1.0]
+    slow = [1.0, 2.0, 1.1]
+    assert det.check(slow) is None                            # streak 1
+    assert det.check([1.0, 1.0, 1.0]) is None                 # streak broken
+    assert det.check(slow) is None
+    trig = det.check(slow)
+    assert trig == Trigger("onset", (1.0, 2.0, 1.0))
+    det.planned_for(trig.rates)
+    assert det.planned.tolist() == [1.0, 2.0, 1.0]
+    assert det.normalise([np.nan, np.nan, 1.5]).tolist() == [1.0, 2.0, 1.5]
+    assert det.check([1.0, 1.0, 1.0]) is None and det.check([1.0, 1.0, 1.0]) is None  # cooldown
+    assert det.check([1.0, 1.0, 1.0]) is None
+    assert det.check([1.0, 1.0, 1.0]).kind == "recovery"
+    det.planned_for([1.0, 2.0, 1.0])
+    for _ in range(2):
+        det.check([0, 0, 0])
+    det.check([1.0, 3.0, 1.0])
+    assert det.check([1.0, 3.0, 1.0]) == Trigger("change", (1.0, 3.0, 1.0))
+
+
+# -- 10. config errors ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value", [("every", 0), ("window", 0), ("healthy", 0.9),
+                                          ("change", 0.0), ("confirm", 0), ("cooldown", -1),
+                                          ("change", float("nan"))])
+def test_detect_config_errors_name_the_field(field, value):
+    cfg = DetectConfig(**{field: value})
+    with pytest.raises(ValueError, match=rf"malleus\.detect\.{field}={value}"):
+        cfg.check()
+    with pytest.raises(ValueError, match=rf"malleus\.detect\.{field}"):
+        Detector(4, cfg)
+    DetectConfig().check()

@@ -42,7 +42,7 @@ MODEL = ["model=tiny", "model.num_layers=4", "model.hidden_size=256", "model.num
 
 def oracle_plan(a, out: Path) -> Path:
     """The planner's best plan for the true rates (what the oracle switches to)."""
-    from malleus_ds.control import job_problem
+    from malleus_ds.replan import job_problem
     from malleus_ds.plan import static_plan
     from malleus_ds.planner import plan
 

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from malleus_ds.control import (AdaptiveSettings, Controller, PlannerClient, decide,
-                                job_problem, memory_model, nominal_shape)
+from malleus_ds.control import AdaptiveSettings, Controller, PlannerClient
+from malleus_ds.replan import decide, job_problem, memory_model, nominal_shape
 from malleus_ds.cost import step_time
 from malleus_ds.models.llama import PRESETS, param_table
 from malleus_ds.plan import Plan, PlanError, static_plan
@@ -88,7 +88,7 @@ def test_cost_rule():
     pr, cur = _problem({3: 5.0})
     new = Plan.from_json(answer({"problem": pr.to_json()})["plan"])
     assert new.id != cur.id and step_time(pr, new) < step_time(pr, cur) / 2
-    s = AdaptiveSettings(horizon_steps=10)
+    s = 10                                        # horizon_steps
     d = decide(pr, cur, new, "onset", [1, 1, 1, 5], 9, 0.4, 1.0, 10**6, 0.5, s)
     ev = d.event
     assert d.plan == new.to_json() and ev["adopted"] and ev["to"] == new.id
@@ -192,7 +192,7 @@ def test_controller_detects_plans_in_the_background_and_decides():
 
 
 def test_running_plan_always_fits_the_memory_model():
-    from malleus_ds.control import fit_running_plan
+    from malleus_ds.replan import fit_running_plan
     from malleus_ds.cost import validate_for_problem
 
     cfg = PRESETS["70b"]

@@ -1,0 +1,125 @@
+"""The running job as a planning problem, and the cost rule that decides a re-plan (pure).
+
+Used by the adaptive loop (``control.py``) on rank 0: :func:`job_problem` turns a running job
+(plan, world, node shape, nominal TP, TP slowdown table, memory model) into the planner's
+:class:`~malleus_ds.plan.Problem`; :func:`memory_model` estimates the memory terms from the
+model's real sizes; :func:`fit_running_plan` makes sure the plan that is running counts as valid;
+:func:`decide` compares the running plan with the planner's answer and returns the ``replan``
+event (DESIGN.md §6) and the plan to move to, if any. No torch.distributed, no process groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+from .plan import Memory, Plan, PlanError, Problem
+
+
+def nominal_shape(plan: Plan, world: int, tp: int) -> tuple[int, int]:
+    """(pp, dp) of the job's uniform layout: the starting plan's when it is uniform, else the
+    fewest stages that tile the world (the planner's static baseline)."""
+    dp0, pp0 = len(plan.pipelines), len(plan.pipelines[0].stages)
+    if tp * pp0 * dp0 == world:
+        return pp0, dp0
+    for pp in range(1, plan.num_layers + 1):
+        if world % (tp * pp) == 0:
+            return pp, world // (tp * pp)
+    raise PlanError(f"no uniform layout of {world} ranks with tp={tp} and at most "
+                    f"{plan.num_layers} stages")
+
+
+def memory_model(table, cfg, micro_batch_size: int, seq_len: int, mixed: bool,
+                 device_mb: float) -> Memory:
+    """The planner's memory terms from the model's real sizes (DESIGN.md §3): per layer the
+    parameter + gradient + fp32 master + Adam bytes (not divided by ZeRO: conservative) and
+    Megatron's activation estimate ``s·b·h·(34 + 5·a·s/h)`` bytes at 16 bits (×2 in fp32)."""
+    per_param = (2 + 4 + 4 + 8) if mixed else (4 + 4 + 8)
+    layer = sum(s.numel for s in table if s.owner == 0)
+    ends = [sum(s.numel for s in table if s.owner == o) for o in {s.owner for s in table} if o < 0]
+    emb = max(ends, default=0)          # the larger of embedding and head, charged to each end
+    h, a = cfg.hidden_size, cfg.num_heads
+    act = seq_len * micro_batch_size * h * (34 + 5 * a * seq_len / h) * (1 if mixed else 2)
+    mb = 2.0 ** 20
+    return Memory(device_mb=device_mb, reserved_mb=0.1 * device_mb,
+                  layer_static_mb=layer * per_param / mb, layer_activation_mb=act / mb,
+                  embedding_mb=emb * per_param / mb, extra_mb=0.0)
+
+
+def device_memory_mb(device, ranks_on_host: int) -> float:
+    """Memory one rank may use: the GPU's, or on CPU this host's RAM shared by its ranks."""
+    import os
+
+    if device is not None and str(device).startswith("cuda"):
+        import torch
+        return torch.cuda.get_device_properties(device).total_memory / 2 ** 20
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total / 2 ** 20 / max(1, ranks_on_host)
+
+
+def fit_running_plan(problem: Problem, plan: Plan) -> Problem:
+    """The memory model is an estimate; the running plan demonstrably fits. If the model says it
+    does not, raise the device budget to the running plan's peak stage, so plans that need no
+    more memory than today's stay allowed."""
+    from .cost import stage_memory_mb
+
+    m = problem.memory
+    if m is None:
+        return problem
+    peak = max(stage_memory_mb(problem, s.num_layers, j, len(p.stages), p.micro_batches, len(s.ranks))
+               for p in plan.pipelines for j, s in enumerate(p.stages))
+    if peak <= m.budget_mb:
+        return problem
+    return replace(problem, memory=replace(m, device_mb=peak + m.reserved_mb))
+
+
+def job_problem(plan: Plan, world: int, gpus_per_node: int, tp: int,
+                tp_slowdown: Mapping[int, float], memory: Memory | None) -> Problem:
+    """The planning problem of a running job (rates are filled in per re-plan)."""
+    pp, dp = nominal_shape(plan, world, tp)
+    return Problem(name="running-job", nodes=world // gpus_per_node, gpus_per_node=gpus_per_node,
+                   num_layers=plan.num_layers, global_batch_size=plan.global_batch_size,
+                   micro_batch_size=plan.micro_batch_size, tp=tp, pp=pp, dp=dp,
+                   tp_slowdown=dict(tp_slowdown), memory=memory, rates={})
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Rank 0's answer to a trigger; broadcast to every rank."""
+
+    event: dict                  # the ``replan`` line of metrics.jsonl
+    plan: dict | None            # plan JSON to switch to, None = stay
+
+
+def decide(problem: Problem, current: Plan, new: Plan, trigger: str, rates: list[float],
+           step: int, planning_s: float, step_s: float | None, nbytes: int, migrate_s: float,
+           horizon_steps: int) -> Decision:
+    """The cost rule (pure): adopt ``new`` iff it differs and its predicted gain over
+    ``horizon_steps`` exceeds the predicted migration seconds (forced: always). Step times are
+    the cost model's (``problem`` carries the measured rates), in seconds calibrated so that the
+    running plan's prediction equals its measured ``step_s``."""
+    from .cost import step_time
+
+    old_T, new_T = step_time(problem, current), step_time(problem, new)
+    scale = step_s / old_T if step_s and old_T > 0 else None
+    pred = [round(old_T * scale, 4), round(new_T * scale, 4)] if scale else \
+        [round(old_T, 4), round(new_T, 4)]
+    gain_s = (pred[0] - pred[1]) * horizon_steps if scale else None
+    if new.id == current.id:
+        adopt, why = False, "the running plan is still the best"
+    elif trigger == "forced":
+        adopt, why = True, "forced"
+    elif gain_s is None:
+        adopt, why = False, "no measured step time yet"
+    elif gain_s > migrate_s:
+        adopt, why = True, (f"gain {gain_s:.2f} s over {horizon_steps} steps > "
+                            f"migration {migrate_s:.2f} s")
+    else:
+        adopt, why = False, (f"gain {gain_s:.2f} s over {horizon_steps} steps <= "
+                             f"migration {migrate_s:.2f} s")
+    event = {"event": "replan", "step": step, "trigger": trigger,
+             "measured_rates": [round(float(r), 3) for r in rates],
+             "from": current.id, "to": new.id if adopt else current.id, "planned": new.id,
+             "planning_s": round(planning_s, 4), "predicted_step_s": pred,
+             "predicted_migration_s": round(migrate_s, 4), "bytes": int(nbytes),
+             "adopted": adopt, "reason": why}
+    return Decision(event, new.to_json() if adopt else None)

@@ -247,11 +247,11 @@ class Controller:
             x = self._probe_x.detach().requires_grad_()
             blk(x).float().sum().backward()
 
-        before = e.clock.compute_s if e.clock is not None else e.compute_seconds
+        before = e.clock.compute_s
         e._timed(run)
         for p in blk.parameters():
             p.grad = None
-        return (e.clock.compute_s if e.clock is not None else e.compute_seconds) - before
+        return e.clock.compute_s - before
 
     def slots(self, compute_s: float, probe_s: float) -> list[float]:
         """``[decision ready (rank 0), compute_s per rank..., probe per-unit s per rank...]``,

@@ -207,8 +207,8 @@ class MalleusEngine(DeepSpeedEngine):
             from ..emulation import Straggler, StragglerSchedule
             self.straggler = Straggler(StragglerSchedule.parse(settings.straggler,
                                                                self.world_size), self.global_rank)
-        self.compute_seconds = 0.0
         self.clock = None
+        self.set_compute_clock(None)        # the engine's own until a runner attaches one
         self._dispatch: dict[type, Callable] = {
             Forward: self._exec_forward, Backward: self._exec_backward,
             RecvAct: self._exec_recv, SendAct: self._exec_send,
@@ -297,8 +297,10 @@ class MalleusEngine(DeepSpeedEngine):
         t_step = time.perf_counter()
         step = self.global_steps if step is None else step
         self._data_iter = data_iter
-        self.compute_seconds, self._loss_sum = 0.0, 0.0
+        self._loss_sum = 0.0
         self._step = step
+        if self._own_clock:
+            self.clock.start_step(step)
         self._loss_mult = self.cur_scale       # fp16: this step's loss scale (1.0 otherwise)
         if self.located is not None:
             for p in self.named.values():
@@ -339,8 +341,8 @@ class MalleusEngine(DeepSpeedEngine):
         # decision; and the adaptive loop's per-rank timings and rank 0's "decision ready" flag.
         check = self.precision.check_overflow
         mine = self._loss_sum if (self.is_last_stage and self.tp_rank == 0) else 0.0
-        comp = self.clock.compute_s if self.clock is not None else self.compute_seconds
-        red = torch.tensor([mine, 0.0, *self.control.slots(comp, probe_s)], dtype=torch.float64,
+        red = torch.tensor([mine, 0.0, *self.control.slots(self.clock.compute_s, probe_s)],
+                           dtype=torch.float64,
                            device=self.device)
         if check:                        # counted on the device: no host sync per bucket
             for f, _ in flats:
@@ -442,26 +444,29 @@ class MalleusEngine(DeepSpeedEngine):
         return report
 
     def set_compute_clock(self, clock) -> None:
-        """Time forward/backward with ``clock.compute()`` (``malleus_ds.runners.common.ComputeClock``,
-        which also applies straggler emulation) instead of the engine's own timer. TP all-reduces
-        inside forward/backward are left out of compute via ``clock.excluded()``, so a healthy
-        rank waiting for a slow TP peer does not look slow itself."""
+        """Time forward/backward with ``clock`` (a ``malleus_ds.clock.ComputeClock``, e.g. a
+        runner's, which also applies its straggler emulation; the runner then calls
+        ``clock.start_step``). ``None``: the engine's own clock, with the emulation of
+        ``ds_config.malleus.straggler``, started by ``train_batch``. TP all-reduces inside
+        forward/backward are left out of compute via ``clock.excluded()``, so a healthy rank
+        waiting for a slow TP peer does not look slow itself."""
+        from ..clock import ComputeClock
         from . import tensor_parallel
 
+        self._own_clock = clock is None
+        if clock is None:
+            clock = ComputeClock(self.straggler, str(self.device).startswith("cuda"))
         self.clock = clock
-        tensor_parallel.set_comm_context(clock.excluded if clock is not None else None)
+        tensor_parallel.set_comm_context(clock.excluded)
+
+    @property
+    def compute_seconds(self) -> float:
+        """This rank's compute seconds in the current (or last) step, emulated slowdown included."""
+        return self.clock.compute_s
 
     def _timed(self, fn):
-        if self.clock is not None:
-            with self.clock.compute():
-                return fn()
-        t0 = time.perf_counter()
-        out = fn()
-        dt = time.perf_counter() - t0
-        self.compute_seconds += dt
-        if self.straggler is not None:
-            self.straggler.after_compute(self._step, dt)
-        return out
+        with self.clock.compute():
+            return fn()
 
     def _exec_forward(self, ins: Forward) -> None:
         k = ins.micro_batch

@@ -17,9 +17,8 @@ A runner's step loop looks like::
 from __future__ import annotations
 
 import sys
-import time
-from contextlib import contextmanager
 
+from ..clock import ComputeClock as _ComputeClock
 from ..config import RunConfig
 from ..emulation import Straggler
 from ..metrics import MetricsWriter, StepRecord, format_phases, phases
@@ -47,56 +46,12 @@ def monitors_to_run_dir(ds_config: dict, run_dir: str | None) -> None:
             m["output_path"] = run_dir
 
 
-class ComputeClock:
-    """Times this rank's compute and applies the straggler emulation after each timed piece.
-
-    ``compute_s`` (per step) includes the emulated sleep, as a slow GPU would show it;
-    ``emulated_s`` is the sleep alone. Communication that happens *inside* a timed span
-    (e.g. DeepSpeed reducing gradients in backward hooks) is left out: wrap it in
-    :meth:`excluded` (see :func:`exclude_calls`), so a healthy rank waiting for a slow peer
-    does not look slow itself."""
+class ComputeClock(_ComputeClock):
+    """The run's compute clock (``malleus_ds/clock.py``) with this rank's straggler emulation
+    from ``straggler.schedule``."""
 
     def __init__(self, cfg: RunConfig, env: DistEnv) -> None:
-        self.straggler = Straggler(cfg.straggler, env.rank)
-        self.cuda = env.device.startswith("cuda")
-        self.step = 0
-        self.compute_s = 0.0
-        self.emulated_s = 0.0
-        self._excluded = 0.0
-        self._ex_depth = 0
-
-    def start_step(self, step: int) -> None:
-        self.step, self.compute_s, self.emulated_s = step, 0.0, 0.0
-
-    @contextmanager
-    def compute(self):
-        if self.cuda:
-            import torch
-            torch.cuda.synchronize()
-        t0, ex0 = time.perf_counter(), self._excluded
-        yield
-        if self.cuda:
-            import torch
-            torch.cuda.synchronize()
-        self.add(max(0.0, time.perf_counter() - t0 - (self._excluded - ex0)))
-
-    @contextmanager
-    def excluded(self):
-        """Time spent in here does not count as compute (re-entrant: outermost span counts)."""
-        self._ex_depth += 1
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._ex_depth -= 1
-            if self._ex_depth == 0:
-                self._excluded += time.perf_counter() - t0
-
-    def add(self, seconds: float) -> None:
-        """Account ``seconds`` of measured compute, then emulate (sleep) if slowed."""
-        slept = self.straggler.after_compute(self.step, seconds)
-        self.compute_s += seconds + slept
-        self.emulated_s += slept
+        super().__init__(Straggler(cfg.straggler, env.rank), env.device.startswith("cuda"))
 
 
 def exclude_calls(obj, names, clock: ComputeClock) -> None:

@@ -15,7 +15,9 @@ from tests.dist.test_malleus_cases import CFG, check, ds_config, plan_json
 from tests.dist.test_malleus_switch import _check_adam
 
 STATIC = plan_json([(2, [([r], (0, 4))]) for r in range(4)])      # dp=4, 2 micro-batches each
-SLOW_FROM, SLOW_TO, RATE = 8, 22, 8.0
+# Short enough that final parameters still match the reference to 1e-5 (over ~70 steps, fp32
+# re-ordering noise on rarely-seen embedding rows grows past that even on a static plan).
+SLOW_FROM, SLOW_TO, RATE, MAX_STEPS = 3, 14, 8.0, 40
 
 
 def _adaptive(rank, world, max_steps):
@@ -25,7 +27,7 @@ def _adaptive(rank, world, max_steps):
     cfg = ds_config(1)
     cfg["malleus"] = {"straggler": [{"rank": 3, "rate": RATE, "start_step": SLOW_FROM,
                                      "end_step": SLOW_TO}],
-                      "detect": {"every": 1}, "planner_time_limit_s": 0.5}
+                      "detect": {"every": 1, "window": 3}, "planner_time_limit_s": 0.5}
     eng, *_ = malleus_ds.initialize(model=CFG, config=cfg, plan=Plan.from_json(STATIC))
     losses, events, forced_at, plans = [], [], None, {}
     while len(losses) < max_steps:
@@ -35,9 +37,9 @@ def _adaptive(rank, world, max_steps):
         recovered = any(e["event"] == "replan" and e.get("adopted") and e["trigger"] == "recovery"
                         for e in events)
         if recovered and forced_at is None:     # events are identical on every rank
-            forced_at = len(losses) + 2
+            forced_at = len(losses) + 1
             eng.control.forced.append(forced_at)
-        if forced_at is not None and len(losses) >= forced_at + 2:
+        if forced_at is not None and len(losses) >= forced_at + 1:
             break
     eng.apply_scheduled_switch()
     events += eng.take_events()
@@ -49,7 +51,7 @@ def _adaptive(rank, world, max_steps):
 
 
 def test_adaptive_run_detects_replans_migrates_recovers_and_keeps_the_math():
-    res = run_distributed(_adaptive, 4, 70, timeout=400)
+    res = run_distributed(_adaptive, 4, MAX_STEPS, timeout=400)
     steps = len(res[0][0][0])
     assert all(len(r[0][0]) == steps for r in res)
     check(STATIC, [r[0] for r in res], steps=steps)
@@ -64,7 +66,7 @@ def test_adaptive_run_detects_replans_migrates_recovers_and_keeps_the_math():
     onset = next(e for e in adopted if e["trigger"] in ("onset", "change"))
     assert onset["step"] < SLOW_TO and onset["measured_rates"][3] > 4, onset
     assert onset["predicted_step_s"][1] < onset["predicted_step_s"][0]
-    assert onset["step"] - SLOW_FROM <= 14, f"detected and planned late: {onset}"
+    assert onset["step"] - SLOW_FROM <= 9, f"detected and planned late: {onset}"
     rec = next(e for e in adopted if e["trigger"] == "recovery")
     assert rec["step"] > SLOW_TO and all(x == 1.0 for x in rec["measured_rates"])
     forced = [e for e in adopted if e["trigger"] == "forced"]

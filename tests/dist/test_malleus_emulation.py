@@ -30,4 +30,5 @@ def test_only_the_scheduled_rank_sleeps_in_its_steps():
     assert r1[0][1] == [] and r1[2][1] == []                 # outside [start_step, end_step)
     compute, sleeps = r1[1]
     assert len(sleeps) == 8                                  # 4 forwards + 4 backwards
-    assert abs(sum(sleeps) - 2.0 * compute) <= 1e-6 * max(compute, 1e-9)
+    # compute_seconds includes the emulated part, as a slow GPU would show it: 3x measured
+    assert abs(sum(sleeps) - 2.0 / 3.0 * compute) <= 1e-6 * max(compute, 1e-9)

@@ -42,6 +42,9 @@ ADAPTIVE_KEYS = ("adaptive", "detect", "horizon_steps", "replan_at", "planner_ti
          "min_improvement", "migrate_gbps", "tp_slowdown", "device_mb")
 
 
+_INT_DETECT = ("every", "window", "confirm", "cooldown", "probe_every")
+
+
 @dataclass(frozen=True)
 class AdaptiveSettings:
     """The adaptive keys of the ``malleus`` section (``malleus.*`` in the app)."""
@@ -74,10 +77,9 @@ class AdaptiveSettings:
         for k, v in det.items():
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError(f"malleus.detect.{k}={v!r} must be a number")
-            if k in ("every", "window", "confirm", "cooldown") and int(v) != v:
+            if k in _INT_DETECT and int(v) != v:
                 raise ValueError(f"malleus.detect.{k}={v!r} must be an integer")
-        dc = DetectConfig(**{k: (int(v) if k in ("every", "window", "confirm", "cooldown")
-                                 else float(v)) for k, v in det.items()})
+        dc = DetectConfig(**{k: (int(v) if k in _INT_DETECT else float(v)) for k, v in det.items()})
         dc.check()
         hz = sec.get("horizon_steps", 100)
         if isinstance(hz, bool) or not isinstance(hz, int) or hz < 1:
@@ -209,6 +211,7 @@ class Controller:
         self._generation = 0              # bumped by every switch: older requests are stale
         self._problem: Problem | None = None
         self._probe_block = None
+        self._skip, self._seen = 1, 0     # steps to leave out; steps measured so far
         self.disabled_reason: str | None = None
         self._client: PlannerClient | None = None
         if self.rank == 0 and self.world > 1 and (settings.enabled or settings.replan_at):
@@ -222,8 +225,9 @@ class Controller:
     # -- hooks inside a step ------------------------------------------------------------------
 
     def probe_due(self, step: int) -> bool:
-        """A rank without work times a probe on detection steps (so it can come back)."""
-        return self.engine.located is None and step % self.s.detect.every == 0
+        """A rank without work times a probe every ``detect.probe_every`` steps (so it can come
+        back)."""
+        return self.engine.located is None and step % self.s.detect.probe_every == 0
 
     def probe(self, step: int) -> float:
         """Seconds of one decoder block's forward + backward on a dummy micro-batch, timed like
@@ -271,13 +275,19 @@ class Controller:
         comp = np.asarray(summed[1:1 + w], dtype=float)
         probe = np.asarray(summed[1 + w:1 + 2 * w], dtype=float)
         probe[probe <= 0] = np.nan
+        if self._skip:          # the first step of a run or of a plan: allocation, first touch
+            self._skip -= 1
+            return
         self.est.add(comp, self.units, probe)
         self.measured = self.est.rates()
+        self._seen += 1
+        if self._seen < self.s.detect.window:    # a full window before the first detection
+            return
         if (self.det is None or not self.s.enabled or self._client is None
                 or self._pending is not None or self._result is not None or self.ready
                 or (step + 1) % self.s.detect.every):
             return
-        trig = self.det.check(self.measured)
+        trig = self.det.check(self.measured, idle=self.units <= 0)
         if trig is not None:
             self._request(trig.kind, list(trig.rates), step + 1)
 
@@ -322,6 +332,7 @@ class Controller:
             self.slowdown = self._slowdown(tp)
         self.units = cost_units(plan, self.world, self.tp, self.slowdown)
         self.step_times.clear()
+        self._skip = 1
         self._generation += 1
         self._result = None                  # planned against the old plan, never flagged
         if plan.locate(self.rank) is not None:

@@ -64,19 +64,21 @@ def cost_units(plan: Plan, world: int, tp: int, tp_slowdown: Mapping[int, float]
 class DetectConfig:
     """When a measured rate shift triggers re-planning (Malleus's defaults)."""
 
-    every: int = 2          # run detection every N steps
+    every: int = 1          # run detection every N steps (cheap: numpy on rank 0)
     window: int = 5         # median over the last N per-step rates (smoothing)
     healthy: float = 1.2    # a smoothed rate below this counts as healthy (1.0)
     change: float = 0.3     # re-plan when |r - p| >= change * p for some rank (relative)...
     confirm: int = 2        # ...in this many consecutive detections (hysteresis)
     cooldown: int = 2       # detections skipped after a planning attempt
+    probe_every: int = 2    # a rank without work times its probe every N steps
 
     def check(self) -> None:
         """Raise ``ValueError`` naming ``malleus.detect.<field>=<value>`` for a bad field."""
         rules = (("every", self.every >= 1, ">= 1"), ("window", self.window >= 1, ">= 1"),
                  ("healthy", self.healthy >= 1.0, ">= 1.0 (1.0 = healthy)"),
                  ("change", self.change > 0, "> 0 (relative, e.g. 0.3 = 30%)"),
-                 ("confirm", self.confirm >= 1, ">= 1"), ("cooldown", self.cooldown >= 0, ">= 0"))
+                 ("confirm", self.confirm >= 1, ">= 1"), ("cooldown", self.cooldown >= 0, ">= 0"),
+                 ("probe_every", self.probe_every >= 1, ">= 1"))
         for name, ok, need in rules:
             if not ok:  # NaN fails every comparison, so it is rejected too
                 raise ValueError(f"malleus.detect.{name}={getattr(self, name)!r} must be {need}")
@@ -89,6 +91,13 @@ def _vector(x: Sequence[float], world: int, what: str) -> np.ndarray:
     return a
 
 
+def _reference(t: np.ndarray, band: float) -> float:
+    """The healthy per-unit time among active ranks' times ``t``: the median of those within
+    ``band`` × the lower quartile. Anchored on the quartile, not the fastest rank: on shared
+    CPUs one rank can run alone on a core for many steps and look 2× faster than the rest."""
+    return float(np.median(t[t <= band * np.quantile(t, 0.25)]))
+
+
 class RateEstimator:
     """Per-rank straggling rates from per-step compute timings, median-smoothed.
 
@@ -97,9 +106,9 @@ class RateEstimator:
     step that is slow for everyone, e.g. a busy host, moves nobody's rate) and kept for
     ``window`` steps. Smoothing comes first: :meth:`rates` takes each rank's median over the
     window, then divides by the reference = the median of the smoothed values of the active
-    ranks within ``band`` × the fastest one, so up to half the ranks may straggle without moving
-    it. (Taking the reference per step instead would let one lucky-fast step of one rank make
-    every other rank look slow: on shared CPUs per-step compute varies by 2-3×.)
+    ranks within ``band`` × their lower quartile, so up to half the ranks may straggle without
+    moving it. (Taking the reference per step instead would let one lucky-fast step of one rank
+    make every other rank look slow: on shared CPUs per-step compute varies by 2-3×.)
     """
 
     def __init__(self, world: int, window: int = 5, band: float = 1.5):
@@ -137,7 +146,7 @@ class RateEstimator:
         ta = t[valid]
         self._rows.append(t / float(np.median(ta)))
         self._active = active
-        return t / float(np.median(ta[ta <= self.band * ta.min()]))
+        return t / _reference(ta, self.band)
 
     def rates(self) -> np.ndarray:
         """Smoothed rates: per rank the median over the kept rows, ignoring NaN; NaN where no
@@ -150,7 +159,7 @@ class RateEstimator:
         act = sm[self._active & ~np.isnan(sm)]
         if not act.size:
             return np.full(self.world, np.nan)
-        return sm / float(np.median(act[act <= self.band * act.min()]))
+        return sm / _reference(act, self.band)
 
     def reset(self) -> None:
         """Forget the history (after a plan switch, when units change). Never called here."""
@@ -186,13 +195,21 @@ class Detector:
         r[r < self.cfg.healthy] = 1.0
         return r
 
-    def check(self, rates: Sequence[float]) -> Trigger | None:
-        """One detection (every ``cfg.every`` steps) on :meth:`RateEstimator.rates`."""
+    def check(self, rates: Sequence[float], idle: Sequence[bool] | None = None
+              ) -> Trigger | None:
+        """One detection (every ``cfg.every`` steps) on :meth:`RateEstimator.rates`.
+
+        ``idle[d]``: rank d has no work under the running plan (suspended). For such a rank only
+        a *decrease* counts: it may be fit to come back, while a rise changes nothing (it is
+        out already) and its probe readings are the noisiest."""
         if self.cooldown > 0:
             self.cooldown -= 1
             return None
         r, p = self.normalise(rates), self.planned
-        shifted = bool(np.any(np.abs(r - p) >= self.cfg.change * p))
+        moved = np.abs(r - p) >= self.cfg.change * p
+        if idle is not None:
+            moved &= ~np.asarray(idle, dtype=bool) | (r < p)
+        shifted = bool(np.any(moved))
         self.streak = self.streak + 1 if shifted else 0
         if self.streak < self.cfg.confirm:
             return None

@@ -279,3 +279,14 @@ def test_detect_config_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"malleus\.detect\.{field}"):
         Detector(4, cfg)
     DetectConfig().check()
+
+
+def test_a_suspended_rank_only_triggers_when_it_gets_better():
+    det = Detector(4, DetectConfig(confirm=1, cooldown=0))
+    det.planned_for([1.0, 1.0, 1.0, 5.0])
+    idle = [False, False, False, True]
+    assert det.check([1.0, 1.0, 1.0, 9.0], idle=idle) is None        # worse: it is out already
+    assert det.check([1.0, 1.0, 1.0, 9.0]) is not None               # (an active rank would)
+    det.planned_for([1.0, 1.0, 1.0, 5.0])
+    trig = det.check([1.0, 1.0, 1.0, 2.0], idle=idle)                 # better: maybe back in
+    assert trig is not None and trig.kind == "change"

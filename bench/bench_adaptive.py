@@ -78,8 +78,14 @@ def run(name: str, a, out: Path, oracle: Path) -> Path:
     env.setdefault("DS_ACCELERATOR", "cpu")
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
-        print(" ".join(cmd), p.stdout[-3000:], p.stderr[-3000:], sep="\n")
-        raise SystemExit(f"run {name} failed")
+        done = (d / "metrics.jsonl").exists() and \
+            max((r["step"] for r in read_metrics(d)), default=-1) == a.steps - 1
+        if not (done and "terminate called without an active exception" in p.stderr):
+            print(" ".join(cmd), p.stdout[-3000:], p.stderr[-3000:], sep="\n")
+            raise SystemExit(f"run {name} failed")
+        # a rare gloo abort at process exit, after the run completed (see bench/RESULTS.md)
+        print(f"note: run {name} completed every step, then a rank aborted at exit "
+              f"(code {p.returncode}); its metrics are complete and used", flush=True)
     return d
 
 

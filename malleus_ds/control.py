@@ -210,6 +210,7 @@ class Controller:
         self._result: Decision | None = None   # rank 0: a decision not yet flagged
         self._generation = 0              # bumped by every switch: older requests are stale
         self._problem: Problem | None = None
+        self._first_plan = plan            # the user's layout: the problem's static baseline
         self._probe_block = None
         self._skip, self._seen = 1, 0     # steps to leave out; steps measured so far
         self.disabled_reason: str | None = None
@@ -365,7 +366,7 @@ class Controller:
                 dev = self.s.device_mb or device_memory_mb(e.device, min(gpn, self.world))
                 mem = memory_model(e.param_table, e.model_cfg, e.plan.micro_batch_size,
                                    e.seq_len, e.precision.mixed, dev)
-                pr = job_problem(e.plan, self.world, gpn, self.tp, self.slowdown, mem)
+                pr = job_problem(self._first_plan, self.world, gpn, self.tp, self.slowdown, mem)
                 self._problem = fit_running_plan(pr, e.plan)
             except (PlanError, ValueError) as err:
                 self.disabled_reason = f"the running job cannot be planned for: {err}"

@@ -105,7 +105,8 @@ class RateEstimator:
     per-unit seconds. Each step's times are divided by that step's median over active ranks (a
     step that is slow for everyone, e.g. a busy host, moves nobody's rate) and kept for
     ``window`` steps. Smoothing comes first: :meth:`rates` takes each rank's median over the
-    window, then divides by the reference = the median of the smoothed values of the active
+    window (for a rank without work, its fastest probe in the window: a short probe under
+    interference reads up to several times slow, never fast), then divides by the reference = the median of the smoothed values of the active
     ranks within ``band`` × their lower quartile, so up to half the ranks may straggle without
     moving it. (Taking the reference per step instead would let one lucky-fast step of one rank
     make every other rank look slow: on shared CPUs per-step compute varies by 2-3×.)
@@ -153,9 +154,14 @@ class RateEstimator:
         row has a measurement. Not clamped (a rank may read 0.9)."""
         if not self._rows:
             return np.full(self.world, np.nan)
+        rows = np.stack(self._rows)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # all-NaN columns -> NaN
-            sm = np.nanmedian(np.stack(self._rows), axis=0)
+            sm = np.nanmedian(rows, axis=0)
+            # a probe is short, and interference only ever makes it slower: the fastest recent
+            # probe is the better estimate (a slow rank's probes are all slow)
+            idle = ~self._active
+            sm[idle] = np.nanmin(rows[:, idle], axis=0)
         act = sm[self._active & ~np.isnan(sm)]
         if not act.size:
             return np.full(self.world, np.nan)

@@ -34,7 +34,9 @@ global-batch mean loss on every rank), ``local_shards()``, ``local_state()`` /
 ``load_local_state()`` (state by global parameter name, gathered: for tests and tools),
 ``switch_plan(plan)`` (live migration, ``switch.py``), ``save_checkpoint`` / ``load_checkpoint``
 (per-rank slices; load under any plan, ZeRO stage, precision or world size: ``checkpoint.py``),
-``set_compute_clock``. bf16 and fp16 (with
+``set_compute_clock``, and the adaptive loop (``malleus_ds/control.py``, on unless
+``ds_config.malleus.adaptive`` is false): ``measured_rates`` and ``take_events()`` (its
+``replan`` / ``migrate`` events). bf16 and fp16 (with
 static or dynamic loss scaling) train with fp32 masters, fp32 gradient accumulation and reduction
 (``precision.py``). Not supported: ZeRO-3, DeepSpeed's ``forward/backward/step`` loop (use
 ``train_batch``), vocab-parallel embedding/head (they are replicated inside a TP group).

@@ -64,7 +64,7 @@ def test_adaptive_run_detects_replans_migrates_recovers_and_keeps_the_math():
     # nothing happens while everyone is healthy
     assert all(e["step"] > SLOW_FROM for e in replans), replans
     onset = next(e for e in adopted if e["trigger"] in ("onset", "change"))
-    assert onset["step"] < SLOW_TO and onset["measured_rates"][3] > 4, onset
+    assert onset["step"] < SLOW_TO and onset["measured_rates"][3] > 2.5, onset   # window filling
     assert onset["predicted_step_s"][1] < onset["predicted_step_s"][0]
     assert onset["step"] - SLOW_FROM <= 9, f"detected and planned late: {onset}"
     rec = next(e for e in adopted if e["trigger"] == "recovery")

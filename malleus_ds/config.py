@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from .control import ADAPTIVE_KEYS
 from .emulation import StragglerError, StragglerSchedule
 from .models.llama import ModelConfig, model_config
 from .reference import OptimConfig
@@ -157,9 +158,7 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
 
 
 #: The app's ``malleus.*`` keys (the engine's own ds_config ``malleus`` section has more).
-MALLEUS_KEYS = ("switch", "migrate_bucket_mb", "migrate_timeout_s", "adaptive", "detect",
-                "horizon_steps", "replan_at", "planner_time_limit_s", "min_improvement",
-                "migrate_gbps", "tp_slowdown", "device_mb")
+MALLEUS_KEYS = ("switch", "migrate_bucket_mb", "migrate_timeout_s", *ADAPTIVE_KEYS)
 
 
 def _malleus(m: Mapping[str, Any], engine: str) -> dict:

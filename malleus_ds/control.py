@@ -39,10 +39,21 @@ from .replan import (Decision, decide, device_memory_mb, fit_running_plan, job_p
 from .straggler import DetectConfig, Detector, RateEstimator, as_list, cost_units, ideal_slowdown
 
 ADAPTIVE_KEYS = ("adaptive", "detect", "horizon_steps", "replan_at", "planner_time_limit_s",
-         "min_improvement", "migrate_gbps", "tp_slowdown", "device_mb")
+                 "min_improvement", "migrate_gbps", "tp_slowdown", "device_mb")
 
 
 _INT_DETECT = ("every", "window", "confirm", "cooldown", "probe_every")
+
+
+def number(sec: Mapping[str, Any], key: str, default, ok, need: str, optional: bool = False):
+    """``sec[key]`` (``default`` if absent) as a float that satisfies ``ok``, or None when
+    ``optional`` and null; else ValueError ``ds_config.malleus.<key>=<value> must be <need>``."""
+    v = sec.get(key, default)
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+        raise ValueError(f"ds_config.malleus.{key}={v!r} must be {need}")
+    return float(v)
 
 
 @dataclass(frozen=True)
@@ -95,15 +106,10 @@ class AdaptiveSettings:
             if i and s <= ra[i - 1]:
                 raise ValueError(f"{p}.replan_at[{i}]={s} is not after replan_at[{i - 1}]="
                                  f"{ra[i - 1]}; list steps in increasing order")
-        tl = sec.get("planner_time_limit_s")
-        if tl is not None and (isinstance(tl, bool) or not isinstance(tl, (int, float)) or tl <= 0):
-            raise ValueError(f"{p}.planner_time_limit_s={tl!r} must be a number > 0 (or null: auto)")
-        mi = sec.get("min_improvement", 0.05)
-        if isinstance(mi, bool) or not isinstance(mi, (int, float)) or not 0 <= mi < 1:
-            raise ValueError(f"{p}.min_improvement={mi!r} must be a number in [0, 1)")
-        bw = sec.get("migrate_gbps", 1.0)
-        if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not bw > 0:
-            raise ValueError(f"{p}.migrate_gbps={bw!r} must be a number > 0 (GB/s)")
+        tl = number(sec, "planner_time_limit_s", None, lambda v: v > 0,
+                    "a number > 0 (or null: auto)", optional=True)
+        mi = number(sec, "min_improvement", 0.05, lambda v: 0 <= v < 1, "a number in [0, 1)")
+        bw = number(sec, "migrate_gbps", 1.0, lambda v: v > 0, "a number > 0 (GB/s)")
         sd = sec.get("tp_slowdown")
         if sd is not None:
             if not isinstance(sd, Mapping):
@@ -113,11 +119,9 @@ class AdaptiveSettings:
             except (TypeError, ValueError):
                 raise ValueError(f"{p}.tp_slowdown={dict(sd)!r}: keys are integers tp/g, values "
                                  f"numbers") from None
-        dm = sec.get("device_mb")
-        if dm is not None and (isinstance(dm, bool) or not isinstance(dm, (int, float)) or dm <= 0):
-            raise ValueError(f"{p}.device_mb={dm!r} must be a number > 0 (or null: detected)")
-        return AdaptiveSettings(en, dc, hz, tuple(ra), None if tl is None else float(tl),
-                                float(mi), float(bw), sd, None if dm is None else float(dm))
+        dm = number(sec, "device_mb", None, lambda v: v > 0, "a number > 0 (or null: detected)",
+                    optional=True)
+        return AdaptiveSettings(en, dc, hz, tuple(ra), tl, mi, bw, sd, dm)
 
 
 class PlannerClient:

@@ -25,7 +25,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .metrics import METRICS_FILE
+from .metrics import METRICS_FILE, emulated_rates
 
 PROG = "malleus-plot"
 EXIT_BAD_INPUT = 2
@@ -252,8 +252,7 @@ def read_run(run_dir: str | Path, name: str | None = None) -> RunData:
             if r.get("measured_rates") is not None else None for r in lines]
     width_c = max((len(c) for c in comp if c), default=0)
     width_m = max((len(m) for m in meas if m), default=0)
-    emu = [_rates_dict(r["emulated_rates"] if "emulated_rates" in r else r.get("rates"),
-                       "emulated_rates") for r in lines]
+    emu = [_rates_dict(emulated_rates(r), "emulated_rates") for r in lines]
     return RunData(
         path=run_dir,
         name=name if name is not None else run_dir.resolve().name,

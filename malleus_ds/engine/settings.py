@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..control import ADAPTIVE_KEYS, AdaptiveSettings
+from ..control import ADAPTIVE_KEYS, AdaptiveSettings, number
 from ..plan import Plan
 from .precision import Precision
 
@@ -60,10 +60,7 @@ class MalleusSettings:
 
 
 def _positive(sec: Mapping[str, Any], key: str, default: float) -> float:
-    v = sec.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise ValueError(f"ds_config.malleus.{key}={v!r} must be a number > 0")
-    return float(v)
+    return number(sec, key, default, lambda v: v > 0, "a number > 0")
 
 
 def parse_switch(entries) -> tuple[SwitchAt, ...]:

@@ -36,7 +36,8 @@ import numpy as np
 from .plan import Plan, PlanError, Problem
 from .replan import (Decision, decide, device_memory_mb, fit_running_plan, job_problem,
                      memory_model)
-from .straggler import DetectConfig, Detector, RateEstimator, as_list, cost_units, ideal_slowdown
+from .straggler import (DetectConfig, Detector, RateEstimator, as_list, cost_units,
+                        ideal_slowdown, probe_reference)
 
 ADAPTIVE_KEYS = ("adaptive", "detect", "horizon_steps", "replan_at", "planner_time_limit_s",
                  "min_improvement", "migrate_gbps", "tp_slowdown", "device_mb")
@@ -206,6 +207,7 @@ class Controller:
         self.est = RateEstimator(self.world, settings.detect.window)
         self.det = Detector(self.world, settings.detect) if self.rank == 0 else None
         self.units = cost_units(plan, self.world, self.tp, self.slowdown)
+        self.probe_ref = probe_reference(self.units)
         self.measured = np.full(self.world, np.nan)
         self.step_times: deque[float] = deque(maxlen=max(3, settings.detect.window))
         self.forced = list(settings.replan_at)
@@ -231,8 +233,11 @@ class Controller:
 
     def probe_due(self, step: int) -> bool:
         """A rank without work times a probe every ``detect.probe_every`` steps (so it can come
-        back)."""
-        return self.engine.located is None and step % self.s.detect.probe_every == 0
+        back), and so does :attr:`probe_ref`, the least-loaded rank with work, to calibrate them
+        (``RateEstimator.add``)."""
+        if step % self.s.detect.probe_every:
+            return False
+        return self.engine.located is None or self.rank == self.probe_ref
 
     def probe(self, step: int) -> float:
         """Seconds of one decoder block's forward + backward on a dummy micro-batch, timed like
@@ -269,7 +274,8 @@ class Controller:
         if self.rank == 0:
             self._collect()
             out[0] = 1.0 if self._result is not None else 0.0
-        out[1 + self.rank] = compute_s
+        # the calibration probe of a rank with work is not training compute
+        out[1 + self.rank] = compute_s - (probe_s if self.units[self.rank] > 0 else 0.0)
         out[1 + self.world + self.rank] = probe_s / self.slowdown[self.tp] if probe_s > 0 else 0.0
         return out
 
@@ -283,7 +289,10 @@ class Controller:
         if self._skip:          # the first step of a run or of a plan: allocation, first touch
             self._skip -= 1
             return
-        self.est.add(comp, self.units, probe)
+        raw = self.est.add(comp, self.units, probe)
+        import os
+        if os.environ.get('MDBG') and self.rank == 0:
+            print('DBG', step, np.round(raw, 3), np.round(probe, 4), self.units, np.round(self.est.rates(), 3), list(np.round(self.est._cal, 2)), flush=True)
         self.measured = self.est.rates()
         self._seen += 1
         if self._seen < self.s.detect.window:    # a full window before the first detection
@@ -316,7 +325,8 @@ class Controller:
             dist.broadcast_object_list(obj, src=0)
             self.ready = False
             if obj[0] is not None:
-                out.append((dict(obj[0].event, step=step), obj[0].plan))
+                ev = obj[0].event        # detected before step ev['step'], adopted now
+                out.append((dict(ev, step=step, detected=ev["step"]), obj[0].plan))
         while self.forced and self.forced[0] < step:
             self.forced.pop(0)                       # resumed past it
         if self.forced and self.forced[0] == step:
@@ -336,11 +346,12 @@ class Controller:
             self.tp, self._problem = tp, None
             self.slowdown = self._slowdown(tp)
         self.units = cost_units(plan, self.world, self.tp, self.slowdown)
+        self.probe_ref = probe_reference(self.units)
         self.step_times.clear()
         self._skip = 1
         self._generation += 1
         self._result = None                  # planned against the old plan, never flagged
-        if plan.locate(self.rank) is not None:
+        if plan.locate(self.rank) is not None and self.rank != self.probe_ref:
             self._probe_block = None         # back at work: free the probe's block
         if self.det is not None:
             self.det.planned_for(rates if rates is not None else self._normalised())

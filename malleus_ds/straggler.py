@@ -11,7 +11,8 @@ The loop an engine runs, every step and every ``DetectConfig.every`` steps::
   pipeline × the TP-size slowdown of its group (0 for a rank without work).
 * :class:`RateEstimator` — per-step rates ``x_d`` = (compute seconds / units) relative to a
   robust healthy reference, smoothed by a median over the last few steps. Suspended ranks are
-  measured by a probe (per-unit seconds).
+  measured by a probe (per-unit seconds), calibrated by the same probe on the least-loaded
+  rank with work (:func:`probe_reference`).
 * :class:`Detector` — Malleus's rule: a rate below ``healthy`` counts as 1.0; a re-plan needs some
   rate to differ from the one the current plan was made for by ``change`` (relative), in
   ``confirm`` consecutive detections, and none is raised during a ``cooldown`` after planning.
@@ -119,6 +120,7 @@ class RateEstimator:
         self.world, self.window, self.band = world, window, band
         self._rows: deque[np.ndarray] = deque(maxlen=window)
         self._active = np.ones(world, dtype=bool)     # ranks with work in the latest step
+        self._cal: deque[float] = deque(maxlen=5)      # recent calibration factors
 
     def add(self, compute_s: Sequence[float], units: Sequence[float],
             probe_s: Sequence[float] | None = None) -> np.ndarray:
@@ -126,7 +128,8 @@ class RateEstimator:
 
         ``compute_s[d]``: rank d's compute seconds this step (communication left out);
         ``units[d]``: from :func:`cost_units` (0 = no work); ``probe_s[d]``: per-unit seconds of
-        a probe run by a rank without work (NaN or <= 0 = none). A step in which no active rank
+        a probe run by a rank without work, or by a rank with work to calibrate those (NaN or
+        <= 0 = none). A step in which no active rank
         has a positive finite time returns all-NaN and is not kept (it would only push real
         measurements out of the window).
         """
@@ -139,7 +142,7 @@ class RateEstimator:
         if probe_s is not None:
             p = _vector(probe_s, self.world, "probe_s")
             use = ~active & np.isfinite(p) & (p > 0)
-            t[use] = p[use]
+            t[use] = p[use] * self._calibration(t, p, active)
         t[~(np.isfinite(t) & (t > 0))] = np.nan   # a zero/negative/inf time is no measurement
         valid = active & ~np.isnan(t)
         if not valid.any():
@@ -148,6 +151,16 @@ class RateEstimator:
         self._rows.append(t / float(np.median(ta)))
         self._active = active
         return t / _reference(ta, self.band)
+
+    def _calibration(self, t: np.ndarray, p: np.ndarray, active: np.ndarray) -> float:
+        """Training per-unit seconds per probe second, from ranks with work that also probed
+        (:func:`probe_reference`): a probe is one block on a dummy batch, and fixed overheads
+        (or a stage's embedding and head) make it read off by a factor that this cancels. The
+        factor is a property of the model and plan, not of the moment: the median of the last
+        few samples keeps one noisy probe from moving it. 1.0 until a rank with work probed."""
+        ref = active & np.isfinite(p) & (p > 0) & np.isfinite(t) & (t > 0)
+        self._cal.extend((t[ref] / p[ref]).tolist())
+        return float(np.median(self._cal)) if self._cal else 1.0
 
     def rates(self) -> np.ndarray:
         """Smoothed rates: per rank the median over the kept rows, ignoring NaN; NaN where no
@@ -233,6 +246,15 @@ class Detector:
         self.planned = self.normalise(rates)
         self.streak = 0
         self.cooldown = self.cfg.cooldown
+
+
+def probe_reference(units: Sequence[float]) -> int | None:
+    """The rank that times a probe alongside the ranks without work, to calibrate theirs: the
+    least-loaded rank with work (lowest index on ties); None when every rank has work."""
+    u = np.asarray(units, dtype=float)
+    if not (u <= 0).any() or not (u > 0).any():
+        return None
+    return int(np.flatnonzero(u == u[u > 0].min())[0])
 
 
 def as_list(rates: Sequence[float]) -> list[float | None]:

@@ -1,7 +1,7 @@
 """The adaptive loop keeps the math (DESIGN.md §6): one engine trains while an emulated straggler
-comes and goes; the engine measures it, re-plans in the background, migrates live, comes back
-after recovery, and obeys a forced re-plan. Per-step losses, final parameters and Adam states
-equal one single-process run; the events say what happened, the same on every rank."""
+appears, worsens and recovers; the engine measures it, re-plans in the background, migrates live,
+comes back after recovery, and obeys a forced re-plan. Per-step losses, final parameters and Adam
+states equal one single-process run; the events say what happened, the same on every rank."""
 import json
 import os
 import subprocess
@@ -17,26 +17,45 @@ from tests.dist.test_malleus_switch import _check_adam
 STATIC = plan_json([(2, [([r], (0, 4))]) for r in range(4)])      # dp=4, 2 micro-batches each
 # Short enough that final parameters still match the reference to 1e-5 (over ~70 steps, fp32
 # re-ordering noise on rarely-seen embedding rows grows past that even on a static plan).
-SLOW_FROM, SLOW_TO, RATE, MAX_STEPS = 3, 14, 8.0, 40
+ONSET, MILD, WORSE, MAX_STEPS = 3, 3.0, 8.0, 40
+LAG = 2     # steps between an adopted re-plan and the next phase of the straggler schedule
 
 
 def _adaptive(rank, world, max_steps):
+    """Rank 3 slows to MILD at step ONSET; LAG steps after the loop adopts a plan for that, it
+    worsens to WORSE; LAG steps after the loop adopts a plan for *that*, it recovers. The
+    phases follow the events (identical on every rank), so the test does not depend on how
+    fast this machine detects; only on detecting at all within MAX_STEPS."""
     import malleus_ds
+    from malleus_ds.emulation import StragglerSchedule
     from malleus_ds.plan import Plan
 
     cfg = ds_config(1)
-    cfg["malleus"] = {"straggler": [{"rank": 3, "rate": RATE, "start_step": SLOW_FROM,
-                                     "end_step": SLOW_TO}],
-                      "detect": {"every": 1, "window": 3}, "planner_time_limit_s": 0.5}
+    # a short window for a short test; probes every step so a suspended rank's fastest probe
+    # in the window is a fair reading on this oversubscribed machine
+    cfg["malleus"] = {"straggler": [{"rank": 3, "rate": MILD, "start_step": ONSET}],
+                      "detect": {"every": 1, "window": 3, "probe_every": 1}, "planner_time_limit_s": 0.2}
     eng, *_ = malleus_ds.initialize(model=CFG, config=cfg, plan=Plan.from_json(STATIC))
-    losses, events, forced_at, plans = [], [], None, {}
+    losses, events, forced_at, plans, phase = [], [], None, {}, "mild"
     while len(losses) < max_steps:
         losses.append(eng.train_batch())
         plans[eng.plan.id] = eng.plan.to_json()
-        events += [dict(e, at=len(losses)) for e in eng.take_events()]
-        recovered = any(e["event"] == "replan" and e.get("adopted") and e["trigger"] == "recovery"
-                        for e in events)
-        if recovered and forced_at is None:     # events are identical on every rank
+        new = [dict(e, at=len(losses)) for e in eng.take_events()]
+        events += new
+        adopted = [e for e in new if e["event"] == "replan" and e.get("adopted")]
+        nxt = len(losses) + LAG     # a step index (0-based) LAG steps from now
+        if phase == "mild" and adopted:
+            phase, worse_at = "worse", nxt
+            eng.straggler.schedule = StragglerSchedule.parse([
+                {"rank": 3, "rate": MILD, "start_step": ONSET, "end_step": nxt},
+                {"rank": 3, "rate": WORSE, "start_step": nxt}])
+        elif phase == "worse" and any(e.get("detected", -1) > worse_at for e in adopted):
+            phase = "recovered"
+            eng.straggler.schedule = StragglerSchedule.parse([
+                {"rank": 3, "rate": MILD, "start_step": ONSET, "end_step": worse_at},
+                {"rank": 3, "rate": WORSE, "start_step": worse_at, "end_step": nxt}])
+        elif (phase == "recovered" and forced_at is None and adopted
+              and eng.plan.locate(3) is not None):      # back to work: now a forced re-plan
             forced_at = len(losses) + 1
             eng.control.forced.append(forced_at)
         if forced_at is not None and len(losses) >= forced_at + 1:
@@ -51,24 +70,41 @@ def _adaptive(rank, world, max_steps):
 
 
 def test_adaptive_run_detects_replans_migrates_recovers_and_keeps_the_math():
+    from malleus_ds.plan import Plan
+    from malleus_ds.straggler import cost_units
+
     res = run_distributed(_adaptive, 4, MAX_STEPS, timeout=400)
     steps = len(res[0][0][0])
+    events = res[0][1]
+    for e in events:            # shown when an assertion fails
+        print(e["step"], e["event"], e.get("trigger"), e.get("detected"), e.get("adopted"),
+              e.get("measured_rates"), e.get("planning_s"))
     assert all(len(r[0][0]) == steps for r in res)
     check(STATIC, [r[0] for r in res], steps=steps)
     _check_adam([(r[0], None, None, r[3]) for r in res], steps)
-    events = res[0][1]
     assert all(r[1] == events for r in res), "every rank saw the same events"
     replans = [e for e in events if e["event"] == "replan"]
     adopted = [e for e in replans if e["adopted"]]
     migrates = [e for e in events if e["event"] == "migrate"]
     # nothing happens while everyone is healthy
-    assert all(e["step"] > SLOW_FROM for e in replans), replans
+    assert all(e["step"] > ONSET for e in replans), replans
     onset = next(e for e in adopted if e["trigger"] in ("onset", "change"))
-    assert onset["step"] < SLOW_TO and onset["measured_rates"][3] > 2.5, onset   # window filling
+    # read while the window fills with slow steps (or, when the first plan was not worth a
+    # migration, a little later as a "change")
+    assert onset["measured_rates"][3] > 1.5, onset
     assert onset["predicted_step_s"][1] < onset["predicted_step_s"][0]
-    assert onset["step"] - SLOW_FROM <= 9, f"detected and planned late: {onset}"
-    rec = next(e for e in adopted if e["trigger"] == "recovery")
-    assert rec["step"] > SLOW_TO and all(x == 1.0 for x in rec["measured_rates"])
+    # the window (3) must fill with slow steps, after one left out, plus one to confirm
+    assert onset["detected"] - ONSET <= 2 * 3 + 1, f"detected late: {onset}"
+    worse = next((e for e in adopted if e["trigger"] == "change" and e["step"] > onset["step"]
+                  and e["measured_rates"][3] > 1.3 * onset["measured_rates"][3]), None)
+    assert worse is not None, f"the worsening was never planned for: {replans}"
+    assert worse["predicted_step_s"][1] < worse["predicted_step_s"][0], worse
+    # back to work after recovery (the trigger may be "change": a healthy rank can read just
+    # above 1.2 in the same window on this noisy machine)
+    rec = next((e for e in adopted if e["step"] > worse["step"] and cost_units(
+        Plan.from_json(res[0][4][e["to"]]), 4, 1, {1: 1.0})[3] > 0), None)
+    assert rec is not None, f"rank 3 never came back: {replans}"
+    assert rec["trigger"] in ("recovery", "change") and rec["measured_rates"][3] < 2.0, rec
     forced = [e for e in adopted if e["trigger"] == "forced"]
     assert len(forced) == 1 and forced[0]["from"] != forced[0]["to"]
     # every adopted re-plan is followed by its migration, at the same step boundary
@@ -76,13 +112,14 @@ def test_adaptive_run_detects_replans_migrates_recovers_and_keeps_the_math():
         m = next(m for m in migrates if m["from"] == e["from"] and m["to"] == e["to"]
                  and m["step"] == e["step"])
         assert m["seconds"] > 0
-    # the plan made for the straggler gives rank 3 less work (or none)
-    from malleus_ds.plan import Plan
-    from malleus_ds.straggler import cost_units
-    units = cost_units(Plan.from_json(res[0][4][onset["to"]]), 4, 1, {1: 1.0})
-    assert units[3] < units[:3].min(), units
-    # after recovery and the forced switch the rates read healthy again
-    assert all(x is None or x < 1.5 for x in res[0][2]), res[0][2]
+    # the plans made for the straggler give rank 3 less work (or none), less when it is worse
+    units = [cost_units(Plan.from_json(res[0][4][e["to"]]), 4, 1, {1: 1.0})
+             for e in (onset, worse)]
+    assert units[0][3] < units[0][:3].min() and units[1][3] < units[0][3], units
+    # at the end rank 3 reads far below the straggler's rates (no tighter bound: on this
+    # noisy machine a healthy rank may read 2 for a few steps, and the cost model leaves out
+    # the head's compute, so a rank that holds it reads slower)
+    assert all(x is None or x < WORSE / 2 for x in res[0][2]), res[0][2]
 
 
 REPO = Path(__file__).resolve().parents[2]

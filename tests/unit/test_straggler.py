@@ -11,7 +11,7 @@ import pytest
 
 from malleus_ds.plan import Pipeline, Plan, Stage, static_plan, validate_plan
 from malleus_ds.straggler import (DetectConfig, Detector, RateEstimator, Trigger, as_list,
-                                  cost_units, ideal_slowdown)
+                                  cost_units, ideal_slowdown, probe_reference)
 
 BASE = 0.01     # seconds per unit on a healthy rank
 CFG = DetectConfig()
@@ -27,11 +27,13 @@ def suspended_plan() -> Plan:
 
 
 def run_trace(plan, world, tp, rate_at, steps, *, seed=0, noise=0.0, spike_every=None,
-              initial=None, probe=True, cfg=CFG):
+              initial=None, probe=True, cfg=CFG, probe_bias=1.0):
     """Simulate ``steps`` steps; ``rate_at(step)`` gives the true per-rank rates. Returns the
     triggers as ``(step, kind, rates)``. ``noise``: uniform multiplicative ±noise per rank per
     step; ``spike_every``: mean gap of single-step 5x spikes on random ranks; ``initial``: rates
-    the running plan was made for (``planned_for`` before step 0)."""
+    the running plan was made for (``planned_for`` before step 0); ``probe_bias``: a probe reads
+    that many times a training unit (its overheads), on ranks without work and on the
+    calibrating one (``probe_reference``)."""
     rng = np.random.default_rng(seed)
     units = cost_units(plan, world, tp, ideal_slowdown(tp))
     est, det = RateEstimator(world, cfg.window), Detector(world, cfg)
@@ -45,7 +47,10 @@ def run_trace(plan, world, tp, rate_at, steps, *, seed=0, noise=0.0, spike_every
             factor[rng.integers(world)] *= 5.0
             next_spike += rng.integers(4, 2 * spike_every - 3)     # gaps 4..(2*mean-4)
         compute = units * BASE * factor
-        probe_s = np.where(units == 0, BASE * factor, np.nan) if probe else None
+        probing = (units == 0)
+        if probe_reference(units) is not None:
+            probing[probe_reference(units)] = True
+        probe_s = np.where(probing, BASE * factor * probe_bias, np.nan) if probe else None
         est.add(compute, units, probe_s)
         if (step + 1) % cfg.every == 0:
             trig = det.check(est.rates())
@@ -136,11 +141,49 @@ def test_suspended_rank_probe_is_measured():
     est = RateEstimator(4)
     units = cost_units(suspended_plan(), 4, 1, {1: 1.0})
     assert units.tolist() == [4.0, 4.0, 8.0, 0.0]
-    row = est.add(units * BASE, units, [7.0, 7.0, 7.0, 5 * BASE])   # probes of active ranks ignored
+    row = est.add(units * BASE, units, [np.nan, np.nan, np.nan, 5 * BASE])   # uncalibrated
     assert row == pytest.approx([1, 1, 1, 5])
     row = est.add(units * BASE, units, [np.nan, 0, -1, 0.0])
     assert row[:3] == pytest.approx([1, 1, 1]) and math.isnan(row[3])
     assert est.rates() == pytest.approx([1, 1, 1, 5])   # NaN rows ignored by the median
+
+
+def test_probe_reference_is_the_least_loaded_rank_with_work():
+    assert probe_reference([4.0, 4.0, 8.0, 0.0]) == 0
+    assert probe_reference([8.0, 3.0, 3.0, 0.0]) == 1
+    assert probe_reference([4.0, 4.0, 4.0, 4.0]) is None     # nobody to measure
+    assert probe_reference([0.0, 0.0]) is None
+
+
+def test_probes_are_calibrated_by_the_reference_rank():
+    """A probe reads 1.6x a training unit (fixed overheads): uncalibrated, a healthy suspended
+    rank would look slow for good; calibrated by the reference rank's probe of the same step,
+    it reads its true rate whether the reference itself is healthy or slow."""
+    units = cost_units(suspended_plan(), 4, 1, {1: 1.0})      # [4, 4, 8, 0]: reference rank 0
+    for ref_rate in (1.0, 3.0):
+        for true in (1.0, 4.0):
+            est = RateEstimator(4)
+            rate = np.array([ref_rate, 1.0, 1.0, true])
+            row = est.add(units * BASE * rate, units,
+                          [1.6 * BASE * ref_rate, np.nan, np.nan, 1.6 * BASE * true])
+            assert row[3] == pytest.approx(true), (ref_rate, true, row)
+    est = RateEstimator(4)      # one odd reference probe does not move the calibration
+    for _ in range(4):
+        est.add(units * BASE, units, [1.6 * BASE, np.nan, np.nan, 1.6 * BASE])
+    row = est.add(units * BASE, units, [0.3 * BASE, np.nan, np.nan, 1.6 * BASE])
+    assert row[3] == pytest.approx(1.0)
+    est = RateEstimator(4)      # without the reference's probe the bias shows
+    assert est.add(units * BASE, units, [np.nan, np.nan, np.nan, 1.6 * BASE])[3] == \
+        pytest.approx(1.6)
+
+
+def test_biased_probe_still_lets_a_suspended_rank_recover():
+    plan = suspended_plan()
+    rate = lambda k: one_slow(4, 3, 5.0 if k < 40 else 1.0)  # noqa: E731
+    trace = run_trace(plan, 4, 1, rate, 80, seed=3, noise=0.1, initial=[1, 1, 1, 5],
+                      probe_bias=1.6)
+    assert [(kind, rates) for _, kind, rates in trace] == [("recovery", (1.0,) * 4)]
+    assert 40 <= trace[0][0] < 40 + 2 * CFG.window
 
 
 def test_straggling_active_rank_recovers():

@@ -110,6 +110,9 @@ class RunConfig:
     progress: bool = True               # tqdm bar on rank 0
     malleus: Mapping[str, Any] = field(default_factory=dict, hash=False)  # engine=malleus extras
     checkpoint: CheckpointConfig = CheckpointConfig()
+    comm_timeout_s: float = 1800.0      # process-group timeout: a collective waiting longer fails
+    hang_timeout_s: float = 300.0       # no progress on some rank this long stops the job; 0 = off
+    log_every: int = 10                 # progress line every N steps when stdout is no terminal
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False)  # unparsed sections
 
 
@@ -148,13 +151,32 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
     plan = d.get("plan", "static")
     plan = "static" if plan in (None, "", "static") else str(plan)
     known = {"engine", "model", "train", "parallel", "cluster", "straggler", "deepspeed",
-             "device", "plan", "progress", "malleus", "checkpoint"}
+             "device", "plan", "progress", "malleus", "checkpoint", "comm_timeout_s",
+             "hang_timeout_s", "log_every"}
+    comm = _seconds(d.get("comm_timeout_s", 1800.0), "comm_timeout_s", zero_ok=False)
+    hang = _seconds(d.get("hang_timeout_s", 300.0), "hang_timeout_s", zero_ok=True)
+    log_every = d.get("log_every", 10)
+    if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+        raise ConfigError(f"log_every={log_every!r} must be an integer >= 1 (steps)")
     extra = {k: v for k, v in d.items() if k not in known}
     return RunConfig(engine=engine, model=model, train=train, parallel=parallel, cluster=cluster,
                      straggler=straggler, deepspeed=ds, world_size=world_size, plan=plan,
                      run_dir=run_dir, device=device, progress=bool(d.get("progress", True)),
                      malleus=_malleus(d.get("malleus") or {}, engine),
-                     checkpoint=_checkpoint(d.get("checkpoint") or {}), extra=extra)
+                     checkpoint=_checkpoint(d.get("checkpoint") or {}), comm_timeout_s=comm,
+                     hang_timeout_s=hang, log_every=log_every, extra=extra)
+
+
+def _seconds(v: Any, name: str, zero_ok: bool) -> float:
+    """A finite number of seconds, > 0 (or >= 0 with ``zero_ok``: 0 turns the feature off)."""
+    try:
+        x = float(v) if not isinstance(v, bool) else float("nan")
+    except (TypeError, ValueError):
+        x = float("nan")
+    if not (x >= 0 if zero_ok else x > 0) or x == float("inf"):
+        bound = ">= 0 (0 = off)" if zero_ok else "> 0"
+        raise ConfigError(f"{name}={v!r} must be a finite number of seconds {bound}")
+    return x
 
 
 #: The app's ``malleus.*`` keys (the engine's own ds_config ``malleus`` section has more).

@@ -23,6 +23,7 @@ Multi-process rules:
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,7 @@ if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
 
 _LAUNCHED = ("RANK", "LOCAL_RANK")  # env vars torchrun / the deepspeed launcher set per rank
 _CONFIG_ERROR_GRACE_S = 3.0  # a rank with a config error waits this long before exiting
+_STOP_GRACE_S = 120.0  # after SIGTERM/SIGINT, ranks get this long to checkpoint and exit
 
 
 def strip_local_rank(argv: list[str]) -> list[str]:
@@ -67,15 +69,60 @@ def _non_zero_rank_overrides() -> list[str]:
 
 
 def _launch_ranks(nproc: int, task_overrides: list[str], run_dir: str) -> int:
-    """Start ``nproc`` local ranks of this app via torchrun; they re-compose the same config."""
+    """Start ``nproc`` local ranks of this app via torchrun; they re-compose the same config.
+
+    torchrun runs in a session of its own and its workers in theirs, so a terminal's Ctrl-C
+    reaches only this process: SIGTERM / SIGINT here are passed to every rank directly (they
+    stop together at the next step boundary, checkpoint when ``checkpoint.dir`` is set, and
+    exit cleanly, so torchrun ends quietly); a second signal, or ranks still running after
+    :data:`_STOP_GRACE_S`, kills them all. No rank outlives this process."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", str(Path(__file__).resolve()),
            *[o for o in task_overrides if not o.startswith("nproc_per_node=")],
            "nproc_per_node=1", f"hydra.run.dir={run_dir}"]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["MALLEUS_DS_WRAPPED"] = "1"
     print(f"[malleus_ds] launching {nproc} ranks: {' '.join(cmd)}", flush=True)
-    return subprocess.call(cmd, env=env)
+    from malleus_ds.procs import descendants
+
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    got: list[int] = []
+
+    def kill_all() -> None:
+        for pid in descendants(proc.pid) + [proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def on_signal(signum, frame) -> None:
+        if got:                                  # second signal: no more waiting
+            kill_all()
+            return
+        got.append(signum)
+        print(f"[malleus_ds] {signal.Signals(signum).name}: stopping every rank at the next "
+              f"step boundary (again to kill now)", file=sys.stderr, flush=True)
+        for pid in descendants(proc.pid):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while True:
+            try:
+                rc = proc.wait(timeout=_STOP_GRACE_S if got else None)
+                break
+            except subprocess.TimeoutExpired:
+                print(f"[malleus_ds] ranks still running {_STOP_GRACE_S:.0f} s after the "
+                      f"signal: killing them", file=sys.stderr, flush=True)
+                kill_all()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 128 + got[0] if got else rc
 
 
 def main() -> None:
@@ -87,6 +134,7 @@ def main() -> None:
     def app(cfg: DictConfig) -> None:
         from malleus_ds.config import ConfigError, build_run_config
         from malleus_ds.runners import DistEnv, execute, validate
+        from malleus_ds.runners.guard import Stopped
         from malleus_ds.runners.common import format_summary
 
         hc = HydraConfig.get()
@@ -114,6 +162,12 @@ def main() -> None:
                                   local_world_size=env.local_world_size, run_dir=run_dir,
                                   ds_search_dirs=(CONF_DIR / "deepspeed",))
             summary = execute(rc, env)
+        except Stopped as e:            # SIGTERM / SIGINT: every rank stopped together
+            if env.is_rank0:
+                print(f"[malleus_ds] {e}", file=sys.stderr, flush=True)
+            # under this app's own launcher the wrapper reports the signal: a clean exit here
+            # keeps torchrun from printing a failure report for a stop that was asked for
+            sys.exit(0 if os.environ.get("MALLEUS_DS_WRAPPED") else e.exit_code)
         except ConfigError as e:
             print(f"[malleus_ds] config error (rank {env.rank}): {e}", file=sys.stderr, flush=True)
             if env.world_size > 1:
@@ -126,6 +180,9 @@ def main() -> None:
         if env.is_rank0:
             print(format_summary(rc, summary), flush=True)
 
+    # run folders: time + pid, so two runs started in the same second never share one
+    if not OmegaConf.has_resolver("pid"):
+        OmegaConf.register_new_resolver("pid", lambda: str(os.getpid()))
     sys.argv = strip_local_rank(sys.argv)
     if any(k in os.environ for k in _LAUNCHED) and ({"--multirun", "-m"} & set(sys.argv)):
         print("[malleus_ds] --multirun inside torchrun/deepspeed is not supported (every rank "

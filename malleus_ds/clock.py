@@ -11,6 +11,7 @@ import time
 from contextlib import contextmanager
 
 from .emulation import Straggler
+from .watchdog import HEARTBEAT, phase
 
 
 class ComputeClock:
@@ -33,6 +34,7 @@ class ComputeClock:
 
     def start_step(self, step: int) -> None:
         self.step, self.compute_s, self.emulated_s = step, 0.0, 0.0
+        HEARTBEAT.beat("step start", step)
 
     @contextmanager
     def compute(self):
@@ -40,7 +42,8 @@ class ComputeClock:
             import torch
             torch.cuda.synchronize()
         t0, ex0 = time.perf_counter(), self._excluded
-        yield
+        with phase("forward/backward"):
+            yield
         if self.cuda:
             import torch
             torch.cuda.synchronize()
@@ -52,7 +55,8 @@ class ComputeClock:
         self._ex_depth += 1
         t0 = time.perf_counter()
         try:
-            yield
+            with phase("communication"):
+                yield
         finally:
             self._ex_depth -= 1
             if self._ex_depth == 0:

@@ -64,17 +64,33 @@ class StepRecord:
         return d
 
 
+class MetricsBusy(RuntimeError):
+    """Another live process holds the metrics.jsonl this run would write."""
+
+
 class MetricsWriter:
     """Appends one line per step to ``<run_dir>/metrics.jsonl`` (flushed each line).
 
-    ``run_dir=None`` writes nothing (non-zero ranks, tests)."""
+    ``run_dir=None`` writes nothing (non-zero ranks, tests). The file is locked while open
+    (``flock``, released when the process ends, however it ends): a second live run pointed at
+    the same folder gets :class:`MetricsBusy` instead of corrupting this one's lines."""
 
     def __init__(self, run_dir: str | Path | None) -> None:
         self.path = Path(run_dir) / METRICS_FILE if run_dir else None
         self._f = None
         if self.path is not None:
+            import fcntl
+
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(self.path, "w")
+            f = open(self.path, "a")        # not "w": truncating another run's file corrupts it
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.close()
+                raise MetricsBusy(f"{self.path} is being written by another live run; give "
+                                  f"this run its own folder (hydra.run.dir=...)") from None
+            f.truncate(0)
+            self._f = f
 
     def write(self, rec: StepRecord) -> None:
         self.write_event(rec.to_json())

@@ -59,6 +59,7 @@ from ..data import ByteCorpus
 from ..reference import micro_batches
 from ..models.llama import ModelConfig, StageModule, lm_loss, param_table
 from ..plan import Plan, PlanError, validate_plan
+from ..watchdog import phase
 from .groups import GROUPS, check_world, plan_rank_sets
 from .runtime import PlanRuntime, StageSpec, accumulate_one, build_runtime, build_stage, locate
 from .precision import Precision, load_scaler_state, scaler_state
@@ -331,7 +332,8 @@ class MalleusEngine(DeepSpeedEngine):
             else:
                 grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
                          for n, p in self.named.items()}
-            flats = self.grad_sync.reduce(grads)   # fp32 buckets, summed over replicas
+            with phase("all-reduce"):
+                flats = self.grad_sync.reduce(grads)   # fp32 buckets, summed over replicas
             for p in self.named.values():       # summed grads live in the buckets now
                 p.grad = None
         else:
@@ -349,7 +351,8 @@ class MalleusEngine(DeepSpeedEngine):
         if check:                        # counted on the device: no host sync per bucket
             for f, _ in flats:
                 red[1] += (~torch.isfinite(f)).sum()
-        tdist.all_reduce(red)
+        with phase("all-reduce"):
+            tdist.all_reduce(red)
         loss, overflow = float(red[0]), bool(red[1] > 0)
         self.control.observe(step, red[2:].tolist())
         self.optimizer.overflow = overflow
@@ -439,7 +442,8 @@ class MalleusEngine(DeepSpeedEngine):
         (the same on every rank). See ``engine/switch.py``. ``rates``: the measured rates the
         new plan was made for (the adaptive loop's new reference; default: today's measurement)."""
         from .switch import switch_plan
-        report = switch_plan(self, new_plan)
+        with phase("migration"):
+            report = switch_plan(self, new_plan)
         self.migrations.append(report)
         self.events.append(report.event())
         self.control.switched(self.plan, rates)
@@ -540,7 +544,8 @@ class MalleusEngine(DeepSpeedEngine):
 
     def _exec_recv(self, ins) -> None:
         buf, src = self._recv_parts(ins)
-        tdist.recv(buf, src=src, tag=ins.micro_batch)
+        with phase("p2p"):
+            tdist.recv(buf, src=src, tag=ins.micro_batch)
         self._recv_done(ins, buf)
 
     def _exec_send_recv(self, send, recv) -> None:
@@ -551,7 +556,8 @@ class MalleusEngine(DeepSpeedEngine):
         ops.append(tdist.P2POp(tdist.irecv, buf, src, tag=recv.micro_batch))
         reqs = tdist.batch_isend_irecv(ops)
         self._sends.extend((r, t) for r in reqs[:-1])
-        reqs[-1].wait()
+        with phase("p2p"):
+            reqs[-1].wait()
         self._recv_done(recv, buf)
 
     # ------------------------------------------------------------------ stock API

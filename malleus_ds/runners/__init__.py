@@ -87,9 +87,19 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
     saved = resume_point(cfg)
     if saved is not None and saved.step >= cfg.train.steps:
         return nothing_to_run(cfg, saved)       # no engine, no process group, no files
-    init_process_group(env)
+    from .guard import STOP, Stopped, start_watchdog
+
+    init_process_group(env, cfg.comm_timeout_s)
+    STOP.install()
+    dog = start_watchdog(cfg, env)
     try:
-        summary = mod.run(cfg, env)
+        try:
+            summary = mod.run(cfg, env)
+        except Stopped:
+            import torch.distributed as dist
+            if dist.is_initialized() and env.world_size > 1:
+                dist.barrier()          # every rank stopped after the same step
+            raise
         # every rank leaves together: a rank tearing gloo down while a peer still finishes its
         # last transfer can abort the peer at exit ("terminate called without an active
         # exception", SIGABRT) after a run that succeeded
@@ -98,4 +108,7 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
             dist.barrier()
         return summary
     finally:
+        if dog is not None:
+            dog.stop()
+        STOP.uninstall()
         destroy_process_group()

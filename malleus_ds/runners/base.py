@@ -43,9 +43,12 @@ class DistEnv:
         return DistEnv(rank, world, local_rank, local_world, "cpu", "gloo")
 
 
-def init_process_group(env: DistEnv) -> None:
+def init_process_group(env: DistEnv, timeout_s: float | None = None) -> None:
     """Create the default process group (also for a single process, so every engine can use
-    collectives and DeepSpeed finds one). Idempotent."""
+    collectives and DeepSpeed finds one). ``timeout_s``: a collective waiting longer fails
+    (``comm_timeout_s``; None = PyTorch's default). Idempotent."""
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
@@ -59,7 +62,8 @@ def init_process_group(env: DistEnv) -> None:
         os.environ.setdefault("LOCAL_RANK", "0")
     if env.device.startswith("cuda"):
         torch.cuda.set_device(env.local_rank)
-    dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size)
+    kw = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, **kw)
 
 
 def destroy_process_group() -> None:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import ConfigError, RunConfig
+from ..watchdog import phase
 from .base import DistEnv
 
 FORMAT = "malleus_ds-run-checkpoint-v1"
@@ -270,6 +271,16 @@ class Checkpointer:
         c = self.cfg.checkpoint
         if c.enabled and c.every > 0 and done % c.every == 0:
             self.save(done, write, reporter)
+        if reporter is not None and reporter.stop_signal:     # agreed by every rank
+            from .guard import Stopped
+
+            if c.enabled and self.last_saved != done:
+                self.save(done, write, reporter)
+            reporter.writer.close()
+            if reporter.bar is not None:
+                reporter.bar.close()
+            raise Stopped(reporter.stop_signal, done,
+                          str(Path(c.dir) / tag_of(done)) if c.enabled else None)
 
     def finish(self, done: int, write: Writer, reporter=None) -> None:
         """The end-of-run save (when ``checkpoint.dir`` is set and it has not just saved)."""
@@ -279,6 +290,10 @@ class Checkpointer:
     def save(self, done: int, write: Writer, reporter=None) -> None:
         """``write`` the engine state into ``dir/global_step{done}``, then rank 0 commits it:
         ``run.json`` and ``latest``, each only after every rank's files are complete."""
+        with phase("checkpoint"):
+            self._save(done, write, reporter)
+
+    def _save(self, done: int, write: Writer, reporter=None) -> None:
         t0 = time.perf_counter()
         root, tag = Path(self.cfg.checkpoint.dir), tag_of(done)
         err = None

@@ -24,6 +24,7 @@ from ..emulation import Straggler
 from ..metrics import MetricsWriter, StepRecord, format_phases, phases
 from ..plan import Plan, even_split
 from ..reference import micro_batches
+from ..watchdog import phase
 from .base import DistEnv, RunSummary
 
 
@@ -80,6 +81,7 @@ class StepReporter:
         self.records: list[dict] = []
         self.events: list[dict] = []
         self.writer = MetricsWriter(cfg.run_dir if env.is_rank0 else None)
+        self.stop_signal = 0                # a SIGTERM/SIGINT some rank got (guard.py)
         self.bar = None
         if env.is_rank0 and cfg.progress:
             from tqdm import tqdm
@@ -104,15 +106,21 @@ class StepReporter:
         import torch
         import torch.distributed as dist
 
+        from .guard import STOP
+
         comp = [clock.compute_s] * self.env.world_size
         emu = [clock.emulated_s] * self.env.world_size
+        self.stop_signal = STOP.signum
         if dist.is_initialized() and self.env.world_size > 1:
-            mine = torch.tensor([clock.compute_s, clock.emulated_s], dtype=torch.float64,
-                                device=self.env.device)
+            # a signal any rank received rides along: every rank stops after the same step
+            mine = torch.tensor([clock.compute_s, clock.emulated_s, STOP.signum],
+                                dtype=torch.float64, device=self.env.device)
             out = [torch.zeros_like(mine) for _ in range(self.env.world_size)]
-            dist.all_gather(out, mine, group=self.group)
+            with phase("all-gather"):
+                dist.all_gather(out, mine, group=self.group)
             comp = [float(t[0]) for t in out]
             emu = [float(t[1]) for t in out]
+            self.stop_signal = int(max(float(t[2]) for t in out))
         self.losses.append(float(loss))
         self.times.append(float(step_time_s))
         rates = {str(r): x for r, x in self.cfg.straggler.rates(step, self.env.world_size).items()}

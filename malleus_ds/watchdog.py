@@ -1,0 +1,247 @@
+"""Hung-rank watchdog: a frozen rank is the extreme straggler, and must not hang the job silently.
+
+Every rank keeps a :data:`HEARTBEAT` (step, phase, a progress counter bumped at every phase
+change) that the runners and the engine update as they go: ``forward/backward`` (the compute
+clock), ``all-reduce``, ``p2p``, ``migration``, ``checkpoint``. A daemon thread per rank
+(:class:`Watchdog`) publishes it through the job's store every ``interval`` seconds together
+with a tick that advances as long as the process runs (a SIGSTOPped or crashed process stops
+ticking; one blocked in a collective keeps ticking).
+
+Rank 0's thread reads every rank's record. When some rank has made no progress for
+``hang_timeout_s`` (top-level config key; 0 = off), :func:`find_stuck` names the culprits: ranks
+whose tick stopped, else ranks stuck outside communication, else (everyone waits in
+communication: a mismatched collective) the ranks furthest behind. Rank 0 publishes the report;
+every live rank prints it (which rank, step, phase, for how long), rank 0 appends a
+``{"event": "hang", ...}`` line to metrics.jsonl, and every rank exits with
+:data:`HANG_EXIT_CODE`, so a scheduler can restart the job from its last checkpoint. The other
+ranks also watch rank 0's tick, so a frozen rank 0 is reported too.
+
+The process-group timeout (``comm_timeout_s``) stays the backstop for what this cannot see.
+The decision (:func:`find_stuck`) is pure and tested without processes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+#: the exit status of every rank of a job the watchdog stopped
+HANG_EXIT_CODE = 3
+#: phases in which a rank waits for its peers (a rank stuck there is a victim, not a culprit)
+COMM_PHASES = frozenset({"all-reduce", "all-gather", "p2p", "migration", "checkpoint",
+                         "barrier", "broadcast", "communication"})
+
+
+class Heartbeat:
+    """This rank's progress: plain attribute writes, cheap enough for every phase change."""
+
+    def __init__(self) -> None:
+        self.step = -1
+        self.phase = "start-up"
+        self.progress = 0
+        self.done = False
+
+    def beat(self, phase: str, step: int | None = None) -> None:
+        if step is not None:
+            self.step = step
+        self.phase = phase
+        self.progress += 1
+
+
+HEARTBEAT = Heartbeat()
+
+
+@contextmanager
+def phase(name: str):
+    """``with phase("all-reduce"): ...`` — the heartbeat names ``name`` while inside, and the
+    phase around it again afterwards (each change counts as progress)."""
+    hb = HEARTBEAT
+    outer = hb.phase
+    hb.beat(name)
+    try:
+        yield
+    finally:
+        hb.beat(outer)
+
+
+@dataclass
+class RankView:
+    """What the watcher knows of one rank: its last record and, on the watcher's own clock,
+    when its tick and its progress last changed."""
+
+    record: dict
+    tick_at: float
+    progress_at: float
+
+
+def find_stuck(views: Mapping[int, RankView], now: float, hang_timeout_s: float,
+               frozen_after_s: float) -> dict | None:
+    """The hang report, or None while every rank progresses (pure).
+
+    A hang: some rank (not done) has made no progress for ``hang_timeout_s``. Culprits, in
+    order of evidence: ranks whose tick stopped for ``frozen_after_s`` (the process is not
+    running), else stalled ranks outside a communication phase, else the stalled ranks with the
+    lowest step (all wait in communication: a collective some rank never joined)."""
+    live = {r: v for r, v in views.items() if not v.record.get("done")}
+    stalled = {r: v for r, v in live.items() if now - v.progress_at >= hang_timeout_s}
+    if not stalled:
+        return None
+    frozen = [r for r, v in live.items() if now - v.tick_at >= frozen_after_s]
+    outside = [r for r, v in stalled.items() if v.record.get("phase") not in COMM_PHASES]
+    if frozen:
+        culprits, why = frozen, "its process stopped responding (no heartbeat)"
+    elif outside:
+        culprits, why = outside, "no progress outside communication"
+    else:
+        low = min(v.record.get("step", -1) for v in stalled.values())
+        culprits = [r for r, v in stalled.items() if v.record.get("step", -1) == low]
+        why = "every stalled rank waits in communication (a collective some rank never joined)"
+    ranks = []
+    for r in sorted(culprits):
+        v = live[r]
+        ranks.append({"rank": r, "step": v.record.get("step"), "phase": v.record.get("phase"),
+                      "stalled_s": round(now - v.progress_at, 1)})
+    waiting = [{"rank": r, "step": v.record.get("step"), "phase": v.record.get("phase"),
+                "stalled_s": round(now - v.progress_at, 1)}
+               for r, v in sorted(stalled.items()) if r not in culprits]
+    return {"event": "hang", "stuck": ranks, "waiting": waiting, "reason": why,
+            "hang_timeout_s": hang_timeout_s}
+
+
+def format_hang(report: dict) -> str:
+    """One line a person reads first: who is stuck, where, for how long."""
+    stuck = "; ".join(f"rank {s['rank']} in step {s['step']} ({s['phase']}) for {s['stalled_s']} s"
+                      for s in report["stuck"])
+    wait = ", ".join(str(w["rank"]) for w in report.get("waiting", []))
+    return (f"hang: {stuck} — {report['reason']}; no progress for >= "
+            f"{report['hang_timeout_s']} s (hang_timeout_s)"
+            + (f"; ranks {wait} wait for it" if wait else "") + "; stopping the job")
+
+
+class Watchdog:
+    """One per rank (see the module doc). ``store``: a ``torch.distributed.Store`` all ranks
+    share; ``on_hang(report)``: rank 0's hook to log the event before the process exits."""
+
+    def __init__(self, store, rank: int, world: int, hang_timeout_s: float,
+                 on_hang: Callable[[dict], None] | None = None, interval_s: float | None = None,
+                 prefix: str = "malleus_wd", exit: Callable[[int], None] = os._exit,
+                 heartbeat: Heartbeat = HEARTBEAT) -> None:
+        self.store, self.rank, self.world = store, rank, world
+        self.timeout = float(hang_timeout_s)
+        self.interval = interval_s or min(1.0, max(0.05, self.timeout / 10))
+        self.frozen_after = max(5 * self.interval, min(self.timeout, 5.0))
+        self.on_hang, self.prefix, self._exit, self.hb = on_hang, prefix, exit, heartbeat
+        self._tick = 0
+        self._views: dict[int, RankView] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="malleus-watchdog", daemon=True)
+
+    def key(self, r: int) -> str:
+        return f"{self.prefix}/hb/{r}"
+
+    def start(self) -> "Watchdog":
+        self._publish()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """This rank finished: mark it done (never a culprit) and end the thread."""
+        self.hb.done = True
+        try:
+            self._publish()
+        except Exception:  # noqa: BLE001 - the store may be gone at exit
+            pass
+        self._stop.set()
+
+    # -- the thread ---------------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        self._tick += 1
+        hb = self.hb
+        self.store.set(self.key(self.rank), json.dumps(
+            {"tick": self._tick, "progress": hb.progress, "step": hb.step, "phase": hb.phase,
+             "done": hb.done}))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._publish()
+                report = self._watch_all() if self.rank == 0 else self._watch_rank0()
+            except Exception:  # noqa: BLE001 - store unreachable: the job is ending anyway
+                continue
+            if report is not None and not self._stop.is_set():
+                self._fire(report)
+                return
+
+    def _read(self, ranks) -> dict[int, dict]:
+        keys = [self.key(r) for r in ranks]
+        present = [r for r, k in zip(ranks, keys) if self.store.check([k])]
+        if not present:
+            return {}
+        vals = self.store.multi_get([self.key(r) for r in present])
+        return {r: json.loads(v) for r, v in zip(present, vals)}
+
+    def _update(self, recs: Mapping[int, dict], now: float) -> None:
+        for r, rec in recs.items():
+            v = self._views.get(r)
+            if v is None:
+                self._views[r] = RankView(rec, now, now)
+                continue
+            if rec["tick"] != v.record["tick"]:
+                v.tick_at = now
+            if rec["progress"] != v.record["progress"] or rec["step"] != v.record["step"]:
+                v.progress_at = now
+            v.record = rec
+
+    def _watch_all(self) -> dict | None:
+        now = time.monotonic()
+        self._update(self._read(range(self.world)), now)
+        report = find_stuck(self._views, now, self.timeout, self.frozen_after)
+        if report is not None:
+            self.store.set(f"{self.prefix}/hang", json.dumps(report))
+        return report
+
+    def _watch_rank0(self) -> dict | None:
+        if self.store.check([f"{self.prefix}/hang"]):
+            return json.loads(self.store.get(f"{self.prefix}/hang"))
+        now = time.monotonic()
+        self._update(self._read([0]), now)
+        v = self._views.get(0)
+        if v is None or v.record.get("done") or now - v.tick_at < max(self.timeout,
+                                                                       self.frozen_after):
+            return None
+        return find_stuck({0: v}, now, self.timeout, self.frozen_after)
+
+    def _fire(self, report: dict) -> None:
+        print(f"[malleus_ds] rank {self.rank}: {format_hang(report)}", file=sys.stderr,
+              flush=True)
+        if self.on_hang is not None:
+            try:
+                self.on_hang(report)
+            except Exception as e:  # noqa: BLE001 - exiting anyway; say why the log lacks it
+                print(f"[malleus_ds] rank {self.rank}: could not log the hang event: {e}",
+                      file=sys.stderr, flush=True)
+        if self.rank == 0:      # let the other ranks read the report before the store goes
+            time.sleep(min(3.0, 3 * self.interval + 0.5))
+        sys.stdout.flush()
+        self._exit(HANG_EXIT_CODE)
+
+
+def watchdog_store(timeout_s: float):
+    """A store client of its own for the watchdog thread (the job's store at MASTER_ADDR /
+    MASTER_PORT, as torchrun and the deepspeed launcher set them), with a short timeout so a
+    stopped store host cannot block the thread. None when there is no such store."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return None
+    return dist.TCPStore(addr, int(port), is_master=False,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)

@@ -1,0 +1,141 @@
+"""A job never hangs silently and never loses its output (launch/train.py, runners/guard.py,
+watchdog.py): a frozen rank is named and stops the job; SIGTERM stops every rank cleanly, with
+a checkpoint that resumes to the same losses; concurrent runs get their own folders."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from malleus_ds.procs import descendants
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = str(REPO / "launch" / "train.py")
+TINY = ["model=tiny", "model.max_seq_len=16", "progress=false"]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "MALLEUS_DS_WRAPPED"):
+        env.pop(k, None)
+    return env
+
+
+def _lines(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _wait(cond, timeout, what):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if cond():
+            return time.monotonic() - t0
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def _rank_pid(root: int, rank: int) -> int:
+    for pid in descendants(root):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"LOCAL_RANK" in b"".join(env):
+            if any(e == f"RANK={rank}".encode() for e in env):
+                return pid
+    raise AssertionError(f"no process of rank {rank} under {root}")
+
+
+def test_a_frozen_rank_is_named_and_the_job_exits(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           TRAIN, *TINY, "engine=malleus", "malleus.adaptive=false", "train.steps=100000",
+           "hang_timeout_s=6", f"hydra.run.dir={out}"]
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    victim = None
+    try:
+        _wait(lambda: len(_lines(out / "metrics.jsonl")) >= 3, 120, "three steps")
+        victim = _rank_pid(p.pid, 1)
+        os.kill(victim, signal.SIGSTOP)
+        took = _wait(lambda: any(e.get("event") == "hang" for e in _lines(out / "metrics.jsonl")),
+                     60, "the hang event")
+        assert took <= 6 + 8, f"reported {took:.1f} s after the freeze (hang_timeout_s=6)"
+        ev = next(e for e in _lines(out / "metrics.jsonl") if e.get("event") == "hang")
+        assert [s["rank"] for s in ev["stuck"]] == [1], ev
+        os.kill(victim, signal.SIGKILL)         # a stopped process cannot act on torchrun's TERM
+        _, err = p.communicate(timeout=60)
+    finally:
+        if victim is not None:
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if p.poll() is None:
+            for pid in descendants(p.pid):
+                os.kill(pid, signal.SIGKILL)
+            p.kill()
+    assert p.returncode != 0
+    assert "rank 0: hang: rank 1 in step" in err and "hang_timeout_s" in err, err[-3000:]
+
+
+def test_sigterm_to_the_wrapper_checkpoints_stops_every_rank_and_resumes(tmp_path):
+    out, ck = tmp_path / "run", tmp_path / "ck"
+    base = [sys.executable, TRAIN, *TINY, "nproc_per_node=2", "engine=malleus",
+            "malleus.adaptive=false", f"checkpoint.dir={ck}"]
+    p = subprocess.Popen(base + ["train.steps=100000", f"hydra.run.dir={out}"], cwd=tmp_path,
+                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: len(_lines(out / "metrics.jsonl")) >= 3, 120, "three steps")
+        procs = descendants(p.pid)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            for pid in descendants(p.pid):
+                os.kill(pid, signal.SIGKILL)
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
+    time.sleep(0.5)
+    left = [pid for pid in procs if Path(f"/proc/{pid}").exists()
+            and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+    assert not left, f"processes of the job still running: {left}"
+    rows = _lines(out / "metrics.jsonl")            # every line parses
+    steps = [r for r in rows if "event" not in r]
+    assert "stopped by SIGTERM after step" in err and "Traceback" not in err, err[-3000:]
+    assert err.count("\n") < 15, err
+    n = len(steps)
+    assert (ck / "latest").read_text().strip() == f"global_step{n}"
+    # resume for two more steps = the same losses as one run straight through
+    r = subprocess.run(base + [f"train.steps={n + 2}", "checkpoint.resume=true",
+                               f"hydra.run.dir={tmp_path / 'resumed'}"],
+                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    straight = subprocess.run([sys.executable, TRAIN, *TINY, "nproc_per_node=2",
+                               "engine=malleus", "malleus.adaptive=false",
+                               f"train.steps={n + 2}", f"hydra.run.dir={tmp_path / 'straight'}"],
+                              cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                              timeout=180)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    resumed = [x["loss"] for x in _lines(tmp_path / "resumed" / "metrics.jsonl") if "event" not in x]
+    ref = [x["loss"] for x in _lines(tmp_path / "straight" / "metrics.jsonl") if "event" not in x]
+    assert len(resumed) == 2 and resumed == ref[n:], (resumed, ref[n:])
+    assert [x["loss"] for x in steps] == ref[:n]
+
+
+def test_two_runs_started_at_once_get_their_own_folders(tmp_path):
+    cmd = [sys.executable, TRAIN, *TINY, "train.steps=3"]
+    ps = [subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for p in ps:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+    files = sorted((tmp_path / "outputs").glob("*/*/metrics.jsonl"))
+    assert len(files) == 2, files
+    for f in files:
+        assert [r["step"] for r in _lines(f)] == [0, 1, 2]

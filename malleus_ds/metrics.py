@@ -16,7 +16,13 @@ loop (``control.py``; ``adopted: false`` when the new plan would not repay its m
     {"event": "migrate", "step": 9, "from": "plan-1a2b3c4d", "to": "plan-5e6f7a8b",
      "bytes": 1234567, "seconds": 0.08, "peak_extra_bytes": 2345678}
 
-and engine=malleus step lines carry ``"plan"``, the id of the plan that ran the step, and
+A job the hung-rank watchdog stops (``watchdog.py``; ``hang_timeout_s``) ends with::
+
+    {"event": "hang", "stuck": [{"rank": 1, "step": 7, "phase": "forward/backward",
+     "stalled_s": 21.0}], "waiting": [{"rank": 0, ...}], "reason": "...", "hang_timeout_s": 20}
+
+and a checkpoint save is an event line too (``{"event": "checkpoint", "step", "path",
+"seconds"}``). engine=malleus step lines carry ``"plan"``, the id of the plan that ran the step, and
 ``"measured_rates"``, each rank's smoothed measured rate (``straggler.py``; null until measured).
 
 ``compute_s[d]`` is rank ``d``'s forward+backward seconds in that step *including* its emulated

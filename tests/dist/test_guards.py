@@ -139,3 +139,31 @@ def test_two_runs_started_at_once_get_their_own_folders(tmp_path):
     assert len(files) == 2, files
     for f in files:
         assert [r["step"] for r in _lines(f)] == [0, 1, 2]
+
+
+def test_sigterm_to_torchrun_stops_every_rank(tmp_path):
+    """As SLURM or Kubernetes would: SIGTERM to the launcher itself (engine=deepspeed here)."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           TRAIN, *TINY, "engine=deepspeed", "train.steps=100000", f"hydra.run.dir={out}"]
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: len(_lines(out / "metrics.jsonl")) >= 3, 120, "three steps")
+        procs = descendants(p.pid)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            for pid in descendants(p.pid):
+                os.kill(pid, signal.SIGKILL)
+            p.kill()
+    assert p.returncode != 0 and took < 10, (p.returncode, took)
+    left = [pid for pid in procs if Path(f"/proc/{pid}").exists()
+            and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+    assert not left, f"processes of the job still running: {left}"
+    rows = _lines(out / "metrics.jsonl")                # every line parses
+    assert len([r for r in rows if "event" not in r]) >= 3
+    assert "stopped by SIGTERM after step" in err, err[-3000:]

@@ -369,9 +369,8 @@ class Controller:
     # -- rank 0 internals ---------------------------------------------------------------------
 
     def _normalised(self) -> list[float]:
-        r = np.where(np.isnan(self.measured), 1.0, self.measured)
-        h = self.s.detect.healthy
-        return [1.0 if x < h else round(float(x), 3) for x in r]
+        """Today's rates as the detector reads them (healthy -> 1.0, unmeasured -> planned)."""
+        return [round(float(x), 3) for x in self.det.normalise(self.measured)]
 
     def _job_problem(self) -> Problem | None:
         if self._problem is None and self.disabled_reason is None:

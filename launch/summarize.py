@@ -9,23 +9,60 @@ expands to its jobs), with its overrides, median step time, throughput and ratio
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from malleus_ds.metrics import METRICS_FILE, read_metrics  # noqa: E402
+from malleus_ds.metrics import METRICS_FILE  # noqa: E402
+
+_STEP_KEYS = ("step", "step_time_s", "samples")
+
+
+class InputError(Exception):
+    """A path or metrics file this tool cannot read; the message names it (and the line)."""
 
 
 def run_dirs(paths: list[str]) -> list[Path]:
     out = []
     for p in map(Path, paths):
+        if p.is_file() and p.name == METRICS_FILE:
+            p = p.parent
         if (p / METRICS_FILE).is_file():
             out.append(p)
+        elif not p.exists():
+            raise InputError(f"{p}: no such folder")
+        elif not p.is_dir():
+            raise InputError(f"{p}: not a folder (give a run folder or a --multirun sweep folder)")
         else:  # a sweep folder: jobs are numbered sub-folders
             jobs = [d for d in p.iterdir() if (d / METRICS_FILE).is_file()]
             out += sorted(jobs, key=lambda d: (len(d.name), d.name))
+    return out
+
+
+def read_steps(d: Path) -> list[dict]:
+    """Step lines of ``d/metrics.jsonl`` (event lines left out); a line that is not a JSON
+    object with ``step``, ``step_time_s`` and ``samples`` -> InputError naming file and line."""
+    f = d / METRICS_FILE
+    out = []
+    for n, line in enumerate(f.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{f}: line {n} is not valid JSON ({e.msg} at column {e.colno}); "
+                             f"the file is corrupt or was cut short") from None
+        if not isinstance(r, dict):
+            raise InputError(f"{f}: line {n} is not a JSON object: {line.strip()[:60]}")
+        if "event" in r:
+            continue
+        missing = [k for k in _STEP_KEYS if k not in r]
+        if missing:
+            raise InputError(f"{f}: line {n} is a step line without {missing}")
+        out.append(r)
     return out
 
 
@@ -42,21 +79,30 @@ def main(argv=None) -> int:
     ap.add_argument("paths", nargs="+", help="run folders or sweep folders")
     ap.add_argument("--skip", type=int, default=1, help="warm-up steps left out")
     a = ap.parse_args(argv)
-    rows = []
-    for d in run_dirs(a.paths):
-        recs = [r for r in read_metrics(d) if r["step"] >= a.skip]
-        if not recs:
-            continue
-        med = statistics.median(r["step_time_s"] for r in recs)
-        rows.append((d, overrides(d), len(recs), med, recs[0]["samples"] / med))
+    try:
+        rows = table(a.paths, a.skip)
+    except (InputError, OSError) as e:     # OSError: e.g. a folder or file we may not read
+        print(f"summarize: {e}", file=sys.stderr)
+        return 2
     if not rows:
-        print("no metrics.jsonl found", file=sys.stderr)
+        print(f"no metrics.jsonl found in {a.paths}", file=sys.stderr)
         return 1
     base = rows[0][4]
     print(f"{'run':28s} {'steps':>5s} {'median step':>11s} {'samples/s':>10s} {'vs first':>8s}  overrides")
     for d, ov, n, med, tput in rows:
         print(f"{str(d)[-28:]:28s} {n:5d} {med:10.3f}s {tput:10.1f} {tput / base:7.2f}x  {ov}")
     return 0
+
+
+def table(paths: list[str], skip: int) -> list[tuple]:
+    rows = []
+    for d in run_dirs(paths):
+        recs = [r for r in read_steps(d) if r["step"] >= skip]
+        if not recs:
+            continue
+        med = statistics.median(r["step_time_s"] for r in recs)
+        rows.append((d, overrides(d), len(recs), med, recs[0]["samples"] / med))
+    return rows
 
 
 if __name__ == "__main__":

@@ -139,7 +139,10 @@ def main() -> None:
 
         hc = HydraConfig.get()
         launched = any(k in os.environ for k in _LAUNCHED)
-        nproc = int(cfg.get("nproc_per_node") or 1)
+        nproc = cfg.get("nproc_per_node", 1)
+        # a bad value (0, -1, 2.5, "abc", null) takes the in-process path: build_run_config
+        # below refuses it with "nproc_per_node=... must be an integer >= 1"
+        nproc = nproc if isinstance(nproc, int) and not isinstance(nproc, bool) and nproc > 1 else 1
         # --multirun jobs always get fresh rank processes: DeepSpeed keeps process-group state
         # in module globals, so two jobs in one process would share (destroyed) groups
         from hydra.types import RunMode

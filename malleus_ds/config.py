@@ -7,6 +7,7 @@ instead of hanging a collective. Messages name the field and the numbers and say
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -113,7 +114,8 @@ class RunConfig:
     comm_timeout_s: float = 1800.0      # process-group timeout: a collective waiting longer fails
     hang_timeout_s: float = 300.0       # no progress on some rank this long stops the job; 0 = off
     log_every: int = 10                 # progress line every N steps when stdout is no terminal
-    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)  # unparsed sections
+    # kept for callers that read it; always empty: unknown top-level keys are refused
+    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,40 +133,94 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
     engine = str(d.get("engine", "torch"))
     if engine not in ENGINES:
         raise ConfigError(f"engine={engine!r} is not known; choose one of {list(ENGINES)}")
+    _refuse_unknown_keys(d)
     model = _model(d.get("model") or {})
     train = _train(d.get("train") or {})
     parallel = _parallel(d.get("parallel") or {}, world_size, model)
     cluster = _cluster(d.get("cluster") or {}, world_size, local_world_size or world_size, parallel)
-    try:
-        straggler = StragglerSchedule.parse((d.get("straggler") or {}).get("schedule"), world_size)
-    except StragglerError as e:
-        raise ConfigError(str(e)) from None
+    straggler = _straggler(d.get("straggler") or {}, world_size)
     ds = _deepspeed(d.get("deepspeed") or {}, ds_search_dirs)
     if train.num_micro_batches < parallel.dp:
         raise ConfigError(f"train.global_batch_size={train.global_batch_size} / "
                           f"train.micro_batch_size={train.micro_batch_size} = "
                           f"{train.num_micro_batches} micro-batches cannot feed parallel.dp="
                           f"{parallel.dp} replicas (each needs >= 1)")
-    device = str(d.get("device", "auto"))
-    if device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"device={device!r} must be one of auto, cpu, cuda")
-    plan = d.get("plan", "static")
-    plan = "static" if plan in (None, "", "static") else str(plan)
-    known = {"engine", "model", "train", "parallel", "cluster", "straggler", "deepspeed",
-             "device", "plan", "progress", "malleus", "checkpoint", "comm_timeout_s",
-             "hang_timeout_s", "log_every"}
+    device = _device(d.get("device", "auto"))
+    plan = _plan(d.get("plan", "static"), engine)
+    _nproc_per_node(d.get("nproc_per_node", 1))
     comm = _seconds(d.get("comm_timeout_s", 1800.0), "comm_timeout_s", zero_ok=False)
     hang = _seconds(d.get("hang_timeout_s", 300.0), "hang_timeout_s", zero_ok=True)
     log_every = d.get("log_every", 10)
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
         raise ConfigError(f"log_every={log_every!r} must be an integer >= 1 (steps)")
-    extra = {k: v for k, v in d.items() if k not in known}
     return RunConfig(engine=engine, model=model, train=train, parallel=parallel, cluster=cluster,
                      straggler=straggler, deepspeed=ds, world_size=world_size, plan=plan,
                      run_dir=run_dir, device=device, progress=bool(d.get("progress", True)),
                      malleus=_malleus(d.get("malleus") or {}, engine),
                      checkpoint=_checkpoint(d.get("checkpoint") or {}), comm_timeout_s=comm,
-                     hang_timeout_s=hang, log_every=log_every, extra=extra)
+                     hang_timeout_s=hang, log_every=log_every)
+
+
+#: Top-level keys of the composed app config (conf/config.yaml; the experiment overlays only
+#: set these). ``nproc_per_node`` is read by launch/train.py (ranks to spawn), not by the core.
+TOP_LEVEL_KEYS = ("engine", "model", "train", "parallel", "cluster", "straggler", "deepspeed",
+                  "device", "plan", "progress", "malleus", "checkpoint", "comm_timeout_s",
+                  "hang_timeout_s", "log_every", "nproc_per_node")
+
+
+def _refuse_unknown_keys(d: Mapping[str, Any]) -> None:
+    """A misspelt or made-up key (``+checkpoint_dir=...``) would otherwise be ignored silently."""
+    unknown = sorted(str(k) for k in set(d) - set(TOP_LEVEL_KEYS))
+    if not unknown:
+        return
+    hints = [f"{k!r} -> {m[0]!r}?" for k in unknown
+             for m in [difflib.get_close_matches(k, TOP_LEVEL_KEYS, n=1)] if m]
+    hint = f" (did you mean {', '.join(hints)})" if hints else ""
+    raise ConfigError(f"unknown top-level fields {unknown}{hint}; allowed: "
+                      f"{sorted(TOP_LEVEL_KEYS)}")
+
+
+def _device(v: Any) -> str:
+    device = str(v)
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device={device!r} must be one of auto, cpu, cuda")
+    if device == "cuda":
+        import torch                    # lazily: config checks stay cheap for cpu/auto runs
+
+        if not torch.cuda.is_available():
+            raise ConfigError("device=cuda but no CUDA GPU is visible (torch.cuda.is_available() "
+                              "is False); use device=cpu or device=auto")
+    return device
+
+
+def _plan(v: Any, engine: str) -> str:
+    """``plan``: "static" or a plan JSON path; any other plan needs engine=malleus (the path
+    itself is checked by the malleus runner)."""
+    plan = "static" if v in (None, "", "static") else str(v)
+    if plan != "static" and engine != "malleus":
+        raise ConfigError(f"plan= only applies to engine=malleus; got engine={engine} with "
+                          f"plan={plan!r}; drop plan= (or set plan=static) or use engine=malleus")
+    return plan
+
+
+def _nproc_per_node(v: Any) -> int:
+    """``nproc_per_node``: local ranks a bare ``python launch/train.py`` starts (1 = in-process)."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"nproc_per_node={v!r} must be an integer >= 1 (local ranks to start; "
+                          f"1 = run in this process)")
+    return v
+
+
+def _straggler(s: Mapping[str, Any], world_size: int) -> StragglerSchedule:
+    if not isinstance(s, Mapping):
+        raise ConfigError(f"straggler must be a mapping with key 'schedule', got {s!r}")
+    unknown = sorted(set(s) - {"schedule"})
+    if unknown:
+        raise ConfigError(f"straggler has unknown fields {unknown}; allowed: ['schedule']")
+    try:
+        return StragglerSchedule.parse(s.get("schedule"), world_size)
+    except StragglerError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _seconds(v: Any, name: str, zero_ok: bool) -> float:
@@ -271,6 +327,9 @@ def _train(t: Mapping[str, Any]) -> TrainConfig:
                           f"train.micro_batch_size={tc.micro_batch_size}")
     if tc.lr <= 0:
         raise ConfigError(f"train.lr={tc.lr} must be > 0")
+    if tc.warmup_steps < 0:
+        raise ConfigError(f"train.warmup_steps={tc.warmup_steps} must be >= 0 (steps left out of "
+                          f"the throughput summary; 0 = count every step)")
     return tc
 
 

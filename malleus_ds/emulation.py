@@ -47,9 +47,10 @@ class StragglerSchedule:
         """
         if raw is None:
             return StragglerSchedule()
-        if isinstance(raw, Mapping) or isinstance(raw, (str, bytes)):
+        if not isinstance(raw, (list, tuple)):   # a number, a string, a single mapping, ...
             raise StragglerError(f"straggler.schedule must be a list of "
-                                 f"{{rank, rate, start_step, end_step}} entries, got {raw!r}")
+                                 f"{{rank, rate, start_step, end_step}} entries (or empty / "
+                                 f"null for none), got {raw!r} ({type(raw).__name__})")
         out = []
         for i, e in enumerate(raw):
             where = f"straggler.schedule[{i}]"

@@ -19,8 +19,8 @@ from typing import Mapping
 
 import numpy as np
 
-from ..cost import (capacity_fraction, comm_spec, healthy_step_time, pipeline_stage_times,
-                    step_time, validate_for_problem)
+from ..cost import (capacity_fraction, check_memory, comm_spec, healthy_step_time,
+                    pipeline_stage_times, step_time, validate_for_problem)
 from ..plan import Plan, PlanError, Problem
 from .baselines import all_baselines
 from .batch import FixedPipeline, split_batches
@@ -160,8 +160,9 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
             add("search", p)
             search_T = min(search_T or math.inf, step_time(problem, p))
     if not cands:
+        why = _memory_why(problem)
         raise PlanError(f"problem '{problem.name}': no valid plan found (the static plan does not "
-                        f"fit in memory and the search found nothing that does); check the "
+                        f"fit in memory and the search found nothing that does){why}; check the "
                         f"memory section or give more GPUs")
     best_T = min(c[0] for c in cands)
     cur = [c for c in cands if c[3] == "current"]
@@ -175,6 +176,52 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
         baseline_plans=bplans, seconds=time.perf_counter() - t0, moved_units=mv,
         moved_mb=units_to_mb(problem, mv) if old is not None else None,
         evaluations=evals, generations=gens, search_step_time=search_T, pareto=pareto)
+
+
+def _memory_why(problem: Problem) -> str:
+    """The numbers behind "no valid plan": the static plan's fullest stage (as ``check_memory``
+    words it) and the memory floor every layout must meet, with the term that breaks it."""
+    m = problem.memory
+    if m is None:
+        return ""
+    out = ""
+    try:
+        check_memory(problem, problem.static_plan())
+    except PlanError as e:
+        out += f": the static plan's {e}"
+    budget = m.budget_mb
+    need, what = _memory_floor(problem, budget)
+    if need > budget + 1e-9:
+        out += (f"; no layout can fit: {what} = {need:.0f} MB per GPU > budget {budget:.0f} MB "
+                f"(device_mb {m.device_mb:.0f} - reserved_mb {m.reserved_mb:.0f}), "
+                f"{need - budget:.0f} MB short")
+    else:
+        out += (f"; every layout needs >= {need:.0f} MB per GPU ({what}), within the budget "
+                f"{budget:.0f} MB, so layer split and activations in flight rule them out")
+    return out
+
+
+def _memory_floor(problem: Problem, budget: float) -> tuple[float, str]:
+    """A lower bound on the fullest GPU's memory under any layout, and how it is made up. Three
+    bounds, simplest first: ``extra_mb`` alone; the first stage (embedding + one layer with one
+    micro-batch in flight, full TP group); the whole model spread evenly over every GPU of the
+    cluster as one pipeline (each pipeline holds every layer and both embeddings). Returns the
+    first one over ``budget`` (the root cause), else the largest."""
+    m, tp, L, n = problem.memory, problem.tp, problem.num_layers, problem.num_gpus
+    per = m.layer_static_mb + m.layer_activation_mb
+    terms = [
+        (m.extra_mb, f"extra_mb {m.extra_mb:.0f} alone"),
+        (m.embedding_mb + per + m.extra_mb,
+         f"the first stage: embedding_mb {m.embedding_mb:.0f} + one layer (layer_static_mb "
+         f"{m.layer_static_mb:.0f} + layer_activation_mb {m.layer_activation_mb:.0f}) + extra_mb "
+         f"{m.extra_mb:.0f}"),
+        ((L * per + 2 * m.embedding_mb) * tp / n + m.extra_mb,
+         f"{L} layers x (layer_static_mb {m.layer_static_mb:.0f} + layer_activation_mb "
+         f"{m.layer_activation_mb:.0f}) + 2 x embedding_mb {m.embedding_mb:.0f}, x tp {tp} / "
+         f"{n} GPUs, + extra_mb {m.extra_mb:.0f}"),
+    ]
+    over = [t for t in terms if t[0] > budget + 1e-9]
+    return over[0] if over else max(terms, key=lambda t: t[0])
 
 
 # --------------------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ def test_user_ds_config_builds_engine_config(tmp_path):
     f = tmp_path / "ds.json"
     f.write_text(json.dumps({"zero_optimization": {"stage": 1},
                              "csv_monitor": {"enabled": True}}))
-    c = build_run_config({"engine": "deepspeed", "run_dir": None,
+    c = build_run_config({"engine": "deepspeed",
                           "train": {"global_batch_size": 8, "micro_batch_size": 2},
                           "deepspeed": {"config_file": str(f), "config": {"gradient_clipping": 1.0}}},
                          world_size=2, run_dir=str(tmp_path))

@@ -41,6 +41,7 @@ from types import ModuleType
 from ..config import ConfigError, RunConfig
 from .base import DistEnv, RunSummary, destroy_process_group, init_process_group
 from .checkpoint import nothing_to_run, resume_point
+from .stream import check_monitor_packages
 
 RUNNERS: dict[str, str] = {
     "torch": "malleus_ds.runners.torch_runner",
@@ -71,6 +72,7 @@ def validate(cfg: RunConfig) -> ModuleType:
     check = getattr(mod, "validate", None)
     if check is not None:
         check(cfg)
+    check_monitor_packages(cfg)         # a ds_config monitor whose package is missing
     resume_point(cfg)
     return mod
 

@@ -26,6 +26,7 @@ from ..plan import Plan, even_split
 from ..reference import micro_batches
 from ..watchdog import phase
 from .base import DistEnv, RunSummary
+from .stream import StepStream
 
 
 def replica_micro_batches(cfg: RunConfig, step: int, replica: int, replicas: int
@@ -71,9 +72,12 @@ def exclude_calls(obj, names, clock: ComputeClock) -> None:
 
 
 class StepReporter:
-    """Gathers per-rank compute seconds each step; rank 0 writes metrics.jsonl and a tqdm bar."""
+    """Gathers per-rank compute seconds each step; rank 0 writes metrics.jsonl, a tqdm bar (a
+    terminal), progress lines (stdout not a terminal) + train.log and events to the DeepSpeed
+    ``monitor`` the runner passes (``runners/stream.py``)."""
 
-    def __init__(self, cfg: RunConfig, env: DistEnv, group=None, first_step: int = 0) -> None:
+    def __init__(self, cfg: RunConfig, env: DistEnv, group=None, first_step: int = 0,
+                 monitor=None) -> None:
         self.cfg, self.env, self.group = cfg, env, group
         self.first_step = first_step        # a resumed run starts at its checkpoint's step
         self.losses: list[float] = []
@@ -83,6 +87,8 @@ class StepReporter:
         self.writer = MetricsWriter(cfg.run_dir if env.is_rank0 else None)
         self.stop_signal = 0                # a SIGTERM/SIGINT some rank got (guard.py)
         self.bar = None
+        # rank 0: progress lines (stdout not a terminal), train.log, the ds_config's monitor
+        self.stream = StepStream(cfg, monitor) if env.is_rank0 else None
         if env.is_rank0 and cfg.progress:
             from tqdm import tqdm
             self.bar = tqdm(total=cfg.train.steps, initial=first_step,
@@ -129,6 +135,8 @@ class StepReporter:
                          None if measured_rates is None else tuple(measured_rates))
         self.records.append(rec.to_json())
         self.writer.write(rec)
+        if self.stream is not None:
+            self.stream.step(step, loss, step_time_s, comp)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{step_time_s:.3f}", refresh=False)

@@ -204,7 +204,8 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     write = engine_writer(engine)
 
     data = ByteCorpus(cfg.model.max_seq_len, seed=cfg.train.corpus_seed)
-    clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env, first_step=ck.start)
+    clock = ComputeClock(cfg, env)
+    reporter = StepReporter(cfg, env, first_step=ck.start, monitor=engine.monitor)
     instrument(engine, clock)
     pp, dp = cfg.parallel.pp, cfg.parallel.dp
     dp_rank = env.rank % dp  # static_plan: rank = dp_rank + dp * pp_rank (tp=1) = DS pipe topology

@@ -145,7 +145,8 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
 
     write = engine_writer(engine)
 
-    clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env, first_step=ck.start)
+    clock = ComputeClock(cfg, env)
+    reporter = StepReporter(cfg, env, first_step=ck.start, monitor=engine.monitor)
     engine.set_compute_clock(clock)                     # timing + straggler emulation
     for step in range(ck.start, cfg.train.steps):
         engine.apply_scheduled_switch()     # re-plans and switches, timed apart from the step

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .control import ADAPTIVE_KEYS
+from .data import DATA_KINDS, DataConfig
+from .data.tokens import DTYPES, SUFFIXES, DataError, check_token_file
 from .emulation import StragglerError, StragglerSchedule
 from .models.llama import ModelConfig, model_config
 from .reference import OptimConfig
@@ -111,6 +113,7 @@ class RunConfig:
     progress: bool = True               # tqdm bar on rank 0
     malleus: Mapping[str, Any] = field(default_factory=dict, hash=False)  # engine=malleus extras
     checkpoint: CheckpointConfig = CheckpointConfig()
+    data: DataConfig = DataConfig()     # what the run trains on (data=bytes | data=tokens)
     comm_timeout_s: float = 1800.0      # process-group timeout: a collective waiting longer fails
     hang_timeout_s: float = 300.0       # no progress on some rank this long stops the job; 0 = off
     log_every: int = 10                 # progress line every N steps when stdout is no terminal
@@ -145,6 +148,7 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
                           f"train.micro_batch_size={train.micro_batch_size} = "
                           f"{train.num_micro_batches} micro-batches cannot feed parallel.dp="
                           f"{parallel.dp} replicas (each needs >= 1)")
+    data = _data(d.get("data") or {}, model, train)
     device = _device(d.get("device", "auto"))
     plan = _plan(d.get("plan", "static"), engine)
     _nproc_per_node(d.get("nproc_per_node", 1))
@@ -157,14 +161,15 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
                      straggler=straggler, deepspeed=ds, world_size=world_size, plan=plan,
                      run_dir=run_dir, device=device, progress=bool(d.get("progress", True)),
                      malleus=_malleus(d.get("malleus") or {}, engine),
-                     checkpoint=_checkpoint(d.get("checkpoint") or {}), comm_timeout_s=comm,
+                     checkpoint=_checkpoint(d.get("checkpoint") or {}), data=data,
+                     comm_timeout_s=comm,
                      hang_timeout_s=hang, log_every=log_every)
 
 
 #: Top-level keys of the composed app config (conf/config.yaml; the experiment overlays only
 #: set these). ``nproc_per_node`` is read by launch/train.py (ranks to spawn), not by the core.
 TOP_LEVEL_KEYS = ("engine", "model", "train", "parallel", "cluster", "straggler", "deepspeed",
-                  "device", "plan", "progress", "malleus", "checkpoint", "comm_timeout_s",
+                  "device", "plan", "progress", "malleus", "checkpoint", "data", "comm_timeout_s",
                   "hang_timeout_s", "log_every", "nproc_per_node")
 
 
@@ -282,6 +287,59 @@ def _checkpoint(c: Mapping[str, Any]) -> CheckpointConfig:
                           f"set checkpoint.dir=PATH")
     return CheckpointConfig(dir=None if d is None else os.path.abspath(os.fspath(d)),
                             every=every, resume=resume)
+
+
+def _data(c: Mapping[str, Any], model: ModelConfig, train: TrainConfig) -> DataConfig:
+    """``data.*`` (conf/data/). ``data=tokens``: the file is checked here in full (exists,
+    dtype, size, every id < model.vocab_size, long enough for one global batch), so every rank
+    fails at start-up with the same message instead of mid-run."""
+    allowed = [f.name for f in fields(DataConfig)]
+    if not isinstance(c, Mapping):
+        raise ConfigError(f"data must be a mapping with keys {allowed}, got {c!r}")
+    unknown = sorted(str(k) for k in set(c) - set(allowed))
+    if unknown:
+        raise ConfigError(f"data has unknown fields {unknown}; allowed: {allowed}")
+    kind = "bytes" if c.get("kind") is None else str(c["kind"])
+    if kind not in DATA_KINDS:
+        raise ConfigError(f"data.kind={kind!r} is not known; choose one of {list(DATA_KINDS)} "
+                          f"(data=bytes: the shipped byte corpus; data=tokens data.path=FILE)")
+    seq_len = c.get("seq_len")
+    if seq_len is not None:
+        seq_len = _int(seq_len, "data.seq_len")
+        if seq_len < 1:
+            raise ConfigError(f"data.seq_len={seq_len} must be >= 1 (tokens per sample; null = "
+                              f"model.max_seq_len={model.max_seq_len})")
+        if seq_len > model.max_seq_len:
+            raise ConfigError(f"data.seq_len={seq_len} > model.max_seq_len={model.max_seq_len}: "
+                              f"samples cannot be longer than the model's context; lower "
+                              f"data.seq_len or raise model.max_seq_len")
+    path, dtype = c.get("path"), c.get("dtype")
+    if kind == "bytes":
+        for k, v in (("path", path), ("dtype", dtype)):
+            if v is not None:
+                raise ConfigError(f"data.{k}={v!r} is set but data=bytes trains on the shipped "
+                                  f"byte corpus and reads no file; use data=tokens data.path=FILE "
+                                  f"(a .bin/.npy of token ids; bytes of a text file: "
+                                  f"np.fromfile(txt, np.uint8).astype(np.uint16).tofile(bin)) "
+                                  f"or drop data.{k}")
+        return DataConfig(kind="bytes", seq_len=seq_len)
+    if isinstance(path, int) and not isinstance(path, bool):
+        path = str(path)
+    if path is None or not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+        raise ConfigError(f"data=tokens needs data.path=FILE: a {' or '.join(SUFFIXES)} file of "
+                          f"token ids (got data.path={path!r})")
+    if dtype is not None and str(dtype) not in DTYPES:
+        raise ConfigError(f"data.dtype={dtype!r} must be one of {list(DTYPES)} (or null: uint16 "
+                          f"for .bin, the header's dtype for .npy)")
+    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    try:
+        check_token_file(path, None if dtype is None else str(dtype),
+                         seq_len=model.max_seq_len if seq_len is None else seq_len,
+                         vocab_size=model.vocab_size, global_batch_size=train.global_batch_size)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    return DataConfig(kind="tokens", path=path, dtype=None if dtype is None else str(dtype),
+                      seq_len=seq_len)
 
 
 def _model(m: Mapping[str, Any]) -> ModelConfig:

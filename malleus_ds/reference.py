@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .data import ByteCorpus, global_batch_ids
+from .data import DataConfig, global_batch_ids, make_dataset
 from .models import ModelConfig, build_model, lm_loss
 
 
@@ -40,24 +40,26 @@ def micro_batches(step: int, global_batch_size: int, micro_batch_size: int):
 def reference_run(cfg: ModelConfig, *, seed: int, steps: int, global_batch_size: int,
                   micro_batch_size: int, optim: OptimConfig = OptimConfig(),
                   data_seed: int | None = None, grad_clip: float = 0.0,
-                  adam_out: dict | None = None):
+                  adam_out: dict | None = None, data: DataConfig | None = None):
     """Train ``steps`` steps on one process. Returns (per-step losses, final state_dict).
 
     ``grad_clip > 0`` clips the summed gradients' global norm before each step
     (``clip_grad_norm_``: scale by ``max_norm / (norm + 1e-6)`` when that is < 1), which is
     DeepSpeed's ``gradient_clipping``. ``adam_out``: filled with ``{name: {"exp_avg": ...,
-    "exp_avg_sq": ...}}`` after the last step (for checking migrated optimizer states)."""
+    "exp_avg_sq": ...}}`` after the last step (for checking migrated optimizer states).
+    ``data``: what to train on (the app's ``data.*``; None = the shipped byte corpus at
+    ``cfg.max_seq_len``), built by the runners' own factory."""
     torch.manual_seed(seed)
     model = build_model(cfg, seed)
     opt = make_optimizer(model.parameters(), optim)
-    data = ByteCorpus(cfg.max_seq_len, seed=seed if data_seed is None else data_seed)
+    dataset = make_dataset(data or DataConfig(), cfg, seed if data_seed is None else data_seed)
     scale = micro_batch_size / global_batch_size
     losses = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for ids in micro_batches(step, global_batch_size, micro_batch_size):
-            x, y = data.batch(ids)
+            x, y = dataset.batch(ids)
             loss = lm_loss(model(x), y) * scale
             loss.backward()
             total += loss.item()

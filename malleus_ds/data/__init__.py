@@ -4,13 +4,24 @@ Sample ``i`` is the same tensor on every rank and every engine, so any rank can 
 sample id. The global batch of step ``k`` is the fixed list of ids ``[k*G, (k+1)*G)``.
 The shipped corpus (``corpus.txt``) is English technical prose: docstrings of the Python
 standard library (PSF licence), extracted once and committed; nothing is downloaded.
+
+``data=tokens`` trains on a local file of token ids instead (:mod:`malleus_ds.data.tokens`).
+:func:`build_dataset` is the one factory every runner and the reference use.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from .tokens import DataError, TokenDataset
+
+if TYPE_CHECKING:       # the config imports this package: no import back at run time
+    from ..config import RunConfig
+    from ..models import ModelConfig
 
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 
@@ -50,3 +61,43 @@ class ByteCorpus:
 def global_batch_ids(step: int, global_batch_size: int) -> range:
     """The sample ids of step ``step`` (0-based): the same list whatever the engine or layout."""
     return range(step * global_batch_size, (step + 1) * global_batch_size)
+
+
+#: ``data.kind`` values (the ``conf/data/`` options)
+DATA_KINDS = ("bytes", "tokens")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``data.*``: what the run trains on (parsed and checked by ``config.build_run_config``).
+
+    ``kind="bytes"``: the shipped byte corpus (:class:`ByteCorpus`). ``kind="tokens"``: the
+    token-id file ``path`` (absolute; ``.bin`` of ``dtype`` ids or ``.npy``), see
+    :class:`~malleus_ds.data.tokens.TokenDataset`. ``seq_len``: tokens per sample; None =
+    ``model.max_seq_len``. ``dtype``: None = uint16 for ``.bin``, the header's for ``.npy``."""
+
+    kind: str = "bytes"
+    path: str | None = None
+    dtype: str | None = None
+    seq_len: int | None = None
+
+    def resolved_seq_len(self, model: "ModelConfig") -> int:
+        return model.max_seq_len if self.seq_len is None else self.seq_len
+
+
+def make_dataset(data: DataConfig, model: "ModelConfig", seed: int):
+    """The dataset of ``data`` for ``model``, its sample order seeded by ``seed``."""
+    seq_len = data.resolved_seq_len(model)
+    if data.kind == "bytes":
+        return ByteCorpus(seq_len, seed=seed)
+    if data.kind == "tokens":
+        if not data.path:
+            raise DataError("data=tokens needs data.path=FILE (.bin or .npy of token ids)")
+        return TokenDataset(data.path, seq_len, seed=seed, dtype=data.dtype)
+    raise DataError(f"data.kind={data.kind!r} is not known; choose one of {list(DATA_KINDS)}")
+
+
+def build_dataset(cfg: "RunConfig"):
+    """The run's dataset (``cfg.data``; sample order seeded by ``train.corpus_seed``): the same
+    samples on every rank, engine and layout."""
+    return make_dataset(cfg.data, cfg.model, cfg.train.corpus_seed)

@@ -14,11 +14,15 @@ One folder per ``checkpoint.dir``::
 
     {"format": FORMAT, "engine": "malleus", "step": 3, "world_size": 4,
      "global_batch_size": 8, "micro_batch_size": 1, "data_seed": 0, "model": {...},
-     "parallel": {"tp": 1, "pp": 1, "dp": 4}, "zero_stage": 1, "precision": "fp32"}
+     "parallel": {"tp": 1, "pp": 1, "dp": 4}, "zero_stage": 1, "precision": "fp32",
+     "data": {"kind": "tokens", "path": "/abs/train.bin", "dtype": "uint16",
+              "tokens": 1000000, "seq_len": 64}}
 
 The position is ``step`` alone: the global batch of step ``k`` is a pure function of ``k``, the
-global batch size and the data seed (``reference.micro_batches``), so a run resumed at step N
-with the same three sees the same samples as one that never stopped. Weights, optimizer state,
+global batch size, the data seed and the data (``data.*``: kind, file, its length, seq_len;
+``reference.micro_batches``), so a run resumed at step N with the same ones sees the same
+samples as one that never stopped. A record without ``data`` (saved before ``data.*`` existed)
+was trained on the byte corpus at the model's ``max_seq_len``. Weights, optimizer state,
 LR schedule and (engine=malleus) loss scaler come from the engine's files.
 
 Resume checks (:func:`resume_point`) read only shared files and run before any process group,
@@ -43,14 +47,14 @@ FORMAT = "malleus_ds-run-checkpoint-v1"
 RUN_FILE = "run.json"
 LATEST = "latest"
 #: what every engine needs unchanged on resume (the data position and the model's tensors)
-COMMON = ("engine", "model", "global_batch_size", "micro_batch_size", "data_seed")
+COMMON = ("engine", "model", "global_batch_size", "micro_batch_size", "data_seed", "data")
 #: what an engine's own format needs on top: stock DeepSpeed loads only under the saving layout
 STRICT = {"deepspeed": ("world_size", "parallel", "zero_stage", "precision")}
 #: the config field each record key comes from (for messages)
 FIELD = {"global_batch_size": "train.global_batch_size", "micro_batch_size":
          "train.micro_batch_size", "data_seed": "train.data_seed", "world_size": "world_size",
          "parallel": "parallel", "zero_stage": "ds_config zero_optimization.stage",
-         "precision": "ds_config precision (bf16/fp16)", "engine": "engine"}
+         "precision": "ds_config precision (bf16/fp16)", "engine": "engine", "data": "data"}
 
 
 def _fmt(v: Any) -> str:
@@ -100,6 +104,30 @@ def _precision(cfg: RunConfig) -> str:
     return "fp32"
 
 
+def data_record(cfg: RunConfig) -> dict:
+    """What the run trains on, as ``run.json`` records it: the kind, the token file (absolute
+    path, dtype, length in tokens) and the tokens per sample."""
+    d = cfg.data
+    rec = {"kind": d.kind, "path": None, "dtype": None, "tokens": None,
+           "seq_len": d.resolved_seq_len(cfg.model)}
+    if d.kind == "tokens":
+        from ..data.tokens import inspect_token_file
+
+        tf = inspect_token_file(d.path, d.dtype)    # header and size only
+        rec.update(path=str(tf.path), dtype=tf.dtype.name, tokens=tf.num_tokens)
+    return rec
+
+
+def _legacy_data_record(meta: dict) -> dict:
+    """The data of a record saved before ``data.*`` existed: the byte corpus at max_seq_len."""
+    return {"kind": "bytes", "path": None, "dtype": None, "tokens": None,
+            "seq_len": (meta.get("model") or {}).get("max_seq_len")}
+
+
+def _fmt_data(rec: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in rec.items() if v is not None)
+
+
 def run_record(cfg: RunConfig, step: int) -> dict:
     """``run.json`` for a checkpoint of ``cfg`` after ``step`` steps (JSON-normalised)."""
     g, mbs = _batch(cfg)
@@ -108,7 +136,7 @@ def run_record(cfg: RunConfig, step: int) -> dict:
            "global_batch_size": g, "micro_batch_size": mbs, "data_seed": cfg.train.corpus_seed,
            "model": dataclasses.asdict(cfg.model), "parallel": {"tp": p.tp, "pp": p.pp, "dp": p.dp},
            "zero_stage": 0 if cfg.engine == "torch" else cfg.deepspeed.zero_stage,
-           "precision": _precision(cfg)}
+           "precision": _precision(cfg), "data": data_record(cfg)}
     return json.loads(json.dumps(rec))
 
 
@@ -151,6 +179,8 @@ def resume_point(cfg: RunConfig) -> Saved | None:
     now = run_record(cfg, saved.step)
     for k in COMMON + STRICT.get(cfg.engine, ()):
         was, is_ = saved.meta.get(k), now[k]
+        if k == "data" and was is None:
+            was = _legacy_data_record(saved.meta)
         if was == is_:
             continue
         if k == "engine":
@@ -160,6 +190,15 @@ def resume_point(cfg: RunConfig) -> Saved | None:
             diff = [f"model.{f}={(was or {}).get(f)!r} there, {v!r} here"
                     for f, v in is_.items() if (was or {}).get(f) != v]
             raise ConfigError(f"checkpoint {saved.path} holds another model: {'; '.join(diff)}")
+        if k == "data":
+            was = was if isinstance(was, dict) else {}
+            diff = [f"{f}={was.get(f)!r} there, {v!r} here" for f, v in is_.items()
+                    if was.get(f) != v]
+            raise ConfigError(f"checkpoint {saved.path} was trained on other data "
+                              f"({_fmt_data(was)}), this run has {_fmt_data(is_)}: "
+                              f"{'; '.join(diff)}; the data position of step {saved.step} belongs "
+                              f"to the saved data: resume with the same data=, data.path (the file "
+                              f"unchanged) and data.seq_len")
         if k in STRICT.get(cfg.engine, ()):
             m = saved.meta
             raise ConfigError(

@@ -190,7 +190,7 @@ def pipeline_step(engine, data, mbs: list[list[int]]) -> float:
 
 
 def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
-    from ..data import ByteCorpus
+    from ..data import build_dataset
 
     engine = build_engine(cfg, env)
     ck = Checkpointer(cfg, env)
@@ -203,7 +203,7 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
 
     write = engine_writer(engine)
 
-    data = ByteCorpus(cfg.model.max_seq_len, seed=cfg.train.corpus_seed)
+    data = build_dataset(cfg)
     clock = ComputeClock(cfg, env)
     reporter = StepReporter(cfg, env, first_step=ck.start, monitor=engine.monitor)
     instrument(engine, clock)

@@ -122,13 +122,13 @@ def build_ds_config(cfg: RunConfig, plan: Plan) -> dict:
 
 
 def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
-    from ..data import ByteCorpus
+    from ..data import build_dataset
     from ..engine.engine import MalleusEngine
 
     plan = load_plan(cfg)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(
         cfg.train, global_batch_size=plan.global_batch_size, micro_batch_size=plan.micro_batch_size))
-    data = ByteCorpus(cfg.model.max_seq_len, seed=cfg.train.corpus_seed)
+    data = build_dataset(cfg)
     engine = MalleusEngine(cfg.model, build_ds_config(cfg, plan), plan, data=data)
     ck = Checkpointer(cfg, env)
     if ck.resumed is not None:

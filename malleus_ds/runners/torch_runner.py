@@ -34,14 +34,14 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     import torch
     import torch.distributed as dist
 
-    from ..data import ByteCorpus
+    from ..data import build_dataset
     from ..models import build_model, lm_loss
     from ..reference import make_optimizer
 
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, cfg.train.seed).to(env.device)
     opt = make_optimizer(model.parameters(), cfg.train.optim)
-    data = ByteCorpus(cfg.model.max_seq_len, seed=cfg.train.corpus_seed)
+    data = build_dataset(cfg)
     scale = cfg.train.micro_batch_size / cfg.train.global_batch_size
     multi = dist.is_initialized() and env.world_size > 1
     ck = Checkpointer(cfg, env)

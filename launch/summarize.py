@@ -75,7 +75,7 @@ def overrides(d: Path) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="+", help="run folders or sweep folders")
     ap.add_argument("--skip", type=int, default=1, help="warm-up steps left out")
     a = ap.parse_args(argv)

@@ -40,7 +40,8 @@ def _load_problem(path: str) -> Problem:
 def plan_main(argv: Sequence[str] | None = None) -> int:
     prog = "malleus-plan"
     ap = argparse.ArgumentParser(prog=prog, description="Plan a straggler-aware Malleus layout.")
-    ap.add_argument("problem", help="problem JSON (DESIGN.md §3)")
+    ap.add_argument("problem", help="problem JSON (format: docs/DESIGN.md §3; examples: "
+                                    "examples/problem_*.json)")
     ap.add_argument("-o", "--output", help="write the plan JSON here (default: stdout)")
     ap.add_argument("--seed", type=int, default=0, help="search seed (default 0)")
     ap.add_argument("--time-limit", type=float, default=None,
@@ -98,8 +99,10 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 def sim_main(argv: Sequence[str] | None = None) -> int:
     prog = "malleus-sim"
     ap = argparse.ArgumentParser(prog=prog, description="Evaluate a plan under a problem's rates.")
-    ap.add_argument("problem", help="problem JSON (DESIGN.md §3)")
-    ap.add_argument("plan", nargs="?", help="plan JSON (default: the static plan)")
+    ap.add_argument("problem", help="problem JSON (format: docs/DESIGN.md §3; examples: "
+                                    "examples/problem_*.json)")
+    ap.add_argument("plan", nargs="?", help="plan JSON (format: docs/DESIGN.md §3; default: "
+                                            "the static plan)")
     ap.add_argument("--plot", help="write a Gantt chart PNG of one step here")
     args = ap.parse_args(argv)
     try:

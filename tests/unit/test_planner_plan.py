@@ -57,7 +57,7 @@ def test_random_problems_valid_and_never_below_best_baseline(seed):
             assert res.efficiency >= efficiency(pr, p) - 1e-9
 
 
-# copies of /work/shared/examples/*.json, so the tests run anywhere
+# copies of the example problems (examples/*.json), inline so the tests stand alone
 EXAMPLES = {'problem_64gpu_one_slow': {'version': 1,
                             'name': 'example_64gpu_one_slow',
                             'cluster': {'nodes': 8, 'gpus_per_node': 8},

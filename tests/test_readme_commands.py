@@ -1,0 +1,294 @@
+"""The README's commands work from a fresh clone (issue 9, item 6: docs that stand alone).
+
+Every command line in README.md's ``bash``/``sh`` fenced blocks is either run here or listed in
+:data:`SKIP` with the reason. A command that is not in SKIP is run, so a new README command cannot
+slip through untested: it must work from a clone, finish within :data:`BUDGET_S`, or be added to
+SKIP with its reason; a SKIP entry the README no longer has fails too.
+
+Each block runs, command after command, in a fresh copy of the repository's files (``git
+ls-files``: tracked files plus new files git does not ignore, so nothing outside the repository
+and no ignored build output such as ``.venv/``, ``outputs/`` or ``ck/`` is there). The copy does
+not run ``scripts/setup.sh``; it reuses this interpreter's environment instead: a leading
+``python`` becomes ``sys.executable``, ``.venv/bin/X`` becomes ``X`` next to it, and that folder
+leads ``PATH`` (what ``source .venv/bin/activate`` does), so ``torchrun`` and ``malleus-plan``
+resolve there. ``PYTHONPATH`` points at the copy, so ``malleus_ds`` is imported from it (checked),
+not from the editable install.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+SHELL_LANGS = {"bash", "sh", "shell", "console"}
+COMMAND_TIMEOUT_S = 240      # hard limit per command
+BUDGET_S = 90                # a command run here must take less (2 CPU cores; about 20 s today)
+
+#: README commands not run here (whitespace-normalised, ``\\`` continuations joined, comments
+#: dropped) -> why. Everything else in a bash/sh block runs.
+SKIP: dict[str, str] = {
+    "bash scripts/run.sh":
+        "runs scripts/setup.sh (creates .venv, pip install; this test reuses the existing venv "
+        "instead) and then the full training demo (python launch/train.py experiment=demo: "
+        "stock DeepSpeed, 2 ranks, 16 steps); the app under DeepSpeed on 2 ranks is run by "
+        "tests/dist/test_train_cli.py",
+    "bash scripts/test.sh":
+        "runs the whole test suite (about 10 minutes), this file included",
+    "python launch/train.py engine=malleus nproc_per_node=4 train.steps=120 "
+    "model.hidden_size=256 model.max_seq_len=128 train.global_batch_size=16 "
+    "train.micro_batch_size=2 'straggler.schedule=[{rank:3,rate:5.0,start_step:10,end_step:70}]' "
+    "hydra.run.dir=outputs/adaptive":
+        "the adaptive-loop demo: 120 steps on 4 ranks with a straggler, about 95 s on 2 CPU "
+        "cores; the loop itself is tested in tests/dist/test_malleus_adaptive.py",
+    "malleus-plot outputs/adaptive":
+        "plots the run folder of the skipped adaptive-loop demo just above it",
+}
+
+#: Checks beyond exit code 0: a substring of a README command -> (files that must exist in the
+#: copy afterwards, substrings its output must contain).
+EXPECT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "malleus-plan examples/problem_64gpu_one_slow.json -o plan.json": (("plan.json",), ("eta=",)),
+    "plan.json --plot gantt.png": (("gantt.png",), ("wrote gantt.png",)),
+    "launch/plan.py --multirun": ((), ("plan_sweep-r12",)),
+    "checkpoint.every=10": (("ck/latest", "ck/global_step10", "ck/global_step20"), ()),
+    "checkpoint.resume=true": (("ck/global_step30",), ("resumed from step 20",)),
+    "malleus-plan examples/problem_tiny_4rank_one_slow.json": (("plan.json",), ()),
+    "plan=$PWD/plan.json": ((), ("engine=malleus model=tiny world=4",)),
+    "malleus.switch=": ((), ("migrate before step 5", "migrate before step 9",
+                             "suspended [3]")),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# README parsing
+# ----------------------------------------------------------------------------------------------
+
+
+def _strip_comment_and_squeeze(line: str) -> str:
+    """Drop a shell comment (``#`` at a word start, outside quotes) and collapse whitespace
+    outside quotes."""
+    out: list[str] = []
+    quote = None
+    prev_space = True
+    for ch in line:
+        if quote:
+            out.append(ch)
+            if ch == quote:
+                quote = None
+            prev_space = False
+            continue
+        if ch in "'\"":
+            quote = ch
+        elif ch == "#" and prev_space:
+            break
+        if ch.isspace():
+            if not prev_space:
+                out.append(" ")
+            prev_space = True
+            continue
+        out.append(ch)
+        prev_space = False
+    return "".join(out).strip()
+
+
+def readme_blocks(text: str) -> list[tuple[int, list[str]]]:
+    """(line number of the opening fence, commands) for every bash/sh fenced block."""
+    blocks: list[tuple[int, list[str]]] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^\s*```\s*([\w+-]*)", lines[i])
+        if not m:
+            i += 1
+            continue
+        lang, start = m.group(1).lower(), i + 1
+        i += 1
+        body: list[str] = []
+        while i < len(lines) and not re.match(r"^\s*```", lines[i]):
+            body.append(lines[i])
+            i += 1
+        i += 1  # the closing fence
+        if lang not in SHELL_LANGS:
+            continue
+        cmds, cur = [], ""
+        for raw in body:
+            s = raw.rstrip()
+            if lang == "console":
+                if not s.lstrip().startswith("$") and not cur:
+                    continue  # program output
+                s = s.lstrip().removeprefix("$") if not cur else s
+            if s.endswith("\\"):
+                cur += s[:-1] + " "
+                continue
+            cmd = _strip_comment_and_squeeze(cur + s)
+            cur = ""
+            if cmd:
+                cmds.append(cmd)
+        if cur.strip():
+            cmds.append(_strip_comment_and_squeeze(cur))
+        blocks.append((start, cmds))
+    return blocks
+
+
+BLOCKS = readme_blocks(README.read_text())
+ALL_COMMANDS = [c for _, cmds in BLOCKS for c in cmds]
+RUN_BLOCKS = [(line, [c for c in cmds if c not in SKIP]) for line, cmds in BLOCKS]
+RUN_BLOCKS = [(line, cmds) for line, cmds in RUN_BLOCKS if cmds]
+
+
+def _shell_line(cmd: str) -> str:
+    """``cmd`` with a leading ``python``/``python3`` -> this interpreter, ``.venv/bin/X`` -> the
+    ``X`` next to it (after any leading ``VAR=value`` assignments)."""
+    m = re.match(r"^((?:[A-Za-z_]\w*=\S*\s+)*)(\S+)(.*)$", cmd)
+    assert m, cmd
+    env, word, rest = m.groups()
+    bindir = Path(sys.executable).parent
+    if word in ("python", "python3"):
+        word = shlex.quote(sys.executable)
+    elif word.startswith(".venv/bin/"):
+        word = shlex.quote(str(bindir / word.removeprefix(".venv/bin/")))
+    return env + word + rest
+
+
+# ----------------------------------------------------------------------------------------------
+# the repository copy
+# ----------------------------------------------------------------------------------------------
+
+
+def _copy_repo(dest: Path) -> None:
+    out = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others",
+                          "--exclude-standard"], capture_output=True, check=True).stdout
+    files = [f for f in out.decode().split("\0") if f]
+    assert "README.md" in files and "launch/train.py" in files, "git ls-files gave no tree"
+    for f in files:
+        src = REPO / f
+        if not src.is_file():  # deleted in the working tree, or a submodule
+            continue
+        (dest / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dest / f)
+
+
+def _env(root: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    env["VIRTUAL_ENV"] = sys.prefix
+    env["PYTHONPATH"] = str(root)
+    env["OMP_NUM_THREADS"] = "1"
+    env["DS_ACCELERATOR"] = "cpu"
+    # torchrun: rendezvous on a free local port (as `--standalone`), so these runs never clash
+    # with other jobs on the default port 29500
+    env["PET_STANDALONE"] = "1"
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT", "MALLEUS_DS_WRAPPED", "PYTEST_CURRENT_TEST"):
+        env.pop(k, None)
+    return env
+
+
+def _run(cmd: str, root: Path, env: dict[str, str]) -> tuple[int, str]:
+    """Run one README command in ``root``; (exit code, stdout + stderr). On timeout every process
+    it started is killed (torchrun's workers run in sessions of their own, so by process tree)."""
+    from malleus_ds.procs import descendants
+
+    p = subprocess.Popen(["bash", "-c", _shell_line(cmd)], cwd=root, env=env,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=COMMAND_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        for pid in descendants(p.pid) + [p.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out, _ = p.communicate()
+        return -9, out + f"\n[killed after {COMMAND_TIMEOUT_S} s]"
+    return p.returncode, out
+
+
+# ----------------------------------------------------------------------------------------------
+# tests
+# ----------------------------------------------------------------------------------------------
+
+
+def test_readme_has_bash_commands():
+    assert len(ALL_COMMANDS) >= 5, f"found only {ALL_COMMANDS} in README.md's bash blocks"
+
+
+OUTSIDE = ("../shared", "/work/", str(REPO), str(Path.home()) + "/")
+DOCS = [README, *sorted((REPO / "docs").glob("*.md")), REPO / "examples" / "README.md"]
+HELP = [["malleus-plan", "--help"], ["malleus-sim", "--help"], ["malleus-plot", "--help"],
+        ["python", "launch/summarize.py", "--help"], ["python", "launch/plan.py", "--help"],
+        ["python", "launch/train.py", "--help"],
+        *[["python", f"bench/{b.name}", "--help"]
+          for b in sorted((REPO / "bench").glob("bench_*.py"))]]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_docs_point_inside_the_repository(doc):
+    bad = [(n, line) for n, line in enumerate(doc.read_text().splitlines(), start=1)
+           if any(o in line for o in OUTSIDE)]
+    assert not bad, f"{doc.relative_to(REPO)} points outside the repository: {bad}"
+
+
+@pytest.mark.parametrize("cmd", HELP, ids=lambda c: " ".join(c[:2]))
+def test_help_texts_point_inside_the_repository(cmd):
+    exe = sys.executable if cmd[0] == "python" else str(Path(sys.executable).parent / cmd[0])
+    p = subprocess.run([exe, *cmd[1:]], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    bad = [line for line in out.splitlines() if any(o in line for o in OUTSIDE)]
+    assert not bad, f"`{' '.join(cmd)}` points outside the repository: {bad}"
+
+
+def test_every_command_is_run_or_skipped():
+    run = [c for _, cmds in RUN_BLOCKS for c in cmds]
+    skipped = [c for c in ALL_COMMANDS if c in SKIP]
+    assert sorted(run + skipped) == sorted(ALL_COMMANDS), "a command is neither run nor skipped"
+    assert not set(run) & set(SKIP)
+    run = set(run)
+    stale = set(SKIP) - set(ALL_COMMANDS)
+    assert not stale, f"SKIP lists commands README.md no longer has: {stale}"
+    for r in SKIP.values():
+        assert r.strip(), "every SKIP entry needs a reason"
+    unused = [k for k in EXPECT if not any(k in c for c in run)]
+    assert not unused, f"EXPECT keys that match no command run here: {unused}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("block", RUN_BLOCKS, ids=[f"README.md:{line}" for line, _ in RUN_BLOCKS])
+def test_readme_block_runs(block, tmp_path):
+    line, cmds = block
+    root = tmp_path / "clone"
+    _copy_repo(root)
+    env = _env(root)
+    where = subprocess.run([sys.executable, "-c", "import malleus_ds; print(malleus_ds.__file__)"],
+                           cwd=root, env=env, capture_output=True, text=True, timeout=60)
+    assert Path(where.stdout.strip()).resolve().is_relative_to(root.resolve()), where
+    for cmd in cmds:
+        t0 = time.monotonic()
+        rc, out = _run(cmd, root, env)
+        took = time.monotonic() - t0
+        assert rc == 0, f"README.md:{line}: `{cmd}` exited {rc} after {took:.0f} s:\n{out[-4000:]}"
+        assert "Traceback" not in out, f"README.md:{line}: `{cmd}`:\n{out[-4000:]}"
+        for key, (files, texts) in EXPECT.items():
+            if key not in cmd:
+                continue
+            for f in files:
+                assert (root / f).exists(), f"`{cmd}` did not write {f}:\n{out[-3000:]}"
+            for s in texts:
+                assert s in out, f"`{cmd}`: {s!r} not in its output:\n{out[-3000:]}"
+        print(f"README.md:{line}: {took:5.1f} s  {cmd}")
+        assert took < BUDGET_S, (f"README.md:{line}: `{cmd}` took {took:.0f} s: too slow for "
+                                 f"this test; add it to SKIP with the reason")

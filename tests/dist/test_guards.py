@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from malleus_ds.procs import descendants
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,21 +113,19 @@ def test_sigterm_to_the_wrapper_checkpoints_stops_every_rank_and_resumes(tmp_pat
     assert err.count("\n") < 15, err
     n = len(steps)
     assert (ck / "latest").read_text().strip() == f"global_step{n}"
-    # resume for two more steps = the same losses as one run straight through
+    # resume for two more steps: the same losses as one process straight through
     r = subprocess.run(base + [f"train.steps={n + 2}", "checkpoint.resume=true",
                                f"hydra.run.dir={tmp_path / 'resumed'}"],
                        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
-    straight = subprocess.run([sys.executable, TRAIN, *TINY, "nproc_per_node=2",
-                               "engine=malleus", "malleus.adaptive=false",
-                               f"train.steps={n + 2}", f"hydra.run.dir={tmp_path / 'straight'}"],
-                              cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                              timeout=180)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    from malleus_ds.models import model_config
+    from malleus_ds.reference import reference_run
+
+    ref, _ = reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=n + 2,
+                           global_batch_size=8, micro_batch_size=1)
     resumed = [x["loss"] for x in _lines(tmp_path / "resumed" / "metrics.jsonl") if "event" not in x]
-    ref = [x["loss"] for x in _lines(tmp_path / "straight" / "metrics.jsonl") if "event" not in x]
-    assert len(resumed) == 2 and resumed == ref[n:], (resumed, ref[n:])
-    assert [x["loss"] for x in steps] == ref[:n]
+    assert len(resumed) == 2
+    np.testing.assert_allclose([x["loss"] for x in steps] + resumed, ref, rtol=1e-5)
 
 
 def test_two_runs_started_at_once_get_their_own_folders(tmp_path):

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.dist.test_malleus_equivalence import HETERO
 
@@ -108,9 +109,22 @@ def test_bad_switch_entries_fail_at_start_on_every_rank(tmp_path):
                   "is not after the previous entry's step 3"),
         "world": (f"malleus.switch=[{{step:1,plan:{pc}}}]", "outside the world of 2 ranks"),
     }
+    # every rank runs the same checks (config.py + the runner's validate) before any process
+    # group: one real 2-rank job shows both ranks say it; the other entries are checked in-process
+    from malleus_ds.config import ConfigError, build_run_config
+    from malleus_ds.runners import validate
     for name, (arg, msg) in bad.items():
-        p = _torchrun(2, ["plan=static", "train.steps=4", f"hydra.run.dir={tmp_path / name}", arg],
-                      tmp_path)
-        text = p.stdout + p.stderr
-        assert p.returncode != 0, name
-        assert text.count(msg) >= 2 and "malleus.switch[" in text, (name, text[-2000:])
+        if name == "world":
+            p = _torchrun(2, ["plan=static", "train.steps=4", f"hydra.run.dir={tmp_path / name}",
+                              arg], tmp_path)
+            text = p.stdout + p.stderr
+            assert p.returncode != 0, name
+            assert text.count(msg) >= 2 and "malleus.switch[" in text, (name, text[-2000:])
+            continue
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        switch = OverridesParser.create().parse_override(arg).value()
+        with pytest.raises(ConfigError, match=r"malleus\.switch\[") as e:
+            validate(build_run_config({"engine": "malleus", "model": {"name": "tiny",
+                                                                   "max_seq_len": 16},
+                                       "malleus": {"switch": switch}}, world_size=2))
+        assert msg in str(e.value), (name, str(e.value))

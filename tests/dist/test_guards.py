@@ -95,14 +95,17 @@ def test_sigterm_to_the_wrapper_checkpoints_stops_every_rank_and_resumes(tmp_pat
     try:
         _wait(lambda: len(_lines(out / "metrics.jsonl")) >= 3, 120, "three steps")
         procs = descendants(p.pid)
+        t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=60)
+        took = time.monotonic() - t0
     finally:
         if p.poll() is None:
             for pid in descendants(p.pid):
                 os.kill(pid, signal.SIGKILL)
             p.kill()
     assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert took < 10, f"the job took {took:.1f} s to stop (checkpoint included)"
     time.sleep(0.5)
     left = [pid for pid in procs if Path(f"/proc/{pid}").exists()
             and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]

@@ -22,6 +22,10 @@ setup(
         "matplotlib>=3.7",
         "tqdm>=4.60",
         "tensorboard>=2.14",   # DeepSpeed's TensorBoard monitor (ds_config "tensorboard")
+        # Hugging Face models (issue: bring your own model); our top-level ``kernels`` package
+        # shares its name with HF's hub-kernels package: tests/unit/test_transformers_import.py
+        "transformers>=4.57,<6",
+        "safetensors>=0.4",
     ],
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100"],

@@ -35,6 +35,10 @@ HANG_EXIT_CODE = 3
 #: phases in which a rank waits for its peers (a rank stuck there is a victim, not a culprit)
 COMM_PHASES = frozenset({"all-reduce", "all-gather", "p2p", "migration", "checkpoint",
                          "barrier", "broadcast", "communication"})
+#: phases that may legitimately take longer than ``hang_timeout_s`` without a beat (building or
+#: loading a large model, writing a checkpoint): while a live rank is in one, nobody is stalled
+#: (a *frozen* process is still reported)
+PATIENT_PHASES = frozenset({"start-up", "checkpoint"})
 
 
 class Heartbeat:
@@ -83,7 +87,8 @@ def find_stuck(views: Mapping[int, RankView], now: float, hang_timeout_s: float,
                frozen_after_s: float) -> dict | None:
     """The hang report, or None while every rank progresses (pure).
 
-    A hang: some rank (not done) has made no progress for ``hang_timeout_s``. Culprits, in
+    A hang: some rank (not done) has made no progress for ``hang_timeout_s``, and no live rank
+    is in a :data:`PATIENT_PHASES` phase (unless some process is frozen). Culprits, in
     order of evidence: ranks whose tick stopped for ``frozen_after_s`` (the process is not
     running), else stalled ranks outside a communication phase, else the stalled ranks with the
     lowest step (all wait in communication: a collective some rank never joined)."""
@@ -92,6 +97,10 @@ def find_stuck(views: Mapping[int, RankView], now: float, hang_timeout_s: float,
     if not stalled:
         return None
     frozen = [r for r, v in live.items() if now - v.tick_at >= frozen_after_s]
+    patient = [r for r, v in live.items()
+               if v.record.get("phase") in PATIENT_PHASES and r not in frozen]
+    if patient and not frozen:
+        return None             # the others wait for a long start-up or checkpoint write
     outside = [r for r, v in stalled.items() if v.record.get("phase") not in COMM_PHASES]
     if frozen:
         culprits, why = frozen, "its process stopped responding (no heartbeat)"

@@ -49,6 +49,15 @@ def test_finished_ranks_are_never_culprits():
     assert find_stuck(views, 100.0, 10, 5) is None
 
 
+def test_long_start_up_or_checkpoint_is_not_a_hang_but_a_frozen_process_is():
+    for ph in ("start-up", "checkpoint"):
+        views = {0: view(-1 if ph == "start-up" else 9, ph, 0.3, 400),
+                 1: view(-1 if ph == "start-up" else 9, "all-reduce", 0.3, 400)}
+        assert find_stuck(views, 100.0, 10, 5) is None, ph
+    views = {0: view(-1, "start-up", 0.3, 400), 1: view(-1, "start-up", 30, 400)}
+    assert [s["rank"] for s in find_stuck(views, 100.0, 10, 5)["stuck"]] == [1]
+
+
 def test_phase_context_restores_and_counts_progress():
     hb = HEARTBEAT
     before, outer = hb.progress, hb.phase

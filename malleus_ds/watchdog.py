@@ -161,11 +161,15 @@ class Watchdog:
     def stop(self) -> None:
         """This rank finished: mark it done (never a culprit) and end the thread."""
         self.hb.done = True
+        self._stop.set()
+        # join before the process exits: a daemon thread left inside a store call while the
+        # interpreter shuts down can abort the process after a run that succeeded
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
         try:
             self._publish()
         except Exception:  # noqa: BLE001 - the store may be gone at exit
             pass
-        self._stop.set()
 
     # -- the thread ---------------------------------------------------------------------------
 

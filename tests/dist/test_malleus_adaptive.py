@@ -15,9 +15,12 @@ from tests.dist.test_malleus_cases import CFG, check, ds_config, plan_json
 from tests.dist.test_malleus_switch import _check_adam
 
 STATIC = plan_json([(2, [([r], (0, 4))]) for r in range(4)])      # dp=4, 2 micro-batches each
-# Short enough that final parameters still match the reference to 1e-5 (over ~70 steps, fp32
-# re-ordering noise on rarely-seen embedding rows grows past that even on a static plan).
-ONSET, MILD, WORSE, MAX_STEPS = 3, 3.0, 8.0, 40
+# Losses match to 1e-5 at every step. Parameters: Adam normalises tiny gradient differences
+# (fp32 summation order differs between layouts), so on rarely-seen embedding rows the error
+# grows with steps even on a static plan: 1.3e-5 of the tensor's max after 56 steps (1.5e-4
+# for exp_avg_sq), hence PARAM_RTOL (x10 for Adam states). 56 steps leave room for slow detection on a loaded 2-core machine.
+ONSET, MILD, WORSE, MAX_STEPS = 3, 3.0, 8.0, 56
+PARAM_RTOL = 5e-5
 LAG = 2     # steps between an adopted re-plan and the next phase of the straggler schedule
 
 
@@ -80,8 +83,8 @@ def test_adaptive_run_detects_replans_migrates_recovers_and_keeps_the_math():
         print(e["step"], e["event"], e.get("trigger"), e.get("detected"), e.get("adopted"),
               e.get("measured_rates"), e.get("planning_s"))
     assert all(len(r[0][0]) == steps for r in res)
-    check(STATIC, [r[0] for r in res], steps=steps)
-    _check_adam([(r[0], None, None, r[3]) for r in res], steps)
+    check(STATIC, [r[0] for r in res], steps=steps, param_rtol=PARAM_RTOL)
+    _check_adam([(r[0], None, None, r[3]) for r in res], steps, rtol=10 * PARAM_RTOL)
     assert all(r[1] == events for r in res), "every rank saw the same events"
     replans = [e for e in events if e["event"] == "replan"]
     adopted = [e for e in replans if e["adopted"]]

@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,6 +89,7 @@ def _launch_ranks(nproc: int, task_overrides: list[str], run_dir: str) -> int:
 
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     got: list[int] = []
+    got_at: list[float] = []
 
     def kill_all() -> None:
         for pid in descendants(proc.pid) + [proc.pid]:
@@ -101,6 +103,7 @@ def _launch_ranks(nproc: int, task_overrides: list[str], run_dir: str) -> int:
             kill_all()
             return
         got.append(signum)
+        got_at.append(time.monotonic())
         print(f"[malleus_ds] {signal.Signals(signum).name}: stopping every rank at the next "
               f"step boundary (again to kill now)", file=sys.stderr, flush=True)
         for pid in descendants(proc.pid):
@@ -111,14 +114,17 @@ def _launch_ranks(nproc: int, task_overrides: list[str], run_dir: str) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        while True:
+        killed = False
+        while True:       # short waits: a signal handled meanwhile starts the grace period
             try:
-                rc = proc.wait(timeout=_STOP_GRACE_S if got else None)
+                rc = proc.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
-                print(f"[malleus_ds] ranks still running {_STOP_GRACE_S:.0f} s after the "
-                      f"signal: killing them", file=sys.stderr, flush=True)
-                kill_all()
+                if got_at and not killed and time.monotonic() - got_at[0] > _STOP_GRACE_S:
+                    print(f"[malleus_ds] ranks still running {_STOP_GRACE_S:.0f} s after the "
+                          f"signal: killing them", file=sys.stderr, flush=True)
+                    kill_all()
+                    killed = True
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -53,6 +53,31 @@ def _rank_pid(root: int, rank: int) -> int:
     raise AssertionError(f"no process of rank {rank} under {root}")
 
 
+def _sigterm_after_three_steps(cmd, out: Path, cwd: Path):
+    """Start ``cmd``, SIGTERM it once three steps are in ``out``/metrics.jsonl; returns (the
+    process, its stderr, seconds from the signal to its exit, the job's pids at the signal)."""
+    p = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: len(_lines(out / "metrics.jsonl")) >= 3, 120, "three steps")
+        procs = descendants(p.pid)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+        return p, err, time.monotonic() - t0, procs
+    finally:
+        if p.poll() is None:
+            for pid in descendants(p.pid):
+                os.kill(pid, signal.SIGKILL)
+            p.kill()
+
+
+def _assert_all_gone(procs) -> None:
+    left = [pid for pid in procs if Path(f"/proc/{pid}").exists()
+            and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+    assert not left, f"processes of the job still running: {left}"
+
+
 def test_a_frozen_rank_is_named_and_the_job_exits(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -90,26 +115,12 @@ def test_sigterm_to_the_wrapper_checkpoints_stops_every_rank_and_resumes(tmp_pat
     out, ck = tmp_path / "run", tmp_path / "ck"
     base = [sys.executable, TRAIN, *TINY, "nproc_per_node=2", "engine=malleus",
             "malleus.adaptive=false", f"checkpoint.dir={ck}"]
-    p = subprocess.Popen(base + ["train.steps=100000", f"hydra.run.dir={out}"], cwd=tmp_path,
-                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait(lambda: len(_lines(out / "metrics.jsonl")) >= 3, 120, "three steps")
-        procs = descendants(p.pid)
-        t0 = time.monotonic()
-        p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=60)
-        took = time.monotonic() - t0
-    finally:
-        if p.poll() is None:
-            for pid in descendants(p.pid):
-                os.kill(pid, signal.SIGKILL)
-            p.kill()
+    p, err, took, procs = _sigterm_after_three_steps(
+        base + ["train.steps=100000", f"hydra.run.dir={out}"], out, tmp_path)
     assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert took < 10, f"the job took {took:.1f} s to stop (checkpoint included)"
     time.sleep(0.5)
-    left = [pid for pid in procs if Path(f"/proc/{pid}").exists()
-            and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
-    assert not left, f"processes of the job still running: {left}"
+    _assert_all_gone(procs)
     rows = _lines(out / "metrics.jsonl")            # every line parses
     steps = [r for r in rows if "event" not in r]
     assert "stopped by SIGTERM after step" in err and "Traceback" not in err, err[-3000:]
@@ -149,24 +160,9 @@ def test_sigterm_to_torchrun_stops_every_rank(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            TRAIN, *TINY, "engine=deepspeed", "train.steps=100000", f"hydra.run.dir={out}"]
-    p = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    try:
-        _wait(lambda: len(_lines(out / "metrics.jsonl")) >= 3, 120, "three steps")
-        procs = descendants(p.pid)
-        t0 = time.monotonic()
-        p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=60)
-        took = time.monotonic() - t0
-    finally:
-        if p.poll() is None:
-            for pid in descendants(p.pid):
-                os.kill(pid, signal.SIGKILL)
-            p.kill()
+    p, err, took, procs = _sigterm_after_three_steps(cmd, out, tmp_path)
     assert p.returncode != 0 and took < 10, (p.returncode, took)
-    left = [pid for pid in procs if Path(f"/proc/{pid}").exists()
-            and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
-    assert not left, f"processes of the job still running: {left}"
+    _assert_all_gone(procs)
     rows = _lines(out / "metrics.jsonl")                # every line parses
     assert len([r for r in rows if "event" not in r]) >= 3
     assert "stopped by SIGTERM after step" in err, err[-3000:]

@@ -97,20 +97,23 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
     try:
         try:
             summary = mod.run(cfg, env)
-        except Stopped:
-            import torch.distributed as dist
-            if dist.is_initialized() and env.world_size > 1:
-                dist.barrier()          # every rank stopped after the same step
+        except Stopped:             # every rank stopped after the same step
+            _leave_together(env)
             raise
-        # every rank leaves together: a rank tearing gloo down while a peer still finishes its
-        # last transfer can abort the peer at exit ("terminate called without an active
-        # exception", SIGABRT) after a run that succeeded
-        import torch.distributed as dist
-        if dist.is_initialized() and env.world_size > 1:
-            dist.barrier()
+        _leave_together(env)
         return summary
     finally:
         if dog is not None:
             dog.stop()
         STOP.uninstall()
         destroy_process_group()
+
+
+def _leave_together(env: DistEnv) -> None:
+    """Every rank leaves together: a rank tearing gloo down while a peer still finishes its last
+    transfer can abort the peer at exit ("terminate called without an active exception",
+    SIGABRT) after a run that succeeded."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and env.world_size > 1:
+        dist.barrier()

@@ -315,9 +315,7 @@ class Checkpointer:
 
             if c.enabled and self.last_saved != done:
                 self.save(done, write, reporter)
-            reporter.writer.close()
-            if reporter.bar is not None:
-                reporter.bar.close()
+            reporter.close()
             raise Stopped(reporter.stop_signal, done,
                           str(Path(c.dir) / tag_of(done)) if c.enabled else None)
 

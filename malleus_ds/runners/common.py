@@ -141,10 +141,14 @@ class StepReporter:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{step_time_s:.3f}", refresh=False)
 
-    def finish(self, **extra) -> RunSummary:
+    def close(self) -> None:
+        """Flush and close metrics.jsonl and the bar (the end of a run, or a stop)."""
         self.writer.close()
         if self.bar is not None:
             self.bar.close()
+
+    def finish(self, **extra) -> RunSummary:
+        self.close()
         # warm-up is per process: a resumed run warms up again from its first step
         ph = tuple(phases(self.records, self.first_step + self.cfg.train.warmup_steps))
         return RunSummary(engine=self.cfg.engine, losses=tuple(self.losses),

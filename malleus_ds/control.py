@@ -289,10 +289,7 @@ class Controller:
         if self._skip:          # the first step of a run or of a plan: allocation, first touch
             self._skip -= 1
             return
-        raw = self.est.add(comp, self.units, probe)
-        import os
-        if os.environ.get('MDBG') and self.rank == 0:
-            print('DBG', step, np.round(raw, 3), np.round(probe, 4), self.units, np.round(self.est.rates(), 3), list(np.round(self.est._cal, 2)), flush=True)
+        self.est.add(comp, self.units, probe)
         self.measured = self.est.rates()
         self._seen += 1
         if self._seen < self.s.detect.window:    # a full window before the first detection

@@ -100,7 +100,7 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class RunConfig:
     engine: str
-    model: ModelConfig
+    model: ModelConfig              # or models.hf.HFModel (model=hf): the interface of models/base.py
     train: TrainConfig
     parallel: ParallelConfig
     cluster: ClusterConfig
@@ -342,9 +342,34 @@ def _data(c: Mapping[str, Any], model: ModelConfig, train: TrainConfig) -> DataC
                       seq_len=seq_len)
 
 
-def _model(m: Mapping[str, Any]) -> ModelConfig:
+HF_MODEL_KEYS = ("hf_config", "hf_path", "max_seq_len", "num_layers")
+
+
+def _hf_model(m: Mapping[str, Any]):
+    """``model=hf``: a Hugging Face Llama-family model (malleus_ds/models/hf.py)."""
+    from .models.hf import HFError, load_hf_model
+
+    unknown = sorted(set(m) - set(HF_MODEL_KEYS))
+    if unknown:
+        raise ConfigError(f"model=hf has unknown fields {unknown}; allowed: {sorted(HF_MODEL_KEYS)}")
+    for k in ("max_seq_len", "num_layers"):
+        if m.get(k) is not None and (isinstance(m[k], bool) or not isinstance(m[k], int) or m[k] < 1):
+            raise ConfigError(f"model.{k}={m[k]!r} must be a positive integer")
+    for k in ("hf_config", "hf_path"):
+        if m.get(k) is not None and not isinstance(m[k], str):
+            raise ConfigError(f"model.{k}={m[k]!r} must be a string (a preset name or a path)")
+    try:
+        return load_hf_model(m.get("hf_config"), m.get("hf_path"), max_seq_len=m.get("max_seq_len"),
+                             num_hidden_layers=m.get("num_layers"))
+    except (HFError, OSError, ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def _model(m: Mapping[str, Any]):
     m = dict(m)
     name = m.pop("name", "tiny")
+    if name == "hf":
+        return _hf_model(m)
     allowed = {f.name for f in fields(ModelConfig)} - {"name"}
     unknown = sorted(set(m) - allowed)
     if unknown:
@@ -416,8 +441,10 @@ def _parallel(p: Mapping[str, Any], world: int, model: ModelConfig) -> ParallelC
     if pp > model.num_layers:
         raise ConfigError(f"parallel.pp={pp} stages cannot hold model.num_layers="
                           f"{model.num_layers} layers (each stage needs >= 1 layer)")
-    if model.num_heads % tp:
-        raise ConfigError(f"parallel.tp={tp} does not divide model.num_heads={model.num_heads}")
+    try:
+        model.check_tp(tp, "parallel.tp")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return ParallelConfig(tp, pp, dp)
 
 

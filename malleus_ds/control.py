@@ -247,19 +247,17 @@ class Controller:
 
         e = self.engine
         if self._probe_block is None:
-            from .models.llama import Block
-
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
-                blk = Block(e.model_cfg).to(device=e.device, dtype=e.act_dtype)
+                blk = e.model_cfg.build_layer(0, 0).to(device=e.device, dtype=e.act_dtype)
                 x = torch.randn(e.plan.micro_batch_size, e.seq_len, e.model_cfg.hidden_size,
                                 device=e.device, dtype=e.act_dtype)
             self._probe_block, self._probe_x = blk, x
-        blk = self._probe_block
+        blk, cfg = self._probe_block, e.model_cfg
 
         def run():
             x = self._probe_x.detach().requires_grad_()
-            blk(x).float().sum().backward()
+            cfg.run_block(blk, x, cfg.block_context(x)).float().sum().backward()
 
         before = e.clock.compute_s
         e._timed(run)

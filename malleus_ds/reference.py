@@ -13,6 +13,7 @@ import torch
 
 from .data import DataConfig, global_batch_ids, make_dataset
 from .models import ModelConfig, build_model, lm_loss
+from .models.base import global_named_parameters, global_state_dict, tied_params
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,9 @@ def reference_run(cfg: ModelConfig, *, seed: int, steps: int, global_batch_size:
         opt.step()
         losses.append(total)
     if adam_out is not None:
-        for n, p in model.named_parameters():
+        for n, p in global_named_parameters(model):
             st = opt.state.get(p, {})
             adam_out[n] = {k: st[k].detach().clone() for k in ("exp_avg", "exp_avg_sq") if k in st}
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        for a, b in tied_params(cfg):       # one parameter, two names in the engines
+            adam_out[b] = adam_out[a]
+    return losses, {k: v.detach().clone() for k, v in global_state_dict(model).items()}

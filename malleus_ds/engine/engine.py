@@ -57,7 +57,7 @@ from deepspeed.utils import log_dist
 
 from ..data import ByteCorpus
 from ..reference import micro_batches
-from ..models.llama import ModelConfig, StageModule, lm_loss, param_table
+from ..models.base import StageModule, param_table, tied_params
 from ..plan import Plan, PlanError, validate_plan
 from ..watchdog import phase
 from .groups import GROUPS, check_world, plan_rank_sets
@@ -162,7 +162,7 @@ class MalleusEngine(DeepSpeedEngine):
         return replace(s, precision=Precision.from_config(user_cfg))
 
     @staticmethod
-    def build_plan(plan: Plan | None, cfg: ModelConfig, world: int, s: MalleusSettings,
+    def build_plan(plan: Plan | None, cfg, world: int, s: MalleusSettings,
                    user_cfg: dict) -> Plan:
         """Validate on every rank, before any collective: the same error everywhere, no hang."""
         if plan is None:
@@ -223,7 +223,8 @@ class MalleusEngine(DeepSpeedEngine):
     def build_plan_runtime(self, plan: Plan, module: nn.Module, spec: StageSpec,
                            zero_stage: int, prev: PlanRuntime | None = None) -> PlanRuntime:
         return build_runtime(plan, self.global_rank, spec, module, self.param_table, zero_stage,
-                             self._make_optimizer, self.precision, self.device, prev=prev)
+                             self._make_optimizer, self.precision, self.device, prev=prev,
+                             tied=tied_params(self.model_cfg))
 
     def adopt(self, rt: PlanRuntime) -> None:
         """Make ``rt`` the running plan: the engine's per-plan attributes point into it."""
@@ -333,6 +334,7 @@ class MalleusEngine(DeepSpeedEngine):
                 grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
                          for n, p in self.named.items()}
             with phase("all-reduce"):
+                self.runtime.tied(grads)           # tied embedding/head: one gradient (tied.py)
                 flats = self.grad_sync.reduce(grads)   # fp32 buckets, summed over replicas
             for p in self.named.values():       # summed grads live in the buckets now
                 p.grad = None
@@ -368,7 +370,8 @@ class MalleusEngine(DeepSpeedEngine):
         coef = 1.0
         clip = self.gradient_clipping()
         if clip and clip > 0:
-            sq = torch.tensor([self.optimizer.owned_sq_norm(flats)], dtype=torch.float64,
+            sq = torch.tensor([self.optimizer.owned_sq_norm(flats, self.runtime.tied.skip_in_norm)],
+                              dtype=torch.float64,
                               device=self.device)
             tdist.all_reduce(sq)
             self._global_grad_norm = float(sq.sqrt())
@@ -487,7 +490,7 @@ class MalleusEngine(DeepSpeedEngine):
 
         def run():
             out = self.module(x)
-            return lm_loss(out, y) * scale if self.is_last_stage else out
+            return self.model_cfg.loss(out, y) * scale if self.is_last_stage else out
 
         out = self._timed(run)
         if self.is_last_stage:
@@ -657,10 +660,13 @@ def _init_deepspeed_comm() -> None:
         dscomm.init_distributed()
 
 
-def _model_builder(model, seed: int) -> tuple[ModelConfig, Callable[..., nn.Module]]:
-    """(config, ``make_stage(start, end, init=True)``)."""
-    if isinstance(model, ModelConfig):
-        return model, lambda s, e, init=True: StageModule(model, s, e, seed, init=init)
+def _is_model(obj) -> bool:
+    """A model config implementing the interface of ``malleus_ds/models/base.py``."""
+    return all(hasattr(obj, a) for a in ("build_layer", "run_block", "tp_plan", "num_layers"))
+
+
+def _model_builder(model, seed: int) -> tuple[object, Callable[..., nn.Module]]:
+    """(model config, ``make_stage(start, end, init=True)``)."""
     if isinstance(model, StageModule):
         full = model
 
@@ -672,10 +678,12 @@ def _model_builder(model, seed: int) -> tuple[ModelConfig, Callable[..., nn.Modu
                     p.copy_(src[n])
             return st
         return full.cfg, from_full
+    if _is_model(model):
+        return model, lambda s, e, init=True: StageModule(model, s, e, seed, init=init)
     if callable(model):
         probe_cfg = getattr(model, "cfg", None)
-        if not isinstance(probe_cfg, ModelConfig):
-            raise TypeError("model: a callable stage builder must carry its ModelConfig as .cfg")
+        if not _is_model(probe_cfg):
+            raise TypeError("model: a callable stage builder must carry its model config as .cfg")
         return probe_cfg, lambda s, e, init=True: model(s, e)
-    raise TypeError(f"model: expected a ModelConfig, a StageModule or a stage builder, got "
-                    f"{type(model).__name__}")
+    raise TypeError(f"model: expected a model config (ModelConfig, HFModel), a StageModule or a "
+                    f"stage builder, got {type(model).__name__}")

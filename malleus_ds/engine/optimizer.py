@@ -91,12 +91,19 @@ class ShardedOptimizer:
     def state_dict(self):
         return self.optimizer.state_dict()
 
-    def owned_sq_norm(self, flats: list[tuple[torch.Tensor, int]]) -> float:
-        """Sum of squares of the gradient elements this rank owns (each element has one owner)."""
+    def owned_sq_norm(self, flats: list[tuple[torch.Tensor, int]],
+                      skip: frozenset[str] = frozenset()) -> float:
+        """Sum of squares of the gradient elements this rank owns (each element has one owner),
+        leaving out the pieces of parameters named in ``skip`` (the second copy of a tied pair)."""
         s = 0.0
-        for (f, off), (lo, hi) in zip(flats, self.owned):
+        for b, (f, off), (lo, hi) in zip(self.buckets, flats, self.owned):
             if hi > lo:
                 s += float(f[lo - off:hi - off].double().pow(2).sum())
+                if skip:
+                    for pc, a, z, o in b.entries():
+                        x, y = max(o, lo), min(o + z - a, hi)
+                        if pc.name in skip and y > x:
+                            s -= float(f[x - off:y - off].double().pow(2).sum())
         return s
 
     @torch.no_grad()

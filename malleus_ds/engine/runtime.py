@@ -22,6 +22,7 @@ from .optimizer import ShardedOptimizer
 from .precision import Precision
 from .schedule import one_f_one_b
 from .tensor_parallel import apply_tp
+from .tied import TiedSync
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class PlanRuntime:
     grad_dsts: list[int] = field(default_factory=list)
     acc: dict[str, torch.Tensor] | None = None        # fp32 grad accumulators (mixed precision)
     hooks: list = field(default_factory=list)
+    tied: TiedSync | None = None                       # tied embedding/head gradient sum
 
     @property
     def located(self):
@@ -116,7 +118,8 @@ class PlanRuntime:
 
 def build_runtime(plan: Plan, rank: int, spec: StageSpec, module: nn.Module, table: ParamTable,
                   zero_stage: int, make_optimizer, precision: Precision, device,
-                  prev: "PlanRuntime | None" = None) -> PlanRuntime:
+                  prev: "PlanRuntime | None" = None,
+                  tied: tuple[tuple[str, str], ...] = ()) -> PlanRuntime:
     """Peers, schedule, buckets, gradient sync, sharded optimizer and accumulators for ``module``
     (already on ``device``) under ``plan``. ``prev`` (a plan switch): optimizer buckets laid out
     as before keep their masters and Adam state, other masters start empty (migrated in)."""
@@ -128,7 +131,8 @@ def build_runtime(plan: Plan, rank: int, spec: StageSpec, module: nn.Module, tab
         optimizer=ShardedOptimizer(buckets, GROUPS, named, rank, zero_stage, make_optimizer,
                                    device=device,
                                    reuse=prev.optimizer.reusable() if prev is not None else None,
-                                   from_params=prev is None))
+                                   from_params=prev is None),
+        tied=TiedSync(plan, rank, tied))
     if spec.located is not None:
         i, j = spec.located
         pipe = plan.pipelines[i]

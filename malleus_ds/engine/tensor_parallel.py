@@ -20,28 +20,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..models.base import TPError
 from ..models.llama import TP_PLAN
 
-#: Block parameter (name inside a block) -> dimension it is split along under TP (absent: replicated).
-#: The model's own TP plan; the slice map reads the same through ``param_table``.
+#: Our decoder's TP plan (block parameter name -> split dim); other models carry their own
+#: ``tp_plan`` (``malleus_ds/models/base.py``), and the slice map reads it through ``param_table``.
 SHARD_DIM: dict[str, int] = TP_PLAN
 
 
-class TPError(ValueError):
-    """A TP group size the model cannot be split by."""
-
-
 def check_tp_size(cfg, tp_size: int, where: str = "") -> None:
-    """Raise ``TPError`` unless ``tp_size`` divides the heads and the FFN width of ``cfg``."""
-    pre = f"{where}: " if where else ""
-    if tp_size < 1:
-        raise TPError(f"{pre}TP size {tp_size} must be >= 1")
-    if cfg.num_heads % tp_size:
-        raise TPError(f"{pre}TP group size {tp_size} does not divide the model's num_heads="
-                      f"{cfg.num_heads}; use TP groups whose size divides {cfg.num_heads}")
-    if cfg.ffn % tp_size:
-        raise TPError(f"{pre}TP group size {tp_size} does not divide the model's FFN width "
-                      f"{cfg.ffn}; use TP groups whose size divides {cfg.ffn}")
+    """Raise ``TPError`` unless the model ``cfg`` can be split ``tp_size`` ways (its own rule:
+    heads and FFN width; for grouped-query attention also the KV heads)."""
+    cfg.check_tp(tp_size, where)
 
 
 _COMM_CONTEXT = None
@@ -105,26 +95,56 @@ def shard(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Ten
 
 
 @torch.no_grad()
-def _shard_linear(lin: nn.Linear, dim: int, tp_rank: int, tp_size: int) -> None:
-    lin.weight = nn.Parameter(shard(lin.weight.data, dim, tp_rank, tp_size))
+def _shard_linear(lin: nn.Linear, plan, name: str, tp_rank: int, tp_size: int) -> None:
+    d = plan.get(f"{name}.weight")
+    if d is None:
+        return
+    lin.weight = nn.Parameter(shard(lin.weight.data, d, tp_rank, tp_size))
     lin.out_features, lin.in_features = lin.weight.shape
+    if lin.bias is not None:
+        bd = plan.get(f"{name}.bias")
+        if bd is not None:      # a column-parallel bias splits with its output features
+            lin.bias = nn.Parameter(shard(lin.bias.data, bd, tp_rank, tp_size))
+
+
+def _f_hook(group):
+    """Forward pre-hook: ``f`` on the region's input, positional or ``hidden_states=``."""
+    def hook(mod, args, kwargs):
+        if args:
+            return (copy_to_tp(args[0], group),) + tuple(args[1:]), kwargs
+        kwargs = dict(kwargs)
+        kwargs["hidden_states"] = copy_to_tp(kwargs["hidden_states"], group)
+        return args, kwargs
+    return hook
+
+
+def _g_hook(group):
+    """Forward hook: ``g`` on the region's output (its first element when a tuple, as HF
+    attention returns ``(output, weights)``)."""
+    def hook(mod, args, out):
+        if isinstance(out, tuple):
+            return (reduce_from_tp(out[0], group),) + tuple(out[1:])
+        return reduce_from_tp(out, group)
+    return hook
 
 
 def apply_tp(stage: nn.Module, group, tp_rank: int, tp_size: int) -> nn.Module:
-    """Shard every block of ``stage`` (a ``StageModule``) for TP rank ``tp_rank`` of ``tp_size``.
+    """Shard every decoder layer of ``stage`` (a ``StageModule``) for TP rank ``tp_rank`` of
+    ``tp_size`` by the model's ``tp_plan``, and put ``f`` / ``g`` around its ``tp_regions``.
 
     ``group`` is the TP process group (unused when ``tp_size == 1``). Returns ``stage``.
     """
     if tp_size == 1:
         return stage
-    check_tp_size(stage.cfg, tp_size)
+    cfg = stage.cfg
+    check_tp_size(cfg, tp_size)
+    plan = cfg.tp_plan
     for blk in stage.blocks.values():
         for name, sub in blk.named_modules():
-            d = SHARD_DIM.get(f"{name}.weight")
-            if d is not None:
-                _shard_linear(sub, d, tp_rank, tp_size)
-        for mod in (blk.attn, blk.mlp):
+            if isinstance(sub, nn.Linear):
+                _shard_linear(sub, plan, name, tp_rank, tp_size)
+        for mod in cfg.tp_regions(blk):
             # f before the column-parallel pair, g after the row-parallel projection
-            mod.register_forward_pre_hook(lambda m, args, g=group: (copy_to_tp(args[0], g),) + args[1:])
-            mod.register_forward_hook(lambda m, args, out, g=group: reduce_from_tp(out, g))
+            mod.register_forward_pre_hook(_f_hook(group), with_kwargs=True)
+            mod.register_forward_hook(_g_hook(group))
     return stage

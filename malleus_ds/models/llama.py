@@ -17,6 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .base import EMBED, HEAD, StageModule, TPError, lm_loss, param_table
+
+__all__ = ["EMBED", "HEAD", "PRESETS", "TP_PLAN", "Block", "Embedding", "Head", "ModelConfig",
+           "StageModule", "TPError", "build_layer", "build_model", "lm_loss", "model_config",
+           "param_table"]
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -65,6 +71,56 @@ class ModelConfig:
     def num_params(self) -> int:
         return (self.num_layers * self.params_per_layer()
                 + 2 * self.vocab_size * self.hidden_size + self.hidden_size)
+
+    # ---- the model interface (malleus_ds/models/base.py) ----
+
+    family = "malleus"
+
+    @property
+    def tp_plan(self) -> dict[str, int]:
+        return TP_PLAN
+
+    def build_layer(self, layer_id: int, seed: int, init: bool = True) -> nn.Module:
+        return build_layer(self, layer_id, seed, init)
+
+    def block_context(self, x: torch.Tensor) -> None:
+        return None             # each block computes its rotary tables itself
+
+    @staticmethod
+    def run_block(block: nn.Module, x: torch.Tensor, ctx) -> torch.Tensor:
+        return block(x)
+
+    @staticmethod
+    def tp_regions(block: nn.Module) -> tuple[nn.Module, ...]:
+        return (block.attn, block.mlp)
+
+    def check_tp(self, tp_size: int, where: str = "") -> None:
+        """Raise ``TPError`` unless ``tp_size`` divides the heads and the FFN width."""
+        pre = f"{where}: " if where else ""
+        if tp_size < 1:
+            raise TPError(f"{pre}TP size {tp_size} must be >= 1")
+        if self.num_heads % tp_size:
+            raise TPError(f"{pre}TP group size {tp_size} does not divide the model's num_heads="
+                          f"{self.num_heads}; use TP groups whose size divides {self.num_heads}")
+        if self.ffn % tp_size:
+            raise TPError(f"{pre}TP group size {tp_size} does not divide the model's FFN width "
+                          f"{self.ffn}; use TP groups whose size divides {self.ffn}")
+
+    @staticmethod
+    def tied_params() -> tuple:
+        return ()
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, targets)
+
+    def build_reference(self, seed: int) -> StageModule:
+        """The whole model on one process (the reference)."""
+        return StageModule(self, 0, self.num_layers, seed)
+
+    def describe(self) -> dict:
+        from dataclasses import asdict
+        return asdict(self)
 
 
 #: Presets. tiny/small run on CPU in tests; 7b/13b/70b are for planning and GPU runs.
@@ -201,20 +257,9 @@ class Head(nn.Module):
         return self.out(self.norm(x))                         # (B, T, H) -> (B, T, V)
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy of a micro-batch (every sample has T tokens, so this is also the
-    mean over its samples of the per-sample mean)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-
-
 # ----------------------------------------------------------------------------------------------
 # deterministic per-layer construction
 # ----------------------------------------------------------------------------------------------
-
-#: Layer ids: ``EMBED`` for the embedding, 0..L-1 for blocks, ``HEAD`` for the head.
-EMBED = -1
-HEAD = -2
-
 
 def _layer_seed(seed: int, layer_id: int) -> int:
     return (seed * 1_000_003 + (layer_id + 7) * 7919) % (2**63 - 1)
@@ -249,54 +294,7 @@ def build_layer(cfg: ModelConfig, layer_id: int, seed: int, init: bool = True) -
     return mod
 
 
-class StageModule(nn.Module):
-    """Embedding (if first) + blocks ``[start, end)`` + head (if last), as one module.
-
-    ``StageModule(cfg, 0, L, seed)`` is the whole model. Block ``l`` is ``self.blocks[str(l)]``,
-    so parameter names carry the *global* layer index (``blocks.5.attn.wq.weight``).
-    """
-
-    def __init__(self, cfg: ModelConfig, start: int, end: int, seed: int,
-                 with_embedding: bool | None = None, with_head: bool | None = None,
-                 init: bool = True) -> None:
-        super().__init__()
-        if not 0 <= start < end <= cfg.num_layers:
-            raise ValueError(f"stage layers [{start}, {end}) outside [0, {cfg.num_layers})")
-        self.cfg = cfg
-        self.start, self.end = start, end
-        first = start == 0 if with_embedding is None else with_embedding
-        last = end == cfg.num_layers if with_head is None else with_head
-        self.embed = build_layer(cfg, EMBED, seed, init) if first else None
-        self.blocks = nn.ModuleDict({str(l): build_layer(cfg, l, seed, init)
-                                     for l in range(start, end)})
-        self.head = build_layer(cfg, HEAD, seed, init) if last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """tokens (B, T) on the first stage, else hidden (B, T, H) -> hidden, or logits if last."""
-        if self.embed is not None:
-            x = self.embed(x)
-        for blk in self.blocks.values():
-            x = blk(x)
-        if self.head is not None:
-            x = self.head(x)
-        return x
-
-
-def build_model(cfg: ModelConfig, seed: int) -> StageModule:
-    """The whole model on one process (the reference for every equivalence test)."""
-    return StageModule(cfg, 0, cfg.num_layers, seed)
-
-
-def param_table(cfg: ModelConfig):
-    """The whole model's :class:`~malleus_ds.layout.ParamTable` (global name, full shape, TP split
-    dim, owner), read off modules built on the meta device (no memory, no init)."""
-    from ..layout import ParamSpec, ParamTable
-
-    with torch.device("meta"):
-        emb, blk, head = Embedding(cfg), Block(cfg), Head(cfg)
-    specs = [ParamSpec(f"embed.{n}", tuple(p.shape), None, EMBED) for n, p in emb.named_parameters()]
-    block = [(n, tuple(p.shape), TP_PLAN.get(n)) for n, p in blk.named_parameters()]
-    for layer in range(cfg.num_layers):
-        specs += [ParamSpec(f"blocks.{layer}.{n}", s, d, layer) for n, s, d in block]
-    specs += [ParamSpec(f"head.{n}", tuple(p.shape), None, HEAD) for n, p in head.named_parameters()]
-    return ParamTable(tuple(specs))
+def build_model(cfg, seed: int):
+    """The whole model on one process (the reference for every equivalence test): our decoder
+    as a ``StageModule``; a Hugging Face model as transformers' own ``*ForCausalLM``."""
+    return cfg.build_reference(seed)

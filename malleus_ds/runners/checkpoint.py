@@ -30,7 +30,6 @@ so every rank fails with the same :class:`ConfigError`.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -134,7 +133,7 @@ def run_record(cfg: RunConfig, step: int) -> dict:
     p = cfg.parallel
     rec = {"format": FORMAT, "engine": cfg.engine, "step": step, "world_size": cfg.world_size,
            "global_batch_size": g, "micro_batch_size": mbs, "data_seed": cfg.train.corpus_seed,
-           "model": dataclasses.asdict(cfg.model), "parallel": {"tp": p.tp, "pp": p.pp, "dp": p.dp},
+           "model": cfg.model.describe(), "parallel": {"tp": p.tp, "pp": p.pp, "dp": p.dp},
            "zero_stage": 0 if cfg.engine == "torch" else cfg.deepspeed.zero_stage,
            "precision": _precision(cfg), "data": data_record(cfg)}
     return json.loads(json.dumps(rec))

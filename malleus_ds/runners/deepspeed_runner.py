@@ -1,9 +1,11 @@
 """``engine=deepspeed``: stock DeepSpeed — the static baseline Malleus is compared with.
 
 - ``pp == 1``: ``DeepSpeedEngine`` with ZeRO stage 0/1/2 (from the ds_config) over all ranks.
-- ``pp > 1``: ``PipelineEngine`` over a ``PipelineModule`` of embedding + blocks + head built by
-  our per-layer builders (so initial weights equal the reference), partitioned exactly like
-  :func:`malleus_ds.plan.static_plan` (earlier stages take the remainder). ZeRO stage <= 1.
+- ``pp > 1``: ``PipelineEngine`` over a ``PipelineModule`` of embedding + decoder layers + head,
+  a layer list generated from the model's own per-layer builders (``build_layer``: our decoder
+  or a Hugging Face model, so initial weights equal the reference; tied embeddings become a
+  ``TiedLayerSpec``), partitioned exactly like :func:`malleus_ds.plan.static_plan` (earlier
+  stages take the remainder). ZeRO stage <= 1.
 - ``tp > 1`` is refused: stock DeepSpeed has no tensor parallelism for this model.
 
 Same math as ``engine=torch``: DeepSpeed scales each micro-batch loss by ``1/GAS`` and averages
@@ -26,7 +28,8 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, RunConfig, check_even_batch
-from ..models.llama import EMBED, HEAD, ModelConfig, build_layer, lm_loss
+from ..models.base import EMBED, HEAD, lm_loss
+from ..models.base import tied_params
 from ..plan import even_split
 from .base import DistEnv, RunSummary
 from .checkpoint import Checkpointer, engine_writer
@@ -68,26 +71,63 @@ def build_ds_config(cfg: RunConfig) -> dict:
 
 
 class PipeLayer(nn.Module):
-    """One piece of the decoder for ``PipelineModule`` (EMBED, block index or HEAD)."""
+    """One piece of the model for ``PipelineModule`` (EMBED, decoder layer index or HEAD), built
+    by the model's own ``build_layer`` (so weights equal the reference's). A decoder layer gets
+    the model's per-stage context (rotary tables) itself: DeepSpeed passes one tensor between
+    layers."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, seed: int) -> None:
+    def __init__(self, cfg, layer_id: int, seed: int) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.layer = build_layer(cfg, layer_id, seed)
+        self.run_block, self.block_context = cfg.run_block, cfg.block_context
+        self.layer = cfg.build_layer(layer_id, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layer_id >= 0:
+            return self.run_block(self.layer, x, self.block_context(x))
         return self.layer(x)
 
 
-def static_parts(num_layers: int, pp: int) -> list[int]:
-    """PipelineModule ``parts`` over [embed, block 0..L-1, head] matching ``static_plan``:
-    stage s holds blocks even_split(L, pp)[s:s+2], plus the embedding (first) / head (last)."""
+class PipeFinalNorm(nn.Module):
+    """The head piece's final norm alone (a tied model's head is the embedding's weight)."""
+
+    def __init__(self, cfg, seed: int) -> None:
+        super().__init__()
+        self.norm = cfg.build_layer(HEAD, seed).norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+
+def tied_head(embed: PipeLayer, x: torch.Tensor) -> torch.Tensor:
+    """The output projection of a tied model: hidden @ embedding^T (TiedLayerSpec forward_fn)."""
+    return torch.nn.functional.linear(x, embed.layer.embed_tokens.weight)
+
+
+def static_parts(num_layers: int, pp: int, tail: int = 1) -> list[int]:
+    """PipelineModule ``parts`` over [embed, block 0..L-1, head pieces] matching ``static_plan``:
+    stage s holds blocks even_split(L, pp)[s:s+2], plus the embedding (first) / the ``tail``
+    head pieces (last: head, or final norm + tied head)."""
     b = even_split(num_layers, pp)
-    return [0] + [b[s] + 1 for s in range(1, pp)] + [num_layers + 2]
+    return [0] + [b[s] + 1 for s in range(1, pp)] + [num_layers + 1 + tail]
 
 
 def _build_pipeline_module(cfg: RunConfig):
-    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    m, seed = cfg.model, cfg.train.seed
+    blocks = [LayerSpec(PipeLayer, m, i, seed) for i in range(m.num_layers)]
+    if tied_params(m):
+        # DeepSpeed's own tied-embedding support: one module under key "embed" on the first and
+        # last stages, gradients all-reduced between them (PipelineEngine._exec_reduce_tied_grads)
+        attr = ["layer.embed_tokens.weight"]
+        specs = [TiedLayerSpec("embed", PipeLayer, m, EMBED, seed, tied_weight_attr=attr), *blocks,
+                 LayerSpec(PipeFinalNorm, m, seed),
+                 TiedLayerSpec("embed", PipeLayer, m, EMBED, seed, forward_fn=tied_head,
+                               tied_weight_attr=attr)]
+    else:
+        specs = [LayerSpec(PipeLayer, m, EMBED, seed), *blocks, LayerSpec(PipeLayer, m, HEAD, seed)]
+    tail = len(specs) - 1 - m.num_layers
 
     class StaticPlanPipelineModule(PipelineModule):
         """PipelineModule partitioned like static_plan (DeepSpeed's 'uniform' counts the
@@ -95,12 +135,9 @@ def _build_pipeline_module(cfg: RunConfig):
 
         def _partition_layers(self, method="uniform"):
             stage_id = self._topo.get_coord(self.global_rank).pipe
-            self.parts = static_parts(cfg.model.num_layers, self.num_stages)
+            self.parts = static_parts(m.num_layers, self.num_stages, tail)
             self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 
-    m, seed = cfg.model, cfg.train.seed
-    ids = [EMBED, *range(m.num_layers), HEAD]
-    specs = [LayerSpec(PipeLayer, m, i, seed) for i in ids]
     return StaticPlanPipelineModule(layers=specs, num_stages=cfg.parallel.pp, loss_fn=lm_loss,
                                     partition_method="static_plan", activation_checkpoint_interval=0)
 

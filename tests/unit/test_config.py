@@ -36,7 +36,7 @@ def test_model_overrides_apply():
     ({"tp": 1, "pp": 1, "dp": 3}, 2, r"tp=1 x pp=1 x dp=3 = 3 ranks does not match the world size 2"),
     ({"tp": 1, "pp": 3, "dp": None}, 4, r"parallel.tp=1 x parallel.pp=3 = 3 does not divide the world size 4"),
     ({"tp": 1, "pp": 8, "dp": None}, 8, r"parallel.pp=8 stages cannot hold model.num_layers=4"),
-    ({"tp": 3, "pp": 1, "dp": None}, 3, r"parallel.tp=3 does not divide model.num_heads=4"),
+    ({"tp": 3, "pp": 1, "dp": None}, 3, r"parallel.tp: TP group size 3 does not divide the model's num_heads=4"),
     ({"tp": 0, "pp": 1, "dp": None}, 2, r"parallel.tp=0 must be >= 1"),
 ])
 def test_layout_vs_world_size(parallel, world, pattern):

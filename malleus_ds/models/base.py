@@ -1,0 +1,130 @@
+"""The model interface every engine, TP, gradient sync, the slice map and the migrator use.
+
+A *model* here is a config object (our own :class:`~malleus_ds.models.llama.ModelConfig`, or
+:class:`~malleus_ds.models.hf.HFModel` for Hugging Face Llama-family models) that can build the
+pieces a pipeline stage holds, one at a time, without building the rest of the model:
+
+* ``build_layer(layer_id, seed, init=True)``: the embedding (``EMBED``), decoder layer
+  ``0..L-1`` or final norm + head (``HEAD``), with deterministic weights (a function of ``seed``
+  and ``layer_id`` only, so any rank builds the same weights as one process) or loaded ones;
+  ``init=False`` (on the meta device): no weights, for a stage whose weights arrive by migration;
+* ``block_context(x)`` once per stage forward (e.g. the rotary tables), and
+  ``run_block(block, x, ctx)``: how a stage calls a decoder layer; only hidden states travel
+  between stages;
+* ``tp_plan``: parameter name inside a decoder layer -> the dim TP splits (0 = column-parallel,
+  1 = row-parallel; absent = replicated inside a TP group), as HF's ``base_model_tp_plan`` and
+  torchtitan's ``apply_tp``; ``tp_regions(block)``: the sub-modules that get Megatron's ``f``
+  before and ``g`` after (attention, MLP); ``check_tp(tp_size, where)``: a clear error for a TP
+  size the model cannot be split by;
+* ``tied_params()``: pairs of global parameter names that are ONE parameter of the model (tied
+  input/output embeddings). The engines keep a copy on each holder and sum their gradients;
+* ``loss(logits, targets)``, sizes (``num_layers``, ``hidden_size``, ``num_heads``,
+  ``vocab_size``, ``max_seq_len``) and ``describe()`` (a JSON-able record for run.json and
+  checkpoints).
+
+:func:`param_table` reads the global parameter table off modules built on the meta device, so
+the slice map never needs a model's parameter names.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+class TPError(ValueError):
+    """A TP group size the model cannot be split by."""
+
+
+#: Layer ids: ``EMBED`` for the embedding, 0..L-1 for decoder layers, ``HEAD`` for norm + head.
+EMBED = -1
+HEAD = -2
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy of a micro-batch (every sample has T tokens, so this is also the
+    mean over its samples of the per-sample mean)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+class StageModule(nn.Module):
+    """Embedding (if first) + decoder layers ``[start, end)`` + head (if last), as one module.
+
+    ``StageModule(cfg, 0, L, seed)`` is the whole model. Layer ``l`` is ``self.blocks[str(l)]``,
+    so parameter names carry the *global* layer index (``blocks.5.<name inside the layer>``).
+    """
+
+    def __init__(self, cfg, start: int, end: int, seed: int,
+                 with_embedding: bool | None = None, with_head: bool | None = None,
+                 init: bool = True) -> None:
+        super().__init__()
+        if not 0 <= start < end <= cfg.num_layers:
+            raise ValueError(f"stage layers [{start}, {end}) outside [0, {cfg.num_layers})")
+        self.cfg = cfg
+        self.start, self.end = start, end
+        first = start == 0 if with_embedding is None else with_embedding
+        last = end == cfg.num_layers if with_head is None else with_head
+        self.embed = cfg.build_layer(EMBED, seed, init) if first else None
+        self.blocks = nn.ModuleDict({str(l): cfg.build_layer(l, seed, init)
+                                     for l in range(start, end)})
+        self.head = cfg.build_layer(HEAD, seed, init) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) on the first stage, else hidden (B, T, H) -> hidden, or logits if last."""
+        if self.embed is not None:
+            x = self.embed(x)
+        ctx = self.cfg.block_context(x)
+        for blk in self.blocks.values():
+            x = self.cfg.run_block(blk, x, ctx)
+        if self.head is not None:
+            x = self.head(x)
+        return x
+
+
+def build_stage_model(cfg, seed: int) -> StageModule:
+    """The whole model as one :class:`StageModule` (our engines' layout, global names)."""
+    return StageModule(cfg, 0, cfg.num_layers, seed)
+
+
+def param_table(cfg):
+    """The whole model's :class:`~malleus_ds.layout.ParamTable` (global name, full shape, TP
+    split dim, owner), read off pieces built on the meta device (no memory, no init). Every
+    decoder layer has the parameters of layer 0 (true of the Llama family)."""
+    from ..layout import ParamSpec, ParamTable
+
+    with torch.device("meta"):
+        emb, blk, head = (cfg.build_layer(i, 0, init=False) for i in (EMBED, 0, HEAD))
+    plan = cfg.tp_plan
+    specs = [ParamSpec(f"embed.{n}", tuple(p.shape), None, EMBED) for n, p in emb.named_parameters()]
+    block = [(n, tuple(p.shape), plan.get(n)) for n, p in blk.named_parameters()]
+    for layer in range(cfg.num_layers):
+        specs += [ParamSpec(f"blocks.{layer}.{n}", s, d, layer) for n, s, d in block]
+    specs += [ParamSpec(f"head.{n}", tuple(p.shape), None, HEAD) for n, p in head.named_parameters()]
+    return ParamTable(tuple(specs))
+
+
+def global_state_dict(model) -> dict:
+    """A reference model's weights by global parameter name (both names of a tied pair)."""
+    fn = getattr(model, "global_state_dict", None)
+    return fn() if fn is not None else model.state_dict()
+
+
+def global_named_parameters(model) -> list:
+    """``(global name, parameter)`` of a reference model, each parameter once."""
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(model, "global_state_dict"):
+        from .hf import global_name
+        return [(global_name(n), p) for n, p in inner.named_parameters()]
+    return list(model.named_parameters())
+
+
+def tied_params(cfg) -> tuple[tuple[str, str], ...]:
+    """The model's tied pairs (embedding name, head name); () for models without ties."""
+    fn = getattr(cfg, "tied_params", None)
+    return tuple(fn()) if fn is not None else ()
+
+
+def describe(cfg) -> dict[str, Any]:
+    """A JSON-able record of the model (run.json, checkpoint meta)."""
+    return cfg.describe()

@@ -627,6 +627,13 @@ class MalleusEngine(DeepSpeedEngine):
         return load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                load_lr_scheduler_states)
 
+    def export_hf(self, out_dir) -> None:
+        """Write the model, gathered from this plan, as a Hugging Face folder (``config.json`` +
+        safetensors) that ``AutoModelForCausalLM.from_pretrained`` loads. Collective; rank 0
+        writes. See ``malleus_ds/export.py`` (``malleus-export`` does the same from a checkpoint)."""
+        from ..export import export_engine
+        return export_engine(self, out_dir)
+
     def local_shards(self) -> dict[str, tuple[torch.Tensor, int | None, int, int]]:
         """``name -> (local tensor, TP split dim or None, tp_rank, tp_size)`` for checking and
         gathering: the full tensor's slice ``tp_rank`` of ``tp_size`` along dim. These are the

@@ -35,6 +35,7 @@ setup(
             "malleus-plan=malleus_ds.cli:plan_main",
             "malleus-sim=malleus_ds.cli:sim_main",
             "malleus-plot=malleus_ds.plot:main",
+            "malleus-export=malleus_ds.export:main",
         ],
     },
 )

@@ -10,11 +10,22 @@ in alternating rounds (stock, malleus, stock, malleus, ...) so machine noise hit
   embed + L blocks + head, identical to static_plan's) vs MalleusEngine on
   ``static_plan(tp=1, pp=2, dp=1)``.
 
+``--model hf:<preset>`` (``hf:small-llama``, ``hf:tiny-qwen2-tied``, ... any of
+``malleus_ds.models.hf.HF_PRESETS``) runs a Hugging Face Llama-family model instead: MalleusEngine
+gets the ``HFModel`` of :func:`~malleus_ds.models.hf.load_hf_model`; stock dp2 trains
+transformers' own ``<Family>ForCausalLM`` (``HFModel.build_reference``, tokens -> logits) and
+stock pp2 the ``PipelineModule`` the ``engine=deepspeed`` runner generates from the model's
+``build_layer`` (``PipeLayer`` per piece, ``TiedLayerSpec`` for tied embeddings, partitioned like
+static_plan). Our own models (``--model small`` ...) keep the 'uniform' PipelineModule above.
+
 Reported: median step time of each engine over the timed steps and the ratio malleus/stock
-(target <= 1.10). Both engines train the same model from the same init on the same batches.
+(target <= 1.10). Both engines train the same model from the same init on the same batches: the
+first-step global-batch losses of both are printed, and the largest loss difference over all
+steps both ran (each engine runs the same step indices on the same batches).
 
     python bench/bench_engine.py                 # ~1-2 min on 2 CPU cores
     python bench/bench_engine.py --model small --seq 64 --steps 6 --rounds 3
+    python bench/bench_engine.py --model hf:small-llama --rounds 10 --steps 3   # ~3 min
 """
 from __future__ import annotations
 
@@ -26,6 +37,31 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+
+def _load_model(model_name: str, seq: int):
+    """``small`` / ``medium`` ...: our decoder (ModelConfig); ``hf:<preset>``: an HFModel."""
+    if model_name.startswith("hf:"):
+        from malleus_ds.models.hf import load_hf_model
+        return load_hf_model(model_name[3:], max_seq_len=seq)
+    from malleus_ds.models import model_config
+    return model_config(model_name, max_seq_len=seq)
+
+
+def _is_hf(cfg) -> bool:
+    return getattr(cfg, "family", None) == "hf"
+
+
+def _hf_pipeline_module(cfg, seed, pp):
+    """The runner's generated PipelineModule (``_build_pipeline_module`` reads only
+    ``cfg.model``, ``cfg.train.seed`` and ``cfg.parallel.pp`` of a RunConfig)."""
+    from types import SimpleNamespace
+
+    from malleus_ds.runners.deepspeed_runner import _build_pipeline_module
+
+    run_cfg = SimpleNamespace(model=cfg, train=SimpleNamespace(seed=seed),
+                              parallel=SimpleNamespace(pp=pp))
+    return _build_pipeline_module(run_cfg)
 
 
 def _stock_engine(layout, cfg, G, mbs, seed):
@@ -42,7 +78,9 @@ def _stock_engine(layout, cfg, G, mbs, seed):
           "gradient_clipping": 0.0, "steps_per_print": 10**9,
           "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
     if layout == "dp2":
-        model = build_model(cfg, seed)
+        model = cfg.build_reference(seed) if _is_hf(cfg) else build_model(cfg, seed)
+    elif _is_hf(cfg):
+        model = _hf_pipeline_module(cfg, seed, 2)
     else:
         specs = [LayerSpec(PipeLayer, cfg, i, seed) for i in [EMBED, *range(cfg.num_layers), HEAD]]
         model = PipelineModule(layers=specs, num_stages=2, loss_fn=lm_loss,
@@ -54,17 +92,17 @@ def _stock_engine(layout, cfg, G, mbs, seed):
 
 
 def _worker(rank, world, layout, model_name, seq, G, steps, rounds, warmup):
+    import torch
     import torch.distributed as dist
     from deepspeed.utils import groups
 
     from malleus_ds.data import ByteCorpus
     from malleus_ds.engine.engine import MalleusEngine, _init_deepspeed_comm
-    from malleus_ds.models import model_config
     from malleus_ds.models.llama import lm_loss
     from malleus_ds.plan import static_plan
     from malleus_ds.reference import micro_batches
 
-    cfg = model_config(model_name, max_seq_len=seq)
+    cfg = _load_model(model_name, seq)
     mbs, seed = 1, 0
     data = ByteCorpus(seq, seed=seed)
     _init_deepspeed_comm()
@@ -81,14 +119,17 @@ def _worker(rank, world, layout, model_name, seq, G, steps, rounds, warmup):
         if layout == "pp2":
             return float(stock.train_batch(data_iter=iter([data.batch(ids) for ids in mbl])))
         mine = mbl[rank * len(mbl) // 2:(rank + 1) * len(mbl) // 2]   # static_plan's split
+        total = 0.0
         for ids in mine:
             x, y = data.batch(ids)
             loss = lm_loss(stock(x), y)
             stock.backward(loss)
             stock.step()
-        return float(loss)
+            total += loss.item()
+        return total / len(mine)        # this replica's mean; averaged over replicas below
 
     times = {"stock": [], "malleus": []}
+    losses = {"stock": [], "malleus": []}
     step = {"stock": 0, "malleus": 0}
     for r in range(rounds):
         for name in ("stock", "malleus"):
@@ -97,15 +138,20 @@ def _worker(rank, world, layout, model_name, seq, G, steps, rounds, warmup):
                 dist.barrier()
                 t0 = time.perf_counter()
                 if name == "stock":
-                    stock_step(step[name])
+                    loss = stock_step(step[name])
                 else:
-                    mal.train_batch(step=step[name])
+                    loss = mal.train_batch(step=step[name])
+                losses[name].append(loss)
                 dist.barrier()
                 dt = time.perf_counter() - t0
                 step[name] += 1
                 if r > 0 or k >= warmup:
                     times[name].append(dt)
-    return times
+    if layout == "dp2":                 # stock dp2 losses: per replica -> global-batch mean
+        t = torch.tensor(losses["stock"], dtype=torch.float64)
+        dist.all_reduce(t)
+        losses["stock"] = (t / 2).tolist()
+    return {"times": times, "losses": losses}
 
 
 def main() -> int:
@@ -120,16 +166,23 @@ def main() -> int:
     a = ap.parse_args()
     from tests.dist.harness import run_distributed
 
-    print(f"model={a.model} seq={a.seq} G={a.global_batch} mbs=1, 2 CPU ranks (gloo), "
+    cfg = _load_model(a.model, a.seq)
+    print(f"model={a.model} ({cfg!r}) " if a.model.startswith("hf:") else f"model={a.model} ",
+          end="")
+    print(f"seq={a.seq} G={a.global_batch} mbs=1, 2 CPU ranks (gloo), "
           f"{a.rounds} alternating rounds x {a.steps} steps, median step time")
-    print(f"{'layout':8} {'stock s':>9} {'malleus s':>10} {'ratio':>7}")
+    print(f"{'layout':8} {'stock s':>9} {'malleus s':>10} {'ratio':>7}   "
+          f"{'1st-step loss stock':>19} {'malleus':>10}  max|dloss|")
     worst = 0.0
     for layout in a.layouts.split(","):
         res = run_distributed(_worker, 2, layout, a.model, a.seq, a.global_batch, a.steps,
-                              a.rounds, a.warmup, timeout=900)[0]
-        s, m = statistics.median(res["stock"]), statistics.median(res["malleus"])
+                              a.rounds, a.warmup, timeout=1800)[0]
+        t, ls = res["times"], res["losses"]
+        s, m = statistics.median(t["stock"]), statistics.median(t["malleus"])
         worst = max(worst, m / s)
-        print(f"{layout:8} {s:9.4f} {m:10.4f} {m / s:7.3f}")
+        dmax = max(abs(x - y) for x, y in zip(ls["stock"], ls["malleus"]))
+        print(f"{layout:8} {s:9.4f} {m:10.4f} {m / s:7.3f}   {ls['stock'][0]:19.6f} "
+              f"{ls['malleus'][0]:10.6f}  {dmax:.2e} over {len(ls['stock'])} steps")
     print(f"worst ratio malleus/stock = {worst:.3f} ({'within' if worst <= 1.10 else 'OVER'} 10%)")
     return 0
 

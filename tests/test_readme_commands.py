@@ -228,6 +228,7 @@ def test_readme_has_bash_commands():
 OUTSIDE = ("../shared", "/work/", str(REPO), str(Path.home()) + "/")
 DOCS = [README, *sorted((REPO / "docs").glob("*.md")), REPO / "examples" / "README.md"]
 HELP = [["malleus-plan", "--help"], ["malleus-sim", "--help"], ["malleus-plot", "--help"],
+        ["malleus-export", "--help"],
         ["python", "launch/summarize.py", "--help"], ["python", "launch/plan.py", "--help"],
         ["python", "launch/train.py", "--help"],
         *[["python", f"bench/{b.name}", "--help"]

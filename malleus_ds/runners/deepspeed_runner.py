@@ -177,7 +177,8 @@ def build_engine(cfg: RunConfig, env: DistEnv):
     torch.manual_seed(cfg.train.seed)
     ds_cfg = build_ds_config(cfg)
     if cfg.parallel.pp > 1:
-        model = _build_pipeline_module(cfg)
+        with torch.no_grad():       # its tied-weight broadcast is not a differentiable op
+            model = _build_pipeline_module(cfg)
     else:
         model = build_model(cfg.model, cfg.train.seed)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -322,6 +322,11 @@ def _data(c: Mapping[str, Any], model: ModelConfig, train: TrainConfig) -> DataC
                                   f"(a .bin/.npy of token ids; bytes of a text file: "
                                   f"np.fromfile(txt, np.uint8).astype(np.uint16).tofile(bin)) "
                                   f"or drop data.{k}")
+        if model.vocab_size < 256:
+            raise ConfigError(f"data=bytes feeds byte ids 0..255 but model.vocab_size="
+                              f"{model.vocab_size} < 256; use a model whose vocabulary covers "
+                              f"bytes, or data=tokens data.path=FILE with ids < "
+                              f"{model.vocab_size}")
         return DataConfig(kind="bytes", seq_len=seq_len)
     if isinstance(path, int) and not isinstance(path, bool):
         path = str(path)

@@ -146,6 +146,10 @@ def test_model_hf_config_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"sliding_window=16 < max_seq_len=64"):
         _run_config({"name": "hf", "hf_config": str(f)})
     assert _run_config({"name": "hf", "hf_config": str(f), "max_seq_len": 16}).model.max_seq_len == 16
+    f.write_text(json.dumps(dict(HF_PRESETS["tiny-llama"], vocab_size=128)))
+    with pytest.raises(ConfigError, match=r"data=bytes feeds byte ids 0..255 but "
+                                          r"model.vocab_size=128 < 256"):
+        _run_config({"name": "hf", "hf_config": str(f)})
     f.write_text(json.dumps(dict(HF_PRESETS["tiny-llama"], attention_dropout=0.1)))
     with pytest.raises(ConfigError, match=r"attention_dropout=0.1 must be 0"):
         _run_config({"name": "hf", "hf_config": str(f)})

@@ -33,6 +33,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .models.base import head_layers
 from .plan import Plan, PlanError, Problem
 from .replan import (Decision, decide, device_memory_mb, fit_running_plan, job_problem,
                      memory_model)
@@ -206,7 +207,9 @@ class Controller:
         self.slowdown = self._slowdown(self.tp)
         self.est = RateEstimator(self.world, settings.detect.window)
         self.det = Detector(self.world, settings.detect) if self.rank == 0 else None
-        self.units = cost_units(plan, self.world, self.tp, self.slowdown)
+        # the last stage's output head, in layers: without it a healthy last stage reads slow
+        self.head = head_layers(engine.param_table, engine.seq_len, engine.model_cfg.hidden_size)
+        self.units = cost_units(plan, self.world, self.tp, self.slowdown, self.head)
         self.probe_ref = probe_reference(self.units)
         self.measured = np.full(self.world, np.nan)
         self.step_times: deque[float] = deque(maxlen=max(3, settings.detect.window))
@@ -340,7 +343,7 @@ class Controller:
         if tp != self.tp:       # engine API without a nominal tp: the plans' TP sizes set it
             self.tp, self._problem = tp, None
             self.slowdown = self._slowdown(tp)
-        self.units = cost_units(plan, self.world, self.tp, self.slowdown)
+        self.units = cost_units(plan, self.world, self.tp, self.slowdown, self.head)
         self.probe_ref = probe_reference(self.units)
         self.step_times.clear()
         self._skip = 1
@@ -375,7 +378,8 @@ class Controller:
                 dev = self.s.device_mb or device_memory_mb(e.device, min(gpn, self.world))
                 mem = memory_model(e.param_table, e.model_cfg, e.plan.micro_batch_size,
                                    e.seq_len, e.precision.mixed, dev)
-                pr = job_problem(self._first_plan, self.world, gpn, self.tp, self.slowdown, mem)
+                pr = job_problem(self._first_plan, self.world, gpn, self.tp, self.slowdown, mem,
+                                 self.head)
                 self._problem = fit_running_plan(pr, e.plan)
             except (PlanError, ValueError) as err:
                 self.disabled_reason = f"the running job cannot be planned for: {err}"

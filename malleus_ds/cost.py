@@ -1,7 +1,8 @@
 """Reference cost model (DESIGN.md §3): stage time, 1F1B pipeline time, memory, capacity bound, η.
 
 Units: time is "one layer x one micro-batch on a healthy full TP group"; memory is MB.
-Pure Python.
+Pure Python. An optional top-level ``head_layers`` (the output head's compute in layer units,
+charged to each pipeline's last stage) is read by :func:`head_layers`.
 
 Optional communication terms. With only the DESIGN.md §3 fields a problem is costed exactly by
 the reference model. A problem may add a ``comm`` section (kept in ``Problem.extra``)::
@@ -32,9 +33,24 @@ def group_rate(problem: Problem, ranks: Sequence[int]) -> float:
     return problem.slowdown(len(ranks)) * max(problem.rate(r) for r in ranks)
 
 
-def stage_time(problem: Problem, stage: Stage) -> float:
-    """Compute time of ``stage`` (no communication): ``y * l``."""
-    return group_rate(problem, stage.ranks) * stage.num_layers
+def head_layers(problem: Problem) -> float:
+    """The problem's optional ``head_layers`` (>= 0, default 0): the output head's compute per
+    micro-batch in layer units, which each pipeline's LAST stage pays on top of its layers (on a
+    real vocabulary the head costs ~0.5-2.5 decoder layers; ``models.base.head_layers``)."""
+    v = problem.extra.get("head_layers", 0.0) if problem.extra else 0.0
+    if v is None:
+        return 0.0
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
+        raise PlanError(f"problem.head_layers={v!r} must be a number >= 0 (the output head's "
+                        f"compute in layer units; 0 = not modelled)")
+    return float(v)
+
+
+def stage_time(problem: Problem, stage: Stage, last: bool = False) -> float:
+    """Compute time of ``stage`` (no communication): ``y * (l + head)``, the head on the last
+    stage of a pipeline only."""
+    extra = head_layers(problem) if last else 0.0
+    return group_rate(problem, stage.ranks) * (stage.num_layers + extra)
 
 
 @dataclass(frozen=True)
@@ -71,7 +87,7 @@ def comm_spec(problem: Problem) -> CommSpec | None:
 
 def pipeline_stage_times(problem: Problem, stages: Sequence[Stage]) -> tuple[float, ...]:
     """Per-stage time of one micro-batch, with communication when the problem gives it."""
-    ts = [stage_time(problem, s) for s in stages]
+    ts = [stage_time(problem, s, last=j == len(stages) - 1) for j, s in enumerate(stages)]
     cs = comm_spec(problem)
     if cs is not None:
         gpn = problem.gpus_per_node

@@ -73,13 +73,16 @@ def fit_running_plan(problem: Problem, plan: Plan) -> Problem:
 
 
 def job_problem(plan: Plan, world: int, gpus_per_node: int, tp: int,
-                tp_slowdown: Mapping[int, float], memory: Memory | None) -> Problem:
-    """The planning problem of a running job (rates are filled in per re-plan)."""
+                tp_slowdown: Mapping[int, float], memory: Memory | None,
+                head_layers: float = 0.0) -> Problem:
+    """The planning problem of a running job (rates are filled in per re-plan); ``head_layers``:
+    the output head's compute in layer units (``models.base.head_layers``)."""
     pp, dp = nominal_shape(plan, world, tp)
     return Problem(name="running-job", nodes=world // gpus_per_node, gpus_per_node=gpus_per_node,
                    num_layers=plan.num_layers, global_batch_size=plan.global_batch_size,
                    micro_batch_size=plan.micro_batch_size, tp=tp, pp=pp, dp=dp,
-                   tp_slowdown=dict(tp_slowdown), memory=memory, rates={})
+                   tp_slowdown=dict(tp_slowdown), memory=memory, rates={},
+                   extra={"head_layers": head_layers} if head_layers else {})
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import capacity_fraction, comm_spec, evaluate, group_rate, healthy_step_time
+from .cost import (capacity_fraction, comm_spec, evaluate, group_rate, head_layers,
+                   healthy_step_time)
 from .plan import Plan, Problem
 
 FWD_SHARE = 1.0 / 3.0
@@ -70,7 +71,9 @@ def simulate(problem: Problem, plan: Plan) -> Timeline:
     ptimes, busy, ranks = [], [], []
     for i, p in enumerate(plan.pipelines):
         S, m = len(p.stages), p.micro_batches
-        t = [group_rate(problem, s.ranks) * s.num_layers for s in p.stages]
+        h = head_layers(problem)
+        t = [group_rate(problem, s.ranks) * (s.num_layers + (h if j == S - 1 else 0.0))
+             for j, s in enumerate(p.stages)]
         link = [0.0] * max(S - 1, 0)
         if cs is not None:
             link = [cs.boundary(p.stages[j].ranks[0] // gpn == p.stages[j + 1].ranks[0] // gpn)

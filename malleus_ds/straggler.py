@@ -36,9 +36,11 @@ def ideal_slowdown(tp: int) -> dict[int, float]:
     return {k: float(k) for k in range(1, tp + 1) if tp % k == 0}
 
 
-def cost_units(plan: Plan, world: int, tp: int, tp_slowdown: Mapping[int, float]) -> np.ndarray:
+def cost_units(plan: Plan, world: int, tp: int, tp_slowdown: Mapping[int, float],
+               head: float = 0.0) -> np.ndarray:
     """Per-rank work under ``plan`` (length ``world``, float64), in "one layer × one micro-batch
-    on a healthy full TP group": ``layers held × micro-batches × tp_slowdown[tp // g]``.
+    on a healthy full TP group": ``layers held × micro-batches × tp_slowdown[tp // g]``; a
+    pipeline's last stage holds ``head`` more layers' worth (the output head, ``cost.head_layers``).
 
     0.0 for a rank the plan does not use (suspended or absent). Raises ``ValueError`` for a rank
     outside the world, a group size that does not divide ``tp``, or a missing slowdown key.
@@ -53,7 +55,8 @@ def cost_units(plan: Plan, world: int, tp: int, tp_slowdown: Mapping[int, float]
             if key not in tp_slowdown:
                 raise ValueError(f"{where}: tp_slowdown has no entry for key {key} (= tp {tp} / "
                                  f"group size {stage.tp}); keys: {sorted(tp_slowdown)}")
-            u = stage.num_layers * pipe.micro_batches * float(tp_slowdown[key])
+            layers = stage.num_layers + (head if j == len(pipe.stages) - 1 else 0.0)
+            u = layers * pipe.micro_batches * float(tp_slowdown[key])
             for r in stage.ranks:
                 if not 0 <= r < world:
                     raise ValueError(f"{where}: rank {r} is outside 0..{world - 1}")

@@ -152,6 +152,7 @@ class PipelineModel:
     tp: int
     memory: Memory | None
     link: float = 0.0            # per-boundary point-to-point cost (model units), 0 = none
+    head: float = 0.0            # the output head, in layers, paid by the last stage
     sig: np.ndarray = field(init=False)
     cm: np.ndarray = field(init=False)
     _lay: np.ndarray = field(init=False, repr=False)
@@ -168,13 +169,16 @@ class PipelineModel:
         """Frontier valid for ``m`` micro-batches (for any ``m >= S`` when ``m == S``);
         ``memory=False``: without memory caps (a bound)."""
         sigs, cms, lays, ords = [], [], [], []
-        for o in (self._orders if memory else self._orders[:1]):   # order only matters for memory
+        # order matters for memory, and for time when the last stage also runs the head
+        for o in (self._orders if memory or self.head else self._orders[:1]):
             ys = [self.groups[i][0] for i in o]
             caps = [layer_cap(self.memory if memory else None, self.tp, self.groups[i][1], j,
                               self.S, m, self.L) for j, i in enumerate(o)]
             const = None
-            if self.link and self.S > 1:     # each boundary charges both of its stages
+            if (self.link and self.S > 1) or self.head:
+                # each boundary charges both of its stages; the last stage runs the head
                 const = [self.link * ((j > 0) + (j < self.S - 1)) for j in range(self.S)]
+                const[-1] += ys[-1] * self.head
             s, c, l = frontier(ys, caps, self.L, const)
             if len(s):
                 sigs.append(s), cms.append(c), lays.append(l)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cost import comm_spec
+from ..cost import comm_spec, head_layers
 from ..plan import Problem
 from .batch import split_batches
 from .grouping import Group, NodeOption, is_healthy_full, node_options, nominal_groups
@@ -92,6 +92,7 @@ class SearchSpace:
         # placement may put neighbours on one node); the final choice uses the exact cost
         cs = comm_spec(problem)
         self.link = cs.boundary(False) if cs is not None else 0.0
+        self.head = head_layers(problem)
         self._models: dict[tuple, PipelineModel] = {}
         self._cache: dict[tuple, Evaluation | None] = {}
         self.evaluations = 0
@@ -100,7 +101,7 @@ class SearchSpace:
     def model(self, key: tuple) -> PipelineModel:
         md = self._models.get(key)
         if md is None:
-            md = PipelineModel(key, self.L, self.tp, self.problem.memory, self.link)
+            md = PipelineModel(key, self.L, self.tp, self.problem.memory, self.link, self.head)
             self._models[key] = md
         return md
 

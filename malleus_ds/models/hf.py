@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .base import EMBED, HEAD, TPError, lm_loss
+from .llama import _layer_seed        # the same per-layer seeding as our decoder
 
 #: model_type -> class-name prefix in transformers (``LlamaDecoderLayer`` ...).
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
@@ -126,10 +127,6 @@ class HFCausalLM(nn.Module):
         if "head.lm_head.weight" not in out:              # tied: transformers keeps one
             out["head.lm_head.weight"] = out["embed.embed_tokens.weight"]
         return out
-
-
-def _layer_seed(seed: int, layer_id: int) -> int:
-    return (seed * 1_000_003 + (layer_id + 7) * 7919) % (2**63 - 1)
 
 
 class HFModel:

@@ -404,7 +404,9 @@ def load_hf_model(hf_config: str | None = None, hf_path: str | None = None,
         if not hasattr(config, k):
             raise HFError(f"model.{k}: the {config.model_type} config has no field {k!r}")
         setattr(config, k, v)
-    if overrides.get("num_hidden_layers") is not None and getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:1] * int(config.num_hidden_layers)
+    types = getattr(config, "layer_types", None)
+    if overrides.get("num_hidden_layers") is not None and types:     # keep the first N layers
+        n = int(config.num_hidden_layers)
+        config.layer_types = list(types[:n]) + [types[-1]] * max(0, n - len(types))
     return HFModel(config, name=name, path=path, max_seq_len=max_seq_len)
 

@@ -34,7 +34,8 @@ global-batch mean loss on every rank), ``local_shards()``, ``local_state()`` /
 ``load_local_state()`` (state by global parameter name, gathered: for tests and tools),
 ``switch_plan(plan)`` (live migration, ``switch.py``), ``save_checkpoint`` / ``load_checkpoint``
 (per-rank slices; load under any plan, ZeRO stage, precision or world size: ``checkpoint.py``),
-``set_compute_clock``, and the adaptive loop (``malleus_ds/control.py``, on unless
+``export_hf`` (a Hugging Face folder, ``malleus_ds/export/``), ``set_compute_clock``, and the
+adaptive loop (``malleus_ds/control.py``, on unless
 ``ds_config.malleus.adaptive`` is false): ``measured_rates`` and ``take_events()`` (its
 ``replan`` / ``migrate`` events). bf16 and fp16 (with
 static or dynamic loss scaling) train with fp32 masters, fp32 gradient accumulation and reduction
@@ -115,7 +116,9 @@ class _PlanMPU:
 class MalleusEngine(DeepSpeedEngine):
     """One engine per rank, built from a plan (DESIGN.md §5).
 
-    ``model``: a ``ModelConfig`` (each rank builds only its layers, seeded by ``malleus.seed``),
+    ``model``: a model config with the interface of ``malleus_ds/models/base.py`` (our
+    ``ModelConfig`` or a Hugging Face ``HFModel``; each rank builds only its layers, seeded by
+    ``malleus.seed`` or loaded from the model's folder),
     a whole ``StageModule`` (each rank copies its layers out of it), or a callable
     ``(start, end) -> StageModule``. ``plan``: a ``Plan``, a path, or None to use
     ``config["malleus"]["plan"]``. ``data``: an object with ``batch(ids) -> (inputs, targets)``
@@ -630,7 +633,7 @@ class MalleusEngine(DeepSpeedEngine):
     def export_hf(self, out_dir) -> None:
         """Write the model, gathered from this plan, as a Hugging Face folder (``config.json`` +
         safetensors) that ``AutoModelForCausalLM.from_pretrained`` loads. Collective; rank 0
-        writes. See ``malleus_ds/export.py`` (``malleus-export`` does the same from a checkpoint)."""
+        writes. See ``malleus_ds/export/`` (``malleus-export`` does the same from a checkpoint)."""
         from ..export import export_engine
         return export_engine(self, out_dir)
 

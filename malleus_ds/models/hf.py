@@ -140,12 +140,13 @@ class HFModel:
 
     def __init__(self, config, name: str = "hf", path: str | None = None,
                  max_seq_len: int | None = None) -> None:
+        src = f"model.hf_path={path}" if path is not None else f"model.hf_config={name}"
         mt = getattr(config, "model_type", None)
         if mt not in FAMILIES:
-            raise HFError(f"model.hf_config: model_type={mt!r} is not supported; supported: "
+            raise HFError(f"{src}: model_type={mt!r} is not supported; supported: "
                           f"{sorted(FAMILIES)} (Llama-family decoders)")
         if float(getattr(config, "attention_dropout", 0.0) or 0.0) != 0.0:
-            raise HFError(f"model.hf_config: attention_dropout={config.attention_dropout} must be "
+            raise HFError(f"{src}: attention_dropout={config.attention_dropout} must be "
                           f"0 (dropout would make every layout's math differ)")
         config.use_cache = False
         config._attn_implementation = "sdpa"
@@ -164,7 +165,7 @@ class HFModel:
                           f"max_position_embeddings={config.max_position_embeddings}")
         window = getattr(config, "sliding_window", None)
         if window is not None and _uses_sliding(config) and window < self.max_seq_len:
-            raise HFError(f"model.hf_config: sliding_window={window} < max_seq_len="
+            raise HFError(f"{src}: sliding_window={window} < max_seq_len="
                           f"{self.max_seq_len}; sliding-window attention is not supported: set "
                           f"model.max_seq_len <= {window}")
         mod = _modeling(mt)

@@ -11,7 +11,7 @@ import torch
 
 from malleus_ds.config import ConfigError, build_run_config
 from malleus_ds.models.base import EMBED, HEAD, StageModule, param_table
-from malleus_ds.models.hf import (HF_PRESETS, HFError, global_name, hf_name, load_hf_model)
+from malleus_ds.models.hf import HF_PRESETS, global_name, hf_name, load_hf_model
 
 TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen2-tied", "tiny-mistral"]
 
@@ -159,6 +159,13 @@ def test_model_hf_config_errors(tmp_path):
                           "parallel": {"tp": 4}}, world_size=4)
     m = _run_config({"name": "hf", "hf_config": "tiny-llama", "num_layers": 2}).model
     assert m.num_layers == 2 and len(param_table(m).owned(1)) == 9
+
+
+def test_unsupported_local_folder_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    with pytest.raises(ConfigError, match=rf"model.hf_path={tmp_path}: model_type='gpt2' is not "
+                                          r"supported; supported: \['llama', 'mistral', 'qwen2'\]"):
+        _run_config({"name": "hf", "hf_path": str(tmp_path)})
 
 
 def test_hf_local_composes(tmp_path):

@@ -9,7 +9,6 @@ from typing import Mapping, Sequence
 
 import torch
 
-
 from .hf_folder import (ExportError, Exported, _dtype, _hf_record, build_config, check_out_dir,
                         is_tied, write_folder)
 

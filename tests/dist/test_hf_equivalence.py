@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.dist.harness import run_distributed
-from tests.dist.test_malleus_cases import plan_json
+from tests.dist.test_malleus_cases import plan_json, tp_slice
 
 STEPS, G, EPS, LR = 6, 8, 1e-5, 2e-3
 SEQ = 16
@@ -80,10 +80,7 @@ def test_malleus_engine_on_hf_models_equals_transformers_reference():
             np.testing.assert_allclose(losses, ref_losses, rtol=1e-5,
                                        err_msg=f"{preset} rank {rank} losses")
             for n, (arr, dim, tr, ts) in shards.items():
-                full = ref_sd[n].numpy()
-                if dim is not None:
-                    w = full.shape[dim] // ts
-                    full = np.take(full, range(tr * w, (tr + 1) * w), axis=dim)
+                full = tp_slice(ref_sd[n].numpy(), dim, tr, ts)
                 err = np.abs(arr - full).max() / np.abs(full).max()
                 assert err <= 5e-5, f"{preset} rank {rank} {n}: max rel err {err:.2e}"
                 seen.add(n)

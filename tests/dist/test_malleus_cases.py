@@ -44,6 +44,15 @@ def train_cases(rank, world, cases):
     return out
 
 
+def tp_slice(full: np.ndarray, dim: int | None, tp_rank: int, tp_size: int) -> np.ndarray:
+    """Slice ``tp_rank`` of ``tp_size`` of a full reference tensor along ``dim`` (None: whole),
+    i.e. what a rank holding that TP shard must equal."""
+    if dim is None:
+        return full
+    w = full.shape[dim] // tp_size
+    return np.take(full, range(tp_rank * w, (tp_rank + 1) * w), axis=dim)
+
+
 _REF: dict = {}
 
 
@@ -66,10 +75,7 @@ def check(pj, results, steps=STEPS, eps=EPS, loss_rtol=1e-5, param_rtol=1e-5, cl
     for rank, (losses, shards) in enumerate(results):
         np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol, err_msg=f"rank {rank} losses")
         for n, (arr, dim, tr, ts) in shards.items():
-            full = ref_sd[n].numpy()
-            if dim is not None:
-                w = full.shape[dim] // ts
-                full = np.take(full, range(tr * w, (tr + 1) * w), axis=dim)
+            full = tp_slice(ref_sd[n].numpy(), dim, tr, ts)
             err = np.abs(arr - full).max() / np.abs(full).max()
             assert err <= param_rtol, f"rank {rank} {n}: max rel err {err:.2e} > {param_rtol}"
             seen.add(n)

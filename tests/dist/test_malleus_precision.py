@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from tests.dist.harness import run_distributed
-from tests.dist.test_malleus_cases import CFG, EPS, ds_config, plan_json
+from tests.dist.test_malleus_cases import CFG, EPS, ds_config, plan_json, tp_slice
 from tests.dist.test_malleus_equivalence import HETERO, SUSPENDED
 
 ONE = plan_json([(8, [([0], (0, 4))])])
@@ -226,10 +226,7 @@ def _check_masters(masters_by_rank, ref_masters, atol, fro_rtol=None):
     for rank, masters in enumerate(masters_by_rank):
         for n, (arr, dim, tr, ts) in masters.items():
             assert arr.dtype == np.float32, (rank, n, arr.dtype)
-            full = ref_masters[n]
-            if dim is not None:
-                w = full.shape[dim] // ts
-                full = np.take(full, range(tr * w, (tr + 1) * w), axis=dim)
+            full = tp_slice(ref_masters[n], dim, tr, ts)
             np.testing.assert_allclose(arr, full, rtol=0, atol=atol, err_msg=f"rank {rank} {n}")
             if fro_rtol is not None:
                 err = np.linalg.norm(arr - full) / np.linalg.norm(full)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from tests.dist.harness import run_distributed
-from tests.dist.test_malleus_cases import CFG, EPS, check, ds_config, plan_json, random_plan
+from tests.dist.test_malleus_cases import (CFG, EPS, check, ds_config, plan_json, random_plan,
+                                           tp_slice)
 from tests.dist.test_malleus_equivalence import HETERO
 from tests.dist.test_malleus_replan import gather_full_state
 
@@ -62,10 +63,7 @@ def _check_adam(results, steps, rtol=1e-4):
         for n, (m, v) in adam.items():
             _arr, dim, tr, ts = shards[n]
             for got, key in ((m, "exp_avg"), (v, "exp_avg_sq")):
-                full = ref[n][key].numpy()
-                if dim is not None:
-                    w = full.shape[dim] // ts
-                    full = np.take(full, range(tr * w, (tr + 1) * w), axis=dim)
+                full = tp_slice(ref[n][key].numpy(), dim, tr, ts)
                 err = np.abs(got - full).max() / max(np.abs(full).max(), 1e-30)
                 assert err <= rtol, f"rank {rank} {key} {n}: rel err {err:.1e}"
 

@@ -4,7 +4,8 @@ own random init, safetensors) trains 3 steps through the app on 2 gloo ranks wit
 turns each ``checkpoint.dir`` into a folder that ``AutoModelForCausalLM.from_pretrained`` loads,
 whose weights and logits equal the one-process reference trained the same 3 steps. The same
 layouts built as engines and exported live (``MalleusEngine.export_hf``, collective) write the
-same tensors bit for bit."""
+same tensors bit for bit. The tied model's PP=2 checkpoint then resumes under TP=2 (another plan:
+the tied copies reshard like any parameter) and continues the reference's losses."""
 from __future__ import annotations
 
 import json
@@ -61,12 +62,28 @@ def _train(rank, world, tmp):
     return rank
 
 
-def _reference(model):
+def _resume(rank, world, tmp):
+    """Worker: the tied case's checkpoint (saved under PP=2) continues 2 steps under TP=2."""
+    from malleus_ds import runners
+    from malleus_ds.config import build_run_config
+
+    _, model, _ = _cases(tmp)[1]
+    d = {"engine": "malleus", "progress": False, "model": model, "parallel": TP2,
+         "train": {"steps": STEPS + 2, "global_batch_size": G, "micro_batch_size": 1, "seed": 0,
+                   "lr": LR, "eps": EPS},
+         "deepspeed": {"config": {"zero_optimization": {"stage": 1}}},
+         "malleus": {"adaptive": False},
+         "checkpoint": {"dir": str(tmp / "ck_tied"), "resume": True}}
+    return list(runners.run(build_run_config(d, world_size=world),
+                            runners.DistEnv.from_environ("cpu")).losses)
+
+
+def _reference(model, steps=STEPS):
     from malleus_ds.reference import OptimConfig, reference_run
 
-    _, sd = reference_run(model, seed=0, steps=STEPS, global_batch_size=G, micro_batch_size=1,
-                          optim=OptimConfig(lr=LR, eps=EPS))
-    return sd
+    losses, sd = reference_run(model, seed=0, steps=steps, global_batch_size=G,
+                               micro_batch_size=1, optim=OptimConfig(lr=LR, eps=EPS))
+    return losses, sd
 
 
 def test_train_export_from_pretrained_equals_reference(tmp_path, capsys):
@@ -85,7 +102,7 @@ def test_train_export_from_pretrained_equals_reference(tmp_path, capsys):
         assert main([str(tmp_path / f"ck_{name}"), str(out)]) == 0
         assert f"wrote {out}: config.json + model.safetensors" in capsys.readouterr().out
         model = build_run_config({"model": model_d}, world_size=1).model
-        ref_sd = _reference(model)
+        _, ref_sd = _reference(model)
         got = load_file(str(out / "model.safetensors"))
         assert ("lm_head.weight" in got) is not model.tied
         assert len(got) == len(ref_sd) - model.tied
@@ -112,6 +129,11 @@ def test_train_export_from_pretrained_equals_reference(tmp_path, capsys):
         with torch.no_grad():
             np.testing.assert_allclose(hf(input_ids=x).logits.numpy(), ref(x).numpy(),
                                        rtol=1e-5, atol=5e-6, err_msg=name)
+    # the tied PP=2 checkpoint resumes under TP=2 and continues the one-process losses
+    tied = build_run_config({"model": _cases(tmp_path)[1][1]}, world_size=1).model
+    want, _ = _reference(tied, STEPS + 2)
+    for r, got_losses in enumerate(run_distributed(_resume, 2, tmp_path, timeout=240)):
+        np.testing.assert_allclose(got_losses, want[STEPS:], rtol=1e-5, err_msg=f"rank {r}")
     # the hf_local source's generation config travels along; the preset has no source folder
     assert (tmp_path / "hf_local" / "generation_config.json").is_file()
     assert not (tmp_path / "hf_tied" / "generation_config.json").exists()

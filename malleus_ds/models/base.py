@@ -27,8 +27,6 @@ the slice map never needs a model's parameter names.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,11 +80,6 @@ class StageModule(nn.Module):
         return x
 
 
-def build_stage_model(cfg, seed: int) -> StageModule:
-    """The whole model as one :class:`StageModule` (our engines' layout, global names)."""
-    return StageModule(cfg, 0, cfg.num_layers, seed)
-
-
 def param_table(cfg):
     """The whole model's :class:`~malleus_ds.layout.ParamTable` (global name, full shape, TP
     split dim, owner), read off pieces built on the meta device (no memory, no init). Every
@@ -112,18 +105,15 @@ def global_state_dict(model) -> dict:
 
 def global_named_parameters(model) -> list:
     """``(global name, parameter)`` of a reference model, each parameter once."""
-    inner = getattr(model, "model", None)
-    if inner is not None and hasattr(model, "global_state_dict"):
-        from .hf import global_name
-        return [(global_name(n), p) for n, p in inner.named_parameters()]
-    return list(model.named_parameters())
+    fn = getattr(model, "global_named_parameters", None)
+    return fn() if fn is not None else list(model.named_parameters())
 
 
 def head_layers(table, seq_len: int, hidden_size: int) -> float:
     """The output head's compute per token in decoder-layer units, for the cost model: the head's
     matmul weights over a layer's matmul weights plus its causal attention (``T·H`` multiply-adds
-    per token for scores and weighted sum). ~0.3 for the tiny test models, ~0.65 for a 7B Llama
-    (vocabulary 32k), ~2.4 for Llama 3 8B (128k): the last stage's extra work."""
+    per token for scores and weighted sum). 0.30 for the tiny test models, 0.60 for a 7B Llama
+    (vocabulary 32k), 2.09 for Llama 3 8B (128k): the last stage's extra work."""
     block = sum(s.numel for s in table.owned(0) if len(s.shape) == 2)
     head = sum(s.numel for s in table.owned(HEAD) if len(s.shape) == 2)
     denom = block + seq_len * hidden_size
@@ -134,8 +124,3 @@ def tied_params(cfg) -> tuple[tuple[str, str], ...]:
     """The model's tied pairs (embedding name, head name); () for models without ties."""
     fn = getattr(cfg, "tied_params", None)
     return tuple(fn()) if fn is not None else ()
-
-
-def describe(cfg) -> dict[str, Any]:
-    """A JSON-able record of the model (run.json, checkpoint meta)."""
-    return cfg.describe()

@@ -128,6 +128,11 @@ class HFCausalLM(nn.Module):
             out["head.lm_head.weight"] = out["embed.embed_tokens.weight"]
         return out
 
+    def global_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(global name, parameter)``, each parameter once (a tied one under its embedding
+        name)."""
+        return [(global_name(n), p) for n, p in self.model.named_parameters()]
+
 
 class HFModel:
     """A Hugging Face Llama-family model as a malleus_ds model (``malleus_ds/models/base.py``).

@@ -20,12 +20,13 @@ tensors (``foreach=False`` keeps the per-element math identical to the reference
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..migrate.alias import range_aliases
 from .grad_sync import Bucket, flatten_range, unflatten, zero_padding
 
 
@@ -34,10 +35,11 @@ class ShardedOptimizer:
 
     def __init__(self, buckets: list[Bucket], groups, params: dict[str, nn.Parameter], rank: int,
                  zero_stage: int, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                 device=None, reuse: Mapping[tuple, tuple[nn.Parameter, dict]] | None = None,
-                 from_params: bool = True):
-        """``reuse``: masters and Adam state of a previous plan by :func:`bucket_key` — a bucket
-        laid out identically keeps its tensors (a plan switch moves nothing there; indices in
+                 device=None, prev: "ShardedOptimizer | None" = None, from_params: bool = True):
+        """``prev``: the previous plan's optimizer (a plan switch). A range that holds the same
+        elements in the same order inside memory ``prev`` already has keeps it — the same
+        tensors for an identical bucket, views for a bucket that split or merged
+        (:func:`malleus_ds.migrate.alias.range_aliases`); nothing moves there (indices in
         :attr:`reused`). ``from_params=False``: other masters start uninitialised (a switch
         fills them)."""
         if zero_stage not in (0, 1, 2):
@@ -51,13 +53,13 @@ class ShardedOptimizer:
         data = {n: p.data for n, p in params.items()}
         self.masters: list[nn.Parameter | None] = []
         self.reused: set[int] = set()
+        carried = _carried(prev, buckets, self.ranges) if prev is not None else {}
         kept: dict[int, dict] = {}
         for i, (b, (lo, hi)) in enumerate(zip(buckets, self.ranges)):
-            old = (reuse or {}).get(bucket_key(b, (lo, hi)))
-            if old is not None:
-                self.masters.append(old[0])
+            if i in carried:
+                m, kept[i] = carried[i]
+                self.masters.append(m)
                 self.reused.add(i)
-                kept[i] = old[1]
             elif hi <= lo:
                 self.masters.append(None)
             elif from_params:
@@ -78,11 +80,6 @@ class ShardedOptimizer:
         self._gather = [torch.empty(b.padded_part * len(b.ranks), dtype=self.param_dtype,
                                     device=device) if zero_stage >= 1
                         and len(b.ranks) > 1 else None for b in buckets]
-
-    def reusable(self) -> dict[tuple, tuple[nn.Parameter, dict]]:
-        """``bucket_key -> (master, Adam state)`` for a next plan's optimizer to keep."""
-        return {bucket_key(b, r): (m, self.optimizer.state[m])
-                for b, r, m in zip(self.buckets, self.ranges, self.masters) if m is not None}
 
     @property
     def param_groups(self):
@@ -211,9 +208,49 @@ class ShardedOptimizer:
             self.optimizer.state[m] = st
 
 
-def bucket_key(b: Bucket, rng: tuple[int, int]) -> tuple:
-    """Identity of a bucket's optimizer range: same rank set, same pieces, same range."""
-    return b.ranks, tuple(b.pieces), tuple(rng)
+def _segments(b: Bucket, lo: int, hi: int) -> list[tuple[str, int, int, int]]:
+    return [(pc.name, a, e, f - lo) for pc, a, e, f in b.segments(lo, hi)]
+
+
+def _carried(prev: ShardedOptimizer, buckets: list[Bucket], ranges: list[tuple[int, int]]
+             ) -> dict[int, tuple[nn.Parameter, dict]]:
+    """New bucket index -> (master, Adam state) in memory ``prev`` already holds them in.
+
+    Masters and both moments of one range share an offset in parallel allocations (each created
+    like its master); where that does not hold, nothing is carried (the switch copies)."""
+    olds = {}
+    for j, (m, b, (lo, hi)) in enumerate(zip(prev.masters, prev.buckets, prev.ranges)):
+        if m is None:
+            continue
+        st = prev.optimizer.state[m]
+        for k in ShardedOptimizer._KEYS:     # before the first step Adam has no moments yet
+            if k not in st:
+                st[k] = torch.zeros_like(m.data)
+        ts = (m.data, st["exp_avg"], st["exp_avg_sq"])
+        if len({(t.storage_offset(), t.untyped_storage().nbytes(), t.dtype) for t in ts}) != 1:
+            return {}
+        olds[j] = (tuple(t.untyped_storage().data_ptr() for t in ts), ts, m.storage_offset(),
+                   _segments(b, lo, hi))
+    sizes = {key: ts[0].untyped_storage().nbytes() // ts[0].element_size()
+             for key, ts, _, _ in olds.values()}
+    new = {i: (hi - lo, _segments(b, lo, hi))
+           for i, (b, (lo, hi)) in enumerate(zip(buckets, ranges))}
+    ali = range_aliases({j: (key, off, segs) for j, (key, _, off, segs) in olds.items()},
+                        new, sizes)
+    base = {key: ts for key, ts, _, _ in olds.values()}
+    exact = {(key, off, m.numel()): j for j, (key, _, off, _) in olds.items()
+             for m in (prev.masters[j],)}
+    out = {}
+    for i, (key, p) in ali.items():
+        n = new[i][0]
+        j = exact.get((key, p, n))
+        if j is not None:           # the same range: the same tensors and state dict
+            m = prev.masters[j]
+            out[i] = (m, prev.optimizer.state[m])
+            continue
+        m_, a_, s_ = (t.as_strided((n,), (1,), p) for t in base[key])
+        out[i] = (nn.Parameter(m_), {"exp_avg": a_, "exp_avg_sq": s_})
+    return out
 
 
 def _all_gather(out: torch.Tensor, mine: torch.Tensor, group) -> None:

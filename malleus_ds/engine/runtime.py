@@ -121,8 +121,9 @@ def build_runtime(plan: Plan, rank: int, spec: StageSpec, module: nn.Module, tab
                   prev: "PlanRuntime | None" = None,
                   tied: tuple[tuple[str, str], ...] = ()) -> PlanRuntime:
     """Peers, schedule, buckets, gradient sync, sharded optimizer and accumulators for ``module``
-    (already on ``device``) under ``plan``. ``prev`` (a plan switch): optimizer buckets laid out
-    as before keep their masters and Adam state, other masters start empty (migrated in)."""
+    (already on ``device``) under ``plan``. ``prev`` (a plan switch): optimizer ranges that
+    hold the same elements in memory the previous plan has keep it (the same tensors, or views
+    where a bucket split or merged), other masters start empty (migrated in)."""
     named = dict(module.named_parameters())
     buckets = build_buckets(plan, table, rank)
     rt = PlanRuntime(
@@ -130,7 +131,7 @@ def build_runtime(plan: Plan, rank: int, spec: StageSpec, module: nn.Module, tab
         grad_sync=GradSync(buckets, GROUPS, device=device, zero_stage=zero_stage, rank=rank),
         optimizer=ShardedOptimizer(buckets, GROUPS, named, rank, zero_stage, make_optimizer,
                                    device=device,
-                                   reuse=prev.optimizer.reusable() if prev is not None else None,
+                                   prev=prev.optimizer if prev is not None else None,
                                    from_params=prev is None),
         tied=TiedSync(plan, rank, tied))
     if spec.located is not None:

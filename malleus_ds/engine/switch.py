@@ -6,7 +6,9 @@ Collective, at a step boundary, on the same engine object; no process restarts:
 2. create the process groups it needs (cached by rank set) and agree on Adam's step;
 3. build the next :class:`~malleus_ds.engine.runtime.PlanRuntime` (stage module on the meta
    device, TP, buckets, sharded optimizer, schedule): a parameter shard or optimizer bucket that
-   is the same under both plans keeps its tensors, the rest gets fresh memory;
+   is the same under both plans keeps its tensors, an optimizer range whose elements already
+   sit in order in memory this rank has (a bucket that split or merged) becomes a view of it
+   (``migrate/alias.py``), the rest gets fresh memory;
 4. compute the transfer plan (``migrate/transfer.py``, the same on every rank), copy what this
    rank keeps locally, and run the bounded rounds of packed point-to-point messages
    (``migrate/transport.py``): parameters, fp32 masters (mixed precision) and Adam moments at
@@ -65,9 +67,11 @@ class MigrationReport:
 
 
 def _runtime_bytes(rt: PlanRuntime, old: PlanRuntime) -> int:
-    """Bytes of ``rt``'s state tensors that ``old`` does not share (what the switch allocated)."""
-    shared = {id(t) for t in _runtime_tensors(old)}
-    return sum(t.numel() * t.element_size() for t in _runtime_tensors(rt) if id(t) not in shared)
+    """Bytes of ``rt``'s state tensors in memory ``old`` did not have (what the switch
+    allocated): a tensor taken over, or a view of a range that split, costs nothing."""
+    shared = {t.untyped_storage().data_ptr() for t in _runtime_tensors(old)}
+    return sum(t.numel() * t.element_size() for t in _runtime_tensors(rt)
+               if t.untyped_storage().data_ptr() not in shared)
 
 
 def _runtime_tensors(rt: PlanRuntime) -> list:

@@ -2,5 +2,6 @@
 
 ``transfer.py`` decides who sends what (no torch); ``rounds.py`` orders the messages into
 bounded, deadlock-free rounds (no torch); ``transport.py`` moves packed buffers with batched
-isend/irecv; ``apply.py`` reads and writes engine buffers by slice.
+isend/irecv; ``apply.py`` reads and writes engine buffers by slice; ``alias.py`` finds the
+optimizer ranges that stay in memory the rank already has (pure).
 """

@@ -122,7 +122,7 @@ def _worker(rank: int, init_file: str, model: str, seq_len: int, zero: int, ckpt
     if rank == 0:
         q.put({"bw": bw, "save_s": save_s, "first_step_s": first_step,
                "reports": [(r.bytes, r.seconds, r.lower_bound, r.peak_extra_bytes, r.messages,
-                            r.rounds, dict(r.timing)) for r in reports]})
+                            r.rounds, dict(r.timing), r.direct_ends) for r in reports]})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -200,11 +200,12 @@ def main() -> None:
     print(f"  point-to-point bandwidth (rank 0 -> 1, 64 MiB): {bw / 1e9:.2f} GB/s")
     print(f"  independent lower bound A->B: {lb / 2**20:.1f} MiB")
     names = ["A->B (creates groups)", "B->A (cached groups)", "A->B (cached groups)"]
-    for name, (nbytes, sec, plb, peak, nmsg, nrd, timing) in zip(names, res["reports"]):
+    for name, (nbytes, sec, plb, peak, nmsg, nrd, timing, direct) in zip(names, res["reports"]):
         ideal = nbytes / bw
         print(f"  {name:24s} {nbytes / 2**20:8.1f} MiB in {sec:6.3f} s; "
               f"ideal {ideal:6.3f} s -> time/ideal {sec / ideal if ideal else 0:5.2f}; "
-              f"{nmsg} messages, {nrd} rounds, peak extra {peak / 2**20:.0f} MiB")
+              f"{nmsg} messages ({direct} of {2 * nmsg} ends in place), {nrd} rounds, "
+              f"peak extra {peak / 2**20:.0f} MiB")
         print("      phases (max over ranks): " + ", ".join(f"{k} {v:.3f}" for k, v in timing.items()))
     by, sec = res["reports"][0][0], res["reports"][0][1]
     live = sec + res["first_step_s"]

@@ -58,6 +58,7 @@ class MigrationReport:
     messages: int
     rounds: int
     timing: tuple[tuple[str, float], ...] = ()   # seconds per phase of the switch, max over ranks
+    direct_ends: int = 0     # message ends (of 2 x messages) that needed no staging buffer
 
     def event(self) -> dict:
         """The ``migrate`` line of metrics.jsonl (DESIGN.md §6)."""
@@ -182,7 +183,7 @@ def switch_plan(engine, new_plan) -> MigrationReport:
     tplan = transfer_plan(Layout(old_rt.plan, old_rt.zero_stage), Layout(plan, old_rt.zero_stage),
                           table, mixed=mixed, param_bytes=param_bytes,
                           gpus_per_node=engine.settings.gpus_per_node)
-    msgs = messages(tplan, cap, mixed)
+    msgs = messages(tplan, cap, mixed, table)
     rds = rounds(msgs, cap)
     marks.append(("transfer plan", time.perf_counter()))
     rt = None
@@ -253,7 +254,11 @@ def switch_plan(engine, new_plan) -> MigrationReport:
     marks.append(("adopt + free", time.perf_counter()))
     timing = tuple((name, round(b - a, 6)) for (_, a), (name, b) in
                    zip([("start", t0)] + marks[:-1], marks))
-    tot = torch.tensor([float(stats.bytes_sent)], dtype=torch.float64, device=engine.device)
+    # inside "transfers + local copies": staging copies at both ends (none for a message that
+    # travels from / into its place), and waiting on the wire while the local copies run
+    timing += (("pack", stats.pack_s), ("wire + local", stats.wait_s), ("unpack", stats.unpack_s))
+    tot = torch.tensor([float(stats.bytes_sent), float(stats.direct)], dtype=torch.float64,
+                       device=engine.device)
     mx = torch.tensor([seconds, float(peak), *(v for _, v in timing)], dtype=torch.float64,
                       device=engine.device)
     tdist.all_reduce(tot)
@@ -262,7 +267,8 @@ def switch_plan(engine, new_plan) -> MigrationReport:
     return MigrationReport(step=step, from_plan=from_id, to_plan=plan.id, bytes=int(tot[0]),
                            seconds=float(mx[0]), peak_extra_bytes=int(mx[1]),
                            lower_bound=tplan.lower_bound, transfers=len(tplan.transfers),
-                           messages=len(msgs), rounds=len(rds), timing=timing)
+                           messages=len(msgs), rounds=len(rds), timing=timing,
+                           direct_ends=int(tot[1]))
 
 
 def _carry_schedule(engine, old_sched, old_groups) -> None:

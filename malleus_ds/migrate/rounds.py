@@ -1,9 +1,11 @@
 """Messages and rounds: the transfer plan cut into bounded packed buffers, in an order that cannot
 deadlock (pure; checked by :func:`simulate` without processes, as the pipeline schedule is).
 
-A *message* is one packed buffer from one rank to one peer: consecutive transfers of that pair
-(same wire dtype), cut so no message exceeds ``cap`` bytes (a transfer larger than that is split
-into element ranges). Messages are dealt into *rounds*, first fit in a fixed order, so that in
+A *message* is one buffer from one rank to one peer: transfers of that pair of one kind and wire
+dtype (a large parameter slice alone), in bucket layout order, cut so no message exceeds ``cap``
+bytes (a transfer larger than that is split into element ranges). It is packed at an end where its
+elements are scattered, and sent from / received into place where they lie back to back
+(``transport.direct_window``): a block of layers' optimizer state, a whole parameter. Messages are dealt into *rounds*, first fit in a fixed order, so that in
 every round each rank's bytes in flight (sent + received) stay within ``cap`` — what
 ``malleus.migrate_bucket_mb`` bounds: a 70B model's state does not fit twice in GPU memory.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..layout import EMBED, HEAD, ParamTable
 from .transfer import Transfer, TransferPlan, chunked
 
 
@@ -36,20 +39,42 @@ class Message:
         return sum(t.numel for t in self.parts)
 
 
+#: a parameter slice of at least this many bytes gets messages of its own (no packing)
+ALONE_BYTES = 256 * 1024
+
+
 def wire_of(t: Transfer, mixed: bool) -> str:
     return "param" if mixed and t.kind == "param" else "fp32"
 
 
-def messages(tp: TransferPlan, cap_bytes: int, mixed: bool = False) -> list[Message]:
-    """Cut ``tp`` into messages of at most ``cap_bytes``, grouped by (src, dst, wire), in a fixed
-    order (the same on every rank)."""
+def messages(tp: TransferPlan, cap_bytes: int, mixed: bool = False,
+             table: ParamTable | None = None) -> list[Message]:
+    """Cut ``tp`` into messages of at most ``cap_bytes``, grouped by (src, dst, wire, kind, and
+    the tensor for a parameter slice of ``ALONE_BYTES`` or more), in a fixed order (the same on
+    every rank).
+
+    ``table``: order each message's parts as optimizer buckets lay pieces out (layer, name,
+    element), so a run of optimizer state moving between the same two ranks — a block of layers
+    whose ZeRO part stays the same — is one contiguous window at both ends and travels without
+    packing (``transport.py`` checks that per end)."""
     if cap_bytes <= 0:
         raise ValueError(f"migrate bucket size must be > 0 bytes, got {cap_bytes}")
-    groups: dict[tuple[int, int, str], list[Transfer]] = {}
+    groups: dict[tuple[int, int, str, str, str], list[Transfer]] = {}
     for t in tp.transfers:
-        groups.setdefault((t.src, t.dst, wire_of(t, mixed)), []).append(t)
+        # a parameter tensor is its own allocation: a large one travels alone (and then from /
+        # into its place), small ones share a packed message
+        alone = t.kind == "param" and tp.bytes_of(t) >= ALONE_BYTES
+        groups.setdefault((t.src, t.dst, wire_of(t, mixed), t.kind, t.name if alone else ""),
+                          []).append(t)
+    if table is not None:
+        def key(t: Transfer):
+            o = table[t.name].owner
+            return (-1 if o == EMBED else 1 << 30 if o == HEAD else o), t.name, t.lo
+
+        for ts in groups.values():
+            ts.sort(key=key)
     out: list[Message] = []
-    for (src, dst, wire), ts in sorted(groups.items()):
+    for (src, dst, wire, _kind, _name), ts in sorted(groups.items()):
         per = tp.param_bytes if wire == "param" else 4
         for parts in chunked(ts, max(1, cap_bytes // per)):     # elements per message
             out.append(Message(len(out), src, dst, wire, tuple(parts),

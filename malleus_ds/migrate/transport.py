@@ -37,6 +37,29 @@ class TransportStats:
     pack_s: float = 0.0
     wait_s: float = 0.0
     unpack_s: float = 0.0
+    direct: int = 0             # messages sent from / received into their place (no staging)
+
+
+def direct_window(sv: StateView, parts, dtype: torch.dtype) -> torch.Tensor | None:
+    """The message's elements as ONE flat view of this rank's buffer when they lie back to back
+    in one tensor of the wire dtype (``apply.StateView.views``, natural order), else None. Either
+    end decides for itself: the bytes on the wire are the packed bytes either way."""
+    first = prev = None
+    n = 0
+    for t in parts:
+        for base, v in sv.views(t.kind, t.name, t.lo, t.hi, natural=True):
+            if v.dtype != dtype or not v.is_contiguous():
+                return None
+            if first is None:
+                first = v
+            elif (v.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                  or v.storage_offset() != prev.storage_offset() + prev.numel()):
+                return None
+            prev = v
+            n += v.numel()
+    if first is None:
+        return None
+    return first.as_strided((n,), (1,), first.storage_offset())
 
 
 def run_rounds(rank: int, rds: list[list[Message]], old: StateView, new: StateView,
@@ -54,16 +77,23 @@ def run_rounds(rank: int, rds: list[list[Message]], old: StateView, new: StateVi
         p2p, bufs, live = [], [], 0
         tp = time.perf_counter()
         for kind, m in ops:
-            buf = torch.empty(m.numel, dtype=wire_dtype[m.wire], device=device)
-            live += buf.numel() * buf.element_size()
+            sv = old if kind == "send" else new
+            buf = direct_window(sv, m.parts, wire_dtype[m.wire])
+            direct = buf is not None
+            if not direct:
+                buf = torch.empty(m.numel, dtype=wire_dtype[m.wire], device=device)
+                live += buf.numel() * buf.element_size()
+                if kind == "send":
+                    pack_parts(old, m.parts, buf, natural=True)
+            else:
+                stats.direct += 1
             if kind == "send":
-                pack_parts(old, m.parts, buf, natural=True)
                 p2p.append(dist.P2POp(dist.isend, buf, m.dst, tag=m.id))
                 stats.bytes_sent += m.nbytes
             else:
                 p2p.append(dist.P2POp(dist.irecv, buf, m.src, tag=m.id))
                 stats.bytes_received += m.nbytes
-            bufs.append(buf)
+            bufs.append(None if direct else buf)    # nothing to unpack: it landed in place
         stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, live)
         t0 = time.perf_counter()
         stats.pack_s += t0 - tp
@@ -86,7 +116,7 @@ def run_rounds(rank: int, rds: list[list[Message]], old: StateView, new: StateVi
         tu = time.perf_counter()
         stats.wait_s += tu - t0
         for (kind, m), buf in zip(ops, bufs):
-            if kind == "recv":
+            if kind == "recv" and buf is not None:
                 unpack_parts(new, m.parts, buf, natural=True)
         stats.unpack_s += time.perf_counter() - tu
     if overlap is not None:         # this rank had nothing on the wire

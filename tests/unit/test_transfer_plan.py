@@ -118,10 +118,15 @@ def test_scale_1024_ranks_80_layers():
     t0 = time.perf_counter()
     tp = transfer_plan(Layout(a, 1), Layout(b, 1), table, gpus_per_node=8)
     dt = time.perf_counter() - t0
+    from malleus_ds.migrate.rounds import messages, rounds
+    msgs = messages(tp, 256 << 20, False, table)      # every rank also cuts messages and rounds
+    rds = rounds(msgs, 256 << 20)
+    dm = time.perf_counter() - t0 - dt
     print(f"1024 ranks, 80 layers: {len(tp.transfers)} transfers, {tp.bytes / 2**30:.1f} GiB, "
-          f"{dt:.2f} s")
+          f"{dt:.2f} s; {len(msgs)} messages in {len(rds)} rounds, {dm:.2f} s more")
     assert tp.bytes == tp.lower_bound > 0
-    assert dt < 10.0
+    assert sum(m.numel for m in msgs) == sum(t.numel for t in tp.transfers)
+    assert dt + dm < 10.0
 
 
 def test_rounds_bounded_and_deadlock_free():
@@ -136,7 +141,7 @@ def test_rounds_bounded_and_deadlock_free():
         tp = transfer_plan(Layout(pa, rng.randint(0, 2)), Layout(pb, rng.randint(0, 2)), TABLE,
                            mixed=mixed, param_bytes=2 if mixed else 4)
         cap = rng.choice([4096, 20000, 1 << 30])
-        msgs = messages(tp, cap, mixed)
+        msgs = messages(tp, cap, mixed, TABLE)
         assert all(m.nbytes <= cap for m in msgs)
         # the messages carry exactly the plan's elements
         assert sum(m.numel for m in msgs) == sum(t.numel for t in tp.transfers)

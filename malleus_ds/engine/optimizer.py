@@ -66,9 +66,10 @@ class ShardedOptimizer:
                 self.masters.append(nn.Parameter(flatten_range(
                     b, data, lo, hi, torch.empty(hi - lo, dtype=torch.float32, device=device))))
             else:
-                m = torch.empty(hi - lo, device=device)
-                zero_padding(m, b, lo)      # a migration writes every element, never padding
-                self.masters.append(nn.Parameter(m))
+                # a migration writes every element of the master and both moments (received,
+                # copied or derived), never padding: no zero fill, no extra first touch
+                self.masters.append(nn.Parameter(_empty_padded(b, lo, hi, device)))
+                kept[i] = {k: _empty_padded(b, lo, hi, device) for k in self._KEYS}
         live = [m for m in self.masters if m is not None]
         # a rank with nothing to update (suspended) still gets an optimizer for schedulers
         self.optimizer = make_optimizer(live if live else [nn.Parameter(torch.zeros(0, device=device))])
@@ -206,6 +207,13 @@ class ShardedOptimizer:
                   for k in self._KEYS}
             st["step"] = torch.tensor(float(step))
             self.optimizer.state[m] = st
+
+
+def _empty_padded(b: Bucket, lo: int, hi: int, device) -> torch.Tensor:
+    """An fp32 range ``[lo, hi)`` of bucket ``b``: padding zeroed, the rest uninitialised."""
+    t = torch.empty(hi - lo, dtype=torch.float32, device=device)
+    zero_padding(t, b, lo)
+    return t
 
 
 def _segments(b: Bucket, lo: int, hi: int) -> list[tuple[str, int, int, int]]:

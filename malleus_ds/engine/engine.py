@@ -593,6 +593,13 @@ class MalleusEngine(DeepSpeedEngine):
                 "global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
                 "loss_scaler": scaler_state(self.loss_scaler)}
 
+    def local_params(self) -> dict[str, torch.Tensor]:
+        """``local_state()["params"]`` alone: fp32 values of this rank's shards by global name
+        (the masters under bf16/fp16: collective then, on every rank; local copies in fp32)."""
+        if self.precision.mixed:
+            return self.optimizer.gather_state(masters=True, moments=False)["master"]
+        return {n: p.detach().clone() for n, p in self.named.items()}
+
     @torch.no_grad()
     def load_local_state(self, state: dict) -> None:
         """Inverse of :meth:`local_state` for *this* engine's local shards (a migrator or a

@@ -164,12 +164,13 @@ class ShardedOptimizer:
                 st["step"] = torch.tensor(float(step))
 
     @torch.no_grad()
-    def gather_state(self, masters: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    def gather_state(self, masters: bool = False, moments: bool = True
+                     ) -> dict[str, dict[str, torch.Tensor]]:
         """``{"exp_avg": {name: local-shard tensor}, "exp_avg_sq": {...}}`` (fp32) for every
         local parameter, and ``"master"``: the fp32 master weights when ``masters``. Collective
         over each bucket's ranks (ZeRO partitions are all-gathered), so every rank of the plan
         must call it, in the same step."""
-        keys = self._KEYS + (("master",) if masters else ())
+        keys = (self._KEYS if moments else ()) + (("master",) if masters else ())
         out = {k: {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                    for n, p in self.params.items()} for k in keys}
         for i, b in enumerate(self.buckets):

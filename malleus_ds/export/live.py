@@ -55,7 +55,7 @@ def export_engine(engine, out_dir, dtype: str | None = None, force: bool = False
     table = engine.param_table
     names = _needed([s.name for s in table], record)
     senders = _senders(engine.plan, table, names)
-    params = engine.local_state()["params"]             # collective
+    params = engine.local_params()          # collective under bf16/fp16 (masters gathered)
     mine = []
     for n, t in params.items():
         spec = table[n]

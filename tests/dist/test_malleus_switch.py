@@ -181,6 +181,9 @@ def _bf16(rank, world):
             eng.switch_plan(Plan.from_json(B if step == 2 else C))
             diffs.append(_full_equal(before, gather_full_state(eng, world)[0]))
             st = eng.local_state()            # fp32 masters: the live bf16 params are their casts
+            lp = eng.local_params()           # the same masters, without the moments
+            assert all(torch.equal(lp[n], st["params"][n]) for n in st["params"]) and lp.keys() \
+                == st["params"].keys()
             casts.append(max((float((p.detach().float() - st["params"][n].to(torch.bfloat16)
                                      .float()).abs().max()) for n, p in eng.named.items()),
                              default=0.0))

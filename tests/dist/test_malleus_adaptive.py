@@ -99,8 +99,13 @@ def test_adaptive_run_detects_replans_migrates_recovers_and_keeps_the_math():
     # migration, a little later as a "change")
     assert onset["measured_rates"][3] > 1.5, onset
     assert onset["predicted_step_s"][1] < onset["predicted_step_s"][0]
-    # the window (3) must fill with slow steps, after one left out, plus one to confirm
-    assert onset["detected"] - ONSET <= 2 * 3 + 1, f"detected late: {onset}"
+    # detected in time: the window (3) must fill with slow steps, after one left out, plus one
+    # to confirm. That first re-plan may be declined (a half-filled window read the rate-3
+    # straggler as 1.49 once: not worth a migration) and the adopted one come a window later
+    first = replans[0]
+    assert first["trigger"] == "onset" and first["detected"] - ONSET <= 2 * 3 + 1, \
+        f"detected late: {first}"
+    assert onset["detected"] - first["detected"] <= 2 * 3 + 1, f"adopted late: {onset}"
     # the re-plan for the worsening is the first one whose window saw it (the phase logic
     # above recovers on the same condition). Its reading is not compared with the onset's:
     # on 4 ranks over 2 cores a rate-3 straggler has read 5.6 and a rate-8 one 7.3 (CI)

@@ -247,8 +247,7 @@ def _carried(prev: ShardedOptimizer, buckets: list[Bucket], ranges: list[tuple[i
     ali = range_aliases({j: (key, off, segs) for j, (key, _, off, segs) in olds.items()},
                         new, sizes)
     base = {key: ts for key, ts, _, _ in olds.values()}
-    exact = {(key, off, m.numel()): j for j, (key, _, off, _) in olds.items()
-             for m in (prev.masters[j],)}
+    exact = {(key, off, prev.masters[j].numel()): j for j, (key, _, off, _) in olds.items()}
     out = {}
     for i, (key, p) in ali.items():
         n = new[i][0]

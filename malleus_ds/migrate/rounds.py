@@ -5,9 +5,10 @@ A *message* is one buffer from one rank to one peer: transfers of that pair of o
 dtype (a large parameter slice alone), in bucket layout order, cut so no message exceeds ``cap``
 bytes (a transfer larger than that is split into element ranges). It is packed at an end where its
 elements are scattered, and sent from / received into place where they lie back to back
-(``transport.direct_window``): a block of layers' optimizer state, a whole parameter. Messages are dealt into *rounds*, first fit in a fixed order, so that in
-every round each rank's bytes in flight (sent + received) stay within ``cap`` — what
-``malleus.migrate_bucket_mb`` bounds: a 70B model's state does not fit twice in GPU memory.
+(``transport.direct_window``): a block of layers' optimizer state, a whole parameter. Messages
+are dealt into *rounds*, first fit in a fixed order, so that in every round each rank's bytes in
+flight (sent + received) stay within ``cap`` — what ``malleus.migrate_bucket_mb`` bounds: a 70B
+model's state does not fit twice in GPU memory.
 
 Execution (``transport.py``): in round ``t`` every rank posts all its sends and receives of that
 round in one ``batch_isend_irecv`` (ordered by message id on both sides, so NCCL pairs them in

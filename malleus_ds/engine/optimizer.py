@@ -153,15 +153,20 @@ class ShardedOptimizer:
             if m is not None and i not in self.reused:
                 flatten_range(b, data, lo, hi, m.data)
 
+    def moments(self, m: nn.Parameter) -> dict:
+        """Master ``m``'s Adam state with both moments present: before the first step Adam has
+        none yet, which is zeros."""
+        st = self.optimizer.state[m]
+        for k in self._KEYS:
+            if k not in st:
+                st[k] = torch.zeros_like(m.data)
+        return st
+
     def set_step(self, step: int) -> None:
         """Adam's step counter on every master (moments default to zeros where absent)."""
         for m in self.masters:
             if m is not None:
-                st = self.optimizer.state[m]
-                for k in self._KEYS:
-                    if k not in st:
-                        st[k] = torch.zeros_like(m.data)
-                st["step"] = torch.tensor(float(step))
+                self.moments(m)["step"] = torch.tensor(float(step))
 
     @torch.no_grad()
     def gather_state(self, masters: bool = False, moments: bool = True
@@ -231,10 +236,7 @@ def _carried(prev: ShardedOptimizer, buckets: list[Bucket], ranges: list[tuple[i
     for j, (m, b, (lo, hi)) in enumerate(zip(prev.masters, prev.buckets, prev.ranges)):
         if m is None:
             continue
-        st = prev.optimizer.state[m]
-        for k in ShardedOptimizer._KEYS:     # before the first step Adam has no moments yet
-            if k not in st:
-                st[k] = torch.zeros_like(m.data)
+        st = prev.moments(m)
         ts = (m.data, st["exp_avg"], st["exp_avg_sq"])
         if len({(t.storage_offset(), t.untyped_storage().nbytes(), t.dtype) for t in ts}) != 1:
             return {}

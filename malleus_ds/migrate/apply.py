@@ -53,10 +53,7 @@ class StateView:
         m = opt.masters[buf]
         if kind == "master":
             return m.data
-        st = opt.optimizer.state[m]
-        if kind not in st:      # before the first step Adam has no moments yet: zeros
-            st[kind] = torch.zeros_like(m.data)
-        return st[kind]
+        return opt.moments(m)[kind]
 
     def views(self, kind: str, name: str, lo: int, hi: int, natural: bool = False
               ) -> list[tuple[torch.Tensor, torch.Tensor]]:

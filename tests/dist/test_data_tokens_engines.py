@@ -1,8 +1,11 @@
-"""``data=tokens`` through the app: one local token file trains to the same per-step losses on
-engine=torch (1 process), engine=deepspeed (2 ranks, PipelineEngine pp=2) and engine=malleus
-(2 ranks, pp=2), with samples shorter than the model's context (data.seq_len=16 <
-model.max_seq_len=64: every engine sizes its batches and pipeline buffers by the data), equal to
-the single-process reference on that data. A bad file stops every rank at start-up."""
+"""Your own model and data through the app: one local token file and a Hugging Face model
+(``model=hf model.hf_config=tiny-qwen2``: transformers' Qwen2 layers, grouped-query attention,
+q/k/v biases) train to the same per-step losses on engine=torch (1 process, transformers' own
+``Qwen2ForCausalLM``), engine=deepspeed (2 ranks, PipelineEngine pp=2 over the generated layer
+list) and engine=malleus (2 ranks, pp=2), with samples shorter than the model's context
+(data.seq_len=16 < max_seq_len=64: every engine sizes its batches and pipeline buffers by the
+data), equal to the single-process reference on that data. A bad file stops every rank at
+start-up (our own decoder, model=tiny)."""
 from __future__ import annotations
 
 import json
@@ -16,8 +19,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "launch" / "train.py")
 STEPS, SEQ = 4, 16
-COMMON = ["model=tiny", "progress=false", f"train.steps={STEPS}", "train.global_batch_size=8",
+COMMON = ["progress=false", f"train.steps={STEPS}", "train.global_batch_size=8",
           "train.micro_batch_size=2", "train.data_seed=3", "data=tokens", f"data.seq_len={SEQ}"]
+HF = ["model=hf", "model.hf_config=tiny-qwen2"]
 
 
 def _env():
@@ -33,7 +37,7 @@ def _torchrun(n: int) -> list[str]:
 
 
 def _losses(cmd: list[str], out: Path, cwd: Path) -> list[float]:
-    p = subprocess.run(cmd + COMMON + [f"hydra.run.dir={out}"], cwd=cwd, env=_env(),
+    p = subprocess.run(cmd + HF + COMMON + [f"hydra.run.dir={out}"], cwd=cwd, env=_env(),
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -41,7 +45,7 @@ def _losses(cmd: list[str], out: Path, cwd: Path) -> list[float]:
 
 
 def test_one_token_file_same_losses_on_every_engine(tmp_path):
-    ids = np.random.default_rng(0).integers(0, 256, 3000).astype(np.uint16)   # model=tiny: 256
+    ids = np.random.default_rng(0).integers(0, 256, 3000).astype(np.uint16)   # vocabulary 256
     ids.tofile(tmp_path / "train.bin")
     np.save(tmp_path / "train.npy", ids)
     torch_l = _losses([sys.executable, TRAIN, "engine=torch", "data.path=train.bin"],
@@ -52,16 +56,17 @@ def test_one_token_file_same_losses_on_every_engine(tmp_path):
                                    f"data.path={tmp_path / 'train.npy'}"],
                    tmp_path / "malleus", tmp_path)
     from malleus_ds.data import DataConfig
-    from malleus_ds.models import model_config
+    from malleus_ds.models.hf import load_hf_model
     from malleus_ds.reference import reference_run
 
-    ref, _ = reference_run(model_config("tiny"), seed=0, data_seed=3, steps=STEPS,
+    model = load_hf_model("tiny-qwen2")
+    ref, _ = reference_run(model, seed=0, data_seed=3, steps=STEPS,
                            global_batch_size=8, micro_batch_size=2,
                            data=DataConfig("tokens", str(tmp_path / "train.bin"), seq_len=SEQ))
     assert len(torch_l) == STEPS
     for got in (torch_l, ds_l, ml_l):
         np.testing.assert_allclose(got, ref, rtol=1e-5)
-    byte_ref, _ = reference_run(model_config("tiny"), seed=0, data_seed=3, steps=STEPS,
+    byte_ref, _ = reference_run(model, seed=0, data_seed=3, steps=STEPS,
                                 global_batch_size=8, micro_batch_size=2)
     assert not np.allclose(ref, byte_ref)                          # not the byte corpus
 
@@ -70,7 +75,7 @@ def test_ids_outside_the_vocabulary_stop_every_rank_at_start_up(tmp_path):
     ids = np.random.default_rng(0).integers(0, 256, 3000).astype(np.uint16)
     ids[123] = 4000
     ids.tofile(tmp_path / "bad.bin")
-    p = subprocess.run(_torchrun(2) + COMMON + ["engine=malleus", "data.path=bad.bin",
+    p = subprocess.run(_torchrun(2) + ["model=tiny"] + COMMON + ["engine=malleus", "data.path=bad.bin",
                                                 f"hydra.run.dir={tmp_path / 'run'}"],
                        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode != 0

@@ -149,12 +149,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_forced_replans_from_the_command_line_log_events_and_plot(tmp_path):
+    """A Hugging Face model (transformers' LlamaDecoderLayer) through the whole loop: measured
+    rates, the planner on its parameter table, live migration, the events, the plot; the losses
+    equal transformers' LlamaForCausalLM trained in one process."""
     out = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(REPO / "launch" / "train.py"), "model=tiny", "model.max_seq_len=16",
+           str(REPO / "launch" / "train.py"), "model=hf", "model.hf_config=tiny-llama",
+           "model.max_seq_len=16",
            "progress=false", "engine=malleus", "train.steps=8", "malleus.replan_at=[3,6]",
            "malleus.adaptive=false", f"hydra.run.dir={out}",
            "straggler.schedule=[{rank:2,rate:2.0,start_step:1}]"]
@@ -170,9 +174,9 @@ def test_forced_replans_from_the_command_line_log_events_and_plot(tmp_path):
     assert steps[0]["emulated_rates"] == {} and steps[1]["emulated_rates"] == {"2": 2.0}
     assert len(steps[-1]["measured_rates"]) == 4 and steps[-1]["measured_rates"][2] > 1.3
     assert "replan before step 3 (forced" in p.stdout and "migrate before step 6" in p.stdout
-    from malleus_ds.models import model_config
+    from malleus_ds.models.hf import load_hf_model
     from malleus_ds.reference import reference_run
-    ref, _ = reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=8,
+    ref, _ = reference_run(load_hf_model("tiny-llama", max_seq_len=16), seed=0, steps=8,
                            global_batch_size=8, micro_batch_size=1)
     np.testing.assert_allclose([r["loss"] for r in steps], ref, rtol=1e-5)
     from malleus_ds.plot import main as plot_main

@@ -359,7 +359,7 @@ class Counting:  # every pack_triton / unpack_triton must be ONE launch
         return kernel[grid]
 P._window_copy_kernel = Counting()
 
-SEEDS = 16
+SEEDS = 8
 BLOCKS = [None, (4, 16), (1, 32), (16, 8)]  # default (large) and small tiles: many tiles a window
 results = {}
 for dtype in DTYPES:
@@ -429,7 +429,7 @@ def test_triton_interpreter_matches_torch(interpreter_results, dtype):
     if "skip" in r:
         pytest.skip(f"the Triton interpreter cannot run {dtype}: {r['skip']}")
     assert "error" not in r, r["error"]
-    assert r["ok"] == 16
+    assert r["ok"] == 8          # SEEDS in _INTERP_SCRIPT
 
 
 def test_triton_needs_cuda_without_interpreter():

@@ -54,14 +54,14 @@ class Timeline:
         return ()
 
 
-def one_f_one_b(S: int, j: int, m: int) -> list[tuple[str, int]]:
-    """The 1F1B op order of stage ``j`` of ``S`` for ``m`` micro-batches."""
-    w = min(S - j - 1, m)
-    ops = [("F", k) for k in range(w)]
-    for k in range(m - w):
-        ops += [("F", w + k), ("B", k)]
-    ops += [("B", k) for k in range(m - w, m)]
-    return ops
+def compute_order(S: int, j: int, m: int) -> list[tuple[str, int]]:
+    """The compute ops of stage ``j`` of ``S`` for ``m`` micro-batches, ``("F"|"B", k)``, in the
+    order the engine runs them: its own 1F1B stream (``engine/schedule.py``) less the sends and
+    receives, so the simulator and the engine cannot disagree on the schedule."""
+    from .engine.schedule import Backward, Forward, one_f_one_b
+
+    return [(i.code, i.micro_batch) for i in one_f_one_b(j, S, m)
+            if isinstance(i, (Forward, Backward))]
 
 
 def simulate(problem: Problem, plan: Plan) -> Timeline:
@@ -78,7 +78,7 @@ def simulate(problem: Problem, plan: Plan) -> Timeline:
         if cs is not None:
             link = [cs.boundary(p.stages[j].ranks[0] // gpn == p.stages[j + 1].ranks[0] // gpn)
                     for j in range(S - 1)]
-        order = [one_f_one_b(S, j, m) for j in range(S)]
+        order = [compute_order(S, j, m) for j in range(S)]
         pos = [0] * S
         free = [0.0] * S                  # when each stage is next idle
         done: dict[tuple[str, int, int], float] = {}

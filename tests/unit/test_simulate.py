@@ -5,7 +5,7 @@ import pytest
 
 from malleus_ds.cost import evaluate
 from malleus_ds.plan import Pipeline, Plan, Problem, Stage
-from malleus_ds.simulate import gantt, one_f_one_b, simulate, summarize
+from malleus_ds.simulate import compute_order, gantt, simulate, summarize
 
 
 def problem(rates=None) -> Problem:
@@ -16,14 +16,14 @@ def problem(rates=None) -> Problem:
         "cost": {"tp_slowdown": {"1": 1.0, "2": 1.9}}, "memory": None, "rates": rates or {}})
 
 
-def test_one_f_one_b_order():
-    assert [f"{k}{m}" for k, m in one_f_one_b(3, 0, 4)] == \
+def test_compute_order_is_the_engines_1f1b():
+    assert [f"{k}{m}" for k, m in compute_order(3, 0, 4)] == \
         ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"]
-    assert [f"{k}{m}" for k, m in one_f_one_b(3, 2, 2)] == ["F0", "B0", "F1", "B1"]
+    assert [f"{k}{m}" for k, m in compute_order(3, 2, 2)] == ["F0", "B0", "F1", "B1"]
     for S in range(1, 4):
         for j in range(S):
             for m in range(1, 5):
-                ops = one_f_one_b(S, j, m)
+                ops = compute_order(S, j, m)
                 assert sorted(ops) == sorted([("F", k) for k in range(m)] + [("B", k) for k in range(m)])
 
 

@@ -42,10 +42,10 @@ class ShardedOptimizer:
         (:func:`malleus_ds.migrate.alias.range_aliases`); nothing moves there (indices in
         :attr:`reused`). ``from_params=False``: other masters start uninitialised (a switch
         fills them)."""
-        if zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_optimization.stage={zero_stage}: MalleusEngine supports "
-                             f"stages 0, 1 and 2 (sharding across each layer's replicas)")
-        self.buckets, self.params, self.zero_stage = buckets, params, zero_stage
+        from .settings import check_zero_stage
+
+        self.buckets, self.params = buckets, params
+        self.zero_stage = check_zero_stage(zero_stage)
         self.groups = [groups.get(b.ranks) if len(b.ranks) > 1 else None for b in buckets]
         self.owned = [b.partition(rank) for b in buckets]            # grad-norm ownership
         self.ranges = [o if zero_stage >= 1 else (0, b.flat_size)

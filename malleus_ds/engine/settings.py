@@ -115,14 +115,26 @@ def load_config(config) -> dict:
     return json.loads(path.read_text())
 
 
+#: ZeRO stages MalleusEngine runs: 0, or optimizer states (1) and gradients (2) sharded across
+#: each layer's replicas. ZeRO-3 would shard the parameters themselves.
+ZERO_STAGES = (0, 1, 2)
+
+
+def check_zero_stage(stage) -> int:
+    """The one rule for the ZeRO stage under MalleusEngine (engine, optimizer and the app's
+    start-up check use it): ``stage`` as an int, or ValueError naming the field."""
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in ZERO_STAGES:
+        raise ValueError(f"ds_config.zero_optimization.stage={stage!r}: MalleusEngine supports "
+                         f"0, 1 and 2 (sharding across each layer's replicas), not ZeRO-3; use "
+                         f"one of those (e.g. deepspeed=zero1)")
+    return stage
+
+
 def optimizer_settings(user_cfg: dict):
     """(zero stage, optimizer factory) from the stock ``optimizer`` / ``zero_optimization`` fields."""
     from ..reference import OptimConfig, make_optimizer
 
-    zero = int((user_cfg.get("zero_optimization") or {}).get("stage", 0))
-    if zero not in (0, 1, 2):
-        raise ValueError(f"ds_config.zero_optimization.stage={zero}: MalleusEngine supports 0, 1 "
-                         f"and 2 (sharding across each layer's replicas); ZeRO-3 is not supported")
+    zero = check_zero_stage((user_cfg.get("zero_optimization") or {}).get("stage", 0))
     sec = user_cfg.get("optimizer") or {}
     typ = str(sec.get("type", "AdamW"))
     params = dict(sec.get("params") or {})

@@ -74,13 +74,11 @@ def check_plan(cfg: RunConfig, plan: Plan, tp: int, where: str) -> None:
 def validate(cfg: RunConfig) -> None:
     plan = load_plan(cfg)
     check_plan(cfg, plan, nominal_tp(cfg, plan), f"plan={cfg.plan}")
-    zero = cfg.deepspeed.zero_stage
-    if zero not in (0, 1, 2):
-        raise ConfigError(f"engine=malleus: ds_config zero_optimization.stage={zero} is not "
-                          f"supported; use stage 0, 1 or 2 (e.g. deepspeed=zero1)")
     from ..engine.engine import MalleusEngine
+    from ..engine.settings import check_zero_stage
 
-    try:    # the malleus section and fp16/bf16/data_types, as the engine will read them
+    try:    # the ZeRO stage, the malleus section and fp16/bf16, as the engine will read them
+        check_zero_stage(cfg.deepspeed.zero_stage)
         settings = MalleusEngine.build_settings(build_ds_config(cfg, plan))
     except ValueError as e:
         raise ConfigError(f"engine=malleus: {e}".replace("ds_config.malleus.", "malleus.")

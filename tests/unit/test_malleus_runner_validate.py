@@ -17,6 +17,24 @@ def test_both_precisions_rejected_before_launch():
         runners.validate(c)
 
 
+def test_zero3_rejected_before_launch_with_the_engines_own_rule():
+    from malleus_ds.engine.optimizer import ShardedOptimizer
+    from malleus_ds.engine.settings import optimizer_settings
+
+    msg = r"zero_optimization.stage=3: MalleusEngine supports 0, 1 and 2 .*deepspeed=zero1"
+    c = cfg(world=2, engine="malleus", plan="static",
+            deepspeed={"config": {"zero_optimization": {"stage": 3}}})
+    with pytest.raises(ConfigError, match="engine=malleus: ds_config." + msg):
+        runners.validate(c)
+    with pytest.raises(ValueError, match=msg):                 # the same words in the engine
+        optimizer_settings({"zero_optimization": {"stage": 3}})
+    with pytest.raises(ValueError, match=msg):
+        ShardedOptimizer([], None, {}, 0, 3, None)
+    for stage in (0, 1, 2):
+        runners.validate(cfg(world=2, engine="malleus", plan="static",
+                             deepspeed={"config": {"zero_optimization": {"stage": stage}}}))
+
+
 def test_bf16_passes_validation():
     runners.validate(_malleus({"bf16": {"enabled": True}}))
 

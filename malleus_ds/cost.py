@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .plan import Plan, PlanError, Problem, Stage
+from .plan import Memory, Plan, PlanError, Problem, Stage
 
 
 def group_rate(problem: Problem, ranks: Sequence[int]) -> float:
@@ -121,16 +121,28 @@ def step_time(problem: Problem, plan: Plan) -> float:
     return evaluate(problem, plan).step_time
 
 
+def stage_memory_terms(memory: Memory, tp: int, group_size: int, stage_index: int,
+                       num_stages: int, micro_batches: int) -> tuple[float, float]:
+    """The memory model of one stage (DESIGN.md §3) as ``l * per_layer + fixed`` MB for ``l``
+    layers: ``(l*(static + act*min(S-j, m)) + emb*[j=0] + emb*[j=S-1]) * tp/g + extra``.
+    The one place the formula lives: :func:`stage_memory_mb` evaluates it, the planner's
+    ``partition.layer_cap`` inverts it."""
+    mult = tp / group_size
+    inflight = min(num_stages - stage_index, micro_batches)
+    per_layer = (memory.layer_static_mb + memory.layer_activation_mb * inflight) * mult
+    ends = (stage_index == 0) + (stage_index == num_stages - 1)
+    return per_layer, memory.embedding_mb * ends * mult + memory.extra_mb
+
+
 def stage_memory_mb(problem: Problem, num_layers: int, stage_index: int, num_stages: int,
                     micro_batches: int, group_size: int) -> float:
-    """``(l*(static + act*min(S-j, m)) + emb*[j=0] + emb*[j=S-1]) * tp/g + extra``."""
-    m = problem.memory
-    if m is None:
+    """MB a stage of ``num_layers`` layers needs (:func:`stage_memory_terms`); 0 without a
+    memory model."""
+    if problem.memory is None:
         return 0.0
-    inflight = min(num_stages - stage_index, micro_batches)
-    base = num_layers * (m.layer_static_mb + m.layer_activation_mb * inflight)
-    base += m.embedding_mb * (stage_index == 0) + m.embedding_mb * (stage_index == num_stages - 1)
-    return base * (problem.tp / group_size) + m.extra_mb
+    per_layer, fixed = stage_memory_terms(problem.memory, problem.tp, group_size, stage_index,
+                                          num_stages, micro_batches)
+    return num_layers * per_layer + fixed
 
 
 def check_memory(problem: Problem, plan: Plan) -> None:

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..cost import stage_memory_terms
 from ..plan import Memory
 
 _EPS = 1e-9
@@ -34,17 +35,14 @@ def layer_cap(memory: Memory | None, tp: int, g: int, j: int, S: int, m: int, L:
     """Most layers stage ``j`` of ``S`` (group size ``g``) can hold under the memory model."""
     if memory is None:
         return L
-    mult = tp / g
-    inflight = min(S - j, m)
-    per_layer = memory.layer_static_mb + memory.layer_activation_mb * inflight
-    emb = memory.embedding_mb * ((j == 0) + (j == S - 1))
-    room = (memory.budget_mb - memory.extra_mb) / mult - emb
+    per_layer, fixed = stage_memory_terms(memory, tp, g, j, S, m)
+    room = memory.budget_mb - fixed
     if per_layer <= 0:
         return L if room >= -_EPS else 0
     cap = int(math.floor(room / per_layer + 1e-12)) if room >= 0 else 0
     cap = max(0, min(cap, L))
-    # guard against rounding: the reference check is (...) * mult + extra <= budget + 1e-9
-    while cap > 0 and (cap * per_layer + emb) * mult + memory.extra_mb > memory.budget_mb + _EPS:
+    # guard against rounding: cost.check_memory accepts cap * per_layer + fixed <= budget + 1e-9
+    while cap > 0 and cap * per_layer + fixed > memory.budget_mb + _EPS:
         cap -= 1
     return cap
 

@@ -149,3 +149,30 @@ def test_frontier_with_stage_constants_matches_brute_force(seed):
         want = min(want, sum(t) + (m - 1) * max(t))
     sig, cm, _ = frontier(y, caps, L, c)
     assert float((sig + (m - 1) * cm).min()) == pytest.approx(want, rel=1e-12)
+
+
+def test_layer_cap_is_the_largest_count_the_cost_model_accepts():
+    """The planner's cap inverts cost.stage_memory_mb (one formula): cap layers fit the budget,
+    cap + 1 do not, over random memory models, group sizes and stage positions."""
+    from malleus_ds.cost import stage_memory_mb
+    from malleus_ds.plan import Problem
+
+    rnd = random.Random(7)
+    base = Problem(name="cap", nodes=1, gpus_per_node=8, num_layers=40, global_batch_size=16,
+                   micro_batch_size=1, tp=4, pp=2, dp=1, tp_slowdown={1: 1.0}, memory=None,
+                   rates={})
+    for _ in range(400):
+        mem = Memory(device_mb=rnd.uniform(2000, 40000), reserved_mb=rnd.uniform(0, 1000),
+                     layer_static_mb=rnd.choice([0.0, rnd.uniform(10, 2000)]),
+                     layer_activation_mb=rnd.uniform(0, 900), embedding_mb=rnd.uniform(0, 3000),
+                     extra_mb=rnd.uniform(0, 2000))
+        pr = Problem(**{**base.__dict__, "memory": mem})
+        S, g, L = rnd.randint(1, 6), rnd.choice([1, 2, 4]), 40
+        j, m = rnd.randrange(S), rnd.randint(1, 9)
+        cap = layer_cap(mem, pr.tp, g, j, S, m, L)
+        assert 0 <= cap <= L
+        fits = [stage_memory_mb(pr, n, j, S, m, g) <= mem.budget_mb + 1e-9 for n in (cap, cap + 1)]
+        if cap > 0:
+            assert fits[0], (mem, S, g, j, m, cap)
+        if cap < L and (cap > 0 or fits[0]):
+            assert not fits[1], (mem, S, g, j, m, cap)

@@ -59,14 +59,14 @@ from deepspeed.utils import log_dist
 from ..data import ByteCorpus
 from ..reference import micro_batches
 from ..models.base import StageModule, param_table, tied_params
-from ..plan import Plan, PlanError, validate_plan
+from ..plan import Plan, PlanError
 from ..watchdog import phase
-from .groups import GROUPS, check_world, plan_rank_sets
+from .groups import GROUPS, plan_rank_sets
+from .plan_check import check_job_plan
 from .runtime import PlanRuntime, StageSpec, accumulate_one, build_runtime, build_stage, locate
 from .precision import Precision, load_scaler_state, scaler_state
 from .settings import MalleusSettings, as_plan, base_ds_config, load_config, optimizer_settings
 from .schedule import Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad
-from .tensor_parallel import TPError, check_tp_size
 
 
 class _PlanMPU:
@@ -171,17 +171,8 @@ class MalleusEngine(DeepSpeedEngine):
         if plan is None:
             raise PlanError("MalleusEngine: no plan given (pass plan=... or set "
                             "ds_config.malleus.plan to a plan JSON file)")
-        check_world(plan, world)
         sizes = [st.tp for p in plan.pipelines for st in p.stages] or [1]
-        tp = s.tp or _lcm(sizes)
-        validate_plan(plan, tp=tp, gpus_per_node=s.gpus_per_node or world, world_size=world,
-                      num_layers=cfg.num_layers)
-        for i, p in enumerate(plan.pipelines):
-            for j, st in enumerate(p.stages):
-                try:
-                    check_tp_size(cfg, st.tp, f"pipelines[{i}].stages[{j}]")
-                except TPError as e:
-                    raise PlanError(str(e)) from None
+        check_job_plan(plan, cfg, world, s.tp or _lcm(sizes), s.gpus_per_node or world)
         mbs_cfg = user_cfg.get("train_micro_batch_size_per_gpu")
         if mbs_cfg is not None and mbs_cfg != plan.micro_batch_size:
             raise PlanError(f"ds_config.train_micro_batch_size_per_gpu={mbs_cfg} differs from "

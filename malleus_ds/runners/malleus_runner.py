@@ -21,7 +21,7 @@ import time
 from math import lcm
 
 from ..config import ConfigError, RunConfig
-from ..plan import Plan, PlanError, static_plan, validate_plan
+from ..plan import Plan, PlanError, static_plan
 from .base import DistEnv, RunSummary
 from .checkpoint import Checkpointer, engine_writer
 from .common import ComputeClock, StepReporter, monitors_to_run_dir
@@ -57,17 +57,11 @@ def nominal_tp(cfg: RunConfig, plan: Plan) -> int:
 
 def check_plan(cfg: RunConfig, plan: Plan, tp: int, where: str) -> None:
     """The start-up checks of a plan against this job (world, layers, node shape, TP sizes)."""
-    from ..engine.groups import check_world
-    from ..engine.tensor_parallel import TPError, check_tp_size
+    from ..engine.plan_check import check_job_plan
 
     try:
-        check_world(plan, cfg.world_size)
-        validate_plan(plan, tp=tp, gpus_per_node=gpus_per_node(cfg),
-                      world_size=cfg.world_size, num_layers=cfg.model.num_layers)
-        for i, q in enumerate(plan.pipelines):
-            for j, s in enumerate(q.stages):
-                check_tp_size(cfg.model, s.tp, f"plan pipelines[{i}].stages[{j}]")
-    except (PlanError, TPError) as e:
+        check_job_plan(plan, cfg.model, cfg.world_size, tp, gpus_per_node(cfg), "plan ")
+    except PlanError as e:
         raise ConfigError(f"engine=malleus {where}: {e}") from None
 
 

@@ -74,3 +74,29 @@ def test_adaptive_settings_rejected_before_launch(m, pattern):
 def test_replan_at_needs_engine_malleus():
     with pytest.raises(ConfigError, match="malleus.replan_at is set but engine=deepspeed"):
         cfg(world=2, engine="deepspeed", malleus={"replan_at": [3]})
+
+
+def test_app_and_engine_reject_a_plan_with_the_same_words(tmp_path):
+    """One plan check (engine/plan_check.py): a TP=4 stage on a model with 2 KV heads is refused
+    at the app's start-up and by the engine's own check, naming the stage and the field."""
+    import json
+
+    from malleus_ds.config import build_run_config
+    from malleus_ds.engine.engine import MalleusEngine
+    from malleus_ds.engine.settings import MalleusSettings
+    from malleus_ds.models.hf import load_hf_model
+    from malleus_ds.plan import Plan, PlanError
+    from tests.dist.test_malleus_cases import plan_json
+
+    pj = plan_json([(8, [([0, 1, 2, 3], (0, 4))])])
+    f = tmp_path / "tp4.json"
+    f.write_text(json.dumps(pj))
+    words = (r"pipelines\[0\]\.stages\[0\]: TP group size 4 does not divide the model's "
+             r"num_key_value_heads=2")
+    c = build_run_config({"engine": "malleus", "plan": str(f),
+                          "model": {"name": "hf", "hf_config": "tiny-qwen2"}}, world_size=4)
+    with pytest.raises(ConfigError, match=rf"engine=malleus plan={f}: plan {words}"):
+        runners.validate(c)
+    with pytest.raises(PlanError, match=rf"^{words}"):
+        MalleusEngine.build_plan(Plan.from_json(pj), load_hf_model("tiny-qwen2"), 4,
+                                 MalleusSettings(), {})

@@ -19,7 +19,7 @@ import sys
 import time
 
 from malleus_ds.cost import validate_for_problem
-from malleus_ds.plan import Problem
+from malleus_ds.problem import Problem
 from malleus_ds.planner import PlannerConfig, plan
 
 SD8 = {"1": 1.0, "2": 1.9, "4": 3.66, "8": 7.22}

@@ -20,7 +20,8 @@ if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from malleus_ds.plan import PlanError, Problem  # noqa: E402
+from malleus_ds.plan import PlanError  # noqa: E402
+from malleus_ds.problem import Problem  # noqa: E402
 from malleus_ds.planner import PlannerConfig, plan  # noqa: E402
 
 

@@ -20,7 +20,7 @@ _LAZY = {
     "RunConfig": ("malleus_ds.config", "RunConfig"),
     "ConfigError": ("malleus_ds.config", "ConfigError"),
     "Plan": ("malleus_ds.plan", "Plan"),
-    "Problem": ("malleus_ds.plan", "Problem"),
+    "Problem": ("malleus_ds.problem", "Problem"),
     "static_plan": ("malleus_ds.plan", "static_plan"),
 }
 

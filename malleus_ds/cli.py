@@ -12,7 +12,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from .plan import Plan, PlanError, Problem
+from .plan import Plan, PlanError
+from .problem import Problem
 
 EXIT_BAD_INPUT = 2
 

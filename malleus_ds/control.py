@@ -34,7 +34,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from .models.base import head_layers
-from .plan import Plan, PlanError, Problem
+from .plan import Plan, PlanError
+from .problem import Problem
 from .replan import (Decision, decide, device_memory_mb, fit_running_plan, job_problem,
                      memory_model)
 from .straggler import (DetectConfig, Detector, RateEstimator, as_list, cost_units,

@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .plan import Memory, Plan, PlanError, Problem, Stage
+from .plan import Plan, PlanError, Stage
+from .problem import Memory, Problem
 
 
 def group_rate(problem: Problem, ranks: Sequence[int]) -> float:

@@ -1,4 +1,5 @@
-"""The contract: planning problems and plans (DESIGN.md §3), as frozen dataclasses with JSON I/O.
+"""The contract: plans (DESIGN.md §3), as frozen dataclasses with JSON I/O. The planning
+problem a plan answers is ``problem.py``.
 
 Pure Python: no torch, no torch.distributed, no deepspeed, no omegaconf.
 
@@ -18,7 +19,8 @@ VERSION = 1
 
 
 class PlanError(ValueError):
-    """A plan or problem is invalid. The message names the field and the numbers."""
+    """A plan or problem (``problem.py``) is invalid. The message names the field and the
+    numbers."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,196 +292,6 @@ def validate_plan(plan: Plan, *, tp: int, gpus_per_node: int, world_size: int | 
 
 
 # --------------------------------------------------------------------------------------------
-# Problem
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Memory:
-    device_mb: float
-    reserved_mb: float
-    layer_static_mb: float
-    layer_activation_mb: float
-    embedding_mb: float
-    extra_mb: float
-
-    @property
-    def budget_mb(self) -> float:
-        return self.device_mb - self.reserved_mb
-
-
-@dataclass(frozen=True)
-class Problem:
-    name: str
-    nodes: int
-    gpus_per_node: int
-    num_layers: int
-    global_batch_size: int
-    micro_batch_size: int
-    tp: int
-    pp: int
-    dp: int
-    tp_slowdown: Mapping[int, float]      # keyed by tp/g
-    memory: Memory | None
-    rates: Mapping[int, float]            # missing ranks are healthy (1.0)
-    current_plan: Plan | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
-
-    @property
-    def num_gpus(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-    def rate(self, rank: int) -> float:
-        return float(self.rates.get(rank, 1.0))
-
-    def rate_list(self) -> list[float]:
-        return [self.rate(r) for r in range(self.num_gpus)]
-
-    def slowdown(self, group_size: int) -> float:
-        """Slowdown of a TP group of ``group_size`` GPUs relative to a full group of ``tp``."""
-        return float(self.tp_slowdown[self.tp // group_size])
-
-    def static_plan(self) -> Plan:
-        return static_plan(self.num_layers, self.global_batch_size, self.micro_batch_size,
-                           self.tp, self.pp, self.dp)
-
-    def with_rates(self, rates: Mapping[int, float], current_plan: Plan | None = None) -> "Problem":
-        """A copy with new ``rates`` (rank -> rate; keys may be ints or digit strings, as in
-        JSON) and ``current_plan``. Measured rates below 1.0 (a GPU a little faster than the
-        healthy reference) are clamped to 1.0. Raises ``PlanError`` for a rank outside the
-        cluster or a rate that is not a finite number > 0."""
-        from dataclasses import replace
-
-        norm: dict[int, float] = {}
-        for k, v in rates.items():
-            r = _int(k, "rates key")
-            if not 0 <= r < self.num_gpus:
-                raise PlanError(f"rates: rank {r} is outside 0..{self.num_gpus - 1}")
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 < v < float("inf"):
-                raise PlanError(f"rates['{k}']={v!r} must be a finite number > 0 (1.0 = healthy)")
-            norm[r] = max(1.0, float(v))
-        return replace(self, rates=norm, current_plan=current_plan)
-
-    def to_json(self) -> dict:
-        out = dict(self.extra)
-        m = self.memory
-        out.update({
-            "version": VERSION,
-            "name": self.name,
-            "cluster": {"nodes": self.nodes, "gpus_per_node": self.gpus_per_node},
-            "model": {"num_layers": self.num_layers},
-            "training": {"global_batch_size": self.global_batch_size,
-                         "micro_batch_size": self.micro_batch_size,
-                         "tp": self.tp, "pp": self.pp, "dp": self.dp},
-            "cost": {"tp_slowdown": {str(k): v for k, v in sorted(self.tp_slowdown.items())}},
-            "rates": {str(k): v for k, v in sorted(self.rates.items())},
-            "current_plan": self.current_plan.to_json() if self.current_plan else None,
-        })
-        if m is not None:
-            out["memory"] = {"device_mb": m.device_mb, "reserved_mb": m.reserved_mb,
-                             "layer_static_mb": m.layer_static_mb,
-                             "layer_activation_mb": m.layer_activation_mb,
-                             "embedding_mb": m.embedding_mb, "extra_mb": m.extra_mb}
-        return out
-
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=1)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.dumps() + "\n")
-
-    @staticmethod
-    def from_json(d: Mapping[str, Any]) -> "Problem":
-        if not isinstance(d, Mapping):
-            raise PlanError(f"problem: expected a JSON object, got {type(d).__name__}")
-        _check_version("problem", d)
-        known = {"version", "name", "cluster", "model", "training", "cost", "memory", "rates",
-                 "current_plan"}
-        cl = _section(d, "cluster")
-        mo = _section(d, "model")
-        tr = _section(d, "training")
-        co = d.get("cost") or {}
-        nodes = _pos_int(cl, "cluster", "nodes")
-        gpn = _pos_int(cl, "cluster", "gpus_per_node")
-        L = _pos_int(mo, "model", "num_layers")
-        gbs = _pos_int(tr, "training", "global_batch_size")
-        mbs = _pos_int(tr, "training", "micro_batch_size")
-        tp = _pos_int(tr, "training", "tp")
-        pp = _pos_int(tr, "training", "pp")
-        dp = _pos_int(tr, "training", "dp")
-        if gpn % tp:
-            raise PlanError(f"training.tp={tp} does not divide cluster.gpus_per_node={gpn}")
-        if tp * pp * dp != nodes * gpn:
-            raise PlanError(f"training: tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} != "
-                            f"cluster GPUs {nodes}*{gpn} = {nodes * gpn}")
-        if gbs % mbs:
-            raise PlanError(f"training.global_batch_size={gbs} is not a multiple of "
-                            f"micro_batch_size={mbs}")
-        if gbs // mbs < dp:
-            raise PlanError(f"training: {gbs // mbs} micro-batches cannot feed dp={dp} pipelines")
-        if pp > L:
-            raise PlanError(f"training.pp={pp} exceeds model.num_layers={L}")
-        if not isinstance(co, Mapping):
-            raise PlanError(f"problem.cost: expected an object, got {co!r}")
-        raw_sd = co.get("tp_slowdown") or {str(1 << k): float(1 << k) for k in range(8) if (1 << k) <= tp}
-        if not isinstance(raw_sd, Mapping):
-            raise PlanError(f"cost.tp_slowdown: expected an object {{tp/g: slowdown}}, got {raw_sd!r}")
-        sd: dict[int, float] = {}
-        for k, v in raw_sd.items():
-            kk = _int(k, "cost.tp_slowdown key")
-            if kk < 1 or tp % kk:
-                raise PlanError(f"cost.tp_slowdown: key {k} (tp/g) must divide tp={tp}")
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-                raise PlanError(f"cost.tp_slowdown['{k}']={v!r} must be a number > 0")
-            sd[kk] = float(v)
-        for f in range(1, tp + 1):
-            if tp % f == 0 and f not in sd:
-                raise PlanError(f"cost.tp_slowdown: missing entry for tp/g={f} (tp={tp})")
-        if sd.get(1, 1.0) != 1.0:
-            raise PlanError(f"cost.tp_slowdown['1'] must be 1.0, got {sd[1]}")
-        mem = None
-        if d.get("memory") is not None:
-            m = _section(d, "memory")
-            vals = {}
-            for k in ("device_mb", "reserved_mb", "layer_static_mb", "layer_activation_mb",
-                      "embedding_mb", "extra_mb"):
-                if k not in m:
-                    raise PlanError(f"memory.{k} is missing")
-                v = m[k]
-                if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
-                    raise PlanError(f"memory.{k}={v!r} must be a finite number >= 0")
-                vals[k] = float(v)
-            mem = Memory(**vals)
-        rates: dict[int, float] = {}
-        raw_rates = d.get("rates") or {}
-        if not isinstance(raw_rates, Mapping):
-            raise PlanError(f"problem.rates: expected an object {{rank: rate}}, got {raw_rates!r}")
-        for k, v in raw_rates.items():
-            r = _int(k, "rates key")
-            if not 0 <= r < nodes * gpn:
-                raise PlanError(f"rates: rank {r} is outside 0..{nodes * gpn - 1}")
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 1.0 <= v < float("inf"):
-                raise PlanError(f"rates['{k}']={v!r} must be a finite number >= 1.0 (1.0 = healthy)")
-            rates[r] = float(v)
-        cur = d.get("current_plan")
-        current = Plan.from_json(cur) if cur else None
-        return Problem(
-            name=str(d.get("name", "problem")), nodes=nodes, gpus_per_node=gpn, num_layers=L,
-            global_batch_size=gbs, micro_batch_size=mbs, tp=tp, pp=pp, dp=dp, tp_slowdown=sd,
-            memory=mem, rates=rates, current_plan=current,
-            extra={k: v for k, v in d.items() if k not in known},
-        )
-
-    @staticmethod
-    def loads(text: str) -> "Problem":
-        return Problem.from_json(_parse_json(text, "problem"))
-
-    @staticmethod
-    def load(path: str | Path) -> "Problem":
-        return Problem.loads(_read_text(path, "problem"))
-
-
-# --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
 
@@ -521,20 +333,4 @@ def _list(v: Any, where: str) -> Sequence[Any]:
         return []
     if not isinstance(v, Sequence) or isinstance(v, (str, bytes)):
         raise PlanError(f"{where}: expected a list, got {v!r}")
-    return v
-
-
-def _section(d: Mapping[str, Any], name: str) -> Mapping[str, Any]:
-    s = d.get(name)
-    if not isinstance(s, Mapping):
-        raise PlanError(f"problem.{name}: missing or not an object")
-    return s
-
-
-def _pos_int(s: Mapping[str, Any], sec: str, key: str) -> int:
-    if key not in s:
-        raise PlanError(f"{sec}.{key} is missing")
-    v = _int(s[key], f"{sec}.{key}")
-    if v < 1:
-        raise PlanError(f"{sec}.{key}={v} must be >= 1")
     return v

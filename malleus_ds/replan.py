@@ -2,7 +2,7 @@
 
 Used by the adaptive loop (``control.py``) on rank 0: :func:`job_problem` turns a running job
 (plan, world, node shape, nominal TP, TP slowdown table, memory model) into the planner's
-:class:`~malleus_ds.plan.Problem`; :func:`memory_model` estimates the memory terms from the
+:class:`~malleus_ds.problem.Problem`; :func:`memory_model` estimates the memory terms from the
 model's real sizes; :func:`fit_running_plan` makes sure the plan that is running counts as valid;
 :func:`decide` compares the running plan with the planner's answer and returns the ``replan``
 event (DESIGN.md §6) and the plan to move to, if any. No torch.distributed, no process groups.
@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping
 
-from .plan import Memory, Plan, PlanError, Problem
+from .plan import Plan, PlanError
+from .problem import Memory, Problem
 
 
 def nominal_shape(plan: Plan, world: int, tp: int) -> tuple[int, int]:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from .cost import (capacity_fraction, comm_spec, evaluate, group_rate, head_layers,
                    healthy_step_time)
-from .plan import Plan, Problem
+from .plan import Plan
+from .problem import Problem
 
 FWD_SHARE = 1.0 / 3.0
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..cost import pipeline_stage_times, validate_for_problem
-from ..plan import Pipeline, Plan, PlanError, Problem
+from ..plan import Pipeline, Plan, PlanError
+from ..problem import Problem
 from .batch import FixedPipeline, split_batches
 
 

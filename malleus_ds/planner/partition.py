@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from ..cost import stage_memory_terms
-from ..plan import Memory
+from ..problem import Memory
 
 _EPS = 1e-9
 

@@ -17,7 +17,8 @@ from typing import Sequence
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from ..plan import Pipeline, Plan, Problem, Stage
+from ..plan import Pipeline, Plan, Stage
+from ..problem import Problem
 from .grouping import Group, static_position
 from .templates import Evaluation, Layout, SearchSpace
 

@@ -21,7 +21,8 @@ import numpy as np
 
 from ..cost import (capacity_fraction, check_memory, comm_spec, healthy_step_time,
                     pipeline_stage_times, step_time, validate_for_problem)
-from ..plan import Plan, PlanError, Problem
+from ..plan import Plan, PlanError
+from ..problem import Problem
 from .baselines import all_baselines
 from .batch import FixedPipeline, split_batches
 from .placement import build_plan, moved_units, units_to_mb

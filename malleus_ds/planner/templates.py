@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..cost import comm_spec, head_layers
-from ..plan import Problem
+from ..problem import Problem
 from .batch import split_batches
 from .grouping import Group, NodeOption, is_healthy_full, node_options, nominal_groups
 from .partition import PipelineModel

@@ -19,7 +19,8 @@ import json
 import sys
 import time
 
-from ..plan import Plan, PlanError, Problem, static_plan
+from ..plan import Plan, PlanError, static_plan
+from ..problem import Problem
 
 
 def alternative_plan(problem: Problem, current: Plan, preferred: Plan | None = None) -> Plan:

@@ -7,7 +7,8 @@ import pytest
 
 from malleus_ds.cli import plan_main, sim_main
 from malleus_ds.cost import validate_for_problem
-from malleus_ds.plan import Plan, Problem
+from malleus_ds.plan import Plan
+from malleus_ds.problem import Problem
 
 
 def write_problem(tmp_path, **over):

@@ -5,7 +5,8 @@ import pytest
 
 from malleus_ds.cost import (capacity_fraction, check_memory, comm_spec, efficiency, evaluate,
                              healthy_step_time, stage_memory_mb, step_time, validate_for_problem)
-from malleus_ds.plan import Pipeline, Plan, PlanError, Problem, Stage
+from malleus_ds.plan import Pipeline, Plan, PlanError, Stage
+from malleus_ds.problem import Problem
 
 SD8 = {"1": 1.0, "2": 1.9, "4": 3.66, "8": 7.22}
 MEM = {"device_mb": 81920, "reserved_mb": 4096, "layer_static_mb": 1100, "layer_activation_mb": 250,

@@ -11,7 +11,8 @@ import pytest
 from malleus_ds.cost import evaluate, head_layers, stage_time
 from malleus_ds.models.base import head_layers as model_head_layers, param_table
 from malleus_ds.models.llama import model_config
-from malleus_ds.plan import PlanError, Problem, static_plan
+from malleus_ds.plan import PlanError, static_plan
+from malleus_ds.problem import Problem
 from malleus_ds.planner.partition import PipelineModel
 from malleus_ds.replan import job_problem
 from malleus_ds.simulate import simulate

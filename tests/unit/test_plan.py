@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from malleus_ds.plan import Pipeline, Plan, PlanError, Problem, Stage, static_plan, validate_plan
+from malleus_ds.plan import Pipeline, Plan, PlanError, Stage, static_plan, validate_plan
+from malleus_ds.problem import Problem
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.json"))
 assert EXAMPLES, "examples/*.json (the repo's example problems) are missing"

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from malleus_ds.cost import efficiency, step_time, validate_for_problem
-from malleus_ds.plan import Problem
+from malleus_ds.problem import Problem
 from malleus_ds.planner import PlannerConfig, all_baselines, moved_units, plan
 
 FAST = PlannerConfig(pop_size=12, max_generations=8, patience=4)
@@ -197,7 +197,7 @@ def test_planner_imports_neither_torch_nor_deepspeed_nor_omegaconf():
     import sys
 
     code = ("import sys\n"
-            "from malleus_ds.plan import Problem\n"
+            "from malleus_ds.problem import Problem\n"
             "from malleus_ds.planner import plan\n"
             "import malleus_ds.cost, malleus_ds.simulate, malleus_ds.cli\n"
             f"pr = Problem.from_json({EXAMPLES['problem_32gpu_two_slow']!r})\n"

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from malleus_ds.plan import Memory
+from malleus_ds.problem import Memory
 from malleus_ds.planner.batch import FixedPipeline, split_batches
 from malleus_ds.planner.grouping import node_options
 from malleus_ds.planner.partition import PipelineModel, layer_cap, split_layers
@@ -155,7 +155,7 @@ def test_layer_cap_is_the_largest_count_the_cost_model_accepts():
     """The planner's cap inverts cost.stage_memory_mb (one formula): cap layers fit the budget,
     cap + 1 do not, over random memory models, group sizes and stage positions."""
     from malleus_ds.cost import stage_memory_mb
-    from malleus_ds.plan import Problem
+    from malleus_ds.problem import Problem
 
     rnd = random.Random(7)
     base = Problem(name="cap", nodes=1, gpus_per_node=8, num_layers=40, global_batch_size=16,

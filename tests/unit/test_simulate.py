@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from malleus_ds.cost import evaluate
-from malleus_ds.plan import Pipeline, Plan, Problem, Stage
+from malleus_ds.plan import Pipeline, Plan, Stage
+from malleus_ds.problem import Problem
 from malleus_ds.simulate import compute_order, gantt, simulate, summarize
 
 

@@ -14,7 +14,9 @@ group cannot express lives in this subclass, each in its own module:
 * the 1F1B schedule per heterogeneous pipeline (``schedule.py``, dispatched by ``train_batch``),
 * Megatron TP per stage, any group size dividing heads and FFN (``tensor_parallel.py``),
 * per-layer / per-finest-shard gradient SUM (``grad_sync.py``; stock averages over one group),
-* ZeRO-1/2 across each replica set with torch AdamW (``optimizer.py``).
+* ZeRO-1/2 across each replica set with torch AdamW (``optimizer.py``),
+* the pipeline's sends and receives (``p2p.py``), state by global name, checkpoints and export
+  (``state.py``), the plan-aware ``mpu`` (``mpu.py``).
 
 Setup reads as named steps: ``build_settings`` → ``build_plan`` (every rank validates the same
 plan and raises the same error before any collective, so bad input never hangs) →
@@ -62,58 +64,17 @@ from ..models.base import StageModule, param_table, tied_params
 from ..plan import Plan, PlanError
 from ..watchdog import phase
 from .groups import GROUPS, plan_rank_sets
+from .mpu import PlanMPU
+from .p2p import PipelineP2P
 from .plan_check import check_job_plan
 from .runtime import PlanRuntime, StageSpec, accumulate_one, build_runtime, build_stage, locate
-from .precision import Precision, load_scaler_state, scaler_state
+from .precision import Precision
+from .state import EngineState
 from .settings import MalleusSettings, as_plan, base_ds_config, load_config, optimizer_settings
 from .schedule import Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad
 
 
-class _PlanMPU:
-    """The ``mpu`` the base engine sees. Its data-parallel group is this rank alone, so the base
-    engine never broadcasts or reduces across ranks that hold different layers; model parallel =
-    this stage's TP group."""
-
-    def __init__(self, rank: int, self_group, tp_group, tp_rank: int, tp_size: int,
-                 stage_id: int, num_stages: int) -> None:
-        self.rank, self.self_group = rank, self_group
-        self.tp_group = tp_group if tp_size > 1 else self_group
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.stage_id, self.num_stages = stage_id, num_stages
-
-    def get_data_parallel_group(self):
-        return self.self_group
-
-    def get_data_parallel_world_size(self):
-        return 1
-
-    def get_data_parallel_rank(self):
-        return 0
-
-    def get_data_parallel_group_ranks(self):
-        return [self.rank]
-
-    def get_model_parallel_group(self):
-        return self.tp_group
-
-    def get_model_parallel_world_size(self):
-        return self.tp_size
-
-    def get_model_parallel_rank(self):
-        return self.tp_rank
-
-    get_tensor_model_parallel_group = get_model_parallel_group
-    get_tensor_model_parallel_world_size = get_model_parallel_world_size
-    get_tensor_model_parallel_rank = get_model_parallel_rank
-
-    def get_pipeline_model_parallel_world_size(self):
-        return self.num_stages
-
-    def get_pipeline_model_parallel_rank(self):
-        return self.stage_id
-
-
-class MalleusEngine(DeepSpeedEngine):
+class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
     """One engine per rank, built from a plan (DESIGN.md §5).
 
     ``model``: a model config with the interface of ``malleus_ds/models/base.py`` (our
@@ -142,7 +103,7 @@ class MalleusEngine(DeepSpeedEngine):
         spec = locate(plan, rank)
         stage_module = build_stage(plan, spec, make_stage, settings.precision)
         loc = spec.located
-        mpu = _PlanMPU(rank, GROUPS.get((rank,)), spec.tp_group, spec.tp_rank, spec.tp_size,
+        mpu = PlanMPU(rank, GROUPS.get((rank,)), spec.tp_group, spec.tp_rank, spec.tp_size,
                        loc[1] if loc else 0, len(plan.pipelines[loc[0]].stages) if loc else 1)
         base_cfg = base_ds_config(user_cfg, plan, loc)
         super().__init__(args=args, model=stage_module, mpu=mpu, config=base_cfg,
@@ -505,58 +466,6 @@ class MalleusEngine(DeepSpeedEngine):
         if not self.is_first_stage:
             self._grads_in[k] = self._inputs.pop(k).grad
 
-    def _act_shape(self) -> tuple[int, int, int]:
-        return (self.plan.micro_batch_size, self.seq_len, self.model_cfg.hidden_size)
-
-    # Point-to-point. Sends are asynchronous, receives block (the rule schedule.simulate proves
-    # deadlock-free). A send followed directly by a receive (1F1B's steady state: "SA k, RG i"
-    # and "SG i, RA k+1") is issued as ONE batch_isend_irecv: on NCCL, ops between a pair run
-    # in order on one stream and a send completes only when matched, so issuing them one by
-    # one could leave both neighbours waiting on each other (Megatron's send_forward_recv_backward).
-
-    def _send_parts(self, ins) -> tuple[torch.Tensor, list[int]]:
-        if isinstance(ins, SendAct):
-            return self._outputs[ins.micro_batch].detach().contiguous(), self.act_dsts
-        return self._grads_in.pop(ins.micro_batch).contiguous(), self.grad_dsts
-
-    def _recv_parts(self, ins) -> tuple[torch.Tensor, int]:
-        buf = torch.empty(self._act_shape(), dtype=self.act_dtype, device=self.device)
-        return buf, (self.act_src if isinstance(ins, RecvAct) else self.grad_src)
-
-    def _recv_done(self, ins, buf: torch.Tensor) -> None:
-        if isinstance(ins, RecvAct):
-            self._inputs[ins.micro_batch] = buf.requires_grad_()
-        else:
-            self._grads_out[ins.micro_batch] = buf
-
-    def _prune_sends(self) -> None:
-        # keep only unfinished isends alive: bounds send buffers by what is really in flight
-        self._sends = [(h, t) for h, t in self._sends if not h.is_completed()]
-
-    def _exec_send(self, ins) -> None:
-        self._prune_sends()
-        t, dsts = self._send_parts(ins)
-        for dst in dsts:
-            self._sends.append((tdist.isend(t, dst, tag=ins.micro_batch), t))
-
-    def _exec_recv(self, ins) -> None:
-        buf, src = self._recv_parts(ins)
-        with phase("p2p"):
-            tdist.recv(buf, src=src, tag=ins.micro_batch)
-        self._recv_done(ins, buf)
-
-    def _exec_send_recv(self, send, recv) -> None:
-        self._prune_sends()
-        t, dsts = self._send_parts(send)
-        buf, src = self._recv_parts(recv)
-        ops = [tdist.P2POp(tdist.isend, t, d, tag=send.micro_batch) for d in dsts]
-        ops.append(tdist.P2POp(tdist.irecv, buf, src, tag=recv.micro_batch))
-        reqs = tdist.batch_isend_irecv(ops)
-        self._sends.extend((r, t) for r in reqs[:-1])
-        with phase("p2p"):
-            reqs[-1].wait()
-        self._recv_done(recv, buf)
-
     # ------------------------------------------------------------------ stock API
 
     def forward(self, *inputs, **kwargs):
@@ -568,84 +477,6 @@ class MalleusEngine(DeepSpeedEngine):
 
     def step(self, *args, **kwargs):
         raise RuntimeError("MalleusEngine runs whole pipelined steps: use engine.train_batch()")
-
-    def local_state(self) -> dict:
-        """This rank's training state by global parameter name, for re-planning / migration:
-        ``{"params": {name: shard}, "exp_avg": {...}, "exp_avg_sq": {...}, "step": Adam step,
-        "global_steps": steps trained, "skipped_steps": ..., "loss_scaler": fp16 scaler state
-        or None}``; shards as in :meth:`local_shards`. With bf16/fp16, ``params`` are the fp32
-        MASTER weights (the low-precision parameters are their casts), so a re-plan loses
-        nothing. Collective (ZeRO partitions are gathered): call on every rank."""
-        st = self.optimizer.gather_state(masters=self.precision.mixed)
-        params = st.pop("master", None)
-        if params is None:
-            params = {n: p.detach().clone() for n, p in self.named.items()}
-        return {"params": params, **st, "step": self.optimizer.step_count(),
-                "global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
-                "loss_scaler": scaler_state(self.loss_scaler)}
-
-    def local_params(self) -> dict[str, torch.Tensor]:
-        """``local_state()["params"]`` alone: fp32 values of this rank's shards by global name
-        (the masters under bf16/fp16: collective then, on every rank; local copies in fp32)."""
-        if self.precision.mixed:
-            return self.optimizer.gather_state(masters=True, moments=False)["master"]
-        return {n: p.detach().clone() for n, p in self.named.items()}
-
-    @torch.no_grad()
-    def load_local_state(self, state: dict) -> None:
-        """Inverse of :meth:`local_state` for *this* engine's local shards (a migrator or a
-        checkpoint loader slices them out of the old layout). Local only, no communication."""
-        missing = sorted(set(self.named) - set(state["params"]))
-        if missing:
-            raise KeyError(f"load_local_state: no state for local parameters {missing[:4]}...")
-        for n, p in self.named.items():
-            if state["params"][n].shape != p.shape:
-                raise ValueError(f"load_local_state: {n} has shape {tuple(state['params'][n].shape)}, "
-                                 f"this rank holds {tuple(p.shape)}")
-            p.copy_(state["params"][n])     # casts fp32 masters to bf16/fp16 when mixed
-        # masters from the given (fp32) values, not from the low-precision parameters
-        self.optimizer.load_state({k: state[k] for k in ("exp_avg", "exp_avg_sq")}, state["step"],
-                                  params=state["params"])
-        load_scaler_state(self.loss_scaler, state.get("loss_scaler"))
-        self.skipped_steps = state.get("skipped_steps", self.skipped_steps)
-        self.global_steps = state.get("global_steps", self.global_steps)
-        self.global_samples = self.global_steps * self.plan.global_batch_size
-
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **_kw):
-        """Every rank writes what it holds (parameter shards, fp32 masters, its ZeRO partition of
-        Adam's moments; nothing gathered) to ``save_dir/tag/malleus_rank{r:05d}.pt``; rank 0
-        commits ``meta.json`` and ``save_dir/latest``. Loads under any plan, ZeRO stage,
-        precision or world size. Collective. See ``engine/checkpoint.py``."""
-        from .checkpoint import save_checkpoint
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
-
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, **_kw):
-        """Load what :meth:`save_checkpoint` wrote, under this engine's plan, ZeRO stage,
-        precision and world size (any of them may differ from the saving job's). Returns
-        ``(path, client_state)`` like DeepSpeed. Collective. See ``engine/checkpoint.py``."""
-        from .checkpoint import load_checkpoint
-        return load_checkpoint(self, load_dir, tag, load_optimizer_states,
-                               load_lr_scheduler_states)
-
-    def export_hf(self, out_dir) -> None:
-        """Write the model, gathered from this plan, as a Hugging Face folder (``config.json`` +
-        safetensors) that ``AutoModelForCausalLM.from_pretrained`` loads. Collective; rank 0
-        writes. See ``malleus_ds/export/`` (``malleus-export`` does the same from a checkpoint)."""
-        from ..export import export_engine
-        return export_engine(self, out_dir)
-
-    def local_shards(self) -> dict[str, tuple[torch.Tensor, int | None, int, int]]:
-        """``name -> (local tensor, TP split dim or None, tp_rank, tp_size)`` for checking and
-        gathering: the full tensor's slice ``tp_rank`` of ``tp_size`` along dim. These are the
-        live parameters (bf16/fp16 under mixed precision); :meth:`local_state` has the fp32
-        masters."""
-        out = {}
-        for n, p in self.named.items():
-            dim = self.param_table[n].split_dim
-            out[n] = (p.detach().cpu().clone(), dim, self.tp_rank if dim is not None else 0,
-                      self.tp_size if dim is not None else 1)
-        return out
 
 
 # ---------------------------------------------------------------------- helpers

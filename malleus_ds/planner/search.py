@@ -1,5 +1,6 @@
 """The planner's entry point: heuristic seeds + a pymoo genetic search over the discrete layout
-space, exact inner solvers in the evaluation, and the baselines as a floor.
+space (``genetic.py``), exact inner solvers in the evaluation, and the baselines as a floor;
+this file picks the answer among them.
 
     from malleus_ds.planner import plan
     res = plan(problem, seed=0, time_limit=2.0)   # -> PlanResult
@@ -17,18 +18,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Mapping
 
-import numpy as np
-
 from ..cost import (capacity_fraction, check_memory, comm_spec, healthy_step_time,
                     pipeline_stage_times, step_time, validate_for_problem)
 from ..plan import Plan, PlanError
 from ..problem import Problem
 from .baselines import all_baselines
 from .batch import FixedPipeline, split_batches
-from .placement import build_plan, moved_units, units_to_mb
-from .templates import INFEASIBLE, SearchSpace
+from .genetic import REL_TIE, ParetoPoint, genetic_search
+from .placement import moved_units, units_to_mb
+from .templates import SearchSpace
 
-_REL = 1e-9
 
 
 @dataclass(frozen=True)
@@ -45,13 +44,6 @@ class PlannerConfig:
     num_pipelines: int | None = None    # fix the number of pipelines (Malleus: dp); None = search
     min_improvement: float = 0.0        # keep current_plan unless the best plan is this much
                                         #   faster (relative, e.g. 0.05 = 5%): migration costs
-
-
-@dataclass(frozen=True)
-class ParetoPoint:
-    plan: Plan
-    step_time: float
-    moved_units: float
 
 
 @dataclass(frozen=True)
@@ -153,7 +145,7 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
     # healthy: the static plan (the user's layout) unless it does not fit in memory
     if not healthy or bplans["static"] is None:
         space = SearchSpace(problem, cfg.num_pipelines)
-        found, gens, pareto = _search(space, cfg, deadline, old)
+        found, gens, pareto = genetic_search(space, cfg, deadline, old)
         evals = space.evaluations
         if comm_spec(problem) is not None:   # the search costs compute only: re-split data
             found = found + [q for q in (_resplit_with_comm(problem, p) for p in found) if q]
@@ -169,7 +161,7 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
     cur = [c for c in cands if c[3] == "current"]
     if cur and cfg.min_improvement > 0 and best_T > cur[0][0] * (1 - cfg.min_improvement):
         best_T = cur[0][0]          # not worth a migration: the current plan is within the margin
-    tied = [c for c in cands if c[0] <= best_T * (1 + _REL)]
+    tied = [c for c in cands if c[0] <= best_T * (1 + REL_TIE)]
     T, mv, _, method, best = min(tied, key=lambda c: (c[1], c[2], c[0]))
     return PlanResult(
         plan=best, step_time=T, efficiency=eta(T), method=method,
@@ -223,187 +215,3 @@ def _memory_floor(problem: Problem, budget: float) -> tuple[float, str]:
     ]
     over = [t for t in terms if t[0] > budget + 1e-9]
     return over[0] if over else max(terms, key=lambda t: t[0])
-
-
-# --------------------------------------------------------------------------------------------
-# the genetic search
-# --------------------------------------------------------------------------------------------
-
-
-def _search(space: SearchSpace, cfg: PlannerConfig, deadline: float | None, old: Plan | None
-            ) -> tuple[list[Plan], int, tuple[ParetoPoint, ...]]:
-    from pymoo.algorithms.moo.nsga2 import NSGA2
-    from pymoo.algorithms.soo.nonconvex.ga import GA
-    from pymoo.core.problem import Problem as PymooProblem
-    from pymoo.operators.crossover.sbx import SBX
-    from pymoo.operators.mutation.pm import PM
-    from pymoo.operators.repair.rounding import RoundingRepair
-
-    mo = cfg.multi_objective and old is not None
-    built: dict[tuple, tuple[Plan | None, float]] = {}
-
-    def plan_of(x) -> tuple[Plan | None, float]:
-        k = tuple(np.clip(np.asarray(x, dtype=np.int64), space.xl, space.xu).tolist())
-        if k not in built:
-            T, lay, ev = space.evaluate(k)
-            if ev is None:
-                built[k] = (None, INFEASIBLE)
-            else:
-                p = build_plan(space, lay, ev, old)
-                built[k] = (p, moved_units(old, p))
-        return built[k]
-
-    def objectives(x) -> list[float]:
-        T = space.evaluate(x)[0]
-        if not mo:
-            return [T]
-        p, mv = plan_of(x)
-        return [T, mv if p is not None else INFEASIBLE]
-
-    class _P(PymooProblem):
-        def __init__(self) -> None:
-            super().__init__(n_var=space.n_var, n_obj=2 if mo else 1, xl=space.xl, xu=space.xu,
-                             vtype=int)
-
-        def _evaluate(self, X, out, *args, **kwargs):
-            out["F"] = np.array([objectives(x) for x in X], dtype=float)
-
-    # initial population: the best distinct heuristic seeds, then mutants of them
-    rng = np.random.default_rng(cfg.seed)
-    seeds = space.seeds()
-    scored = []
-    for x in seeds:
-        if deadline is not None and time.perf_counter() > deadline and scored:
-            break
-        scored.append((space.evaluate(x)[0], tuple(x.tolist())))
-    scored.sort()
-    init: list[tuple] = []
-    for _, k in scored:
-        if k not in init:
-            init.append(k)
-    init = init[: cfg.pop_size]
-    base = [np.array(k) for k in init] or [np.array(space.xl)]
-    while len(init) < cfg.pop_size:
-        x = base[len(init) % len(base)].copy()
-        n_mut = 1 + int(rng.integers(0, 3))
-        for i in rng.integers(0, space.n_var, size=n_mut):
-            x[i] = rng.integers(space.xl[i], space.xu[i] + 1)
-        k = tuple(x.tolist())
-        if k not in init:
-            init.append(k)
-        elif len(init) >= 1 and rng.random() < 0.1:   # tiny spaces: allow duplicates to finish
-            init.append(k)
-    X0 = np.array(init, dtype=np.int64)
-    gens = 0
-    kw = dict(pop_size=cfg.pop_size, sampling=X0,
-              crossover=SBX(prob=0.9, eta=15, vtype=float, repair=RoundingRepair()),
-              mutation=PM(eta=5, vtype=float, repair=RoundingRepair()),
-              eliminate_duplicates=True)
-    algo = NSGA2(**kw) if mo else GA(**kw)
-    if space.n_var > 0 and (deadline is None or time.perf_counter() < deadline):
-        algo.setup(_P(), termination=("n_gen", cfg.max_generations + 1), seed=cfg.seed,
-                   verbose=False)
-        best, stall = math.inf, 0
-        while gens < cfg.max_generations and stall < cfg.patience and algo.has_next():
-            if deadline is not None and time.perf_counter() > deadline:
-                break
-            algo.next()
-            gens += 1
-            F = algo.opt.get("F")
-            cur = float(F[:, 0].min()) if F is not None and len(F) else math.inf
-            if cur < best * (1 - 1e-12):
-                best, stall = cur, 0
-            else:
-                stall += 1
-        pop = algo.opt if algo.opt is not None else algo.pop
-        Xs = [tuple(x.tolist()) for x in pop.get("X").astype(np.int64)] if pop is not None else []
-    else:
-        Xs = []
-    # candidates: the GA's best plus the best seeds; ties on step time resolved by migration
-    Xs = Xs + [k for _, k in scored[:4]]
-    if Xs and cfg.polish_evals > 0:
-        start = min(Xs, key=lambda k: space.evaluate(k)[0])
-        Xs.append(_polish(space, start, deadline, cfg.polish_evals))
-    ranked = sorted({k: space.evaluate(k)[0] for k in Xs}.items(), key=lambda kv: kv[1])
-    if not ranked or ranked[0][1] >= INFEASIBLE:
-        return [], gens, ()
-    bestT = ranked[0][1]
-    top = [k for k, T in ranked if T <= bestT * (1 + _REL)][:8 if old is not None else 1]
-    plans = [p for p in (plan_of(k)[0] for k in top) if p is not None]
-    pareto: tuple[ParetoPoint, ...] = ()
-    if mo:
-        pts = []
-        for k, T in ranked:
-            if T >= INFEASIBLE:
-                continue
-            p, mv = plan_of(k)
-            if p is not None:
-                pts.append(ParetoPoint(p, T, mv))
-        front, best_mv = [], math.inf
-        for pt in sorted(pts, key=lambda q: (q.step_time, q.moved_units)):
-            if pt.moved_units < best_mv - 1e-9:
-                if front and pt.step_time <= front[-1].step_time * (1 + _REL):
-                    front[-1] = pt          # same step time up to rounding: keep the cheaper
-                else:
-                    front.append(pt)
-                best_mv = pt.moved_units
-        pareto = tuple(front)
-        plans += [pt.plan for pt in front[:1]]
-    return plans, gens, pareto
-
-
-def _polish(space: SearchSpace, x: tuple, deadline: float | None, max_evals: int) -> tuple:
-    """First-improvement coordinate descent from ``x``: number of pipelines, fill policy,
-    each node's grouping option, and each group's pipeline. Deterministic."""
-    best = list(x)
-    bestT = space.evaluate(best)[0]
-    used = 0
-
-    def out_of_budget() -> bool:
-        return used >= max_evals or (deadline is not None and time.perf_counter() > deadline)
-
-    def try_(cand: list[int]) -> bool:
-        nonlocal best, bestT, used
-        cand = np.clip(np.asarray(cand, dtype=np.int64), space.xl, space.xu).tolist()
-        if cand == best:
-            return False
-        used += 1
-        T = space.evaluate(cand)[0]
-        if T < bestT * (1 - 1e-12):
-            best, bestT = cand, T
-            return True
-        return False
-
-    improved = True
-    while improved and not out_of_budget():
-        improved = False
-        P = best[0]
-        for dP in (-1, 1, -2, 2, -4, 4):
-            c = list(best)
-            c[0] = P + dP
-            improved |= try_(c)
-        c = list(best)
-        c[1] = 1 - c[1]
-        improved |= try_(c)
-        for i in range(len(space.special_nodes)):
-            for o in range(int(space.xu[2 + i]) + 1):
-                if out_of_budget():
-                    return tuple(best)
-                c = list(best)
-                c[2 + i] = o
-                improved |= try_(c)
-        P = best[0]
-        slots = [space.slot_offset[i] + k
-                 for i in range(len(space.special_nodes))
-                 for k in range(len(space.options[i][best[2 + i]].groups))]
-        for g in slots:
-            cur = best[g] * P // space.P_max
-            for p in range(P):
-                if p == cur:
-                    continue
-                if out_of_budget():
-                    return tuple(best)
-                c = list(best)
-                c[g] = -(-p * space.P_max // P)
-                improved |= try_(c)
-    return tuple(best)

@@ -26,6 +26,7 @@ the tensors of the pieces it builds. :meth:`HFModel.build_reference` is transfor
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +182,8 @@ class HFModel:
         self._lm_cls = getattr(mod, f"{pre}ForCausalLM")
         self._rotary: dict[str, nn.Module] = {}
         self._index: dict[str, str] | None = None
+        #: what this process read of ``path`` so far (the app's start-up line reports it)
+        self.load_stats = {"tensors": 0, "bytes": 0, "files": set(), "of_files": 0, "seconds": 0.0}
         with torch.device("meta"):
             attn = self._layer_cls(config, 0)
         self._biases = {n for n, _ in attn.named_parameters() if n.endswith(".bias")}
@@ -332,6 +335,8 @@ class HFModel:
                 raise HFError(f"model.hf_path={self.path}: no tensor {key!r} in its safetensors "
                               f"files (needed for {prefix + n})")
             wanted.setdefault(index[key], []).append((key, p))
+        st, t0 = self.load_stats, time.perf_counter()
+        st["of_files"] = len(set(index.values()))
         for f, items in wanted.items():              # only the files this piece needs
             with safe_open(f, "pt") as fh:
                 for key, p in items:
@@ -340,6 +345,10 @@ class HFModel:
                         raise HFError(f"model.hf_path={self.path}: {key} has shape "
                                       f"{tuple(t.shape)}, the config says {tuple(p.shape)}")
                     p.copy_(t.to(p.dtype))
+                    st["tensors"] += 1
+                    st["bytes"] += t.numel() * t.element_size()
+            st["files"].add(f)
+        st["seconds"] += time.perf_counter() - t0
 
     def build_reference(self, seed: int) -> HFCausalLM:
         """transformers' ``<Family>ForCausalLM`` with exactly the weights our pieces get."""

@@ -92,6 +92,9 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
     from .guard import STOP, Stopped, start_watchdog
 
     init_process_group(env, cfg.comm_timeout_s)
+    if env.is_rank0:        # a big model takes a while to build or load: say what is going on
+        print(f"[malleus_ds] building engine={cfg.engine} model={cfg.model.name} on "
+              f"{env.world_size} rank(s)", flush=True)
     STOP.install()
     dog = start_watchdog(cfg, env)
     try:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -22,6 +23,8 @@ class DistEnv:
     local_world_size: int = 1
     device: str = "cpu"          # "cpu" or "cuda:<local_rank>"
     backend: str = "gloo"        # gloo on CPU, nccl on GPU
+    #: when this process started the run (``time.perf_counter``): start-up time is measured from it
+    started: float = field(default_factory=time.perf_counter, compare=False)
 
     @property
     def is_rank0(self) -> bool:

@@ -17,6 +17,7 @@ A runner's step loop looks like::
 from __future__ import annotations
 
 import sys
+import time
 
 from ..clock import ComputeClock as _ComputeClock
 from ..config import RunConfig
@@ -89,6 +90,8 @@ class StepReporter:
         self.bar = None
         # rank 0: progress lines (stdout not a terminal), train.log, the ds_config's monitor
         self.stream = StepStream(cfg, monitor) if env.is_rank0 else None
+        if self.stream is not None and first_step < cfg.train.steps:
+            self.stream.startup(time.perf_counter() - env.started, first_step, cfg.model)
         if env.is_rank0 and cfg.progress:
             from tqdm import tqdm
             self.bar = tqdm(total=cfg.train.steps, initial=first_step,

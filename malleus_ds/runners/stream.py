@@ -138,6 +138,13 @@ class StepStream:
         self._compute: list[float] = []
         self.lines: list[str] = []           # every progress line made (tests, callers)
 
+    def startup(self, seconds: float, first_step: int, model=None) -> str:
+        """The start-up line (:func:`format_startup`): stdout and train.log."""
+        line = format_startup(seconds, first_step, self.total, model)
+        print(line, file=self.stdout, flush=True)
+        self.log.write(line)
+        return line
+
     def step(self, step: int, loss: float, step_time_s: float,
              compute_s: Sequence[float]) -> str | None:
         """After step ``step`` (0-based): monitor events each step; a progress line on
@@ -162,6 +169,19 @@ class StepStream:
             print(line, file=self.stdout, flush=True)
         self.log.write(line)
         return line
+
+
+def format_startup(seconds: float, first_step: int, total: int, model=None) -> str:
+    """The line rank 0 prints once the engine is built, before the first step: start-up seconds
+    (process group, model build or load, engine set-up, checkpoint), and what rank 0 read of a
+    local model folder (``HFModel.load_stats``)."""
+    line = f"[malleus_ds] ready after {seconds:.1f} s; training steps {first_step + 1}-{total}"
+    st = getattr(model, "load_stats", None)
+    if st and st.get("tensors"):
+        line += (f"; rank 0 read {st['tensors']} tensors ({st['bytes'] / 2 ** 20:.1f} MiB) "
+                 f"from {len(st['files'])} of {st['of_files']} weight file(s) in "
+                 f"{st['seconds']:.1f} s")
+    return line
 
 
 def _isatty(f) -> bool:

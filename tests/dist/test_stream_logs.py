@@ -39,8 +39,13 @@ def test_progress_lines_stream_to_stdout_and_train_log_and_monitor_gets_throughp
     assert [LINE.match(x).group(1) for x in lines] == ["2", "4", "6"], p.stdout
     # before the end-of-run summary, not with it
     assert p.stdout.index(lines[-1]) < p.stdout.index("== malleus_ds run:")
+    # start-up: a line when building starts, one when training starts (and in train.log)
+    ready = [x for x in p.stdout.splitlines() if x.startswith("[malleus_ds] ready after ")]
+    building = f"[malleus_ds] building engine={engine} model=tiny on 2 rank(s)"
+    assert len(ready) == 1 and ready[0].endswith("; training steps 1-6"), p.stdout
+    assert p.stdout.index(building) < p.stdout.index(ready[0]) < p.stdout.index(lines[0])
     log = (out / "train.log").read_text().splitlines()
-    assert [x.split(" - ", 1)[1] for x in log if "[malleus_ds.progress]" in x] == lines
+    assert [x.split(" - ", 1)[1] for x in log if "[malleus_ds.progress]" in x] == ready + lines
     mon = out / "mon"
     for tag, rows in (("samples_per_s", 6), ("step_time_s", 6), ("compute_s_rank0", 6),
                       ("compute_s_rank1", 6), ("train_loss", 6)):

@@ -113,6 +113,10 @@ def test_local_folder_loads_weights_and_opens_only_needed_files(tmp_path, monkey
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     need = {index[k] for k in index if k.startswith("model.layers.3.")}
     assert set(opened) == need and len(need) < len(files)
+    st = m2.load_stats                  # what the app's start-up line reports
+    assert st["tensors"] == sum(k.startswith("model.layers.3.") for k in index)
+    assert {Path(f).name for f in st["files"]} == need and st["of_files"] == len(files)
+    assert st["bytes"] == sum(p.numel() * 4 for p in m2.build_layer(3, seed=0).parameters())
 
 
 def test_tied_folder_without_lm_head_loads(tmp_path):

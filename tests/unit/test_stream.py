@@ -7,7 +7,8 @@ import pytest
 from malleus_ds import runners
 from malleus_ds.config import ConfigError
 from malleus_ds.runners.stream import (StepStream, TrainLog, check_monitor_packages,
-                                       format_progress, monitor_events, should_log)
+                                       format_progress, format_startup, monitor_events,
+                                       should_log)
 from tests.unit.test_config import cfg
 
 
@@ -81,6 +82,23 @@ def test_resumed_run_counts_steps_from_the_checkpoint():
         s.step(step, 1.0, 0.5, [0.1, 0.1])
     assert [x.split()[2] for x in out.getvalue().splitlines()] == ["8/10", "10/10"]
     assert "| 16.0 samples/s | step 0.500 s" in s.lines[0]   # steps 5, 6, 7
+
+
+def test_startup_line_says_how_long_and_what_a_model_folder_cost():
+    assert format_startup(12.345, 0, 100) == "[malleus_ds] ready after 12.3 s; training steps 1-100"
+    assert format_startup(3.0, 20, 30).endswith("training steps 21-30")      # resumed at 20
+
+    class Loaded:
+        load_stats = {"tensors": 19, "bytes": 3 * 2 ** 20, "files": {"a", "b"}, "of_files": 6,
+                      "seconds": 0.25}
+    assert format_startup(5.0, 0, 4, Loaded()) == (
+        "[malleus_ds] ready after 5.0 s; training steps 1-4; rank 0 read 19 tensors (3.0 MiB) "
+        "from 2 of 6 weight file(s) in 0.2 s")
+    Loaded.load_stats = dict(Loaded.load_stats, tensors=0)        # random init: nothing read
+    assert "rank 0 read" not in format_startup(5.0, 0, 4, Loaded())
+    s, out, log = _stream(steps=4, tty=True)            # printed even on a terminal, and logged
+    line = s.startup(1.5, 0)
+    assert out.getvalue() == line + "\n" and log.lines == [line]
 
 
 def test_monitor_gets_throughput_step_time_and_per_rank_compute_every_step():

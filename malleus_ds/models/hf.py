@@ -57,6 +57,12 @@ HF_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+#: ``model.max_seq_len`` when not set: the config's ``max_position_embeddings``, but at most this
+#: (as transformers' ``run_clm.py`` caps its default block size): a Llama 3 folder says 131072,
+#: and samples that long would make the first step of a run that set nothing take hours.
+DEFAULT_MAX_SEQ_LEN = 2048
+
+
 class HFError(ValueError):
     """A Hugging Face config or folder this adapter cannot train."""
 
@@ -140,7 +146,8 @@ class HFModel:
 
     ``config``: a transformers config; ``name``: how runs record it (a preset name or the config
     path); ``path``: a local folder whose safetensors weights replace the random init;
-    ``max_seq_len``: the longest sample (default ``max_position_embeddings``)."""
+    ``max_seq_len``: the longest sample (default ``max_position_embeddings``, at most
+    :data:`DEFAULT_MAX_SEQ_LEN`)."""
 
     family = "hf"
 
@@ -164,7 +171,12 @@ class HFModel:
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.vocab_size = int(config.vocab_size)
         self.ffn = int(config.intermediate_size)
-        self.max_seq_len = int(max_seq_len or config.max_position_embeddings)
+        ctx = int(config.max_position_embeddings)
+        self.max_seq_len = int(max_seq_len or min(ctx, DEFAULT_MAX_SEQ_LEN))
+        #: said at start-up when the default cut the config's context (Llama 3: 131072)
+        self.seq_len_note = (f"model.max_seq_len={self.max_seq_len} (the default; the config "
+                             f"allows {ctx}: set model.max_seq_len to train longer samples)"
+                             if not max_seq_len and ctx > DEFAULT_MAX_SEQ_LEN else None)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if self.max_seq_len > int(config.max_position_embeddings):
             raise HFError(f"model.max_seq_len={self.max_seq_len} > the config's "

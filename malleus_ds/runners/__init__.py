@@ -93,8 +93,9 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
 
     init_process_group(env, cfg.comm_timeout_s)
     if env.is_rank0:        # a big model takes a while to build or load: say what is going on
+        note = getattr(cfg.model, "seq_len_note", None)
         print(f"[malleus_ds] building engine={cfg.engine} model={cfg.model.name} on "
-              f"{env.world_size} rank(s)", flush=True)
+              f"{env.world_size} rank(s)" + (f"; {note}" if note else ""), flush=True)
     STOP.install()
     dog = start_watchdog(cfg, env)
     try:

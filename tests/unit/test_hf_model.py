@@ -131,6 +131,27 @@ def _run_config(model: dict, **kw):
     return build_run_config({"engine": "malleus", "model": model, **kw}, world_size=2)
 
 
+def test_long_context_configs_default_to_2048_token_samples(tmp_path, capsys):
+    """A Llama 3 config says max_position_embeddings=131072: without model.max_seq_len the
+    samples are 2048 tokens (said on the start-up line), not 131072; a set value wins, and a
+    Mistral with a 4096-token sliding window trains by default."""
+    from malleus_ds.models.hf import DEFAULT_MAX_SEQ_LEN
+
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(dict(HF_PRESETS["tiny-llama"], max_position_embeddings=131072)))
+    m = _run_config({"name": "hf", "hf_config": str(f)}).model
+    assert m.max_seq_len == DEFAULT_MAX_SEQ_LEN == 2048
+    assert m.seq_len_note == ("model.max_seq_len=2048 (the default; the config allows 131072: "
+                              "set model.max_seq_len to train longer samples)")
+    m = _run_config({"name": "hf", "hf_config": str(f), "max_seq_len": 8192}).model
+    assert m.max_seq_len == 8192 and m.seq_len_note is None
+    m = _run_config({"name": "hf", "hf_config": "tiny-llama"}).model     # 64: under the cap
+    assert m.max_seq_len == 64 and m.seq_len_note is None
+    f.write_text(json.dumps(dict(HF_PRESETS["tiny-mistral"], max_position_embeddings=32768,
+                                 sliding_window=4096)))
+    assert _run_config({"name": "hf", "hf_config": str(f)}).model.max_seq_len == 2048
+
+
 def test_model_hf_config_errors(tmp_path):
     assert _run_config({"name": "hf", "hf_config": "tiny-qwen2"}).model.num_kv_heads == 2
     with pytest.raises(ConfigError, match=r"model=hf has unknown fields \['hidden_size'\]"):

@@ -23,6 +23,27 @@ class PlanError(ValueError):
     numbers."""
 
 
+class JsonFile:
+    """``dumps`` / ``save`` / ``loads`` / ``load`` around a class's ``to_json`` / ``from_json``
+    (one JSON object per file; errors name ``_WHAT``): shared by Plan and ``problem.Problem``."""
+
+    _WHAT = "?"
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.dumps() + "\n")
+
+    @classmethod
+    def loads(cls, text: str):
+        return cls.from_json(_parse_json(text, cls._WHAT))
+
+    @classmethod
+    def load(cls, path: str | Path):
+        return cls.loads(_read_text(path, cls._WHAT))
+
+
 # --------------------------------------------------------------------------------------------
 # Plan
 # --------------------------------------------------------------------------------------------
@@ -71,7 +92,9 @@ class Pipeline:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(JsonFile):
+    _WHAT = "plan"
+
     num_layers: int
     global_batch_size: int
     micro_batch_size: int
@@ -130,12 +153,6 @@ class Plan:
         )
         return out
 
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=1)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.dumps() + "\n")
-
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> "Plan":
         if not isinstance(d, Mapping):
@@ -180,13 +197,6 @@ class Plan:
             extra={k: v for k, v in d.items() if k not in known},
         )
 
-    @staticmethod
-    def loads(text: str) -> "Plan":
-        return Plan.from_json(_parse_json(text, "plan"))
-
-    @staticmethod
-    def load(path: str | Path) -> "Plan":
-        return Plan.loads(_read_text(path, "plan"))
 
 
 def static_plan(num_layers: int, global_batch_size: int, micro_batch_size: int,

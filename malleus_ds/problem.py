@@ -7,13 +7,10 @@ Pure Python: no torch, no torch.distributed, no deepspeed, no omegaconf.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
 
-from .plan import (VERSION, Plan, PlanError, _check_version, _int, _parse_json, _read_text,
-                   static_plan)
+from .plan import VERSION, JsonFile, Plan, PlanError, _check_version, _int, static_plan
 
 
 @dataclass(frozen=True)
@@ -31,7 +28,9 @@ class Memory:
 
 
 @dataclass(frozen=True)
-class Problem:
+class Problem(JsonFile):
+    _WHAT = "problem"
+
     name: str
     nodes: int
     gpus_per_node: int
@@ -103,12 +102,6 @@ class Problem:
                              "layer_activation_mb": m.layer_activation_mb,
                              "embedding_mb": m.embedding_mb, "extra_mb": m.extra_mb}
         return out
-
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=1)
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.dumps() + "\n")
 
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> "Problem":
@@ -192,13 +185,6 @@ class Problem:
             extra={k: v for k, v in d.items() if k not in known},
         )
 
-    @staticmethod
-    def loads(text: str) -> "Problem":
-        return Problem.from_json(_parse_json(text, "problem"))
-
-    @staticmethod
-    def load(path: str | Path) -> "Problem":
-        return Problem.loads(_read_text(path, "problem"))
 
 
 def _section(d: Mapping[str, Any], name: str) -> Mapping[str, Any]:

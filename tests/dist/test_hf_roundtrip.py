@@ -1,5 +1,6 @@
-"""Hugging Face in, Hugging Face out (issue: malleus-export): a local HF folder (transformers'
-own random init, safetensors) trains 3 steps through the app on 2 gloo ranks with TP=2
+"""Hugging Face in, Hugging Face out (issue: malleus-export): a local HF folder (Llama-3 style:
+llama3 rope scaling, head_dim != hidden / heads, GQA; transformers' own random init, bf16 in
+sharded safetensors) trains 3 steps through the app on 2 gloo ranks with TP=2
 (``model=hf_local``), and a tied-embedding Qwen2 preset with PP=2 (``model=hf``); ``malleus-export``
 turns each ``checkpoint.dir`` into a folder that ``AutoModelForCausalLM.from_pretrained`` loads,
 whose weights and logits equal the one-process reference trained the same 3 steps. The same
@@ -22,14 +23,21 @@ PP2 = {"tp": 1, "pp": 2, "dp": 1}
 
 
 def _hf_folder(d) -> None:
-    """A local HF model folder: the tiny-llama preset with transformers' own random init."""
-    from transformers import AutoConfig, LlamaForCausalLM
+    """A local HF model folder the way real checkpoints come: Llama-3 style (``rope_scaling``
+    "llama3", ``head_dim`` 32 != hidden / heads, GQA 4 heads / 2 KV heads) with transformers' own
+    random init, saved in bf16 across several safetensors shards with an index."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from malleus_ds.models.hf import HF_PRESETS
 
-    c = dict(HF_PRESETS["tiny-llama"])
+    c = dict(HF_PRESETS["tiny-llama"], num_key_value_heads=2, head_dim=32, rope_theta=500000.0,
+             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    c.pop("model_type")
     torch.manual_seed(123)
-    LlamaForCausalLM(AutoConfig.for_model(c.pop("model_type"), **c)).save_pretrained(str(d))
+    LlamaForCausalLM(LlamaConfig(**c)).to(torch.bfloat16).save_pretrained(
+        str(d), max_shard_size="100KB")
+    assert len(list(d.glob("*.safetensors"))) > 1 and (d / "model.safetensors.index.json").is_file()
 
 
 def _cases(tmp):

@@ -75,8 +75,8 @@ def test_ids_outside_the_vocabulary_stop_every_rank_at_start_up(tmp_path):
     ids = np.random.default_rng(0).integers(0, 256, 3000).astype(np.uint16)
     ids[123] = 4000
     ids.tofile(tmp_path / "bad.bin")
-    p = subprocess.run(_torchrun(2) + ["model=tiny"] + COMMON + ["engine=malleus", "data.path=bad.bin",
-                                                f"hydra.run.dir={tmp_path / 'run'}"],
+    p = subprocess.run(_torchrun(2) + ["model=tiny"] + COMMON
+                       + ["engine=malleus", "data.path=bad.bin", f"hydra.run.dir={tmp_path / 'run'}"],
                        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
     msg = (f"data.path='{tmp_path / 'bad.bin'}': token id 4000 (at token index 123) is >= "

@@ -154,6 +154,8 @@ def test_frontier_with_stage_constants_matches_brute_force(seed):
 def test_layer_cap_is_the_largest_count_the_cost_model_accepts():
     """The planner's cap inverts cost.stage_memory_mb (one formula): cap layers fit the budget,
     cap + 1 do not, over random memory models, group sizes and stage positions."""
+    from dataclasses import replace
+
     from malleus_ds.cost import stage_memory_mb
     from malleus_ds.problem import Problem
 
@@ -166,7 +168,7 @@ def test_layer_cap_is_the_largest_count_the_cost_model_accepts():
                      layer_static_mb=rnd.choice([0.0, rnd.uniform(10, 2000)]),
                      layer_activation_mb=rnd.uniform(0, 900), embedding_mb=rnd.uniform(0, 3000),
                      extra_mb=rnd.uniform(0, 2000))
-        pr = Problem(**{**base.__dict__, "memory": mem})
+        pr = replace(base, memory=mem)
         S, g, L = rnd.randint(1, 6), rnd.choice([1, 2, 4]), 40
         j, m = rnd.randrange(S), rnd.randint(1, 9)
         cap = layer_cap(mem, pr.tp, g, j, S, m, L)

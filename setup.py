@@ -6,7 +6,12 @@ setup(
     version="0.1.0",
     description="Straggler-resilient non-uniform hybrid parallelism (Malleus) on DeepSpeed",
     python_requires=">=3.10",
-    packages=find_packages(include=["malleus_ds", "malleus_ds.*", "kernels", "kernels.*"]),
+    # The Triton kernels live in the repository's top-level kernels/ folder and install as the
+    # package ``malleus_ds_kernels``: a folder named ``kernels`` on sys.path (the repo root, the
+    # CWD) must never shadow Hugging Face's hub-kernels package ``kernels``, which newer
+    # transformers import. kernels/ has no __init__.py, so it is at most a namespace portion there.
+    packages=find_packages(include=["malleus_ds", "malleus_ds.*"]) + ["malleus_ds_kernels"],
+    package_dir={"malleus_ds_kernels": "kernels"},
     # the shipped byte corpus (nothing is downloaded at run time)
     package_data={"malleus_ds.data": ["corpus.txt"]},
     include_package_data=True,
@@ -22,13 +27,15 @@ setup(
         "matplotlib>=3.7",
         "tqdm>=4.60",
         "tensorboard>=2.14",   # DeepSpeed's TensorBoard monitor (ds_config "tensorboard")
-        # Hugging Face models (issue: bring your own model); our top-level ``kernels`` package
-        # shares its name with HF's hub-kernels package: tests/unit/test_transformers_import.py
+        # Hugging Face models (malleus_ds/models/hf.py); tests/unit/test_transformers_import.py
+        # checks them beside HF's ``kernels`` package
         "transformers>=4.57,<6",
         "safetensors>=0.4",
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100"],
+        # HF's hub-kernels package (``kernels``): newer transformers require it, so the suite
+        # always runs with it present and a name clash with our kernels cannot come back unseen
+        "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "kernels>=0.4"],
     },
     entry_points={
         "console_scripts": [

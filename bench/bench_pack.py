@@ -13,7 +13,7 @@ payload and the memory the sources take. ``--misalign`` starts every slice one e
 Measured in one run, after warm-up, median over ``--repeats`` (CUDA events around a loop of
 back-to-back calls on GPU, wall clock on CPU):
 
-* pack: ``kernels.pack.pack`` into a preallocated buffer -- one Triton launch on CUDA (host
+* pack: ``malleus_ds_kernels.pack.pack`` into a preallocated buffer -- one Triton launch on CUDA (host
   metadata build and its host->device copy included), the plain-torch twin on CPU;
 * cat: ``torch.cat([s.reshape(-1) for s in slices])`` (what pack replaces);
 * copy: ``dst.copy_(src)`` of the same number of bytes, both contiguous (the ceiling);
@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
 
-from kernels import pack as P  # noqa: E402
+from malleus_ds_kernels import pack as P  # noqa: E402
 
 TARGET = 0.85
 

@@ -374,7 +374,7 @@ def _launch(tensors: Sequence[torch.Tensor], tab: np.ndarray, flat: torch.Tensor
     device = flat.device
     if device.type != "cuda" and not _INTERPRETED:
         raise ValueError(f"pack_triton/unpack_triton need CUDA tensors (got {device}); set "
-                         "TRITON_INTERPRET=1 before importing kernels.pack to run on CPU")
+                         "TRITON_INTERPRET=1 before importing malleus_ds_kernels.pack to run on CPU")
     es = flat.element_size()
     if es not in _BITS:
         raise ValueError(f"the Triton path copies 1/2/4/8-byte elements, not {flat.dtype}")

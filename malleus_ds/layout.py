@@ -16,7 +16,7 @@ interval ``[lo, hi)``:
 
 So holdings are interval lists, the transfer plan is interval arithmetic, and a row-parallel
 weight's column block (strided in memory) is still one interval here; the executor turns it back
-into a 2-D strided window (``kernels.pack``).
+into a 2-D strided window (``malleus_ds_kernels.pack``).
 
 Buckets (DESIGN.md §5): each piece of a local parameter (a finest chunk of a TP-sharded weight,
 or the whole of a weight TP replicates) has a holder set; pieces with the same holder set form a

@@ -6,7 +6,7 @@ canonical interval of a parameter shard is, in memory, up to three 2-D strided w
 shard viewed split-dim-first (``(rows along the split dim, the rest)``): a partial first row, whole
 rows, a partial last row — e.g. a column block of a row-parallel weight is whole rows of its
 transposed view. Optimizer ranges are flat fp32 vectors. :func:`pack_parts` / :func:`unpack_parts`
-move many such windows in one ``kernels.pack`` call (one Triton launch on GPU).
+move many such windows in one ``malleus_ds_kernels.pack`` call (one Triton launch on GPU).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from kernels.pack import pack, unpack, window_of
+from malleus_ds_kernels.pack import pack, unpack, window_of
 
 from ..engine.grad_sync import as_rows, row_windows
 from ..layout import Hold, ParamTable, holdings

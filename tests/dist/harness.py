@@ -9,8 +9,9 @@ so a hang fails instead of blocking CI.
 Ranks start from a fork server (``multiprocessing`` "forkserver") that imported torch, DeepSpeed
 and transformers' Llama-family modules once, with ``DS_ACCELERATOR=cpu`` and one thread: each
 rank is a fork of that clean single-threaded process, so it skips ~2.5 s of imports (7 s with
-transformers) that 4 ranks on 2 cores would otherwise pay per test. malleus_ds and ``kernels`` are
-NOT preloaded: their import-time settings (``TRITON_INTERPRET``) follow each test's ``env``.
+transformers) that 4 ranks on 2 cores would otherwise pay per test. malleus_ds and
+``malleus_ds_kernels`` are NOT preloaded: their import-time settings (``TRITON_INTERPRET``)
+follow each test's ``env``.
 ``MALLEUS_TEST_SPAWN=1`` starts every rank from scratch instead (plain spawn).
 """
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""kernels.pack: windows of many (often non-contiguous) tensors <-> one flat buffer.
+"""malleus_ds_kernels.pack (kernels/pack.py): windows of many (often non-contiguous) tensors
+<-> one flat buffer.
 
 * the torch twin against independent oracles (``view.reshape(-1)`` of the torch view a window came
   from; python loops over the raw storage for hand-made windows), unpack round trips that must
   leave every element outside the windows untouched, window_of, and the errors;
 * the Triton kernel under ``TRITON_INTERPRET=1`` in a subprocess (the flag is read when
-  ``kernels.pack`` is imported, so it must not leak into this process), bit-exact against the twin;
+  ``malleus_ds_kernels.pack`` is imported, so it must not leak into this process), bit-exact against the twin;
 * the Triton kernel on CUDA (skipped without a GPU).
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Callable
 import pytest
 import torch
 
-from kernels.pack import (Window, pack, pack_torch, pack_triton, unpack, unpack_torch,
+from malleus_ds_kernels.pack import (Window, pack, pack_torch, pack_triton, unpack, unpack_torch,
                           unpack_triton, window_of)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -347,7 +348,7 @@ def test_errors_windows():
 
 _INTERP_SCRIPT = r"""
 import json, sys, torch
-import kernels.pack as P
+import malleus_ds_kernels.pack as P
 from tests.unit.test_pack import DTYPES, random_case, check_unpack
 assert P._INTERPRETED, "TRITON_INTERPRET=1 did not take"
 
@@ -433,7 +434,7 @@ def test_triton_interpreter_matches_torch(interpreter_results, dtype):
 
 
 def test_triton_needs_cuda_without_interpreter():
-    import kernels.pack as P
+    import malleus_ds_kernels.pack as P
     if P._INTERPRETED:
         pytest.skip("this process runs the interpreter")
     t = torch.zeros(8)

@@ -1,6 +1,9 @@
-"""Our top-level ``kernels`` package (Triton shard packing) shares its name with Hugging Face's
-hub-kernels package, which ``transformers`` probes for. With ours installed, ``transformers``
-must still import, must not take ours for HF's, and must run a Llama-family model."""
+"""Our Triton kernels (the repository's ``kernels/`` folder) install as ``malleus_ds_kernels``, so
+they can never shadow Hugging Face's hub-kernels package ``kernels``, which newer transformers
+require. The suite runs with HF's ``kernels`` installed (dev extras): ``import kernels`` must be
+HF's, ``transformers`` and its hub-kernels integration must import, and a Llama-family model must
+run -- from another folder and from the repository root (where ``kernels/`` is on ``sys.path``
+through the CWD), and inside the training app (``launch/train.py`` runs from the root too)."""
 import subprocess
 import sys
 from pathlib import Path
@@ -9,24 +12,45 @@ import pytest
 
 pytest.importorskip("transformers")
 
+REPO = Path(__file__).resolve().parents[2]
+
 SCRIPT = r"""
+import importlib.metadata as md
 import kernels, transformers, torch
 from pathlib import Path
-assert Path(kernels.__file__).resolve().parent == Path(REPO) / "kernels", kernels.__file__
-from transformers.utils import is_kernels_available
-assert not is_kernels_available(), "transformers took our kernels package for HF's"
+assert Path(kernels.__file__).resolve().parent != Path(REPO) / "kernels", kernels.__path__
+assert md.version("kernels"), "HF's kernels package is not installed (dev extras)"
+import transformers.integrations.hub_kernels  # noqa: F401 - imports HF's kernels when usable
+import malleus_ds_kernels.pack as P
+assert Path(P.__file__).resolve() == Path(REPO) / "kernels" / "pack.py", P.__file__
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 for Cfg, Model in ((LlamaConfig, LlamaForCausalLM), (Qwen2Config, Qwen2ForCausalLM)):
     m = Model(Cfg(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2))
     assert m(torch.zeros(1, 5, dtype=torch.long)).logits.shape == (1, 5, 64)
-print("ok", transformers.__version__)
+print("ok", transformers.__version__, md.version("kernels"))
 """
 
 
-def test_transformers_imports_and_runs_beside_our_kernels_package(tmp_path):
-    repo = Path(__file__).resolve().parents[2]
-    # from another folder: ``kernels`` comes from the installed (editable) malleus_ds
-    p = subprocess.run([sys.executable, "-c", f"REPO = {str(repo)!r}\n" + SCRIPT], cwd=tmp_path,
+@pytest.mark.parametrize("where", ["elsewhere", "repo_root"])
+def test_hf_kernels_package_is_not_shadowed(tmp_path, where):
+    cwd = REPO if where == "repo_root" else tmp_path
+    p = subprocess.run([sys.executable, "-c", f"REPO = {str(REPO)!r}\n" + SCRIPT], cwd=cwd,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
+
+
+def test_no_kernels_package_at_the_repository_root():
+    # an __init__.py would make kernels/ a regular package that wins over HF's on sys.path
+    assert not (REPO / "kernels" / "__init__.py").exists()
+    assert (REPO / "kernels" / "pack.py").exists()
+
+
+def test_training_app_trains_an_hf_model_beside_hf_kernels(tmp_path):
+    """The app as users start it (from the repo root): an HF model builds and trains a step."""
+    p = subprocess.run(
+        [sys.executable, "launch/train.py", "model=hf", "model.hf_config=tiny-llama",
+         "train.steps=1", "progress=false", f"hydra.run.dir={tmp_path}/run"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "steps=1 loss" in p.stdout, p.stdout[-2000:]

@@ -131,6 +131,48 @@ def _launch_ranks(nproc: int, task_overrides: list[str], run_dir: str) -> int:
     return 128 + got[0] if got else rc
 
 
+def _run_compare(engines: tuple[str, ...], plain: dict, nproc: int, task_overrides: list[str],
+                 run_dir: str) -> int:
+    """``compare=[e1,e2,...]``: the whole config once per engine, each in ``run_dir/<engine>``,
+    then the side-by-side table (``malleus_ds/compare.py``) and the plot. Every engine's config
+    is checked before the first one starts."""
+    from malleus_ds.compare import no_straggler_note, report
+    from malleus_ds.config import ConfigError, build_run_config
+    from malleus_ds.runners import validate
+
+    cfgs = {}
+    try:
+        for e in engines:
+            cfgs[e] = build_run_config(dict(plain, engine=e, compare=[]), world_size=nproc,
+                                       local_world_size=nproc,
+                                       ds_search_dirs=(CONF_DIR / "deepspeed",))
+            validate(cfgs[e])
+    except ConfigError as err:
+        print(f"[malleus_ds] config error (compare: engine={e}): {err}", file=sys.stderr,
+              flush=True)
+        return 2
+    cfg = cfgs[engines[0]]
+    warm, steps = cfg.train.warmup_steps, cfg.train.steps
+    note = no_straggler_note(cfg.straggler.rates, warm, steps, nproc)
+    if note:
+        print(f"[malleus_ds] note: {note}", file=sys.stderr, flush=True)
+    keep = [o for o in task_overrides
+            if o.split("=", 1)[0].lstrip("+~") not in ("engine", "compare", "nproc_per_node")]
+    for e in engines:
+        print(f"[malleus_ds] compare: engine={e} ({engines.index(e) + 1} of {len(engines)})",
+              flush=True)
+        rc = _launch_ranks(nproc, [*keep, f"engine={e}", "compare=[]"], f"{run_dir}/{e}")
+        if rc != 0:
+            print(f"[malleus_ds] compare: the engine={e} run ended with status {rc}; no "
+                  f"comparison", file=sys.stderr, flush=True)
+            return rc
+    text, png = report(run_dir, engines, warm)
+    print(text, flush=True)
+    if png is not None:
+        print(f"  plot: {png}", flush=True)
+    return 0
+
+
 def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
@@ -153,6 +195,23 @@ def main() -> None:
         # in module globals, so two jobs in one process would share (destroyed) groups
         from hydra.types import RunMode
         plain = OmegaConf.to_container(cfg, resolve=True)
+        from malleus_ds.config import compare_engines
+        try:
+            engines = compare_engines(plain.get("compare"))
+        except ConfigError as e:
+            print(f"[malleus_ds] config error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        if engines and launched:
+            print("[malleus_ds] config error: compare=... runs each engine as a job of its own: "
+                  "start it from one process (python launch/train.py nproc_per_node=N "
+                  "compare=[...]), not under torchrun or deepspeed", file=sys.stderr, flush=True)
+            sys.exit(2)
+        if engines:
+            rc = _run_compare(engines, plain, nproc, list(hc.overrides.task),
+                              hc.runtime.output_dir)
+            if rc != 0:
+                sys.exit(rc)
+            return
         if not launched and (nproc > 1 or hc.mode == RunMode.MULTIRUN):
             try:  # fail here, with one clear message, before starting any rank
                 validate(build_run_config(plain, world_size=nproc, local_world_size=nproc,

@@ -152,6 +152,7 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
     device = _device(d.get("device", "auto"))
     plan = _plan(d.get("plan", "static"), engine)
     _nproc_per_node(d.get("nproc_per_node", 1))
+    compare_engines(d.get("compare"))
     comm = _seconds(d.get("comm_timeout_s", 1800.0), "comm_timeout_s", zero_ok=False)
     hang = _seconds(d.get("hang_timeout_s", 300.0), "hang_timeout_s", zero_ok=True)
     log_every = d.get("log_every", 10)
@@ -170,7 +171,7 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
 #: set these). ``nproc_per_node`` is read by launch/train.py (ranks to spawn), not by the core.
 TOP_LEVEL_KEYS = ("engine", "model", "train", "parallel", "cluster", "straggler", "deepspeed",
                   "device", "plan", "progress", "malleus", "checkpoint", "data", "comm_timeout_s",
-                  "hang_timeout_s", "log_every", "nproc_per_node")
+                  "hang_timeout_s", "log_every", "nproc_per_node", "compare")
 
 
 def _refuse_unknown_keys(d: Mapping[str, Any]) -> None:
@@ -214,6 +215,26 @@ def _nproc_per_node(v: Any) -> int:
         raise ConfigError(f"nproc_per_node={v!r} must be an integer >= 1 (local ranks to start; "
                           f"1 = run in this process)")
     return v
+
+
+def compare_engines(v: Any) -> tuple[str, ...]:
+    """``compare``: engines that each run the whole config, one after the other, for a
+    side-by-side table (launch/train.py, malleus_ds/compare.py); empty = a normal run."""
+    from .compare import COMPARABLE
+
+    if v is None:
+        return ()
+    if isinstance(v, str) or not isinstance(v, (list, tuple)):
+        raise ConfigError(f"compare={v!r} must be a list of engines, e.g. "
+                          f"compare=[deepspeed,malleus] (or [] for a normal run)")
+    out = tuple(str(e) for e in v)
+    bad = [e for e in out if e not in COMPARABLE]
+    if bad:
+        raise ConfigError(f"compare={list(out)}: {bad} not comparable engines; choose from "
+                          f"{list(COMPARABLE)}")
+    if len(set(out)) != len(out):
+        raise ConfigError(f"compare={list(out)} names an engine twice")
+    return out
 
 
 def _straggler(s: Mapping[str, Any], world_size: int) -> StragglerSchedule:

@@ -23,7 +23,7 @@ boundary uses the intra-node bandwidth when both stages' first ranks share a nod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .plan import Plan, PlanError, Stage
 from .problem import Memory, Problem
@@ -177,8 +177,14 @@ def validate_for_problem(problem: Problem, plan: Plan) -> None:
 
 def capacity_fraction(problem: Problem) -> float:
     """``f = sum_d (1/x_d) / N``: the share of the cluster's healthy capacity still there."""
-    n = problem.num_gpus
-    return sum(1.0 / problem.rate(r) for r in range(n)) / n
+    return capacity_of_rates({r: problem.rate(r) for r in range(problem.num_gpus)},
+                             problem.num_gpus)
+
+
+def capacity_of_rates(rates: Mapping[int, float], num_gpus: int) -> float:
+    """``f = sum_d (1/x_d) / N`` for ``rates`` (rank -> rate; a missing rank is healthy): the
+    throughput a perfect re-layout could keep, as a fraction of the healthy one."""
+    return sum(1.0 / float(rates.get(r, 1.0)) for r in range(num_gpus)) / num_gpus
 
 
 def healthy_step_time(problem: Problem) -> float:

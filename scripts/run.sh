@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The main job on its embedded default: set up .venv, then train a small LLaMA-style model with
-# stock DeepSpeed ZeRO-1 on 2 local CPU processes, healthy for 8 steps and then with rank 1
-# emulated 4x slower. The printed summary shows throughput healthy vs with the straggler.
-# Extra arguments are Hydra overrides, e.g. `bash scripts/run.sh train.steps=30`.
+# The main job on its embedded default: set up .venv, then run one straggler schedule on 2 local
+# CPU ranks twice -- stock DeepSpeed ZeRO-1, then MalleusEngine's adaptive loop -- and print them
+# side by side per phase with the capacity bound, plus a plot (conf/experiment/demo.yaml;
+# about 100 s on 2 cores). Extra arguments are Hydra overrides, e.g. `bash scripts/run.sh train.steps=60`.
 set -euo pipefail
 source "$(dirname "$0")/setup.sh"
 exec python launch/train.py experiment=demo "$@"

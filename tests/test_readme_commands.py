@@ -39,9 +39,9 @@ BUDGET_S = 90                # a command run here must take less (2 CPU cores; a
 SKIP: dict[str, str] = {
     "bash scripts/run.sh":
         "runs scripts/setup.sh (creates .venv, pip install; this test reuses the existing venv "
-        "instead) and then the full training demo (python launch/train.py experiment=demo: "
-        "stock DeepSpeed, 2 ranks, 16 steps); the app under DeepSpeed on 2 ranks is run by "
-        "tests/dist/test_train_cli.py",
+        "instead) and then the full demo (python launch/train.py experiment=demo: DeepSpeed "
+        "and Malleus, 48 steps each, about 100 s); its faster twin (the same preset, fewer "
+        "steps) is test_demo_twin_compares_deepspeed_and_malleus below",
     "bash scripts/test.sh":
         "runs the whole test suite (about 10 minutes), this file included",
     "python launch/train.py engine=malleus nproc_per_node=4 train.steps=120 "
@@ -293,3 +293,44 @@ def test_readme_block_runs(block, tmp_path):
         print(f"README.md:{line}: {took:5.1f} s  {cmd}")
         assert took < BUDGET_S, (f"README.md:{line}: `{cmd}` took {took:.0f} s: too slow for "
                                  f"this test; add it to SKIP with the reason")
+
+
+@pytest.mark.timeout(400)
+def test_demo_twin_compares_deepspeed_and_malleus(tmp_path):
+    """scripts/run.sh's command (``python launch/train.py experiment=demo``) with a shorter
+    schedule: both engines run, the table has a row per phase with both engines' numbers, the
+    closing line says what the straggler cost DeepSpeed and what Malleus won back, the PNG exists."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    p = subprocess.run(
+        [sys.executable, "launch/train.py", "experiment=demo", "train.steps=14",
+         "train.global_batch_size=8",
+         "straggler.schedule=[{rank:1,rate:4.0,start_step:4,end_step:12}]",
+         f"hydra.run.dir={tmp_path}/demo"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=380)
+    out = p.stdout
+    assert p.returncode == 0, p.stderr[-4000:] + out[-3000:]
+    assert "== malleus_ds run: engine=deepspeed" in out and "== malleus_ds run: engine=malleus" in out
+    table = out[out.index("== compare:"):]
+    rows = [ln.split() for ln in table.splitlines()]
+    phases = {" ".join(r[:r.index("|") - 2]): r for r in rows if "|" in r and r[0] != "phase"
+              and r[0] != "bound"}
+    assert set(phases) == {"healthy", "rank 1 at rate 4"}, table
+    strag = phases["rank 1 at rate 4"]
+    assert strag[strag.index("|") - 2] == "4-11", table
+    assert "cost deepspeed" in table and "malleus won back" in table, table
+    png = Path(table.split("plot: ")[1].split()[0])
+    assert png.is_file() and png.stat().st_size > 10_000, table
+    for eng in ("deepspeed", "malleus"):
+        assert (tmp_path / "demo" / eng / "metrics.jsonl").is_file()
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["experiment=no_such_preset"], "experiment"),
+    (["experiment=demo", "compare=[deepspeed,megatron]"], "not comparable engines"),
+])
+def test_demo_bad_input_is_a_clear_error(tmp_path, args, expect):
+    p = subprocess.run([sys.executable, "launch/train.py", *args, f"hydra.run.dir={tmp_path}/x"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and expect in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert not (tmp_path / "x" / "deepspeed").exists()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# What a GPU user gets from `pip install -e '.[dev]'` WITHOUT our constraints file: the newest
+# transformers (<6) and its dependencies, Hugging Face's `kernels` among them. Builds
+# .venv-latest (torch pinned to the constraints file's CPU wheel only, so this machine does not
+# pull a multi-GB CUDA build; everything else resolves freely), prints the versions, and runs the
+# Hugging Face tests in it: the import test (HF's `kernels` is not shadowed by our kernels/) and
+# the model tests. .ci/run calls it after the suite. Extra arguments go to pytest.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+V=.venv-latest
+if [ ! -x "$V/bin/python" ]; then
+  echo "[latest] creating $V with $PY"
+  "$PY" -m venv "$V"
+fi
+quiet() { grep -v "is ignored: it is neither" || true; }
+"$V/bin/python" -m pip install -q --upgrade pip setuptools wheel 2>&1 | quiet
+grep '^torch==' constraints-cpu.txt > "$V/torch-only-constraints.txt"
+"$V/bin/python" -m pip install -q --upgrade --upgrade-strategy eager -e '.[dev]' \
+  -c "$V/torch-only-constraints.txt" 2>&1 | quiet
+echo "[latest] resolved without constraints:" \
+  "$("$V/bin/python" -m pip list 2>/dev/null | grep -E '^(torch|transformers|kernels|huggingface.hub|tokenizers|safetensors|deepspeed) ' | tr -s ' ' | tr '\n' ';')"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
+exec "$V/bin/python" -m pytest -q -p no:cacheprovider tests/unit/test_transformers_import.py \
+  tests/unit/test_hf_model.py "$@"

@@ -84,6 +84,7 @@ def _launch_ranks(nproc: int, task_overrides: list[str], run_dir: str) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["MALLEUS_DS_WRAPPED"] = "1"
+    env["MALLEUS_DS_WRAPPER_PID"] = str(os.getpid())  # ranks stop when this process is gone
     print(f"[malleus_ds] launching {nproc} ranks: {' '.join(cmd)}", flush=True)
     from malleus_ds.procs import descendants
 
@@ -234,8 +235,12 @@ def main() -> None:
             if env.is_rank0:
                 print(f"[malleus_ds] {e}", file=sys.stderr, flush=True)
             # under this app's own launcher the wrapper reports the signal: a clean exit here
-            # keeps torchrun from printing a failure report for a stop that was asked for
-            sys.exit(0 if os.environ.get("MALLEUS_DS_WRAPPED") else e.exit_code)
+            # keeps torchrun from printing a failure report for a stop that was asked for. When
+            # the launcher died, whoever started it is gone too: a non-zero status would only
+            # make a surviving deepspeed.launcher.launch SIGTERM the ranks still leaving
+            from malleus_ds.runners.guard import LAUNCHER_GONE
+            quiet = os.environ.get("MALLEUS_DS_WRAPPED") or e.signum == LAUNCHER_GONE
+            sys.exit(0 if quiet else e.exit_code)
         except ConfigError as e:
             print(f"[malleus_ds] config error (rank {env.rank}): {e}", file=sys.stderr, flush=True)
             if env.world_size > 1:

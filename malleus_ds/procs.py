@@ -30,3 +30,44 @@ def descendants(pid: int) -> list[int]:
             out.append(c)
             todo.append(c)
     return out
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, ``/proc/PID/stat`` field 22), or None if
+    there is no such process. (pid, start time) names a process even after its pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def cmdline(pid: int) -> list[str]:
+    """The process's argv ([] if it is gone or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def is_alive(pid: int, started: int | None) -> bool:
+    """``pid`` still names the process that started at ``started`` and has not exited (a zombie,
+    state Z, counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    fields = stat[stat.rindex(")") + 2:].split()
+    return fields[0] != "Z" and (started is None or int(fields[19]) == started)

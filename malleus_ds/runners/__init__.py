@@ -89,7 +89,7 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
     saved = resume_point(cfg)
     if saved is not None and saved.step >= cfg.train.steps:
         return nothing_to_run(cfg, saved)       # no engine, no process group, no files
-    from .guard import STOP, Stopped, start_watchdog
+    from .guard import STOP, LauncherWatch, Stopped, launchers_above, start_watchdog
 
     init_process_group(env, cfg.comm_timeout_s)
     if env.is_rank0:        # a big model takes a while to build or load: say what is going on
@@ -97,6 +97,7 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
         print(f"[malleus_ds] building engine={cfg.engine} model={cfg.model.name} on "
               f"{env.world_size} rank(s)" + (f"; {note}" if note else ""), flush=True)
     STOP.install()
+    orphan_watch = LauncherWatch(launchers_above(), env.rank).start()
     dog = start_watchdog(cfg, env)
     try:
         try:
@@ -109,6 +110,7 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
     finally:
         if dog is not None:
             dog.stop()
+        orphan_watch.stop()
         STOP.uninstall()
         destroy_process_group()
 

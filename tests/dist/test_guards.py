@@ -166,3 +166,75 @@ def test_sigterm_to_torchrun_stops_every_rank(tmp_path):
     rows = _lines(out / "metrics.jsonl")                # every line parses
     assert len([r for r in rows if "event" not in r]) >= 3
     assert "stopped by SIGTERM after step" in err, err[-3000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_the_launcher_only(cmd, out: Path, cwd: Path, sig: int):
+    """Start ``cmd`` (a launcher), and once three steps are in metrics.jsonl send ``sig`` to the
+    launcher process alone, as ``kill`` does. Returns (its output, seconds until no process of
+    the job is left, the job's pids at the signal)."""
+    p = subprocess.Popen(cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait(lambda: len(_lines(out / "metrics.jsonl")) >= 3, 120, "three steps")
+        procs = descendants(p.pid)
+        assert len(procs) >= 2, procs
+        t0 = time.monotonic()
+        os.kill(p.pid, sig)
+
+        def gone():
+            return not [q for q in procs if Path(f"/proc/{q}").exists() and "zombie" not in
+                        Path(f"/proc/{q}/status").read_text().lower()]
+        took = _wait(gone, 60, "every process of the job to exit")
+        text, _ = p.communicate(timeout=30)
+        return text, took, procs
+    finally:
+        for pid in descendants(p.pid) + [p.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait()
+
+
+def _assert_stopped_cleanly(text: str, out: Path, ck: Path | None) -> None:
+    rows = _lines(out / "metrics.jsonl")                # every line parses
+    steps = [r["step"] for r in rows if "event" not in r]
+    assert steps == list(range(len(steps))) and len(steps) >= 3, steps
+    assert f"stopped after step {len(steps)}: the launcher exited without stopping the ranks" \
+        in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    if ck is not None:       # every rank saved the same step: rank 0 commits only after all did
+        assert (ck / "latest").read_text().strip() == f"global_step{len(steps)}"
+        assert (ck / f"global_step{len(steps)}" / "run.json").is_file()
+
+
+def test_sigterm_to_the_deepspeed_runner_stops_every_rank(tmp_path):
+    """``kill -TERM <pid of deepspeed>``: DeepSpeed's runner dies without passing the signal on
+    to deepspeed.launcher.launch; the ranks notice their launcher is gone and stop as for SIGTERM:
+    the same step everywhere, a checkpoint, metrics closed, one line, nothing left after 10 s."""
+    out, ck = tmp_path / "run", tmp_path / "ck"
+    ds = str(Path(sys.executable).parent / "deepspeed")
+    cmd = [ds, "--num_gpus", "2", "--master_port", str(_free_port()), TRAIN, *TINY,
+           "engine=malleus", "malleus.adaptive=false", "train.steps=100000",
+           f"checkpoint.dir={ck}", f"hydra.run.dir={out}"]
+    text, took, procs = _stop_the_launcher_only(cmd, out, tmp_path, signal.SIGTERM)
+    assert took < 10, f"the job's processes took {took:.1f} s to exit"
+    _assert_stopped_cleanly(text, out, ck)
+
+
+def test_a_killed_torchrun_agent_does_not_leave_its_ranks_running(tmp_path):
+    """``kill -9`` of the launcher (torchrun's agent here): nobody can pass anything on."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           TRAIN, *TINY, "engine=deepspeed", "train.steps=100000", f"hydra.run.dir={out}"]
+    text, took, procs = _stop_the_launcher_only(cmd, out, tmp_path, signal.SIGKILL)
+    assert took < 10, f"the job's processes took {took:.1f} s to exit"
+    _assert_stopped_cleanly(text, out, None)

@@ -115,6 +115,9 @@ def find_stuck(views: Mapping[int, RankView], now: float, hang_timeout_s: float,
         v = live[r]
         ranks.append({"rank": r, "step": v.record.get("step"), "phase": v.record.get("phase"),
                       "stalled_s": round(now - v.progress_at, 1)})
+        if frozen and "pid" in v.record:    # where it is: a peer on its host can end it
+            ranks[-1].update(frozen=True, host=v.record.get("host"), pid=v.record["pid"],
+                             started=v.record.get("started"))
     waiting = [{"rank": r, "step": v.record.get("step"), "phase": v.record.get("phase"),
                 "stalled_s": round(now - v.progress_at, 1)}
                for r, v in sorted(stalled.items()) if r not in culprits]
@@ -146,6 +149,7 @@ class Watchdog:
         self.frozen_after = max(5 * self.interval, min(self.timeout, 5.0))
         self.on_hang, self.prefix, self._exit, self.hb = on_hang, prefix, exit, heartbeat
         self._tick = 0
+        self._whoami = whoami()
         self._views: dict[int, RankView] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="malleus-watchdog", daemon=True)
@@ -178,7 +182,7 @@ class Watchdog:
         hb = self.hb
         self.store.set(self.key(self.rank), json.dumps(
             {"tick": self._tick, "progress": hb.progress, "step": hb.step, "phase": hb.phase,
-             "done": hb.done}))
+             "done": hb.done, **self._whoami}))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -233,6 +237,10 @@ class Watchdog:
     def _fire(self, report: dict) -> None:
         print(f"[malleus_ds] rank {self.rank}: {format_hang(report)}", file=sys.stderr,
               flush=True)
+        for r, pid in end_frozen_peers(report, self.rank, self._whoami.get("host")):
+            print(f"[malleus_ds] rank {self.rank}: killed frozen rank {r} (pid {pid}, same host): "
+                  f"a stopped process cannot act on its launcher's SIGTERM, which would hold "
+                  f"the job for the launcher's grace period (30 s)", file=sys.stderr, flush=True)
         if self.on_hang is not None:
             try:
                 self.on_hang(report)
@@ -243,6 +251,43 @@ class Watchdog:
             time.sleep(min(3.0, 3 * self.interval + 0.5))
         sys.stdout.flush()
         self._exit(HANG_EXIT_CODE)
+
+
+def whoami() -> dict:
+    """Where this rank runs (host, pid, start time): published with the heartbeat, so a peer on
+    the same host can end this process if it freezes."""
+    import socket
+
+    from .procs import start_time
+
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "started": start_time(pid)}
+
+
+def end_frozen_peers(report: dict, me: int, host: str | None,
+                     kill=os.kill) -> list[tuple[int, int]]:
+    """SIGKILL the frozen culprits of ``report`` that run on ``host`` (not rank ``me``), if
+    their pid still names the same process. A stopped (SIGSTOP, or frozen by a debugger) process
+    cannot act on the SIGTERM its launcher sends when the other ranks exit: torchrun and
+    deepspeed.launcher.launch then wait 30 s before their own SIGKILL. The job is being stopped
+    anyway; this ends it now. Returns [(rank, pid)] killed."""
+    import signal
+
+    from .procs import is_alive
+
+    out = []
+    for s in report.get("stuck", ()):
+        if not s.get("frozen") or s.get("rank") == me or s.get("host") != host or not host:
+            continue
+        pid = s.get("pid")
+        if not isinstance(pid, int) or pid == os.getpid() or not is_alive(pid, s.get("started")):
+            continue
+        try:
+            kill(pid, signal.SIGKILL)
+            out.append((s["rank"], pid))
+        except (ProcessLookupError, PermissionError):
+            pass
+    return out
 
 
 def watchdog_store(timeout_s: float):

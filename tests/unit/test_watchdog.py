@@ -132,3 +132,43 @@ def test_a_second_live_writer_of_the_same_metrics_file_is_refused(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == '{"event": "x"}\n'
     w.close()
     MetricsWriter(tmp_path).close()         # free again once the first run closed it
+
+
+def test_frozen_peers_on_this_host_are_killed_others_are_not():
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from malleus_ds.procs import start_time
+    from malleus_ds.watchdog import end_frozen_peers
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        st = start_time(victim.pid)
+        report = {"stuck": [
+            {"rank": 1, "frozen": True, "host": "h1", "pid": victim.pid, "started": st},
+            {"rank": 2, "frozen": True, "host": "h2", "pid": victim.pid, "started": st},  # elsewhere
+            {"rank": 3, "frozen": True, "host": "h1", "pid": victim.pid, "started": st + 1},  # reused
+            {"rank": 4, "host": "h1", "pid": victim.pid, "started": st},   # stalled, not frozen
+            {"rank": 0, "frozen": True, "host": "h1", "pid": victim.pid, "started": st}]}  # me
+        sent = []
+        assert end_frozen_peers(report, 0, "h1", kill=lambda p, s: sent.append((p, s))) == \
+            [(1, victim.pid)]
+        assert sent == [(victim.pid, signal.SIGKILL)]
+        os.kill(victim.pid, signal.SIGSTOP)               # a stopped process dies of SIGKILL
+        assert end_frozen_peers(report, 0, "h1") == [(1, victim.pid)]
+        assert victim.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+
+
+def test_the_report_says_where_a_frozen_rank_runs():
+    views = {0: RankView({"tick": 5, "progress": 9, "step": 3, "phase": "all-reduce",
+                          "host": "h", "pid": 11, "started": 7}, 100.0, 90.0),
+             1: RankView({"tick": 2, "progress": 4, "step": 3, "phase": "forward/backward",
+                          "host": "h", "pid": 12, "started": 8}, 80.0, 80.0)}
+    rep = find_stuck(views, 100.0, hang_timeout_s=5, frozen_after_s=5)
+    assert rep["stuck"] == [{"rank": 1, "step": 3, "phase": "forward/backward", "stalled_s": 20.0,
+                             "frozen": True, "host": "h", "pid": 12, "started": 8}]

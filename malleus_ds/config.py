@@ -501,8 +501,16 @@ def load_ds_config(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"deepspeed.config_file={str(path)!r}: file not found")
+    from .safe_load import MAX_JSON_BYTES
+
+    if p.stat().st_size > MAX_JSON_BYTES:
+        raise ConfigError(f"deepspeed.config_file={str(p)!r} is {p.stat().st_size / 2**20:.1f} "
+                          f"MiB; refused unread (a ds_config is at most "
+                          f"{MAX_JSON_BYTES / 2**20:.0f} MiB)")
     try:
-        d = json.loads(p.read_text())
+        d = json.loads(p.read_bytes())
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"deepspeed.config_file={str(p)!r} is not text ({e})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"deepspeed.config_file={str(p)!r} is not valid JSON: {e.msg} at line "
                           f"{e.lineno} column {e.colno}") from None

@@ -4,9 +4,20 @@
 JIT-compiles a shared-memory all-reduce op (45-90 s of g++) that only DeepSpeed *inference*
 uses (``inference_all_reduce``); training collectives go through torch.distributed. We skip
 that build unless ``MALLEUS_BUILD_SHM_OP=1``. GPUs are unaffected (no such op is built there).
+
+``load_weights_only(engine)``: DeepSpeed 0.19's ``TorchCheckpointEngine.load`` hard-codes
+``torch.load(..., weights_only=False)`` and has no setting for it, so resuming a DeepSpeed
+checkpoint could run code a shared file names. The files DeepSpeed writes for our engines (ZeRO
+0-2, PipelineEngine, fp32/bf16; found with ``torch.serialization.get_unsafe_globals_in_checkpoint``)
+are plain data except four small value classes: the ZeRO optimizer's ``loss_scaler``
+(``LossScaler`` / ``DynamicLossScaler``: numbers in its ``__dict__``), ``ZeroStageEnum`` and
+``fragment_address`` (a dataclass of two ints). The engine's checkpoint engine is swapped for one
+that loads with ``weights_only=True``, those four allowed for that call only; anything else a
+file names is refused (``safe_load.UnsafeFile``) before it is called.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 
@@ -19,3 +30,46 @@ def skip_shm_comm_build() -> None:
     # torch package) that shadows the submodule in that form, so the patch would miss.
     ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
     ds_torch_comm.build_shm_op = lambda: None
+
+
+def load_weights_only(engine) -> bool:
+    """Make ``engine.load_checkpoint`` read files with ``weights_only=True`` (module doc).
+    False when the engine uses another checkpoint engine (left as it is)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    ce = getattr(engine, "checkpoint_engine", None)
+    if type(ce) is not TorchCheckpointEngine:
+        return False
+    ce.__class__ = _weights_only_engine_class()
+    return True
+
+
+def load_deepspeed_file(path, map_location=None):
+    """One file DeepSpeed wrote, as plain data plus DeepSpeed's four value classes (module doc);
+    ``safe_load.UnsafeFile`` for anything else."""
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    from .safe_load import load_plain
+
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum,
+                                           fragment_address]):
+        return load_plain(path, "DeepSpeed checkpoint file", mmap=False,
+                          map_location=map_location,
+                          writer="DeepSpeed's own files name no other class")
+
+
+@functools.lru_cache(maxsize=1)
+def _weights_only_engine_class():
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class WeightsOnlyTorchCheckpointEngine(TorchCheckpointEngine):
+        """TorchCheckpointEngine whose ``load`` unpickles plain data only (and DeepSpeed's four
+        value classes)."""
+
+        def load(self, path: str, map_location=None):
+            return load_deepspeed_file(path, map_location)
+
+    return WeightsOnlyTorchCheckpointEngine

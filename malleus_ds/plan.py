@@ -18,6 +18,13 @@ from typing import Any, Mapping, Sequence
 VERSION = 1
 
 
+#: Bounds on what a plan or problem file may claim, checked while parsing: a damaged or hostile
+#: file (a 10^12-layer plan) gets a PlanError instead of exhausting memory or time later.
+MAX_RANKS = 2**20          # GPUs in a job
+MAX_LAYERS = 100_000       # layers of a model
+MAX_BATCH = 2**30          # samples or micro-batches in a global batch
+
+
 class PlanError(ValueError):
     """A plan or problem (``problem.py``) is invalid. The message names the field and the
     numbers."""
@@ -182,18 +189,19 @@ class Plan(JsonFile):
                 if not isinstance(layers, Sequence) or len(layers) != 2:
                     raise PlanError(f"{sw}.layers: expected [start, end], got {layers!r}")
                 stages.append(
-                    Stage(ranks=tuple(_int(r, f"{sw}.ranks") for r in s["ranks"]),
-                          layers=(_int(layers[0], f"{sw}.layers"), _int(layers[1], f"{sw}.layers")))
-                )
-            pipes.append(Pipeline(micro_batches=_int(p["micro_batches"], f"{where}.micro_batches"),
+                    Stage(ranks=tuple(_int(r, f"{sw}.ranks", MAX_RANKS) for r in s["ranks"]),
+                          layers=(_int(layers[0], f"{sw}.layers", MAX_LAYERS),
+                                  _int(layers[1], f"{sw}.layers", MAX_LAYERS))))
+            pipes.append(Pipeline(micro_batches=_int(p["micro_batches"], f"{where}.micro_batches",
+                                                     MAX_BATCH),
                                   stages=tuple(stages)))
         return Plan(
-            num_layers=_int(d["num_layers"], "plan.num_layers"),
-            global_batch_size=_int(d["global_batch_size"], "plan.global_batch_size"),
-            micro_batch_size=_int(d["micro_batch_size"], "plan.micro_batch_size"),
+            num_layers=_int(d["num_layers"], "plan.num_layers", MAX_LAYERS),
+            global_batch_size=_int(d["global_batch_size"], "plan.global_batch_size", MAX_BATCH),
+            micro_batch_size=_int(d["micro_batch_size"], "plan.micro_batch_size", MAX_BATCH),
             pipelines=tuple(pipes),
-            suspended=tuple(_int(r, "plan.suspended") for r in _list(d.get("suspended", []),
-                                                                        "plan.suspended")),
+            suspended=tuple(_int(r, "plan.suspended", MAX_RANKS)
+                            for r in _list(d.get("suspended", []), "plan.suspended")),
             extra={k: v for k, v in d.items() if k not in known},
         )
 
@@ -314,10 +322,19 @@ def _parse_json(text: str, what: str) -> Any:
 
 
 def _read_text(path: str | Path, what: str) -> str:
+    from .safe_load import MAX_JSON_BYTES
+
     p = Path(path)
     if not p.is_file():
         raise PlanError(f"{what}: file not found: {p}")
-    return p.read_text()
+    size = p.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise PlanError(f"{what}: {p} is {size / 2**20:.1f} MiB; refused unread (at most "
+                        f"{MAX_JSON_BYTES / 2**20:.0f} MiB): it cannot be a {what} file")
+    try:
+        return p.read_text()
+    except UnicodeDecodeError as e:
+        raise PlanError(f"{what}: {p} is not text ({e})") from None
 
 
 def _check_version(what: str, d: Mapping[str, Any]) -> None:
@@ -326,16 +343,22 @@ def _check_version(what: str, d: Mapping[str, Any]) -> None:
         raise PlanError(f"{what}.version={v!r} is not supported (expected {VERSION})")
 
 
-def _int(v: Any, where: str) -> int:
+def _int(v: Any, where: str, limit: int | None = None) -> int:
+    """An integer field; with ``limit``, one of magnitude below it (:data:`MAX_LAYERS` ...)."""
     if isinstance(v, bool):
         raise PlanError(f"{where}: expected an integer, got {v!r}")
     if isinstance(v, int):
-        return v
-    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
-        return int(v)
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    raise PlanError(f"{where}: expected an integer, got {v!r}")
+        out = v
+    elif isinstance(v, str) and len(v) < 30 and v.strip().lstrip("-").isdigit():
+        out = int(v)
+    elif isinstance(v, float) and v.is_integer():
+        out = int(v)
+    else:
+        raise PlanError(f"{where}: expected an integer, got {v!r}"[:300])
+    if limit is not None and abs(out) >= limit:
+        raise PlanError(f"{where}={out} is out of range (at most {limit - 1}): not a plausible "
+                        f"job; the file is damaged or not what it claims")
+    return out
 
 
 def _list(v: Any, where: str) -> Sequence[Any]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .plan import VERSION, JsonFile, Plan, PlanError, _check_version, _int, static_plan
+from .plan import (MAX_BATCH, MAX_LAYERS, MAX_RANKS, VERSION, JsonFile, Plan, PlanError,
+                   _check_version, _int, static_plan)
 
 
 @dataclass(frozen=True)
@@ -114,14 +115,17 @@ class Problem(JsonFile):
         mo = _section(d, "model")
         tr = _section(d, "training")
         co = d.get("cost") or {}
-        nodes = _pos_int(cl, "cluster", "nodes")
-        gpn = _pos_int(cl, "cluster", "gpus_per_node")
-        L = _pos_int(mo, "model", "num_layers")
-        gbs = _pos_int(tr, "training", "global_batch_size")
-        mbs = _pos_int(tr, "training", "micro_batch_size")
-        tp = _pos_int(tr, "training", "tp")
-        pp = _pos_int(tr, "training", "pp")
-        dp = _pos_int(tr, "training", "dp")
+        nodes = _pos_int(cl, "cluster", "nodes", MAX_RANKS)
+        gpn = _pos_int(cl, "cluster", "gpus_per_node", MAX_RANKS)
+        if nodes * gpn >= MAX_RANKS:
+            raise PlanError(f"cluster: {nodes} nodes x {gpn} GPUs per node = {nodes * gpn} "
+                            f"GPUs is out of range (at most {MAX_RANKS - 1})")
+        L = _pos_int(mo, "model", "num_layers", MAX_LAYERS)
+        gbs = _pos_int(tr, "training", "global_batch_size", MAX_BATCH)
+        mbs = _pos_int(tr, "training", "micro_batch_size", MAX_BATCH)
+        tp = _pos_int(tr, "training", "tp", MAX_RANKS)
+        pp = _pos_int(tr, "training", "pp", MAX_RANKS)
+        dp = _pos_int(tr, "training", "dp", MAX_RANKS)
         if gpn % tp:
             raise PlanError(f"training.tp={tp} does not divide cluster.gpus_per_node={gpn}")
         if tp * pp * dp != nodes * gpn:
@@ -194,10 +198,10 @@ def _section(d: Mapping[str, Any], name: str) -> Mapping[str, Any]:
     return s
 
 
-def _pos_int(s: Mapping[str, Any], sec: str, key: str) -> int:
+def _pos_int(s: Mapping[str, Any], sec: str, key: str, limit: int | None = None) -> int:
     if key not in s:
         raise PlanError(f"{sec}.{key} is missing")
-    v = _int(s[key], f"{sec}.{key}")
+    v = _int(s[key], f"{sec}.{key}", limit)
     if v < 1:
         raise PlanError(f"{sec}.{key}={v} must be >= 1")
     return v

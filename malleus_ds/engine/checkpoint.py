@@ -53,11 +53,14 @@ import torch
 import torch.distributed as tdist
 
 from ..layout import STATE_KINDS, Hold, merge, plan_holdings, subtract
+from ..safe_load import UnsafeFile, check_plain, load_plain, read_json, read_small_text
 from ..migrate.apply import StateView, pack_parts, unpack_parts
 from ..migrate.transfer import Transfer, HolderIndex, chunked
 from ..plan import Plan
 
 FORMAT = "malleus-checkpoint-v1"
+#: the largest world a checkpoint record may claim (a damaged one must not loop for ever)
+MAX_WORLD = 2**20
 META = "meta.json"
 LATEST = "latest"
 
@@ -175,6 +178,10 @@ def _atomic(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
         raise
 
 
+#: bytes of the first failed rank's message that every rank receives
+_ERR_BYTES = 2048
+
+
 def _agree(engine, err: str | None, what: str) -> None:
     """Collective: every rank raises if any rank failed (so no rank goes on into a collective
     that a failed rank never reaches); doubles as a barrier."""
@@ -183,9 +190,16 @@ def _agree(engine, err: str | None, what: str) -> None:
         flags[engine.global_rank] = 1
     tdist.all_reduce(flags)
     bad = [int(i) for i in torch.nonzero(flags.cpu()).flatten()]
-    if bad:
-        raise CheckpointError(f"{what} failed on rank(s) {bad}" + (f": {err}" if err else
-                                                                  "; see their errors"))
+    if not bad:
+        return
+    # every rank names the file: the first failed rank's message, as bytes summed over ranks
+    text = torch.zeros(_ERR_BYTES, dtype=torch.uint8, device=engine.device)
+    if engine.global_rank == bad[0]:
+        raw = torch.frombuffer(bytearray(str(err).encode()[:_ERR_BYTES]), dtype=torch.uint8)
+        text[:raw.numel()] = raw.to(engine.device)
+    tdist.all_reduce(text)
+    first = bytes(text.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+    raise CheckpointError(f"{what} failed on rank(s) {bad}: rank {bad[0]}: {first}")
 
 
 def _table_json(table) -> dict[str, list]:
@@ -216,21 +230,24 @@ def _held_slices(engine) -> dict[tuple[str, str, int, int], torch.Tensor]:
     return out
 
 
-def _write_rank_file(engine, path: Path, meta: dict, client_state) -> None:
-    """This rank's file (module docstring); its CPU copies are freed on return."""
+def _engine_state(engine, meta: dict, client_state) -> dict:
+    """The small, non-tensor part of a rank file: plain data only (checked by the caller)."""
     from .precision import scaler_state
 
     sched, opt = engine.lr_scheduler, engine.runtime.optimizer
-    payload = {
-        "format": FORMAT, "save_id": meta["save_id"], "rank": engine.global_rank, "meta": meta,
-        "engine": {"adam_step": meta["adam_step"], "global_steps": engine.global_steps,
-                   "skipped_steps": engine.skipped_steps, "global_samples": engine.global_samples,
-                   "loss_scaler": scaler_state(engine.loss_scaler),
-                   "lr_scheduler": sched.state_dict() if sched is not None else None,
-                   "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                    for g in opt.param_groups],
-                   "client_state": client_state or {}},
-        "slices": _held_slices(engine)}
+    return {"adam_step": meta["adam_step"], "global_steps": engine.global_steps,
+            "skipped_steps": engine.skipped_steps, "global_samples": engine.global_samples,
+            "loss_scaler": scaler_state(engine.loss_scaler),
+            "lr_scheduler": sched.state_dict() if sched is not None else None,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                             for g in opt.param_groups],
+            "client_state": client_state or {}}
+
+
+def _write_rank_file(engine, path: Path, meta: dict, state: dict) -> None:
+    """This rank's file (module docstring); its CPU copies are freed on return."""
+    payload = {"format": FORMAT, "save_id": meta["save_id"], "rank": engine.global_rank,
+               "meta": meta, "engine": state, "slices": _held_slices(engine)}
     _atomic(path, lambda f: torch.save(payload, f))
 
 
@@ -254,6 +271,12 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
             "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
             "global_samples": engine.global_samples, "params": _table_json(engine.param_table)}
     err = None
+    state = _engine_state(engine, meta, client_state)
+    try:    # before anything is touched: a file we write must load with weights_only=True
+        check_plain(state, f"rank {rank}'s engine state")
+    except UnsafeFile as e:
+        err = f"nothing saved: {e}"
+    _agree(engine, err, f"save_checkpoint({d})")
     try:
         d.mkdir(parents=True, exist_ok=True)
         if rank == 0:       # an older save under this tag is uncommitted from here on
@@ -262,7 +285,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         err = f"cannot prepare {d}: {e}"
     _agree(engine, err, f"save_checkpoint({d})")
     try:
-        _write_rank_file(engine, rank_file(d, rank), meta, client_state)
+        _write_rank_file(engine, rank_file(d, rank), meta, state)
     except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
         err = f"rank {rank} could not write {rank_file(d, rank)}: {type(e).__name__}: {e}"
     _agree(engine, err, f"save_checkpoint({d})")        # every rank file is complete
@@ -291,7 +314,10 @@ def resolve(load_dir, tag=None) -> tuple[Path, dict]:
         if not latest.is_file():
             raise CheckpointError(f"{root} has no '{LATEST}' file; pass tag=... (the "
                                   f"subdirectory to load) or save with save_latest=True")
-        tag = latest.read_text().strip()
+        try:
+            tag = read_small_text(latest, "'latest' file").strip()
+        except UnsafeFile as e:
+            raise CheckpointError(str(e)) from None
     d = root / str(tag)
     if not d.is_dir():
         raise CheckpointError(f"checkpoint {d} does not exist (tag {tag!r} in {root})")
@@ -300,10 +326,11 @@ def resolve(load_dir, tag=None) -> tuple[Path, dict]:
         raise CheckpointError(f"checkpoint {d} has no {META}: its save did not finish (or it was "
                               f"not written by MalleusEngine.save_checkpoint)")
     try:
-        meta = json.loads(mf.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{mf}: not valid JSON ({e})") from None
-    if meta.get("format") != FORMAT:
+        meta = read_json(mf, "checkpoint record")
+    except UnsafeFile as e:
+        raise CheckpointError(str(e)) from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        meta = meta if isinstance(meta, dict) else {}
         raise CheckpointError(f"{mf}: format {meta.get('format')!r}, this engine reads {FORMAT!r}")
     return d, meta
 
@@ -325,7 +352,12 @@ def check_compatible(d: Path, meta: dict, plan: Plan, table) -> Plan:
         sp = Plan.from_json(meta["plan"])
     except Exception as e:  # noqa: BLE001 - a PlanError or a malformed field
         raise CheckpointError(f"{d / META}: unreadable plan ({e})") from None
-    W = int(meta["world_size"])
+    W = meta.get("world_size")
+    holders = sp.all_ranks
+    if isinstance(W, bool) or not isinstance(W, int) or not 1 <= W <= MAX_WORLD \
+            or any(r >= W for r in holders):
+        raise CheckpointError(f"{d / META}: world_size={W!r} is not a world of 1..{MAX_WORLD} "
+                              f"ranks holding its plan; the record is damaged")
     missing = [r for r in range(W) if not rank_file(d, r).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {d} was saved by {W} ranks but lacks "
@@ -337,20 +369,46 @@ def check_compatible(d: Path, meta: dict, plan: Plan, table) -> Plan:
 # ----------------------------------------------------------------------------- load: copy
 
 
+#: the engine-state fields of a rank file and the types they must have
+_ENGINE_FIELDS = {"adam_step": int, "global_steps": int, "skipped_steps": int,
+                  "global_samples": int, "loss_scaler": (dict, type(None)),
+                  "lr_scheduler": (dict, type(None)), "param_groups": list, "client_state": dict}
+
+
 def _open(d: Path, r: int, meta: dict) -> dict:
-    """Saved rank ``r``'s file, memory-mapped (slices are paged in when read), checked against
-    meta.json. These are our own files, trusted like DeepSpeed's: ``client_state`` and the
-    scheduler state are arbitrary picklable objects, so ``weights_only=False``."""
+    """Saved rank ``r``'s file, memory-mapped (slices are paged in when read), loaded as plain
+    data (``weights_only=True``: a file that names any class or function is refused, whoever
+    wrote it) and checked field by field against its format and meta.json."""
     f = rank_file(d, r)
     try:
-        ck = torch.load(f, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"cannot read {f}: {type(e).__name__}: {e}") from None
+        ck = load_plain(f, "MalleusEngine checkpoint file")
+    except UnsafeFile as e:
+        raise CheckpointError(str(e)) from None
     if not isinstance(ck, dict) or ck.get("format") != FORMAT or ck.get("rank") != r:
-        raise CheckpointError(f"{f}: not a {FORMAT} file of rank {r}")
+        got = (f"format {ck.get('format')!r}, rank {ck.get('rank')!r}" if isinstance(ck, dict)
+               else f"a {type(ck).__name__}")
+        raise CheckpointError(f"{f}: not a {FORMAT} file of rank {r} ({got}): the folder holds "
+                              f"a file that is not this save's; copy the checkpoint again or use "
+                              f"another tag")
     if ck.get("save_id") != meta["save_id"]:
         raise CheckpointError(f"{f}: written by another save (id {ck.get('save_id')}) than "
                               f"{d / META} (id {meta['save_id']}); {d} mixes two checkpoints")
+    extra = sorted(set(ck) - {"format", "save_id", "rank", "meta", "engine", "slices"})
+    st, sl = ck.get("engine"), ck.get("slices")
+    bad = (f"unexpected keys {extra}" if extra else
+           "no 'engine' state" if not isinstance(st, dict) else
+           "no 'slices'" if not isinstance(sl, dict) else None)
+    if bad is None:
+        bad = next((f"engine[{k!r}] is {st.get(k)!r}" for k, t in _ENGINE_FIELDS.items()
+                    if not isinstance(st.get(k), t) or isinstance(st.get(k), bool)), None)
+    if bad is None:
+        bad = next((f"slice key {k!r}" for k, v in sl.items()
+                    if not (isinstance(k, tuple) and len(k) == 4 and isinstance(k[0], str)
+                            and isinstance(k[1], str) and isinstance(k[2], int)
+                            and isinstance(k[3], int) and isinstance(v, torch.Tensor))), None)
+    if bad is not None:
+        raise CheckpointError(f"{f}: not a well-formed {FORMAT} file ({bad}); it was altered "
+                              f"or written by something else: copy it again or use another tag")
     return ck
 
 

@@ -6,7 +6,6 @@ collective, so bad input never hangs.
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -109,10 +108,15 @@ def load_config(config) -> dict:
         return {}
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config))
+    from ..safe_load import read_json
+
     path = Path(config)
     if not path.is_file():
         raise ValueError(f"ds_config: file not found: {path}")
-    return json.loads(path.read_text())
+    d = read_json(path, "ds_config")
+    if not isinstance(d, dict):
+        raise ValueError(f"ds_config {path} must hold a JSON object, got {type(d).__name__}")
+    return d
 
 
 #: ZeRO stages MalleusEngine runs: 0, or optimizer states (1) and gradients (2) sharded across

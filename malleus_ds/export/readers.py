@@ -2,13 +2,13 @@
 plan (assembled), engine=torch state, DeepSpeed pp=1 module states."""
 from __future__ import annotations
 
-import json
 from math import prod
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
 
+from ..safe_load import UnsafeFile, load_plain, read_json, read_small_text
 from .hf_folder import (ExportError, Exported, _dtype, _hf_record, build_config, check_out_dir,
                         is_tied, write_folder)
 
@@ -145,9 +145,9 @@ def read_torch(tag_dir: Path, record: Mapping, step: int | None) -> dict[str, to
     if not f.is_file():
         raise ExportError(f"checkpoint {tag_dir} (engine=torch) has no {STATE_FILE}")
     try:
-        st = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise ExportError(f"cannot read {f}: {type(e).__name__}: {e}") from None
+        st = load_plain(f, "engine=torch checkpoint file")
+    except UnsafeFile as e:
+        raise ExportError(str(e)) from None
     if not isinstance(st, dict) or st.get("format") != FORMAT or not isinstance(st.get("model"), dict):
         raise ExportError(f"{f}: not a {FORMAT} file")
     if step is not None and st.get("step") != step:
@@ -172,10 +172,12 @@ def read_deepspeed(tag_dir: Path, record: Mapping, run: Mapping) -> dict[str, to
     f = tag_dir / "mp_rank_00_model_states.pt"
     if not f.is_file():
         raise ExportError(f"checkpoint {tag_dir} (engine=deepspeed) has no {f.name}")
-    try:    # DeepSpeed's own file (ds_config etc. inside): trusted as DeepSpeed's loader does
-        st = torch.load(f, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as e:  # noqa: BLE001
-        raise ExportError(f"cannot read {f}: {type(e).__name__}: {e}") from None
+    from ..ds_compat import load_deepspeed_file
+
+    try:    # DeepSpeed's own file: plain data and DeepSpeed's few value classes, nothing else
+        st = load_deepspeed_file(f, "cpu")
+    except UnsafeFile as e:
+        raise ExportError(str(e)) from None
     if not isinstance(st, dict) or not isinstance(st.get("module"), Mapping):
         raise ExportError(f"{f}: no 'module' state dict (not a DeepSpeed model-states file)")
     return _state_by_global(st["module"], f, record)
@@ -197,7 +199,10 @@ def find_checkpoint(ckpt_dir) -> tuple[Path, dict]:
     if (p / RUN_FILE).is_file():
         d = p
     elif (p / LATEST).is_file():
-        tag = (p / LATEST).read_text().strip()
+        try:
+            tag = read_small_text(p / LATEST, "'latest' file").strip()
+        except UnsafeFile as e:
+            raise ExportError(str(e)) from None
         d = p / tag
         if not tag or not (d / RUN_FILE).is_file():
             raise ExportError(f"{p / LATEST} names {tag!r} but {d / RUN_FILE} does not exist: an "
@@ -212,9 +217,9 @@ def find_checkpoint(ckpt_dir) -> tuple[Path, dict]:
                           f"folder) nor '{LATEST}' (a checkpoint.dir written by launch/train.py)")
     rf = d / RUN_FILE
     try:
-        run = json.loads(rf.read_text())
-    except ValueError as e:
-        raise ExportError(f"{rf}: not valid JSON ({e})") from None
+        run = read_json(rf, "checkpoint run record")
+    except UnsafeFile as e:
+        raise ExportError(str(e)) from None
     if not isinstance(run, dict) or run.get("format") != FORMAT:
         raise ExportError(f"{rf}: not a {FORMAT} record")
     return d, run

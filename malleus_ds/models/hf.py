@@ -25,7 +25,6 @@ the tensors of the pieces it builds. :meth:`HFModel.build_reference` is transfor
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -158,6 +157,8 @@ class HFModel:
         if mt not in FAMILIES:
             raise HFError(f"{src}: model_type={mt!r} is not supported; supported: "
                           f"{sorted(FAMILIES)} (Llama-family decoders)")
+        if path is not None:
+            check_safetensors_only(Path(path))
         if float(getattr(config, "attention_dropout", 0.0) or 0.0) != 0.0:
             raise HFError(f"{src}: attention_dropout={config.attention_dropout} must be "
                           f"0 (dropout would make every layout's math differ)")
@@ -320,7 +321,14 @@ class HFModel:
             d = Path(self.path)
             idx = d / "model.safetensors.index.json"
             if idx.is_file():
-                self._index = {k: str(d / v) for k, v in json.loads(idx.read_text())["weight_map"].items()}
+                from ..safe_load import UnsafeFile, read_json
+
+                try:
+                    wm = read_json(idx, "safetensors index")["weight_map"]
+                    self._index = {str(k): str(d / str(v)) for k, v in wm.items()}
+                except (UnsafeFile, KeyError, TypeError, AttributeError) as e:
+                    raise HFError(f"model.hf_path={self.path}: unreadable {idx.name} "
+                                  f"({type(e).__name__}: {e})") from None
             else:
                 files = sorted(d.glob("*.safetensors"))
                 if not files:
@@ -388,6 +396,25 @@ def _uses_sliding(config) -> bool:
     return True
 
 
+def check_safetensors_only(d: Path) -> None:
+    """Weights are read from safetensors only: a pickled ``pytorch_model*.bin`` can run code when
+    loaded, so a folder that has nothing else is refused with the way to convert it."""
+    if (d / "model.safetensors.index.json").is_file() or any(d.glob("*.safetensors")):
+        return
+    bins = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pt"))
+    if bins:
+        raise HFError(
+            f"model.hf_path={d}: only pickled weights ({', '.join(bins[:3])}"
+            f"{', ...' if len(bins) > 3 else ''}), no *.safetensors: malleus_ds reads "
+            f"safetensors only, because loading a pickle can run code. Convert the folder once, "
+            f"where you trust the file: python -c \"from transformers import AutoModelForCausalLM "
+            f"as M; M.from_pretrained('{d}', torch_dtype='auto').save_pretrained('{d}-st', "
+            f"safe_serialization=True)\" (then copy the tokenizer files), or download the "
+            f"model's safetensors files")
+    raise HFError(f"model.hf_path={d}: no *.safetensors files (and no "
+                  f"model.safetensors.index.json)")
+
+
 def load_hf_model(hf_config: str | None = None, hf_path: str | None = None,
                   max_seq_len: int | None = None, **overrides) -> HFModel:
     """``model=hf``: a preset name or config.json path (random init), or a local folder with
@@ -418,7 +445,14 @@ def load_hf_model(hf_config: str | None = None, hf_path: str | None = None,
         if not f.is_file():
             raise HFError(f"model.hf_config={hf_config!r} is neither a preset "
                           f"({sorted(HF_PRESETS)}) nor a config.json file")
-        raw = json.loads(f.read_text())
+        from ..safe_load import UnsafeFile, read_json
+
+        try:
+            raw = read_json(f, "config.json")
+        except UnsafeFile as e:
+            raise HFError(f"model.hf_config: {e}") from None
+        if not isinstance(raw, dict):
+            raise HFError(f"model.hf_config={hf_config}: not a JSON object")
         mt = raw.pop("model_type", None)
         if mt not in FAMILIES:
             raise HFError(f"model.hf_config={hf_config}: model_type={mt!r} is not supported; "

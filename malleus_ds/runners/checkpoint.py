@@ -145,16 +145,21 @@ def read_saved(root: Path) -> Saved | None:
     latest = root / LATEST
     if not latest.is_file():
         return None
-    tag = latest.read_text().strip()
+    from ..safe_load import UnsafeFile, read_json, read_small_text
+
+    try:
+        tag = read_small_text(latest, "'latest' file").strip()
+    except UnsafeFile as e:
+        raise ConfigError(f"checkpoint.dir={root}: {e}") from None
     rf = root / tag / RUN_FILE
     if not tag or not rf.is_file():
         raise ConfigError(f"checkpoint.dir={root}: '{LATEST}' names {tag!r} but {rf} does not "
                           f"exist: an unfinished save, or a checkpoint not written by "
                           f"launch/train.py")
     try:
-        meta = json.loads(rf.read_text())
-    except ValueError as e:
-        raise ConfigError(f"checkpoint {rf} is not valid JSON ({e})") from None
+        meta = read_json(rf, "checkpoint run record")
+    except UnsafeFile as e:
+        raise ConfigError(f"checkpoint: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT or "step" not in meta:
         raise ConfigError(f"checkpoint {rf}: not a {FORMAT} record")
     return Saved(root, tag, meta)
@@ -236,15 +241,20 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
 
 def _agree(env: DistEnv, err: str | None, what: str) -> None:
     """Every rank learns every rank's error (so none carries on alone); raise the first."""
+    bad = first_error(env, err)
+    if bad:
+        raise CheckpointSaveError(f"{what} failed on rank {bad[0]}: {bad[1]}")
+
+
+def first_error(env: DistEnv, err: str | None) -> tuple[int, str] | None:
+    """(rank, error) of the lowest rank that had one, the same on every rank (collective)."""
     errs = [err]
     if env.world_size > 1:
         import torch.distributed as dist
 
         errs = [None] * env.world_size
         dist.all_gather_object(errs, err)
-    bad = [(r, e) for r, e in enumerate(errs) if e]
-    if bad:
-        raise CheckpointSaveError(f"{what} failed on rank {bad[0][0]}: {bad[0][1]}")
+    return next(((r, e) for r, e in enumerate(errs) if e), None)
 
 
 def _barrier(env: DistEnv) -> None:

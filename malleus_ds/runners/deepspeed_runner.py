@@ -32,7 +32,7 @@ from ..models.base import EMBED, HEAD, lm_loss
 from ..models.base import tied_params
 from ..plan import even_split
 from .base import DistEnv, RunSummary
-from .checkpoint import Checkpointer, engine_writer
+from .checkpoint import Checkpointer, engine_writer, first_error
 from .common import (ComputeClock, StepReporter, exclude_calls, monitors_to_run_dir,
                      replica_micro_batches)
 
@@ -233,7 +233,18 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     engine = build_engine(cfg, env)
     ck = Checkpointer(cfg, env)
     if ck.resumed is not None:
-        path, client = engine.load_checkpoint(str(ck.resumed.root), tag=ck.resumed.tag)
+        from ..ds_compat import load_weights_only
+        from ..safe_load import UnsafeFile
+
+        load_weights_only(engine)           # DeepSpeed's loader would unpickle anything
+        err = path = client = None
+        try:
+            path, client = engine.load_checkpoint(str(ck.resumed.root), tag=ck.resumed.tag)
+        except UnsafeFile as e:
+            err = str(e)
+        bad = first_error(env, err)         # every rank stops, naming the file
+        if bad:
+            raise ConfigError(f"checkpoint.resume (rank {bad[0]}): {bad[1]}")
         if path is None or (client or {}).get("step") != ck.resumed.step:
             raise ConfigError(f"checkpoint {ck.resumed.path}: DeepSpeed could not load it as the "
                               f"checkpoint of step {ck.resumed.step} (got {path}, client state "

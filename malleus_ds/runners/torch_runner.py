@@ -46,8 +46,16 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     multi = dist.is_initialized() and env.world_size > 1
     ck = Checkpointer(cfg, env)
     if ck.resumed is not None:
-        st = torch.load(ck.resumed.path / STATE_FILE, map_location=env.device, weights_only=True)
-        if st.get("format") != FORMAT or st.get("step") != ck.resumed.step:
+        from ..safe_load import UnsafeFile, load_plain
+
+        try:    # plain data only: a file that names any class or function is refused
+            st = load_plain(ck.resumed.path / STATE_FILE, "engine=torch checkpoint file",
+                            mmap=False, map_location=env.device)
+        except UnsafeFile as e:
+            raise ConfigError(f"checkpoint.resume: {e}") from None
+        if not isinstance(st, dict) or st.get("format") != FORMAT or \
+                st.get("step") != ck.resumed.step or not isinstance(st.get("model"), dict) or \
+                not isinstance(st.get("optimizer"), dict):
             raise ConfigError(f"checkpoint {ck.resumed.path / STATE_FILE}: not a {FORMAT} file "
                               f"of step {ck.resumed.step}")
         model.load_state_dict(st["model"])

@@ -204,6 +204,14 @@ def _load_side(rank, world, root, full32, full16, first_losses):
             errors[key] = None
         except CheckpointError as e:
             errors[key] = str(e)
+    # a client state that is not plain data: refused before anything is written, on every rank
+    try:
+        a.save_checkpoint(root / "unplain", client_state={"x": object()} if rank == 1 else {})
+        errors["unplain_save"] = None
+    except CheckpointError as e:
+        errors["unplain_save"] = str(e)
+    dist.barrier()
+    out["unplain_written"] = (root / "unplain").exists()
     out["errors"] = errors
     out["broken"] = getattr(a, "_broken", None)
     # fp16 loss scaler, skipped steps and LR schedule, into another plan and ZeRO stage
@@ -249,6 +257,9 @@ def test_load_on_three_ranks_across_precisions_and_errors(saved):
     assert "saved by 4 ranks but lacks 1 rank file(s): malleus_rank00002.pt" in errs["no_rank_file"]
     assert "save did not finish" in errs["unfinished"]
     assert "num_layers=4, this engine runs num_layers=2" in errs["num_layers"]
+    assert "failed on rank(s) [1]: rank 1: nothing saved: rank 1's engine state['client_state']" \
+           "['x'] holds a object: checkpoints hold plain data only" in errs["unplain_save"]
+    assert not any(o["unplain_written"] for o in out)
     # loading never touched the files
     now = _digest(root)
     assert {k: now[k] for k in digest} == digest

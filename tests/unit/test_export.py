@@ -78,7 +78,10 @@ def make_malleus_checkpoint(root: Path, model, state, pj: dict, zero: int, mixed
                 v = torch.zeros_like(v)
             slices[r][(kind, name, lo, hi)] = v.clone()
     for r in range(world):
-        torch.save({"format": FORMAT, "save_id": 11, "rank": r, "meta": meta, "engine": {},
+        engine = {"adam_step": 0, "global_steps": 0, "skipped_steps": 0, "global_samples": 0,
+                  "loss_scaler": None, "lr_scheduler": None, "param_groups": [],
+                  "client_state": {}}
+        torch.save({"format": FORMAT, "save_id": 11, "rank": r, "meta": meta, "engine": engine,
                     "slices": slices[r]}, rank_file(d, r))
     (d / "meta.json").write_text(json.dumps(meta))
     (d / "run.json").write_text(json.dumps(_run_json(model, world_size=world, zero_stage=zero,
@@ -282,7 +285,7 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys):
     key = None
     for r in (2, 3):
         f = rank_file(d, r)
-        ck = torch.load(f, weights_only=False)
+        ck = torch.load(f, weights_only=True)
         k = key or next(k for k in ck["slices"] if k[0] == "param" and "q_proj" in k[1])
         key = key or k
         for k2 in [k2 for k2 in ck["slices"] if k2[:2] == key[:2]]:

@@ -322,19 +322,15 @@ def _parse_json(text: str, what: str) -> Any:
 
 
 def _read_text(path: str | Path, what: str) -> str:
-    from .safe_load import MAX_JSON_BYTES
+    from .safe_load import UnsafeFile, read_text
 
     p = Path(path)
     if not p.is_file():
         raise PlanError(f"{what}: file not found: {p}")
-    size = p.stat().st_size
-    if size > MAX_JSON_BYTES:
-        raise PlanError(f"{what}: {p} is {size / 2**20:.1f} MiB; refused unread (at most "
-                        f"{MAX_JSON_BYTES / 2**20:.0f} MiB): it cannot be a {what} file")
     try:
-        return p.read_text()
-    except UnicodeDecodeError as e:
-        raise PlanError(f"{what}: {p} is not text ({e})") from None
+        return read_text(p, f"{what} file")
+    except UnsafeFile as e:
+        raise PlanError(str(e)) from None
 
 
 def _check_version(what: str, d: Mapping[str, Any]) -> None:

@@ -32,24 +32,27 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/PID/stat`` after the command name (field 3 onwards), or None if ``pid`` is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: parse after the last ')'
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def start_time(pid: int) -> int | None:
     """When ``pid`` started (clock ticks since boot, ``/proc/PID/stat`` field 22), or None if
     there is no such process. (pid, start time) names a process even after its pid is reused."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2:].split()[19])
+    f = _stat_fields(pid)
+    return None if f is None else int(f[19])
 
 
 def parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2:].split()[1])
+    f = _stat_fields(pid)
+    return None if f is None else int(f[1])
 
 
 def cmdline(pid: int) -> list[str]:
@@ -64,10 +67,5 @@ def cmdline(pid: int) -> list[str]:
 def is_alive(pid: int, started: int | None) -> bool:
     """``pid`` still names the process that started at ``started`` and has not exited (a zombie,
     state Z, counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    fields = stat[stat.rindex(")") + 2:].split()
-    return fields[0] != "Z" and (started is None or int(fields[19]) == started)
+    f = _stat_fields(pid)
+    return f is not None and f[0] != "Z" and (started is None or int(f[19]) == started)

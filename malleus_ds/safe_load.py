@@ -110,34 +110,37 @@ def load_plain(path: str | Path, what: str = "checkpoint file", *, mmap: bool = 
                          f"or use another checkpoint (tag)") from None
 
 
-def read_small_text(path: str | Path, what: str, max_bytes: int = 4096) -> str:
-    """A small text file (a ``latest`` tag name): refused unread when larger than ``max_bytes``."""
-    p = Path(path)
-    size = p.stat().st_size
-    if size > max_bytes:
-        raise UnsafeFile(f"{what} {p} is {size} bytes; refused unread (at most {max_bytes}): it "
-                         f"cannot be a {what}")
-    try:
-        return p.read_text()
-    except UnicodeDecodeError as e:
-        raise UnsafeFile(f"{what} {p} is not text ({e})") from None
-
-
-def read_json(path: str | Path, what: str, max_bytes: int = MAX_JSON_BYTES) -> Any:
-    """A JSON file as plain data; :class:`UnsafeFile` when it is missing, larger than
-    ``max_bytes`` (refused before reading: a 10 GB file must not exhaust memory) or not JSON."""
+def read_text(path: str | Path, what: str, max_bytes: int = MAX_JSON_BYTES) -> str:
+    """A text file, refused unread (:class:`UnsafeFile`) when larger than ``max_bytes``: a
+    10 GB file claiming to be a plan must not exhaust memory."""
     p = Path(path)
     try:
         size = p.stat().st_size
     except OSError as e:
         raise UnsafeFile(f"{what} {p}: cannot read it ({e.strerror or e})") from None
     if size > max_bytes:
-        raise UnsafeFile(f"{what} {p} is {size / 2**20:.1f} MiB; refused unread (at most "
-                         f"{max_bytes / 2**20:.0f} MiB): it cannot be a {what}")
+        shown = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size} bytes"
+        limit = f"{max_bytes / 2**20:.0f} MiB" if max_bytes >= 2**20 else f"{max_bytes} bytes"
+        raise UnsafeFile(f"{what} {p} is {shown}; refused unread (at most {limit}): it cannot "
+                         f"be a {what}")
     try:
-        return json.loads(p.read_bytes())
+        return p.read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise UnsafeFile(f"{what} {p}: cannot read it ({e})") from None
+        raise UnsafeFile(f"{what} {p} cannot be read as text ({e})") from None
+
+
+def read_small_text(path: str | Path, what: str, max_bytes: int = 4096) -> str:
+    """A small text file (a ``latest`` tag name), at most ``max_bytes``."""
+    return read_text(path, what, max_bytes)
+
+
+def read_json(path: str | Path, what: str, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """A JSON file as plain data (:func:`read_text`, then ``json.loads``); :class:`UnsafeFile`
+    when it is missing, too large or not JSON."""
+    text = read_text(path, what, max_bytes)
+    p = Path(path)
+    try:
+        return json.loads(text)
     except ValueError as e:
         raise UnsafeFile(f"{what} {p}: not valid JSON ({e})") from None
     except RecursionError:

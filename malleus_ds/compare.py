@@ -54,7 +54,7 @@ class SegmentStats:
     steps: int
     samples: float
     seconds: float            # step times + migrations before these steps
-    replans: int
+    switches: int             # re-plans adopted (plan switches)
     migrate_s: float
 
     @property
@@ -99,7 +99,7 @@ def segment_stats(records: Sequence[Mapping], events: Sequence[Mapping], lo: int
     mig = sum(float(e.get("seconds", 0.0)) for e in ev if e.get("event") == "migrate")
     return SegmentStats(steps=len(rs), samples=float(sum(r["samples"] for r in rs)),
                         seconds=float(sum(r["step_time_s"] for r in rs)) + mig,
-                        replans=sum(1 for e in ev if e.get("event") == "replan"
+                        switches=sum(1 for e in ev if e.get("event") == "replan"
                                     and e.get("adopted")),
                         migrate_s=mig)
 
@@ -178,7 +178,7 @@ def format_table(c: Comparison) -> str:
             rel = f"{st.samples_per_s / pace[i]:11.2f}x" if pace[i] else f"{'-':>12s}"
             row += f" | {st.samples_per_s:10.1f} {rel}"
             if n == "malleus":
-                row += f" {st.replans:9d} {st.migrate_s:10.3f}"
+                row += f" {st.switches:9d} {st.migrate_s:10.3f}"
         lines.append(row)
     return "\n".join(lines)
 

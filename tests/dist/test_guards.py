@@ -202,13 +202,9 @@ def _stop_the_launcher_only(cmd, out: Path, cwd: Path, sig: int):
         _wait(lambda: len(_lines(out / "metrics.jsonl")) >= 3, 120, "three steps")
         procs = descendants(p.pid)
         assert len(procs) >= 2, procs
-        t0 = time.monotonic()
         os.kill(p.pid, sig)
-
-        def gone():
-            return not [q for q in procs if Path(f"/proc/{q}").exists() and "zombie" not in
-                        Path(f"/proc/{q}/status").read_text().lower()]
-        took = _wait(gone, 60, "every process of the job to exit")
+        took = _wait(lambda: not any(_running(q) for q in procs), 60,
+                     "every process of the job to exit")
         text, _ = p.communicate(timeout=30)
         return text, took, procs
     finally:

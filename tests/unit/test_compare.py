@@ -35,7 +35,7 @@ def test_numbers_bound_and_closing_line():
     assert [(g.first, g.last) for g in c.segments] == [(1, 3), (4, 7), (8, 11), (12, 13)]
     assert c.bound == pytest.approx((1.0, 0.75, 0.625, 1.0))
     st = c.stats[1][1]
-    assert (st.steps, st.seconds, st.replans, st.migrate_s) == (4, pytest.approx(6.1), 1, 0.5)
+    assert (st.steps, st.seconds, st.switches, st.migrate_s) == (4, pytest.approx(6.1), 1, 0.5)
     assert c.stats[0][2].samples_per_s == pytest.approx(4.0)     # 16 samples / 4 s
     line = closing_line(c)
     # baseline: 8 + 16 = 24 s for 8 steps that take 8 s at its healthy pace -> 16 s lost;

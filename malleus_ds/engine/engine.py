@@ -72,6 +72,7 @@ from .precision import Precision
 from .state import EngineState
 from .settings import MalleusSettings, as_plan, base_ds_config, load_config, optimizer_settings
 from .schedule import Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad
+from .wire import wire_calls
 
 
 class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
@@ -270,16 +271,11 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
             self._step, self._ids = step, self.my_micro_batches(step)
             self._inputs, self._outputs, self._grads_in, self._grads_out = {}, {}, {}, {}
             self._sends: list = []
-            sched, i = self.schedule, 0
-            while i < len(sched):
-                ins = sched[i]
-                nxt = sched[i + 1] if i + 1 < len(sched) else None
-                if isinstance(ins, (SendAct, SendGrad)) and isinstance(nxt, (RecvAct, RecvGrad)):
-                    self._exec_send_recv(ins, nxt)
-                    i += 2
+            for call in wire_calls(self.schedule):     # NCCL-safe cut (engine/wire.py)
+                if len(call) == 2:
+                    self._exec_send_recv(*call)
                 else:
-                    self._dispatch[type(ins)](ins)
-                    i += 1
+                    self._dispatch[type(call[0])](call[0])
             for h, _ in self._sends:
                 h.wait()
             self._sends = []

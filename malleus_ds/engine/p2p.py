@@ -13,11 +13,14 @@ from .schedule import RecvAct, SendAct
 
 
 class PipelineP2P:
-    """Sends are asynchronous, receives block (the rule schedule.simulate proves deadlock-free).
-    A send followed directly by a receive (1F1B's steady state: "SA k, RG i" and "SG i, RA k+1")
-    is issued as ONE batch_isend_irecv: on NCCL, ops between a pair run in order on one stream
-    and a send completes only when matched, so issuing them one by one could leave both
-    neighbours waiting on each other (Megatron's send_forward_recv_backward)."""
+    """Runs a rank's p2p calls exactly as ``wire.wire_calls`` cuts them (``wire.nccl_problems``
+    checks every plan against NCCL's rules): EVERY message goes through ``batch_isend_irecv``,
+    so on NCCL all of a pair's messages share one communicator and are matched in issue order
+    (single ``isend``/``recv`` would take another communicator without eager init). A send
+    followed directly by a receive (1F1B's steady state: "SA k, RG i" and "SG i, RA k+1") is ONE
+    call: a send completes only when matched, so two calls could leave both neighbours waiting
+    on each other (Megatron's send_forward_recv_backward). Sends return at once, receives are
+    waited for. Tags are set but nothing depends on them."""
 
     def _act_shape(self) -> tuple[int, int, int]:
         return (self.plan.micro_batch_size, self.seq_len, self.model_cfg.hidden_size)
@@ -44,13 +47,17 @@ class PipelineP2P:
     def _exec_send(self, ins) -> None:
         self._prune_sends()
         t, dsts = self._send_parts(ins)
-        for dst in dsts:
-            self._sends.append((tdist.isend(t, dst, tag=ins.micro_batch), t))
+        if dsts:
+            reqs = tdist.batch_isend_irecv([tdist.P2POp(tdist.isend, t, d, tag=ins.micro_batch)
+                                            for d in dsts])
+            self._sends.extend((r, t) for r in reqs)
 
     def _exec_recv(self, ins) -> None:
         buf, src = self._recv_parts(ins)
+        (req,) = tdist.batch_isend_irecv([tdist.P2POp(tdist.irecv, buf, src,
+                                                      tag=ins.micro_batch)])
         with phase("p2p"):
-            tdist.recv(buf, src=src, tag=ins.micro_batch)
+            req.wait()
         self._recv_done(ins, buf)
 
     def _exec_send_recv(self, send, recv) -> None:

@@ -24,6 +24,7 @@ from .precision import Precision
 from .schedule import one_f_one_b
 from .tensor_parallel import apply_tp
 from .tied import TiedSync
+from .wire import pipeline_peers
 
 
 @dataclass(frozen=True)
@@ -162,15 +163,9 @@ def build_runtime(plan: Plan, rank: int, spec: StageSpec, module: nn.Module, tab
         rt.micro_batches = pipe.micro_batches
         rt.sample_offset = sum(p.micro_batches for p in plan.pipelines[:i]) * plan.micro_batch_size
         rt.schedule = one_f_one_b(j, rt.num_stages, pipe.micro_batches)
-        me, prev = pipe.stages[j], pipe.stages[j - 1] if j > 0 else None
-        nxt = pipe.stages[j + 1] if j + 1 < len(pipe.stages) else None
-        tp_rank = spec.tp_rank
-        # activations: receiver k of the next stage gets them from sender k % g
-        rt.act_src = prev.ranks[me.ranks.index(rank) % prev.tp] if prev else None
-        rt.act_dsts = [r for k, r in enumerate(nxt.ranks) if k % me.tp == tp_rank] if nxt else []
-        # gradients: receiver t of the previous stage gets them from sender t % g_next
-        rt.grad_src = nxt.ranks[tp_rank % nxt.tp] if nxt else None
-        rt.grad_dsts = [r for t, r in enumerate(prev.ranks) if t % me.tp == tp_rank] if prev else []
+        peers = pipeline_peers(plan, rank)     # wire.py: k-th receiver <- sender k % g
+        rt.act_src, rt.act_dsts = peers.act_src, list(peers.act_dsts)
+        rt.grad_src, rt.grad_dsts = peers.grad_src, list(peers.grad_dsts)
     if precision.mixed:
         rt.acc = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                   for n, p in named.items()}

@@ -65,8 +65,35 @@ def init_process_group(env: DistEnv, timeout_s: float | None = None) -> None:
         os.environ.setdefault("LOCAL_RANK", "0")
     if env.device.startswith("cuda"):
         torch.cuda.set_device(env.local_rank)
-    kw = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    for k, v in nccl_env_defaults(env).items():
+        os.environ.setdefault(k, v)         # a value the user set wins
+    kw = init_kwargs(env)
+    if timeout_s:
+        kw["timeout"] = timedelta(seconds=timeout_s)
     dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, **kw)
+
+
+def init_kwargs(env: DistEnv) -> dict:
+    """Extra ``init_process_group`` arguments. On NCCL, ``device_id``: the communicator is
+    created eagerly, bound to this rank's GPU, so every point-to-point call of a pair shares it
+    (lazily, single isend/recv would get a 2-rank communicator of their own; engine/wire.py)."""
+    if env.backend != "nccl":
+        return {}
+    import torch
+
+    return {"device_id": torch.device(env.device)}
+
+
+def nccl_env_defaults(env: DistEnv) -> dict[str, str]:
+    """PyTorch NCCL settings made when the backend is NCCL and the user did not set them (as
+    torchtitan does): on an NCCL error or timeout the watchdog tears the process down without
+    a hanging cleanup (``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``), and the flight recorder keeps the
+    last 20000 collectives and dumps them on a timeout (``TORCH_NCCL_TRACE_BUFFER_SIZE``,
+    ``TORCH_NCCL_DUMP_ON_TIMEOUT``), so a hang can be traced to the call that never matched."""
+    if env.backend != "nccl":
+        return {}
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 
 
 def destroy_process_group() -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from malleus_ds.procs import descendants  # noqa: E402
+from malleus_ds.procs import descendants, is_running as _running, rank_pid  # noqa: E402
 
 TRAIN = str(REPO / "launch" / "train.py")
 
@@ -38,13 +38,6 @@ def _lines(f: Path) -> list[dict]:
         return [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
     except (OSError, ValueError):
         return []
-
-
-def _running(pid: int) -> bool:
-    try:
-        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
-    except OSError:
-        return False
 
 
 def _wait(cond, timeout: float) -> float:
@@ -57,14 +50,10 @@ def _wait(cond, timeout: float) -> float:
 
 
 def _rank_pid(root: int, rank: int) -> int:
-    for pid in descendants(root):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and any(e.startswith(b"LOCAL_RANK=") for e in env):
-            return pid
-    raise SystemExit(f"no rank {rank} under {root}")
+    pid = rank_pid(root, rank)
+    if pid is None:
+        raise SystemExit(f"no rank {rank} under {root}")
+    return pid
 
 
 def _cmd(launcher: str, out: Path, hang: int) -> list[str]:

@@ -69,3 +69,24 @@ def is_alive(pid: int, started: int | None) -> bool:
     state Z, counts as exited)."""
     f = _stat_fields(pid)
     return f is not None and f[0] != "Z" and (started is None or int(f[19]) == started)
+
+
+def is_running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie."""
+    f = _stat_fields(pid)
+    return f is not None and f[0] != "Z"
+
+
+def rank_pid(root: int, rank: int) -> int | None:
+    """The process below ``root`` (a launcher) that runs training rank ``rank``: the one whose
+    environment has ``RANK=<rank>`` and a ``LOCAL_RANK`` (as torchrun and the deepspeed
+    launcher set them); None if there is none (yet)."""
+    for pid in descendants(root):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and any(e.startswith(b"LOCAL_RANK=") for e in env):
+            return pid
+    return None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from malleus_ds.procs import descendants
+from malleus_ds.procs import descendants, is_running, rank_pid
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "launch" / "train.py")
@@ -42,15 +42,9 @@ def _wait(cond, timeout, what):
 
 
 def _rank_pid(root: int, rank: int) -> int:
-    for pid in descendants(root):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and b"LOCAL_RANK" in b"".join(env):
-            if any(e == f"RANK={rank}".encode() for e in env):
-                return pid
-    raise AssertionError(f"no process of rank {rank} under {root}")
+    pid = rank_pid(root, rank)
+    assert pid is not None, f"no process of rank {rank} under {root}"
+    return pid
 
 
 def _sigterm_after_three_steps(cmd, out: Path, cwd: Path):
@@ -97,7 +91,7 @@ def test_a_frozen_rank_is_named_and_the_job_exits_within_the_bound_under_load(tm
         victim, live = _rank_pid(p.pid, 1), _rank_pid(p.pid, 0)
         os.kill(victim, signal.SIGSTOP)
         t0 = time.monotonic()
-        _wait(lambda: not _running(live), hang + 30, "the live rank to exit")
+        _wait(lambda: not is_running(live), hang + 30, "the live rank to exit")
         _, err = p.communicate(timeout=hang + 30 - (time.monotonic() - t0) + 5)
         took = time.monotonic() - t0
     finally:
@@ -118,13 +112,6 @@ def test_a_frozen_rank_is_named_and_the_job_exits_within_the_bound_under_load(tm
     assert [s["rank"] for s in ev["stuck"]] == [1], ev
     assert "rank 0: hang: rank 1 in step" in err and "hang_timeout_s" in err, err[-3000:]
     assert "killed frozen rank 1" in err, err[-3000:]
-
-
-def _running(pid: int) -> bool:
-    try:
-        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
-    except OSError:
-        return False
 
 
 def test_sigterm_to_the_wrapper_checkpoints_stops_every_rank_and_resumes(tmp_path):
@@ -203,7 +190,7 @@ def _stop_the_launcher_only(cmd, out: Path, cwd: Path, sig: int):
         procs = descendants(p.pid)
         assert len(procs) >= 2, procs
         os.kill(p.pid, sig)
-        took = _wait(lambda: not any(_running(q) for q in procs), 60,
+        took = _wait(lambda: not any(is_running(q) for q in procs), 60,
                      "every process of the job to exit")
         text, _ = p.communicate(timeout=30)
         return text, took, procs

@@ -6,7 +6,7 @@ uses (``inference_all_reduce``); training collectives go through torch.distribut
 that build unless ``MALLEUS_BUILD_SHM_OP=1``. GPUs are unaffected (no such op is built there).
 
 ``load_weights_only(engine)``: DeepSpeed 0.19's ``TorchCheckpointEngine.load`` hard-codes
-``torch.load(..., weights_only=False)`` and has no setting for it, so resuming a DeepSpeed
+``torch.load`` with weights_only turned off and has no setting for it, so resuming a DeepSpeed
 checkpoint could run code a shared file names. The files DeepSpeed writes for our engines (ZeRO
 0-2, PipelineEngine, fp32/bf16; found with ``torch.serialization.get_unsafe_globals_in_checkpoint``)
 are plain data except four small value classes: the ZeRO optimizer's ``loss_scaler``

@@ -1,7 +1,7 @@
 """Files we read are data, never code (bottom layer: no torch.distributed, no app imports).
 
 A checkpoint gets copied between clusters, shared and downloaded. ``torch.load`` with
-``weights_only=False`` unpickles whatever the file names -- a pickled object can run a shell
+weights_only turned off unpickles whatever the file names -- a pickled object can run a shell
 command while it loads -- so every ``.pt`` file malleus_ds reads goes through :func:`load_plain`
 (``weights_only=True``: tensors, dicts, lists, tuples, strings, numbers and the few torch types
 PyTorch allows), and everything it writes is checked by :func:`check_plain` first, so our own
@@ -102,7 +102,7 @@ def load_plain(path: str | Path, what: str = "checkpoint file", *, mmap: bool = 
             f"{p}: refused: this {what} is not plain data ({named}which unpickling would call). "
             f"malleus_ds loads with torch.load(weights_only=True) so that a file can never run "
             f"code, and {writer}: this file was altered or made by something else. Do not load "
-            f"it with weights_only=False unless you trust whoever made it; use another "
+            f"it with weights_only turned off unless you trust whoever made it; use another "
             f"checkpoint (tag) instead") from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, KeyError, ValueError) as e:
         raise UnsafeFile(f"{p}: cannot read this {what}: it is corrupted or truncated "

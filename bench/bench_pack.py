@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_pack.py [--mb 256] [--slices 64] [--device cuda|cpu]
                                          [--dtype float32|bfloat16] [--misalign] [--repeats N]
+                                         [--json]
 
 The slice list is what a migration sends to one peer, in equal thirds: TP column blocks of
 row-parallel weights (``w.narrow(1, k*c, c)``: strided rows, 4 blocks a weight), row blocks of
@@ -26,6 +27,7 @@ GB/s counts payload bytes (each is read once and written once). On CUDA it print
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -103,25 +105,19 @@ def timed(fn: Callable[[], object], device: str, repeats: int, inner: int) -> fl
     return statistics.median(samples)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--mb", type=float, default=256)
-    ap.add_argument("--slices", type=int, default=64)
-    ap.add_argument("--device", choices=["cuda", "cpu"],
-                    default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    ap.add_argument("--misalign", action="store_true")
-    ap.add_argument("--repeats", type=int, default=None, help="default 20 on CUDA, 5 on CPU")
-    args = ap.parse_args(argv)
-    device, dtype = args.device, getattr(torch, args.dtype)
-    if device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda but no CUDA device")
+def measure(mb: float = 256, n_slices: int = 64, device: str = "cuda",
+            dtype: torch.dtype = torch.float32, misalign: bool = False,
+            repeats: int | None = None) -> dict:
+    """Check pack/unpack against cat, then time every row; returns ``{"secs", "gbs", "nbytes",
+    "n_windows", "counts", "device_name", "pack_over_copy", "pack_over_cat", "kernel_over_copy"
+    (CUDA only, else None)}``. Used by :func:`main` and ``scripts/gpu_check.py``."""
     cuda = device == "cuda"
-    repeats = args.repeats or (20 if cuda else 5)
+    if cuda and not torch.cuda.is_available():
+        raise ValueError("bench_pack: device cuda but no CUDA device")
+    repeats = repeats or (20 if cuda else 5)
     inner = 10 if cuda else 1
 
-    tensors, views, windows, counts = build_slices(args.mb, args.slices, dtype, device,
-                                                   args.misalign)
+    tensors, views, windows, counts = build_slices(mb, n_slices, dtype, device, misalign)
     total = sum(w.numel for w in windows)
     nbytes = total * tensors[0].element_size()
     out = torch.empty(total, dtype=dtype, device=device)
@@ -130,10 +126,12 @@ def main(argv: list[str] | None = None) -> int:
 
     # correctness first: pack == cat, unpack(pack) restores every slice
     got = P.pack(tensors, windows, out)
-    assert torch.equal(got, torch.cat([v.reshape(-1) for v in views])), "pack != cat"
+    if not torch.equal(got, torch.cat([v.reshape(-1) for v in views])):
+        raise AssertionError("pack != cat")
     targets = [torch.zeros_like(t) for t in tensors]
     P.unpack(got, targets, windows)
-    assert torch.equal(P.pack(targets, windows), got), "unpack(pack) does not round-trip"
+    if not torch.equal(P.pack(targets, windows), got):
+        raise AssertionError("unpack(pack) does not round-trip")
 
     rows = [
         ("pack", lambda: P.pack(tensors, windows, out)),
@@ -156,21 +154,47 @@ def main(argv: list[str] | None = None) -> int:
 
     secs = {name: timed(fn, device, repeats, inner) for name, fn in rows}
     gbs = {name: nbytes / s / 1e9 for name, s in secs.items()}
+    return {"secs": secs, "gbs": gbs, "nbytes": nbytes, "n_windows": len(windows),
+            "counts": counts, "device_name": torch.cuda.get_device_name() if cuda else "CPU",
+            "pack_over_copy": gbs["pack"] / gbs["copy"], "pack_over_cat": gbs["pack"] / gbs["cat"],
+            "kernel_over_copy": gbs["pack kernel only"] / gbs["copy"] if cuda else None}
 
-    name = torch.cuda.get_device_name() if cuda else "CPU"
-    print(f"device {device} ({name}), dtype {args.dtype}, {len(windows)} slices "
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mb", type=float, default=256)
+    ap.add_argument("--slices", type=int, default=64)
+    ap.add_argument("--device", choices=["cuda", "cpu"],
+                    default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--misalign", action="store_true")
+    ap.add_argument("--repeats", type=int, default=None, help="default 20 on CUDA, 5 on CPU")
+    ap.add_argument("--json", action="store_true",
+                    help="print one JSON object (measure()'s numbers) instead of the table")
+    args = ap.parse_args(argv)
+    device, dtype = args.device, getattr(torch, args.dtype)
+    if device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda but no CUDA device")
+    cuda = device == "cuda"
+    r = measure(args.mb, args.slices, device, dtype, args.misalign, args.repeats)
+    if args.json:
+        print(json.dumps({**r, "device": device, "dtype": args.dtype, "misalign": args.misalign,
+                          "target": TARGET}))
+        return 0 if not cuda or r["pack_over_copy"] >= TARGET else 1
+    secs, gbs, counts = r["secs"], r["gbs"], r["counts"]
+    print(f"device {device} ({r['device_name']}), dtype {args.dtype}, {r['n_windows']} slices "
           f"({counts['col']} TP column blocks, {counts['row']} TP row blocks, "
-          f"{counts['zero']} ZeRO ranges), {nbytes / 2**20:.1f} MiB payload"
+          f"{counts['zero']} ZeRO ranges), {r['nbytes'] / 2**20:.1f} MiB payload"
           f"{', misaligned by one element' if args.misalign else ''}")
     if not cuda:
         print("note: on CPU pack/unpack run the plain-torch twin; the Triton kernel needs CUDA")
     for n in secs:
         print(f"  {n:<17} {secs[n] * 1e3:9.3f} ms  {gbs[n]:8.1f} GB/s")
-    print(f"  pack/cat  {gbs['pack'] / gbs['cat']:.2f}x")
-    print(f"  pack/copy {gbs['pack'] / gbs['copy']:.2f}")
+    print(f"  pack/cat  {r['pack_over_cat']:.2f}x")
+    print(f"  pack/copy {r['pack_over_copy']:.2f}")
     if cuda:
-        ok = gbs["pack"] / gbs["copy"] >= TARGET
-        print(f"  kernel only/copy {gbs['pack kernel only'] / gbs['copy']:.2f}")
+        ok = r["pack_over_copy"] >= TARGET
+        print(f"  kernel only/copy {r['kernel_over_copy']:.2f}")
         print(f"target: pack/copy >= {TARGET} on GPU: {'PASS' if ok else 'FAIL'}")
         return 0 if ok else 1
     print(f"target: pack/copy >= {TARGET} on GPU: not measured on CPU")

@@ -258,7 +258,10 @@ if triton is not None:
         else:
             tl.store(flat, tl.load(win, mask=mask), mask=mask)
 
-    @triton.jit
+    # n_windows / n_steps are not specialised (Triton would compile a variant for a value of 1
+    # and one for multiples of 16): one compiled kernel per element size and direction serves
+    # every window count, so :func:`warm_up` can compile all of them on a tiny buffer
+    @triton.jit(do_not_specialize=["n_windows", "n_steps"])
     def _window_copy_kernel(flat_ptr, meta_ptr, n_windows, n_steps, UNPACK: tl.constexpr,
                             VEC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
         """One BLOCK_R x BLOCK_C tile of one window. Windows are addressed in elements relative
@@ -446,3 +449,48 @@ def unpack(packed: torch.Tensor, tensors: Sequence[torch.Tensor],
         unpack_triton(packed, tensors, windows)
     else:
         unpack_torch(packed, tensors, windows)
+
+
+# --------------------------------------------------------------------------------- warm-up
+
+
+def warm_up(device, dtypes) -> int:
+    """Compile (or load from Triton's on-disk cache) every kernel variant :func:`pack` and
+    :func:`unpack` launch for tensors of ``dtypes`` on ``device``, on a tiny buffer, so no later
+    call pays a compile. Call once at start-up, outside any timing: the adaptive loop
+    calibrates migration cost from the first migration's seconds
+    (``malleus_ds/engine/switch.py``, ``malleus_ds/control.py``).
+
+    A variant is fixed by the element size (the kernel copies bits: bf16 and fp16 share one),
+    the direction, and the packed buffer's 16-byte alignment, on which Triton specialises
+    pointers; migration's buffers are fresh allocations, hence aligned, and so are the ones
+    used here. Window counts are not specialised (``do_not_specialize`` above).
+
+    Returns the number of launches: 0 where pack/unpack take the torch path (a non-CUDA
+    device, no triton, an element size the kernel does not copy) -- a no-op there."""
+    dev = torch.device(device) if device is not None else None
+    if triton is None or dev is None or dev.type != "cuda":
+        return 0
+    launches = _warm_up_on(dev, dtypes)
+    if launches:
+        torch.cuda.synchronize(dev)
+    return launches
+
+
+def _warm_up_on(dev: torch.device, dtypes) -> int:
+    """:func:`warm_up`'s launches, on any device pack_triton runs on (CUDA; the CPU under
+    ``TRITON_INTERPRET=1``, for tests): one pack and one unpack per element size."""
+    by_size: dict[int, torch.dtype] = {}
+    for dt in dtypes:
+        es = torch.empty(0, dtype=dt).element_size()
+        if es in _BITS:
+            by_size.setdefault(es, dt)
+    launches = 0
+    for es, dt in sorted(by_size.items()):
+        src = torch.zeros(64, dtype=dt, device=dev)
+        # a strided 2-row window and a contiguous run, packed and written back in place
+        wins = [Window(0, 0, 2, 8, 16, 1), Window(0, 40, 1, 8, 8, 1)]
+        packed = pack_triton([src], wins)
+        unpack_triton(packed, [src], wins)
+        launches += 2
+    return launches

@@ -57,6 +57,7 @@ from torch import nn
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import log_dist
+from malleus_ds_kernels.pack import warm_up as warm_up_pack
 
 from ..data import ByteCorpus
 from ..reference import micro_batches
@@ -173,6 +174,7 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
             RecvAct: self._exec_recv, SendAct: self._exec_send,
             RecvGrad: self._exec_recv, SendGrad: self._exec_send,
         }
+        warm_up_pack(self.device, {self.precision.dtype, torch.float32})  # no compile in a switch
         # a collective on the default group before the first batch_isend_irecv (NCCL requires it)
         tdist.barrier()
 

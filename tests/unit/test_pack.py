@@ -410,6 +410,16 @@ for dtype in DTYPES:
     except Exception:
         import traceback
         results[str(dtype)] = {"error": traceback.format_exc()}
+# warm-up: on CUDA only (a CPU device is a no-op even here); its launches, run by the
+# interpreter, are one pack + one unpack per element size and leave nothing changed
+try:
+    before = launches[0]
+    assert P.warm_up("cpu", [torch.float32]) == 0 and launches[0] == before
+    n = P._warm_up_on(torch.device("cpu"), [torch.bfloat16, torch.float16, torch.float32])
+    results["warm_up"] = {"launches": n, "counted": launches[0] - before}
+except Exception:
+    import traceback
+    results["warm_up"] = {"error": traceback.format_exc()}
 print("RESULTS " + json.dumps(results))
 """
 
@@ -431,6 +441,56 @@ def test_triton_interpreter_matches_torch(interpreter_results, dtype):
         pytest.skip(f"the Triton interpreter cannot run {dtype}: {r['skip']}")
     assert "error" not in r, r["error"]
     assert r["ok"] == 8          # SEEDS in _INTERP_SCRIPT
+
+
+def test_warm_up_launches_under_interpreter(interpreter_results):
+    # bf16 and fp16 share the 2-byte kernel: 2 element sizes x (pack + unpack)
+    r = interpreter_results["warm_up"]
+    assert "error" not in r, r["error"]
+    assert r == {"launches": 4, "counted": 4}
+
+
+def test_warm_up_is_a_no_op_on_cpu():
+    from malleus_ds_kernels.pack import warm_up
+    t = torch.arange(12.0)
+    assert warm_up("cpu", DTYPES) == 0
+    assert warm_up(torch.device("cpu"), [torch.bfloat16]) == 0
+    assert warm_up(None, [torch.float32]) == 0
+    assert warm_up("cpu", []) == 0
+    assert torch.equal(pack([t], [window_of(0, t, t[2:9])]), t[2:9])   # still packs
+
+
+def _engine_with_spy(rank, world, precision):
+    """Worker: build a 1-rank MalleusEngine with the start-up warm-up spied on; train a step."""
+    import malleus_ds
+    import malleus_ds.engine.engine as E
+    from malleus_ds.plan import Plan
+    from tests.dist.test_malleus_cases import CFG, ds_config, plan_json
+
+    calls, real = [], E.warm_up_pack
+
+    def spy(device, dtypes):
+        calls.append((str(device), sorted(str(d) for d in dtypes)))
+        calls.append(real(device, dtypes))
+        return calls[-1]
+    E.warm_up_pack = spy
+    cfg = ds_config(1)
+    if precision:
+        cfg[precision] = {"enabled": True}
+    eng, *_ = malleus_ds.initialize(model=CFG, config=cfg,
+                                    plan=Plan.from_json(plan_json([(8, [([0], (0, 4))])])))
+    return calls, eng.train_batch()
+
+
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_engine_start_up_warms_the_pack_kernel(precision):
+    # malleus_ds/engine/engine.py build_engine_state: once, for the param dtype and fp32 (the
+    # wire dtypes of a migration); on CPU the real warm_up returns 0 and training is unharmed
+    from tests.dist.harness import run_distributed
+    (calls, loss), = run_distributed(_engine_with_spy, 1, precision, timeout=120)
+    want = ["torch.bfloat16", "torch.float32"] if precision else ["torch.float32"]
+    assert calls == [("cpu", want), 0]
+    assert loss == loss and 0 < loss < 100
 
 
 def test_triton_needs_cuda_without_interpreter():
@@ -491,3 +551,21 @@ def test_triton_cuda_large_aligned_and_unaligned(dtype):
             tv = torch.as_strided(targets[k], (w.rows, w.cols), (w.row_stride, w.col_stride),
                                   targets[k].storage_offset() + w.offset)
             assert torch.equal(tv.reshape(-1), v.reshape(-1))
+
+
+def _compiled_variants(fn) -> int:
+    """Kernels Triton compiled for ``fn`` in this process, all devices (triton >= 3.1)."""
+    return sum(len(c[0]) for c in fn.device_caches.values())
+
+
+@cuda
+def test_triton_cuda_warm_up_leaves_nothing_to_compile():
+    import malleus_ds_kernels.pack as P
+    P.warm_up("cuda", [torch.bfloat16, torch.float32])
+    n = _compiled_variants(P._window_copy_kernel)
+    for dtype in (torch.bfloat16, torch.float32):
+        for count in (1, 2, 17, 300):        # window counts Triton would otherwise specialise
+            case = random_case(count, dtype, device="cuda", max_windows=count)
+            packed = pack(case.tensors, case.windows)
+            unpack(packed, [t.clone() for t in case.tensors], case.windows)
+    assert _compiled_variants(P._window_copy_kernel) == n

@@ -185,6 +185,8 @@ def main() -> None:
         from malleus_ds.runners import DistEnv, execute, validate
         from malleus_ds.runners.guard import Stopped
         from malleus_ds.runners.common import format_summary
+        from malleus_ds.migrate.transport import MigrationError
+        from malleus_ds.watchdog import HANG_EXIT_CODE
 
         hc = HydraConfig.get()
         launched = any(k in os.environ for k in _LAUNCHED)
@@ -250,6 +252,10 @@ def main() -> None:
                 import time
                 time.sleep(_CONFIG_ERROR_GRACE_S)
             sys.exit(2)
+        except MigrationError as e:     # a plan switch failed; every rank raises it (agreed)
+            # one line, and the watchdog's status: the job ends for a restart from a checkpoint
+            print(f"[malleus_ds] {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+            sys.exit(HANG_EXIT_CODE)
         if env.is_rank0:
             print(format_summary(rc, summary), flush=True)
 

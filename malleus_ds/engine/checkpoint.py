@@ -52,6 +52,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as tdist
 
+from ..agreement import AgreementError, store_timeout_s
+from ..agreement import agree as store_agree
 from ..layout import STATE_KINDS, Hold, merge, plan_holdings, subtract
 from ..safe_load import UnsafeFile, check_plain, load_plain, read_json, read_small_text
 from ..migrate.apply import StateView, pack_parts, unpack_parts
@@ -178,28 +180,22 @@ def _atomic(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
         raise
 
 
-#: bytes of the first failed rank's message that every rank receives
-_ERR_BYTES = 2048
-
-
 def _agree(engine, err: str | None, what: str) -> None:
-    """Collective: every rank raises if any rank failed (so no rank goes on into a collective
-    that a failed rank never reaches); doubles as a barrier."""
-    flags = torch.zeros(engine.world_size, dtype=torch.int64, device=engine.device)
-    if err is not None:
-        flags[engine.global_rank] = 1
-    tdist.all_reduce(flags)
-    bad = [int(i) for i in torch.nonzero(flags.cpu()).flatten()]
-    if not bad:
-        return
-    # every rank names the file: the first failed rank's message, as bytes summed over ranks
-    text = torch.zeros(_ERR_BYTES, dtype=torch.uint8, device=engine.device)
-    if engine.global_rank == bad[0]:
-        raw = torch.frombuffer(bytearray(str(err).encode()[:_ERR_BYTES]), dtype=torch.uint8)
-        text[:raw.numel()] = raw.to(engine.device)
-    tdist.all_reduce(text)
-    first = bytes(text.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
-    raise CheckpointError(f"{what} failed on rank(s) {bad}: rank {bad[0]}: {first}")
+    """Every rank raises if any rank failed (so no rank goes on into a collective that a failed
+    rank never reaches), naming the first failed rank's message; doubles as a barrier. Agreed
+    through the job's store (malleus_ds/agreement.py), not the communicator. Deadline: the
+    default group's timeout (``comm_timeout_s`` in the app, ``agreement.store_timeout_s``), the
+    bound the collective this replaces had: a rank writing a big file is slow, not dead (a
+    rank that died is caught sooner by the watchdog, malleus_ds/watchdog.py)."""
+    name = what.split("(", 1)[0]        # the same on every rank (a path might not be)
+    try:
+        bad = store_agree(name, err, store_timeout_s())
+    except AgreementError as e:
+        raise CheckpointError(f"{what} failed: the ranks could not agree on its outcome "
+                              f"({e})") from None
+    if bad is not None:
+        raise CheckpointError(f"{what} failed on rank(s) {list(bad.ranks)}: rank {bad.rank}: "
+                              f"{bad.message}")
 
 
 def _table_json(table) -> dict[str, list]:

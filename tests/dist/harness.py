@@ -4,7 +4,8 @@
 initialises ``torch.distributed`` with gloo through a file rendezvous, calls ``fn(rank,
 world_size, *args)`` and sends back its return value (must be picklable; tensors fine). Any
 rank's exception fails the test with that rank's traceback; a hard timeout kills every process
-so a hang fails instead of blocking CI.
+so a hang fails instead of blocking CI. ``may_die``: ranks a test kills on purpose; dying without
+reporting is their result (:class:`Died`), not a failure.
 
 Ranks start from a fork server (``multiprocessing`` "forkserver") that imported torch, DeepSpeed
 and transformers' Llama-family modules once, with ``DS_ACCELERATOR=cpu`` and one thread: each
@@ -20,6 +21,7 @@ import os
 import pickle
 import tempfile
 import traceback
+from dataclasses import dataclass
 
 import torch.multiprocessing as mp
 
@@ -77,7 +79,15 @@ def _context():
     return _CTX
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, env: dict | None = None):
+@dataclass(frozen=True)
+class Died:
+    """The result of a rank in ``may_die`` that exited without reporting (-9: SIGKILL)."""
+
+    exitcode: int
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, env: dict | None = None,
+                    may_die=()):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return [result per rank]."""
     ctx = _context()
     queue = ctx.Queue()
@@ -111,6 +121,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0, env: dic
                     dead = [i for i, p in enumerate(procs)
                             if not p.is_alive() and p.exitcode not in (0, None)
                             and i not in results and i not in errors]
+                    for i in [i for i in dead if i in may_die]:
+                        results[i] = Died(procs[i].exitcode)
+                    dead = [i for i in dead if i not in may_die]
                     if dead:
                         raise RuntimeError(f"ranks {dead} died (exit codes "
                                            f"{[procs[i].exitcode for i in dead]}) without reporting")

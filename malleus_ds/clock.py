@@ -19,25 +19,78 @@ class ComputeClock:
 
     ``compute_s`` (per step) includes the emulated sleep, as a slow GPU would show it;
     ``emulated_s`` is the sleep alone. Communication that happens *inside* a timed span
-    (e.g. DeepSpeed reducing gradients in backward hooks) is left out: wrap it in
-    :meth:`excluded` (``runners/common.py:exclude_calls``), so a healthy rank waiting for a slow peer
-    does not look slow itself."""
+    (e.g. DeepSpeed reducing gradients in backward hooks, or a TP all-reduce) is left out: wrap it
+    in :meth:`excluded` (``runners/common.py:exclude_calls``), so a healthy rank waiting for a
+    slow peer does not look slow itself.
+
+    One clock, two time sources:
+
+    * CPU: ``time.perf_counter`` around each span (the host runs the work);
+    * CUDA: a pair of CUDA events per span, recorded on the current stream, nothing synchronised
+      while the step runs; the events are read once, when ``compute_s`` is first asked for in a
+      step (the host waits there for the GPU: watchdog phase "waiting for the GPU"). An excluded
+      span inside a compute span is timed by its own events (an asynchronous NCCL all-reduce's
+      wait for a slow peer happens on the stream, between them). A step in which the straggler
+      emulation slows this rank synchronises around each span instead: the emulation sleeps on
+      the host in proportion to the compute it just measured.
+    """
 
     def __init__(self, straggler: Straggler | None = None, cuda: bool = False) -> None:
         self.straggler = straggler
         self.cuda = cuda
         self.step = 0
-        self.compute_s = 0.0
+        self._compute_s = 0.0
         self.emulated_s = 0.0
         self._excluded = 0.0
         self._ex_depth = 0
+        self._in_compute = 0
+        self._events: list[tuple[object, object, float]] = []    # (start, end, +1 | -1)
+        self._sync = cuda
 
     def start_step(self, step: int) -> None:
-        self.step, self.compute_s, self.emulated_s = step, 0.0, 0.0
+        self.step, self._compute_s, self.emulated_s = step, 0.0, 0.0
+        self._events = []
+        self._sync = self.cuda and self._emulating(step)
         HEARTBEAT.beat("step start", step)
+
+    def _emulating(self, step: int) -> bool:
+        st = self.straggler
+        return st is not None and st.schedule.rate(st.rank, step) > 1.0
+
+    @property
+    def events(self) -> bool:
+        """Spans are timed by CUDA events this step (not synchronised)."""
+        return self.cuda and not self._sync
+
+    @property
+    def compute_s(self) -> float:
+        """This step's compute seconds so far (reads the step's CUDA events: one wait)."""
+        if self._events:
+            ev, self._events = self._events, []
+            with phase("waiting for the GPU"):
+                ev[-1][1].synchronize()
+            self._compute_s += sum(sign * a.elapsed_time(b) / 1e3 for a, b, sign in ev)
+        return self._compute_s
+
+    def _event_pair(self):
+        import torch
+        a = torch.cuda.Event(enable_timing=True)
+        a.record()
+        return a, torch.cuda.Event(enable_timing=True)
 
     @contextmanager
     def compute(self):
+        if self.events:
+            a, b = self._event_pair()
+            self._in_compute += 1
+            try:
+                with phase("forward/backward"):
+                    yield
+            finally:
+                self._in_compute -= 1
+                b.record()
+                self._events.append((a, b, 1.0))
+            return
         if self.cuda:
             import torch
             torch.cuda.synchronize()
@@ -53,17 +106,22 @@ class ComputeClock:
     def excluded(self):
         """Time spent in here does not count as compute (re-entrant: outermost span counts)."""
         self._ex_depth += 1
+        outer = self._ex_depth == 1
+        ev = self._event_pair() if outer and self.events and self._in_compute else None
         t0 = time.perf_counter()
         try:
             with phase("communication"):
                 yield
         finally:
             self._ex_depth -= 1
-            if self._ex_depth == 0:
+            if ev is not None:
+                ev[1].record()
+                self._events.append((ev[0], ev[1], -1.0))
+            elif self._ex_depth == 0:
                 self._excluded += time.perf_counter() - t0
 
     def add(self, seconds: float) -> None:
         """Account ``seconds`` of measured compute, then emulate (sleep) if slowed."""
         slept = self.straggler.after_compute(self.step, seconds) if self.straggler else 0.0
-        self.compute_s += seconds + slept
+        self._compute_s += seconds + slept
         self.emulated_s += slept

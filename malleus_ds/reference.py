@@ -26,10 +26,22 @@ class OptimConfig:
     weight_decay: float = 0.0
 
 
-def make_optimizer(params, oc: OptimConfig) -> torch.optim.AdamW:
-    # foreach=False: identical per-tensor math whichever subset of parameters a rank holds
-    return torch.optim.AdamW(params, lr=oc.lr, betas=oc.betas, eps=oc.eps,
-                             weight_decay=oc.weight_decay, foreach=False)
+def make_optimizer(params, oc: OptimConfig, fused: bool = False) -> torch.optim.AdamW:
+    """torch AdamW, multi-tensor (``foreach``) by default: one kernel per operation over all of
+    the parameters instead of one per parameter, with per-element math identical to the
+    single-tensor loop (checked bit for bit in tests/unit/test_optimizer_math.py), so any subset
+    of the parameters a rank holds gets the same numbers as one process. ``fused``: torch's fused
+    kernel (the ds_config's ``optimizer.params.fused``), where torch has one for the parameters'
+    device (CUDA, CPU); its rounding differs from the loop by about one ulp per step."""
+    params = list(params)
+    kw = dict(lr=oc.lr, betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay)
+    if fused and params and params[0].device.type in FUSED_DEVICES:
+        return torch.optim.AdamW(params, fused=True, **kw)
+    return torch.optim.AdamW(params, foreach=True, **kw)
+
+
+#: device types with a fused AdamW kernel in torch
+FUSED_DEVICES = ("cuda", "cpu", "xpu", "mps")
 
 
 def micro_batches(step: int, global_batch_size: int, micro_batch_size: int):

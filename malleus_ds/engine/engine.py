@@ -68,7 +68,7 @@ from .groups import GROUPS, plan_rank_sets
 from .mpu import PlanMPU
 from .p2p import PipelineP2P
 from .plan_check import check_job_plan
-from .runtime import PlanRuntime, StageSpec, accumulate_one, build_runtime, build_stage, locate
+from .runtime import PlanRuntime, StageSpec, build_runtime, build_stage, locate
 from .precision import Precision
 from .state import EngineState
 from .settings import MalleusSettings, as_plan, base_ds_config, load_config, optimizer_settings
@@ -196,18 +196,25 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
             setattr(self, k, getattr(rt, k))
         self.optimizer = rt.optimizer
         self.basic_optimizer = rt.optimizer.optimizer
-        self._acc = rt.acc
         self.optimizer.loss_scaler = self.loss_scaler     # like DeepSpeed's fp16 optimizers
         self.optimizer.overflow = False
 
     def _accumulate_grads(self) -> None:
-        """After a micro-batch's backward: move low-precision grads into the fp32 buffers
-        (BF16_Optimizer.update_hp_grads; a no-op with immediate_grad_update)."""
-        if self._acc is None or self.precision.immediate_grad_update:
-            return
-        for n, p in self.named.items():
-            if p.grad is not None:
-                accumulate_one(p, self._acc[n])
+        """After a micro-batch's backward: gradients into the fp32 buckets (BF16_Optimizer's
+        update_hp_grads; already done per parameter with immediate_grad_update)."""
+        if not self.precision.immediate_grad_update:
+            self.runtime.accumulate()
+
+    def _sync_tied(self) -> None:
+        """Both copies of a tied pair get the pipeline's summed gradient, read out of and written
+        back into the buckets (only the ranks ``TiedSync`` involves pay for it)."""
+        tied = self.runtime.tied
+        names = tied.names()
+        if names:
+            grads = {n: self.grad_sync.read(n) for n in names}
+            tied(grads)
+            for n in names:
+                self.grad_sync.write(n, grads[n])
 
     @property
     def cur_scale(self) -> float:
@@ -267,9 +274,7 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
         if self.located is not None:
             for p in self.named.values():
                 p.grad = None
-            if self._acc is not None:
-                for a in self._acc.values():
-                    a.zero_()
+            self.grad_sync.zero_()
             self._step, self._ids = step, self.my_micro_batches(step)
             self._inputs, self._outputs, self._grads_in, self._grads_out = {}, {}, {}, {}
             self._sends: list = []
@@ -281,16 +286,9 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
             for h, _ in self._sends:
                 h.wait()
             self._sends = []
-            if self._acc is not None:           # mixed precision: fp32 accumulators
-                grads = self._acc
-            else:
-                grads = {n: p.grad if p.grad is not None else torch.zeros_like(p)
-                         for n, p in self.named.items()}
             with phase("all-reduce"):
-                self.runtime.tied(grads)           # tied embedding/head: one gradient (tied.py)
-                flats = self.grad_sync.reduce(grads)   # fp32 buckets, summed over replicas
-            for p in self.named.values():       # summed grads live in the buckets now
-                p.grad = None
+                self._sync_tied()               # tied embedding/head: one gradient (tied.py)
+                flats = self.grad_sync.reduce()     # fp32 buckets, summed over replicas
         else:
             flats = []
         probe_s = self.control.probe(step) if self.control.probe_due(step) else 0.0
@@ -299,17 +297,19 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
         # inf/nan makes its bucket's sum non-finite), so every rank takes the same skip
         # decision; and the adaptive loop's per-rank timings and rank 0's "decision ready" flag.
         check = self.precision.check_overflow
-        mine = self._loss_sum if (self.is_last_stage and self.tp_rank == 0) else 0.0
-        red = torch.tensor([mine, 0.0, *self.control.slots(self.clock.compute_s, probe_s)],
+        red = torch.tensor([0.0, 0.0, *self.control.slots(self.clock.compute_s, probe_s)],
                            dtype=torch.float64,
                            device=self.device)
+        if self.is_last_stage and self.tp_rank == 0:
+            red[0] = self._loss_sum      # on the device until now: no host read per micro-batch
         if check:                        # counted on the device: no host sync per bucket
             for f, _ in flats:
                 red[1] += (~torch.isfinite(f)).sum()
         with phase("all-reduce"):
             tdist.all_reduce(red)
-        loss, overflow = float(red[0]), bool(red[1] > 0)
-        self.control.observe(step, red[2:].tolist())
+            summed = red.tolist()            # the step's one read of the all-reduce (waits on GPU)
+        loss, overflow = summed[0], summed[1] > 0
+        self.control.observe(step, summed[2:])
         self.optimizer.overflow = overflow
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)   # DeepSpeed's static/dynamic scaler
@@ -323,11 +323,12 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
         coef = 1.0
         clip = self.gradient_clipping()
         if clip and clip > 0:
-            sq = torch.tensor([self.optimizer.owned_sq_norm(flats, self.runtime.tied.skip_in_norm)],
-                              dtype=torch.float64,
-                              device=self.device)
-            tdist.all_reduce(sq)
-            self._global_grad_norm = float(sq.sqrt())
+            # on the device: one all-reduce and one host read per step (the norm, for the
+            # coefficient and the logs)
+            sq = self.optimizer.owned_sq_norm(flats, self.runtime.tied.skip_in_norm).reshape(1)
+            with phase("all-reduce"):
+                tdist.all_reduce(sq)
+                self._global_grad_norm = float(sq.sqrt())
             coef = min(1.0, clip / (self._global_grad_norm + 1e-6))
         self.optimizer.step(flats, coef)
         if self.lr_scheduler is not None:
@@ -447,7 +448,8 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
 
         out = self._timed(run)
         if self.is_last_stage:
-            self._loss_sum += out.item()
+            # summed in fp64 on the device, as one process adds the fp32 ``.item()`` values
+            self._loss_sum = self._loss_sum + out.detach().double()
             if self._loss_mult != 1.0:      # fp16 loss scaling (fp32 loss, power-of-2 scale)
                 out = out * self._loss_mult
         self._outputs[k] = out

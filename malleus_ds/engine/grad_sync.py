@@ -128,36 +128,88 @@ def unflatten(bucket: Bucket, flat: torch.Tensor, tensors: dict[str, torch.Tenso
 
 
 class GradSync:
-    """Sum every bucket's gradients among its holders.
+    """The fp32 gradient buffers of one plan, and the sum of every bucket among its holders.
+
+    The buckets ARE the gradient accumulators (Megatron's ``main_grad``): after each
+    micro-batch's backward (or per parameter as soon as its gradient is ready), the engine adds
+    every parameter's gradient straight into its pieces' windows of the flat buffers
+    (:meth:`accumulate`, one ``_foreach_add_`` for all of them) and drops ``param.grad``, so the
+    summed fp32 gradient exists once, in the buckets, with no per-parameter accumulator beside
+    it. A piece that does not contribute (a non-zero TP rank's copy of a replicated weight) is
+    never added: it stays zero. Summing into a zeroed buffer gives the bits autograd's own
+    accumulation would (``0 + g1 + g2 + ...``).
 
     ZeRO stage 0/1: all-reduce the whole flat bucket (every member gets every summed element).
     ZeRO stage 2: reduce-scatter, so each member receives only the summed gradients of its own
-    ZeRO partition (half the traffic of an all-reduce; the reduced gradient is never stored
-    whole). ``reduce`` returns, per bucket, ``(tensor, offset)``: the summed gradients of bucket
-    elements ``[offset, offset + len(tensor))``.
+    ZeRO partition (half the traffic of an all-reduce). :meth:`reduce` returns, per bucket,
+    ``(tensor, offset)``: the summed gradients of bucket elements ``[offset, offset + len)``.
     """
 
     def __init__(self, buckets: list[Bucket], groups, device=None, zero_stage: int = 0,
-                 rank: int | None = None) -> None:
+                 rank: int | None = None, shapes: dict[str, torch.Size] | None = None) -> None:
         self.buckets = buckets
         self.groups = [groups.get(b.ranks) if len(b.ranks) > 1 else None for b in buckets]
         self.scatter = [zero_stage >= 2 and len(b.ranks) > 1 for b in buckets]
-        # member-major flat buffers (``Bucket.entries``): every step overwrites the elements,
-        # so only the padding is zeroed (no memset, no first touch, of the rest here)
-        self.flats = [torch.empty(b.flat_size, dtype=torch.float32, device=device)
-                      for b in buckets]
-        for b, f in zip(buckets, self.flats):
-            zero_padding(f, b)
-        self.parts = [torch.empty(b.padded_part, dtype=torch.float32, device=device) if sc else None
-                      for b, sc in zip(buckets, self.scatter)]
         self.offsets = [b.ranks.index(rank) * b.padded_part if sc else 0
                         for b, sc in zip(buckets, self.scatter)]
+        self.device, self._shapes = device, dict(shapes or {})
+        # allocated by the first step (:meth:`zero_`), not here: a plan switch builds this
+        # object while the previous plan's state is still alive, and gradients are not needed
+        # until the next step, after the old plan is gone
+        self.flats: list[torch.Tensor] = []
+        self.parts: list[torch.Tensor | None] = []
+        self._targets: dict = {}
 
-    def reduce(self, grads: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
+    def _allocate(self) -> None:
+        # member-major flat buffers (``Bucket.entries``), zeroed at the start of every step
+        dev = self.device
+        self.flats = [torch.zeros(b.flat_size, dtype=torch.float32, device=dev)
+                      for b in self.buckets]
+        self.parts = [torch.empty(b.padded_part, dtype=torch.float32, device=dev) if sc
+                      else None for b, sc in zip(self.buckets, self.scatter)]
+        self._targets = _targets(self.buckets, self.flats, self._shapes)
+
+    def zero_(self) -> None:
+        """Start a step: every accumulator at zero (padding stays zero throughout); the first
+        call allocates the buffers."""
+        if not self.flats and self.buckets:
+            self._allocate()
+        elif self.flats:
+            torch._foreach_zero_(self.flats)
+
+    @torch.no_grad()
+    def accumulate(self, grads) -> None:
+        """Add ``{name: gradient}`` (any dtype; local parameter shapes) into the buckets."""
+        if grads and self.buckets and not self.flats:
+            raise RuntimeError("GradSync.accumulate before zero_(): no gradient buffers this step")
+        dsts, srcs = [], []
+        for name, g in grads.items():
+            for (pc, a, b), ds in self._targets.get(name, ()):
+                dsts += ds
+                srcs += part_views(g, pc, a, b)
+        if dsts:
+            torch._foreach_add_(dsts, srcs)
+
+    def read(self, name: str) -> torch.Tensor:
+        """A new fp32 tensor shaped like parameter ``name``: its accumulated gradient where this
+        rank contributes, zeros elsewhere."""
+        out = torch.zeros(self._shapes[name], dtype=torch.float32, device=self.device)
+        for (pc, a, b), ds in self._targets.get(name, ()):
+            for w, d in zip(part_views(out, pc, a, b), ds):
+                w.copy_(d)
+        return out
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        """Overwrite parameter ``name``'s contributing windows with ``t``'s elements."""
+        for (pc, a, b), ds in self._targets.get(name, ()):
+            for w, d in zip(part_views(t, pc, a, b), ds):
+                d.copy_(w)
+
+    def reduce(self) -> list[tuple[torch.Tensor, int]]:
+        if len(self.flats) != len(self.buckets):
+            raise RuntimeError("GradSync.reduce before zero_(): no gradient buffers this step")
         out = []
-        for b, grp, flat, part, off in zip(self.buckets, self.groups, self.flats, self.parts,
-                                           self.offsets):
-            flatten(b, grads, flat, mask=True)
+        for grp, flat, part, off in zip(self.groups, self.flats, self.parts, self.offsets):
             if part is not None:
                 dist.reduce_scatter_tensor(part, flat, group=grp)
                 out.append((part, off))
@@ -166,3 +218,31 @@ class GradSync:
                     dist.all_reduce(flat, group=grp)
                 out.append((flat, 0))
         return out
+
+    def free(self) -> None:
+        """Release the buffers (a plan switch, before the next plan's state is allocated:
+        gradients are scratch between steps)."""
+        self.flats, self.parts, self._targets = [], [], {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.flats + self.parts if t is not None)
+
+
+def _targets(buckets: list[Bucket], flats: list[torch.Tensor], shapes: dict[str, torch.Size]
+             ) -> dict[str, list[tuple[tuple[Piece, int, int], list[torch.Tensor]]]]:
+    """Per parameter name: each contributing piece part ``(piece, a, b)`` with the views of the
+    flat buffer its windows (``part_views``) are added into, shaped like those windows."""
+    out: dict[str, list] = {}
+    for bucket, flat in zip(buckets, flats):
+        for pc, a, b, f in bucket.entries():
+            if not pc.contribute:
+                continue
+            meta = torch.empty(shapes[pc.name], device="meta")
+            ds, o = [], f
+            for w in part_views(meta, pc, a, b):
+                n = w.numel()
+                ds.append(flat[o:o + n].view(w.shape))
+                o += n
+            out.setdefault(pc.name, []).append(((pc, a, b), ds))
+    return out

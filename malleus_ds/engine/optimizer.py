@@ -16,7 +16,7 @@ the group instead of summing them (DESIGN.md §5). So the bucket (grad_sync.Buck
   accumulation buffer ``param.grad`` stays whole across the micro-batches of a step.)
 
 AdamW is element-wise, so updating a flat slice gives the same numbers as updating whole
-tensors (``foreach=False`` keeps the per-element math identical to the reference).
+tensors (torch's multi-tensor AdamW has the single-tensor loop's per-element math, bit for bit).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class ShardedOptimizer:
         fills them)."""
         from .settings import check_zero_stage
 
-        self.buckets, self.params = buckets, params
+        self.buckets, self.params, self.device = buckets, params, device
         self.zero_stage = check_zero_stage(zero_stage)
         self.groups = [groups.get(b.ranks) if len(b.ranks) > 1 else None for b in buckets]
         self.owned = [b.partition(rank) for b in buckets]            # grad-norm ownership
@@ -90,27 +90,50 @@ class ShardedOptimizer:
         return self.optimizer.state_dict()
 
     def owned_sq_norm(self, flats: list[tuple[torch.Tensor, int]],
-                      skip: frozenset[str] = frozenset()) -> float:
+                      skip: frozenset[str] = frozenset()) -> torch.Tensor:
         """Sum of squares of the gradient elements this rank owns (each element has one owner),
-        leaving out the pieces of parameters named in ``skip`` (the second copy of a tied pair)."""
-        s = 0.0
-        for b, (f, off), (lo, hi) in zip(self.buckets, flats, self.owned):
-            if hi > lo:
-                s += float(f[lo - off:hi - off].double().pow(2).sum())
-                if skip:
-                    for pc, a, z, o in b.entries():
-                        x, y = max(o, lo), min(o + z - a, hi)
-                        if pc.name in skip and y > x:
-                            s -= float(f[x - off:y - off].double().pow(2).sum())
-        return s
+        leaving out the pieces of parameters named in ``skip`` (the second copy of a tied pair),
+        as a 0-d float64 tensor on the gradients' device: no host read here (one ``_foreach_norm``
+        over the owned windows, computed in fp64 so that the clipping coefficient, and with it
+        a low-precision cast of the masters, does not depend on how the elements are split)."""
+        views = [f[x - off:y - off] for (f, off), ws in zip(flats, self._norm_windows(skip))
+                 for x, y in ws]
+        dev = flats[0][0].device if flats else self.device
+        if not views:
+            return torch.zeros((), dtype=torch.float64, device=dev)
+        return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float64)).pow(2).sum()
+
+    def _norm_windows(self, skip: frozenset[str]) -> list[list[tuple[int, int]]]:
+        """Per bucket, the flat windows of this rank's owned range without ``skip``'s pieces
+        (computed once per skip set: the layout does not change within a plan)."""
+        cache = self.__dict__.setdefault("_windows", {})
+        if skip not in cache:
+            out = []
+            for b, (lo, hi) in zip(self.buckets, self.owned):
+                cuts = sorted((max(f, lo), min(f + e - a, hi)) for pc, a, e, f in b.entries()
+                              if pc.name in skip and max(f, lo) < min(f + e - a, hi))
+                ws, cur = [], lo
+                for x, y in cuts:
+                    if x > cur:
+                        ws.append((cur, x))
+                    cur = max(cur, y)
+                if hi > cur:
+                    ws.append((cur, hi))
+                out.append(ws)
+            cache[skip] = out
+        return cache[skip]
 
     @torch.no_grad()
     def step(self, flats: list[tuple[torch.Tensor, int]], clip_coef: float = 1.0) -> None:
-        """``flats``: per bucket, summed gradients of elements ``[offset, offset + len)``."""
+        """``flats``: per bucket, summed gradients of elements ``[offset, offset + len)``; they
+        are scratch (the next step overwrites them), so clipping scales them in place."""
+        grads = []
         for m, (f, off), (lo, hi) in zip(self.masters, flats, self.ranges):
             if m is not None:
-                g = f[lo - off:hi - off]
-                m.grad = g * clip_coef if clip_coef != 1.0 else g
+                m.grad = f[lo - off:hi - off]
+                grads.append(m.grad)
+        if clip_coef != 1.0 and grads:
+            torch._foreach_mul_(grads, clip_coef)
         self.optimizer.step()
         for i, b in enumerate(self.buckets):
             m, (lo, hi), buf = self.masters[i], self.ranges[i], self._gather[i]

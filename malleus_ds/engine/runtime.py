@@ -2,8 +2,8 @@
 runtime, move state into it, drop the old one" (DESIGN.md §6-7).
 
 A :class:`PlanRuntime` owns the stage module (TP-sharded, in the training dtype), the pipeline
-peers and 1F1B schedule, the gradient buckets and their sync, the ZeRO-sharded optimizer with its
-fp32 masters, and the fp32 gradient accumulators of mixed precision. What outlives a plan (the
+peers and 1F1B schedule, the gradient buckets (which are also the fp32 gradient accumulators) and
+their sync, and the ZeRO-sharded optimizer with its fp32 masters. What outlives a plan (the
 step counters, the loss scaler, the LR schedule, the data) stays on the engine.
 """
 from __future__ import annotations
@@ -121,8 +121,7 @@ class PlanRuntime:
     act_dsts: list[int] = field(default_factory=list)
     grad_src: int | None = None
     grad_dsts: list[int] = field(default_factory=list)
-    acc: dict[str, torch.Tensor] | None = None        # fp32 grad accumulators (mixed precision)
-    hooks: list = field(default_factory=list)
+    hooks: list = field(default_factory=list)        # immediate accumulation into the buckets
     tied: TiedSync | None = None                       # tied embedding/head gradient sum
 
     @property
@@ -135,7 +134,15 @@ class PlanRuntime:
             h.remove()
         self.hooks.clear()
         self.named.clear()
-        self.acc = None
+        self.grad_sync.free()
+
+    def accumulate(self) -> None:
+        """After a micro-batch's backward: every parameter's gradient into the fp32 buckets (one
+        ``_foreach_add_``), then dropped (``GradSync.accumulate``)."""
+        grads = {n: p.grad for n, p in self.named.items() if p.grad is not None}
+        self.grad_sync.accumulate(grads)
+        for n in grads:
+            self.named[n].grad = None
 
 
 def build_runtime(plan: Plan, rank: int, spec: StageSpec, module: nn.Module, table: ParamTable,
@@ -150,7 +157,8 @@ def build_runtime(plan: Plan, rank: int, spec: StageSpec, module: nn.Module, tab
     buckets = build_buckets(plan, table, rank)
     rt = PlanRuntime(
         plan=plan, spec=spec, module=module, named=named, zero_stage=zero_stage, buckets=buckets,
-        grad_sync=GradSync(buckets, GROUPS, device=device, zero_stage=zero_stage, rank=rank),
+        grad_sync=GradSync(buckets, GROUPS, device=device, zero_stage=zero_stage, rank=rank,
+                           shapes={n: p.shape for n, p in named.items()}),
         optimizer=ShardedOptimizer(buckets, GROUPS, named, rank, zero_stage, make_optimizer,
                                    device=device,
                                    prev=prev.optimizer if prev is not None else None,
@@ -166,17 +174,16 @@ def build_runtime(plan: Plan, rank: int, spec: StageSpec, module: nn.Module, tab
         peers = pipeline_peers(plan, rank)     # wire.py: k-th receiver <- sender k % g
         rt.act_src, rt.act_dsts = peers.act_src, list(peers.act_dsts)
         rt.grad_src, rt.grad_dsts = peers.grad_src, list(peers.grad_dsts)
-    if precision.mixed:
-        rt.acc = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                  for n, p in named.items()}
-        if precision.immediate_grad_update:
-            for n, p in named.items():
-                rt.hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda q, a=rt.acc[n]: accumulate_one(q, a)))
+    if precision.immediate_grad_update:
+        # per parameter as soon as autograd has its gradient (``bf16.immediate_grad_update``):
+        # at most one parameter's low-precision gradient alive at a time
+        for n, p in named.items():
+            rt.hooks.append(p.register_post_accumulate_grad_hook(
+                lambda q, n=n, gs=rt.grad_sync: _add_one(gs, n, q)))
     return rt
 
 
 @torch.no_grad()
-def accumulate_one(p: torch.Tensor, acc: torch.Tensor) -> None:
-    acc.add_(p.grad)            # low-precision grad, upcast exactly, summed in fp32
+def _add_one(gs: GradSync, name: str, p: torch.Tensor) -> None:
+    gs.accumulate({name: p.grad})
     p.grad = None

@@ -147,13 +147,15 @@ def optimizer_settings(user_cfg: dict):
                          f"(torch.optim.AdamW, decoupled weight decay)")
     if params.pop("adam_w_mode", True) is False:
         raise ValueError("ds_config.optimizer.params.adam_w_mode=false is not supported (AdamW only)")
-    for k in ("torch_adam", "fused"):
-        params.pop(k, None)
+    params.pop("torch_adam", None)          # we always run torch's AdamW
+    fused = params.pop("fused", False)
+    if not isinstance(fused, bool):
+        raise ValueError(f"ds_config.optimizer.params.fused={fused!r} must be true or false")
     unknown = set(params) - {"lr", "betas", "eps", "weight_decay"}
     if unknown:
         raise ValueError(f"ds_config.optimizer.params: unsupported keys {sorted(unknown)}")
     oc = OptimConfig(**{k: (tuple(v) if k == "betas" else v) for k, v in params.items()})
-    return zero, lambda ps: make_optimizer(ps, oc)
+    return zero, lambda ps: make_optimizer(ps, oc, fused=fused)
 
 
 def base_ds_config(user_cfg: dict, plan: Plan, loc) -> dict:

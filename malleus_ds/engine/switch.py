@@ -59,6 +59,9 @@ class MigrationReport:
     rounds: int
     timing: tuple[tuple[str, float], ...] = ()   # seconds per phase of the switch, max over ranks
     direct_ends: int = 0     # message ends (of 2 x messages) that needed no staging buffer
+    # max over ranks of (state held at the switch's peak) / (state held between steps before it,
+    # gradient buffers included): tensor bytes, as CUDA's max_memory_allocated counts them
+    peak_ratio: float = 0.0
 
     def event(self) -> dict:
         """The ``migrate`` line of metrics.jsonl (DESIGN.md §6)."""
@@ -75,6 +78,15 @@ def _runtime_bytes(rt: PlanRuntime, old: PlanRuntime) -> int:
                if t.untyped_storage().data_ptr() not in shared)
 
 
+def _nbytes(ts) -> int:
+    """Bytes of the distinct storages behind ``ts`` (a view costs nothing extra)."""
+    seen = {}
+    for t in ts:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
 def _runtime_tensors(rt: PlanRuntime) -> list:
     ts = [p for p in rt.named.values()]
     opt = rt.optimizer
@@ -83,7 +95,6 @@ def _runtime_tensors(rt: PlanRuntime) -> list:
             ts.append(m)
             ts += [v for v in opt.optimizer.state[m].values() if torch.is_tensor(v) and v.dim()]
     ts += [t for t in rt.grad_sync.flats + rt.grad_sync.parts + opt._gather if t is not None]
-    ts += list((rt.acc or {}).values())
     return ts
 
 
@@ -188,6 +199,11 @@ def switch_plan(engine, new_plan) -> MigrationReport:
     marks.append(("transfer plan", time.perf_counter()))
     rt = None
     try:
+        # gradients are scratch between steps: the old plan's buckets go before the next
+        # plan's state is allocated (the switch's peak holds one set of gradient buffers)
+        steady = _nbytes(_runtime_tensors(old_rt))
+        old_rt.grad_sync.free()
+        kept_bytes = _nbytes(_runtime_tensors(old_rt))
         spec = locate(plan, rank)
         old_sh, new_sh = local_shards(old_rt.plan, table, rank), local_shards(plan, table, rank)
         keep = {n: old_rt.named[n] for n, sh in new_sh.items()
@@ -211,6 +227,7 @@ def switch_plan(engine, new_plan) -> MigrationReport:
         marks.append(("derive", time.perf_counter()))
         # local copies overlap the first round: their staging and the wire buffers coexist
         peak = _runtime_bytes(rt, old_rt) + staging + stats.peak_buffer_bytes
+        ratio = (kept_bytes + peak) / steady if steady else 0.0
     except Exception as e:      # noqa: BLE001 - every failure ends in the agreement below
         failure = e
     else:
@@ -259,16 +276,17 @@ def switch_plan(engine, new_plan) -> MigrationReport:
     timing += (("pack", stats.pack_s), ("wire + local", stats.wait_s), ("unpack", stats.unpack_s))
     tot = torch.tensor([float(stats.bytes_sent), float(stats.direct)], dtype=torch.float64,
                        device=engine.device)
-    mx = torch.tensor([seconds, float(peak), *(v for _, v in timing)], dtype=torch.float64,
+    mx = torch.tensor([seconds, float(peak), ratio, *(v for _, v in timing)], dtype=torch.float64,
                       device=engine.device)
     tdist.all_reduce(tot)
     tdist.all_reduce(mx, op=tdist.ReduceOp.MAX)
-    timing = tuple((k, float(v)) for (k, _), v in zip(timing, mx[2:].tolist()))
+    vals = mx.tolist()
+    timing = tuple((k, float(v)) for (k, _), v in zip(timing, vals[3:]))
     return MigrationReport(step=step, from_plan=from_id, to_plan=plan.id, bytes=int(tot[0]),
-                           seconds=float(mx[0]), peak_extra_bytes=int(mx[1]),
+                           seconds=vals[0], peak_extra_bytes=int(vals[1]),
                            lower_bound=tplan.lower_bound, transfers=len(tplan.transfers),
                            messages=len(msgs), rounds=len(rds), timing=timing,
-                           direct_ends=int(tot[1]))
+                           direct_ends=int(tot[1]), peak_ratio=round(vals[2], 4))
 
 
 def _carry_schedule(engine, old_sched, old_groups) -> None:

@@ -39,6 +39,14 @@ class TiedSync:
             self.first = j == 0
             self.peer = pipe.stages[-1].ranks[0] if self.first else pipe.stages[0].ranks[0]
 
+    def names(self) -> tuple[str, ...]:
+        """The gradients :meth:`__call__` reads and writes on this rank (none: nothing to do)."""
+        if self.local:
+            return tuple(n for pair in self.pairs for n in pair)
+        if self.peer is None:
+            return ()
+        return tuple(a if self.first else b for a, b in self.pairs)
+
     @property
     def skip_in_norm(self) -> frozenset[str]:
         """Names counted once already (the head copies)."""

@@ -1,0 +1,111 @@
+"""The compute clock's CUDA-event path, on CPU: fake events stamped by a fake device clock.
+
+On a GPU the clock records a pair of events per span and reads them ONCE per step; an excluded
+span (a TP all-reduce waiting for a slow peer) inside a compute span is subtracted by its own
+events; a step in which the straggler emulation slows this rank falls back to synchronised
+timing (the emulation sleeps on the host in proportion to what it just measured).
+"""
+from __future__ import annotations
+
+import pytest
+
+from malleus_ds import clock as clock_mod
+from malleus_ds.clock import ComputeClock
+from malleus_ds.emulation import Straggler, StragglerSchedule
+
+
+class FakeGPU:
+    """A device clock the test advances by hand; events read it when recorded."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.syncs = 0
+
+    def event(self):
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=True):
+                self.t = None
+
+            def record(self):
+                self.t = gpu.now
+
+            def synchronize(self):
+                gpu.syncs += 1
+
+            def elapsed_time(self, other):            # milliseconds, as torch.cuda.Event
+                return (other.t - self.t) * 1e3
+        return Event
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    g = FakeGPU()
+    import torch
+    monkeypatch.setattr(torch.cuda, "Event", g.event())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("synchronised"))
+    return g
+
+
+def test_events_one_read_per_step_and_excluded_spans_subtracted(gpu):
+    c = ComputeClock(None, cuda=True)
+    c.start_step(0)
+    assert c.events
+    with c.compute():                  # forward: 2 s of compute with a 5 s TP wait inside
+        gpu.now += 1.0
+        with c.excluded():
+            gpu.now += 5.0
+        gpu.now += 1.0
+    gpu.now += 100.0                   # pipeline bubble / p2p between spans: not compute
+    with c.compute():
+        gpu.now += 3.0
+    assert gpu.syncs == 0              # nothing waited for while the step ran
+    assert c.compute_s == pytest.approx(5.0)
+    assert c.compute_s == pytest.approx(5.0) and gpu.syncs == 1    # read once
+    c.start_step(1)
+    with c.compute():
+        gpu.now += 2.0
+    assert c.compute_s == pytest.approx(2.0) and gpu.syncs == 2
+
+
+def test_excluded_outside_compute_is_not_timed_by_events(gpu):
+    c = ComputeClock(None, cuda=True)
+    c.start_step(0)
+    with c.excluded():                 # e.g. DeepSpeed's gradient all-reduce after backward
+        gpu.now += 9.0
+    with c.compute():
+        gpu.now += 1.0
+    assert c.compute_s == pytest.approx(1.0)
+
+
+def test_an_emulated_step_synchronises_and_sleeps(monkeypatch):
+    import torch
+    syncs = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
+    slept = []
+    sched = StragglerSchedule.parse([{"rank": 0, "rate": 3.0, "start_step": 1}], 1)
+    c = ComputeClock(Straggler(sched, 0, sleep=slept.append), cuda=True)
+    c.start_step(0)
+    assert c.events                     # healthy step: events
+    c.start_step(1)
+    assert not c.events                 # slowed step: synchronised spans
+    t = iter([10.0, 10.5])
+    monkeypatch.setattr(clock_mod.time, "perf_counter", lambda: next(t, 10.5))
+    with c.compute():
+        pass
+    assert len(syncs) == 2 and slept == [pytest.approx(1.0)]
+    assert c.compute_s == pytest.approx(1.5) and c.emulated_s == pytest.approx(1.0)
+
+
+def test_cpu_uses_perf_counter(monkeypatch):
+    c = ComputeClock(None, cuda=False)
+    c.start_step(0)
+    assert not c.events
+    t = iter([1.0, 1.25, 2.0, 2.5])
+    monkeypatch.setattr(clock_mod.time, "perf_counter", lambda: next(t))
+    with c.compute():
+        with c.excluded():
+            pass
+    # compute 1.0 -> 2.5 with 1.25 -> 2.0 excluded
+    assert c.compute_s == pytest.approx(0.75)

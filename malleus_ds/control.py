@@ -41,6 +41,10 @@ from .replan import (Decision, decide, device_memory_mb, fit_running_plan, job_p
 from .straggler import (DetectConfig, Detector, RateEstimator, as_list, cost_units,
                         ideal_slowdown, probe_reference)
 
+#: staging buffers of a switch, in units of ``malleus.migrate_bucket_mb``: a round's bytes in
+#: flight (sent + received, migrate/rounds.py) and the local copies that overlap the first round
+SWITCH_BUFFERS = 2
+
 ADAPTIVE_KEYS = ("adaptive", "detect", "horizon_steps", "replan_at", "planner_time_limit_s",
                  "min_improvement", "migrate_gbps", "tp_slowdown", "device_mb")
 
@@ -378,7 +382,8 @@ class Controller:
                 gpn = e.settings.gpus_per_node or self.world
                 dev = self.s.device_mb or device_memory_mb(e.device, min(gpn, self.world))
                 mem = memory_model(e.param_table, e.model_cfg, e.plan.micro_batch_size,
-                                   e.seq_len, e.precision.mixed, dev)
+                                   e.seq_len, e.precision.mixed, dev,
+                                   switch_buffer_mb=SWITCH_BUFFERS * e.settings.migrate_bucket_mb)
                 pr = job_problem(self._first_plan, self.world, gpn, self.tp, self.slowdown, mem,
                                  self.head)
                 self._problem = fit_running_plan(pr, e.plan)

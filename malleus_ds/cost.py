@@ -162,6 +162,59 @@ def check_memory(problem: Problem, plan: Plan) -> None:
                     f"{budget:.0f} MB (device_mb - reserved_mb)")
 
 
+def _holding(plan: Plan) -> dict[int, tuple[int, int, int, bool, bool]]:
+    """rank -> (first layer, end layer, group size, holds the embedding, holds the head)."""
+    out = {}
+    for p in plan.pipelines:
+        S = len(p.stages)
+        for j, s in enumerate(p.stages):
+            for r in s.ranks:
+                out[r] = (s.start, s.end, len(s.ranks), j == 0, j == S - 1)
+    return out
+
+
+def switch_peak_mb(problem: Problem, old: Plan, new: Plan) -> dict[int, float]:
+    """MB each rank holds at the peak of a live switch ``old`` -> ``new`` (engine/switch.py):
+    its state under ``old`` (gradient buffers already freed, no activations: a step boundary),
+    plus the state it receives for ``new`` (what it does not hold already; a TP shard keeps
+    ``min(1/g_new, 1/g_old)`` of a layer it held, as shards of power-of-two groups nest), plus
+    the migration's staging buffers and ``extra_mb``. Empty without a memory model."""
+    m = problem.memory
+    if m is None:
+        return {}
+    state = m.layer_static_mb - m.layer_grad_mb          # per layer at the nominal TP degree
+    emb_state = m.embedding_mb * (1 - m.layer_grad_mb / m.layer_static_mb) \
+        if m.layer_static_mb > 0 else m.embedding_mb
+    was, now = _holding(old), _holding(new)
+    out = {}
+    for r, (a, b, g, first, last) in now.items():
+        held = 0.0
+        kept = 0.0
+        h = was.get(r)
+        if h is not None:
+            a0, b0, g0, f0, l0 = h
+            held = ((b0 - a0) * state + (f0 + l0) * emb_state) * problem.tp / g0
+            share = min(1.0 / g, 1.0 / g0) * problem.tp
+            kept = (max(0, min(b, b0) - max(a, a0)) * state
+                    + ((first and f0) + (last and l0)) * emb_state) * share
+        need = ((b - a) * state + (first + last) * emb_state) * problem.tp / g
+        out[r] = held + max(0.0, need - kept) + m.switch_buffer_mb + m.extra_mb
+    return out
+
+
+def check_switch_memory(problem: Problem, old: Plan, new: Plan) -> None:
+    """Raise ``PlanError`` naming the rank whose memory at the peak of the switch ``old`` ->
+    ``new`` exceeds the budget (:func:`switch_peak_mb`): a plan the job cannot migrate to."""
+    if problem.memory is None:
+        return
+    budget = problem.memory.budget_mb
+    for r, need in sorted(switch_peak_mb(problem, old, new).items()):
+        if need > budget + 1e-9:
+            raise PlanError(f"switching {old.id} -> {new.id} needs {need:.0f} MB on rank {r} at "
+                            f"its peak (old state + state moved in + buffers) > budget "
+                            f"{budget:.0f} MB (device_mb - reserved_mb)")
+
+
 def validate_for_problem(problem: Problem, plan: Plan) -> None:
     """Full validity of ``plan`` for ``problem``: structure, world size, batch, memory."""
     from .plan import validate_plan

@@ -14,6 +14,10 @@ from .plan import (MAX_BATCH, MAX_LAYERS, MAX_RANKS, VERSION, JsonFile, Plan, Pl
                    _check_version, _int, static_plan)
 
 
+#: memory keys a problem file may leave out (0 when absent)
+_MEMORY_OPTIONAL = ("layer_grad_mb", "switch_buffer_mb")
+
+
 @dataclass(frozen=True)
 class Memory:
     device_mb: float
@@ -22,6 +26,11 @@ class Memory:
     layer_activation_mb: float
     embedding_mb: float
     extra_mb: float
+    # Optional (plan switches, cost.switch_peak_mb): the part of ``layer_static_mb`` that is
+    # gradient buffers (scratch between steps: freed before a switch allocates), and the
+    # migration's staging buffers.
+    layer_grad_mb: float = 0.0
+    switch_buffer_mb: float = 0.0
 
     @property
     def budget_mb(self) -> float:
@@ -102,6 +111,9 @@ class Problem(JsonFile):
                              "layer_static_mb": m.layer_static_mb,
                              "layer_activation_mb": m.layer_activation_mb,
                              "embedding_mb": m.embedding_mb, "extra_mb": m.extra_mb}
+            for k in _MEMORY_OPTIONAL:
+                if getattr(m, k):
+                    out["memory"][k] = getattr(m, k)
         return out
 
     @staticmethod
@@ -168,6 +180,15 @@ class Problem(JsonFile):
                 if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
                     raise PlanError(f"memory.{k}={v!r} must be a finite number >= 0")
                 vals[k] = float(v)
+            for k in _MEMORY_OPTIONAL:
+                v = m.get(k, 0.0)
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
+                    raise PlanError(f"memory.{k}={v!r} must be a finite number >= 0")
+                vals[k] = float(v)
+            if vals["layer_grad_mb"] > vals["layer_static_mb"]:
+                raise PlanError(f"memory.layer_grad_mb={vals['layer_grad_mb']:g} is part of "
+                                f"memory.layer_static_mb={vals['layer_static_mb']:g} and cannot "
+                                f"exceed it")
             mem = Memory(**vals)
         rates: dict[int, float] = {}
         raw_rates = d.get("rates") or {}

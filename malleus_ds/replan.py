@@ -30,11 +30,19 @@ def nominal_shape(plan: Plan, world: int, tp: int) -> tuple[int, int]:
 
 
 def memory_model(table, cfg, micro_batch_size: int, seq_len: int, mixed: bool,
-                 device_mb: float) -> Memory:
-    """The planner's memory terms from the model's real sizes (DESIGN.md §3): per layer the
-    parameter + gradient + fp32 master + Adam bytes (not divided by ZeRO: conservative) and
-    Megatron's activation estimate ``s·b·h·(34 + 5·a·s/h)`` bytes at 16 bits (×2 in fp32)."""
-    per_param = (2 + 4 + 4 + 8) if mixed else (4 + 4 + 8)
+                 device_mb: float, switch_buffer_mb: float = 0.0) -> Memory:
+    """The planner's memory terms from the model's real sizes (DESIGN.md §3). Per layer, what
+    MalleusEngine holds per parameter (not divided by ZeRO: conservative): the parameter, its
+    gradient of one micro-batch before it is added into the buckets, the fp32 gradient buckets
+    (the only accumulator: engine/grad_sync.py), the fp32 master (a separate copy in fp32 too)
+    and Adam's two moments: ``2+2+4+4+8`` bytes with bf16/fp16, ``4+4+4+4+8`` in fp32; of those,
+    the gradient buffers (4 B in the buckets + the parameter-dtype gradient) are freed before a
+    plan switch allocates (``layer_grad_mb``). Activations: Megatron's estimate
+    ``s·b·h·(34 + 5·a·s/h)`` bytes at 16 bits (×2 in fp32). ``switch_buffer_mb``: the
+    migration's staging buffers."""
+    pb = 2 if mixed else 4
+    per_param = pb + pb + 4 + 4 + 8
+    grads = pb + 4
     layer = sum(s.numel for s in table if s.owner == 0)
     ends = [sum(s.numel for s in table if s.owner == o) for o in {s.owner for s in table} if o < 0]
     emb = max(ends, default=0)          # the larger of embedding and head, charged to each end
@@ -43,7 +51,8 @@ def memory_model(table, cfg, micro_batch_size: int, seq_len: int, mixed: bool,
     mb = 2.0 ** 20
     return Memory(device_mb=device_mb, reserved_mb=0.1 * device_mb,
                   layer_static_mb=layer * per_param / mb, layer_activation_mb=act / mb,
-                  embedding_mb=emb * per_param / mb, extra_mb=0.0)
+                  embedding_mb=emb * per_param / mb, extra_mb=0.0,
+                  layer_grad_mb=layer * grads / mb, switch_buffer_mb=switch_buffer_mb)
 
 
 def device_memory_mb(device, ranks_on_host: int) -> float:

@@ -78,9 +78,21 @@ class ShardedOptimizer:
         # ZeRO-1/2 all-gather the updated slices in the PARAMETER dtype (bf16/fp16 under mixed
         # precision, as BF16_Optimizer.update_lp_params: cast, then gather half the bytes)
         self.param_dtype = next(iter(params.values())).dtype if params else torch.float32
-        self._gather = [torch.empty(b.padded_part * len(b.ranks), dtype=self.param_dtype,
-                                    device=device) if zero_stage >= 1
-                        and len(b.ranks) > 1 else None for b in buckets]
+        # (scratch: allocated by the first step that needs it, dropped by free_scratch, so a
+        # plan switch never holds two plans' worth of them)
+        self._sharded = [zero_stage >= 1 and len(b.ranks) > 1 for b in buckets]
+        self._gather: list[torch.Tensor | None] = [None] * len(buckets)
+
+    def _gather_buf(self, i: int) -> torch.Tensor:
+        if self._gather[i] is None:
+            b = self.buckets[i]
+            self._gather[i] = torch.empty(b.padded_part * len(b.ranks), dtype=self.param_dtype,
+                                          device=self.device)
+        return self._gather[i]
+
+    def free_scratch(self) -> None:
+        """Drop the all-gather buffers (a plan switch, before the next plan's state exists)."""
+        self._gather = [None] * len(self.buckets)
 
     @property
     def param_groups(self):
@@ -136,7 +148,8 @@ class ShardedOptimizer:
             torch._foreach_mul_(grads, clip_coef)
         self.optimizer.step()
         for i, b in enumerate(self.buckets):
-            m, (lo, hi), buf = self.masters[i], self.ranges[i], self._gather[i]
+            m, (lo, hi) = self.masters[i], self.ranges[i]
+            buf = self._gather_buf(i) if self._sharded[i] else None
             if buf is None:            # stage 0 (or a 1-rank set): we own the whole bucket
                 if m is not None:
                     unflatten(b, m.data, self.params_data())   # the whole flat buffer here
@@ -202,20 +215,20 @@ class ShardedOptimizer:
         out = {k: {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                    for n, p in self.params.items()} for k in keys}
         for i, b in enumerate(self.buckets):
-            m, (lo, hi), buf = self.masters[i], self.ranges[i], self._gather[i]
+            m, (lo, hi) = self.masters[i], self.ranges[i]
             st = self.optimizer.state[m] if m is not None else {}
-            dev = buf.device if buf is not None else None
+            dev = self.device
             for k in keys:
                 if k == "master":
                     part = m.data if m is not None else torch.zeros(0, device=dev)
                 else:
                     part = st.get(k, torch.zeros(hi - lo, device=dev))
-                if buf is None:
+                if not self._sharded[i]:
                     unflatten(b, part, out[k])                 # we hold the whole bucket
                     continue
-                mine = torch.zeros(b.padded_part, dtype=torch.float32, device=buf.device)
+                mine = torch.zeros(b.padded_part, dtype=torch.float32, device=dev)
                 mine[:part.numel()] = part
-                full = torch.empty(buf.shape, dtype=torch.float32, device=buf.device)
+                full = torch.empty(b.padded_part * len(b.ranks), dtype=torch.float32, device=dev)
                 _all_gather(full, mine, self.groups[i])
                 unflatten(b, full, out[k])
         return out

@@ -199,10 +199,11 @@ def switch_plan(engine, new_plan) -> MigrationReport:
     marks.append(("transfer plan", time.perf_counter()))
     rt = None
     try:
-        # gradients are scratch between steps: the old plan's buckets go before the next
-        # plan's state is allocated (the switch's peak holds one set of gradient buffers)
+        # gradients and all-gather buffers are scratch between steps: the old plan's go before
+        # the next plan's state is allocated (the next plan's are made by its first step)
         steady = _nbytes(_runtime_tensors(old_rt))
         old_rt.grad_sync.free()
+        old_rt.optimizer.free_scratch()
         kept_bytes = _nbytes(_runtime_tensors(old_rt))
         spec = locate(plan, rank)
         old_sh, new_sh = local_shards(old_rt.plan, table, rank), local_shards(plan, table, rank)

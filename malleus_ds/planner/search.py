@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ..cost import (capacity_fraction, check_memory, comm_spec, healthy_step_time,
-                    pipeline_stage_times, step_time, validate_for_problem)
+from ..cost import (capacity_fraction, check_memory, check_switch_memory, comm_spec,
+                    healthy_step_time, pipeline_stage_times, step_time, validate_for_problem)
 from ..plan import Plan, PlanError
 from ..problem import Problem
 from .baselines import all_baselines
@@ -126,6 +126,8 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
             return
         try:
             validate_for_problem(problem, p)
+            if old is not None and method != "current":
+                check_switch_memory(problem, old, p)    # the job must also migrate to it
         except PlanError:
             return
         cands.append((step_time(problem, p), moved_units(old, p), prio[method], method, p))

@@ -66,16 +66,21 @@ def test_job_problem_is_a_valid_problem_for_the_running_plan():
 def test_memory_model_from_real_sizes():
     cfg = PRESETS["70b"]
     m = memory_model(param_table(cfg), cfg, 1, 4096, True, 81920.0)
-    # our 70B layer (no GQA): 4h² + 3·h·ffn = 0.97e9 params x 18 bytes (bf16 param, fp32 grad,
-    # master and two Adam moments)
+    # our 70B layer (no GQA): 4h² + 3·h·ffn = 0.97e9 params x 20 bytes (bf16 param, its bf16
+    # gradient of one micro-batch, the fp32 gradient buckets, fp32 master, two Adam moments)
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    assert m.layer_static_mb == pytest.approx((4 * h * h + 3 * h * f + 2 * h) * 18 / 2**20)
+    n = 4 * h * h + 3 * h * f + 2 * h
+    assert m.layer_static_mb == pytest.approx(n * 20 / 2**20)
+    assert m.layer_grad_mb == pytest.approx(n * 6 / 2**20)       # freed before a switch
     # Megatron's s·b·h·(34 + 5·a·s/h) bytes at 16 bits
     assert m.layer_activation_mb == pytest.approx(4096 * h * (34 + 5 * 64 * 4096 / h) / 2**20)
-    assert m.embedding_mb == pytest.approx((cfg.vocab_size + 1) * h * 18 / 2**20)   # + norm
+    assert m.embedding_mb == pytest.approx((cfg.vocab_size + 1) * h * 20 / 2**20)   # + norm
     assert m.budget_mb == pytest.approx(0.9 * 81920)
-    assert memory_model(param_table(cfg), cfg, 1, 4096, False, 1.0).layer_static_mb == \
-        pytest.approx(m.layer_static_mb * 16 / 18)
+    fp32 = memory_model(param_table(cfg), cfg, 1, 4096, False, 1.0)   # 4+4+4+4+8, grads 8
+    assert fp32.layer_static_mb == pytest.approx(m.layer_static_mb * 24 / 20)
+    assert fp32.layer_grad_mb == pytest.approx(n * 8 / 2**20)
+    assert memory_model(param_table(cfg), cfg, 1, 4096, True, 1.0,
+                        switch_buffer_mb=512).switch_buffer_mb == 512
 
 
 def _problem(rates=None, cur=None):
@@ -147,7 +152,7 @@ def _engine(plan, rank=0, world=4):
 
     cfg = PRESETS["tiny"]
     return _FakeEngine(global_rank=rank, world_size=world, plan=plan, located=plan.locate(rank),
-                       settings=SimpleNamespace(tp=1, gpus_per_node=world),
+                       settings=SimpleNamespace(tp=1, gpus_per_node=world, migrate_bucket_mb=64.0),
                        param_table=param_table(cfg), model_cfg=cfg, seq_len=cfg.max_seq_len,
                        precision=Precision(), zero_stage=1, device="cpu", migrations=[])
 

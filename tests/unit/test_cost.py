@@ -81,3 +81,45 @@ def test_comm_section_is_validated():
     with pytest.raises(PlanError, match="comm.layer_ms"):
         comm_spec(problem(comm={"layer_ms": 0, "activation_mb": 1, "intra_node_gbps": 1,
                                 "inter_node_gbps": 1}))
+
+
+def test_switch_peak_counts_old_state_plus_what_moves_in():
+    """Old state without its gradient buffers + the new state a rank does not hold + buffers."""
+    from dataclasses import replace
+
+    from malleus_ds.cost import check_switch_memory, switch_peak_mb
+
+    mem = dict(MEM, layer_grad_mb=300, switch_buffer_mb=500)
+    pr = problem(memory=mem)
+    st = pr.static_plan()                       # 4 stages of 20 layers, TP 8, 2 pipelines
+    emb = 1200 * 800 / 1100          # the embedding's state: the same share as a layer's
+    assert switch_peak_mb(pr, st, st)[0] == pytest.approx((20 * 800 + emb) + 500 + 3000)
+    # pipeline 0: stage 1 (ranks 16-23) takes layers [10, 20) from stage 0, which keeps [0, 10)
+    # (a group of 8 keeps its own shards)
+    p0 = st.pipelines[0]
+    s0, s1 = p0.stages[0], p0.stages[1]
+    moved = replace(st, pipelines=(replace(p0, stages=(replace(s0, layers=(0, 10)),
+                                                       replace(s1, layers=(10, 40)))
+                                         + p0.stages[2:]),) + st.pipelines[1:])
+    pk = switch_peak_mb(pr, st, moved)
+    assert pk[0] == pytest.approx(20 * 800 + emb + 500 + 3000)          # nothing moves in
+    assert pk[16] == pytest.approx(20 * 800 + 10 * 800 + 500 + 3000)    # 10 layers move in
+    # halving the group (TP 8 -> 4): each rank keeps its 1/8 and receives another 1/8
+    half = replace(st, pipelines=(replace(p0, stages=(replace(s0, ranks=s0.ranks[:4]),)
+                                         + p0.stages[1:]),) + st.pipelines[1:],
+                   suspended=st.suspended + s0.ranks[4:])
+    assert switch_peak_mb(pr, st, half)[0] == pytest.approx(2 * (20 * 800 + emb) + 500 + 3000)
+    tight = problem(memory=dict(mem, device_mb=4096 + 20 * 800 + 10 * 800 + 3000 + 400))
+    check_switch_memory(tight, st, st)
+    with pytest.raises(PlanError, match=r"needs 27500 MB on rank 16 at its peak"):
+        check_switch_memory(tight, st, moved)
+
+
+def test_memory_switch_terms_are_optional_and_checked():
+    assert problem().memory.layer_grad_mb == 0.0
+    with pytest.raises(PlanError, match=r"memory.layer_grad_mb=2000 is part of"):
+        problem(memory=dict(MEM, layer_grad_mb=2000))
+    with pytest.raises(PlanError, match=r"memory.switch_buffer_mb=-1"):
+        problem(memory=dict(MEM, switch_buffer_mb=-1))
+    pr = problem(memory=dict(MEM, layer_grad_mb=300))
+    assert Problem.from_json(pr.to_json()).memory == pr.memory

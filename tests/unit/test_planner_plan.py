@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 import random
 import time
+from dataclasses import replace
 
 import pytest
 
-from malleus_ds.cost import efficiency, step_time, validate_for_problem
+from malleus_ds.cost import check_switch_memory, efficiency, step_time, validate_for_problem
+from malleus_ds.plan import PlanError
 from malleus_ds.problem import Problem
 from malleus_ds.planner import PlannerConfig, all_baselines, moved_units, plan
 
@@ -140,11 +142,27 @@ def test_current_plan_kept_when_nothing_changed_and_migration_reported():
     again = plan(pr.with_rates(pr.rates, current_plan=first.plan), seed=0, config=FAST)
     assert again.step_time <= first.step_time * (1 + 1e-9)
     assert again.moved_units == 0.0 and again.moved_mb == 0.0
-    # the straggler recovers: back to the static plan, and the state to move is reported
-    back = plan(pr.with_rates({}, current_plan=first.plan), seed=0)
+    # the straggler recovers: back to the static plan, and the state to move is reported (on
+    # GPUs with room for the switch's peak: old state + state moved in)
+    roomy = replace(pr, memory=replace(pr.memory, device_mb=2 * pr.memory.device_mb))
+    back = plan(roomy.with_rates({}, current_plan=first.plan), seed=0)
     assert back.plan == pr.static_plan()
     assert back.moved_units == pytest.approx(moved_units(first.plan, back.plan)) and back.moved_units > 0
     assert back.moved_mb == pytest.approx(back.moved_units * 1200 * 8)
+
+
+def test_no_plan_is_chosen_that_the_job_cannot_migrate_to():
+    """On 80 GB the way back to the static plan would hold rank 0's 47 old layers and 20 new
+    ones at once (85.8 GB > 77.8 GB): the planner picks the best plan it can switch to."""
+    pr = example("problem_64gpu_one_slow")
+    first = plan(pr, seed=0, config=FAST)
+    with pytest.raises(PlanError, match=r"needs 85800 MB on rank 0 at its peak"):
+        check_switch_memory(pr, first.plan, pr.static_plan())
+    back = plan(pr.with_rates({}, current_plan=first.plan), seed=0, config=FAST)
+    check_switch_memory(pr, first.plan, back.plan)
+    validate_for_problem(pr, back.plan)
+    healthy = pr.with_rates({})
+    assert step_time(healthy, back.plan) <= step_time(healthy, first.plan) * (1 + 1e-9)
 
 
 def test_moved_units_counts_layers_not_held():
@@ -174,7 +192,14 @@ def test_migration_aware_placement_moves_less_than_fresh_plan():
     fresh = plan(pr.with_rates({41: 3.0}), seed=0, config=FAST)
     aware = plan(pr.with_rates({41: 3.0}, current_plan=cur), seed=0, config=FAST)
     validate_for_problem(pr, aware.plan)
-    assert aware.step_time <= fresh.step_time * (1 + 1e-9) or aware.method == "current"
+    check_switch_memory(pr, cur, aware.plan)
+    try:
+        check_switch_memory(pr, cur, fresh.plan)
+        reachable = True
+    except PlanError:             # the fresh plan needs more memory mid-switch than there is
+        reachable = False
+    assert (aware.step_time <= fresh.step_time * (1 + 1e-9) or aware.method == "current"
+            or not reachable)
     assert aware.moved_units <= moved_units(cur, fresh.plan) + 1e-9
 
 

@@ -32,9 +32,14 @@ from typing import Callable, Mapping
 
 #: the exit status of every rank of a job the watchdog stopped
 HANG_EXIT_CODE = 3
-#: phases in which a rank waits for its peers (a rank stuck there is a victim, not a culprit)
+#: phases in which a rank waits for its peers (a rank stuck there is a victim, not a culprit).
+#: On a GPU the host does not block in a collective or a receive (NCCL queues them on the
+#: stream); it blocks where it reads results: the step's timing events and the loss all-reduce
+#: ("waiting for the GPU", ``clock.py``; "all-reduce" around the read). A rank stuck there waits
+#: for queued transfers as much as for its own kernels, so it is not evidence against itself;
+#: NCCL's flight recorder (``TORCH_NCCL_DUMP_ON_TIMEOUT``) names the operation.
 COMM_PHASES = frozenset({"all-reduce", "all-gather", "p2p", "migration", "checkpoint",
-                         "barrier", "broadcast", "communication"})
+                         "barrier", "broadcast", "communication", "waiting for the GPU"})
 #: phases that may legitimately take longer than ``hang_timeout_s`` without a beat (building or
 #: loading a large model, writing a checkpoint): while a live rank is in one, nobody is stalled
 #: (a *frozen* process is still reported)

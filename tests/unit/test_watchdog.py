@@ -37,6 +37,16 @@ def test_a_rank_stuck_in_compute_while_alive_is_named():
     assert [s["rank"] for s in rep["stuck"]] == [1] and "outside communication" in rep["reason"]
 
 
+def test_waiting_for_the_gpu_is_waiting_not_evidence():
+    """On NCCL the host blocks reading the step's events (queued receives and all-reduces sit
+    on the stream): a rank there is not blamed over one stuck in its own compute."""
+    views = {0: view(3, "waiting for the GPU", 0.2, 15), 1: view(3, "forward/backward", 0.2, 15)}
+    rep = find_stuck(views, 100.0, 10, 5)
+    assert [s["rank"] for s in rep["stuck"]] == [1]
+    views = {0: view(4, "waiting for the GPU", 0.2, 15), 1: view(3, "waiting for the GPU", 0.2, 15)}
+    assert [s["rank"] for s in find_stuck(views, 100.0, 10, 5)["stuck"]] == [1]
+
+
 def test_everyone_in_communication_names_the_ranks_behind():
     views = {0: view(4, "all-reduce", 0.2, 15), 1: view(3, "p2p", 0.2, 15),
              2: view(4, "all-reduce", 0.2, 15)}

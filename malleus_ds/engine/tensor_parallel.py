@@ -45,11 +45,16 @@ def set_comm_context(factory) -> None:
 
 
 def _all_reduce(t: torch.Tensor, group) -> None:
+    """Issue the TP all-reduce asynchronously, then wait for it inside the comm context: the
+    wait is where a slow TP peer costs time (on NCCL the call returns at once and the stream
+    waits; the clock's events around the wait time it), so it is left out of this rank's
+    compute and only the slow member of a TP group reads slow."""
+    work = dist.all_reduce(t, group=group, async_op=True)
     if _COMM_CONTEXT is None:
-        dist.all_reduce(t, group=group)
+        work.wait()
     else:
         with _COMM_CONTEXT():
-            dist.all_reduce(t, group=group)
+            work.wait()
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -109,3 +109,56 @@ def test_cpu_uses_perf_counter(monkeypatch):
             pass
     # compute 1.0 -> 2.5 with 1.25 -> 2.0 excluded
     assert c.compute_s == pytest.approx(0.75)
+
+
+class _AsyncWork:
+    """NCCL's behaviour on the host: ``all_reduce`` returns at once, the wait is where the
+    slow peer's time goes (on a GPU: the stream waits; here the fake device clock advances)."""
+
+    def __init__(self, advance):
+        self.advance = advance
+
+    def wait(self):
+        self.advance()
+        return True
+
+
+@pytest.mark.parametrize("gpu_events", [True, False])
+def test_a_slow_tp_peer_is_not_counted_as_my_compute(gpu_events, monkeypatch, request):
+    """A TP rank's forward with two all-reduces (attention, MLP) whose peer is 5 s late each:
+    only its own 2 s of compute count, on the GPU path (events) and on the CPU path."""
+    import torch
+    import torch.distributed as dist
+
+    from malleus_ds.engine import tensor_parallel as tpm
+
+    if gpu_events:
+        gpu = request.getfixturevalue("gpu")
+        advance = lambda s: setattr(gpu, "now", gpu.now + s)          # noqa: E731
+        c = ComputeClock(None, cuda=True)
+    else:
+        now = [0.0]
+        monkeypatch.setattr(clock_mod.time, "perf_counter", lambda: now[0])
+        advance = lambda s: now.__setitem__(0, now[0] + s)            # noqa: E731
+        c = ComputeClock(None, cuda=False)
+    calls = []
+
+    def fake_all_reduce(t, group=None, async_op=False):
+        calls.append(async_op)
+        assert async_op, "TP all-reduces are issued asynchronously"
+        return _AsyncWork(lambda: advance(5.0))
+
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    tpm.set_comm_context(c.excluded)
+    try:
+        c.start_step(0)
+        x = torch.ones(4, requires_grad=True)
+        with c.compute():
+            advance(1.0)                                  # attention
+            y = tpm.reduce_from_tp(x * 2, group=object())
+            advance(1.0)                                  # MLP
+            tpm.reduce_from_tp(y * 3, group=object())
+        assert calls == [True, True]
+        assert c.compute_s == pytest.approx(2.0)
+    finally:
+        tpm.set_comm_context(None)

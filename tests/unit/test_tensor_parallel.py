@@ -27,7 +27,10 @@ def test_shard_slices():
 def test_sharded_block_partials_sum_to_full(monkeypatch, g):
     """With the all-reduces turned into identities, each TP rank's attention/MLP output is a
     partial sum; the partial sums add up to the unsharded block's outputs and gradients."""
-    monkeypatch.setattr(tpmod.dist, "all_reduce", lambda t, group=None: None)
+    class Done:
+        def wait(self):
+            return True
+    monkeypatch.setattr(tpmod.dist, "all_reduce", lambda t, group=None, async_op=False: Done())
     full = StageModule(CFG, 1, 2, seed=3)
     blk = full.blocks["1"]
     x = torch.randn(2, 16, CFG.hidden_size)

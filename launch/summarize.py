@@ -1,6 +1,9 @@
 #!/usr/bin/env python
 """Summarise training runs side by side: one row per run folder (a ``--multirun`` sweep folder
-expands to its jobs), with its overrides, median step time, throughput and ratio to the first.
+expands to its jobs), with its overrides, median step time, throughput and ratio to the first;
+then each run's what-if account (``malleus_ds/whatif.py``: per straggler phase the healthy,
+static-layout, bound and achieved throughput, the seconds lost to detection and migrations, and
+one line: what the stragglers would have cost a static job, what they cost this run, the bound).
 
     python launch/train.py --multirun experiment=straggler_sweep hydra.sweep.dir=multirun/s \\
         'straggler.schedule=[],[{rank:1,rate:2.0}],[{rank:1,rate:4.0}]'
@@ -17,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from malleus_ds.metrics import METRICS_FILE  # noqa: E402
+from malleus_ds.whatif import WhatIfError, account_of_run, format_account  # noqa: E402
 
 _STEP_KEYS = ("step", "step_time_s", "samples")
 
@@ -85,13 +89,25 @@ def main(argv=None) -> int:
         print(f"summarize: {e}", file=sys.stderr)
         return 2
     if not rows:
-        print(f"no metrics.jsonl found in {a.paths}", file=sys.stderr)
+        print(f"no step lines after the first {a.skip} (--skip) in a metrics.jsonl of "
+              f"{a.paths}", file=sys.stderr)
         return 1
     base = rows[0][4]
     print(f"{'run':28s} {'steps':>5s} {'median step':>11s} {'samples/s':>10s} {'vs first':>8s}  overrides")
     for d, ov, n, med, tput in rows:
         print(f"{str(d)[-28:]:28s} {n:5d} {med:10.3f}s {tput:10.1f} {tput / base:7.2f}x  {ov}")
+    for d, *_ in rows:
+        print(f"\n{d}:")
+        print(whatif(d, a.skip))
     return 0
+
+
+def whatif(d: Path, skip: int) -> str:
+    """The what-if account of run folder ``d`` (its layout from ``.hydra/config.yaml``)."""
+    try:
+        return format_account(account_of_run(d, skip))
+    except WhatIfError as e:
+        return f"  what-if: {e}"
 
 
 def table(paths: list[str], skip: int) -> list[tuple]:

@@ -12,7 +12,9 @@ module reads their metrics.jsonl files and says what the straggler cost each eng
   no re-layout of the same work can keep more than ``f`` times the healthy throughput;
 * one closing line: the seconds the straggler cost the first engine (its time over the straggler
   segments minus the same steps at its healthy pace), and how many of them each other engine won
-  back, next to what a perfect re-layout (the bound) would win back.
+  back, next to what a perfect re-layout (the bound) would win back;
+* per engine, its what-if line (``whatif.py``): the share of its run the stragglers would have
+  cost a static job, what they cost it, and the bound.
 
 Everything here is pure (records in, numbers and text out) except :func:`report`, which reads the
 folders and draws the ``malleus-plot`` PNG.
@@ -233,6 +235,20 @@ def format_comparison(c: Comparison) -> str:
         f"  {closing_line(c)}"])
 
 
+def whatif_lines(root: Path, names: Sequence[str], warmup: int) -> str:
+    """Each engine's what-if line (``whatif.py``): measured against its own healthy pace."""
+    from .whatif import WhatIfError, account_of_run, closing_line as whatif_line
+
+    out = []
+    for n in names:
+        try:
+            line = whatif_line(account_of_run(root / n, warmup))
+        except WhatIfError as e:
+            line = str(e)
+        out.append(f"  what-if, {n}: {line}")
+    return "\n".join(out)
+
+
 def report(run_dir: str | Path, names: Sequence[str], warmup: int) -> tuple[str, Path | None]:
     """Compare the runs in ``run_dir/<name>/`` and draw them into ``run_dir/throughput.png``.
     Returns the text and the PNG's path (None when drawing failed; the text says why)."""
@@ -243,7 +259,7 @@ def report(run_dir: str | Path, names: Sequence[str], warmup: int) -> tuple[str,
     logging.getLogger("matplotlib").setLevel(logging.WARNING)   # no font-cache chatter
     root = Path(run_dir)
     runs = [(n, read_metrics(root / n), read_metrics(root / n, events=True)) for n in names]
-    text = format_comparison(compare(runs, warmup))
+    text = format_comparison(compare(runs, warmup)) + "\n" + whatif_lines(root, names, warmup)
     try:
         data = [plot.read_run(root / n, name=f"engine={n}") for n in names]
         png = plot.draw(data, root / plot.DEFAULT_OUTPUT,

@@ -25,6 +25,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from . import whatif
 from .metrics import METRICS_FILE, emulated_rates
 
 PROG = "malleus-plot"
@@ -79,6 +80,7 @@ class RunData:
     measured_rates: np.ndarray | None           # (steps, ranks), NaN = not measured; None = absent
     events: list[Event] = field(default_factory=list)
     overrides: list[str] | None = None          # <run>/.hydra/overrides.yaml, when present
+    whatif: "whatif.Account | None" = None      # what-if account (None: the records hold none)
 
     @property
     def throughput(self) -> np.ndarray:
@@ -264,7 +266,32 @@ def read_run(run_dir: str | Path, name: str | None = None) -> RunData:
         measured_rates=_matrix(meas, width_m) if meas_present else None,
         events=extract_events(evs),
         overrides=read_overrides(run_dir),
+        whatif=_account(run_dir, lines, evs),
     )
+
+
+def _account(run_dir: Path, lines: list[dict], evs: list[dict]):
+    """The run's what-if account (``whatif.py``; layout and warm-up from .hydra/config.yaml),
+    or None when the records hold none."""
+    conf = whatif.read_config(run_dir) or {}
+    w = (conf.get("train") or {}).get("warmup_steps", 1)
+    layout = whatif.layout_from_config(conf, whatif.world_of(lines)) if conf else None
+    try:
+        return whatif.account(lines, evs, layout, w if isinstance(w, int) and w >= 0 else 1)
+    except (whatif.WhatIfError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _draw_whatif(ax, run: RunData) -> None:
+    """Per straggler phase of ``run``: dotted lines at what a static layout would have kept and
+    at the capacity bound (whatif.py)."""
+    a = run.whatif
+    for k, p in enumerate(p for p in (a.phases if a else ()) if p.rates):
+        x = (p.first - 0.5, p.last + 0.5)
+        ax.plot(x, [p.static] * 2, color="0.25", ls=":", lw=1.6, zorder=3,
+                label="static layout (what-if)" if k == 0 else None)
+        ax.plot(x, [p.bound] * 2, color="tab:orange", ls="-.", lw=1.4, zorder=3,
+                label="capacity bound" if k == 0 else None)
 
 
 def job_labels(runs: Sequence[RunData], root: Path | None = None) -> list[str]:
@@ -592,6 +619,8 @@ def draw(runs: Sequence[RunData], out: str | Path, title: str, window: int = 5) 
             # replan text to the left of its line, migrate to the right: the usual replan ->
             # migrate pair one step apart then spreads apart instead of colliding
             label_items.append((ev.step, ev.label, "right" if ev.kind == "replan" else "left", c))
+    if single:
+        _draw_whatif(ax, runs[0])
     handles, _ = ax.get_legend_handles_labels()
     if regions:
         handles.append(Patch(color=STRAGGLER_COLOR, alpha=0.15, label="emulated straggler"))
@@ -602,7 +631,10 @@ def draw(runs: Sequence[RunData], out: str | Path, title: str, window: int = 5) 
     steps_all = np.concatenate([r.steps for r in runs])
     ax.set_xlim(steps_all.min() - 0.5, steps_all.max() + 0.5)
     _legend(ax, handles=handles)
-    ax.set_title(title, fontsize=11, pad=10)   # room for the replan markers on the top edge
+    line = whatif.closing_line(runs[0].whatif) if single and runs[0].whatif else None
+    if line:
+        title += "\n" + textwrap.fill(line, 110)
+    ax.set_title(title, fontsize=11 if not line else 9.5, pad=10)  # room for the replan markers
     if ax2 is not None:
         sub = None if single else f"measured rates: {bottom_run.name}"
         _bottom_panel(ax2, bottom_run, straggler_regions([bottom_run]), sub)

@@ -213,6 +213,8 @@ def format_summary(cfg: RunConfig, s: RunSummary) -> str:
         lines.append(format_phases(s.phases))
     for ev in s.extra.get("events", ()):
         lines.append(f"  {format_event(ev)}")
+    if s.metrics_path:
+        lines.append(_whatif(cfg, s.metrics_path, gbs, mbs))
     final = s.extra.get("final_plan")
     if final and final != plan:
         lines.append(f"  final plan: {Plan.from_json(final).describe()}")
@@ -225,3 +227,15 @@ def format_summary(cfg: RunConfig, s: RunSummary) -> str:
     if s.metrics_path:
         lines.append(f"  metrics: {s.metrics_path}")
     return "\n".join(lines)
+
+
+def _whatif(cfg: RunConfig, metrics_path: str, gbs: int, mbs: int) -> str:
+    """The run's what-if account (``whatif.py``) against the static layout of ``parallel.*``."""
+    from ..whatif import Layout, WhatIfError, account_of_run, format_account
+
+    p, layers = cfg.parallel, getattr(cfg.model, "num_layers", None)
+    layout = Layout(p.tp, p.pp, p.dp, layers, gbs, mbs) if layers else None
+    try:
+        return format_account(account_of_run(metrics_path, cfg.train.warmup_steps, layout))
+    except WhatIfError as e:
+        return f"  what-if: {e}"

@@ -239,3 +239,30 @@ def test_errors(tmp_path, capsys):
     assert main([str(d)]) == 2
     assert "no step lines" in _err(capsys)
     assert not (d / "throughput.png").exists()
+
+
+def test_whatif_account_on_the_plot(tmp_path):
+    from malleus_ds.plot import draw
+    from malleus_ds.whatif import closing_line
+
+    run = read_run(write_run(tmp_path / "run", adaptive_lines()))
+    a = run.whatif
+    assert a is not None and a.rate_source == "measured"
+    slow = [p for p in a.phases if p.rates]
+    # emulated onset at step 4 (warm-up step 0 left out); rank 3's median measured rate is 5
+    assert [(p.first, p.last, p.rates) for p in slow] == [(4, 29, ((3, 5.0),))]
+    # no layout recorded: a static job at the slowest rank's pace, only its compute (0.1 s of
+    # a healthy step) 5x; the bound spreads that compute over f = (3 + 1/5) / 4 of the cluster
+    t_h = SAMPLES / slow[0].healthy
+    assert slow[0].static == pytest.approx(SAMPLES / (t_h + 0.1 * 4))
+    assert slow[0].f == pytest.approx(0.8)
+    assert slow[0].bound == pytest.approx(SAMPLES / (t_h + 0.1 * 0.25))
+    assert slow[0].migrate_s == pytest.approx(0.21) and slow[0].detect_s > 0
+    assert "adaptive Malleus lost" in closing_line(a)
+    out = draw([run], tmp_path / "p.png", "t")
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    flat = [{"step": s, "samples": 8, "step_time_s": 0.1} for s in range(3)]
+    assert not read_run(write_run(tmp_path / "flat", flat)).whatif.stragglers
+    # only warm-up steps: no account, the plot is drawn without it
+    assert read_run(write_run(tmp_path / "one", flat[:1])).whatif is None
+    assert main([str(tmp_path / "one")]) == 0

@@ -30,3 +30,34 @@ def test_summary_without_plan_shows_parallel_degrees():
     c = cfg(world=2)
     s = RunSummary(engine="torch", losses=(5.5,), step_times_s=(0.2,), samples_per_step=8)
     assert "(tp=1 pp=1 dp=2)" in format_summary(c, s)
+
+
+def test_summary_and_summarize_give_the_whatif_account(tmp_path, capsys):
+    import importlib.util
+    import json
+
+    from tests.unit.test_whatif import hand_case
+
+    recs, ev = hand_case()
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("".join(json.dumps(x) + "\n" for x in recs + ev))
+    line = ("stragglers would have cost a static job 45.7% of this run; adaptive Malleus lost "
+            "33.6%; the bound is 17.4%")
+    # the end-of-run summary: the static layout of parallel.* (here pp=2: 2 layers per stage)
+    c = cfg(world=2, parallel={"pp": 2, "dp": None}, model={"name": "tiny", "num_layers": 4},
+            train={"global_batch_size": 8, "micro_batch_size": 2})
+    s = RunSummary(engine="malleus", losses=(1.0,) * 20, step_times_s=(1.0,) * 20,
+                   samples_per_step=8, metrics_path=str(f))
+    text = format_summary(c, s)
+    assert "what-if (rates: measured; static: simulated 1F1B step" in text and line in text
+    # launch/summarize.py: no .hydra/config.yaml in the folder -> the slowest rank's pace
+    spec = importlib.util.spec_from_file_location("summarize", "launch/summarize.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "layout not recorded" in out and line in out     # the same numbers here
+    f.write_text('{"event": "migrate", "step": 1}\n')
+    assert mod.main([str(tmp_path)]) == 1
+    assert "no step lines" in capsys.readouterr().err
+    assert "what-if: " in format_summary(c, s) and "no step lines" in format_summary(c, s)

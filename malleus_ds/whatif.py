@@ -1,0 +1,517 @@
+"""What-if account of one run: what the stragglers cost it, next to what they would have cost a
+static job and the least any layout could have lost (pure: records in, numbers and text out).
+
+Input: the step and event lines of ``metrics.jsonl`` (format: ``metrics.py``), from any engine
+and any version, and optionally the run's nominal :class:`Layout` (the static plan a static job
+runs). Steps before ``first recorded step + warmup`` are left out of everything.
+
+**Rates.** One source per run, named in the output: ``measured`` (engine=malleus:
+``measured_rates``, nulls skipped), else ``emulated`` (``emulated_rates``, or ``rates`` in older
+files), else ``compute_s`` (each rank's compute seconds over the fastest rank's that step: a
+DeepSpeed or torch run with a real, not emulated, straggler), else none (every step healthy).
+A rate below :data:`HEALTHY` (1.2, DESIGN.md §6) counts as 1.0.
+
+**Phases.** Maximal runs of consecutive steps with the same straggler condition: the emulated
+schedule when the run was emulated (its onset is exact), else the set of ranks at or above
+:data:`HEALTHY`. A straggler phase's rates are each rank's median over the phase (source above).
+
+**Per phase** ``p`` with ``S_p`` samples (all in samples/s, except the seconds):
+
+* ``achieved = S_p / W_p``, ``W_p`` = its step times + the seconds of the ``migrate`` events
+  whose ``step`` lies in the phase (what the job did, migrations included);
+* ``healthy = H``: samples over step seconds of all healthy phases (migrations left out: they
+  are counted below); ``t_h`` = its seconds per step, ``C`` = the busiest rank's
+  ``compute_s`` per healthy step (mean over those steps);
+* ``static = k_p H``: the static plan (``plan.static_plan`` of the layout) under ``rates_p``.
+  ``T_h``, ``T_p``: its simulated 1F1B step time healthy and under the rates (model units,
+  ``simulate.simulate``; head layers left out; equal to the cost model's
+  ``sum t + (m-1) max t`` when the slow stage is the last one, below it otherwise), ``U``: the
+  compute units one rank does per healthy step (the busiest stage's ``t m``). Only compute
+  slows down, so the static step takes ``t_h + (C / U) (T_p - T_h)`` seconds and
+  ``k_p = t_h / (t_h + (C / U) (T_p - T_h))``; without ``compute_s`` the whole step scales:
+  ``k_p = T_h / T_p``. Without a layout (or one of another world size): ``T_h = U = 1``,
+  ``T_p = max rate`` (a static job runs at its slowest rank's pace: exact for pp=1), and the
+  output says so. Without a healthy phase, ``t_h`` is estimated from the first phase's steps
+  before any plan switch (the job is assumed to have started on the static plan): their mean
+  step time less ``(C / U) (T_p - T_h)``, ``C`` from the fastest rank's ``compute_s`` (a
+  healthy one);
+* ``bound``: ``f_p = mean over ranks of 1/rate`` (``cost.capacity_of_rates``) is the share of
+  the cluster's compute left; no layout of the same work computes faster than spreading the
+  step's compute over it: ``t_h + C (1/f_p - 1)`` seconds per step, so ``bound = H t_h /
+  (t_h + C (1/f_p - 1))`` (``= f_p H`` when the step is all compute, or without
+  ``compute_s``). The same compute-only slowdown as ``static``, so ``bound >= static``;
+* ``detect s``: the seconds lost before the first plan switch of a straggler phase (the first
+  ``migrate`` event in it, else the first adopted ``replan``), i.e. detection and planning
+  latency: the steps before the switch took ``T_before`` seconds for ``S_before`` samples, the
+  steps from the switch on ran ``T_after / S_after`` seconds per sample:
+  ``detect = max(0, T_before - S_before * T_after / S_after)``; ``-`` without a switch (or
+  with no step after it);
+* ``migrate s``: the sum of the phase's ``migrate`` seconds; ``lost s = W_p - S_p / H``.
+
+**The line.** Over the run: ``T_healthy = sum S_p / H``, ``T_static = sum S_p / static_p``,
+``T_bound = sum S_p / bound_p``, ``T_job = sum W_p``. Each percentage is the share of that
+job's own wall time over these steps that the stragglers cost it:
+``X = (T_static - T_healthy) / T_static`` (a static job), ``Y = (T_job - T_healthy) / T_job``
+(this run), ``Z = (T_bound - T_healthy) / T_bound`` (the least loss any layout could achieve,
+so ``Z <= X``). A run without straggler phases says "no straggler in this run".
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from .cost import capacity_of_rates
+from .metrics import METRICS_FILE, emulated_rates
+
+HEALTHY = 1.2          # a rate below this counts as healthy (DESIGN.md §6, straggler.py)
+
+
+class WhatIfError(ValueError):
+    """The records hold nothing to account for; the message says why (file and line if any)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The static plan a static job runs: ``plan.static_plan`` of these numbers."""
+
+    tp: int
+    pp: int
+    dp: int
+    num_layers: int
+    global_batch_size: int
+    micro_batch_size: int
+
+    def describe(self) -> str:
+        m = self.global_batch_size // self.micro_batch_size
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp}, {self.num_layers} layers, "
+                f"{m} micro-batches")
+
+
+@dataclass(frozen=True)
+class PhaseAccount:
+    first: int
+    last: int
+    rates: tuple[tuple[int, float], ...]   # ((rank, rate), ...) of slowed ranks; () = healthy
+    steps: int
+    samples: float
+    seconds: float                          # W_p: step times + migrations
+    healthy: float                          # samples/s
+    static: float
+    bound: float
+    detect_s: float | None
+    migrate_s: float
+    f: float = 1.0                          # capacity fraction: mean over ranks of 1/rate
+
+    @property
+    def label(self) -> str:
+        return ", ".join(f"rank {r} at rate {x:.3g}" for r, x in self.rates) or "healthy"
+
+    @property
+    def achieved(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def lost_s(self) -> float:
+        return self.seconds - self.samples / self.healthy
+
+
+@dataclass(frozen=True)
+class Account:
+    phases: tuple[PhaseAccount, ...]
+    world: int
+    rate_source: str           # "measured" | "emulated" | "compute_s" | "none"
+    static_source: str
+    healthy_source: str
+    adaptive: bool             # the run switched plans (engine=malleus)
+    t_healthy: float
+    t_static: float
+    t_bound: float
+    t_job: float
+
+    @property
+    def stragglers(self) -> bool:
+        return any(p.rates for p in self.phases)
+
+    @staticmethod
+    def _share(t: float, t_healthy: float) -> float:
+        return (t - t_healthy) / t if t > 0 else 0.0
+
+    @property
+    def x(self) -> float:
+        return self._share(self.t_static, self.t_healthy)
+
+    @property
+    def y(self) -> float:
+        return self._share(self.t_job, self.t_healthy)
+
+    @property
+    def z(self) -> float:
+        return self._share(self.t_bound, self.t_healthy)
+
+
+# ---------------------------------------------------------------------------------------------
+# rates and phases
+
+
+def _measured(r: Mapping) -> list[float] | None:
+    m = r.get("measured_rates")
+    return [1.0 if x is None else float(x) for x in m] if isinstance(m, list) else None
+
+
+def _compute_rates(r: Mapping) -> list[float] | None:
+    c = r.get("compute_s")
+    if not isinstance(c, list) or len(c) < 2 or any(x is None for x in c):
+        return None
+    lo = min(float(x) for x in c)
+    return [float(x) / lo for x in c] if lo > 0 else None
+
+
+def world_of(steps: Sequence[Mapping]) -> int:
+    """Ranks in the run: the widest ``compute_s`` / ``measured_rates``, or the highest
+    emulated rank + 1."""
+    return max([len(r.get(k) or ()) for r in steps for k in ("compute_s", "measured_rates")]
+               + [int(k) + 1 for r in steps for k in emulated_rates(r)] + [1])
+
+
+def rate_source(records: Sequence[Mapping]) -> str:
+    """Where this run's rates come from (see the module docstring)."""
+    if any(any(x is not None for x in r.get("measured_rates") or ()) for r in records
+           if isinstance(r.get("measured_rates"), list)):
+        return "measured"
+    if any(emulated_rates(r) for r in records):
+        return "emulated"
+    if any(_compute_rates(r) for r in records):
+        return "compute_s"
+    return "none"
+
+
+def _rate_vector(r: Mapping, source: str, world: int) -> list[float | None]:
+    """Per rank this step's rate (None: not known this step)."""
+    if source == "measured":
+        m = r.get("measured_rates")
+        v = list(m) if isinstance(m, list) else []
+    elif source == "emulated":
+        e = emulated_rates(r)
+        v = [float(e.get(str(d), e.get(d, 1.0))) for d in range(world)]
+    elif source == "compute_s":
+        v = _compute_rates(r) or []
+    else:
+        v = []
+    v = (v + [None] * world)[:world]
+    return [None if x is None else (1.0 if float(x) < HEALTHY else float(x)) for x in v]
+
+
+def _condition(r: Mapping, source: str, emulated: bool, world: int) -> tuple:
+    if emulated:
+        return tuple(sorted((int(k), float(v)) for k, v in emulated_rates(r).items()
+                            if float(v) >= HEALTHY))
+    return tuple(d for d, x in enumerate(_rate_vector(r, source, world)) if x and x >= HEALTHY)
+
+
+def _phase_rates(rs: Sequence[Mapping], source: str, world: int
+                 ) -> tuple[tuple[int, float], ...]:
+    out = []
+    vecs = [_rate_vector(r, source, world) for r in rs]
+    for d in range(world):
+        xs = [v[d] for v in vecs if v[d] is not None]
+        x = statistics.median(xs) if xs else 1.0
+        if x >= HEALTHY:
+            out.append((d, round(x, 4)))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# the static plan under rates
+
+
+@dataclass(frozen=True)
+class StaticModel:
+    """The static plan's step in model units: healthy, under the rates, and the compute one
+    rank does per healthy step (the busiest rank's)."""
+
+    healthy: float
+    slowed: float
+    busy: float
+    how: str
+
+
+def static_model(layout: Layout | None, rates: Mapping[int, float], world: int) -> StaticModel:
+    """The static plan's simulated 1F1B step time (``simulate.simulate``) healthy and under
+    ``rates``; without a usable layout, the slowest rank's pace (1 unit of compute per step,
+    ``max rate`` units under ``rates``)."""
+    x = max(rates.values(), default=1.0)
+    if layout is None:
+        return StaticModel(1.0, x, 1.0, "slowest rank's pace (layout not recorded: exact for "
+                                        "pp=1)")
+    from .plan import PlanError
+    from .problem import Problem
+    from .simulate import simulate
+
+    n = layout.tp * layout.pp * layout.dp
+    if n != world:
+        return StaticModel(1.0, x, 1.0, f"slowest rank's pace (the layout {layout.describe()} "
+                                        f"has {n} ranks, the run {world})")
+    try:
+        prob = Problem(name="static", nodes=1, gpus_per_node=world, num_layers=layout.num_layers,
+                       global_batch_size=layout.global_batch_size,
+                       micro_batch_size=layout.micro_batch_size, tp=layout.tp, pp=layout.pp,
+                       dp=layout.dp, tp_slowdown={1: 1.0}, memory=None, rates={})
+        plan = prob.static_plan()
+        h = simulate(prob, plan)
+        r = simulate(prob.with_rates(dict(rates)), plan) if rates else h
+    except (PlanError, ValueError) as e:
+        return StaticModel(1.0, x, 1.0, f"slowest rank's pace ({e})")
+    return StaticModel(h.step_time, r.step_time, max(b for bs in h.busy for b in bs),
+                       f"simulated 1F1B step of the static plan ({layout.describe()})")
+
+
+def static_keep(model: StaticModel, step_s: float, compute_s: float | None) -> float:
+    """``k``: the share of healthy throughput the static plan keeps. With the healthy step's
+    busiest-rank compute seconds ``compute_s``, only compute slows: the extra model units cost
+    ``compute_s / busy`` seconds each on top of the healthy ``step_s``; without it the whole
+    step scales with the model."""
+    if compute_s and compute_s > 0 and step_s > 0:
+        return step_s / (step_s + compute_s / model.busy * (model.slowed - model.healthy))
+    return model.healthy / model.slowed
+
+
+def _compute(rs: Sequence[Mapping], pick=max) -> float | None:
+    """Mean over ``rs`` of ``pick`` over ranks of ``compute_s`` (None: not recorded)."""
+    xs = [pick(float(x) for x in r["compute_s"]) for r in rs
+          if isinstance(r.get("compute_s"), list) and r["compute_s"]
+          and all(isinstance(x, (int, float)) for x in r["compute_s"])]
+    return sum(xs) / len(xs) if xs else None
+
+
+# ---------------------------------------------------------------------------------------------
+# the account
+
+
+def _switch_step(events: Sequence[Mapping], lo: int, hi: int) -> int | None:
+    def steps(kind, ok=lambda e: True):
+        return [int(e["step"]) for e in events if e.get("event") == kind and ok(e)
+                and isinstance(e.get("step"), (int, float)) and lo <= e["step"] <= hi]
+
+    s = steps("migrate") or steps("replan", lambda e: e.get("adopted", True) is not False)
+    return min(s) if s else None
+
+
+def _seconds(rs: Sequence[Mapping]) -> float:
+    return float(sum(float(r["step_time_s"]) for r in rs))
+
+
+def _samples(rs: Sequence[Mapping]) -> float:
+    return float(sum(float(r["samples"]) for r in rs))
+
+
+def account(records: Sequence[Mapping], events: Sequence[Mapping] = (),
+            layout: Layout | None = None, warmup: int = 0) -> Account:
+    """The what-if account of one run (definitions: the module docstring). ``records``: step
+    lines (event lines among them are moved to ``events``)."""
+    events = list(events) + [r for r in records if "event" in r]
+    steps = sorted((r for r in records if "event" not in r), key=lambda r: r["step"])
+    if not steps:
+        raise WhatIfError("no step lines (an empty metrics.jsonl, or events only): nothing "
+                          "to account for")
+    start = int(steps[0]["step"]) + max(0, int(warmup))
+    kept = [r for r in steps if r["step"] >= start]
+    if not kept:
+        raise WhatIfError(f"all {len(steps)} step lines are warm-up steps (warmup={warmup}): "
+                          f"nothing left to account for")
+    world = world_of(steps)
+    source = rate_source(steps)
+    emulated = any(emulated_rates(r) for r in steps)
+    groups: list[list[Mapping]] = []
+    prev = None
+    for r in kept:
+        key = _condition(r, source, emulated, world)
+        if groups and key == prev:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+        prev = key
+    conds = [_condition(g[0], source, emulated, world) for g in groups]
+    # a straggler phase the measurement missed (it lags the onset) keeps its emulated rates
+    rates = [(_phase_rates(g, source, world) or c) if c else () for g, c in zip(groups, conds)]
+    mig = [sum(float(e.get("seconds") or 0.0) for e in events if e.get("event") == "migrate"
+               and isinstance(e.get("step"), (int, float))
+               and g[0]["step"] <= e["step"] <= g[-1]["step"]) for g in groups]
+    models = [static_model(layout, dict(x), world) for x in rates]
+    static_source = next((mo.how for mo, x in zip(models, rates) if x), models[0].how)
+
+    def before_after(g):
+        s = _switch_step(events, g[0]["step"], g[-1]["step"])
+        if s is None:
+            return None, g, []
+        return s, [r for r in g if r["step"] < s], [r for r in g if r["step"] >= s]
+
+    healthy = [r for g, x in zip(groups, rates) if not x for r in g]
+    if healthy:
+        t = _seconds(healthy)
+        if t <= 0:
+            raise WhatIfError(f"the healthy steps' step_time_s add up to {t}: no pace to "
+                              f"compare with")
+        H = _samples(healthy) / t
+        comp = _compute(healthy)
+        healthy_source = "healthy phases"
+    else:   # the first phase's steps before any switch ran the static plan (assumed)
+        _, pre, post = before_after(groups[0])
+        pre = pre or post
+        t = _seconds(pre) / len(pre)
+        comp = _compute(pre, min)       # the fastest rank is a healthy one
+        mo = models[0]
+        t_h = t - comp / mo.busy * (mo.slowed - mo.healthy) if comp else 0.0
+        if not t_h > 0:
+            t_h, comp = t * mo.healthy / mo.slowed, None
+        H = _samples(pre) / len(pre) / t_h
+        healthy_source = (f"estimated (no healthy phase): steps {pre[0]['step']}-"
+                          f"{pre[-1]['step']} less the static plan's modelled extra "
+                          + ("compute" if comp else "step time"))
+    if not H > 0:
+        raise WhatIfError(f"healthy throughput {H} samples/s (samples or step times add up to "
+                          f"0?): no pace to compare with")
+    step_h = _samples(healthy or pre) / len(healthy or pre) / H     # healthy seconds per step
+    if comp is None:
+        static_source += "; no compute_s: the whole step scales"
+    out = []
+    for g, x, m, mo in zip(groups, rates, mig, models):
+        k = static_keep(mo, step_h, comp)
+        detect = None
+        if x:
+            s, pre, post = before_after(g)
+            if s is not None and post and _samples(post) > 0:
+                detect = max(0.0, _seconds(pre) - _samples(pre) * _seconds(post) / _samples(post))
+        f = capacity_of_rates(dict(x), world)
+        b = step_h / (step_h + comp * (1 / f - 1)) if comp else f
+        out.append(PhaseAccount(int(g[0]["step"]), int(g[-1]["step"]), x, len(g), _samples(g),
+                                _seconds(g) + m, H, k * H, b * H, detect, m, f))
+    adaptive = any(e.get("event") == "migrate" for e in events) or \
+        len({r.get("plan") for r in steps if r.get("plan")}) > 1
+    return Account(tuple(out), world, source, static_source, healthy_source, adaptive,
+                   t_healthy=sum(p.samples / p.healthy for p in out),
+                   t_static=sum(p.samples / p.static for p in out),
+                   t_bound=sum(p.samples / p.bound for p in out),
+                   t_job=sum(p.seconds for p in out))
+
+
+# ---------------------------------------------------------------------------------------------
+# text
+
+
+def closing_line(a: Account) -> str:
+    """The one line: X, Y and Z (module docstring), or "no straggler in this run"."""
+    if not a.stragglers:
+        return "no straggler in this run: nothing for a re-layout to win back"
+    who = "adaptive Malleus" if a.adaptive else "this run (no plan switch)"
+    return (f"stragglers would have cost a static job {100 * a.x:.1f}% of this run; {who} lost "
+            f"{100 * a.y:.1f}%; the bound is {100 * a.z:.1f}%")
+
+
+def format_account(a: Account, indent: str = "  ") -> str:
+    """A per-phase table (samples/s and seconds), where the numbers come from, and the line."""
+    if not a.stragglers:
+        n = sum(p.steps for p in a.phases)
+        return f"{indent}what-if: {closing_line(a)} ({n} steps after the warm-up)"
+    w = max([16] + [len(p.label) for p in a.phases])
+    lines = [f"{indent}what-if (rates: {a.rate_source}; static: {a.static_source}; healthy: "
+             f"{a.healthy_source}); samples/s, seconds:",
+             f"{indent}  {'phase':{w}s} {'steps':>7s} {'f':>5s} {'healthy':>8s} {'static':>8s} "
+             f"{'bound':>8s} {'achieved':>8s} {'lost s':>8s} {'detect s':>8s} {'migrate s':>9s}"]
+    for p in a.phases:
+        det = f"{p.detect_s:8.2f}" if p.detect_s is not None else f"{'-':>8s}"
+        lines.append(f"{indent}  {p.label:{w}s} {f'{p.first}-{p.last}':>7s} {p.f:5.2f} "
+                     f"{p.healthy:8.2f} "
+                     f"{p.static:8.2f} {p.bound:8.2f} {p.achieved:8.2f} {p.lost_s:8.2f} {det} "
+                     f"{p.migrate_s:9.2f}")
+    lines.append(f"{indent}{closing_line(a)}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# run folders
+
+
+def layout_from_config(conf: Mapping, world: int) -> Layout | None:
+    """The static layout of a Hydra ``config.yaml`` (``parallel``, ``model``, ``train``; dp null
+    = world / (tp pp)); None when a needed number is missing (num_layers only matters for
+    pp > 1)."""
+    try:
+        par, tr = conf.get("parallel") or {}, conf.get("train") or {}
+        tp, pp = int(par.get("tp") or 1), int(par.get("pp") or 1)
+        dp = int(par.get("dp") or world // (tp * pp))
+        layers = (conf.get("model") or {}).get("num_layers")
+        layers = int(layers) if layers else (pp if pp == 1 else None)
+        if layers is None:
+            return None
+        return Layout(tp, pp, dp, layers, int(tr.get("global_batch_size", 8)),
+                      int(tr.get("micro_batch_size", 1)))
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError):
+        return None
+
+
+def read_config(run_dir: str | Path) -> Mapping | None:
+    """``<run>/.hydra/config.yaml`` as a dict, or None (absent or unreadable)."""
+    p = Path(run_dir) / ".hydra" / "config.yaml"
+    if not p.is_file():
+        return None
+    try:
+        import yaml
+
+        d = yaml.safe_load(p.read_text())
+    except Exception:  # noqa: BLE001 - a run folder without a readable config still accounts
+        return None
+    return d if isinstance(d, Mapping) else None
+
+
+def read_lines(path: str | Path) -> tuple[list[dict], list[dict]]:
+    """(step lines, event lines) of a metrics.jsonl or its run folder; a line that is not a JSON
+    object, or a step line without ``step``/``samples``/``step_time_s``, is a WhatIfError naming
+    the file and line."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / METRICS_FILE
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise WhatIfError(f"{p}: cannot read: {e}") from None
+    steps, events = [], []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise WhatIfError(f"{p}: line {n} is not valid JSON ({e.msg})") from None
+        if not isinstance(r, dict):
+            raise WhatIfError(f"{p}: line {n} is not a JSON object")
+        if "event" in r:
+            events.append(r)
+            continue
+        bad = [k for k in ("step", "samples", "step_time_s")
+               if isinstance(r.get(k), bool) or not isinstance(r.get(k), (int, float))]
+        if bad:
+            raise WhatIfError(f"{p}: line {n} is a step line without numeric {bad}")
+        steps.append(r)
+    if not steps:
+        raise WhatIfError(f"{p}: no step lines ({len(events)} event line(s)): nothing to "
+                          f"account for")
+    return steps, events
+
+
+def account_of_run(run_dir: str | Path, warmup: int | None = None,
+                   layout: Layout | None = None) -> Account:
+    """The account of a run folder's metrics.jsonl. ``layout`` / ``warmup`` None: from the
+    folder's ``.hydra/config.yaml`` when there is one (else no layout, warm-up 1, the config's
+    default)."""
+    steps, events = read_lines(run_dir)
+    conf = read_config(run_dir) if Path(run_dir).is_dir() else None
+    world = world_of(steps)
+    if layout is None and conf is not None:
+        layout = layout_from_config(conf, world)
+    if warmup is None:
+        w = (conf or {}).get("train", {}).get("warmup_steps", 1) if conf else 1
+        warmup = w if isinstance(w, int) and w >= 0 else 1
+    return account(steps, events, layout, warmup)

@@ -102,6 +102,7 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
                 raise PlanError(f"{sw.where} (plan {sw.plan.id}): {e}") from None
         zero_stage, optim = optimizer_settings(user_cfg)
         self.build_groups(plan, world)
+        GROUPS.hold(self, plan_rank_sets(plan, world))     # until a switch or drop (groups.py)
         spec = locate(plan, rank)
         stage_module = build_stage(plan, spec, make_stage, settings.precision)
         loc = spec.located

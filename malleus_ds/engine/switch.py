@@ -23,7 +23,6 @@ trains on half-moved state.
 """
 from __future__ import annotations
 
-import datetime
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -31,6 +30,7 @@ from functools import partial
 import torch
 import torch.distributed as tdist
 
+from ..agreement import AgreementError, Failure, agree
 from ..layout import local_shards
 from ..migrate.apply import StateView, pack_parts, unpack_parts
 from ..migrate.rounds import messages, rounds
@@ -233,23 +233,30 @@ def switch_plan(engine, new_plan) -> MigrationReport:
         failure = e
     else:
         failure = None
-    # Agreement: every rank learns whether any rank failed, with a deadline (a rank that died
-    # or hangs cannot make the others wait forever). Only if all succeeded is the new runtime
-    # adopted; otherwise every rank raises and the engine refuses to train.
+    # Agreement: every rank learns whether any rank failed, and the first failed rank's
+    # message, through the job's store, not the communicator a failed transfer may have broken
+    # (malleus_ds/agreement.py); a rank that died or hangs counts as failed at the deadline.
+    # Only if all succeeded is the new runtime adopted; otherwise every rank raises and the
+    # engine refuses to train.
+    deadline = 2 * engine.settings.migrate_timeout_s + 10
     try:
-        bad = _agree_failed(rank, world, failure is not None, engine.device,
-                            2 * engine.settings.migrate_timeout_s + 10)
-        unsure = None
-    except Exception as e:     # noqa: BLE001 - a dead peer can break the group itself
-        bad, unsure = rank, e
-    if bad is not None:
+        bad, unsure = _agree_failed(step, failure, deadline), None
+    except AgreementError as e:     # the store itself is gone (its host died)
+        bad, unsure = None, e
+    if bad is not None or unsure is not None:
+        parts = []      # this rank's own error, then the first failed rank's (the cause)
         if failure is not None:
-            why = f"{type(failure).__name__}: {str(failure)[:400]}"
+            parts.append(f"{type(failure).__name__}: {str(failure)[:400]}")
         elif unsure is not None:
-            why = (f"the ranks could not agree on its outcome (a rank died or hangs: "
-                   f"{str(unsure).splitlines()[0][:200]})")
-        else:
-            why = f"rank {bad} failed (see its error)"
+            parts.append(f"the ranks could not agree on its outcome (a rank died or hangs: "
+                         f"{str(unsure).splitlines()[0][:300]})")
+        if bad is not None and (bad.rank != rank or failure is None or rank in bad.silent):
+            parts.append(bad.message[:400] if bad.rank in bad.silent
+                         else f"rank {bad.rank} failed: {bad.message[:400]}")
+        if bad is not None and bad.silent and bad.rank not in bad.silent:
+            parts.append(f"rank(s) {list(bad.silent)} did not report within {deadline:g} s "
+                         f"(died or hang)")
+        why = "; ".join(parts)
         engine._broken = (f"a plan switch before step {step} failed ({why}); this engine's state "
                           f"may be half-moved and it will not train: restart from the last "
                           f"checkpoint")
@@ -262,6 +269,8 @@ def switch_plan(engine, new_plan) -> MigrationReport:
     engine.adopt(rt)
     _carry_schedule(engine, old_sched, old_groups)
     old_rt.close()
+    engine.mpu.follow(rt.spec, rt.num_stages)       # DeepSpeed's mpu names the new TP group
+    GROUPS.release_unused(plan_rank_sets(plan, world), owner=engine, device=engine.device)
     # freed by reference counting (no gc.collect(): a full collection costs ~0.3 s with
     # DeepSpeed loaded, and the runtime holds no cycles); a caller still holding the old
     # optimizer returned by initialize() keeps that one alive
@@ -305,11 +314,13 @@ def _carry_schedule(engine, old_sched, old_groups) -> None:
     engine.lr_scheduler = sched
 
 
-def _agree_failed(rank: int, world: int, failed: bool, device, timeout_s: float) -> int | None:
-    """The lowest rank that failed (None if none), agreed by all ranks within ``timeout_s``;
-    raises if the agreement itself cannot complete."""
-    flag = torch.tensor([float(rank if failed else world)], dtype=torch.float64, device=device)
-    work = tdist.all_reduce(flag, op=tdist.ReduceOp.MIN, async_op=True)
-    work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    low = int(flag.item())
-    return low if low < world else None
+def _agree_failed(step: int, failure: BaseException | None, timeout_s: float
+                  ) -> Failure | None:
+    """The first failed rank and its message (None if every rank succeeded), the same on
+    every rank within ``timeout_s``, agreed through the job's store (malleus_ds/agreement.py):
+    a communicator that the failure broke (NCCL aborts it on a timed-out wait, a dead peer
+    breaks it) is not used. Raises AgreementError if the store itself is unreachable."""
+    err = None if failure is None else f"{type(failure).__name__}: {failure}"
+    # a MigrationError here is the transport's: a peer did not complete (peer-caused)
+    return agree(f"migrate@step{step}", err, timeout_s,
+                 peer_caused=isinstance(failure, MigrationError))

@@ -51,6 +51,8 @@ class ComputeClock:
         self.step, self._compute_s, self.emulated_s = step, 0.0, 0.0
         self._events = []
         self._sync = self.cuda and self._emulating(step)
+        if self.straggler is not None:
+            self.straggler.at_step(step)    # straggler.method=quota: the step's CPU cap
         HEARTBEAT.beat("step start", step)
 
     def _emulating(self, step: int) -> bool:

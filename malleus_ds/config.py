@@ -238,13 +238,17 @@ def compare_engines(v: Any) -> tuple[str, ...]:
 
 
 def _straggler(s: Mapping[str, Any], world_size: int) -> StragglerSchedule:
+    """``straggler.schedule`` and ``straggler.method`` (sleep | quota; emulation.py). Whether
+    this machine can apply ``quota`` is checked at runner start-up (``runners/__init__.py``)."""
     if not isinstance(s, Mapping):
-        raise ConfigError(f"straggler must be a mapping with key 'schedule', got {s!r}")
-    unknown = sorted(set(s) - {"schedule"})
+        raise ConfigError(f"straggler must be a mapping with key 'schedule', got {s!r} "
+                          f"(allowed keys: ['schedule', 'method'])")
+    unknown = sorted(set(s) - {"schedule", "method"})
     if unknown:
-        raise ConfigError(f"straggler has unknown fields {unknown}; allowed: ['schedule']")
+        raise ConfigError(f"straggler has unknown fields {unknown}; allowed: "
+                          f"['schedule', 'method']")
     try:
-        return StragglerSchedule.parse(s.get("schedule"), world_size)
+        return StragglerSchedule.parse(s.get("schedule"), world_size, s.get("method") or "sleep")
     except StragglerError as e:
         raise ConfigError(str(e)) from None
 

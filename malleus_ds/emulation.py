@@ -6,6 +6,16 @@ each of its micro-batch computes it sleeps ``(rate - 1) ×`` the compute time it
 its compute looks ``rate`` times slower to everything else (peers, timers, the rate estimator).
 Entries that overlap on one rank combine by ``max``. Off by default (empty schedule).
 
+``method`` says how the slowdown is made (``straggler.method``):
+
+* ``sleep`` (default): the emulation above; ``emulated_s`` holds the sleeps.
+* ``quota``: a real slowdown from the OS. At the start of each step (:meth:`Straggler.at_step`,
+  called by ``ComputeClock.start_step``) the rank's CPU is capped to ``1/rate`` of one core by a
+  cgroup quota (``malleus_ds/cpu_quota.py``) whenever its rate changes; nothing sleeps and
+  ``emulated_s`` stays 0; ``emulated_rates`` in metrics.jsonl still records the schedule's rates,
+  which are then the *target* slowdown. :func:`check_method` refuses ``quota`` where the machine
+  cannot apply it, naming the reason.
+
 Pure Python (no torch): the schedule is validated before any process group exists.
 """
 from __future__ import annotations
@@ -15,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 _KEYS = ("rank", "rate", "start_step", "end_step")
+METHODS = ("sleep", "quota")
 
 
 class StragglerError(ValueError):
@@ -34,19 +45,44 @@ class StragglerEntry:
         return self.start_step <= step and (self.end_step is None or step < self.end_step)
 
 
+class RawSchedule(tuple):
+    """A schedule's entries as given (plain dicts) plus the ``method`` that applies them: what
+    ``ds_config.malleus.straggler`` parses to (``engine/settings.py``). A tuple, so it compares
+    equal to the plain entries; :meth:`StragglerSchedule.parse` reads its ``method``."""
+
+    method: str = "sleep"
+
+    def __new__(cls, entries=(), method: str = "sleep") -> "RawSchedule":
+        self = super().__new__(cls, entries)
+        self.method = method
+        return self
+
+
+def parse_method(v: Any, where: str = "straggler.method") -> str:
+    """``sleep`` | ``quota`` (``None``: sleep); anything else is a StragglerError naming it."""
+    m = "sleep" if v is None else v
+    if m not in METHODS:
+        raise StragglerError(f"{where}={v!r} is not known; choose one of {list(METHODS)} "
+                             f"(sleep: emulated by sleeping; quota: a real CPU cap by cgroup)")
+    return m
+
+
 @dataclass(frozen=True)
 class StragglerSchedule:
     entries: tuple[StragglerEntry, ...] = ()
+    method: str = "sleep"               # sleep | quota (module doc)
 
     @staticmethod
-    def parse(raw: Iterable[Mapping[str, Any]] | None, world_size: int | None = None
-              ) -> "StragglerSchedule":
+    def parse(raw: Iterable[Mapping[str, Any]] | None, world_size: int | None = None,
+              method: str | None = None) -> "StragglerSchedule":
         """Build from plain dicts (e.g. ``[{rank: 1, rate: 4.0, start_step: 5, end_step: 100}]``).
+        ``method``: how to slow (default: ``raw.method`` of a :class:`RawSchedule`, else sleep).
 
         Raises ``StragglerError`` naming ``straggler.schedule[i].field`` and the bad value.
         """
+        method = parse_method(method if method is not None else getattr(raw, "method", None))
         if raw is None:
-            return StragglerSchedule()
+            return StragglerSchedule(method=method)
         if not isinstance(raw, (list, tuple)):   # a number, a string, a single mapping, ...
             raise StragglerError(f"straggler.schedule must be a list of "
                                  f"{{rank, rate, start_step, end_step}} entries (or empty / "
@@ -85,7 +121,7 @@ class StragglerSchedule:
                 if end <= start:
                     raise StragglerError(f"{where}: end_step={end} must be > start_step={start}")
             out.append(StragglerEntry(rank, rate, start, end))
-        return StragglerSchedule(tuple(out))
+        return StragglerSchedule(tuple(out), method)
 
     def rate(self, rank: int, step: int) -> float:
         """Emulated rate of ``rank`` at ``step`` (1.0 when no entry is active)."""
@@ -107,18 +143,62 @@ class StragglerSchedule:
         return bool(self.entries)
 
 
-class Straggler:
-    """Per-rank emulator. Call :meth:`after_compute` right after each timed micro-batch compute."""
+def check_method(schedule: StragglerSchedule, reason=None, where: str = "straggler") -> None:
+    """Refuse ``method=quota`` (with a schedule) on a machine that cannot apply it, naming why.
+    ``reason``: ``cpu_quota.unavailable_reason`` (a parameter for tests); ``where``: the
+    config section, for the message."""
+    if schedule.method != "quota" or not schedule:
+        return
+    if reason is None:
+        from .cpu_quota import unavailable_reason as reason
+    why = reason()
+    if why:
+        raise StragglerError(f"{where}.method=quota: {why}; use {where}.method=sleep")
 
-    def __init__(self, schedule: StragglerSchedule, rank: int, sleep=time.sleep) -> None:
+
+class Straggler:
+    """Per-rank straggler. Call :meth:`at_step` when a step starts and :meth:`after_compute`
+    right after each timed micro-batch compute (``malleus_ds/clock.py`` does both).
+
+    ``quota``: a callable returning this process's ``CpuQuota`` (default
+    ``cpu_quota.process_quota``), called on the first rate change only, so a rank the schedule
+    never slows never touches a cgroup. Building a ``quota`` Straggler runs
+    :func:`check_method` (on every rank alike: the same error everywhere, no hang)."""
+
+    def __init__(self, schedule: StragglerSchedule, rank: int, sleep=time.sleep,
+                 quota=None, reason=None) -> None:
         self.schedule = schedule
         self.rank = rank
         self._sleep = sleep
+        self._quota_factory = quota
+        self._quota = None
+        self.applied_rate = 1.0         # method=quota: the rate the CPU cap now enforces
+        check_method(schedule, reason)
+
+    def at_step(self, step: int) -> None:
+        """Start of ``step``. sleep: nothing. quota: set this rank's CPU cap to the step's rate
+        when it differs from the one applied."""
+        if self.schedule.method != "quota":
+            return
+        rate = self.schedule.rate(self.rank, step)
+        if rate == self.applied_rate:
+            return
+        if self._quota is None:
+            if self._quota_factory is None:
+                from .cpu_quota import process_quota as factory
+            else:
+                factory = self._quota_factory
+            self._quota = factory()
+        self._quota.set_rate(rate)
+        self.applied_rate = rate
 
     def after_compute(self, step: int, compute_seconds: float) -> float:
-        """Sleep ``(rate - 1) × compute_seconds`` if this rank is slowed at ``step``.
+        """sleep: sleep ``(rate - 1) × compute_seconds`` if this rank is slowed at ``step``.
+        quota: nothing (the OS already slowed the compute).
 
-        Returns the seconds slept (0.0 when healthy)."""
+        Returns the seconds slept (0.0 when healthy or with method=quota)."""
+        if self.schedule.method == "quota":
+            return 0.0
         rate = self.schedule.rate(self.rank, step)
         if rate <= 1.0 or compute_seconds <= 0:
             return 0.0
@@ -126,6 +206,13 @@ class Straggler:
         t0 = time.perf_counter()
         self._sleep(delay)
         return time.perf_counter() - t0 if self._sleep is time.sleep else delay
+
+    def close(self) -> None:
+        """method=quota: lift the cap (back to rate 1.0); the cgroup itself goes at
+        ``cpu_quota.release`` (end of a run) or at exit."""
+        if self._quota is not None and self.applied_rate != 1.0:
+            self._quota.set_rate(1.0)
+        self.applied_rate = 1.0
 
 
 def _int(v: Any, where: str) -> int:

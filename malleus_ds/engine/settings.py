@@ -32,7 +32,7 @@ class MalleusSettings:
     tp: int | None = None             # nominal TP degree; stage TP sizes must divide it (default: lcm in plan)
     gpus_per_node: int | None = None  # ranks per node (default: the whole world is one node)
     seed: int = 0                     # model init and data order seed
-    straggler: tuple = ()             # straggler emulation schedule (malleus_ds.emulation), off if empty
+    straggler: tuple = ()             # straggler schedule entries (emulation.RawSchedule: .method), off if empty
     precision: Precision = Precision()  # from the stock "fp16" / "bf16" sections (build_settings)
     switch: tuple[SwitchAt, ...] = ()   # scripted plan switches, by step (runner: malleus.switch)
     migrate_bucket_mb: float = 256.0    # packed bytes in flight per rank during a migration (MB)
@@ -47,15 +47,33 @@ class MalleusSettings:
         unknown = sorted(set(sec) - known)
         if unknown:
             raise ValueError(f"ds_config.malleus: unknown keys {unknown}; allowed: {sorted(known)}")
-        strag = sec.get("straggler") or ()
-        if isinstance(strag, Mapping):
-            strag = strag.get("schedule") or ()
         return MalleusSettings(plan=as_plan(sec.get("plan")), tp=sec.get("tp"),
                                gpus_per_node=sec.get("gpus_per_node"), seed=int(sec.get("seed", 0)),
-                               straggler=tuple(strag), switch=parse_switch(sec.get("switch")),
+                               straggler=parse_straggler(sec.get("straggler")),
+                               switch=parse_switch(sec.get("switch")),
                                migrate_bucket_mb=_positive(sec, "migrate_bucket_mb", 256.0),
                                migrate_timeout_s=_positive(sec, "migrate_timeout_s", 300.0),
                                adaptive=AdaptiveSettings.from_config(sec))
+
+
+def parse_straggler(strag) -> tuple:
+    """``straggler``: a list of schedule entries, or ``{schedule: [...], method: sleep|quota}``
+    -> the entries with their method (``emulation.RawSchedule``; the entries themselves are
+    checked when the engine builds its ``StragglerSchedule``)."""
+    from ..emulation import RawSchedule, StragglerError, parse_method
+
+    method = None
+    if isinstance(strag, Mapping):
+        unknown = sorted(set(strag) - {"schedule", "method"})
+        if unknown:
+            raise ValueError(f"ds_config.malleus.straggler has unknown keys {unknown}; "
+                             f"allowed: ['schedule', 'method']")
+        method, strag = strag.get("method"), strag.get("schedule")
+    try:
+        method = parse_method(method, "ds_config.malleus.straggler.method")
+    except StragglerError as e:
+        raise ValueError(str(e)) from None
+    return RawSchedule(tuple(strag or ()), method)
 
 
 def _positive(sec: Mapping[str, Any], key: str, default: float) -> float:

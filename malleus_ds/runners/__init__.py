@@ -39,6 +39,7 @@ import importlib
 from types import ModuleType
 
 from ..config import ConfigError, RunConfig
+from ..cpu_quota import release as release_quota
 from .base import DistEnv, RunSummary, destroy_process_group, init_process_group
 from .checkpoint import nothing_to_run, resume_point
 from .stream import check_monitor_packages
@@ -69,6 +70,7 @@ def validate(cfg: RunConfig) -> ModuleType:
     """Engine-specific checks and, with ``checkpoint.resume``, the checkpoint to resume from (no
     process group needed). Returns the runner module."""
     mod = get_runner(cfg.engine)
+    check_straggler_method(cfg.straggler)
     check = getattr(mod, "validate", None)
     if check is not None:
         check(cfg)
@@ -77,9 +79,24 @@ def validate(cfg: RunConfig) -> ModuleType:
     return mod
 
 
+def check_straggler_method(schedule, where: str = "straggler") -> None:
+    """``straggler.method=quota`` on a machine that cannot cap a process's CPU is a ConfigError
+    naming the reason (every rank, before any process group)."""
+    from ..emulation import StragglerError, check_method
+
+    try:
+        check_method(schedule, where=where)
+    except StragglerError as e:
+        raise ConfigError(str(e)) from None
+
+
 def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
-    """Run ``cfg`` on this rank inside an existing default process group."""
-    return validate(cfg).run(cfg, env)
+    """Run ``cfg`` on this rank inside an existing default process group; a CPU quota the run
+    set (``straggler.method=quota``) is lifted when it ends."""
+    try:
+        return validate(cfg).run(cfg, env)
+    finally:
+        release_quota()
 
 
 def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
@@ -108,6 +125,7 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
         _leave_together(env)
         return summary
     finally:
+        release_quota()             # straggler.method=quota: this process's cgroup, if any
         if dog is not None:
             dog.stop()
         orphan_watch.stop()

@@ -77,6 +77,7 @@ def validate(cfg: RunConfig) -> None:
     except ValueError as e:
         raise ConfigError(f"engine=malleus: {e}".replace("ds_config.malleus.", "malleus.")
                           ) from None
+    check_ds_straggler(settings.straggler, cfg.world_size)
     for i, k in enumerate(settings.adaptive.replan_at):
         if k >= cfg.train.steps:
             raise ConfigError(f"malleus.replan_at[{i}]={k} is not before the run's end "
@@ -92,6 +93,19 @@ def validate(cfg: RunConfig) -> None:
                                   f"starting plan's {getattr(plan, f)}; the global batch never "
                                   f"changes within a run")
         check_plan(cfg, sw.plan, nominal_tp(cfg, sw.plan), f"{where}.plan")
+
+
+def check_ds_straggler(raw, world_size: int) -> None:
+    """The ds_config's own ``malleus.straggler`` (the engine's clock when no runner attaches
+    one): its schedule, and its ``method=quota`` on a machine that cannot apply it."""
+    from ..emulation import StragglerError, StragglerSchedule
+    from . import check_straggler_method
+
+    try:
+        sched = StragglerSchedule.parse(raw, world_size)
+    except StragglerError as e:
+        raise ConfigError(f"ds_config.malleus.{e}") from None
+    check_straggler_method(sched, "ds_config.malleus.straggler")
 
 
 def build_ds_config(cfg: RunConfig, plan: Plan) -> dict:

@@ -78,7 +78,7 @@ def test_straggler_section_must_be_a_mapping_with_schedule():
                                           r"got 4"):
         build(straggler=4)
     with pytest.raises(ConfigError, match=r"straggler has unknown fields \['rank'\]; "
-                                          r"allowed: \['schedule'\]"):
+                                          r"allowed: \['schedule', 'method'\]"):
         build(straggler={"schedule": [], "rank": 1})
 
 

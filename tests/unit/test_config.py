@@ -160,6 +160,60 @@ def test_straggler_schedule_parses():
                                                     "end_step": 100}])
 
 
+NO_CGROUP = "no cgroup cpu controller is mounted (looked for /x/cpu/cpu.cfs_quota_us)"
+SLOW1 = [{"rank": 1, "rate": 3.0, "start_step": 2}]
+
+
+def test_straggler_method_sleep_default_quota_and_unknown():
+    assert cfg().straggler.method == "sleep"
+    assert cfg(straggler={"schedule": SLOW1, "method": None}).straggler.method == "sleep"
+    c = cfg(straggler={"schedule": SLOW1, "method": "quota"})
+    assert c.straggler.method == "quota" and c.straggler.rate(1, 2) == 3.0
+    with pytest.raises(ConfigError, match=r"straggler.method='nice' is not known; choose one of "
+                                          r"\['sleep', 'quota'\]"):
+        cfg(straggler={"schedule": SLOW1, "method": "nice"})
+
+
+def test_straggler_method_quota_refused_where_the_machine_cannot(monkeypatch):
+    import malleus_ds.cpu_quota as cq
+
+    monkeypatch.setattr(cq, "unavailable_reason", lambda: NO_CGROUP)
+    for engine in ("torch", "deepspeed", "malleus"):
+        c = cfg(engine=engine, straggler={"schedule": SLOW1, "method": "quota"})
+        with pytest.raises(ConfigError, match=r"^straggler.method=quota: no cgroup cpu controller "
+                                              r"is mounted \(looked for /x/cpu/cpu.cfs_quota_us\); "
+                                              r"use straggler.method=sleep$"):
+            runners.validate(c)
+        runners.validate(cfg(engine=engine, straggler={"schedule": SLOW1}))      # sleep: fine
+        runners.validate(cfg(engine=engine, straggler={"schedule": [], "method": "quota"}))
+
+
+def test_ds_config_malleus_straggler_method(monkeypatch):
+    import malleus_ds.cpu_quota as cq
+    from malleus_ds.engine.settings import MalleusSettings
+    from malleus_ds.emulation import StragglerSchedule as S
+
+    st = MalleusSettings.from_config({"straggler": {"schedule": SLOW1, "method": "quota"}}).straggler
+    assert st == tuple(SLOW1) and st.method == "quota" and S.parse(st).method == "quota"
+    assert MalleusSettings.from_config({"straggler": SLOW1}).straggler.method == "sleep"
+    with pytest.raises(ValueError, match=r"ds_config.malleus.straggler.method='fast' is not known"):
+        MalleusSettings.from_config({"straggler": {"schedule": SLOW1, "method": "fast"}})
+    with pytest.raises(ValueError, match=r"ds_config.malleus.straggler has unknown keys \['rate'\]"):
+        MalleusSettings.from_config({"straggler": {"schedule": SLOW1, "rate": 2}})
+
+    def malleus(strag):
+        return cfg(engine="malleus", deepspeed={"config": {"malleus": {"straggler": strag}}})
+
+    monkeypatch.setattr(cq, "unavailable_reason", lambda: NO_CGROUP)
+    with pytest.raises(ConfigError, match=r"ds_config.malleus.straggler.method=quota: no cgroup "
+                                          r"cpu .*; use ds_config.malleus.straggler.method=sleep"):
+        runners.validate(malleus({"schedule": SLOW1, "method": "quota"}))
+    with pytest.raises(ConfigError, match=r"ds_config.malleus.straggler.schedule\[0\].rank=5 does "
+                                          r"not exist: the job has world_size=2"):
+        runners.validate(malleus([{"rank": 5, "rate": 2}]))
+    runners.validate(malleus({"schedule": SLOW1, "method": "sleep"}))
+
+
 def test_malleus_engine_resolves_to_its_module():
     c = cfg(engine="malleus")
     assert c.plan == "static"

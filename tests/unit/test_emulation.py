@@ -86,3 +86,74 @@ def test_compute_clock_leaves_out_communication_and_emulates():
     with clock.compute():
         time.sleep(0.05)
     assert clock.emulated_s >= 0.045 and clock.compute_s >= 0.095
+
+
+class FakeQuota:
+    def __init__(self):
+        self.rates = []
+
+    def set_rate(self, r):
+        self.rates.append(r)
+
+
+def test_quota_method_caps_the_cpu_at_rate_changes_and_never_sleeps():
+    sched = StragglerSchedule.parse([{"rank": 1, "rate": 3.0, "start_step": 2, "end_step": 4},
+                                     {"rank": 1, "rate": 2.0, "start_step": 4, "end_step": 5}],
+                                    method="quota")
+    made, slept = [], []
+
+    def factory():
+        made.append(FakeQuota())
+        return made[-1]
+
+    s = Straggler(sched, rank=1, sleep=slept.append, quota=factory, reason=lambda: None)
+    for k in range(6):
+        s.at_step(k)
+        assert s.after_compute(k, 0.5) == 0.0
+    assert len(made) == 1 and made[0].rates == [3.0, 2.0, 1.0] and slept == []
+    s.at_step(3)
+    s.close()
+    assert made[0].rates[-2:] == [3.0, 1.0] and s.applied_rate == 1.0
+    healthy = Straggler(sched, rank=0, quota=factory, reason=lambda: None)
+    for k in range(6):
+        healthy.at_step(k)
+    assert len(made) == 1                       # a rank never slowed never touches a cgroup
+    sleeper = Straggler(StragglerSchedule.parse(sched.to_json()), rank=1, quota=factory)
+    sleeper.at_step(2)                          # sleep: at_step does nothing
+    assert len(made) == 1
+
+
+def test_quota_method_errors_name_the_reason():
+    from malleus_ds.emulation import RawSchedule, check_method
+
+    sched = StragglerSchedule.parse([{"rank": 1, "rate": 3.0}], method="quota")
+    msg = (r"^straggler.method=quota: /sys/fs/cgroup/cpu is read-only; "
+           r"use straggler.method=sleep$")
+    with pytest.raises(StragglerError, match=msg):
+        Straggler(sched, rank=0, reason=lambda: "/sys/fs/cgroup/cpu is read-only")
+    with pytest.raises(StragglerError, match=r"ds_config.malleus.straggler.method=quota: x; use "
+                                             r"ds_config.malleus.straggler.method=sleep"):
+        check_method(sched, lambda: "x", "ds_config.malleus.straggler")
+    asked = []
+    check_method(StragglerSchedule.parse(sched.to_json()), lambda: asked.append(1) or "x")
+    check_method(StragglerSchedule.parse([], method="quota"), lambda: asked.append(1) or "x")
+    assert asked == []                          # sleep, or no straggler: nothing to check
+    with pytest.raises(StragglerError, match=r"straggler.method='cgroup' is not known; choose "
+                                             r"one of \['sleep', 'quota'\]"):
+        StragglerSchedule.parse([], method="cgroup")
+    raw = RawSchedule(({"rank": 1, "rate": 2},), "quota")
+    assert raw == ({"rank": 1, "rate": 2},) and StragglerSchedule.parse(raw).method == "quota"
+    assert StragglerSchedule.parse(raw, method="sleep").method == "sleep"
+
+
+def test_compute_clock_applies_the_quota_at_step_start_and_emulates_nothing():
+    from malleus_ds.clock import ComputeClock
+
+    q = FakeQuota()
+    sched = StragglerSchedule.parse([{"rank": 0, "rate": 4.0, "start_step": 1}], method="quota")
+    clock = ComputeClock(Straggler(sched, 0, quota=lambda: q, reason=lambda: None))
+    for k in range(3):
+        clock.start_step(k)
+        clock.add(0.25)
+        assert clock.emulated_s == 0.0 and clock.compute_s == 0.25
+    assert q.rates == [4.0]

@@ -38,7 +38,7 @@ from .plan import Plan, PlanError
 from .problem import Problem
 from .replan import (Decision, decide, device_memory_mb, fit_running_plan, job_problem,
                      memory_model)
-from .straggler import (DetectConfig, Detector, RateEstimator, as_list, cost_units,
+from .straggler import (DetectConfig, Detector, RateEstimator, as_list, cost_shape, cost_units,
                         ideal_slowdown, probe_reference)
 
 #: staging buffers of a switch, in units of ``malleus.migrate_bucket_mb``: a round's bytes in
@@ -215,6 +215,7 @@ class Controller:
         # the last stage's output head, in layers: without it a healthy last stage reads slow
         self.head = head_layers(engine.param_table, engine.seq_len, engine.model_cfg.hidden_size)
         self.units = cost_units(plan, self.world, self.tp, self.slowdown, self.head)
+        self.shape = tuple(cost_shape(plan, self.world).T)     # per-micro-batch terms, fitted
         self.probe_ref = probe_reference(self.units)
         self.measured = np.full(self.world, np.nan)
         self.step_times: deque[float] = deque(maxlen=max(3, settings.detect.window))
@@ -295,7 +296,7 @@ class Controller:
         if self._skip:          # the first step of a run or of a plan: allocation, first touch
             self._skip -= 1
             return
-        self.est.add(comp, self.units, probe)
+        self.est.add(comp, self.units, probe, shape=self.shape)
         self.measured = self.est.rates()
         self._seen += 1
         if self._seen < self.s.detect.window:    # a full window before the first detection
@@ -349,6 +350,7 @@ class Controller:
             self.tp, self._problem = tp, None
             self.slowdown = self._slowdown(tp)
         self.units = cost_units(plan, self.world, self.tp, self.slowdown, self.head)
+        self.shape = tuple(cost_shape(plan, self.world).T)
         self.probe_ref = probe_reference(self.units)
         self.step_times.clear()
         self._skip = 1

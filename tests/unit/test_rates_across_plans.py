@@ -1,0 +1,64 @@
+"""Rates that do not depend on the plan (malleus_ds/straggler.py), on synthetic traces.
+
+A rank's real compute per step is not ``layers x micro-batches`` alone: every micro-batch pays a
+fixed cost (launches, the activation hand-off, Python), the first stage pays the embedding and
+the last the head and loss. On 8 ranks the traces below switch among random plans (layers,
+micro-batches, TP group size and stage position all change) while rank 5 stays 3x slow and the
+host's speed drifts step to step. The true compute of rank d at step k is
+``x_d * kappa_k * (A_d + beta * B_d + gamma * C_d) * noise`` with ``A`` the modelled work
+(``cost_units``), ``B`` its first-stage micro-batches and ``C`` its micro-batches
+(``cost_shape``); ``beta`` and ``gamma`` are unknown to the estimator. Required: every working
+rank's rate within 10% of its true rate in every plan, once the window has refilled.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from malleus_ds.plan import Plan
+from malleus_ds.straggler import RateEstimator, cost_shape, cost_units, ideal_slowdown
+from tests.dist.test_malleus_cases import random_plan
+
+WORLD, TP, L, HEAD = 8, 4, 8, 0.3
+
+
+def _plans(seed: int, n: int) -> list[Plan]:
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        p = Plan.from_json(random_plan(rng, WORLD, L=L, G=12))
+        if not p.suspended:                      # every rank works (compute-measured)
+            out.append(p)
+    return out
+
+
+def _trace(plans, beta, gamma, seed, steps_per_plan=12, slow=(5, 3.0), noise=0.05):
+    rng = np.random.default_rng(seed)
+    est = RateEstimator(WORLD, window=5)
+    true = np.ones(WORLD)
+    true[slow[0]] = slow[1]
+    worst = []
+    for p in plans:
+        units = cost_units(p, WORLD, TP, ideal_slowdown(TP), HEAD)
+        B, C = cost_shape(p, WORLD).T
+        for k in range(steps_per_plan):
+            kappa = rng.uniform(0.7, 1.4)                         # the host's speed this step
+            c = true * kappa * (units + beta * B + gamma * C) * rng.uniform(1 - noise, 1 + noise,
+                                                                          WORLD) * 0.01
+            est.add(c, units, shape=(B, C))
+            if k >= 7:
+                r = est.rates()
+                worst.append(float(np.max(np.abs(r / true - 1))))
+    return max(worst)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rates_stay_within_10_percent_across_plans(seed):
+    plans = _plans(seed, 6)
+    assert _trace(plans, beta=1.5, gamma=0.8, seed=seed) <= 0.10
+
+
+def test_without_fixed_costs_the_rates_are_exact_to_the_noise():
+    assert _trace(_plans(11, 4), beta=0.0, gamma=0.0, seed=11, noise=0.0) <= 1e-6

@@ -71,7 +71,8 @@ from .plan_check import check_job_plan
 from .runtime import PlanRuntime, StageSpec, build_runtime, build_stage, locate
 from .precision import Precision
 from .state import EngineState
-from .settings import MalleusSettings, as_plan, base_ds_config, load_config, optimizer_settings
+from .settings import (MalleusSettings, as_plan, base_ds_config, check_unsupported,
+                       load_config, optimizer_settings)
 from .schedule import Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad
 from .wire import wire_calls
 
@@ -125,6 +126,7 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
     def build_settings(user_cfg: dict) -> MalleusSettings:
         """The ``malleus`` section plus the precision from ``fp16`` / ``bf16`` / ``data_types``;
         pure, so a bad config raises the same error on every rank before any collective."""
+        check_unsupported(user_cfg)
         s = MalleusSettings.from_config(user_cfg.get("malleus"))
         return replace(s, precision=Precision.from_config(user_cfg))
 

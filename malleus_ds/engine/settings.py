@@ -176,6 +176,21 @@ def optimizer_settings(user_cfg: dict):
     return zero, lambda ps: make_optimizer(ps, oc, fused=fused)
 
 
+def check_unsupported(user_cfg: dict) -> None:
+    """Stock ds_config sections MalleusEngine cannot honour, refused by name (pure: the same
+    error on every rank before any collective). ``tensor_parallel.autotp_size > 1`` would make
+    DeepSpeed build its own TP mesh and replace our plan-aware ``mpu`` (the plan sets TP here:
+    ``malleus.plan`` / ``malleus.tp``)."""
+    tp = user_cfg.get("tensor_parallel")
+    if isinstance(tp, dict):
+        size = tp.get("autotp_size", tp.get("tp_size", 1))
+        if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 1:
+            key = "autotp_size" if "autotp_size" in tp else "tp_size"
+            raise ValueError(f"ds_config.tensor_parallel.{key}={size}: MalleusEngine sets tensor "
+                             f"parallelism from its plan (each stage's TP group; "
+                             f"malleus.plan / malleus.tp); drop the tensor_parallel section")
+
+
 def base_ds_config(user_cfg: dict, plan: Plan, loc) -> dict:
     """The config the base engine gets: batch sizes of this rank's pipeline (DP world = 1), and
     no optimizer / ZeRO / precision section (this subclass builds those; see the module

@@ -107,3 +107,11 @@ def test_dynamic_loss_scaler_from_config_skips_lowers_and_raises(monkeypatch):
     load_scaler_state(t, st)
     assert scaler_state(t) == st and t.cur_scale == 4
     assert scaler_state(None) is None
+
+
+def test_deepspeed_autotp_is_refused_by_name():
+    from malleus_ds.engine.engine import MalleusEngine
+
+    with pytest.raises(ValueError, match=r"ds_config.tensor_parallel.autotp_size=2: MalleusEngine"):
+        MalleusEngine.build_settings({"tensor_parallel": {"autotp_size": 2}})
+    MalleusEngine.build_settings({"tensor_parallel": {"autotp_size": 1}})     # a no-op: fine

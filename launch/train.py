@@ -39,6 +39,16 @@ _CONFIG_ERROR_GRACE_S = 3.0  # a rank with a config error waits this long before
 _STOP_GRACE_S = 120.0  # after SIGTERM/SIGINT, ranks get this long to checkpoint and exit
 
 
+
+def _line(msg: str) -> None:
+    """One line to stderr in ONE write: ranks failing at the same moment (they agree on a
+    failure and raise together) must not interleave their lines (``print`` writes the text and
+    the newline separately)."""
+    sys.stderr.flush()
+    data = (msg + "\n").encode(errors="replace")
+    while data:
+        data = data[os.write(2, data):]
+
 def strip_local_rank(argv: list[str]) -> list[str]:
     """Remove ``--local_rank=K`` / ``--local-rank K`` (deepspeed launcher, torch.distributed.launch)
     from ``argv``; export K as ``LOCAL_RANK`` if the launcher did not."""
@@ -235,7 +245,7 @@ def main() -> None:
             summary = execute(rc, env)
         except Stopped as e:            # SIGTERM / SIGINT: every rank stopped together
             if env.is_rank0:
-                print(f"[malleus_ds] {e}", file=sys.stderr, flush=True)
+                _line(f"[malleus_ds] {e}")
             # under this app's own launcher the wrapper reports the signal: a clean exit here
             # keeps torchrun from printing a failure report for a stop that was asked for. When
             # the launcher died, whoever started it is gone too: a non-zero status would only
@@ -244,7 +254,7 @@ def main() -> None:
             quiet = os.environ.get("MALLEUS_DS_WRAPPED") or e.signum == LAUNCHER_GONE
             sys.exit(0 if quiet else e.exit_code)
         except ConfigError as e:
-            print(f"[malleus_ds] config error (rank {env.rank}): {e}", file=sys.stderr, flush=True)
+            _line(f"[malleus_ds] config error (rank {env.rank}): {e}")
             if env.world_size > 1:
                 # torchrun stops the other ranks as soon as one exits; the checks are the same
                 # everywhere, so linger a moment and let every rank print its own message
@@ -254,7 +264,7 @@ def main() -> None:
             sys.exit(2)
         except MigrationError as e:     # a plan switch failed; every rank raises it (agreed)
             # one line, and the watchdog's status: the job ends for a restart from a checkpoint
-            print(f"[malleus_ds] {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+            _line(f"[malleus_ds] {' '.join(str(e).split())}")
             sys.exit(HANG_EXIT_CODE)
         if env.is_rank0:
             print(format_summary(rc, summary), flush=True)

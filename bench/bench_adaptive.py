@@ -19,6 +19,14 @@ healthy; 0 re-plans in the healthy run. ``--rounds 2`` runs the five twice, inte
 reports the median per run (these machines are noisy).
 
     python bench/bench_adaptive.py                 # ~4 min on 2 CPU cores
+    python bench/bench_adaptive.py --real          # the straggler is a real CPU quota
+
+``--real``: the slow rank is capped by a cgroup CPU quota (``straggler.method=quota``,
+``malleus_ds/cpu_quota.py``) instead of sleeping; on 4 ranks sharing 2 cores a quota of rate r
+slows a rank by about r/2 (its healthy share was half a core), so the oracle is told the
+calibrated slowdown (``cpu_quota.calibrate`` with 3 busy processes), not r. Every run also prints
+its what-if account (``malleus_ds/whatif.py``): what the stragglers would have cost a static job,
+what this run lost, and the bound.
 """
 from __future__ import annotations
 
@@ -51,7 +59,8 @@ def oracle_plan(a, out: Path) -> Path:
     cur = static_plan(4, 16, 2, 1, 1, 4)
     m = model_config("tiny", num_layers=4, hidden_size=256, num_heads=4, max_seq_len=128)  # MODEL
     head = head_layers(param_table(m), 128, 256)      # as the adaptive loop costs the head
-    pr = job_problem(cur, 4, 4, 1, {1: 1.0}, None, head).with_rates({3: a.rate}, current_plan=cur)
+    pr = job_problem(cur, 4, 4, 1, {1: 1.0}, None, head).with_rates({3: a.true_rate},
+                                                                     current_plan=cur)
     p = out / "oracle_plan.json"
     plan(pr, seed=0).plan.save(p)
     return p
@@ -63,6 +72,8 @@ def run(name: str, a, out: Path, oracle: Path) -> Path:
         f"[{{rank:3,rate:{a.rate},start_step:{a.onset},end_step:{a.recover}}}]"
     over = [*MODEL, f"train.steps={a.steps}", "train.warmup_steps=2", "progress=false",
             f"straggler.schedule={sched}", f"hydra.run.dir={d}"]
+    if a.real:
+        over += ["straggler.method=quota"]
     if name == "deepspeed":
         over += ["engine=deepspeed", "deepspeed=zero1"]
     else:
@@ -111,8 +122,19 @@ def main() -> int:
     ap.add_argument("--only", default=None,
                     help="comma-separated subset of runs (iterating; the checks need all five)")
     ap.add_argument("--out", default=None, help="folder for the runs (default: a temp dir)")
+    ap.add_argument("--real", action="store_true",
+                    help="slow the rank with a cgroup CPU quota instead of sleeping")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     a = ap.parse_args()
+    a.true_rate = a.rate
+    if a.real:
+        from malleus_ds import cpu_quota
+        reason = cpu_quota.unavailable_reason()
+        if reason:
+            raise SystemExit(f"--real: no CPU quota on this machine: {reason}")
+        a.true_rate = cpu_quota.calibrate(rates=(a.rate,), busy=3, out=lambda *x: None)[a.rate]
+        print(f"--real: a quota of rate {a.rate:g} measured {a.true_rate:.2f}x with 3 busy "
+              f"processes (what the oracle plans for)", flush=True)
     out = Path(a.out or tempfile.mkdtemp(prefix="bench_adaptive_"))
     out.mkdir(parents=True, exist_ok=True)
     oracle = oracle_plan(a, out)
@@ -136,6 +158,11 @@ def main() -> int:
                 "migrate_s": [round(e["seconds"], 3) for e in ev if e["event"] == "migrate"],
                 "dir": str(d)})
             print(f"round {k} {n:9s} done: {json.dumps(res[n][-1])}", flush=True)
+            try:
+                from malleus_ds.whatif import account_of_run, closing_line
+                print(f"  what-if, {n}: {closing_line(account_of_run(d, 2))}", flush=True)
+            except Exception as e:      # noqa: BLE001 - the account is a report, not a check
+                print(f"  what-if, {n}: not available ({e})", flush=True)
 
     def med(n, k):
         return statistics.median(r[k] for r in res[n])
@@ -145,7 +172,8 @@ def main() -> int:
             print(f"  {n:10s} straggler {med(n, 'straggler'):.1f}, after {med(n, 'after'):.1f}")
         return 0
 
-    print(f"\n4 CPU ranks, rank 3 at rate {a.rate:g} during steps [{a.onset}, {a.recover}), "
+    how = f"a CPU quota, measured {a.true_rate:.2f}x" if a.real else "emulated"
+    print(f"\n4 CPU ranks, rank 3 at rate {a.rate:g} ({how}) during steps [{a.onset}, {a.recover}), "
           f"{a.steps} steps, {a.rounds} round(s); samples/s (migrations included)")
     print(f"  {'run':10s} {'healthy':>9s} {'straggler':>10s} {'after':>9s} {'re-plans':>9s}")
     for n in names:

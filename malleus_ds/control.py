@@ -227,6 +227,7 @@ class Controller:
         self._problem: Problem | None = None
         self._first_plan = plan            # the user's layout: the problem's static baseline
         self._probe_block = None
+        self._probe_s = 0.0               # timed after the last all-reduce, reported in the next
         self._skip, self._seen = 1, 0     # steps to leave out; steps measured so far
         self.disabled_reason: str | None = None
         self._client: PlannerClient | None = None
@@ -248,10 +249,26 @@ class Controller:
             return False
         return self.engine.located is None or self.rank == self.probe_ref
 
+    def probe_after_reduce(self, step: int) -> None:
+        """Right after step ``step``'s all-reduce, when every rank leaves it at once: if a probe
+        is due, time it now; its reading rides in the next step's all-reduce (:meth:`slots`).
+        The ranks without work and the calibrating rank thus probe at the same moment, under
+        the same contention (probing at the end of each rank's own pipeline work, as before,
+        put the idle rank's probe next to busy peers and the reference's next to idle ones: an
+        idle rank read 2-4x slow for good after a real slowdown ended)."""
+        self._probe_s = self.probe(step) if self.probe_due(step) else 0.0
+
+    def take_probe(self) -> float:
+        """The probe seconds measured after the previous step's all-reduce (0.0: none)."""
+        out, self._probe_s = self._probe_s, 0.0
+        return out
+
     def probe(self, step: int) -> float:
         """Seconds of one decoder block's forward + backward on a dummy micro-batch, timed like
         training compute (straggler emulation applies): how a rank without work stays measured.
-        The block is built once (fixed seed, the caller's RNG untouched) and kept."""
+        The block is built once (fixed seed, the caller's RNG untouched) and kept; it runs once
+        untimed first (a device that idled has cold caches and lowered clocks: the reading is of
+        the device, not of its wake-up), then once timed."""
         import torch
 
         e = self.engine
@@ -268,6 +285,7 @@ class Controller:
             x = self._probe_x.detach().requires_grad_()
             cfg.run_block(blk, x, cfg.block_context(x)).float().sum().backward()
 
+        run()                                          # warm-up, untimed
         before = e.clock.compute_s
         e._timed(run)
         for p in blk.parameters():
@@ -281,8 +299,7 @@ class Controller:
         if self.rank == 0:
             self._collect()
             out[0] = 1.0 if self._result is not None else 0.0
-        # the calibration probe of a rank with work is not training compute
-        out[1 + self.rank] = compute_s - (probe_s if self.units[self.rank] > 0 else 0.0)
+        out[1 + self.rank] = compute_s
         out[1 + self.world + self.rank] = probe_s / self.slowdown[self.tp] if probe_s > 0 else 0.0
         return out
 
@@ -354,6 +371,7 @@ class Controller:
         self.probe_ref = probe_reference(self.units)
         self.step_times.clear()
         self._skip = 1
+        self._probe_s = 0.0                  # timed under the old plan
         self._generation += 1
         self._result = None                  # planned against the old plan, never flagged
         if plan.locate(self.rank) is not None and self.rank != self.probe_ref:

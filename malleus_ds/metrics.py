@@ -14,7 +14,7 @@ loop (``control.py``; ``adopted: false`` when the new plan would not repay its m
      "from": "plan-1a2b3c4d", "to": "plan-5e6f7a8b", "planning_s": 0.8,
      "predicted_step_s": [0.40, 0.15], "predicted_migration_s": 0.3, "adopted": true, ...}
     {"event": "migrate", "step": 9, "from": "plan-1a2b3c4d", "to": "plan-5e6f7a8b",
-     "bytes": 1234567, "seconds": 0.08, "peak_extra_bytes": 2345678}
+     "bytes": 1234567, "seconds": 0.08, "peak_extra_bytes": 2345678, "idle": []}
 
 A job the hung-rank watchdog stops (``watchdog.py``; ``hang_timeout_s``) ends with::
 

@@ -294,7 +294,7 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
                 flats = self.grad_sync.reduce()     # fp32 buckets, summed over replicas
         else:
             flats = []
-        probe_s = self.control.probe(step) if self.control.probe_due(step) else 0.0
+        probe_s = self.control.take_probe()     # timed after the last step's all-reduce
         # One world all-reduce: the global-batch loss; with fp16/bf16, the count of non-finite
         # summed-gradient elements (each element is held by at least one rank, and a rank's
         # inf/nan makes its bucket's sum non-finite), so every rank takes the same skip
@@ -313,6 +313,7 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
             summed = red.tolist()            # the step's one read of the all-reduce (waits on GPU)
         loss, overflow = summed[0], summed[1] > 0
         self.control.observe(step, summed[2:])
+        self.control.probe_after_reduce(step)     # every prober at the same moment
         self.optimizer.overflow = overflow
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)   # DeepSpeed's static/dynamic scaler

@@ -62,12 +62,13 @@ class MigrationReport:
     # max over ranks of (state held at the switch's peak) / (state held between steps before it,
     # gradient buffers included): tensor bytes, as CUDA's max_memory_allocated counts them
     peak_ratio: float = 0.0
+    idle: tuple[int, ...] = ()   # ranks without work under the new plan (suspended or unused)
 
     def event(self) -> dict:
         """The ``migrate`` line of metrics.jsonl (DESIGN.md §6)."""
         return {"event": "migrate", "step": self.step, "from": self.from_plan, "to": self.to_plan,
                 "bytes": self.bytes, "seconds": round(self.seconds, 4),
-                "peak_extra_bytes": self.peak_extra_bytes}
+                "peak_extra_bytes": self.peak_extra_bytes, "idle": list(self.idle)}
 
 
 def _runtime_bytes(rt: PlanRuntime, old: PlanRuntime) -> int:
@@ -296,7 +297,8 @@ def switch_plan(engine, new_plan) -> MigrationReport:
                            seconds=vals[0], peak_extra_bytes=int(vals[1]),
                            lower_bound=tplan.lower_bound, transfers=len(tplan.transfers),
                            messages=len(msgs), rounds=len(rds), timing=timing,
-                           direct_ends=int(tot[1]), peak_ratio=round(vals[2], 4))
+                           direct_ends=int(tot[1]), peak_ratio=round(vals[2], 4),
+                           idle=tuple(r for r in range(world) if plan.locate(r) is None))
 
 
 def _carry_schedule(engine, old_sched, old_groups) -> None:

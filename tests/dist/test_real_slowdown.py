@@ -49,3 +49,64 @@ def test_quota_straggler_really_slows_rank_1(tmp_path):
     slowed = statistics.median(r["compute_s"][1] for r in recs[5:])     # step 4: transition
     assert 1.3 <= slowed / healthy <= 4.5, [r["compute_s"] for r in recs]
     assert _leftovers() == []
+
+
+# ------------------------------------------------------------------ the adaptive loop, for real
+
+#: the demo's shape (conf/experiment/demo.yaml: 2 ranks, dp=2, tiny model), straggler by quota:
+#: rank 1 at rate 3 from step 8 (onset: it keeps working with fewer micro-batches), 8 from
+#: step 22 (worsening), healthy from step 36 (recovery)
+ADAPTIVE = ["experiment=demo", "compare=[]", "engine=malleus", "straggler.method=quota",
+            "train.steps=54", "log_every=100"]
+SCHEDULE = ("straggler.schedule=[{rank:1,rate:3.0,start_step:8,end_step:22},"
+            "{rank:1,rate:8.0,start_step:22,end_step:36}]")
+CHANGES = (8, 22, 36)
+
+
+def _run_app(tmp_path, *extra):
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=2", TRAIN, *ADAPTIVE, *extra, f"hydra.run.dir={out}"],
+                       cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = _metrics(out)
+    return [r for r in rows if "event" not in r and "step" in r], [r for r in rows if "event" in r]
+
+
+def test_real_slowdown_onset_worsening_and_recovery_are_followed(tmp_path):
+    """Detection within 8 steps of each change; after each re-plan the measured rate within 25%
+    of the true slowdown (the same work timed alone under the same quota, with the other core
+    busy as the other rank keeps it: ``cpu_quota.calibrate``); the rank gets work back within
+    15 steps of its recovery (suspended or not: the first switch after it gives it work)."""
+    reason = cq.unavailable_reason()
+    if reason:
+        pytest.skip(f"no CPU quota here: {reason}")
+    steps, events = _run_app(tmp_path, SCHEDULE)
+    replans = [e for e in events if e["event"] == "replan" and e.get("adopted")]
+    migrates = [e for e in events if e["event"] == "migrate"]
+    detected = [e.get("detected", e["step"]) for e in replans]
+    for change in CHANGES:
+        hit = [d for d in detected if change < d <= change + 8]
+        assert hit, (f"no adopted re-plan within 8 steps of the change at step {change}: "
+                     f"{[(e['step'], e.get('detected'), e['trigger']) for e in replans]}")
+    # rates: the median measured rate of rank 1 over the steps after the re-plan of each phase
+    true = cq.calibrate(rates=(3.0, 8.0), repeats=3, busy=1, out=lambda *a: None)
+    for (lo, hi), rate in (((8, 22), 3.0), ((22, 36), 8.0)):
+        after = min(d for d in detected if lo < d <= hi)
+        vals = [r["measured_rates"][1] for r in steps
+                if after + 2 <= r["step"] < hi and r.get("measured_rates")
+                and r["measured_rates"][1] is not None]
+        assert vals, (lo, hi)
+        got = statistics.median(vals)
+        assert abs(got / true[rate] - 1) <= 0.25, (rate, got, true, vals)
+    # recovery: rank 1 has work again within 15 steps (the last switch gives it work)
+    last = [m for m in migrates if m["step"] > 36]
+    assert last and 1 not in last[0]["idle"] and last[0]["step"] <= 36 + 15, migrates
+
+
+def test_a_healthy_run_with_the_same_machine_does_not_replan(tmp_path):
+    reason = cq.unavailable_reason()
+    if reason:
+        pytest.skip(f"no CPU quota here: {reason}")
+    steps, events = _run_app(tmp_path, "straggler.schedule=[]", "train.steps=40")
+    assert [e for e in events if e["event"] in ("replan", "migrate")] == [], events

@@ -230,7 +230,8 @@ class RateEstimator:
         one around its best point."""
         if len(self._hist) < 2:
             return
-        c = np.log(np.stack([h[0] for h in self._hist]))          # (K, world)
+        with np.errstate(divide="ignore", invalid="ignore"):   # ranks without work: log 0
+            c = np.log(np.stack([h[0] for h in self._hist]))      # (K, world)
         A = np.stack([h[1] for h in self._hist])
         B = np.stack([h[2] for h in self._hist])
         C = np.stack([h[3] for h in self._hist])

@@ -261,11 +261,8 @@ def test_fifty_switches_grow_neither_groups_nor_memory():
 
 
 def _fault(rank, world, bad):
-    import time
-
     import malleus_ds
     import malleus_ds.migrate.transport as transport
-    from malleus_ds.migrate.transport import MigrationError
     from malleus_ds.plan import Plan
 
     cfg = dict(ds_config(1), malleus={"migrate_timeout_s": 3})
@@ -276,9 +273,20 @@ def _fault(rank, world, bad):
         def boom(r, t):
             raise OSError("injected: NIC went away")
         transport.before_round = boom
+    return failed_switch(eng, Plan.from_json(C), before)
+
+
+def failed_switch(eng, plan, before) -> tuple[str, float, bool, bool]:
+    """Switch ``eng`` to ``plan`` expecting a MigrationError: (its message, seconds until it,
+    whether the engine then refuses to train, whether the parameters still equal ``before``);
+    ("no error", 0.0, False, False) if the switch succeeded."""
+    import time
+
+    from malleus_ds.migrate.transport import MigrationError
+
     t0 = time.perf_counter()
     try:
-        eng.switch_plan(Plan.from_json(C))
+        eng.switch_plan(plan)
         return "no error", 0.0, False, False
     except MigrationError as e:
         msg = str(e)

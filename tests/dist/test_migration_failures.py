@@ -18,7 +18,7 @@ from pathlib import Path
 from tests.dist.harness import Died, run_distributed
 from tests.dist.test_malleus_cases import CFG, ds_config
 from tests.dist.test_malleus_equivalence import HETERO
-from tests.dist.test_malleus_switch import C
+from tests.dist.test_malleus_switch import C, failed_switch
 
 TIMEOUT_S = 6                       # malleus.migrate_timeout_s (a loaded CI machine needs slack)
 DEADLINE_S = 2 * TIMEOUT_S + 10     # the switch's agreement deadline (engine/switch.py)
@@ -36,7 +36,6 @@ def _fail(rank, world, bad, how):
     import malleus_ds
     import malleus_ds.engine.switch as switch
     import malleus_ds.migrate.transport as transport
-    from malleus_ds.migrate.transport import MigrationError
     from malleus_ds.plan import Plan
 
     # tiny buckets: many rounds, so the failure lands in the middle of the transfer
@@ -70,20 +69,7 @@ def _fail(rank, world, bad, how):
         return agreed["failure"]
 
     switch._agree_failed = spy
-    t0 = time.perf_counter()
-    try:
-        eng.switch_plan(Plan.from_json(C))
-        return "no error", 0.0, False, False, used, agreed
-    except MigrationError as e:
-        msg = str(e)
-    took = time.perf_counter() - t0
-    try:
-        eng.train_batch()
-        refused = False
-    except MigrationError:
-        refused = True
-    kept = all((p.detach() == before[n]).all() for n, p in eng.named.items())
-    return msg, took, refused, kept, used, agreed
+    return (*failed_switch(eng, Plan.from_json(C), before), used, agreed)
 
 
 def _check_survivors(res):

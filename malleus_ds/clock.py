@@ -56,8 +56,12 @@ class ComputeClock:
         HEARTBEAT.beat("step start", step)
 
     def _emulating(self, step: int) -> bool:
+        """Does the sleep emulation slow this rank at ``step`` (it needs synchronised spans to
+        sleep in proportion to them)? A CPU quota (``method=quota``) slows the process itself:
+        CUDA events time it like a real slow GPU."""
         st = self.straggler
-        return st is not None and st.schedule.rate(st.rank, step) > 1.0
+        return (st is not None and getattr(st.schedule, "method", "sleep") == "sleep"
+                and st.schedule.rate(st.rank, step) > 1.0)
 
     @property
     def events(self) -> bool:

@@ -162,3 +162,18 @@ def test_a_slow_tp_peer_is_not_counted_as_my_compute(gpu_events, monkeypatch, re
         assert c.compute_s == pytest.approx(2.0)
     finally:
         tpm.set_comm_context(None)
+
+
+def test_a_quota_step_keeps_cuda_events(monkeypatch):
+    """method=quota slows the process itself (no sleep): nothing to synchronise for."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("synchronised"))
+    from malleus_ds.emulation import RawSchedule
+
+    sched = StragglerSchedule.parse(RawSchedule([{"rank": 0, "rate": 3.0}], method="quota"), 1)
+    st = Straggler.__new__(Straggler)
+    st.schedule, st.rank = sched, 0
+    c = ComputeClock(st, cuda=True)
+    monkeypatch.setattr(c.straggler, "at_step", lambda step: None, raising=False)
+    c.start_step(0)
+    assert c.events

@@ -74,7 +74,7 @@ class AdaptiveSettings:
     planner_time_limit_s: float | None = None   # None: the planner's automatic budget
     min_improvement: float = 0.05        # the planner keeps the running plan unless this much faster
     migrate_gbps: float = 1.0            # bandwidth assumed before the first migration is measured
-    tp_slowdown: Mapping[int, float] | None = None   # tp/g -> slowdown; None: ideal (tp/g)
+    tp_slowdown: Mapping[int, float] | str = "measure"   # tp/g -> slowdown, "measure" or "ideal"
     device_mb: float | None = None       # memory per device for the planner; None: detected
 
     @staticmethod
@@ -117,8 +117,15 @@ class AdaptiveSettings:
                     "a number > 0 (or null: auto)", optional=True)
         mi = number(sec, "min_improvement", 0.05, lambda v: 0 <= v < 1, "a number in [0, 1)")
         bw = number(sec, "migrate_gbps", 1.0, lambda v: v > 0, "a number > 0 (GB/s)")
-        sd = sec.get("tp_slowdown")
-        if sd is not None:
+        sd = sec.get("tp_slowdown", "measure")
+        if sd is None:
+            sd = "measure"
+        if isinstance(sd, str):
+            if sd not in ("measure", "ideal"):
+                raise ValueError(f"{p}.tp_slowdown={sd!r} must be \"measure\" (time the layer's "
+                                 f"TP shards at start-up), \"ideal\" (tp/g) or a map tp/g -> "
+                                 f"slowdown")
+        else:
             if not isinstance(sd, Mapping):
                 raise ValueError(f"{p}.tp_slowdown must map tp/g to a slowdown, got {sd!r}")
             try:
@@ -209,6 +216,11 @@ class Controller:
         plan = engine.plan
         sizes = [st.tp for p in plan.pipelines for st in p.stages] or [1]
         self.tp = engine.settings.tp or math.lcm(*sizes)
+        self.tp_measured: dict[int, float] | None = None    # tp_cost.measure at start-up
+        if settings.tp_slowdown == "measure" and self.tp > 1:
+            from .engine.tp_cost import measure     # a collective: every rank builds a Controller
+            self.tp_measured = measure(engine.model_cfg, self.tp, plan.micro_batch_size,
+                                       engine.seq_len, engine.device, engine.act_dtype)
         self.slowdown = self._slowdown(self.tp)
         self.est = RateEstimator(self.world, settings.detect.window)
         self.det = Detector(self.world, settings.detect) if self.rank == 0 else None
@@ -235,9 +247,23 @@ class Controller:
             self._client = PlannerClient()   # imports the planner while the engine warms up
 
     def _slowdown(self, tp: int) -> dict[int, float]:
-        """tp/g -> slowdown: the user's ``tp_slowdown`` where given, else ideal (tp/g)."""
-        user = self.s.tp_slowdown or {}
-        return {k: float(user.get(k, v)) for k, v in ideal_slowdown(tp).items()}
+        """tp/g -> slowdown: the user's ``tp_slowdown`` map where given, else the table measured
+        at start-up (``engine/tp_cost.py``) for this ``tp``, else ideal (tp/g)."""
+        ideal = ideal_slowdown(tp)
+        sd = self.s.tp_slowdown
+        if isinstance(sd, Mapping):
+            return {k: float(sd.get(k, v)) for k, v in ideal.items()}
+        if self.tp_measured is not None and set(self.tp_measured) == set(ideal) and tp == self.tp:
+            return dict(self.tp_measured)
+        return ideal
+
+    def tp_cost_event(self) -> dict | None:
+        """The ``tp_slowdown`` metrics event (the table measured at start-up), or None."""
+        if self.tp_measured is None:
+            return None
+        return {"event": "tp_slowdown", "step": int(self.engine.global_steps), "tp": self.tp,
+                "table": {str(k): round(v, 4) for k, v in sorted(self.tp_measured.items())},
+                "ideal": {str(k): float(v) for k, v in sorted(ideal_slowdown(self.tp).items())}}
 
     # -- hooks inside a step ------------------------------------------------------------------
 

@@ -22,7 +22,9 @@ A job the hung-rank watchdog stops (``watchdog.py``; ``hang_timeout_s``) ends wi
      "stalled_s": 21.0}], "waiting": [{"rank": 0, ...}], "reason": "...", "hang_timeout_s": 20}
 
 and a checkpoint save is an event line too (``{"event": "checkpoint", "step", "path",
-"seconds"}``). engine=malleus step lines carry ``"plan"``, the id of the plan that ran the step, and
+"seconds"}``), as is the TP slowdown measured at start-up when a plan has TP groups
+(``engine/tp_cost.py``; ``{"event": "tp_slowdown", "step", "tp", "table": {"1": 1.0, "2": 1.6},
+"ideal": {"1": 1.0, "2": 2.0}}``). engine=malleus step lines carry ``"plan"``, the id of the plan that ran the step, and
 ``"measured_rates"``, each rank's smoothed measured rate (``straggler.py``; null until measured).
 
 ``compute_s[d]`` is rank ``d``'s forward+backward seconds in that step *including* its emulated

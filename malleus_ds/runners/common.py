@@ -208,6 +208,10 @@ def format_summary(cfg: RunConfig, s: RunSummary) -> str:
     if s.extra.get("nothing_to_run"):
         lines.append(f"  nothing to run: the checkpoint is at step {resumed['step']} and "
                      f"train.steps={cfg.train.steps}; raise train.steps to train further")
+    sd = s.extra.get("tp_slowdown")
+    if sd:
+        lines.append("  TP slowdown measured at start-up (tp/g -> x one full-TP layer): "
+                     + ", ".join(f"{k} -> {v:.2f}" for k, v in sd.items()))
     if s.phases:
         lines.append("  throughput by phase (warm-up and transition steps left out):")
         lines.append(format_phases(s.phases))

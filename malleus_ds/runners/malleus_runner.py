@@ -154,6 +154,9 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     clock = ComputeClock(cfg, env)
     reporter = StepReporter(cfg, env, first_step=ck.start, monitor=engine.monitor)
     engine.set_compute_clock(clock)                     # timing + straggler emulation
+    tp_cost = engine.control.tp_cost_event()            # the TP slowdown measured at start-up
+    if tp_cost is not None and ck.start < cfg.train.steps:
+        reporter.note(tp_cost)
     for step in range(ck.start, cfg.train.steps):
         engine.apply_scheduled_switch()     # re-plans and switches, timed apart from the step
         for ev in engine.take_events():
@@ -167,5 +170,6 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     ck.finish(cfg.train.steps, write, reporter)
     engine.control.close()
     skipped = [sw.step for sw in engine.settings.switch if sw.step < ck.start]  # and ds_config's
-    extra = dict(ck.summary(), **({"skipped_switches": skipped} if skipped else {}))
+    extra = dict(ck.summary(), **({"skipped_switches": skipped} if skipped else {}),
+                 **({"tp_slowdown": tp_cost["table"]} if tp_cost else {}))
     return reporter.finish(plan=plan.to_json(), final_plan=engine.plan.to_json(), **extra)

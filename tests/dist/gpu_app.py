@@ -20,7 +20,8 @@ def run_app_on_cuda(out: Path, nproc: int, overrides: list[str]) -> list[float]:
                         "progress=false", f"hydra.run.dir={out}", *overrides],
                        env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    return [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "event" not in r]
 
 
 def reference_losses() -> list[float]:

@@ -36,7 +36,9 @@ def test_plan_file_runs_and_matches_reference(tmp_path):
                       f"hydra.run.dir={out}",
                       "straggler.schedule=[{rank:1,rate:3.0,start_step:2,end_step:100}]"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in rows if "event" not in r]
+    assert [r["event"] for r in rows if "event" in r] == ["tp_slowdown"]   # a TP=2 stage
     assert [r["samples"] for r in recs] == [8] * 4 and all(len(r["compute_s"]) == 4 for r in recs)
     # rank 1 (TP=2 stage with rank 2) is slowed from step 2 on; nobody else sleeps
     assert recs[1]["emulated_s"] == [0.0] * 4 and recs[3]["emulated_s"][1] > 0
@@ -62,7 +64,14 @@ def test_static_plan_with_tp2_dp2(tmp_path):
     p = _torchrun(4, ["plan=static", "parallel.tp=2", "parallel.dp=2", "train.steps=3",
                       f"hydra.run.dir={out}"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in rows if "event" not in r]
+    # the TP slowdown measured at start-up (engine/tp_cost.py): one event, one summary line
+    sd = [r for r in rows if r.get("event") == "tp_slowdown"]
+    assert len(sd) == 1 and sd[0]["tp"] == 2 and sd[0]["ideal"] == {"1": 1.0, "2": 2.0}
+    assert set(sd[0]["table"]) == {"1", "2"} and sd[0]["table"]["1"] == 1.0
+    assert sd[0]["table"]["2"] >= 1.0
+    assert "TP slowdown measured at start-up" in p.stdout, p.stdout[-2000:]
     from malleus_ds.models import model_config
     from malleus_ds.reference import reference_run
     ref, _ = reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=3,
@@ -84,7 +93,7 @@ def test_scripted_switches_from_the_command_line(tmp_path):
                       f"malleus.switch=[{{step:2,plan:{pb}}},{{step:4,plan:{pc}}}]"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    events = [r for r in rows if "event" in r]
+    events = [r for r in rows if r.get("event") in ("replan", "migrate")]
     steps = [r for r in rows if "event" not in r]
     assert [(e["event"], e["step"]) for e in events] == [("migrate", 2), ("migrate", 4)]
     assert all(e["bytes"] > 0 and e["seconds"] > 0 and e["peak_extra_bytes"] > 0 for e in events)

@@ -17,6 +17,7 @@ import random
 import numpy as np
 import pytest
 
+from malleus_ds.engine.tp_cost import slowdown_table
 from malleus_ds.plan import Plan
 from malleus_ds.straggler import RateEstimator, cost_shape, cost_units, ideal_slowdown
 from tests.dist.test_malleus_cases import random_plan
@@ -34,19 +35,23 @@ def _plans(seed: int, n: int) -> list[Plan]:
     return out
 
 
-def _trace(plans, beta, gamma, seed, steps_per_plan=12, slow=(5, 3.0), noise=0.05):
+def _trace(plans, beta, gamma, seed, steps_per_plan=12, slow=(5, 3.0), noise=0.05,
+           true_sd=None, known_sd=None):
+    """``true_sd``: the TP slowdown the hardware has (default ideal); ``known_sd``: the table
+    the estimator is given (default ideal)."""
     rng = np.random.default_rng(seed)
     est = RateEstimator(WORLD, window=5)
     true = np.ones(WORLD)
     true[slow[0]] = slow[1]
     worst = []
     for p in plans:
-        units = cost_units(p, WORLD, TP, ideal_slowdown(TP), HEAD)
+        units = cost_units(p, WORLD, TP, known_sd or ideal_slowdown(TP), HEAD)
+        work = cost_units(p, WORLD, TP, true_sd or ideal_slowdown(TP), HEAD)
         B, C = cost_shape(p, WORLD).T
         for k in range(steps_per_plan):
             kappa = rng.uniform(0.7, 1.4)                         # the host's speed this step
-            c = true * kappa * (units + beta * B + gamma * C) * rng.uniform(1 - noise, 1 + noise,
-                                                                          WORLD) * 0.01
+            c = true * kappa * (work + beta * B + gamma * C) * rng.uniform(1 - noise, 1 + noise,
+                                                                         WORLD) * 0.01
             est.add(c, units, shape=(B, C))
             if k >= 7:
                 r = est.rates()
@@ -62,3 +67,30 @@ def test_rates_stay_within_10_percent_across_plans(seed):
 
 def test_without_fixed_costs_the_rates_are_exact_to_the_noise():
     assert _trace(_plans(11, 4), beta=0.0, gamma=0.0, seed=11, noise=0.0) <= 1e-6
+
+
+def _tp_plans(seed: int, n: int) -> list[Plan]:
+    """Random plans in which TP group sizes differ (the TP slowdown decides the rates)."""
+    out = []
+    for p in _plans(seed, 40):
+        if len({st.tp for q in p.pipelines for st in q.stages}) > 1:
+            out.append(p)
+    assert len(out) >= n, "too few random plans with mixed TP sizes"
+    return out[:n]
+
+
+#: a TP slowdown far from ideal, as the tiny CPU model measures (tp/g -> slowdown)
+TRUE_SD = {1: 1.0, 2: 1.6, 4: 2.4}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_measured_tp_slowdown_keeps_rates_within_10_percent(seed):
+    """The table ``tp_cost`` measures (times per group size: a quarter shard 1 ms, ...) gives
+    plan-independent rates when TP groups change size; the ideal table tp/g does not."""
+    times = {TP // k: 1e-3 * v for k, v in TRUE_SD.items()}        # group size -> seconds
+    measured = slowdown_table(times, TP)
+    assert measured == pytest.approx(TRUE_SD)
+    plans = _tp_plans(seed, 6)
+    assert _trace(plans, beta=1.5, gamma=0.8, seed=seed, true_sd=TRUE_SD,
+                  known_sd=measured) <= 0.10
+    assert _trace(plans, beta=1.5, gamma=0.8, seed=seed, true_sd=TRUE_SD) > 0.10

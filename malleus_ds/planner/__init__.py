@@ -17,11 +17,13 @@ config=PlannerConfig(min_improvement=0.05))`` keeps ``cur`` unless a plan is 5% 
 Levels: :mod:`.grouping` (per-node TP groups, suspension), :mod:`.templates` (layout space and
 genome), :mod:`.partition` (exact layers per stage, memory-aware), :mod:`.batch` (exact
 micro-batches per pipeline), :mod:`.placement` (concrete ranks, least migration),
-:mod:`.search` (seeds, pymoo GA, polish), :mod:`.baselines` (static, data-only, drop).
+:mod:`.search` (the entry point: seeds, polish), :mod:`.genetic` (the pymoo GA),
+:mod:`.config` (``PlannerConfig``), :mod:`.baselines` (static, data-only, drop).
 """
 from .baselines import all_baselines, data_only, drop, static
 from .placement import moved_units
-from .search import ParetoPoint, PlannerConfig, PlanResult, auto_time_limit, plan
+from .config import PlannerConfig
+from .search import ParetoPoint, PlanResult, auto_time_limit, plan
 
 __all__ = ["plan", "PlanResult", "PlannerConfig", "ParetoPoint", "auto_time_limit",
            "all_baselines", "static", "data_only", "drop", "moved_units"]

@@ -21,7 +21,7 @@ from .placement import build_plan, moved_units
 from .templates import INFEASIBLE, SearchSpace
 
 if TYPE_CHECKING:
-    from .search import PlannerConfig
+    from .config import PlannerConfig
 
 #: relative tolerance under which two step times count as equal (ties go to less state moved)
 REL_TIE = 1e-9

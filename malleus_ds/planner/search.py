@@ -24,26 +24,11 @@ from ..plan import Plan, PlanError
 from ..problem import Problem
 from .baselines import all_baselines
 from .batch import FixedPipeline, split_batches
+from .config import PlannerConfig
 from .genetic import REL_TIE, ParetoPoint, genetic_search
 from .placement import moved_units, units_to_mb
 from .templates import SearchSpace
 
-
-
-@dataclass(frozen=True)
-class PlannerConfig:
-    """Search settings (all optional)."""
-
-    seed: int = 0                       # seeds pymoo's random generator
-    time_limit: float | None = None     # seconds for the whole call; None = auto (see below)
-    pop_size: int = 32                  # GA population
-    max_generations: int = 60           # GA generations at most
-    patience: int = 12                  # stop after this many generations without improvement
-    multi_objective: bool = False       # NSGA-II on (step time, state moved) -> Pareto set
-    polish_evals: int = 3000            # coordinate-descent evaluations after the GA (0 = off)
-    num_pipelines: int | None = None    # fix the number of pipelines (Malleus: dp); None = search
-    min_improvement: float = 0.0        # keep current_plan unless the best plan is this much
-                                        #   faster (relative, e.g. 0.05 = 5%): migration costs
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ def _stock_engine(layout, cfg, G, mbs, seed):
 
     from malleus_ds.models import build_model
     from malleus_ds.models.llama import EMBED, HEAD, lm_loss
-    from malleus_ds.reference import OptimConfig, make_optimizer
+    from malleus_ds.optim import OptimConfig, make_optimizer
     from malleus_ds.runners.deepspeed_runner import PipeLayer
 
     ds = {"train_batch_size": G, "train_micro_batch_size_per_gpu": mbs,

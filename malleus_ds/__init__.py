@@ -4,7 +4,7 @@ Kept light: importing ``malleus_ds`` imports neither torch nor deepspeed. Names 
 first use:
 
 - ``malleus_ds.initialize(model=..., config=ds_config, plan=...)`` — MalleusEngine, shaped like
-  ``deepspeed.initialize`` (``malleus_ds.engine``);
+  ``deepspeed.initialize`` (``malleus_ds.api``: the shipped byte corpus is the default data);
 - ``malleus_ds.build_run_config`` / ``RunConfig`` — the app's validated run configuration;
 - ``malleus_ds.Plan`` / ``Problem`` / ``static_plan`` — the plan contract (DESIGN.md §3).
 """
@@ -15,7 +15,7 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "initialize": ("malleus_ds.engine", "initialize"),
+    "initialize": ("malleus_ds.api", "initialize"),
     "build_run_config": ("malleus_ds.config", "build_run_config"),
     "RunConfig": ("malleus_ds.config", "RunConfig"),
     "ConfigError": ("malleus_ds.config", "ConfigError"),

@@ -19,7 +19,7 @@ from .data import DATA_KINDS, DataConfig
 from .data.tokens import DTYPES, SUFFIXES, DataError, check_token_file
 from .emulation import StragglerError, StragglerSchedule
 from .models.llama import ModelConfig, model_config
-from .reference import OptimConfig
+from .optim import OptimConfig
 
 
 class ConfigError(ValueError):

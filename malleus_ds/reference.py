@@ -1,53 +1,19 @@
 """The single-process reference: plain PyTorch AdamW on the whole model (DESIGN.md §5).
 
 Every distributed engine is checked against :func:`reference_run` on the same data: the global
-batch of step ``k`` is ``global_batch_ids(k, G)``; each micro-batch's mean loss is scaled by
-``micro_batch_size / global_batch_size`` and gradients are summed, so the step minimises the
-global-batch mean. The logged loss is that global-batch mean.
+batch of step ``k`` is ``global_batch_ids(k, G)`` (``samples.py``); each micro-batch's mean loss
+is scaled by ``micro_batch_size / global_batch_size`` and gradients are summed, so the step
+minimises the global-batch mean. The logged loss is that global-batch mean.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .data import DataConfig, global_batch_ids, make_dataset
+from .data import DataConfig, make_dataset
 from .models import ModelConfig, build_model, lm_loss
 from .models.base import global_named_parameters, global_state_dict, tied_params
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """AdamW settings shared by every engine (torch.optim.AdamW semantics)."""
-
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-
-def make_optimizer(params, oc: OptimConfig, fused: bool = False) -> torch.optim.AdamW:
-    """torch AdamW, multi-tensor (``foreach``) by default: one kernel per operation over all of
-    the parameters instead of one per parameter, with per-element math identical to the
-    single-tensor loop (checked bit for bit in tests/unit/test_optimizer_math.py), so any subset
-    of the parameters a rank holds gets the same numbers as one process. ``fused``: torch's fused
-    kernel (the ds_config's ``optimizer.params.fused``), where torch has one for the parameters'
-    device (CUDA, CPU); its rounding differs from the loop by about one ulp per step."""
-    params = list(params)
-    kw = dict(lr=oc.lr, betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay)
-    if fused and params and params[0].device.type in FUSED_DEVICES:
-        return torch.optim.AdamW(params, fused=True, **kw)
-    return torch.optim.AdamW(params, foreach=True, **kw)
-
-
-#: device types with a fused AdamW kernel in torch
-FUSED_DEVICES = ("cuda", "cpu", "xpu", "mps")
-
-
-def micro_batches(step: int, global_batch_size: int, micro_batch_size: int):
-    """Sample-id lists of the micro-batches of ``step``, in global order."""
-    ids = list(global_batch_ids(step, global_batch_size))
-    return [ids[i:i + micro_batch_size] for i in range(0, len(ids), micro_batch_size)]
+from .optim import OptimConfig, make_optimizer
+from .samples import micro_batches
 
 
 def reference_run(cfg: ModelConfig, *, seed: int, steps: int, global_batch_size: int,

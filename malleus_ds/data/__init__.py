@@ -19,8 +19,7 @@ import torch
 
 from .tokens import DataError, TokenDataset
 
-if TYPE_CHECKING:       # the config imports this package: no import back at run time
-    from ..config import RunConfig
+if TYPE_CHECKING:
     from ..models import ModelConfig
 
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
@@ -58,11 +57,6 @@ class ByteCorpus:
         return torch.stack(xs), torch.stack(ys)
 
 
-def global_batch_ids(step: int, global_batch_size: int) -> range:
-    """The sample ids of step ``step`` (0-based): the same list whatever the engine or layout."""
-    return range(step * global_batch_size, (step + 1) * global_batch_size)
-
-
 #: ``data.kind`` values (the ``conf/data/`` options)
 DATA_KINDS = ("bytes", "tokens")
 
@@ -97,7 +91,8 @@ def make_dataset(data: DataConfig, model: "ModelConfig", seed: int):
     raise DataError(f"data.kind={data.kind!r} is not known; choose one of {list(DATA_KINDS)}")
 
 
-def build_dataset(cfg: "RunConfig"):
-    """The run's dataset (``cfg.data``; sample order seeded by ``train.corpus_seed``): the same
-    samples on every rank, engine and layout."""
+def build_dataset(cfg):
+    """The run's dataset: ``cfg`` is the app's ``RunConfig`` (read for ``cfg.data``,
+    ``cfg.model`` and ``train.corpus_seed``, the sample order's seed; not imported here: the
+    config imports this package). The same samples on every rank, engine and layout."""
     return make_dataset(cfg.data, cfg.model, cfg.train.corpus_seed)

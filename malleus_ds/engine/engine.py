@@ -59,8 +59,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import log_dist
 from malleus_ds_kernels.pack import warm_up as warm_up_pack
 
-from ..data import ByteCorpus
-from ..reference import micro_batches
+from ..samples import micro_batches
 from ..models.base import StageModule, param_table, tied_params
 from ..plan import Plan, PlanError
 from ..watchdog import phase
@@ -86,7 +85,10 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
     a whole ``StageModule`` (each rank copies its layers out of it), or a callable
     ``(start, end) -> StageModule``. ``plan``: a ``Plan``, a path, or None to use
     ``config["malleus"]["plan"]``. ``data``: an object with ``batch(ids) -> (inputs, targets)``
-    and ``seq_len``; default ``ByteCorpus(model.max_seq_len, seed)``.
+    and ``seq_len``, or a factory ``(seq_len, seed=) -> such an object`` (called with the model's
+    ``max_seq_len`` and ``malleus.seed``), or None: then every ``train_batch`` needs a
+    ``data_iter``. ``malleus_ds.initialize`` (``malleus_ds/api.py``) passes the shipped byte
+    corpus as the default; the engine itself knows no dataset.
     """
 
     def __init__(self, model, config=None, plan=None, *, data=None, args=None) -> None:
@@ -155,7 +157,9 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
         the first plan's runtime."""
         self.model_cfg, self.settings = cfg, settings
         self.param_table = param_table(cfg)
-        self.data = data if data is not None else ByteCorpus(cfg.max_seq_len, seed=settings.seed)
+        if data is not None and not hasattr(data, "batch") and callable(data):
+            data = data(cfg.max_seq_len, seed=settings.seed)     # a factory, e.g. ByteCorpus
+        self.data = data
         self.seq_len = getattr(self.data, "seq_len", cfg.max_seq_len)
         self.precision = settings.precision
         self.act_dtype = self.precision.dtype
@@ -265,6 +269,10 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
         if getattr(self, "_broken", None):
             from ..migrate.transport import MigrationError
             raise MigrationError(self._broken)
+        if data_iter is None and self.data is None:
+            raise ValueError("MalleusEngine.train_batch: the engine was built without data= and "
+                             "no data_iter was passed; give one (malleus_ds.initialize defaults "
+                             "data to the shipped byte corpus)")
         self.apply_scheduled_switch()
         t_step = time.perf_counter()
         step = self.global_steps if step is None else step

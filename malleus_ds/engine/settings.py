@@ -154,7 +154,7 @@ def check_zero_stage(stage) -> int:
 
 def optimizer_settings(user_cfg: dict):
     """(zero stage, optimizer factory) from the stock ``optimizer`` / ``zero_optimization`` fields."""
-    from ..reference import OptimConfig, make_optimizer
+    from ..optim import OptimConfig, make_optimizer
 
     zero = check_zero_stage((user_cfg.get("zero_optimization") or {}).get("stage", 0))
     sec = user_cfg.get("optimizer") or {}

@@ -170,7 +170,7 @@ def build_engine(cfg: RunConfig, env: DistEnv):
     import deepspeed
 
     from ..models import build_model
-    from ..reference import make_optimizer
+    from ..optim import make_optimizer
 
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
     deepspeed.init_distributed(dist_backend=env.backend)

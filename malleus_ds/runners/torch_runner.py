@@ -36,7 +36,7 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
 
     from ..data import build_dataset
     from ..models import build_model, lm_loss
-    from ..reference import make_optimizer
+    from ..optim import make_optimizer
 
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, cfg.train.seed).to(env.device)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from malleus_ds.config import ConfigError, build_run_config
-from malleus_ds.data import (CORPUS_PATH, ByteCorpus, DataConfig, build_dataset, global_batch_ids,
-                             make_dataset)
+from malleus_ds.data import CORPUS_PATH, ByteCorpus, DataConfig, build_dataset, make_dataset
+from malleus_ds.samples import global_batch_ids
 from malleus_ds.data.tokens import (DataError, TokenDataset, check_token_file, num_windows,
                                     tokens_needed)
 from malleus_ds.models import model_config

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from malleus_ds.engine.settings import optimizer_settings
-from malleus_ds.reference import OptimConfig, make_optimizer
+from malleus_ds.optim import OptimConfig, make_optimizer
 
 
 def _run(params, grads_per_step, **kw):

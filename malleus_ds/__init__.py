@@ -5,6 +5,8 @@ first use:
 
 - ``malleus_ds.initialize(model=..., config=ds_config, plan=...)`` — MalleusEngine, shaped like
   ``deepspeed.initialize`` (``malleus_ds.api``: the shipped byte corpus is the default data);
+- ``malleus_ds.export_engine(engine, out_dir)`` — a running engine as a Hugging Face folder
+  (collective; ``malleus_ds/export/``);
 - ``malleus_ds.build_run_config`` / ``RunConfig`` — the app's validated run configuration;
 - ``malleus_ds.Plan`` / ``Problem`` / ``static_plan`` — the plan contract (DESIGN.md §3).
 """
@@ -16,6 +18,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "initialize": ("malleus_ds.api", "initialize"),
+    "export_engine": ("malleus_ds.export", "export_engine"),
     "build_run_config": ("malleus_ds.config", "build_run_config"),
     "RunConfig": ("malleus_ds.config", "RunConfig"),
     "ConfigError": ("malleus_ds.config", "ConfigError"),

@@ -57,9 +57,9 @@ class Timeline:
 
 def compute_order(S: int, j: int, m: int) -> list[tuple[str, int]]:
     """The compute ops of stage ``j`` of ``S`` for ``m`` micro-batches, ``("F"|"B", k)``, in the
-    order the engine runs them: its own 1F1B stream (``engine/schedule.py``) less the sends and
+    order the engine runs them: its own 1F1B stream (``schedule.py``) less the sends and
     receives, so the simulator and the engine cannot disagree on the schedule."""
-    from .engine.schedule import Backward, Forward, one_f_one_b
+    from .schedule import Backward, Forward, one_f_one_b
 
     return [(i.code, i.micro_batch) for i in one_f_one_b(j, S, m)
             if isinstance(i, (Forward, Backward))]

@@ -1,6 +1,6 @@
 """MalleusEngine and its parts: schedule, groups, tensor_parallel, grad_sync, optimizer, engine.
 
-``initialize`` imports DeepSpeed lazily, so ``import malleus_ds.engine.schedule`` stays light.
+``initialize`` imports DeepSpeed lazily, so ``import malleus_ds.engine.tensor_parallel`` stays light.
 """
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ import os
 from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as tdist
@@ -55,25 +55,13 @@ import torch.distributed as tdist
 from ..agreement import AgreementError, store_timeout_s
 from ..agreement import agree as store_agree
 from ..layout import STATE_KINDS, Hold, merge, plan_holdings, subtract
-from ..safe_load import UnsafeFile, check_plain, load_plain, read_json, read_small_text
+from ..ckpt_format import (FORMAT, LATEST, MAX_WORLD, META, CheckpointError, open_rank_file,
+                           rank_file, resolve)
+from ..fileio import atomic_write
+from ..safe_load import UnsafeFile, check_plain
 from ..migrate.apply import StateView, pack_parts, unpack_parts
 from ..migrate.transfer import Transfer, HolderIndex, chunked
 from ..plan import Plan
-
-FORMAT = "malleus-checkpoint-v1"
-#: the largest world a checkpoint record may claim (a damaged one must not loop for ever)
-MAX_WORLD = 2**20
-META = "meta.json"
-LATEST = "latest"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded; the message names the file and the numbers."""
-
-
-def rank_file(d: Path, rank: int) -> Path:
-    return d / f"malleus_rank{rank:05d}.pt"
-
 
 # ----------------------------------------------------------------------------- pure: what to read
 
@@ -165,21 +153,6 @@ def plan_reads(ws: Sequence[Want], saved: dict[tuple[str, str], list[tuple[int, 
 # ----------------------------------------------------------------------------- files
 
 
-def _atomic(path: Path, write: Callable[[Any], None], mode: str = "wb") -> None:
-    """Write through ``write(file)`` to a temporary name, fsync, then rename onto ``path``: a crash
-    leaves either the old file or the new one under ``path``, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, mode) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _agree(engine, err: str | None, what: str) -> None:
     """Every rank raises if any rank failed (so no rank goes on into a collective that a failed
     rank never reaches), naming the first failed rank's message; doubles as a barrier. Agreed
@@ -244,7 +217,7 @@ def _write_rank_file(engine, path: Path, meta: dict, state: dict) -> None:
     """This rank's file (module docstring); its CPU copies are freed on return."""
     payload = {"format": FORMAT, "save_id": meta["save_id"], "rank": engine.global_rank,
                "meta": meta, "engine": state, "slices": _held_slices(engine)}
-    _atomic(path, lambda f: torch.save(payload, f))
+    atomic_write(path, lambda f: torch.save(payload, f))
 
 
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True
@@ -287,9 +260,9 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     _agree(engine, err, f"save_checkpoint({d})")        # every rank file is complete
     if rank == 0:
         try:
-            _atomic(d / META, lambda f: f.write(json.dumps(meta, indent=1) + "\n"), "w")
+            atomic_write(d / META, lambda f: f.write(json.dumps(meta, indent=1) + "\n"), "w")
             if save_latest:
-                _atomic(Path(save_dir) / LATEST, lambda f: f.write(tag), "w")
+                atomic_write(Path(save_dir) / LATEST, lambda f: f.write(tag), "w")
         except OSError as e:
             err = f"rank 0 could not commit {d / META}: {e}"
     _agree(engine, err, f"save_checkpoint({d})")        # `latest` names a committed checkpoint
@@ -297,38 +270,6 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
 
 
 # ----------------------------------------------------------------------------- load: checks
-
-
-def resolve(load_dir, tag=None) -> tuple[Path, dict]:
-    """``(tag directory, meta.json)``; CheckpointError (the same on every rank: it reads only
-    shared files) if anything is missing. Pure apart from reading files."""
-    root = Path(load_dir)
-    if not root.is_dir():
-        raise CheckpointError(f"checkpoint directory {root} does not exist")
-    if tag is None:
-        latest = root / LATEST
-        if not latest.is_file():
-            raise CheckpointError(f"{root} has no '{LATEST}' file; pass tag=... (the "
-                                  f"subdirectory to load) or save with save_latest=True")
-        try:
-            tag = read_small_text(latest, "'latest' file").strip()
-        except UnsafeFile as e:
-            raise CheckpointError(str(e)) from None
-    d = root / str(tag)
-    if not d.is_dir():
-        raise CheckpointError(f"checkpoint {d} does not exist (tag {tag!r} in {root})")
-    mf = d / META
-    if not mf.is_file():
-        raise CheckpointError(f"checkpoint {d} has no {META}: its save did not finish (or it was "
-                              f"not written by MalleusEngine.save_checkpoint)")
-    try:
-        meta = read_json(mf, "checkpoint record")
-    except UnsafeFile as e:
-        raise CheckpointError(str(e)) from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        meta = meta if isinstance(meta, dict) else {}
-        raise CheckpointError(f"{mf}: format {meta.get('format')!r}, this engine reads {FORMAT!r}")
-    return d, meta
 
 
 def check_compatible(d: Path, meta: dict, plan: Plan, table) -> Plan:
@@ -363,49 +304,6 @@ def check_compatible(d: Path, meta: dict, plan: Plan, table) -> Plan:
 
 
 # ----------------------------------------------------------------------------- load: copy
-
-
-#: the engine-state fields of a rank file and the types they must have
-_ENGINE_FIELDS = {"adam_step": int, "global_steps": int, "skipped_steps": int,
-                  "global_samples": int, "loss_scaler": (dict, type(None)),
-                  "lr_scheduler": (dict, type(None)), "param_groups": list, "client_state": dict}
-
-
-def _open(d: Path, r: int, meta: dict) -> dict:
-    """Saved rank ``r``'s file, memory-mapped (slices are paged in when read), loaded as plain
-    data (``weights_only=True``: a file that names any class or function is refused, whoever
-    wrote it) and checked field by field against its format and meta.json."""
-    f = rank_file(d, r)
-    try:
-        ck = load_plain(f, "MalleusEngine checkpoint file")
-    except UnsafeFile as e:
-        raise CheckpointError(str(e)) from None
-    if not isinstance(ck, dict) or ck.get("format") != FORMAT or ck.get("rank") != r:
-        got = (f"format {ck.get('format')!r}, rank {ck.get('rank')!r}" if isinstance(ck, dict)
-               else f"a {type(ck).__name__}")
-        raise CheckpointError(f"{f}: not a {FORMAT} file of rank {r} ({got}): the folder holds "
-                              f"a file that is not this save's; copy the checkpoint again or use "
-                              f"another tag")
-    if ck.get("save_id") != meta["save_id"]:
-        raise CheckpointError(f"{f}: written by another save (id {ck.get('save_id')}) than "
-                              f"{d / META} (id {meta['save_id']}); {d} mixes two checkpoints")
-    extra = sorted(set(ck) - {"format", "save_id", "rank", "meta", "engine", "slices"})
-    st, sl = ck.get("engine"), ck.get("slices")
-    bad = (f"unexpected keys {extra}" if extra else
-           "no 'engine' state" if not isinstance(st, dict) else
-           "no 'slices'" if not isinstance(sl, dict) else None)
-    if bad is None:
-        bad = next((f"engine[{k!r}] is {st.get(k)!r}" for k, t in _ENGINE_FIELDS.items()
-                    if not isinstance(st.get(k), t) or isinstance(st.get(k), bool)), None)
-    if bad is None:
-        bad = next((f"slice key {k!r}" for k, v in sl.items()
-                    if not (isinstance(k, tuple) and len(k) == 4 and isinstance(k[0], str)
-                            and isinstance(k[1], str) and isinstance(k[2], int)
-                            and isinstance(k[3], int) and isinstance(v, torch.Tensor))), None)
-    if bad is not None:
-        raise CheckpointError(f"{f}: not a well-formed {FORMAT} file ({bad}); it was altered "
-                              f"or written by something else: copy it again or use another tag")
-    return ck
 
 
 class _Index:
@@ -490,7 +388,7 @@ def _load_state(engine, d: Path, meta: dict, saved_plan: Plan, optimizer_states:
     cap = max(1, int(engine.settings.migrate_bucket_mb * 2**20))
     state = None
     for fr in [home] + sorted(set(by_file) - {home}):
-        ck = _open(d, fr, meta)
+        ck = open_rank_file(d, fr, meta)
         if fr == home:
             state = ck["engine"]
         if fr in by_file:

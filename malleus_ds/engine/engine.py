@@ -35,9 +35,9 @@ Public surface: ``train_batch(data_iter=None, step=None)`` (one global step, ret
 global-batch mean loss on every rank), ``local_shards()``, ``local_state()`` /
 ``load_local_state()`` (state by global parameter name, gathered: for tests and tools),
 ``switch_plan(plan)`` (live migration, ``switch.py``), ``save_checkpoint`` / ``load_checkpoint``
-(per-rank slices; load under any plan, ZeRO stage, precision or world size: ``checkpoint.py``),
-``export_hf`` (a Hugging Face folder, ``malleus_ds/export/``), ``set_compute_clock``, and the
-adaptive loop (``malleus_ds/control.py``, on unless
+(per-rank slices; load under any plan, ZeRO stage, precision or world size: ``checkpoint.py``;
+a Hugging Face folder is ``malleus_ds.export_engine(engine, out_dir)``),
+``set_compute_clock``, and the adaptive loop (``malleus_ds/control.py``, on unless
 ``ds_config.malleus.adaptive`` is false): ``measured_rates`` and ``take_events()`` (its
 ``replan`` / ``migrate`` events). bf16 and fp16 (with
 static or dynamic loss scaling) train with fp32 masters, fp32 gradient accumulation and reduction
@@ -72,7 +72,7 @@ from .precision import Precision
 from .state import EngineState
 from .settings import (MalleusSettings, as_plan, base_ds_config, check_unsupported,
                        load_config, optimizer_settings)
-from .schedule import Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad
+from ..schedule import Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad
 from .wire import wire_calls
 
 
@@ -157,7 +157,7 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
         the first plan's runtime."""
         self.model_cfg, self.settings = cfg, settings
         self.param_table = param_table(cfg)
-        if data is not None and not hasattr(data, "batch") and callable(data):
+        if isinstance(data, type) or (callable(data) and not hasattr(data, "batch")):
             data = data(cfg.max_seq_len, seed=settings.seed)     # a factory, e.g. ByteCorpus
         self.data = data
         self.seq_len = getattr(self.data, "seq_len", cfg.max_seq_len)

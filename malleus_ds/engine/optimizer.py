@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..migrate.alias import range_aliases
-from .grad_sync import Bucket, flatten_range, unflatten, zero_padding
+from ..layout import Bucket
+from ..views import flatten_range, unflatten, zero_padding
 
 
 class ShardedOptimizer:

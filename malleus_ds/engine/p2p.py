@@ -9,7 +9,7 @@ import torch
 import torch.distributed as tdist
 
 from ..watchdog import phase
-from .schedule import RecvAct, SendAct
+from ..schedule import RecvAct, SendAct
 
 
 class PipelineP2P:

@@ -21,7 +21,7 @@ from .grad_sync import GradSync
 from .groups import GROUPS
 from .optimizer import ShardedOptimizer
 from .precision import Precision
-from .schedule import one_f_one_b
+from ..schedule import one_f_one_b
 from .tensor_parallel import apply_tp
 from .tied import TiedSync
 from .wire import pipeline_peers

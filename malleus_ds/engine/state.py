@@ -1,7 +1,8 @@
 """MalleusEngine's training state by global parameter name: ``local_shards``, ``local_state`` /
 ``load_local_state`` / ``local_params`` (tests, tools, the export), ``save_checkpoint`` /
-``load_checkpoint`` (per-rank slices, ``checkpoint.py``) and ``export_hf``
-(``malleus_ds/export/``). A mixin: it reads the engine's ``named`` parameters, ``optimizer``,
+``load_checkpoint`` (per-rank slices, ``checkpoint.py``). A Hugging Face folder of a running
+engine is ``malleus_ds.export_engine(engine, out_dir)`` (``malleus_ds/export/``, above the
+engine: the engine imports no app code). A mixin: it reads the engine's ``named`` parameters, ``optimizer``,
 ``param_table``, ``precision`` and TP coordinates."""
 from __future__ import annotations
 
@@ -69,13 +70,6 @@ class EngineState:
         from .checkpoint import load_checkpoint
         return load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                load_lr_scheduler_states)
-
-    def export_hf(self, out_dir) -> None:
-        """Write the model, gathered from this plan, as a Hugging Face folder (``config.json`` +
-        safetensors) that ``AutoModelForCausalLM.from_pretrained`` loads. Collective; rank 0
-        writes. See ``malleus_ds/export/`` (``malleus-export`` does the same from a checkpoint)."""
-        from ..export import export_engine
-        return export_engine(self, out_dir)
 
     def local_shards(self) -> dict[str, tuple[torch.Tensor, int | None, int, int]]:
         """``name -> (local tensor, TP split dim or None, tp_rank, tp_size)`` for checking and

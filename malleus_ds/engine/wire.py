@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..plan import Plan
-from .schedule import Instr, RecvAct, RecvGrad, SendAct, SendGrad, one_f_one_b
+from ..schedule import Instr, RecvAct, RecvGrad, SendAct, SendGrad, one_f_one_b
 
 #: the one p2p API the engine uses
 API = "batch_isend_irecv"

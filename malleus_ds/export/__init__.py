@@ -25,7 +25,8 @@ tokenizer and generation-config files are copied along, so the folder is complet
 ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads it. An existing non-empty ``OUT_DIR`` is
 refused unless ``--force``.
 
-:func:`export_engine` (``MalleusEngine.export_hf``) writes the same folder from a running engine:
+:func:`export_engine` (``malleus_ds.export_engine(engine, out_dir)``) writes the same folder from a
+running engine:
 collective; each TP slice of each parameter is sent to rank 0 by one of its holders, rank 0 writes.
 
 Bad input prints ``malleus-export: error: ...`` (one line naming the path) and exits with code 2.

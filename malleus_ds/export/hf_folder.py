@@ -2,13 +2,14 @@
 tensors renamed and checked against the transformers class, model.safetensors written."""
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+
+from ..fileio import atomic_write_path
 
 
 PROG = "malleus-export"
@@ -147,16 +148,6 @@ def check_out_dir(out_dir, force: bool = False) -> Path:
     return out
 
 
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_folder(out_dir, record: Mapping, state: Mapping[str, torch.Tensor], *, where: str,
                  dtype: str | None = None, force: bool = False) -> Exported:
     """Write ``state`` (full tensors by our global names) as a Hugging Face folder."""
@@ -172,8 +163,8 @@ def write_folder(out_dir, record: Mapping, state: Mapping[str, torch.Tensor], *,
             for f in out.glob(pat):
                 f.unlink()
     data = {k: tensors[k].detach().to("cpu", dt).contiguous() for k in sorted(tensors)}
-    _atomic(out / WEIGHTS_FILE, lambda p: save_file(data, str(p), metadata={"format": "pt"}))
-    _atomic(out / CONFIG_FILE, lambda p: config.to_json_file(str(p), use_diff=True))
+    atomic_write_path(out / WEIGHTS_FILE, lambda p: save_file(data, str(p), metadata={"format": "pt"}))
+    atomic_write_path(out / CONFIG_FILE, lambda p: config.to_json_file(str(p), use_diff=True))
     copied = []
     src = record.get("hf_path")
     if src and Path(src).is_dir() and Path(src).resolve() != out.resolve():

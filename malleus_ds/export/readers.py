@@ -83,7 +83,7 @@ def _needed(names: Sequence[str], record: Mapping) -> list[str]:
 def read_malleus(tag_dir: Path, record: Mapping) -> dict[str, torch.Tensor]:
     """Full fp32 tensors (masters under bf16/fp16, else parameters) from MalleusEngine's per-rank
     slice files, whatever plan and world size saved them."""
-    from ..engine.checkpoint import CheckpointError, _open, rank_file, resolve
+    from ..ckpt_format import CheckpointError, open_rank_file, rank_file, resolve
 
     try:
         d, meta = resolve(tag_dir.parent, tag_dir.name)
@@ -104,7 +104,7 @@ def read_malleus(tag_dir: Path, record: Mapping) -> dict[str, torch.Tensor]:
                           + (f" (and {len(missing) - 1} more rank files)" if len(missing) > 1 else ""))
     for r in range(world):
         try:
-            ck = _open(d, r, meta)
+            ck = open_rank_file(d, r, meta)
         except CheckpointError as e:
             raise ExportError(str(e)) from None
         where = rank_file(d, r)
@@ -139,7 +139,7 @@ def _state_by_global(sd: Mapping[str, torch.Tensor], f: Path, record: Mapping,
 
 
 def read_torch(tag_dir: Path, record: Mapping, step: int | None) -> dict[str, torch.Tensor]:
-    from ..runners.torch_runner import FORMAT, STATE_FILE
+    from ..ckpt_format import TORCH_FORMAT as FORMAT, TORCH_STATE_FILE as STATE_FILE
 
     f = tag_dir / STATE_FILE
     if not f.is_file():
@@ -188,7 +188,7 @@ def read_deepspeed(tag_dir: Path, record: Mapping, run: Mapping) -> dict[str, to
 
 def find_checkpoint(ckpt_dir) -> tuple[Path, dict]:
     """``(tag folder, run.json)`` of an app checkpoint root (``latest``) or tag folder."""
-    from ..runners.checkpoint import FORMAT, LATEST, RUN_FILE
+    from ..ckpt_format import LATEST, RUN_FILE, RUN_FORMAT as FORMAT
 
     p = Path(ckpt_dir)
     if not p.exists():
@@ -210,8 +210,8 @@ def find_checkpoint(ckpt_dir) -> tuple[Path, dict]:
     elif (p / "meta.json").is_file():
         raise ExportError(f"{p} has no {RUN_FILE}: a MalleusEngine.save_checkpoint folder without "
                           f"the app's record of the model; export a checkpoint written by "
-                          f"launch/train.py (checkpoint.dir=...), or call engine.export_hf(out_dir) "
-                          f"on the running engine")
+                          f"launch/train.py (checkpoint.dir=...), or call "
+                          f"malleus_ds.export_engine(engine, out_dir) on the running engine")
     else:
         raise ExportError(f"{p} is not a checkpoint: it has neither {RUN_FILE} (a checkpoint "
                           f"folder) nor '{LATEST}' (a checkpoint.dir written by launch/train.py)")

@@ -17,7 +17,7 @@ import torch
 
 from malleus_ds_kernels.pack import pack, unpack, window_of
 
-from ..engine.grad_sync import as_rows, row_windows
+from ..views import as_rows, row_windows
 from ..layout import Hold, ParamTable, holdings
 from .transfer import Transfer
 

@@ -12,7 +12,7 @@ One folder per ``checkpoint.dir``::
 
 ``run.json`` holds the training position and what a resume must match::
 
-    {"format": FORMAT, "engine": "malleus", "step": 3, "world_size": 4,
+    {"format": RUN_FORMAT, "engine": "malleus", "step": 3, "world_size": 4,
      "global_batch_size": 8, "micro_batch_size": 1, "data_seed": 0, "model": {...},
      "parallel": {"tp": 1, "pp": 1, "dp": 4}, "zero_stage": 1, "precision": "fp32",
      "data": {"kind": "tokens", "path": "/abs/train.bin", "dtype": "uint16",
@@ -31,20 +31,18 @@ so every rank fails with the same :class:`ConfigError`.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..ckpt_format import LATEST, RUN_FILE, RUN_FORMAT
 from ..config import ConfigError, RunConfig
+from ..fileio import atomic_write_text
 from ..watchdog import phase
 from .base import DistEnv
 
-FORMAT = "malleus_ds-run-checkpoint-v1"
-RUN_FILE = "run.json"
-LATEST = "latest"
 #: what every engine needs unchanged on resume (the data position and the model's tensors)
 COMMON = ("engine", "model", "global_batch_size", "micro_batch_size", "data_seed", "data")
 #: what an engine's own format needs on top: stock DeepSpeed loads only under the saving layout
@@ -86,7 +84,7 @@ class Saved:
 def _batch(cfg: RunConfig) -> tuple[int, int]:
     """The global and micro batch the run really uses (engine=malleus: its plan's)."""
     if cfg.engine == "malleus":
-        from .malleus_runner import load_plan
+        from .job import load_plan
 
         p = load_plan(cfg)
         return p.global_batch_size, p.micro_batch_size
@@ -131,7 +129,7 @@ def run_record(cfg: RunConfig, step: int) -> dict:
     """``run.json`` for a checkpoint of ``cfg`` after ``step`` steps (JSON-normalised)."""
     g, mbs = _batch(cfg)
     p = cfg.parallel
-    rec = {"format": FORMAT, "engine": cfg.engine, "step": step, "world_size": cfg.world_size,
+    rec = {"format": RUN_FORMAT, "engine": cfg.engine, "step": step, "world_size": cfg.world_size,
            "global_batch_size": g, "micro_batch_size": mbs, "data_seed": cfg.train.corpus_seed,
            "model": cfg.model.describe(), "parallel": {"tp": p.tp, "pp": p.pp, "dp": p.dp},
            "zero_stage": 0 if cfg.engine == "torch" else cfg.deepspeed.zero_stage,
@@ -160,8 +158,8 @@ def read_saved(root: Path) -> Saved | None:
         meta = read_json(rf, "checkpoint run record")
     except UnsafeFile as e:
         raise ConfigError(f"checkpoint: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or "step" not in meta:
-        raise ConfigError(f"checkpoint {rf}: not a {FORMAT} record")
+    if not isinstance(meta, dict) or meta.get("format") != RUN_FORMAT or "step" not in meta:
+        raise ConfigError(f"checkpoint {rf}: not a {RUN_FORMAT} record")
     return Saved(root, tag, meta)
 
 
@@ -216,27 +214,6 @@ def resume_point(cfg: RunConfig) -> Saved | None:
                           f"data position of step {saved.step} and the optimizer state belong to "
                           f"{FIELD[k]}={was}; resume with it")
     return saved
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    """Write under a temporary name, fsync, rename: never a half file under the final name."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    import torch
-
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _agree(env: DistEnv, err: str | None, what: str) -> None:
@@ -364,9 +341,9 @@ class Checkpointer:
         _agree(self.env, err, f"saving checkpoint {root / tag}")
         if self.env.is_rank0:
             try:
-                _atomic_text(root / tag / RUN_FILE,
+                atomic_write_text(root / tag / RUN_FILE,
                              json.dumps(run_record(self.cfg, done), indent=1) + "\n")
-                _atomic_text(root / LATEST, tag)
+                atomic_write_text(root / LATEST, tag)
             except OSError as e:
                 err = f"cannot commit {root / tag / RUN_FILE}: {e}"
         _agree(self.env, err, f"saving checkpoint {root / tag}")

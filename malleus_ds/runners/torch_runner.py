@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import time
 
+from ..ckpt_format import TORCH_FORMAT, TORCH_STATE_FILE
 from ..config import ConfigError, RunConfig
+from ..fileio import atomic_write
 from .base import DistEnv, RunSummary
-from .checkpoint import Checkpointer, atomic_torch_save
+from .checkpoint import Checkpointer
 from .common import ComputeClock, StepReporter, replica_micro_batches
 
-STATE_FILE = "torch_state.pt"
-FORMAT = "malleus_ds-torch-state-v1"
 
 
 def validate(cfg: RunConfig) -> None:
@@ -49,14 +49,14 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
         from ..safe_load import UnsafeFile, load_plain
 
         try:    # plain data only: a file that names any class or function is refused
-            st = load_plain(ck.resumed.path / STATE_FILE, "engine=torch checkpoint file",
+            st = load_plain(ck.resumed.path / TORCH_STATE_FILE, "engine=torch checkpoint file",
                             mmap=False, map_location=env.device)
         except UnsafeFile as e:
             raise ConfigError(f"checkpoint.resume: {e}") from None
-        if not isinstance(st, dict) or st.get("format") != FORMAT or \
+        if not isinstance(st, dict) or st.get("format") != TORCH_FORMAT or \
                 st.get("step") != ck.resumed.step or not isinstance(st.get("model"), dict) or \
                 not isinstance(st.get("optimizer"), dict):
-            raise ConfigError(f"checkpoint {ck.resumed.path / STATE_FILE}: not a {FORMAT} file "
+            raise ConfigError(f"checkpoint {ck.resumed.path / TORCH_STATE_FILE}: not a {TORCH_FORMAT} file "
                               f"of step {ck.resumed.step}")
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
@@ -64,9 +64,9 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
 
     def write(root, tag: str, done: int) -> None:
         if env.is_rank0:
-            atomic_torch_save({"format": FORMAT, "step": done,
-                               "model": model.state_dict(), "optimizer": opt.state_dict()},
-                              root / tag / STATE_FILE)
+            state = {"format": TORCH_FORMAT, "step": done, "model": model.state_dict(),
+                     "optimizer": opt.state_dict()}
+            atomic_write(root / tag / TORCH_STATE_FILE, lambda f: torch.save(state, f))
 
     clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env, first_step=ck.start)
     for step in range(ck.start, cfg.train.steps):

@@ -4,7 +4,7 @@ sharded safetensors) trains 3 steps through the app on 2 gloo ranks with TP=2
 (``model=hf_local``), and a tied-embedding Qwen2 preset with PP=2 (``model=hf``); ``malleus-export``
 turns each ``checkpoint.dir`` into a folder that ``AutoModelForCausalLM.from_pretrained`` loads,
 whose weights and logits equal the one-process reference trained the same 3 steps. The same
-layouts built as engines and exported live (``MalleusEngine.export_hf``, collective) write the
+layouts built as engines and exported live (``malleus_ds.export_engine``, collective) write the
 same tensors bit for bit. The tied model's PP=2 checkpoint then resumes under TP=2 (another plan:
 the tied copies reshard like any parameter) and continues the reference's losses."""
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _cases(tmp):
 
 def _train(rank, world, tmp):
     """Worker: each case through the app (checkpoint at the end), then as an engine exported live."""
-    from malleus_ds import initialize, runners
+    from malleus_ds import export_engine, initialize, runners
     from malleus_ds.config import build_run_config
     from malleus_ds.plan import static_plan
 
@@ -66,7 +66,7 @@ def _train(rank, world, tmp):
             "malleus": {"seed": 0, "adaptive": False}})
         for _ in range(STEPS):
             eng.train_batch()
-        assert eng.export_hf(tmp / f"live_{name}") == tmp / f"live_{name}"
+        assert export_engine(eng, tmp / f"live_{name}") == tmp / f"live_{name}"
     return rank
 
 

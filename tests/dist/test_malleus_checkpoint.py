@@ -80,7 +80,7 @@ def _masters_are_params(eng) -> bool:
     """fp32: every fp32 master equals its bucket range of the parameters."""
     import torch
 
-    from malleus_ds.engine.grad_sync import flatten
+    from malleus_ds.views import flatten
 
     opt = eng.optimizer
     data = {n: p.data for n, p in eng.named.items()}

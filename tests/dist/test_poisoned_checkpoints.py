@@ -131,7 +131,7 @@ def test_torch_and_deepspeed_files_are_refused_by_resume(saved, tmp_path):
 
 def test_damaged_files_get_clear_errors(saved, tmp_path):
     """Truncated, from another save, not a checkpoint at all: each named, with what to do."""
-    from malleus_ds.engine.checkpoint import CheckpointError, _open, resolve
+    from malleus_ds.ckpt_format import CheckpointError, open_rank_file, resolve
 
     ck = _copy(saved, "malleus", tmp_path)
     d, meta = resolve(ck)
@@ -150,8 +150,8 @@ def test_damaged_files_get_clear_errors(saved, tmp_path):
              "not a well-formed")]:
         write()
         with pytest.raises(CheckpointError, match=expect) as e:
-            _open(d, 0, meta)
+            open_rank_file(d, 0, meta)
         assert str(f) in str(e.value) and ("copy" in str(e.value) or "another" in str(e.value)), \
             (name, e.value)
         f.write_bytes(good)
-    _open(d, 0, meta)                                     # the good file still loads
+    open_rank_file(d, 0, meta)                                     # the good file still loads

@@ -13,7 +13,8 @@ import random
 import pytest
 import torch
 
-from malleus_ds.engine.grad_sync import GradSync, flatten
+from malleus_ds.engine.grad_sync import GradSync
+from malleus_ds.views import flatten
 from malleus_ds.layout import build_buckets, local_shards
 from malleus_ds.models.llama import model_config, param_table
 from malleus_ds.plan import Plan

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from malleus_ds.engine.schedule import (Backward, Forward, ScheduleError, max_in_flight,
+from malleus_ds.schedule import (Backward, Forward, ScheduleError, max_in_flight,
                                         one_f_one_b, parse, plan_schedules, simulate)
 from malleus_ds.plan import Pipeline, Plan, Stage
 

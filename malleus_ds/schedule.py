@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from ..plan import Plan
+from .plan import Plan
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,125 @@
+"""The checkpoint file formats: names, format strings and the checked readers of the files.
+
+Bottom layer: the engine (``engine/checkpoint.py`` writes and loads), the app (``runners/``
+writes run records around it) and ``malleus-export`` (reads any of them) all take the formats
+from here; none reaches into another's files.
+
+MalleusEngine's tag folder (``save_dir/tag/``; details in ``engine/checkpoint.py``):
+
+* ``malleus_rank{r:05d}.pt`` per rank of the saving world (:func:`rank_file`), checked by
+  :func:`open_rank_file`: ``{"format": FORMAT, "save_id", "rank", "meta", "engine":
+  {ENGINE_FIELDS}, "slices": {(kind, name, lo, hi): 1-D tensor}}``, loaded as plain data only;
+* ``meta.json`` (:data:`META`, the commit record, written last), read by :func:`resolve`;
+* ``save_dir/latest`` (:data:`LATEST`): the newest tag.
+
+The app's checkpoint folder (``checkpoint.dir``, ``runners/checkpoint.py``): ``latest`` and one
+folder per save holding ``run.json`` (:data:`RUN_FILE`, format :data:`RUN_FORMAT`) next to the
+engine's files; ``engine=torch`` writes :data:`TORCH_STATE_FILE` (format :data:`TORCH_FORMAT`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .safe_load import UnsafeFile, load_plain, read_json, read_small_text
+
+# ------------------------------------------------------------------ the app's checkpoint folder
+
+#: run.json's format string (runners/checkpoint.py)
+RUN_FORMAT = "malleus_ds-run-checkpoint-v1"
+RUN_FILE = "run.json"
+#: engine=torch's state file and its format string (runners/torch_runner.py)
+TORCH_STATE_FILE = "torch_state.pt"
+TORCH_FORMAT = "malleus_ds-torch-state-v1"
+
+# ------------------------------------------------------------------ MalleusEngine's tag folder
+
+FORMAT = "malleus-checkpoint-v1"
+#: the largest world a checkpoint record may claim (a damaged one must not loop for ever)
+MAX_WORLD = 2**20
+META = "meta.json"
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message names the file and the numbers."""
+
+
+def rank_file(d: Path, rank: int) -> Path:
+    return d / f"malleus_rank{rank:05d}.pt"
+
+
+def resolve(load_dir, tag=None) -> tuple[Path, dict]:
+    """``(tag directory, meta.json)``; CheckpointError (the same on every rank: it reads only
+    shared files) if anything is missing. Pure apart from reading files."""
+    root = Path(load_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} does not exist")
+    if tag is None:
+        latest = root / LATEST
+        if not latest.is_file():
+            raise CheckpointError(f"{root} has no '{LATEST}' file; pass tag=... (the "
+                                  f"subdirectory to load) or save with save_latest=True")
+        try:
+            tag = read_small_text(latest, "'latest' file").strip()
+        except UnsafeFile as e:
+            raise CheckpointError(str(e)) from None
+    d = root / str(tag)
+    if not d.is_dir():
+        raise CheckpointError(f"checkpoint {d} does not exist (tag {tag!r} in {root})")
+    mf = d / META
+    if not mf.is_file():
+        raise CheckpointError(f"checkpoint {d} has no {META}: its save did not finish (or it was "
+                              f"not written by MalleusEngine.save_checkpoint)")
+    try:
+        meta = read_json(mf, "checkpoint record")
+    except UnsafeFile as e:
+        raise CheckpointError(str(e)) from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        meta = meta if isinstance(meta, dict) else {}
+        raise CheckpointError(f"{mf}: format {meta.get('format')!r}, this engine reads {FORMAT!r}")
+    return d, meta
+
+
+#: the engine-state fields of a rank file and the types they must have
+ENGINE_FIELDS = {"adam_step": int, "global_steps": int, "skipped_steps": int,
+                  "global_samples": int, "loss_scaler": (dict, type(None)),
+                  "lr_scheduler": (dict, type(None)), "param_groups": list, "client_state": dict}
+
+
+def open_rank_file(d: Path, r: int, meta: dict) -> dict:
+    """Saved rank ``r``'s file, memory-mapped (slices are paged in when read), loaded as plain
+    data (``weights_only=True``: a file that names any class or function is refused, whoever
+    wrote it) and checked field by field against its format and meta.json."""
+    f = rank_file(d, r)
+    try:
+        ck = load_plain(f, "MalleusEngine checkpoint file")
+    except UnsafeFile as e:
+        raise CheckpointError(str(e)) from None
+    if not isinstance(ck, dict) or ck.get("format") != FORMAT or ck.get("rank") != r:
+        got = (f"format {ck.get('format')!r}, rank {ck.get('rank')!r}" if isinstance(ck, dict)
+               else f"a {type(ck).__name__}")
+        raise CheckpointError(f"{f}: not a {FORMAT} file of rank {r} ({got}): the folder holds "
+                              f"a file that is not this save's; copy the checkpoint again or use "
+                              f"another tag")
+    if ck.get("save_id") != meta["save_id"]:
+        raise CheckpointError(f"{f}: written by another save (id {ck.get('save_id')}) than "
+                              f"{d / META} (id {meta['save_id']}); {d} mixes two checkpoints")
+    extra = sorted(set(ck) - {"format", "save_id", "rank", "meta", "engine", "slices"})
+    st, sl = ck.get("engine"), ck.get("slices")
+    bad = (f"unexpected keys {extra}" if extra else
+           "no 'engine' state" if not isinstance(st, dict) else
+           "no 'slices'" if not isinstance(sl, dict) else None)
+    if bad is None:
+        bad = next((f"engine[{k!r}] is {st.get(k)!r}" for k, t in ENGINE_FIELDS.items()
+                    if not isinstance(st.get(k), t) or isinstance(st.get(k), bool)), None)
+    if bad is None:
+        bad = next((f"slice key {k!r}" for k, v in sl.items()
+                    if not (isinstance(k, tuple) and len(k) == 4 and isinstance(k[0], str)
+                            and isinstance(k[1], str) and isinstance(k[2], int)
+                            and isinstance(k[3], int) and isinstance(v, torch.Tensor))), None)
+    if bad is not None:
+        raise CheckpointError(f"{f}: not a well-formed {FORMAT} file ({bad}); it was altered "
+                              f"or written by something else: copy it again or use another tag")
+    return ck

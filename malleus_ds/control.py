@@ -289,12 +289,25 @@ class Controller:
         out, self._probe_s = self._probe_s, 0.0
         return out
 
+    #: a rank without work keeps its probe busy this long before timing (seconds of wall): past
+    #: one CPU-quota period (50 ms; a throttled process runs its period's share at full speed,
+    #: so a short probe after idling reads healthy) and a GPU's clock ramp-up
+    PROBE_SUSTAIN_S = 0.06
+    #: ...and then times repeats of the block over this long (spanning throttling periods)
+    PROBE_TIMED_S = 0.1
+    #: at most this share of a step goes to one probe (it runs while the others compute)
+    PROBE_BUDGET = 0.5
+
     def probe(self, step: int) -> float:
         """Seconds of one decoder block's forward + backward on a dummy micro-batch, timed like
         training compute (straggler emulation applies): how a rank without work stays measured.
-        The block is built once (fixed seed, the caller's RNG untouched) and kept; it runs once
-        untimed first (a device that idled has cold caches and lowered clocks: the reading is of
-        the device, not of its wake-up), then once timed."""
+        The block is built once (fixed seed, the caller's RNG untouched) and kept. It runs once
+        untimed first (allocation, cold caches). A rank without work then keeps the device busy
+        for :attr:`PROBE_SUSTAIN_S` and times the mean of repeats over :attr:`PROBE_TIMED_S`:
+        a device that idled reads as it works, not as it wakes (a CPU-quota-throttled process
+        runs the first milliseconds of each period at full speed; a GPU ramps its clocks), all
+        within :attr:`PROBE_BUDGET` of a step, so the probe never delays the next all-reduce.
+        The calibrating rank works every step: one timed run."""
         import torch
 
         e = self.engine
@@ -312,11 +325,38 @@ class Controller:
             cfg.run_block(blk, x, cfg.block_context(x)).float().sum().backward()
 
         run()                                          # warm-up, untimed
+        reps = self._sustain(run) if e.located is None else 1
+
+        def timed():
+            for _ in range(reps):
+                run()
+
         before = e.clock.compute_s
-        e._timed(run)
+        e._timed(timed)
         for p in blk.parameters():
             p.grad = None
-        return e.clock.compute_s - before
+        return (e.clock.compute_s - before) / reps
+
+    def _sustain(self, run) -> int:
+        """Run ``run`` back to back for the sustain time (bounded by the step budget); return
+        how many repeats fill the timed window at the pace of the last one."""
+        import torch
+
+        dev = torch.device(self.engine.device)
+        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        budget = self.PROBE_BUDGET * (float(np.median(self.step_times)) if self.step_times
+                                      else 2 * (self.PROBE_SUSTAIN_S + self.PROBE_TIMED_S))
+        sustain = min(self.PROBE_SUSTAIN_S, budget / 2)
+        end, last = time.perf_counter() + sustain, 0.0
+        while True:
+            t0 = time.perf_counter()
+            run()
+            sync()
+            last = time.perf_counter() - t0
+            if time.perf_counter() >= end:
+                break
+        window = min(self.PROBE_TIMED_S, budget / 2)
+        return int(min(64, max(1, round(window / max(last, 1e-6)))))
 
     def slots(self, compute_s: float, probe_s: float) -> list[float]:
         """``[decision ready (rank 0), compute_s per rank..., probe per-unit s per rank...]``,

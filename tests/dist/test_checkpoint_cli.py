@@ -84,7 +84,7 @@ def test_malleus_resumes_under_another_plan_and_world_size(tmp_path):
     assert [r["step"] for r in first] == [0, 1, 2] and [r["step"] for r in second] == [3, 4, 5]
     assert all(len(r["compute_s"]) == 2 for r in second)
     assert [(e["event"], e["step"]) for e in _rows(b) if "event" in e] == [
-        ("migrate", 4), ("checkpoint", 6)]
+        ("tp_slowdown", 3), ("migrate", 4), ("checkpoint", 6)]     # a TP=2 plan: table measured
     assert second[0]["plan"] != second[1]["plan"] == second[2]["plan"]
     np.testing.assert_allclose([r["loss"] for r in first + second], _reference(6), rtol=1e-5)
     assert f"resumed from step 3: {ck / 'global_step3'}" in p.stdout

@@ -209,3 +209,73 @@ def test_running_plan_always_fits_the_memory_model():
     fitted = fit_running_plan(pr, plan)
     validate_for_problem(fitted, plan)
     assert fit_running_plan(fitted, plan) is fitted
+
+
+class _WallClock:
+    """The engine's clock as the probe reads it: ``compute_s`` grows by the wall time of each
+    ``_timed`` call."""
+
+    def __init__(self):
+        self.compute_s = 0.0
+
+
+def _probing_engine(plan, rank, block_s):
+    """A fake engine whose probe block takes ``block_s`` seconds per run (a sleep inside
+    ``run_block``) and counts its runs."""
+    import time as _time
+
+    import torch
+
+    e = _engine(plan, rank=rank)
+    e.clock, e.act_dtype, e.runs = _WallClock(), torch.float32, [0]
+    cfg = e.model_cfg
+
+    class Cfg(SimpleNamespace):
+        def run_block(self, blk, x, ctx):
+            e.runs[0] += 1
+            _time.sleep(block_s)
+            return cfg.run_block(blk, x, ctx)
+
+    e.model_cfg = Cfg(build_layer=cfg.build_layer, block_context=cfg.block_context,
+                      hidden_size=cfg.hidden_size)
+
+    def timed(fn):
+        t0 = _time.perf_counter()
+        fn()
+        e.clock.compute_s += _time.perf_counter() - t0
+
+    e._timed = timed
+    return e
+
+
+def test_a_rank_without_work_sustains_its_probe_and_reports_one_run():
+    """Rank 3 (no work) keeps the device busy for PROBE_SUSTAIN_S, then times repeats over
+    PROBE_TIMED_S, and reports seconds per run; the calibrating rank (working) runs once untimed
+    and once timed. The budget (half a step) bounds a probe on short steps."""
+    plan = static_plan(4, 8, 1, 1, 1, 3)          # 3 pipelines on ranks 0-2; rank 3 is spare
+    idle = Controller(_probing_engine(plan, 3, 0.01), AdaptiveSettings())
+    try:
+        assert idle.engine.located is None
+        t0 = time.perf_counter()
+        per_run = idle.probe(2)
+        wall = time.perf_counter() - t0
+        runs = idle.engine.runs[0]
+        # warm-up + sustain (>= 60 ms) + timed repeats (~100 ms at the last run's pace)
+        assert runs >= 1 + 2 + 2 and wall >= 0.12, (runs, wall)
+        assert 0.01 <= per_run < 0.1
+    finally:
+        idle.close()
+    ref = Controller(_probing_engine(plan, 0, 0.01), AdaptiveSettings())
+    try:
+        assert ref.engine.located is not None
+        per_run = ref.probe(2)
+        assert ref.engine.runs[0] == 2 and 0.01 <= per_run < 0.1
+    finally:
+        ref.close()
+    short = Controller(_probing_engine(plan, 3, 0.01), AdaptiveSettings())
+    try:
+        short.step_times.extend([0.04] * 5)        # 40 ms steps: a probe gets at most 20 ms
+        short.probe(2)
+        assert short.engine.runs[0] <= 1 + 2 + 2, short.engine.runs[0]
+    finally:
+        short.close()

@@ -24,7 +24,6 @@ This module holds the loop's state and settings; the engine (``engine/engine.py`
 """
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
@@ -34,7 +33,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .models.base import head_layers
-from .plan import Plan, PlanError
+from .plan import Plan, PlanError, nominal_tp
 from .problem import Problem
 from .replan import (Decision, decide, device_memory_mb, fit_running_plan, job_problem,
                      memory_model)
@@ -214,8 +213,7 @@ class Controller:
         self.engine, self.s = engine, settings
         self.rank, self.world = engine.global_rank, engine.world_size
         plan = engine.plan
-        sizes = [st.tp for p in plan.pipelines for st in p.stages] or [1]
-        self.tp = engine.settings.tp or math.lcm(*sizes)
+        self.tp = engine.settings.tp or nominal_tp(plan)
         self.tp_measured: dict[int, float] | None = None    # tp_cost.measure at start-up
         if settings.tp_slowdown == "measure" and self.tp > 1:
             from .engine.tp_cost import measure     # a collective: every rank builds a Controller
@@ -428,7 +426,7 @@ class Controller:
     def switched(self, plan: Plan, rates: list[float] | None) -> None:
         """After any switch (adaptive, forced or scripted): cost units of the new plan, the rates
         it was made for, and results planned against the old one become stale."""
-        tp = math.lcm(self.tp, *(st.tp for q in plan.pipelines for st in q.stages))
+        tp = nominal_tp(plan, at_least=self.tp)
         if tp != self.tp:       # engine API without a nominal tp: the plans' TP sizes set it
             self.tp, self._problem = tp, None
             self.slowdown = self._slowdown(tp)

@@ -207,6 +207,15 @@ class Plan(JsonFile):
 
 
 
+def nominal_tp(*plans: "Plan", at_least: int = 1) -> int:
+    """The job's nominal TP degree: the least common multiple of ``at_least`` and every stage's
+    TP size in ``plans``, so every TP group divides it. Cost units and the TP slowdown table are
+    keyed by ``nominal_tp // group size`` (``straggler.py``). The one place this is decided."""
+    import math
+
+    return math.lcm(at_least, *(st.tp for p in plans for q in p.pipelines for st in q.stages))
+
+
 def static_plan(num_layers: int, global_batch_size: int, micro_batch_size: int,
                 tp: int, pp: int, dp: int) -> Plan:
     """The uniform Megatron/DeepSpeed layout: ``rank = tp_rank + tp*(dp_rank + dp*pp_rank)``.

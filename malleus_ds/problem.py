@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 from .plan import (MAX_BATCH, MAX_LAYERS, MAX_RANKS, VERSION, JsonFile, Plan, PlanError,
                    _check_version, _int, static_plan)
+from .straggler import ideal_slowdown
 
 
 #: memory keys a problem file may leave out (0 when absent)
@@ -152,7 +153,7 @@ class Problem(JsonFile):
             raise PlanError(f"training.pp={pp} exceeds model.num_layers={L}")
         if not isinstance(co, Mapping):
             raise PlanError(f"problem.cost: expected an object, got {co!r}")
-        raw_sd = co.get("tp_slowdown") or {str(1 << k): float(1 << k) for k in range(8) if (1 << k) <= tp}
+        raw_sd = co.get("tp_slowdown") or {str(k): v for k, v in ideal_slowdown(tp).items()}
         if not isinstance(raw_sd, Mapping):
             raise PlanError(f"cost.tp_slowdown: expected an object {{tp/g: slowdown}}, got {raw_sd!r}")
         sd: dict[int, float] = {}

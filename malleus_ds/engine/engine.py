@@ -61,7 +61,7 @@ from malleus_ds_kernels.pack import warm_up as warm_up_pack
 
 from ..samples import micro_batches
 from ..models.base import StageModule, param_table, tied_params
-from ..plan import Plan, PlanError
+from ..plan import Plan, PlanError, nominal_tp
 from ..watchdog import phase
 from .groups import GROUPS, plan_rank_sets
 from .mpu import PlanMPU
@@ -139,8 +139,7 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
         if plan is None:
             raise PlanError("MalleusEngine: no plan given (pass plan=... or set "
                             "ds_config.malleus.plan to a plan JSON file)")
-        sizes = [st.tp for p in plan.pipelines for st in p.stages] or [1]
-        check_job_plan(plan, cfg, world, s.tp or _lcm(sizes), s.gpus_per_node or world)
+        check_job_plan(plan, cfg, world, s.tp or nominal_tp(plan), s.gpus_per_node or world)
         mbs_cfg = user_cfg.get("train_micro_batch_size_per_gpu")
         if mbs_cfg is not None and mbs_cfg != plan.micro_batch_size:
             raise PlanError(f"ds_config.train_micro_batch_size_per_gpu={mbs_cfg} differs from "
@@ -494,9 +493,6 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
 # ---------------------------------------------------------------------- helpers
 
 
-def _lcm(xs) -> int:
-    from math import lcm
-    return lcm(*xs)
 
 
 def _init_deepspeed_comm() -> None:

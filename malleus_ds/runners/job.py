@@ -2,10 +2,9 @@
 ``cluster.*``, ``malleus.switch``): below the runners and the checkpoint writer, which both ask."""
 from __future__ import annotations
 
-from math import lcm
-
 from ..config import ConfigError, RunConfig
 from ..plan import Plan, PlanError, static_plan
+from ..plan import nominal_tp as plans_tp
 
 
 def load_plan(cfg: RunConfig) -> Plan:
@@ -33,4 +32,4 @@ def nominal_tp(cfg: RunConfig, plan: Plan) -> int:
             plans.append(Plan.load(e["plan"]))
         except (PlanError, TypeError, KeyError):
             pass
-    return lcm(cfg.parallel.tp, *(s.tp for p in plans for q in p.pipelines for s in q.stages))
+    return plans_tp(*plans, at_least=cfg.parallel.tp)

@@ -195,3 +195,27 @@ def test_random_plans_round_trip_and_validate():
         validate_plan(again, tp=2, gpus_per_node=4)
 
     check()
+
+
+def test_a_problem_without_tp_slowdown_gets_the_engines_ideal_table():
+    """The default table was powers of two here and every divisor in straggler.py: a tp=6 problem
+    without ``cost.tp_slowdown`` was refused ("missing entry for tp/g=3") while the engine ran
+    tp=6 with {1, 2, 3, 6}. Now both use straggler.ideal_slowdown."""
+    from malleus_ds.straggler import ideal_slowdown
+
+    d = small_problem(cluster={"nodes": 1, "gpus_per_node": 6}, cost={},
+                      training={"global_batch_size": 8, "micro_batch_size": 1, "tp": 6, "pp": 1,
+                                "dp": 1}, rates={})
+    pr = Problem.from_json(d)
+    assert dict(pr.tp_slowdown) == ideal_slowdown(6) == {1: 1.0, 2: 2.0, 3: 3.0, 6: 6.0}
+    d4 = small_problem(cost={})
+    assert dict(Problem.from_json(d4).tp_slowdown) == ideal_slowdown(2)
+
+
+def test_nominal_tp_is_the_lcm_of_every_stage_and_the_floor():
+    from malleus_ds.plan import nominal_tp
+
+    a = static_plan(8, 8, 1, 2, 2, 2)                 # TP 2 everywhere
+    b = static_plan(8, 8, 1, 4, 1, 2)                 # TP 4
+    assert nominal_tp(a) == 2 and nominal_tp(a, b) == 4 and nominal_tp(a, at_least=3) == 6
+    assert nominal_tp(static_plan(8, 8, 1, 1, 1, 8)) == 1

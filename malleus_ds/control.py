@@ -463,7 +463,7 @@ class Controller:
         if self._problem is None and self.disabled_reason is None:
             e = self.engine
             try:
-                gpn = e.settings.gpus_per_node or self.world
+                gpn = e.settings.gpus_per_node         # resolved by the engine
                 dev = self.s.device_mb or device_memory_mb(e.device, min(gpn, self.world))
                 mem = memory_model(e.param_table, e.model_cfg, e.plan.micro_batch_size,
                                    e.seq_len, e.precision.mixed, dev,

@@ -96,6 +96,8 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
         rank, world = tdist.get_rank(), tdist.get_world_size()
         user_cfg = load_config(config)
         settings = self.build_settings(user_cfg)
+        if settings.gpus_per_node is None:   # decided once: the whole world is one node
+            settings = replace(settings, gpus_per_node=world)
         cfg, make_stage = _model_builder(model, settings.seed)
         plan = self.build_plan(as_plan(plan) or settings.plan, cfg, world, settings, user_cfg)
         for sw in settings.switch:      # every scripted switch is checked before any collective
@@ -139,7 +141,7 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
         if plan is None:
             raise PlanError("MalleusEngine: no plan given (pass plan=... or set "
                             "ds_config.malleus.plan to a plan JSON file)")
-        check_job_plan(plan, cfg, world, s.tp or nominal_tp(plan), s.gpus_per_node or world)
+        check_job_plan(plan, cfg, world, s.tp or nominal_tp(plan), s.gpus_per_node)
         mbs_cfg = user_cfg.get("train_micro_batch_size_per_gpu")
         if mbs_cfg is not None and mbs_cfg != plan.micro_batch_size:
             raise PlanError(f"ds_config.train_micro_batch_size_per_gpu={mbs_cfg} differs from "

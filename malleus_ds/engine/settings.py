@@ -30,7 +30,7 @@ class MalleusSettings:
 
     plan: Plan | None = None          # a plan object, a path to a plan JSON, or the JSON inline
     tp: int | None = None             # nominal TP degree; stage TP sizes must divide it (default: lcm in plan)
-    gpus_per_node: int | None = None  # ranks per node (default: the whole world is one node)
+    gpus_per_node: int | None = None  # ranks per node; None: the engine sets the world (one node)
     seed: int = 0                     # model init and data order seed
     straggler: tuple = ()             # straggler schedule entries (emulation.RawSchedule: .method), off if empty
     precision: Precision = Precision()  # from the stock "fp16" / "bf16" sections (build_settings)

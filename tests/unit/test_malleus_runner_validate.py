@@ -99,4 +99,4 @@ def test_app_and_engine_reject_a_plan_with_the_same_words(tmp_path):
         runners.validate(c)
     with pytest.raises(PlanError, match=rf"^{words}"):
         MalleusEngine.build_plan(Plan.from_json(pj), load_hf_model("tiny-qwen2"), 4,
-                                 MalleusSettings(), {})
+                                 MalleusSettings(gpus_per_node=4), {})   # as the engine resolves it

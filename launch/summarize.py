@@ -12,17 +12,14 @@ one line: what the stragglers would have cost a static job, what they cost this 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from malleus_ds.metrics import METRICS_FILE  # noqa: E402
+from malleus_ds.metrics import METRICS_FILE, MetricsError, read_metrics_file  # noqa: E402
 from malleus_ds.whatif import WhatIfError, account_of_run, format_account  # noqa: E402
-
-_STEP_KEYS = ("step", "step_time_s", "samples")
 
 
 class InputError(Exception):
@@ -46,28 +43,20 @@ def run_dirs(paths: list[str]) -> list[Path]:
     return out
 
 
+def read_run(d: Path) -> tuple[list[dict], list[dict]]:
+    """(step lines, event lines) of ``d/metrics.jsonl``, checked (``metrics.read_metrics_file``);
+    a line that is not a JSON object with numeric ``step``, ``step_time_s`` and ``samples`` ->
+    InputError naming file and line. No step lines is no error: the run is left out."""
+    try:
+        f = read_metrics_file(d / METRICS_FILE)
+    except MetricsError as e:
+        raise InputError(str(e)) from None
+    return list(f.steps), list(f.events)
+
+
 def read_steps(d: Path) -> list[dict]:
-    """Step lines of ``d/metrics.jsonl`` (event lines left out); a line that is not a JSON
-    object with ``step``, ``step_time_s`` and ``samples`` -> InputError naming file and line."""
-    f = d / METRICS_FILE
-    out = []
-    for n, line in enumerate(f.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{f}: line {n} is not valid JSON ({e.msg} at column {e.colno}); "
-                             f"the file is corrupt or was cut short") from None
-        if not isinstance(r, dict):
-            raise InputError(f"{f}: line {n} is not a JSON object: {line.strip()[:60]}")
-        if "event" in r:
-            continue
-        missing = [k for k in _STEP_KEYS if k not in r]
-        if missing:
-            raise InputError(f"{f}: line {n} is a step line without {missing}")
-        out.append(r)
-    return out
+    """Step lines of ``d/metrics.jsonl`` (event lines left out); see :func:`read_run`."""
+    return read_run(d)[0]
 
 
 def overrides(d: Path) -> str:

@@ -36,6 +36,16 @@ this rename call it ``rates``; readers accept both.)
 A *phase* is a run of steps with the same ``emulated_rates`` (and plan); the summary reports
 throughput per phase, so one run that turns a straggler on half-way, or switches plans, shows
 the regimes side by side.
+
+**Reading.** :func:`read_metrics_file` is the one checked reader (``malleus-plot``,
+``launch/summarize.py``, ``compare.py`` and ``whatif.py`` all use it): it reads a metrics.jsonl (or
+the run folder holding one) once and returns its step lines and its event lines (every kind, the
+unknown ones included) apart, as a :class:`MetricsFile`. A line it cannot use raises
+:class:`MetricsError`, whose message names the file, the line and what is wrong; each tool turns
+that into its own error. Blank lines are skipped; a cut-short last line (a run killed mid-write)
+is not valid JSON and raises like any other. Keys added over time (``plan``,
+``measured_rates``, ``emulated_rates``; ``rates`` before that) are optional, so older run folders
+read.
 """
 from __future__ import annotations
 
@@ -115,13 +125,134 @@ class MetricsWriter:
             self._f = None
 
 
-def read_metrics(path: str | Path, events: bool = False) -> list[dict]:
-    """Step lines of a metrics.jsonl (or its run folder); ``events=True``: event lines instead."""
+#: keys every step line has (in the order a message lists the missing ones)
+STEP_KEYS = ("step", "step_time_s", "samples")
+#: event kinds anchored to a step: their line must carry a numeric ``"step"``
+STEP_EVENTS = ("replan", "migrate")
+
+
+class MetricsError(ValueError):
+    """A metrics.jsonl that cannot be read or holds a line that is not a step or event line.
+
+    ``str()`` is ``"<file>: line <n> is <what>"`` (``"<file>: <what>"`` when no line is to blame,
+    e.g. ``cannot read: ...``); ``path``, ``line`` (None: the file) and ``what`` let a tool word
+    it its own way."""
+
+    def __init__(self, path: str | Path, line: int | None, what: str) -> None:
+        self.path, self.line, self.what = Path(path), line, what
+        super().__init__(f"{path}: line {line} is {what}" if line is not None
+                         else f"{path}: {what}")
+
+
+@dataclass(frozen=True)
+class MetricsFile:
+    """One metrics.jsonl, read and checked: its step lines and its event lines, each in file
+    order (every event kind is kept; a caller picks the kinds it knows)."""
+
+    path: Path                        # the file (not its run folder)
+    steps: tuple[dict, ...]
+    events: tuple[dict, ...]
+
+    def events_of(self, *kinds: str) -> list[dict]:
+        """The event lines of these kinds, in file order."""
+        return [e for e in self.events if e["event"] in kinds]
+
+
+def metrics_path(path: str | Path) -> Path:
+    """``path`` itself, or ``path/metrics.jsonl`` when ``path`` is a folder."""
     p = Path(path)
-    if p.is_dir():
-        p = p / METRICS_FILE
-    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-    return [r for r in rows if ("event" in r) == events]
+    return p / METRICS_FILE if p.is_dir() else p
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _short(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def _step_line_problem(r: Mapping) -> str | None:
+    """What is wrong with step line ``r`` (None: nothing)."""
+    missing = [k for k in STEP_KEYS if k not in r]
+    if missing:
+        return f"a step line without {missing}"
+    bad = [k for k in STEP_KEYS if not _is_num(r[k])]
+    if bad:
+        return (f"a step line without numeric {bad} ("
+                + ", ".join(f"{k}={_short(r[k])}" for k in bad) + ")")
+    for k in ("compute_s", "measured_rates"):      # per rank; null: not measured
+        v = r.get(k)
+        if v is not None and not (isinstance(v, list)
+                                  and all(x is None or _is_num(x) for x in v)):
+            return f"a step line whose {k} is {_short(v)}, not a list of numbers"
+    for k in ("emulated_rates", "rates"):           # {"rank": rate}; "rates" before the rename
+        v = r.get(k)
+        if v is None:
+            continue
+        ok = isinstance(v, dict) and all(_is_num(x) for x in v.values())
+        if ok:
+            try:
+                [int(x) for x in v]
+            except (TypeError, ValueError):
+                ok = False
+        if not ok:
+            return f"a step line whose {k} is {_short(v)}, not an object of rank: rate numbers"
+    v = r.get("plan")
+    if v is not None and not isinstance(v, str):
+        return f"a step line whose plan is {_short(v)}, not a plan id"
+    return None
+
+
+def _event_line_problem(r: Mapping) -> str | None:
+    kind = r["event"]
+    if not isinstance(kind, str):
+        return f"an event line whose \"event\" is {_short(kind)}, not a name"
+    if kind in STEP_EVENTS and "step" not in r:
+        return f"a {kind} event without \"step\""
+    if "step" in r and not _is_num(r["step"]):
+        return f"a {kind} event whose step is {_short(r['step'])}, not a number"
+    return None
+
+
+def read_metrics_file(path: str | Path) -> MetricsFile:
+    """Read and check a metrics.jsonl (or the run folder holding one): every line once, blank
+    lines skipped. Raises :class:`MetricsError` naming the file and line for a line that is not
+    valid JSON (a cut-short last line included), not a JSON object, a step line without numeric
+    ``step``/``step_time_s``/``samples`` or with a badly typed ``compute_s`` /
+    ``measured_rates`` / ``emulated_rates`` / ``plan``, or an event line without a numeric
+    ``step`` where its kind needs one; and for a file it cannot read. A file without step lines
+    is no error here (each tool says what that means for it)."""
+    p = metrics_path(path)
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise MetricsError(p, None, f"cannot read: {e}") from None
+    steps, events = [], []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise MetricsError(p, n, f"not valid JSON ({e.msg} at column {e.colno}); the file "
+                                     f"is corrupt or was cut short") from None
+        if not isinstance(r, dict):
+            raise MetricsError(p, n, f"not a JSON object: {line.strip()[:60]}")
+        is_event = "event" in r
+        bad = _event_line_problem(r) if is_event else _step_line_problem(r)
+        if bad:
+            raise MetricsError(p, n, bad)
+        (events if is_event else steps).append(r)
+    return MetricsFile(p, tuple(steps), tuple(events))
+
+
+def read_metrics(path: str | Path, events: bool = False) -> list[dict]:
+    """Step lines of a metrics.jsonl (or its run folder); ``events=True``: event lines instead.
+    Checked (:func:`read_metrics_file`): a bad line raises :class:`MetricsError`."""
+    f = read_metrics_file(path)
+    return list(f.events if events else f.steps)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ Bad input (missing folder, no metrics.jsonl, a corrupt line, a file without step
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import textwrap
@@ -26,16 +25,16 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from . import whatif
-from .metrics import METRICS_FILE, emulated_rates
+from .metrics import METRICS_FILE, MetricsError, emulated_rates, read_metrics_file
+from .straggler import HEALTHY
 
 PROG = "malleus-plot"
 EXIT_BAD_INPUT = 2
 DEFAULT_OUTPUT = "throughput.png"
-HEALTHY_THRESHOLD = 1.2        # DESIGN.md §6: a measured rate below this counts as healthy
 FIGSIZE = (11.0, 7.0)
 FIGSIZE_ONE_PANEL = (11.0, 5.0)
 DPI = 120
-EVENT_KINDS = ("replan", "migrate")
+EVENT_KINDS = ("replan", "migrate")       # the events drawn (others are ignored)
 
 
 class PlotError(Exception):
@@ -146,44 +145,18 @@ def _rates_dict(v, what: str) -> dict[int, float]:
 
 
 def parse_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
-    """(step lines, event lines) of a metrics.jsonl, checked. Blank lines are skipped; a line that
-    is not a JSON object, or a step line without numeric ``step``/``samples``/``step_time_s``,
-    raises PlotError naming the file and line number."""
-    path = Path(path)
+    """(step lines, event lines) of a metrics.jsonl, checked (``metrics.read_metrics_file``:
+    blank lines skipped; a line that is not a JSON object, a step line without numeric
+    ``step``/``samples``/``step_time_s``, ...). A bad line or a file without step lines raises
+    PlotError naming the file (and line: ``<file>:<line>: corrupt line: ...``)."""
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise PlotError(f"{path}: cannot read: {e}") from None
-    steps, events = [], []
-    for no, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-            if not isinstance(obj, dict):
-                raise ValueError(f"a JSON {type(obj).__name__}, not an object")
-            if "event" in obj:
-                if obj["event"] in EVENT_KINDS:
-                    if "step" not in obj:
-                        raise ValueError(f"{obj['event']} event without \"step\"")
-                    _num(obj["step"], "step")
-                events.append(obj)
-                continue
-            for k in ("step", "samples", "step_time_s"):
-                if k not in obj:
-                    raise ValueError(f"step line without {k!r}")
-                _num(obj[k], k)
-            for k in ("compute_s", "measured_rates"):
-                if obj.get(k) is not None:
-                    _num_list(obj[k], k)
-            for k in ("emulated_rates", "rates"):
-                _rates_dict(obj.get(k), k)
-        except ValueError as e:   # json.JSONDecodeError is a ValueError
-            raise PlotError(f"{path}:{no}: corrupt line: {e}") from None
-        steps.append(obj)
-    if not steps:
-        raise PlotError(f"{path}: no step lines")
-    return steps, events
+        f = read_metrics_file(path)
+    except MetricsError as e:
+        raise PlotError(f"{e.path}:{e.line}: corrupt line: {e.what}" if e.line is not None
+                        else str(e)) from None
+    if not f.steps:
+        raise PlotError(f"{f.path}: no step lines")
+    return list(f.steps), list(f.events)
 
 
 def _matrix(rows: Sequence[list[float] | None], width: int) -> np.ndarray:
@@ -540,7 +513,7 @@ def _bottom_panel(ax, run: RunData, regions: Sequence[Region], title: str | None
     x = run.steps
     if run.measured_rates is not None:
         m = run.measured_rates
-        hot = _highlighted_ranks(run, m, HEALTHY_THRESHOLD)
+        hot = _highlighted_ranks(run, m, HEALTHY)
         if n <= MAX_RANK_LINES:
             colors = _rank_colors(n)
         else:    # colours for the highlighted ranks only, so they stay far apart
@@ -550,8 +523,8 @@ def _bottom_panel(ax, run: RunData, regions: Sequence[Region], title: str | None
         emu = emulated_rate_series(run)
         for d, ys in emu.items():
             ax.step(x, ys, where="mid", color=colors[d], ls="--", lw=1.0, alpha=0.9, zorder=3)
-        ax.axhline(HEALTHY_THRESHOLD, color="0.3", ls=":", lw=1.2,
-                   label=f"healthy threshold ({HEALTHY_THRESHOLD:g})", zorder=2)
+        ax.axhline(HEALTHY, color="0.3", ls=":", lw=1.2,
+                   label=f"healthy threshold ({HEALTHY:g})", zorder=2)
         from matplotlib.lines import Line2D
 
         handles, _ = ax.get_legend_handles_labels()
@@ -559,7 +532,7 @@ def _bottom_panel(ax, run: RunData, regions: Sequence[Region], title: str | None
             handles.append(Line2D([], [], color="0.3", ls="--", lw=1.0,
                                   label="emulated rate (schedule)"))
         top = np.nanmax(np.concatenate([m.ravel()] + [v for v in emu.values()]
-                                       + [np.array([HEALTHY_THRESHOLD])]))
+                                       + [np.array([HEALTHY])]))
         ax.set_ylim(0, top * 1.12 if np.isfinite(top) else 2.0)
         ax.set_ylabel("measured rate\n(1 = healthy)")
         _legend(ax, handles=handles, ncol=1 if len(handles) <= 12 else 2)

@@ -30,6 +30,10 @@ import numpy as np
 
 from .plan import Plan
 
+#: a smoothed measured rate below this counts as healthy (1.0): DESIGN.md §6; the default of
+#: :attr:`DetectConfig.healthy`, and the threshold ``whatif.py`` and ``malleus-plot`` use
+HEALTHY = 1.2
+
 
 def ideal_slowdown(tp: int) -> dict[int, float]:
     """A TP-size slowdown table with perfect scaling: ``{tp/g: tp/g}`` for every divisor."""
@@ -85,7 +89,7 @@ class DetectConfig:
 
     every: int = 1          # run detection every N steps (cheap: numpy on rank 0)
     window: int = 5         # median over the last N per-step rates (smoothing)
-    healthy: float = 1.2    # a smoothed rate below this counts as healthy (1.0)
+    healthy: float = HEALTHY  # a smoothed rate below this counts as healthy (1.0)
     change: float = 0.3     # re-plan when |r - p| >= change * p for some rank (relative)...
     confirm: int = 2        # ...in this many consecutive detections (hysteresis)
     cooldown: int = 2       # detections skipped after a planning attempt

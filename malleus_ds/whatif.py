@@ -57,16 +57,14 @@ so ``Z <= X``). A run without straggler phases says "no straggler in this run".
 """
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
 from .cost import capacity_of_rates
-from .metrics import METRICS_FILE, emulated_rates
-
-HEALTHY = 1.2          # a rate below this counts as healthy (DESIGN.md §6, straggler.py)
+from .metrics import MetricsError, emulated_rates, read_metrics_file
+from .straggler import HEALTHY  # a rate below this counts as healthy (DESIGN.md §6)
 
 
 class WhatIfError(ValueError):
@@ -467,38 +465,18 @@ def read_config(run_dir: str | Path) -> Mapping | None:
 
 
 def read_lines(path: str | Path) -> tuple[list[dict], list[dict]]:
-    """(step lines, event lines) of a metrics.jsonl or its run folder; a line that is not a JSON
-    object, or a step line without ``step``/``samples``/``step_time_s``, is a WhatIfError naming
-    the file and line."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / METRICS_FILE
+    """(step lines, event lines) of a metrics.jsonl or its run folder, checked
+    (``metrics.read_metrics_file``); a line that is not a JSON object, or a step line without
+    numeric ``step``/``samples``/``step_time_s``, is a WhatIfError naming the file and line, and
+    so is a file without step lines."""
     try:
-        text = p.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise WhatIfError(f"{p}: cannot read: {e}") from None
-    steps, events = [], []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise WhatIfError(f"{p}: line {n} is not valid JSON ({e.msg})") from None
-        if not isinstance(r, dict):
-            raise WhatIfError(f"{p}: line {n} is not a JSON object")
-        if "event" in r:
-            events.append(r)
-            continue
-        bad = [k for k in ("step", "samples", "step_time_s")
-               if isinstance(r.get(k), bool) or not isinstance(r.get(k), (int, float))]
-        if bad:
-            raise WhatIfError(f"{p}: line {n} is a step line without numeric {bad}")
-        steps.append(r)
-    if not steps:
-        raise WhatIfError(f"{p}: no step lines ({len(events)} event line(s)): nothing to "
+        f = read_metrics_file(path)
+    except MetricsError as e:
+        raise WhatIfError(str(e)) from None
+    if not f.steps:
+        raise WhatIfError(f"{f.path}: no step lines ({len(f.events)} event line(s)): nothing to "
                           f"account for")
-    return steps, events
+    return list(f.steps), list(f.events)
 
 
 def account_of_run(run_dir: str | Path, warmup: int | None = None,

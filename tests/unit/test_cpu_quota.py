@@ -172,7 +172,8 @@ print(json.dumps({
     # capped: wall time over the CPU time of the same work (= the time alone on a free core;
     # the alone *wall* time on a shared machine also holds the other processes' share)
     "slow": min(w / c for w, c in slow), "slow_wall": wall(slow) / wall(alone),
-    "back": wall(back) / wall(alone), "path": str(path), "left": path.exists(),
+    "back": min(w / c for w, c in back), "back_wall": wall(back) / wall(alone),
+    "path": str(path), "left": path.exists(),
     "cgroup_after": open("/proc/self/cgroup").read()}))
 """
 
@@ -187,6 +188,8 @@ def test_real_quota_slows_a_child_about_rate_times():
     assert p.returncode == 0, p.stderr[-2000:]
     r = json.loads(p.stdout)
     assert 2.4 <= r["slow"] <= 3.6, r             # rate 3 is relative to one full core
-    assert r["back"] <= 1.3, r
+    # released: the same work's wall time is its CPU time again (a busy machine adds some; the
+    # quota at rate 3 reads ~3); wall against the alone runs varied 1.0-1.36 with other load
+    assert r["back"] <= 1.6, r
     assert not r["left"], r                                  # close() removed the folder
     assert "malleus-" not in r["cgroup_after"], r

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from .control import ADAPTIVE_KEYS
+from .engine.settings import ADAPTIVE_KEYS
 from .data import DATA_KINDS, DataConfig
 from .data.tokens import DTYPES, SUFFIXES, DataError, check_token_file
 from .emulation import StragglerError, StragglerSchedule

@@ -10,7 +10,7 @@ Data flows one way:
 3. **Detection** (``straggler.Detector``), rank 0 only, every ``detect.every`` steps.
 4. **Planning problem** of the running job (``replan.job_problem``) with the measured rates and
    ``current_plan`` = the running plan; the planner runs in its own process on rank 0
-   (:class:`PlannerClient`, ``planner/worker.py``) while training continues on the old plan.
+   (``planner/client.py`` talks to ``planner/worker.py``) while training continues on the old plan.
 5. **Cost-aware decision** (``replan.decide``): adopt the new plan only if its predicted gain over
    ``horizon_steps`` exceeds the predicted migration time (bytes of the transfer plan ÷ the
    bandwidth measured by earlier migrations).
@@ -18,185 +18,32 @@ Data flows one way:
    raises a flag in a step's all-reduce, every rank then joins one ``broadcast_object_list``
    before the next step and calls ``engine.switch_plan``.
 
-This module holds the loop's state and settings; the engine (``engine/engine.py``) only calls
+This module holds the loop's state (its settings: ``engine/settings.py``, ``AdaptiveSettings``;
+the probe: ``probe.py``); the engine (``engine/engine.py``) only calls
 :class:`Controller` hooks at fixed points of a step, so the whole loop is driven by
 ``train_batch``.
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 
+from .engine.settings import AdaptiveSettings
 from .models.base import head_layers
 from .plan import Plan, PlanError, nominal_tp
+from .probe import Probe
 from .problem import Problem
 from .replan import (Decision, decide, device_memory_mb, fit_running_plan, job_problem,
                      memory_model)
-from .straggler import (DetectConfig, Detector, RateEstimator, as_list, cost_shape, cost_units,
+from .straggler import (Detector, RateEstimator, as_list, cost_shape, cost_units,
                         ideal_slowdown, probe_reference)
 
 #: staging buffers of a switch, in units of ``malleus.migrate_bucket_mb``: a round's bytes in
 #: flight (sent + received, migrate/rounds.py) and the local copies that overlap the first round
 SWITCH_BUFFERS = 2
-
-ADAPTIVE_KEYS = ("adaptive", "detect", "horizon_steps", "replan_at", "planner_time_limit_s",
-                 "min_improvement", "migrate_gbps", "tp_slowdown", "device_mb")
-
-
-_INT_DETECT = ("every", "window", "confirm", "cooldown", "probe_every")
-
-
-def number(sec: Mapping[str, Any], key: str, default, ok, need: str, optional: bool = False):
-    """``sec[key]`` (``default`` if absent) as a float that satisfies ``ok``, or None when
-    ``optional`` and null; else ValueError ``ds_config.malleus.<key>=<value> must be <need>``."""
-    v = sec.get(key, default)
-    if v is None and optional:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
-        raise ValueError(f"ds_config.malleus.{key}={v!r} must be {need}")
-    return float(v)
-
-
-@dataclass(frozen=True)
-class AdaptiveSettings:
-    """The adaptive keys of the ``malleus`` section (``malleus.*`` in the app)."""
-
-    enabled: bool = True                 # malleus.adaptive: detect, re-plan and migrate by itself
-    detect: DetectConfig = field(default_factory=DetectConfig)
-    horizon_steps: int = 100             # a switch must pay for its migration within this many steps
-    replan_at: tuple[int, ...] = ()      # forced re-plans before these steps (tests, demos)
-    planner_time_limit_s: float | None = None   # None: the planner's automatic budget
-    min_improvement: float = 0.05        # the planner keeps the running plan unless this much faster
-    migrate_gbps: float = 1.0            # bandwidth assumed before the first migration is measured
-    tp_slowdown: Mapping[int, float] | str = "measure"   # tp/g -> slowdown, "measure" or "ideal"
-    device_mb: float | None = None       # memory per device for the planner; None: detected
-
-    @staticmethod
-    def from_config(sec: Mapping[str, Any]) -> "AdaptiveSettings":
-        """Parse and check; ValueError naming ``ds_config.malleus.<key>`` and the value."""
-        p = "ds_config.malleus"
-        en = sec.get("adaptive", True)
-        if not isinstance(en, bool):
-            raise ValueError(f"{p}.adaptive={en!r} must be true or false")
-        det = sec.get("detect") or {}
-        if not isinstance(det, Mapping):
-            raise ValueError(f"{p}.detect must be a mapping of {list(DetectConfig.__dataclass_fields__)}, "
-                             f"got {det!r}")
-        known = set(DetectConfig.__dataclass_fields__)
-        unknown = sorted(set(det) - known)
-        if unknown:
-            raise ValueError(f"{p}.detect: unknown keys {unknown}; allowed: {sorted(known)}")
-        for k, v in det.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"malleus.detect.{k}={v!r} must be a number")
-            if k in _INT_DETECT and int(v) != v:
-                raise ValueError(f"malleus.detect.{k}={v!r} must be an integer")
-        dc = DetectConfig(**{k: (int(v) if k in _INT_DETECT else float(v)) for k, v in det.items()})
-        dc.check()
-        hz = sec.get("horizon_steps", 100)
-        if isinstance(hz, bool) or not isinstance(hz, int) or hz < 1:
-            raise ValueError(f"{p}.horizon_steps={hz!r} must be an integer >= 1 (steps over "
-                             f"which a re-plan's gain must repay its migration)")
-        ra = sec.get("replan_at") or ()
-        if isinstance(ra, (str, bytes)) or not isinstance(ra, (list, tuple)):
-            raise ValueError(f"{p}.replan_at must be a list of step numbers, got {ra!r}")
-        for i, s in enumerate(ra):
-            if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-                raise ValueError(f"{p}.replan_at[{i}]={s!r} must be an integer >= 1 (the re-plan "
-                                 f"happens before that training step)")
-            if i and s <= ra[i - 1]:
-                raise ValueError(f"{p}.replan_at[{i}]={s} is not after replan_at[{i - 1}]="
-                                 f"{ra[i - 1]}; list steps in increasing order")
-        tl = number(sec, "planner_time_limit_s", None, lambda v: v > 0,
-                    "a number > 0 (or null: auto)", optional=True)
-        mi = number(sec, "min_improvement", 0.05, lambda v: 0 <= v < 1, "a number in [0, 1)")
-        bw = number(sec, "migrate_gbps", 1.0, lambda v: v > 0, "a number > 0 (GB/s)")
-        sd = sec.get("tp_slowdown", "measure")
-        if sd is None:
-            sd = "measure"
-        if isinstance(sd, str):
-            if sd not in ("measure", "ideal"):
-                raise ValueError(f"{p}.tp_slowdown={sd!r} must be \"measure\" (time the layer's "
-                                 f"TP shards at start-up), \"ideal\" (tp/g) or a map tp/g -> "
-                                 f"slowdown")
-        else:
-            if not isinstance(sd, Mapping):
-                raise ValueError(f"{p}.tp_slowdown must map tp/g to a slowdown, got {sd!r}")
-            try:
-                sd = {int(k): float(v) for k, v in sd.items()}
-            except (TypeError, ValueError):
-                raise ValueError(f"{p}.tp_slowdown={dict(sd)!r}: keys are integers tp/g, values "
-                                 f"numbers") from None
-        dm = number(sec, "device_mb", None, lambda v: v > 0, "a number > 0 (or null: detected)",
-                    optional=True)
-        return AdaptiveSettings(en, dc, hz, tuple(ra), tl, mi, bw, sd, dm)
-
-
-class PlannerClient:
-    """Rank 0's planner process (``planner/worker.py``): :meth:`request` sends a problem,
-    :meth:`poll` / :meth:`wait` return the answer; a reader thread only waits on the pipe."""
-
-    def __init__(self) -> None:
-        import os
-        import queue
-        import subprocess
-        import sys
-        from pathlib import Path
-
-        root = str(Path(__file__).resolve().parents[1])
-        env = dict(os.environ, OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, "-m", "malleus_ds.planner.worker"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=env)
-        self.answers: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, name="malleus-planner-reader", daemon=True).start()
-
-    def _read(self) -> None:
-        import json
-
-        for line in self.proc.stdout:
-            try:
-                self.answers.put(json.loads(line))
-            except ValueError:
-                self.answers.put({"error": f"planner worker wrote {line[:200]!r}"})
-        self.answers.put({"error": f"the planner worker exited (code {self.proc.wait()})"})
-
-    def request(self, req: dict) -> None:
-        import json
-
-        try:
-            self.proc.stdin.write(json.dumps(req) + "\n")
-            self.proc.stdin.flush()
-        except OSError as e:
-            self.answers.put({"error": f"the planner worker is gone: {e}"})
-
-    def poll(self) -> dict | None:
-        import queue
-        try:
-            return self.answers.get_nowait()
-        except queue.Empty:
-            return None
-
-    def wait(self, timeout_s: float) -> dict:
-        import queue
-        try:
-            return self.answers.get(timeout=timeout_s)
-        except queue.Empty:
-            return {"error": f"the planner did not answer within {timeout_s:g} s"}
-
-    def close(self) -> None:
-        try:
-            self.proc.stdin.close()
-            self.proc.wait(timeout=5)
-        except Exception:       # noqa: BLE001 - best effort at shutdown
-            self.proc.kill()
-
 
 # ------------------------------------------------------------------------------ the controller
 
@@ -236,12 +83,13 @@ class Controller:
         self._generation = 0              # bumped by every switch: older requests are stale
         self._problem: Problem | None = None
         self._first_plan = plan            # the user's layout: the problem's static baseline
-        self._probe_block = None
+        self._probe = Probe(engine)       # probe.py: a block timed like training compute
         self._probe_s = 0.0               # timed after the last all-reduce, reported in the next
         self._skip, self._seen = 1, 0     # steps to leave out; steps measured so far
         self.disabled_reason: str | None = None
-        self._client: PlannerClient | None = None
+        self._client = None               # rank 0: planner/client.py's PlannerClient
         if self.rank == 0 and self.world > 1 and (settings.enabled or settings.replan_at):
+            from .planner.client import PlannerClient
             self._client = PlannerClient()   # imports the planner while the engine warms up
 
     def _slowdown(self, tp: int) -> dict[int, float]:
@@ -287,74 +135,10 @@ class Controller:
         out, self._probe_s = self._probe_s, 0.0
         return out
 
-    #: a rank without work keeps its probe busy this long before timing (seconds of wall): past
-    #: one CPU-quota period (50 ms; a throttled process runs its period's share at full speed,
-    #: so a short probe after idling reads healthy) and a GPU's clock ramp-up
-    PROBE_SUSTAIN_S = 0.06
-    #: ...and then times repeats of the block over this long (spanning throttling periods)
-    PROBE_TIMED_S = 0.1
-    #: at most this share of a step goes to one probe (it runs while the others compute)
-    PROBE_BUDGET = 0.5
-
     def probe(self, step: int) -> float:
-        """Seconds of one decoder block's forward + backward on a dummy micro-batch, timed like
-        training compute (straggler emulation applies): how a rank without work stays measured.
-        The block is built once (fixed seed, the caller's RNG untouched) and kept. It runs once
-        untimed first (allocation, cold caches). A rank without work then keeps the device busy
-        for :attr:`PROBE_SUSTAIN_S` and times the mean of repeats over :attr:`PROBE_TIMED_S`:
-        a device that idled reads as it works, not as it wakes (a CPU-quota-throttled process
-        runs the first milliseconds of each period at full speed; a GPU ramps its clocks), all
-        within :attr:`PROBE_BUDGET` of a step, so the probe never delays the next all-reduce.
-        The calibrating rank works every step: one timed run."""
-        import torch
-
-        e = self.engine
-        if self._probe_block is None:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                blk = e.model_cfg.build_layer(0, 0).to(device=e.device, dtype=e.act_dtype)
-                x = torch.randn(e.plan.micro_batch_size, e.seq_len, e.model_cfg.hidden_size,
-                                device=e.device, dtype=e.act_dtype)
-            self._probe_block, self._probe_x = blk, x
-        blk, cfg = self._probe_block, e.model_cfg
-
-        def run():
-            x = self._probe_x.detach().requires_grad_()
-            cfg.run_block(blk, x, cfg.block_context(x)).float().sum().backward()
-
-        run()                                          # warm-up, untimed
-        reps = self._sustain(run) if e.located is None else 1
-
-        def timed():
-            for _ in range(reps):
-                run()
-
-        before = e.clock.compute_s
-        e._timed(timed)
-        for p in blk.parameters():
-            p.grad = None
-        return (e.clock.compute_s - before) / reps
-
-    def _sustain(self, run) -> int:
-        """Run ``run`` back to back for the sustain time (bounded by the step budget); return
-        how many repeats fill the timed window at the pace of the last one."""
-        import torch
-
-        dev = torch.device(self.engine.device)
-        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-        budget = self.PROBE_BUDGET * (float(np.median(self.step_times)) if self.step_times
-                                      else 2 * (self.PROBE_SUSTAIN_S + self.PROBE_TIMED_S))
-        sustain = min(self.PROBE_SUSTAIN_S, budget / 2)
-        end, last = time.perf_counter() + sustain, 0.0
-        while True:
-            t0 = time.perf_counter()
-            run()
-            sync()
-            last = time.perf_counter() - t0
-            if time.perf_counter() >= end:
-                break
-        window = min(self.PROBE_TIMED_S, budget / 2)
-        return int(min(64, max(1, round(window / max(last, 1e-6)))))
+        """Seconds per run of the probe block (``probe.py``): sustained on a rank without work,
+        one run on the calibrating rank."""
+        return self._probe.measure(self.engine.located is not None, self.step_times)
 
     def slots(self, compute_s: float, probe_s: float) -> list[float]:
         """``[decision ready (rank 0), compute_s per rank..., probe per-unit s per rank...]``,
@@ -439,7 +223,7 @@ class Controller:
         self._generation += 1
         self._result = None                  # planned against the old plan, never flagged
         if plan.locate(self.rank) is not None and self.rank != self.probe_ref:
-            self._probe_block = None         # back at work: free the probe's block
+            self._probe.block = None         # back at work: free the probe's block
         if self.det is not None:
             self.det.planned_for(rates if rates is not None else self._normalised())
 

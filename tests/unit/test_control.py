@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from malleus_ds.control import AdaptiveSettings, Controller, PlannerClient
+from malleus_ds.control import Controller
+from malleus_ds.engine.settings import AdaptiveSettings
+from malleus_ds.planner.client import PlannerClient
 from malleus_ds.replan import decide, job_problem, memory_model, nominal_shape
 from malleus_ds.cost import step_time
 from malleus_ds.models.llama import PRESETS, param_table
@@ -249,8 +251,8 @@ def _probing_engine(plan, rank, block_s):
 
 
 def test_a_rank_without_work_sustains_its_probe_and_reports_one_run():
-    """Rank 3 (no work) keeps the device busy for PROBE_SUSTAIN_S, then times repeats over
-    PROBE_TIMED_S, and reports seconds per run; the calibrating rank (working) runs once untimed
+    """Rank 3 (no work) keeps the device busy for Probe.SUSTAIN_S, then times repeats over
+    Probe.TIMED_S (probe.py), and reports seconds per run; the calibrating rank (working) runs once untimed
     and once timed. The budget (half a step) bounds a probe on short steps."""
     plan = static_plan(4, 8, 1, 1, 1, 3)          # 3 pipelines on ranks 0-2; rank 3 is spare
     idle = Controller(_probing_engine(plan, 3, 0.01), AdaptiveSettings())

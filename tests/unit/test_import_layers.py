@@ -24,7 +24,7 @@ PKG = Path(__file__).resolve().parents[2] / "malleus_ds"
 BOTTOM = {"plan", "problem", "cost", "layout", "schedule", "ckpt_format", "views", "samples",
           "optim", "fileio", "safe_load", "straggler", "replan", "simulate", "metrics"}
 #: the core above it (packages or modules, relative to malleus_ds)
-CORE = BOTTOM | {"engine", "migrate", "planner", "models", "control", "clock", "agreement",
+CORE = BOTTOM | {"engine", "migrate", "planner", "models", "control", "clock", "probe", "agreement",
                  "emulation", "cpu_quota", "watchdog", "procs", "ds_compat"}
 #: the app: what the core must never import
 APP = {"runners", "config", "data", "reference", "export", "cli", "plot", "compare", "api"}

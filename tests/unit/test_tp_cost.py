@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from malleus_ds.control import AdaptiveSettings
+from malleus_ds.engine.settings import AdaptiveSettings
 from malleus_ds.engine.tp_cost import _sharded_layer, group_sizes, measure, slowdown_table, time_shards
 from malleus_ds.models.llama import model_config
 

@@ -1,0 +1,90 @@
+"""The probe: how a rank without work stays measured (DESIGN.md §6, "Probes measure the device").
+
+One decoder block's forward + backward on a dummy micro-batch, timed by the engine's compute
+clock like training compute (so straggler emulation applies). The adaptive loop
+(``malleus_ds/control.py``) runs it on ranks without work and on the calibrating rank, right
+after a step's all-reduce, and sends the reading in the next step's all-reduce.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+class Probe:
+    """The block (built on first use, fixed seed, the caller's RNG untouched) and its timing."""
+
+    #: a rank without work keeps its probe busy this long before timing (seconds of wall): past
+    #: one CPU-quota period (50 ms; a throttled process runs its period's share at full speed,
+    #: so a short probe after idling reads healthy) and a GPU's clock ramp-up
+    SUSTAIN_S = 0.06
+    #: ...and then times repeats of the block over this long (spanning throttling periods)
+    TIMED_S = 0.1
+    #: at most this share of a step goes to one probe (it runs while the others compute)
+    BUDGET = 0.5
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.block = None
+        self.x = None
+
+    def measure(self, working: bool, step_times) -> float:
+        """Seconds of one decoder block's forward + backward on a dummy micro-batch, timed like
+        training compute (straggler emulation applies): how a rank without work stays measured.
+        The block is built once (fixed seed, the caller's RNG untouched) and kept. It runs once
+        untimed first (allocation, cold caches). A rank without work then keeps the device busy
+        for :attr:`SUSTAIN_S` and times the mean of repeats over :attr:`TIMED_S`:
+        a device that idled reads as it works, not as it wakes (a CPU-quota-throttled process
+        runs the first milliseconds of each period at full speed; a GPU ramps its clocks), all
+        within :attr:`BUDGET` of a step, so the probe never delays the next all-reduce.
+        The calibrating rank works every step: one timed run."""
+        import torch
+
+        e = self.engine
+        if self.block is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                blk = e.model_cfg.build_layer(0, 0).to(device=e.device, dtype=e.act_dtype)
+                x = torch.randn(e.plan.micro_batch_size, e.seq_len, e.model_cfg.hidden_size,
+                                device=e.device, dtype=e.act_dtype)
+            self.block, self.x = blk, x
+        blk, cfg = self.block, e.model_cfg
+
+        def run():
+            x = self.x.detach().requires_grad_()
+            cfg.run_block(blk, x, cfg.block_context(x)).float().sum().backward()
+
+        run()                                          # warm-up, untimed
+        reps = 1 if working else self._sustain(run, step_times)
+
+        def timed():
+            for _ in range(reps):
+                run()
+
+        before = e.clock.compute_s
+        e._timed(timed)
+        for p in blk.parameters():
+            p.grad = None
+        return (e.clock.compute_s - before) / reps
+
+    def _sustain(self, run, step_times) -> int:
+        """Run ``run`` back to back for the sustain time (bounded by the step budget); return
+        how many repeats fill the timed window at the pace of the last one."""
+        import torch
+
+        dev = torch.device(self.engine.device)
+        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        budget = self.BUDGET * (float(np.median(step_times)) if step_times
+                                else 2 * (self.SUSTAIN_S + self.TIMED_S))
+        sustain = min(self.SUSTAIN_S, budget / 2)
+        end, last = time.perf_counter() + sustain, 0.0
+        while True:
+            t0 = time.perf_counter()
+            run()
+            sync()
+            last = time.perf_counter() - t0
+            if time.perf_counter() >= end:
+                break
+        window = min(self.TIMED_S, budget / 2)
+        return int(min(64, max(1, round(window / max(last, 1e-6)))))

@@ -32,7 +32,7 @@ from typing import Mapping
 import numpy as np
 
 from .engine.settings import AdaptiveSettings
-from .models.base import head_layers
+from .models.base import head_layer_units
 from .plan import Plan, PlanError, nominal_tp
 from .probe import Probe
 from .problem import Problem
@@ -70,7 +70,7 @@ class Controller:
         self.est = RateEstimator(self.world, settings.detect.window)
         self.det = Detector(self.world, settings.detect) if self.rank == 0 else None
         # the last stage's output head, in layers: without it a healthy last stage reads slow
-        self.head = head_layers(engine.param_table, engine.seq_len, engine.model_cfg.hidden_size)
+        self.head = head_layer_units(engine.param_table, engine.seq_len, engine.model_cfg.hidden_size)
         self.units = cost_units(plan, self.world, self.tp, self.slowdown, self.head)
         self.shape = tuple(cost_shape(plan, self.world).T)     # per-micro-batch terms, fitted
         self.probe_ref = probe_reference(self.units)

@@ -31,7 +31,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 from .plan import Plan, Stage
 
-#: Owner ids beyond layers 0..L-1 (match ``malleus_ds.models.llama``).
+#: Owner ids beyond layers 0..L-1: the embedding and the final norm + head (every model uses these).
 EMBED = -1
 HEAD = -2
 

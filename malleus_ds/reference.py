@@ -13,7 +13,7 @@ from .data import DataConfig, make_dataset
 from .models import ModelConfig, build_model, lm_loss
 from .models.base import global_named_parameters, global_state_dict, tied_params
 from .optim import OptimConfig, make_optimizer
-from .samples import micro_batches
+from .samples import loss_share, micro_batches
 
 
 def reference_run(cfg: ModelConfig, *, seed: int, steps: int, global_batch_size: int,
@@ -32,7 +32,7 @@ def reference_run(cfg: ModelConfig, *, seed: int, steps: int, global_batch_size:
     model = build_model(cfg, seed)
     opt = make_optimizer(model.parameters(), optim)
     dataset = make_dataset(data or DataConfig(), cfg, seed if data_seed is None else data_seed)
-    scale = micro_batch_size / global_batch_size
+    scale = loss_share(micro_batch_size, global_batch_size)
     losses = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)

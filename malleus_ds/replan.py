@@ -86,7 +86,7 @@ def job_problem(plan: Plan, world: int, gpus_per_node: int, tp: int,
                 tp_slowdown: Mapping[int, float], memory: Memory | None,
                 head_layers: float = 0.0) -> Problem:
     """The planning problem of a running job (rates are filled in per re-plan); ``head_layers``:
-    the output head's compute in layer units (``models.base.head_layers``)."""
+    the output head's compute in layer units (``models.base.head_layer_units``)."""
     pp, dp = nominal_shape(plan, world, tp)
     return Problem(name="running-job", nodes=world // gpus_per_node, gpus_per_node=gpus_per_node,
                    num_layers=plan.num_layers, global_batch_size=plan.global_batch_size,

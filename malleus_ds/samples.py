@@ -13,6 +13,13 @@ def global_batch_ids(step: int, global_batch_size: int) -> range:
     return range(step * global_batch_size, (step + 1) * global_batch_size)
 
 
+def loss_share(micro_batch_size: int, global_batch_size: int) -> float:
+    """What each micro-batch's mean loss is scaled by before backward: summed over every
+    micro-batch of every pipeline, the gradients are those of the global-batch mean, whatever
+    the layout (one process, DeepSpeed or any plan). The one place this is decided."""
+    return micro_batch_size / global_batch_size
+
+
 def micro_batches(step: int, global_batch_size: int, micro_batch_size: int) -> list[list[int]]:
     """Sample-id lists of the micro-batches of ``step``, in global order."""
     ids = list(global_batch_ids(step, global_batch_size))

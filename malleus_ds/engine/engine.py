@@ -59,7 +59,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import log_dist
 from malleus_ds_kernels.pack import warm_up as warm_up_pack
 
-from ..samples import micro_batches
+from ..samples import loss_share, micro_batches
 from ..models.base import StageModule, param_table, tied_params
 from ..plan import Plan, PlanError, nominal_tp
 from ..watchdog import phase
@@ -453,7 +453,7 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
             x, y = (t.to(self.device) for t in batch)       # (B, T) tokens, (B, T) targets
         if not self.is_first_stage:
             x = self._inputs[k]                             # (B, T, H), requires grad
-        scale = self.plan.micro_batch_size / self.plan.global_batch_size
+        scale = loss_share(self.plan.micro_batch_size, self.plan.global_batch_size)
 
         def run():
             out = self.module(x)

@@ -31,13 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Layer ids: EMBED for the embedding, 0..L-1 for decoder layers, HEAD for norm + head (the slice
+# map's, defined once in layout.py)
+from ..layout import EMBED, HEAD
+
 class TPError(ValueError):
     """A TP group size the model cannot be split by."""
 
 
-#: Layer ids: ``EMBED`` for the embedding, 0..L-1 for decoder layers, ``HEAD`` for norm + head.
-EMBED = -1
-HEAD = -2
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -109,7 +110,7 @@ def global_named_parameters(model) -> list:
     return fn() if fn is not None else list(model.named_parameters())
 
 
-def head_layers(table, seq_len: int, hidden_size: int) -> float:
+def head_layer_units(table, seq_len: int, hidden_size: int) -> float:
     """The output head's compute per token in decoder-layer units, for the cost model: the head's
     matmul weights over a layer's matmul weights plus its causal attention (``T·H`` multiply-adds
     per token for scores and weighted sum). 0.30 for the tiny test models, 0.60 for a 7B Llama

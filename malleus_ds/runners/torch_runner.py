@@ -16,6 +16,7 @@ import time
 from ..ckpt_format import TORCH_FORMAT, TORCH_STATE_FILE
 from ..config import ConfigError, RunConfig
 from ..fileio import atomic_write
+from ..samples import loss_share
 from .base import DistEnv, RunSummary
 from .checkpoint import Checkpointer
 from .common import ComputeClock, StepReporter, replica_micro_batches
@@ -42,7 +43,7 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     model = build_model(cfg.model, cfg.train.seed).to(env.device)
     opt = make_optimizer(model.parameters(), cfg.train.optim)
     data = build_dataset(cfg)
-    scale = cfg.train.micro_batch_size / cfg.train.global_batch_size
+    scale = loss_share(cfg.train.micro_batch_size, cfg.train.global_batch_size)
     multi = dist.is_initialized() and env.world_size > 1
     ck = Checkpointer(cfg, env)
     if ck.resumed is not None:

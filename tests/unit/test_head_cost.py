@@ -9,7 +9,7 @@ import math
 import pytest
 
 from malleus_ds.cost import evaluate, head_layers, stage_time
-from malleus_ds.models.base import head_layers as model_head_layers, param_table
+from malleus_ds.models.base import head_layer_units as model_head_layers, param_table
 from malleus_ds.models.llama import model_config
 from malleus_ds.plan import PlanError, static_plan
 from malleus_ds.problem import Problem

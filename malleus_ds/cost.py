@@ -245,6 +245,14 @@ def healthy_step_time(problem: Problem) -> float:
     return step_time(problem.with_rates({}), problem.static_plan())
 
 
+def eta(healthy_s: float, step_s: float, capacity: float) -> float:
+    """Straggler efficiency ``η = (T_healthy / T_plan) / f`` (1.0 = perfect): the step time the
+    static plan has without stragglers over a plan's step time, relative to the capacity bound
+    ``f`` (:func:`capacity_fraction`). The one definition; callers that score many step times
+    of one problem pass ``T_healthy`` and ``f`` computed once."""
+    return healthy_s / step_s / capacity
+
+
 def efficiency(problem: Problem, plan: Plan) -> float:
-    """Straggler efficiency ``η = (T_healthy / T_plan) / f`` (1.0 = perfect)."""
-    return healthy_step_time(problem) / step_time(problem, plan) / capacity_fraction(problem)
+    """:func:`eta` of ``plan`` under ``problem``."""
+    return eta(healthy_step_time(problem), step_time(problem, plan), capacity_fraction(problem))

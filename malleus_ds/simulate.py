@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import (capacity_fraction, comm_spec, evaluate, group_rate, head_layers,
+from .cost import (capacity_fraction, comm_spec, eta, evaluate, group_rate, head_layers,
                    healthy_step_time)
 from .plan import Plan
 from .problem import Problem
@@ -141,8 +141,8 @@ def summarize(problem: Problem, plan: Plan, timeline: Timeline | None = None) ->
     n_active = sum(len(s) for r in tl.ranks for s in r)
     busy = sum(b * len(s) for bs, rs in zip(tl.busy, tl.ranks) for b, s in zip(bs, rs))
     bubble = 1.0 - busy / (n_active * tl.step_time) if n_active else 0.0
-    eta = healthy_step_time(problem) / cost.step_time / capacity_fraction(problem)
-    return Summary(cost.step_time, tl.step_time, eta, bubble, cost.pipeline_times,
+    e = eta(healthy_step_time(problem), cost.step_time, capacity_fraction(problem))
+    return Summary(cost.step_time, tl.step_time, e, bubble, cost.pipeline_times,
                    tuple(p.micro_batches for p in plan.pipelines), len(plan.suspended))
 
 

@@ -20,6 +20,7 @@ from typing import Mapping
 
 from ..cost import (capacity_fraction, check_memory, check_switch_memory, comm_spec,
                     healthy_step_time, pipeline_stage_times, step_time, validate_for_problem)
+from ..cost import eta as cost_eta
 from ..plan import Plan, PlanError
 from ..problem import Problem
 from .baselines import all_baselines
@@ -101,7 +102,7 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
     old = problem.current_plan
 
     def eta(T: float) -> float:
-        return T_h / T / f
+        return cost_eta(T_h, T, f)
 
     cands: list[tuple[float, float, int, str, Plan]] = []   # (T, moved, priority, method, plan)
     prio = {"current": 0, "static": 1, "search": 2, "data-only": 3, "drop": 4}

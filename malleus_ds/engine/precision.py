@@ -70,9 +70,11 @@ class Precision:
         return LossScaler(scale=self.static_loss_scale)
 
     @staticmethod
-    def from_config(user_cfg: Mapping[str, Any]) -> "Precision":
-        """Parse and validate ``fp16`` / ``bf16`` / ``data_types`` with DeepSpeed's own config
-        models. Pure (no processes), so every rank raises the same error before any collective."""
+    def name_of(user_cfg: Mapping[str, Any]) -> str:
+        """``"fp16"``, ``"bf16"`` or ``"fp32"``: the mode a ds_config's ``fp16`` / ``bf16``
+        (alias ``bfloat16``) sections enable, read by DeepSpeed's own parsers (the one reading:
+        the engine's precision and the app's checkpoint record both ask it). ValueError naming
+        the section for a malformed one or for both enabled."""
         from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
 
         try:
@@ -83,8 +85,18 @@ class Precision:
         if fp16.enabled and bf16.enabled:
             raise ValueError("ds_config: fp16.enabled and bf16.enabled are both true; enable at most "
                              "one mixed-precision mode (DeepSpeed refuses this combination too)")
-        dtype = torch.float16 if fp16.enabled else torch.bfloat16 if bf16.enabled else torch.float32
-        name = "fp16" if fp16.enabled else "bf16" if bf16.enabled else None
+        return "fp16" if fp16.enabled else "bf16" if bf16.enabled else "fp32"
+
+    @staticmethod
+    def from_config(user_cfg: Mapping[str, Any]) -> "Precision":
+        """Parse and validate ``fp16`` / ``bf16`` / ``data_types`` with DeepSpeed's own config
+        models. Pure (no processes), so every rank raises the same error before any collective."""
+        from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
+
+        mode = Precision.name_of(user_cfg)           # raises for a malformed or double section
+        fp16, bf16 = get_float16_config(user_cfg), get_bfloat16_config(user_cfg)
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[mode]
+        name = None if mode == "fp32" else mode
         _check_data_types(user_cfg.get("data_types") or {}, dtype, name)
         if fp16.enabled and fp16.fp16_master_weights_and_grads:
             raise ValueError("ds_config.fp16.fp16_master_weights_and_grads: MalleusEngine keeps fp32 "

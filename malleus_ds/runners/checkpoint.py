@@ -94,11 +94,9 @@ def _batch(cfg: RunConfig) -> tuple[int, int]:
 def _precision(cfg: RunConfig) -> str:
     if cfg.engine == "torch":
         return "fp32"
-    c = cfg.deepspeed.config
-    for name, keys in (("bf16", ("bf16", "bfloat16")), ("fp16", ("fp16",))):
-        if any(isinstance(c.get(k), dict) and c[k].get("enabled") for k in keys):
-            return name
-    return "fp32"
+    from ..engine.precision import Precision
+
+    return Precision.name_of(cfg.deepspeed.config)
 
 
 def data_record(cfg: RunConfig) -> dict:

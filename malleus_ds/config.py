@@ -563,9 +563,9 @@ def check_even_batch(t: TrainConfig, p: ParallelConfig, ds: DeepSpeedSection) ->
                           f"not split evenly over parallel.dp={p.dp} replicas; use a global batch "
                           f"that is a multiple of {t.micro_batch_size * p.dp}")
     c = ds.config
-    want = {"train_batch_size": t.global_batch_size,
-            "train_micro_batch_size_per_gpu": t.micro_batch_size,
-            "gradient_accumulation_steps": n // p.dp}
+    from .ds_compat import batch_keys
+
+    want = batch_keys(t.micro_batch_size, n // p.dp, p.dp)
     for k, v in want.items():
         if k in c and c[k] not in (None, "auto") and c[k] != v:
             raise ConfigError(f"ds_config {k}={c[k]} contradicts the run: train.global_batch_size="

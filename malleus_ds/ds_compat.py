@@ -21,6 +21,20 @@ import functools
 import os
 
 
+#: the ds_config keys that fix the batch (DeepSpeed checks train = micro x accumulation x DP)
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def batch_keys(micro_batch_size: int, micro_batches: int, replicas: int) -> dict[str, int]:
+    """The ds_config batch fields for ``replicas`` data-parallel replicas that each run
+    ``micro_batches`` micro-batches of ``micro_batch_size``: the one place they are written
+    (stock DeepSpeed's whole-job config, MalleusEngine's per-pipeline base config with one
+    replica, and the check that a user's JSON agrees with ``train.*``)."""
+    return {"train_batch_size": micro_batch_size * micro_batches * replicas,
+            "train_micro_batch_size_per_gpu": micro_batch_size,
+            "gradient_accumulation_steps": micro_batches}
+
+
 def skip_shm_comm_build() -> None:
     if os.environ.get("MALLEUS_BUILD_SHM_OP") == "1":
         return

@@ -292,12 +292,11 @@ def base_ds_config(user_cfg: dict, plan: Plan, loc) -> dict:
     """The config the base engine gets: batch sizes of this rank's pipeline (DP world = 1), and
     no optimizer / ZeRO / precision section (this subclass builds those; see the module
     docstring)."""
+    from ..ds_compat import BATCH_KEYS, batch_keys
+
     base = {k: v for k, v in user_cfg.items()
-            if k not in ("malleus", "optimizer", "zero_optimization", "train_batch_size",
-                         "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+            if k not in ("malleus", "optimizer", "zero_optimization", *BATCH_KEYS,
                          "fp16", "bf16", "bfloat16", "data_types")}
     m = plan.pipelines[loc[0]].micro_batches if loc else 1
-    base["train_micro_batch_size_per_gpu"] = plan.micro_batch_size
-    base["gradient_accumulation_steps"] = m
-    base["train_batch_size"] = plan.micro_batch_size * m
+    base.update(batch_keys(plan.micro_batch_size, m, replicas=1))
     return base

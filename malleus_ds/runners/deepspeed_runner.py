@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, RunConfig, check_even_batch
+from ..ds_compat import batch_keys
 from ..models.base import EMBED, HEAD, lm_loss
 from ..models.base import tied_params
 from ..plan import even_split
@@ -54,9 +55,7 @@ def build_ds_config(cfg: RunConfig) -> dict:
     """The ds_config handed to ``deepspeed.initialize``: the user's/preset's, plus batch sizes."""
     c = copy.deepcopy(dict(cfg.deepspeed.config))
     t, p = cfg.train, cfg.parallel
-    c["train_batch_size"] = t.global_batch_size
-    c["train_micro_batch_size_per_gpu"] = t.micro_batch_size
-    c["gradient_accumulation_steps"] = t.num_micro_batches // p.dp
+    c.update(batch_keys(t.micro_batch_size, t.num_micro_batches // p.dp, p.dp))
     c.setdefault("steps_per_print", 10**9)
     c.setdefault("gradient_clipping", 0.0)
     if "optimizer" not in c:

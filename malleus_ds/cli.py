@@ -112,14 +112,14 @@ def sim_main(argv: Sequence[str] | None = None) -> int:
         return _fail(prog, f"{args.problem}: {e}")
     from .cost import validate_for_problem
     from .planner import all_baselines
-    from .simulate import gantt, simulate, summarize
+    from .simulate import build_timeline, gantt, summarize
 
     try:
         pl = Plan.load(args.plan) if args.plan else pr.static_plan()
         validate_for_problem(pr, pl)
     except PlanError as e:
         return _fail(prog, f"{args.plan or 'static plan'}: {e}")
-    tl = simulate(pr, pl)
+    tl = build_timeline(pr, pl)
     s = summarize(pr, pl, tl)
     print(f"{pr.name}: plan {args.plan or '(static)'}: {len(pl.pipelines)} pipelines, "
           f"{sum(len(p.stages) for p in pl.pipelines)} stages")

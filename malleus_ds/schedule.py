@@ -2,7 +2,7 @@
 
 After DeepSpeed's ``runtime/pipe/schedule.py``: a schedule is plain data (frozen dataclasses with
 a short printable form), the engine dispatches each instruction through a table, and the schedule
-is tested with no processes at all (``simulate``).
+is tested with no processes at all (``replay_streams``).
 
 Each pipeline of a plan gets its own schedule (its own stage count ``S`` and micro-batch count
 ``m``); pipelines never exchange activations, so they need no common clock. Stage ``j`` of ``S``
@@ -13,7 +13,7 @@ runs the classic non-interleaved 1F1B:
     cooldown  = warmup backwards
 
 so at most ``S - j`` micro-batches of activations are alive on stage ``j`` (the memory model of
-DESIGN.md §3). Sends are asynchronous (``isend``) and receives block; ``simulate`` checks that
+DESIGN.md §3). Sends are asynchronous (``isend``) and receives block; ``replay_streams`` checks that
 under exactly this rule every rank's stream completes (no deadlock) and every send is matched by
 one receive of the same shape of message.
 
@@ -150,7 +150,7 @@ class ScheduleError(RuntimeError):
     """A set of instruction streams would deadlock or leave messages unmatched."""
 
 
-def simulate(streams: Sequence[Sequence[Instr]]) -> list[str]:
+def replay_streams(streams: Sequence[Sequence[Instr]]) -> list[str]:
     """Execute the streams of one pipeline (``streams[j]`` = stage ``j``) under the engine's rule.
 
     Sends never block; a receive blocks until the matching send was issued; each stage runs its

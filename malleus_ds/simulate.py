@@ -65,7 +65,7 @@ def compute_order(S: int, j: int, m: int) -> list[tuple[str, int]]:
             if isinstance(i, (Forward, Backward))]
 
 
-def simulate(problem: Problem, plan: Plan) -> Timeline:
+def build_timeline(problem: Problem, plan: Plan) -> Timeline:
     cs = comm_spec(problem)
     gpn = problem.gpus_per_node
     ops: list[Op] = []
@@ -136,7 +136,7 @@ class Summary:
 
 
 def summarize(problem: Problem, plan: Plan, timeline: Timeline | None = None) -> Summary:
-    tl = timeline or simulate(problem, plan)
+    tl = timeline or build_timeline(problem, plan)
     cost = evaluate(problem, plan)
     n_active = sum(len(s) for r in tl.ranks for s in r)
     busy = sum(b * len(s) for bs, rs in zip(tl.busy, tl.ranks) for b, s in zip(bs, rs))
@@ -154,7 +154,7 @@ def gantt(problem: Problem, plan: Plan, path: str, timeline: Timeline | None = N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tl = timeline or simulate(problem, plan)
+    tl = timeline or build_timeline(problem, plan)
     rows: dict[tuple[int, int], int] = {}
     labels = []
     for i, rs in enumerate(tl.ranks):

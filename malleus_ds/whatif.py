@@ -24,7 +24,7 @@ schedule when the run was emulated (its onset is exact), else the set of ranks a
   ``compute_s`` per healthy step (mean over those steps);
 * ``static = k_p H``: the static plan (``plan.static_plan`` of the layout) under ``rates_p``.
   ``T_h``, ``T_p``: its simulated 1F1B step time healthy and under the rates (model units,
-  ``simulate.simulate``; head layers left out; equal to the cost model's
+  ``simulate.build_timeline``; head layers left out; equal to the cost model's
   ``sum t + (m-1) max t`` when the slow stage is the last one, below it otherwise), ``U``: the
   compute units one rank does per healthy step (the busiest stage's ``t m``). Only compute
   slows down, so the static step takes ``t_h + (C / U) (T_p - T_h)`` seconds and
@@ -237,7 +237,7 @@ class StaticModel:
 
 
 def static_model(layout: Layout | None, rates: Mapping[int, float], world: int) -> StaticModel:
-    """The static plan's simulated 1F1B step time (``simulate.simulate``) healthy and under
+    """The static plan's simulated 1F1B step time (``simulate.build_timeline``) healthy and under
     ``rates``; without a usable layout, the slowest rank's pace (1 unit of compute per step,
     ``max rate`` units under ``rates``)."""
     x = max(rates.values(), default=1.0)
@@ -246,7 +246,7 @@ def static_model(layout: Layout | None, rates: Mapping[int, float], world: int) 
                                         "pp=1)")
     from .plan import PlanError
     from .problem import Problem
-    from .simulate import simulate
+    from .simulate import build_timeline
 
     n = layout.tp * layout.pp * layout.dp
     if n != world:
@@ -258,8 +258,8 @@ def static_model(layout: Layout | None, rates: Mapping[int, float], world: int) 
                        micro_batch_size=layout.micro_batch_size, tp=layout.tp, pp=layout.pp,
                        dp=layout.dp, tp_slowdown={1: 1.0}, memory=None, rates={})
         plan = prob.static_plan()
-        h = simulate(prob, plan)
-        r = simulate(prob.with_rates(dict(rates)), plan) if rates else h
+        h = build_timeline(prob, plan)
+        r = build_timeline(prob.with_rates(dict(rates)), plan) if rates else h
     except (PlanError, ValueError) as e:
         return StaticModel(1.0, x, 1.0, f"slowest rank's pace ({e})")
     return StaticModel(h.step_time, r.step_time, max(b for bs in h.busy for b in bs),

@@ -1,5 +1,5 @@
 """Messages and rounds: the transfer plan cut into bounded packed buffers, in an order that cannot
-deadlock (pure; checked by :func:`simulate` without processes, as the pipeline schedule is).
+deadlock (pure; checked by :func:`replay_rounds` without processes, as the pipeline schedule is).
 
 A *message* is one buffer from one rank to one peer: transfers of that pair of one kind and wire
 dtype (a large parameter slice alone), in bucket layout order, cut so no message exceeds ``cap``
@@ -14,7 +14,7 @@ Execution (``transport.py``): in round ``t`` every rank posts all its sends and 
 round in one ``batch_isend_irecv`` (ordered by message id on both sides, so NCCL pairs them in
 order), waits for them, unpacks, and moves to round ``t + 1``. Both ends of every message sit in
 the same round, and nothing blocks before all of a round's operations are posted, so no cycle
-of waits can form; :func:`simulate` replays that rule for every rank and fails on any stuck state.
+of waits can form; :func:`replay_rounds` replays that rule for every rank and fails on any stuck state.
 """
 from __future__ import annotations
 
@@ -114,17 +114,17 @@ def rank_rounds(rds: list[list[Message]], rank: int) -> list[list[tuple[str, Mes
              if rank in (m.src, m.dst)] for rd in rds]
 
 
-def simulate(rds: list[list[Message]], world: int, cap_bytes: int | None = None) -> int:
+def replay_rounds(rds: list[list[Message]], world: int, cap_bytes: int | None = None) -> int:
     """Replay the execution rule for every rank from its own view (:func:`rank_rounds`): a rank
     finishes round ``t`` once every message of its round ``t`` has been posted by both ends.
     Raises on a stuck state, a message a peer never posts, or a round over ``cap_bytes`` on some
     rank; returns the number of rounds."""
-    return simulate_views([rank_rounds(rds, r) for r in range(world)], cap_bytes)
+    return replay_views([rank_rounds(rds, r) for r in range(world)], cap_bytes)
 
 
-def simulate_views(views: list[list[list[tuple[str, Message]]]], cap_bytes: int | None = None
+def replay_views(views: list[list[list[tuple[str, Message]]]], cap_bytes: int | None = None
                    ) -> int:
-    """:func:`simulate` on explicit per-rank views (each rank's ops per round)."""
+    """:func:`replay_rounds` on explicit per-rank views (each rank's ops per round)."""
     world = len(views)
     # message id -> round index in which each end posts it
     posted: dict[tuple[int, str], int] = {}

@@ -15,7 +15,7 @@ from malleus_ds.plan import PlanError, static_plan
 from malleus_ds.problem import Problem
 from malleus_ds.planner.partition import PipelineModel
 from malleus_ds.replan import job_problem
-from malleus_ds.simulate import simulate
+from malleus_ds.simulate import build_timeline
 from malleus_ds.straggler import cost_units
 
 
@@ -40,10 +40,10 @@ def test_last_stage_pays_the_head_in_cost_and_simulation():
         assert ts[0] == pytest.approx(stage_time(pr, first))
         assert ts[1] == pytest.approx(stage_time(pr, last) + 1.5 * max(pr.rate(r) for r in last.ranks))
     assert c.step_time > evaluate(problem(rates={"1": 2.0}), plan).step_time
-    sim = simulate(pr, plan).step_time         # heterogeneous stages: the formula bounds it
-    assert simulate(problem(rates={"1": 2.0}), plan).step_time < sim <= c.step_time + 1e-9
+    sim = build_timeline(pr, plan).step_time         # heterogeneous stages: the formula bounds it
+    assert build_timeline(problem(rates={"1": 2.0}), plan).step_time < sim <= c.step_time + 1e-9
     even = problem(head=1.5)
-    assert simulate(even, even.static_plan()).step_time == pytest.approx(
+    assert build_timeline(even, even.static_plan()).step_time == pytest.approx(
         evaluate(even, even.static_plan()).step_time)
     assert Problem.from_json(pr.to_json()).extra["head_layers"] == 1.5
     with pytest.raises(PlanError, match=r"problem.head_layers=-1 must be a number >= 0"):

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from malleus_ds.schedule import (Backward, Forward, ScheduleError, max_in_flight,
-                                        one_f_one_b, parse, plan_schedules, simulate)
+                                        one_f_one_b, parse, plan_schedules, replay_streams)
 from malleus_ds.plan import Pipeline, Plan, Stage
 
 
@@ -24,7 +24,7 @@ def test_parse_roundtrip():
 @pytest.mark.parametrize("S,m", [(1, 1), (1, 5), (2, 1), (3, 2), (4, 4), (4, 9), (6, 3), (8, 17)])
 def test_each_microbatch_once_and_bounded(S, m):
     streams = [one_f_one_b(j, S, m) for j in range(S)]
-    simulate(streams)  # raises on deadlock / unmatched
+    replay_streams(streams)  # raises on deadlock / unmatched
     for j, st in enumerate(streams):
         fw = [i.micro_batch for i in st if isinstance(i, Forward)]
         bw = [i.micro_batch for i in st if isinstance(i, Backward)]
@@ -52,7 +52,7 @@ def test_random_heterogeneous_plans():
         sched = plan_schedules(plan)
         assert set(sched) == set(plan.active_ranks)
         for p in plan.pipelines:
-            simulate([sched[s.ranks[0]] for s in p.stages])
+            replay_streams([sched[s.ranks[0]] for s in p.stages])
 
 
 def test_simulate_catches_deadlock_and_unmatched():
@@ -60,6 +60,6 @@ def test_simulate_catches_deadlock_and_unmatched():
     a = [parse("0RG0"), parse("0F0"), parse("0SA0")]
     b = [parse("1RA0"), parse("1F0")]
     with pytest.raises(ScheduleError, match="deadlock"):
-        simulate([[parse("0RG0"), parse("0SA0")], [parse("1RA0"), parse("1SG0")]])
+        replay_streams([[parse("0RG0"), parse("0SA0")], [parse("1RA0"), parse("1SG0")]])
     with pytest.raises(ScheduleError, match="never received"):
-        simulate([a[1:], b[1:]])
+        replay_streams([a[1:], b[1:]])

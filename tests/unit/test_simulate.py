@@ -6,7 +6,7 @@ import pytest
 from malleus_ds.cost import evaluate
 from malleus_ds.plan import Pipeline, Plan, Stage
 from malleus_ds.problem import Problem
-from malleus_ds.simulate import compute_order, gantt, simulate, summarize
+from malleus_ds.simulate import build_timeline, compute_order, gantt, summarize
 
 
 def problem(rates=None) -> Problem:
@@ -31,7 +31,7 @@ def test_compute_order_is_the_engines_1f1b():
 def test_uniform_pipeline_matches_cost_model():
     pr = problem()
     pl = pr.static_plan()
-    tl = simulate(pr, pl)
+    tl = build_timeline(pr, pl)
     assert tl.step_time == pytest.approx(evaluate(pr, pl).step_time)
     # every F/B of every micro-batch, in dependency order
     assert len(tl.ops) == sum(2 * len(p.stages) * p.micro_batches for p in pl.pipelines)

@@ -130,7 +130,7 @@ def test_scale_1024_ranks_80_layers():
 
 
 def test_rounds_bounded_and_deadlock_free():
-    from malleus_ds.migrate.rounds import messages, rounds, simulate
+    from malleus_ds.migrate.rounds import messages, replay_rounds, rounds
 
     rng = random.Random(4)
     for _ in range(15):
@@ -147,22 +147,22 @@ def test_rounds_bounded_and_deadlock_free():
         assert sum(m.numel for m in msgs) == sum(t.numel for t in tp.transfers)
         rds = rounds(msgs, cap)
         assert sorted(m.id for rd in rds for m in rd) == list(range(len(msgs)))
-        simulate(rds, world, cap)
+        replay_rounds(rds, world, cap)
 
 
-def test_simulate_catches_a_deadlock():
-    from malleus_ds.migrate.rounds import Message, simulate_views
+def test_replay_catches_a_deadlock():
+    from malleus_ds.migrate.rounds import Message, replay_views
 
     a = Message(0, 0, 1, "fp32", (), 4)
     b = Message(1, 1, 0, "fp32", (), 4)
     ok = [[[("send", a)], [("recv", b)]], [[("recv", a)], [("send", b)]]]
-    assert simulate_views(ok) == 2
+    assert replay_views(ok) == 2
     crossed = [[[("send", a)], [("recv", b)]], [[("send", b)], [("recv", a)]]]
     with pytest.raises(AssertionError, match="deadlock"):
-        simulate_views(crossed)
+        replay_views(crossed)
     over = [[[("send", a), ("recv", b)]], [[("recv", a), ("send", b)]]]
     with pytest.raises(AssertionError, match="bytes in flight"):
-        simulate_views(over, cap_bytes=4)
+        replay_views(over, cap_bytes=4)
 
 
 def test_plan_holdings_equal_every_ranks_own_holdings():

@@ -59,7 +59,7 @@ from ..ckpt_format import (FORMAT, LATEST, MAX_WORLD, META, CheckpointError, ope
                            rank_file, resolve)
 from ..fileio import atomic_write
 from ..safe_load import UnsafeFile, check_plain
-from ..migrate.apply import StateView, pack_parts, unpack_parts
+from ..migrate.apply import StateView, pack_parts, params_from_masters, unpack_parts
 from ..migrate.transfer import Transfer, HolderIndex, chunked
 from ..plan import Plan
 
@@ -153,7 +153,7 @@ def plan_reads(ws: Sequence[Want], saved: dict[tuple[str, str], list[tuple[int, 
 # ----------------------------------------------------------------------------- files
 
 
-def _agree(engine, err: str | None, what: str) -> None:
+def _agree_or_raise(engine, err: str | None, what: str) -> None:
     """Every rank raises if any rank failed (so no rank goes on into a collective that a failed
     rank never reaches), naming the first failed rank's message; doubles as a barrier. Agreed
     through the job's store (malleus_ds/agreement.py), not the communicator. Deadline: the
@@ -245,19 +245,19 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         check_plain(state, f"rank {rank}'s engine state")
     except UnsafeFile as e:
         err = f"nothing saved: {e}"
-    _agree(engine, err, f"save_checkpoint({d})")
+    _agree_or_raise(engine, err, f"save_checkpoint({d})")
     try:
         d.mkdir(parents=True, exist_ok=True)
         if rank == 0:       # an older save under this tag is uncommitted from here on
             (d / META).unlink(missing_ok=True)
     except OSError as e:
         err = f"cannot prepare {d}: {e}"
-    _agree(engine, err, f"save_checkpoint({d})")
+    _agree_or_raise(engine, err, f"save_checkpoint({d})")
     try:
         _write_rank_file(engine, rank_file(d, rank), meta, state)
     except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
         err = f"rank {rank} could not write {rank_file(d, rank)}: {type(e).__name__}: {e}"
-    _agree(engine, err, f"save_checkpoint({d})")        # every rank file is complete
+    _agree_or_raise(engine, err, f"save_checkpoint({d})")        # every rank file is complete
     if rank == 0:
         try:
             atomic_write(d / META, lambda f: f.write(json.dumps(meta, indent=1) + "\n"), "w")
@@ -265,7 +265,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
                 atomic_write(Path(save_dir) / LATEST, lambda f: f.write(tag), "w")
         except OSError as e:
             err = f"rank 0 could not commit {d / META}: {e}"
-    _agree(engine, err, f"save_checkpoint({d})")        # `latest` names a committed checkpoint
+    _agree_or_raise(engine, err, f"save_checkpoint({d})")        # `latest` names a committed checkpoint
     return True
 
 
@@ -353,7 +353,7 @@ def _copy_in(sv: StateView, idx: _Index, reads: list[Read], rank: int, cap_bytes
 
 
 @torch.no_grad()
-def _derive(rt, sv: StateView, mixed: bool, rank: int, cap_bytes: int, device) -> None:
+def _derive_unsaved(rt, sv: StateView, mixed: bool, rank: int, cap_bytes: int, device) -> None:
     """What the files did not provide: low-precision parameters as casts of the masters this rank
     holds (the cast training does after a step), or fp32 masters from the parameters."""
     if not mixed:
@@ -361,12 +361,8 @@ def _derive(rt, sv: StateView, mixed: bool, rank: int, cap_bytes: int, device) -
         rt.optimizer.reused = set()
         rt.optimizer.refresh_masters()
         return
-    parts = [Read(rank, "master", "master", h.name, h.lo, h.hi) for h in sv.holds("master")]
-    for group in chunked(parts, max(1, cap_bytes // 4)):
-        buf = torch.empty(sum(r.hi - r.lo for r in group), dtype=torch.float32, device=device)
-        pack_parts(sv, [Transfer(rank, rank, "master", r.name, r.lo, r.hi) for r in group], buf)
-        unpack_parts(sv, [Transfer(rank, rank, "param", r.name, r.lo, r.hi) for r in group],
-                     buf.to(rt.optimizer.param_dtype))
+    params_from_masters(sv, [(h.name, h.lo, h.hi) for h in sv.holds("master")],
+                        rt.optimizer.param_dtype, rank, cap_bytes, device)
 
 
 def _load_state(engine, d: Path, meta: dict, saved_plan: Plan, optimizer_states: bool) -> dict:
@@ -395,7 +391,7 @@ def _load_state(engine, d: Path, meta: dict, saved_plan: Plan, optimizer_states:
             _copy_in(sv, _Index(rank_file(d, fr), ck["slices"]), by_file[fr], rank, cap,
                      engine.device)
         del ck                              # unmaps the file
-    _derive(rt, sv, mixed, rank, cap, engine.device)
+    _derive_unsaved(rt, sv, mixed, rank, cap, engine.device)
     opt = rt.optimizer
     if not optimizer_states:               # fresh moments (a trained engine may have some)
         for m in opt.masters:
@@ -426,7 +422,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
         # this rank's state may be half-written: train_batch refuses until a load succeeds
         engine._broken = f"load_checkpoint({d}) failed ({err[:300]}); load a checkpoint again"
     try:
-        _agree(engine, err, f"load_checkpoint({d})")
+        _agree_or_raise(engine, err, f"load_checkpoint({d})")
     except CheckpointError as e:
         engine._broken = getattr(engine, "_broken", None) or f"load_checkpoint({d}) failed: {e}"
         raise

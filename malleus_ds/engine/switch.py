@@ -32,7 +32,7 @@ import torch.distributed as tdist
 
 from ..agreement import AgreementError, Failure, agree
 from ..layout import local_shards
-from ..migrate.apply import StateView, pack_parts, unpack_parts
+from ..migrate.apply import StateView, pack_parts, params_from_masters, unpack_parts
 from ..migrate.rounds import messages, rounds
 from ..migrate.transfer import Layout, Transfer, chunked, kept_slices, transfer_plan
 from ..migrate.transport import MigrationError, run_rounds
@@ -145,17 +145,13 @@ def _copy_local_into(out: list[int], *args) -> None:
 
 
 @torch.no_grad()
-def _derive(rt: PlanRuntime, old_rt: PlanRuntime, new: StateView, mixed: bool, adam_step: int,
+def _derive_unsent(rt: PlanRuntime, old_rt: PlanRuntime, new: StateView, mixed: bool, adam_step: int,
             rank: int, cap_bytes: int, device) -> None:
     """Fill what was not sent: masters from params (fp32), params from masters (mixed), step."""
     if mixed:
-        parts = [Transfer(rank, rank, "master", h.name, h.lo, h.hi) for h in new.holds("master")
-                 if not (_kept(rt, old_rt, h) and rt.named[h.name] is old_rt.named.get(h.name))]
-        for group in chunked(parts, max(1, cap_bytes // 4)):
-            buf = torch.empty(sum(t.numel for t in group), dtype=torch.float32, device=device)
-            pack_parts(new, group, buf)
-            lp = buf.to(rt.optimizer.param_dtype)         # the cast training does after a step
-            unpack_parts(new, [Transfer(rank, rank, "param", t.name, t.lo, t.hi) for t in group], lp)
+        ranges = [(h.name, h.lo, h.hi) for h in new.holds("master")
+                  if not (_kept(rt, old_rt, h) and rt.named[h.name] is old_rt.named.get(h.name))]
+        params_from_masters(new, ranges, rt.optimizer.param_dtype, rank, cap_bytes, device)
     else:
         rt.optimizer.refresh_masters()
     rt.optimizer.set_step(adam_step)
@@ -224,7 +220,7 @@ def switch_plan(engine, new_plan) -> MigrationReport:
                            overlap=local)
         staging = staging[0]
         marks.append(("transfers + local copies", time.perf_counter()))
-        _derive(rt, old_rt, new_v, mixed, adam_step, rank, cap, engine.device)
+        _derive_unsent(rt, old_rt, new_v, mixed, adam_step, rank, cap, engine.device)
         rt.optimizer.reused = set()     # taken-over buckets are ordinary from now on
         marks.append(("derive", time.perf_counter()))
         # local copies overlap the first round: their staging and the wire buffers coexist

@@ -122,3 +122,19 @@ def unpack_parts(sv: StateView, parts: Iterable[Transfer], buf: torch.Tensor,
     tensors, wins = _windows(pairs)
     if wins:
         unpack(buf, tensors, wins)
+
+
+def params_from_masters(sv: StateView, ranges: Iterable[tuple[str, int, int]], param_dtype,
+                        rank: int, cap_bytes: int, device) -> None:
+    """Low-precision parameters := casts of the fp32 masters over ``ranges`` (``(name, lo, hi)``
+    in canonical order), the cast training does after a step, staged through buffers of at most
+    ``cap_bytes``. What a switch and a checkpoint load both do for the ranges this rank holds a
+    master of but did not receive the parameters for."""
+    from .transfer import chunked
+
+    parts = [Transfer(rank, rank, "master", n, lo, hi) for n, lo, hi in ranges]
+    for group in chunked(parts, max(1, cap_bytes // 4)):
+        buf = torch.empty(sum(t.numel for t in group), dtype=torch.float32, device=device)
+        pack_parts(sv, group, buf)
+        unpack_parts(sv, [Transfer(rank, rank, "param", t.name, t.lo, t.hi) for t in group],
+                     buf.to(param_dtype))

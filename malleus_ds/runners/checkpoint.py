@@ -214,7 +214,7 @@ def resume_point(cfg: RunConfig) -> Saved | None:
     return saved
 
 
-def _agree(env: DistEnv, err: str | None, what: str) -> None:
+def _raise_first_error(env: DistEnv, err: str | None, what: str) -> None:
     """Every rank learns every rank's error (so none carries on alone); raise the first."""
     bad = first_error(env, err)
     if bad:
@@ -331,12 +331,12 @@ class Checkpointer:
                 (root / tag / RUN_FILE).unlink(missing_ok=True)
             except OSError as e:
                 err = f"cannot prepare {root / tag}: {e}"
-        _agree(self.env, err, f"saving checkpoint {root / tag}")
+        _raise_first_error(self.env, err, f"saving checkpoint {root / tag}")
         try:
             write(root, tag, done)
         except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
             err = f"{type(e).__name__}: {e}"
-        _agree(self.env, err, f"saving checkpoint {root / tag}")
+        _raise_first_error(self.env, err, f"saving checkpoint {root / tag}")
         if self.env.is_rank0:
             try:
                 atomic_write_text(root / tag / RUN_FILE,
@@ -344,7 +344,7 @@ class Checkpointer:
                 atomic_write_text(root / LATEST, tag)
             except OSError as e:
                 err = f"cannot commit {root / tag / RUN_FILE}: {e}"
-        _agree(self.env, err, f"saving checkpoint {root / tag}")
+        _raise_first_error(self.env, err, f"saving checkpoint {root / tag}")
         self.tags.append(tag)
         self.last_saved = done
         if reporter is not None:

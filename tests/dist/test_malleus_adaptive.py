@@ -118,7 +118,14 @@ def test_adaptive_run_detects_replans_migrates_recovers_and_keeps_the_math():
              for e in (onset, worse)}
     if worse["adopted"]:
         assert worse["predicted_step_s"][1] < worse["predicted_step_s"][0], worse
-        if worse["measured_rates"][3] >= onset["measured_rates"][3]:
+
+        def relative(e):    # rank 3's rate against the slowest other rank the plan was made for
+            return e["measured_rates"][3] / max(e["measured_rates"][:3])
+
+        # slower relative to the others -> no more work (on this oversubscribed machine another
+        # rank sometimes reads slow too, e.g. [1.68, 1, 1, 3.29] after [1, 1, 1, 2.44]: rank 3
+        # is then less slow relative to rank 0 and may rightly get more work)
+        if relative(worse) >= relative(onset):
             assert units[worse["to"]][3] <= units[onset["to"]][3], units
     else:   # only when the plan for the mild phase had already left rank 3 out
         assert units[onset["to"]][3] == 0 and worse["to"] == onset["to"], (worse, units)

@@ -17,9 +17,10 @@ class PlannerClient:
         import sys
         from pathlib import Path
 
-        root = str(Path(__file__).resolve().parents[1])
+        root = str(Path(__file__).resolve().parents[2])      # the checkout holding malleus_ds/
         env = dict(os.environ, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+        self.env = env
         self.proc = subprocess.Popen([sys.executable, "-m", "malleus_ds.planner.worker"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=env)

@@ -2,6 +2,7 @@
 planning problem of a running job, the cost rule, the planner worker, and the controller driven
 by synthetic timings through detection → background re-plan → decision."""
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -281,3 +282,16 @@ def test_a_rank_without_work_sustains_its_probe_and_reports_one_run():
         assert short.engine.runs[0] <= 1 + 2 + 2, short.engine.runs[0]
     finally:
         short.close()
+
+
+def test_the_planner_worker_is_found_from_the_checkout():
+    """planner/client.py puts the checkout holding malleus_ds/ on the worker's PYTHONPATH (so a
+    checkout that is not pip-installed still starts its planner)."""
+    import os
+
+    c = PlannerClient()
+    try:
+        first = c.env["PYTHONPATH"].split(os.pathsep)[0]
+        assert (Path(first) / "malleus_ds" / "planner" / "worker.py").is_file(), first
+    finally:
+        c.close()

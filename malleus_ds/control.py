@@ -38,7 +38,7 @@ from .probe import Probe
 from .problem import Problem
 from .replan import (Decision, decide, device_memory_mb, fit_running_plan, job_problem,
                      memory_model)
-from .straggler import (Detector, RateEstimator, as_list, cost_shape, cost_units,
+from .straggler import (Detector, RateEstimator, as_list, cost_shape, cost_units, held_ranks,
                         ideal_slowdown, probe_reference)
 
 #: staging buffers of a switch, in units of ``malleus.migrate_bucket_mb``: a round's bytes in
@@ -73,9 +73,11 @@ class Controller:
         self.head = head_layer_units(engine.param_table, engine.seq_len, engine.model_cfg.hidden_size)
         self.units = cost_units(plan, self.world, self.tp, self.slowdown, self.head)
         self.shape = tuple(cost_shape(plan, self.world).T)     # per-micro-batch terms, fitted
-        self.probe_ref = probe_reference(self.units)
+        self.held = held_ranks(self.units, None)     # working under a plan made for them as slow
+        self.probe_ref = probe_reference(self.units, self.held)
         self.measured = np.full(self.world, np.nan)
         self.step_times: deque[float] = deque(maxlen=max(3, settings.detect.window))
+        self.compute_times: deque[float] = deque(maxlen=max(3, settings.detect.window))
         self.forced = list(settings.replan_at)
         self.ready = False                # every rank: rank 0 flagged a decision in an all-reduce
         self._pending: dict | None = None  # rank 0: the request the worker is planning
@@ -115,11 +117,14 @@ class Controller:
 
     def probe_due(self, step: int) -> bool:
         """A rank without work times a probe every ``detect.probe_every`` steps (so it can come
-        back), and so does :attr:`probe_ref`, the least-loaded rank with work, to calibrate them
-        (``RateEstimator.add``)."""
+        back), and so does a held rank with slack (:attr:`held`: so a light load that fits
+        inside a throughput cap does not read as a recovery) and :attr:`probe_ref`, the
+        least-loaded rank with work not held, to calibrate them (``RateEstimator.add``)."""
         if step % self.s.detect.probe_every:
             return False
-        return self.engine.located is None or self.rank == self.probe_ref
+        if self.engine.located is None or self.rank == self.probe_ref:
+            return True
+        return bool(self.held[self.rank]) and Probe.light(self.step_times, self.compute_times)
 
     def probe_after_reduce(self, step: int) -> None:
         """Right after step ``step``'s all-reduce, when every rank leaves it at once: if a probe
@@ -136,9 +141,14 @@ class Controller:
         return out
 
     def probe(self, step: int) -> float:
-        """Seconds per run of the probe block (``probe.py``): sustained on a rank without work,
-        one run on the calibrating rank."""
-        return self._probe.measure(self.engine.located is not None, self.step_times)
+        """Seconds per run of the probe block (``probe.py``): sustained on a rank without work
+        (within half a step) or a held one (within half its slack), one run on the calibrating
+        rank."""
+        if self.engine.located is None:
+            return self._probe.measure(True, Probe.budget(self.step_times))
+        if self.held[self.rank]:
+            return self._probe.measure(True, Probe.budget(self.step_times, self.compute_times))
+        return self._probe.measure(False, 0.0)
 
     def slots(self, compute_s: float, probe_s: float) -> list[float]:
         """``[decision ready (rank 0), compute_s per rank..., probe per-unit s per rank...]``,
@@ -148,6 +158,8 @@ class Controller:
             self._collect()
             out[0] = 1.0 if self._result is not None else 0.0
         out[1 + self.rank] = compute_s
+        if self.engine.located is not None:
+            self.compute_times.append(compute_s)
         out[1 + self.world + self.rank] = probe_s / self.slowdown[self.tp] if probe_s > 0 else 0.0
         return out
 
@@ -161,7 +173,7 @@ class Controller:
         if self._skip:          # the first step of a run or of a plan: allocation, first touch
             self._skip -= 1
             return
-        self.est.add(comp, self.units, probe, shape=self.shape)
+        self.est.add(comp, self.units, probe, shape=self.shape, held=self.held)
         self.measured = self.est.rates()
         self._seen += 1
         if self._seen < self.s.detect.window:    # a full window before the first detection
@@ -216,21 +228,32 @@ class Controller:
             self.slowdown = self._slowdown(tp)
         self.units = cost_units(plan, self.world, self.tp, self.slowdown, self.head)
         self.shape = tuple(cost_shape(plan, self.world).T)
-        self.probe_ref = probe_reference(self.units)
+        self._hold(rates if rates is not None else as_list(self.measured))
         self.step_times.clear()
+        self.compute_times.clear()
         self._skip = 1
         self._probe_s = 0.0                  # timed under the old plan
         self._generation += 1
         self._result = None                  # planned against the old plan, never flagged
-        if plan.locate(self.rank) is not None and self.rank != self.probe_ref:
-            self._probe.block = None         # back at work: free the probe's block
+        if (plan.locate(self.rank) is not None and self.rank != self.probe_ref
+                and not self.held[self.rank]):
+            self._probe.block = None         # back at full work: free the probe's block
         if self.det is not None:
             self.det.planned_for(rates if rates is not None else self._normalised())
 
     def considered(self, rates: list[float] | None) -> None:
         """A planning attempt that kept the running plan: its rates are now the reference."""
+        if rates:
+            self._hold(rates)
         if self.det is not None:
             self.det.planned_for(rates if rates else self._normalised())
+
+    def _hold(self, rates: list[float | None]) -> None:
+        """The ranks the running plan treats as slow (:func:`~malleus_ds.straggler.held_ranks`,
+        the same on every rank: from the broadcast event's rates, or the shared measurement)
+        and the rank that calibrates their probes."""
+        self.held = held_ranks(self.units, rates, self.s.detect.healthy)
+        self.probe_ref = probe_reference(self.units, self.held)
 
     def close(self) -> None:
         if self._client is not None:

@@ -1,9 +1,11 @@
-"""The probe: how a rank without work stays measured (DESIGN.md §6, "Probes measure the device").
+"""The probe: how a rank without work, or with only a light one, stays measured (DESIGN.md §6,
+"Probes measure the device").
 
 One decoder block's forward + backward on a dummy micro-batch, timed by the engine's compute
 clock like training compute (so straggler emulation applies). The adaptive loop
-(``malleus_ds/control.py``) runs it on ranks without work and on the calibrating rank, right
-after a step's all-reduce, and sends the reading in the next step's all-reduce.
+(``malleus_ds/control.py``) runs it on ranks without work, on held ranks (working under a plan
+made for them as slow, with slack to spare) and on the calibrating rank, right after a step's
+all-reduce, and sends the reading in the next step's all-reduce.
 """
 from __future__ import annotations
 
@@ -23,22 +25,48 @@ class Probe:
     TIMED_S = 0.1
     #: at most this share of a step goes to one probe (it runs while the others compute)
     BUDGET = 0.5
+    #: a held rank (working under a plan made for it as slow) probes within this share of its
+    #: slack (step time minus its own compute), so the probe never makes it the step's laggard
+    SLACK_SHARE = 0.5
+    #: ...and only while its compute fills less than this share of a step: busier, its training
+    #: timing already measures it under load (and a probe would have no room)
+    HELD_LOAD = 0.75
 
     def __init__(self, engine) -> None:
         self.engine = engine
         self.block = None
         self.x = None
 
-    def measure(self, working: bool, step_times) -> float:
+    @classmethod
+    def budget(cls, step_times, compute_times=None) -> float:
+        """Seconds one probe may take: :attr:`BUDGET` of the median step (before any step is
+        timed: room for the full sustain and timed window); for a rank with work
+        (``compute_times``: its own compute seconds per step), also at most
+        :attr:`SLACK_SHARE` of its median slack."""
+        step = float(np.median(step_times)) if len(step_times) else None
+        out = cls.BUDGET * step if step is not None else 2 * (cls.SUSTAIN_S + cls.TIMED_S)
+        if compute_times is not None and len(compute_times) and step is not None:
+            out = min(out, cls.SLACK_SHARE * max(0.0, step - float(np.median(compute_times))))
+        return out
+
+    @classmethod
+    def light(cls, step_times, compute_times) -> bool:
+        """Does a rank's own compute fill less than :attr:`HELD_LOAD` of its median step (True
+        before any step is timed)?"""
+        if not len(step_times) or not len(compute_times):
+            return True
+        return float(np.median(compute_times)) < cls.HELD_LOAD * float(np.median(step_times))
+
+    def measure(self, sustain: bool, budget_s: float) -> float:
         """Seconds of one decoder block's forward + backward on a dummy micro-batch, timed like
-        training compute (straggler emulation applies): how a rank without work stays measured.
-        The block is built once (fixed seed, the caller's RNG untouched) and kept. It runs once
-        untimed first (allocation, cold caches). A rank without work then keeps the device busy
-        for :attr:`SUSTAIN_S` and times the mean of repeats over :attr:`TIMED_S`:
-        a device that idled reads as it works, not as it wakes (a CPU-quota-throttled process
-        runs the first milliseconds of each period at full speed; a GPU ramps its clocks), all
-        within :attr:`BUDGET` of a step, so the probe never delays the next all-reduce.
-        The calibrating rank works every step: one timed run."""
+        training compute (straggler emulation applies). The block is built once (fixed seed,
+        the caller's RNG untouched) and kept. It runs once untimed first (allocation, cold
+        caches). With ``sustain`` (a rank without work, or a held one) it then keeps the device
+        busy for :attr:`SUSTAIN_S` and times the mean of repeats over :attr:`TIMED_S`: a
+        device that idled, or ran only short bursts, reads as it works under full load, not as
+        it wakes (a CPU-quota-throttled process runs the first milliseconds of each period at
+        full speed; a GPU ramps its clocks), all within ``budget_s`` (:meth:`budget`), so the
+        probe never delays the next all-reduce. Without (the calibrating rank): one timed run."""
         import torch
 
         e = self.engine
@@ -56,7 +84,7 @@ class Probe:
             cfg.run_block(blk, x, cfg.block_context(x)).float().sum().backward()
 
         run()                                          # warm-up, untimed
-        reps = 1 if working else self._sustain(run, step_times)
+        reps = self._sustain(run, budget_s) if sustain else 1
 
         def timed():
             for _ in range(reps):
@@ -68,15 +96,13 @@ class Probe:
             p.grad = None
         return (e.clock.compute_s - before) / reps
 
-    def _sustain(self, run, step_times) -> int:
-        """Run ``run`` back to back for the sustain time (bounded by the step budget); return
+    def _sustain(self, run, budget: float) -> int:
+        """Run ``run`` back to back for the sustain time (bounded by the probe's budget); return
         how many repeats fill the timed window at the pace of the last one."""
         import torch
 
         dev = torch.device(self.engine.device)
         sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-        budget = self.BUDGET * (float(np.median(step_times)) if step_times
-                                else 2 * (self.SUSTAIN_S + self.TIMED_S))
         sustain = min(self.SUSTAIN_S, budget / 2)
         end, last = time.perf_counter() + sustain, 0.0
         while True:

@@ -12,7 +12,8 @@ The loop an engine runs, every step and every ``DetectConfig.every`` steps::
 * :class:`RateEstimator` — per-step rates ``x_d`` = (compute seconds / units) relative to a
   robust healthy reference, smoothed by a median over the last few steps. Suspended ranks are
   measured by a probe (per-unit seconds), calibrated by the same probe on the least-loaded
-  rank with work (:func:`probe_reference`).
+  rank with work (:func:`probe_reference`); so are held ranks (:func:`held_ranks`: working
+  under a plan made for them as slow), read at the slower of their training and their probe.
 * :class:`Detector` — Malleus's rule: a rate below ``healthy`` counts as 1.0; a re-plan needs some
   rate to differ from the one the current plan was made for by ``change`` (relative), in
   ``confirm`` consecutive detections, and none is raised during a ``cooldown`` after planning.
@@ -142,6 +143,7 @@ class RateEstimator:
         self.world, self.window, self.band = world, window, band
         self._rows: deque[np.ndarray] = deque(maxlen=window)
         self._active = np.ones(world, dtype=bool)     # ranks with work in the latest step
+        self._held = np.zeros(world, dtype=bool)      # ...of them, planned as slow
         self._cal: deque[float] = deque(maxlen=5)      # recent calibration factors
         # the work model beyond cost_units: per-micro-batch weights of the first stage's extra
         # work (beta) and of every micro-batch's fixed cost (gamma), in layer units, fitted on
@@ -164,21 +166,27 @@ class RateEstimator:
 
     def add(self, compute_s: Sequence[float], units: Sequence[float],
             probe_s: Sequence[float] | None = None,
-            shape: tuple[Sequence[float], Sequence[float]] | None = None) -> np.ndarray:
+            shape: tuple[Sequence[float], Sequence[float]] | None = None,
+            held: Sequence[bool] | None = None) -> np.ndarray:
         """Record one step and return its raw rates (NaN = no measurement for that rank).
 
         ``compute_s[d]``: rank d's compute seconds this step (communication left out);
         ``units[d]``: from :func:`cost_units` (0 = no work); ``probe_s[d]``: per-unit seconds of
-        a probe run by a rank without work, or by a rank with work to calibrate those (NaN or
-        <= 0 = none); ``shape``: ``(B, C)`` from :func:`cost_shape` (first-stage micro-batches,
-        micro-batches), whose per-micro-batch weights are fitted here (:meth:`fit`) so a rank's
-        rate does not depend on the shape of its stage. A step in which no active rank
+        a probe run by a rank without work, by a held rank, or by a rank with work to calibrate
+        those (NaN or <= 0 = none); ``shape``: ``(B, C)`` from :func:`cost_shape` (first-stage
+        micro-batches, micro-batches), whose per-micro-batch weights are fitted here
+        (:meth:`fit`) so a rank's rate does not depend on the shape of its stage; ``held[d]``:
+        rank d works under a plan made for it as slow (:func:`held_ranks`): its probe is
+        measured like a suspended rank's, never used to calibrate, and :meth:`rates` reads it
+        at the slower of its training and its probe. A step in which no active rank
         has a positive finite time returns all-NaN and is not kept (it would only push real
         measurements out of the window).
         """
         c = _vector(compute_s, self.world, "compute_s")
         u = _vector(units, self.world, "units")
         active = u > 0
+        hold = np.zeros(self.world, dtype=bool) if held is None else \
+            _vector(held, self.world, "held").astype(bool) & active
         B = C = np.zeros(self.world)
         if shape is not None:
             B = _vector(shape[0], self.world, "shape B")
@@ -196,32 +204,38 @@ class RateEstimator:
         t = np.full(self.world, np.nan)
         with np.errstate(divide="ignore", invalid="ignore"):
             t[active] = c[active] / u[active]
+        t[~(np.isfinite(t) & (t > 0))] = np.nan   # a zero/negative/inf time is no measurement
+        tp = np.full(self.world, np.nan)          # calibrated probes of idle and held ranks
         if probe_s is not None:
             p = _vector(probe_s, self.world, "probe_s")
-            use = ~active & np.isfinite(p) & (p > 0)
-            t[use] = p[use] * self._calibration(t, p, active)
-        t[~(np.isfinite(t) & (t > 0))] = np.nan   # a zero/negative/inf time is no measurement
+            use = (~active | hold) & np.isfinite(p) & (p > 0)
+            tp[use] = p[use] * self._calibration(t, p, active & ~hold)
+        t[~active] = tp[~active]
         valid = active & ~np.isnan(t)
         if not valid.any():
             return np.full(self.world, np.nan)
-        ta = t[valid]
+        ref = _reference(t[valid], self.band)
         # kept raw, so rates() re-reads the window with the latest work model
-        self._rows.append((np.where(active, np.nan, t), c.copy(), base.copy(), B, C, active))
-        self._active = active
-        return t / _reference(ta, self.band)
+        self._rows.append((tp, c.copy(), base.copy(), B, C, active))
+        self._active, self._held = active, hold
+        with np.errstate(invalid="ignore"):
+            t[hold] = np.fmax(t[hold], tp[hold])
+        return t / ref
 
-    def _normalised_rows(self) -> np.ndarray:
-        """The kept steps' per-unit times under the current work model, each divided by its
-        step's median over ranks with work."""
-        out = []
+    def _normalised_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The kept steps' per-unit times under the current work model (training for ranks with
+        work, NaN for the others) and their calibrated probes (idle and held ranks, else NaN),
+        each divided by its step's median over ranks with work."""
+        out, probes = [], []
         for tp, c, u, B, C, active in self._rows:
             ue = u + self.beta * B + self.gamma * C
             with np.errstate(divide="ignore", invalid="ignore"):
-                t = np.where(active, c / ue, tp)
+                t = np.where(active, c / ue, np.nan)
             t[~(np.isfinite(t) & (t > 0))] = np.nan
-            ta = t[active & ~np.isnan(t)]
-            out.append(t / float(np.median(ta)))
-        return np.stack(out)
+            med = float(np.median(t[active & ~np.isnan(t)]))
+            out.append(t / med)
+            probes.append(tp / med)
+        return np.stack(out), np.stack(probes)
 
     def fit(self) -> None:
         """Fit ``beta`` and ``gamma`` in ``[0, MAX_TERM]`` on the kept history (any plans): the
@@ -290,14 +304,17 @@ class RateEstimator:
         row has a measurement. Not clamped (a rank may read 0.9)."""
         if not self._rows:
             return np.full(self.world, np.nan)
-        rows = self._normalised_rows()
+        rows, probes = self._normalised_rows()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # all-NaN columns -> NaN
             sm = np.nanmedian(rows, axis=0)
             # a probe is short, and interference only ever makes it slower: the fastest recent
             # probe is the better estimate (a slow rank's probes are all slow)
+            fastest = np.nanmin(probes, axis=0)
             idle = ~self._active
-            sm[idle] = np.nanmin(rows[:, idle], axis=0)
+            sm[idle] = fastest[idle]
+            # a held rank is as slow as its sustained probe says, whatever its light load reads
+            sm[self._held] = np.fmax(sm[self._held], fastest[self._held])
         act = sm[self._active & ~np.isnan(sm)]
         if not act.size:
             return np.full(self.world, np.nan)
@@ -371,13 +388,32 @@ class Detector:
         self.cooldown = self.cfg.cooldown
 
 
-def probe_reference(units: Sequence[float]) -> int | None:
-    """The rank that times a probe alongside the ranks without work, to calibrate theirs: the
-    least-loaded rank with work (lowest index on ties); None when every rank has work."""
+def held_ranks(units: Sequence[float], rates: Sequence[float] | None,
+               healthy: float = HEALTHY) -> np.ndarray:
+    """Ranks with work under a plan made for them as slow (planned rate >= ``healthy``): each
+    sustains a probe like a suspended rank (DESIGN.md §6, "Probes measure the device"), so a
+    light load that runs inside a throughput cap (a CPU quota, a power cap) does not read as a
+    recovery that full work would undo."""
     u = np.asarray(units, dtype=float)
-    if not (u <= 0).any() or not (u > 0).any():
+    if rates is None:
+        return np.zeros(u.size, dtype=bool)
+    r = np.array([np.nan if x is None else x for x in rates], dtype=float)
+    if r.size != u.size:
+        raise ValueError(f"held_ranks: {r.size} rates for {u.size} ranks")
+    with np.errstate(invalid="ignore"):
+        return (u > 0) & (r >= healthy)
+
+
+def probe_reference(units: Sequence[float], held: Sequence[bool] | None = None) -> int | None:
+    """The rank that times a probe alongside the ranks without work and the held ones, to
+    calibrate theirs: the least-loaded rank with work that is not held (lowest index on ties);
+    None when no rank needs calibrating (every rank works, none held) or none can."""
+    u = np.asarray(units, dtype=float)
+    h = np.zeros(u.size, dtype=bool) if held is None else np.asarray(held, dtype=bool)
+    ok = (u > 0) & ~h
+    if not ((u <= 0).any() or h.any()) or not ok.any():
         return None
-    return int(np.flatnonzero(u == u[u > 0].min())[0])
+    return int(np.flatnonzero(ok & (u == u[ok].min()))[0])
 
 
 def as_list(rates: Sequence[float]) -> list[float | None]:

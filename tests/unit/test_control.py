@@ -284,6 +284,40 @@ def test_a_rank_without_work_sustains_its_probe_and_reports_one_run():
         short.close()
 
 
+def test_a_held_rank_with_slack_sustains_its_probe_within_its_slack():
+    """Rank 3 works under a plan made for it at rate 3.5 (held): with slack it sustains its probe
+    like a suspended rank (a light load inside a CPU quota reads healthy; the sustained probe
+    reads the cap), within half its slack; busy, it does not probe (its training is measured
+    under load); rank 0 calibrates; a plan made for it as healthy ends the hold."""
+    plan = static_plan(4, 8, 1, 1, 1, 4)          # 4 pipelines, every rank works
+    c = Controller(_probing_engine(plan, 3, 0.01), AdaptiveSettings())
+    try:
+        assert c.probe_ref is None and not c.probe_due(2)
+        c.considered([1.0, 1.0, 1.0, 3.5])        # same on every rank: from the broadcast event
+        assert c.held.tolist() == [False, False, False, True] and c.probe_ref == 0
+        c.step_times.extend([1.0] * 5)
+        c.compute_times.extend([0.2] * 5)         # slack 0.8 s: room for the whole probe
+        assert c.probe_due(2) and not c.probe_due(3)
+        t0 = time.perf_counter()
+        per_run = c.probe(2)
+        wall = time.perf_counter() - t0
+        assert c.engine.runs[0] >= 1 + 2 + 2 and wall >= 0.12, (c.engine.runs[0], wall)
+        assert 0.01 <= per_run < 0.1
+        c.compute_times.extend([0.9] * 5)         # busy: its training reads it under load
+        assert not c.probe_due(2)
+        c.step_times.extend([0.3] * 5)
+        c.compute_times.extend([0.1] * 5)         # slack 0.2 s: the probe gets at most 0.1 s
+        c.engine.runs[0] = 0
+        assert c.probe_due(2)
+        t0 = time.perf_counter()
+        c.probe(2)
+        assert time.perf_counter() - t0 < 0.1 + 0.03, c.engine.runs[0]
+        c.switched(plan, [1.0, 1.0, 1.0, 1.0])
+        assert not c.held.any() and c.probe_ref is None and not c.probe_due(2)
+    finally:
+        c.close()
+
+
 def test_the_planner_worker_is_found_from_the_checkout():
     """planner/client.py puts the checkout holding malleus_ds/ on the worker's PYTHONPATH (so a
     checkout that is not pip-installed still starts its planner)."""

@@ -11,7 +11,7 @@ import pytest
 
 from malleus_ds.plan import Pipeline, Plan, Stage, static_plan, validate_plan
 from malleus_ds.straggler import (DetectConfig, Detector, RateEstimator, Trigger, as_list,
-                                  cost_units, ideal_slowdown, probe_reference)
+                                  cost_units, held_ranks, ideal_slowdown, probe_reference)
 
 BASE = 0.01     # seconds per unit on a healthy rank
 CFG = DetectConfig()
@@ -153,6 +153,79 @@ def test_probe_reference_is_the_least_loaded_rank_with_work():
     assert probe_reference([8.0, 3.0, 3.0, 0.0]) == 1
     assert probe_reference([4.0, 4.0, 4.0, 4.0]) is None     # nobody to measure
     assert probe_reference([0.0, 0.0]) is None
+    # held ranks (working, planned as slow) need calibrating too, never calibrate
+    assert probe_reference([4.0, 4.0, 4.0, 1.0], [False, False, False, True]) == 0
+    assert probe_reference([4.0, 2.0, 4.0, 1.0], [False, True, False, True]) == 0
+    assert probe_reference([4.0, 4.0, 1.0, 0.0], [False, False, True, False]) == 0
+    assert probe_reference([1.0, 1.0], [True, True]) is None            # nobody can calibrate
+
+
+def test_held_ranks_are_the_working_ranks_planned_as_slow():
+    units = [4.0, 4.0, 1.0, 0.0]
+    assert held_ranks(units, None).tolist() == [False] * 4
+    assert held_ranks(units, [1.0, 1.1, 3.5, 6.0]).tolist() == [False, False, True, False]
+    assert held_ranks(units, [1.3, None, 1.0, 1.0], healthy=1.25).tolist() == \
+        [True, False, False, False]
+    with pytest.raises(ValueError, match="3 rates for 4 ranks"):
+        held_ranks(units, [1.0, 1.0, 1.0])
+
+
+def capped_trace(held: bool, *, cap=5.0, lift=40, steps=80, seed=7, noise=0.1):
+    """A throughput cap, not a slower device (a CPU quota, a power cap): rank 3 may use a
+    ``1/cap`` share of its device until step ``lift``. Planned for rate ``cap``, it has a light
+    load (1 unit against 4): its bursts fit inside the cap and its training reads healthy, while a
+    sustained probe (full load) reads ``cap``. ``held``: the estimator knows rank 3 is held (the
+    engine's behaviour since issue 18) and rank 3 probes like a suspended rank. Returns the
+    triggers as ``(step, kind, rates)``."""
+    units = np.array([4.0, 4.0, 4.0, 1.0])
+    est, det = RateEstimator(4, CFG.window), Detector(4, CFG)
+    det.planned_for([1.0, 1.0, 1.0, cap])
+    hold = held_ranks(units, det.planned)
+    ref = probe_reference(units, hold if held else None)
+    rng, out = np.random.default_rng(seed), []
+    for step in range(steps):
+        jitter = rng.uniform(1 - noise, 1 + noise, 4)
+        full = np.where(np.arange(4) == 3, cap if step < lift else 1.0, 1.0)
+        compute = units * BASE * jitter                       # light load: healthy either way
+        probing = np.zeros(4, dtype=bool)
+        if ref is not None:
+            probing[ref] = True
+        if held:
+            probing |= hold
+        probe_s = np.where(probing, BASE * full * jitter, np.nan)
+        est.add(compute, units, probe_s, held=hold if held else None)
+        if (step + 1) % CFG.every == 0:
+            trig = det.check(est.rates())
+            if trig is not None:
+                det.planned_for(trig.rates)
+                out.append((step, trig.kind, trig.rates))
+    return out
+
+
+def test_a_held_rank_is_read_at_full_load_so_a_cap_does_not_look_like_a_recovery():
+    """Without the held-rank probe the light load reads healthy and the loop would hand the work
+    back at once (and read the cap again: the thrash bench_adaptive --real showed); with it the
+    rank stays at its planned rate while capped, and recovers within two windows of the lift."""
+    naive = capped_trace(held=False)
+    assert naive and naive[0][1] == "recovery" and naive[0][0] < 40, naive
+    trace = capped_trace(held=True)
+    assert [(kind, rates) for _, kind, rates in trace] == [("recovery", (1.0,) * 4)], trace
+    assert 40 <= trace[0][0] < 40 + 2 * CFG.window
+
+
+def test_a_held_rank_reads_the_slower_of_training_and_probe():
+    units = np.array([4.0, 4.0, 4.0, 1.0])
+    hold = [False, False, False, True]
+    est = RateEstimator(4)
+    # training 3x slow, probe 2x: the training reading stands
+    row = est.add(units * BASE * [1, 1, 1, 3], units, [BASE, np.nan, np.nan, 2 * BASE],
+                  held=hold)
+    assert row == pytest.approx([1, 1, 1, 3])
+    assert est.rates() == pytest.approx([1, 1, 1, 3])
+    # a held rank's probe never calibrates: a fast one does not make the others' probes fast
+    est = RateEstimator(4)
+    est.add(units * BASE, units, [np.nan, np.nan, np.nan, 0.2 * BASE], held=hold)
+    assert est.rates()[3] == pytest.approx(1.0)       # uncalibrated: 0.2 < its training 1.0
 
 
 def test_probes_are_calibrated_by_the_reference_rank():

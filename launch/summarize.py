@@ -18,12 +18,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from malleus_ds.metrics import METRICS_FILE, MetricsError, read_metrics_file  # noqa: E402
+from malleus_ds.metrics import METRICS_FILE, MetricsError, read_run  # noqa: E402
 from malleus_ds.whatif import WhatIfError, account_of_run, format_account  # noqa: E402
 
 
 class InputError(Exception):
-    """A path or metrics file this tool cannot read; the message names it (and the line)."""
+    """A path this tool cannot use (no such folder, not a folder); the message names it. A bad
+    metrics.jsonl is a ``metrics.MetricsError``, whose message names the file and line."""
 
 
 def run_dirs(paths: list[str]) -> list[Path]:
@@ -43,22 +44,6 @@ def run_dirs(paths: list[str]) -> list[Path]:
     return out
 
 
-def read_run(d: Path) -> tuple[list[dict], list[dict]]:
-    """(step lines, event lines) of ``d/metrics.jsonl``, checked (``metrics.read_metrics_file``);
-    a line that is not a JSON object with numeric ``step``, ``step_time_s`` and ``samples`` ->
-    InputError naming file and line. No step lines is no error: the run is left out."""
-    try:
-        f = read_metrics_file(d / METRICS_FILE)
-    except MetricsError as e:
-        raise InputError(str(e)) from None
-    return list(f.steps), list(f.events)
-
-
-def read_steps(d: Path) -> list[dict]:
-    """Step lines of ``d/metrics.jsonl`` (event lines left out); see :func:`read_run`."""
-    return read_run(d)[0]
-
-
 def overrides(d: Path) -> str:
     f = d / ".hydra" / "overrides.yaml"
     if not f.is_file():
@@ -74,7 +59,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         rows = table(a.paths, a.skip)
-    except (InputError, OSError) as e:     # OSError: e.g. a folder or file we may not read
+    # MetricsError: a metrics.jsonl that cannot be read or holds a bad line (named in it);
+    # OSError: e.g. a folder we may not list
+    except (InputError, MetricsError, OSError) as e:
         print(f"summarize: {e}", file=sys.stderr)
         return 2
     if not rows:
@@ -83,30 +70,35 @@ def main(argv=None) -> int:
         return 1
     base = rows[0][4]
     print(f"{'run':28s} {'steps':>5s} {'median step':>11s} {'samples/s':>10s} {'vs first':>8s}  overrides")
-    for d, ov, n, med, tput in rows:
+    for d, ov, n, med, tput, _ in rows:
         print(f"{str(d)[-28:]:28s} {n:5d} {med:10.3f}s {tput:10.1f} {tput / base:7.2f}x  {ov}")
-    for d, *_ in rows:
+    for d, *_, account in rows:
         print(f"\n{d}:")
-        print(whatif(d, a.skip))
+        print(account)
     return 0
 
 
-def whatif(d: Path, skip: int) -> str:
-    """The what-if account of run folder ``d`` (its layout from ``.hydra/config.yaml``)."""
+def whatif(d: Path, skip: int, lines: tuple[list[dict], list[dict]]) -> str:
+    """The what-if account of run folder ``d`` from its (step lines, event lines) ``lines``
+    (its layout from ``.hydra/config.yaml``)."""
     try:
-        return format_account(account_of_run(d, skip))
+        return format_account(account_of_run(d, skip, lines=lines))
     except WhatIfError as e:
         return f"  what-if: {e}"
 
 
 def table(paths: list[str], skip: int) -> list[tuple]:
+    """One row per run with step lines after ``skip``: (folder, overrides, steps, median step
+    time, samples/s, what-if text); each metrics.jsonl is read once (``metrics.read_run``)."""
     rows = []
     for d in run_dirs(paths):
-        recs = [r for r in read_steps(d) if r["step"] >= skip]
+        steps, events = read_run(d)
+        recs = [r for r in steps if r["step"] >= skip]
         if not recs:
             continue
         med = statistics.median(r["step_time_s"] for r in recs)
-        rows.append((d, overrides(d), len(recs), med, recs[0]["samples"] / med))
+        rows.append((d, overrides(d), len(recs), med, recs[0]["samples"] / med,
+                     whatif(d, skip, (steps, events))))
     return rows
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from .cost import capacity_of_rates
-from .metrics import MetricsError, emulated_rates, read_metrics_file
+from .metrics import MetricsError, emulated_rates, read_run
 
 #: engines ``compare`` accepts (each runs the whole config once)
 COMPARABLE = ("deepspeed", "malleus", "torch")
@@ -114,17 +114,6 @@ def world_of(records: Sequence[Mapping]) -> int:
 class CompareError(ValueError):
     """The runs cannot be compared (different schedules, a run without steps, a bad
     metrics.jsonl)."""
-
-
-def read_run(run_dir: str | Path) -> tuple[list[dict], list[dict]]:
-    """(step lines, event lines) of ``run_dir/metrics.jsonl``, checked
-    (``metrics.read_metrics_file``); a bad line -> CompareError naming the file and line. No step
-    lines is no error here: :func:`compare` says which run has none."""
-    try:
-        f = read_metrics_file(run_dir)
-    except MetricsError as e:
-        raise CompareError(str(e)) from None
-    return list(f.steps), list(f.events)
 
 
 def compare(runs: Sequence[tuple[str, Sequence[Mapping], Sequence[Mapping]]], warmup: int
@@ -263,14 +252,18 @@ def whatif_lines(root: Path, names: Sequence[str], warmup: int) -> str:
 
 def report(run_dir: str | Path, names: Sequence[str], warmup: int) -> tuple[str, Path | None]:
     """Compare the runs in ``run_dir/<name>/`` and draw them into ``run_dir/throughput.png``.
-    Returns the text and the PNG's path (None when drawing failed; the text says why)."""
+    Returns the text and the PNG's path (None when drawing failed; the text says why). A bad
+    metrics.jsonl (``metrics.read_run``) is a CompareError naming the file and line."""
     from . import plot
 
     import logging
 
     logging.getLogger("matplotlib").setLevel(logging.WARNING)   # no font-cache chatter
     root = Path(run_dir)
-    runs = [(n, *read_run(root / n)) for n in names]
+    try:    # no step lines is no error here: compare() says which run has none
+        runs = [(n, *read_run(root / n)) for n in names]
+    except MetricsError as e:
+        raise CompareError(str(e)) from None
     text = format_comparison(compare(runs, warmup)) + "\n" + whatif_lines(root, names, warmup)
     try:
         data = [plot.read_run(root / n, name=f"engine={n}") for n in names]

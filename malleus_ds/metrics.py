@@ -37,15 +37,15 @@ A *phase* is a run of steps with the same ``emulated_rates`` (and plan); the sum
 throughput per phase, so one run that turns a straggler on half-way, or switches plans, shows
 the regimes side by side.
 
-**Reading.** :func:`read_metrics_file` is the one checked reader (``malleus-plot``,
-``launch/summarize.py``, ``compare.py`` and ``whatif.py`` all use it): it reads a metrics.jsonl (or
+**Reading.** :func:`read_metrics_file` is the one checked reader: it reads a metrics.jsonl (or
 the run folder holding one) once and returns its step lines and its event lines (every kind, the
-unknown ones included) apart, as a :class:`MetricsFile`. A line it cannot use raises
-:class:`MetricsError`, whose message names the file, the line and what is wrong; each tool turns
-that into its own error. Blank lines are skipped; a cut-short last line (a run killed mid-write)
-is not valid JSON and raises like any other. Keys added over time (``plan``,
-``measured_rates``, ``emulated_rates``; ``rates`` before that) are optional, so older run folders
-read.
+unknown ones included) apart, as a :class:`MetricsFile`; :func:`read_run` gives the two as lists
+(``malleus-plot``, ``launch/summarize.py``, ``compare.py`` and ``whatif.py`` all use it). A line
+it cannot use raises :class:`MetricsError`, whose message names the file, the line and what is
+wrong; each tool turns that into its own error. Blank lines are skipped; a cut-short last line
+(a run killed mid-write) is not valid JSON and raises like any other. Keys added over time
+(``plan``, ``measured_rates``, ``emulated_rates``; ``rates`` before that) are optional, so older
+run folders read.
 """
 from __future__ import annotations
 
@@ -246,6 +246,14 @@ def read_metrics_file(path: str | Path) -> MetricsFile:
             raise MetricsError(p, n, bad)
         (events if is_event else steps).append(r)
     return MetricsFile(p, tuple(steps), tuple(events))
+
+
+def read_run(path: str | Path) -> tuple[list[dict], list[dict]]:
+    """(step lines, event lines) of a run folder's metrics.jsonl (or of the file itself), each
+    in file order, checked (:func:`read_metrics_file`): a bad line raises :class:`MetricsError`.
+    No step lines is no error here: each tool says what that means for it."""
+    f = read_metrics_file(path)
+    return list(f.steps), list(f.events)
 
 
 def read_metrics(path: str | Path, events: bool = False) -> list[dict]:

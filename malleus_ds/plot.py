@@ -24,8 +24,8 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from . import whatif
-from .metrics import METRICS_FILE, MetricsError, emulated_rates, read_metrics_file
+from . import metrics, whatif
+from .metrics import METRICS_FILE, MetricsError, emulated_rates, metrics_path
 from .straggler import HEALTHY
 
 PROG = "malleus-plot"
@@ -145,18 +145,18 @@ def _rates_dict(v, what: str) -> dict[int, float]:
 
 
 def parse_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
-    """(step lines, event lines) of a metrics.jsonl, checked (``metrics.read_metrics_file``:
-    blank lines skipped; a line that is not a JSON object, a step line without numeric
+    """(step lines, event lines) of a metrics.jsonl, checked (``metrics.read_run``: blank lines
+    skipped; a line that is not a JSON object, a step line without numeric
     ``step``/``samples``/``step_time_s``, ...). A bad line or a file without step lines raises
     PlotError naming the file (and line: ``<file>:<line>: corrupt line: ...``)."""
     try:
-        f = read_metrics_file(path)
+        steps, events = metrics.read_run(path)   # (plot.read_run below builds a RunData)
     except MetricsError as e:
         raise PlotError(f"{e.path}:{e.line}: corrupt line: {e.what}" if e.line is not None
                         else str(e)) from None
-    if not f.steps:
-        raise PlotError(f"{f.path}: no step lines")
-    return list(f.steps), list(f.events)
+    if not steps:
+        raise PlotError(f"{metrics_path(path)}: no step lines")
+    return steps, events
 
 
 def _matrix(rows: Sequence[list[float] | None], width: int) -> np.ndarray:

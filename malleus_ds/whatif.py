@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from .cost import capacity_of_rates
-from .metrics import MetricsError, emulated_rates, read_metrics_file
+from .metrics import MetricsError, emulated_rates, metrics_path, read_run
 from .straggler import HEALTHY  # a rate below this counts as healthy (DESIGN.md §6)
 
 
@@ -466,25 +466,27 @@ def read_config(run_dir: str | Path) -> Mapping | None:
 
 def read_lines(path: str | Path) -> tuple[list[dict], list[dict]]:
     """(step lines, event lines) of a metrics.jsonl or its run folder, checked
-    (``metrics.read_metrics_file``); a line that is not a JSON object, or a step line without
+    (``metrics.read_run``); a line that is not a JSON object, or a step line without
     numeric ``step``/``samples``/``step_time_s``, is a WhatIfError naming the file and line, and
     so is a file without step lines."""
     try:
-        f = read_metrics_file(path)
+        steps, events = read_run(path)
     except MetricsError as e:
         raise WhatIfError(str(e)) from None
-    if not f.steps:
-        raise WhatIfError(f"{f.path}: no step lines ({len(f.events)} event line(s)): nothing to "
-                          f"account for")
-    return list(f.steps), list(f.events)
+    if not steps:
+        raise WhatIfError(f"{metrics_path(path)}: no step lines ({len(events)} event line(s)): "
+                          f"nothing to account for")
+    return steps, events
 
 
 def account_of_run(run_dir: str | Path, warmup: int | None = None,
-                   layout: Layout | None = None) -> Account:
+                   layout: Layout | None = None,
+                   lines: tuple[Sequence[Mapping], Sequence[Mapping]] | None = None) -> Account:
     """The account of a run folder's metrics.jsonl. ``layout`` / ``warmup`` None: from the
     folder's ``.hydra/config.yaml`` when there is one (else no layout, warm-up 1, the config's
-    default)."""
-    steps, events = read_lines(run_dir)
+    default). ``lines``: its (step lines, event lines) when the caller has read them already
+    (``metrics.read_run``), so the file is read once; None: read here (:func:`read_lines`)."""
+    steps, events = read_lines(run_dir) if lines is None else lines
     conf = read_config(run_dir) if Path(run_dir).is_dir() else None
     world = world_of(steps)
     if layout is None and conf is not None:

@@ -1,6 +1,7 @@
-"""The one checked metrics.jsonl reader (``metrics.read_metrics_file``) and the four tools that
-use it (``malleus-plot``, ``launch/summarize.py``, ``compare.py``, ``whatif.py``): the same
-step/event split, one wording for a bad line, each tool's own error class and prefix."""
+"""The one checked metrics.jsonl reader (``metrics.read_metrics_file``, ``metrics.read_run``) and
+the four tools that use it (``malleus-plot``, ``launch/summarize.py``, ``compare.py``,
+``whatif.py``): the same step/event split, one wording for a bad line, each tool's own error
+class and prefix."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,7 +12,7 @@ import pytest
 
 from malleus_ds import compare, plot, whatif
 from malleus_ds.metrics import (METRICS_FILE, MetricsError, MetricsFile, MetricsWriter,
-                                StepRecord, read_metrics, read_metrics_file)
+                                StepRecord, read_metrics, read_metrics_file, read_run)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,8 +63,9 @@ def test_steps_events_and_an_unknown_kind(tmp_path):
     assert f.events_of("future_kind") == [NEW[3]]
     with pytest.raises(AttributeError):
         f.steps = ()                                             # frozen
-    # the old wrapper: the same lines
+    # the wrappers: the same lines
     assert read_metrics(d) == list(f.steps) and read_metrics(d, events=True) == list(f.events)
+    assert read_run(d) == read_run(d / METRICS_FILE) == (list(f.steps), list(f.events))
 
 
 def test_a_folder_instead_of_a_file(tmp_path):
@@ -168,7 +170,7 @@ def test_an_old_run_folder_reads_everywhere(tmp_path, recs, capsys):
     assert run.steps.tolist() == [0, 1, 2, 3] and run.measured_rates is None
     a = whatif.account_of_run(d, warmup=1)
     assert a.rate_source == ("emulated" if recs is OLD else "none")
-    assert compare.read_run(d) == (recs, [])
+    assert read_run(d) == (recs, [])
     assert _summarize().main([str(d)]) == 0
     tput = "16.0" if recs is OLD else "8.0"                  # 8 samples / median step time
     row = capsys.readouterr().out.splitlines()[1].split()
@@ -180,9 +182,7 @@ def test_the_four_callers_split_one_file_alike(tmp_path):
     f = read_metrics_file(d)
     steps, events = list(f.steps), list(f.events)
     assert plot.parse_metrics(d / METRICS_FILE) == (steps, events)
-    assert _summarize().read_run(d) == (steps, events)
-    assert _summarize().read_steps(d) == steps
-    assert compare.read_run(d) == (steps, events)
+    assert read_run(d) == (steps, events)                    # summarize and compare read so
     assert whatif.read_lines(d) == (steps, events)
     assert whatif.read_lines(d / METRICS_FILE) == (steps, events)
     run = plot.read_run(d)                                   # plot draws replan/migrate only
@@ -190,31 +190,40 @@ def test_the_four_callers_split_one_file_alike(tmp_path):
     assert [(e.kind, e.step) for e in run.events] == [("replan", 1), ("migrate", 2)]
 
 
+def test_summarize_reads_a_run_once(tmp_path, monkeypatch, capsys):
+    import malleus_ds.metrics as m
+
+    d = run_dir(tmp_path, lines_of(*OLD))
+    real, read = m.read_metrics_file, []
+    monkeypatch.setattr(m, "read_metrics_file", lambda p: read.append(p) or real(p))
+    assert _summarize().main([str(d)]) == 0
+    assert read == [d]                                       # table and what-if: one read
+    assert "what-if (rates: emulated" in capsys.readouterr().out
+
+
 def test_each_caller_keeps_its_error_class_and_prefix(tmp_path, capsys):
-    d = run_dir(tmp_path, lines_of(step(0), step(1)) + '{"step": 2, "st')
+    d = run_dir(tmp_path, lines_of(step(0), step(1)) + '{"step": 2, "st', name="cmp/x")
     p = d / METRICS_FILE
     with pytest.raises(plot.PlotError, match=rf"^{p}:3: corrupt line: not valid JSON \("):
         plot.parse_metrics(p)
     assert plot.main([str(d)]) == 2
     assert capsys.readouterr().err.startswith(f"malleus-plot: error: {p}:3: corrupt line: ")
     summ = _summarize()
-    with pytest.raises(summ.InputError, match=rf"^{p}: line 3 is not valid JSON"):
-        summ.read_steps(d)
     assert summ.main([str(d)]) == 2
     assert capsys.readouterr().err.startswith(f"summarize: {p}: line 3 is not valid JSON")
     with pytest.raises(compare.CompareError, match=rf"^{p}: line 3 is not valid JSON"):
-        compare.read_run(d)
+        compare.report(d.parent, ["x"], warmup=0)
     with pytest.raises(whatif.WhatIfError, match=rf"^{p}: line 3 is not valid JSON"):
         whatif.account_of_run(d)
     # a file without step lines: each tool's own word for it
-    run_dir(tmp_path, lines_of({"event": "checkpoint", "step": 3}))
+    run_dir(tmp_path, lines_of({"event": "checkpoint", "step": 3}), name="cmp/x")
     with pytest.raises(plot.PlotError, match=r"metrics.jsonl: no step lines$"):
         plot.parse_metrics(p)
     with pytest.raises(whatif.WhatIfError, match=r"no step lines \(1 event line\(s\)\)"):
         whatif.read_lines(d)
-    assert summ.read_steps(d) == []                          # summarize leaves the run out
+    assert summ.table([str(d)], skip=0) == []               # summarize leaves the run out
     with pytest.raises(compare.CompareError, match="run x has no step lines"):
-        compare.compare([("x", *compare.read_run(d))], warmup=0)
+        compare.report(d.parent, ["x"], warmup=0)
 
 
 def test_one_healthy_threshold():

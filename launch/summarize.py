@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from malleus_ds.metrics import METRICS_FILE, MetricsError, read_run  # noqa: E402
+from malleus_ds.run_folder import read_overrides  # noqa: E402
 from malleus_ds.whatif import WhatIfError, account_of_run, format_account  # noqa: E402
 
 
@@ -45,11 +46,10 @@ def run_dirs(paths: list[str]) -> list[Path]:
 
 
 def overrides(d: Path) -> str:
-    f = d / ".hydra" / "overrides.yaml"
-    if not f.is_file():
-        return ""
-    lines = [ln[2:].strip() for ln in f.read_text().splitlines() if ln.startswith("- ")]
-    return " ".join(x for x in lines if not x.startswith(("hydra.", "nproc_per_node=")))
+    """The run's overrides (``run_folder.read_overrides``) but ``hydra.*`` and
+    ``nproc_per_node``, space-separated; "" without any."""
+    return " ".join(x for x in read_overrides(d) or ()
+                    if not x.startswith(("hydra.", "nproc_per_node=")))
 
 
 def main(argv=None) -> int:

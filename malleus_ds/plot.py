@@ -26,6 +26,7 @@ import numpy as np
 
 from . import metrics, whatif
 from .metrics import METRICS_FILE, MetricsError, emulated_rates, metrics_path
+from .run_folder import read_overrides
 from .straggler import HEALTHY
 
 PROG = "malleus-plot"
@@ -196,24 +197,6 @@ def extract_events(lines: Iterable[Mapping]) -> list[Event]:
                          adopted=ev.get("adopted", True) is not False if kind == "replan" else True,
                          trigger=ev.get("trigger") if kind == "replan" else None))
     return sorted(out, key=lambda e: (e.step, EVENT_KINDS.index(e.kind)))
-
-
-def read_overrides(run_dir: Path) -> list[str] | None:
-    """``<run>/.hydra/overrides.yaml`` (a list of ``key=value`` strings), or None."""
-    p = run_dir / ".hydra" / "overrides.yaml"
-    if not p.is_file():
-        return None
-    try:
-        import yaml
-
-        v = yaml.safe_load(p.read_text())
-    except Exception:  # noqa: BLE001 - an unreadable label source only loses the label
-        return None
-    if v is None:
-        return []
-    if not isinstance(v, list):
-        return None
-    return [str(x) for x in v]
 
 
 def read_run(run_dir: str | Path, name: str | None = None) -> RunData:

@@ -61,3 +61,29 @@ def test_summary_and_summarize_give_the_whatif_account(tmp_path, capsys):
     assert mod.main([str(tmp_path)]) == 1
     assert "no step lines" in capsys.readouterr().err
     assert "what-if: " in format_summary(c, s) and "no step lines" in format_summary(c, s)
+
+
+def test_summarize_prints_the_overrides_hydra_wrote(tmp_path, capsys):
+    """One reader of .hydra/overrides.yaml (``run_folder.read_overrides``, YAML): a quoted
+    override prints as typed; hydra.* and nproc_per_node are left out."""
+    import importlib.util
+    import json
+
+    from omegaconf import OmegaConf
+
+    from malleus_ds.run_folder import read_overrides
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "samples": 8, "step_time_s": 0.5}) + "\n" for s in range(3)))
+    ov = ["engine=malleus", "hydra.run.dir=x", "nproc_per_node=2", "train.note=a: b", "~foo"]
+    OmegaConf.save(OmegaConf.create(ov), run / ".hydra" / "overrides.yaml")   # as Hydra does
+    assert read_overrides(run) == ov
+    spec = importlib.util.spec_from_file_location("summarize", "launch/summarize.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main([str(run)]) == 0
+    row = capsys.readouterr().out.splitlines()[1]
+    assert row.endswith("1.00x  engine=malleus train.note=a: b ~foo")
+    assert mod.overrides(tmp_path) == "" and read_overrides(tmp_path) is None

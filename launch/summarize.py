@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Summarise training runs side by side: one row per run folder (a ``--multirun`` sweep folder
-expands to its jobs), with its overrides, median step time, throughput and ratio to the first;
-then each run's what-if account (``malleus_ds/whatif.py``: per straggler phase the healthy,
-static-layout, bound and achieved throughput, the seconds lost to detection and migrations, and
-one line: what the stragglers would have cost a static job, what they cost this run, the bound).
+"""Summarise training runs side by side: one row per run folder (a folder of run folders, e.g. a
+``--multirun`` sweep or a compare run, expands to them), with its overrides, median step time,
+throughput and ratio to the first; then each run's what-if account (``malleus_ds/whatif.py``:
+per straggler phase the healthy, static-layout, bound and achieved throughput, the seconds lost
+to detection and migrations, and one line: what the stragglers would have cost a static job,
+what they cost this run, the bound).
 
     python launch/train.py --multirun experiment=straggler_sweep hydra.sweep.dir=multirun/s \\
         'straggler.schedule=[],[{rank:1,rate:2.0}],[{rank:1,rate:4.0}]'
@@ -19,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from malleus_ds.metrics import METRICS_FILE, MetricsError, read_run  # noqa: E402
-from malleus_ds.run_folder import read_overrides  # noqa: E402
+from malleus_ds.run_folder import find_runs, read_overrides  # noqa: E402
 from malleus_ds.whatif import WhatIfError, account_of_run, format_account  # noqa: E402
 
 
@@ -29,19 +30,17 @@ class InputError(Exception):
 
 
 def run_dirs(paths: list[str]) -> list[Path]:
+    """The run folders of ``paths`` (``run_folder.find_runs``: a run folder, or every run folder
+    below a folder, e.g. a sweep's jobs), in order; a metrics.jsonl stands for its folder."""
     out = []
     for p in map(Path, paths):
         if p.is_file() and p.name == METRICS_FILE:
             p = p.parent
-        if (p / METRICS_FILE).is_file():
-            out.append(p)
-        elif not p.exists():
+        if not p.exists():
             raise InputError(f"{p}: no such folder")
-        elif not p.is_dir():
+        if not p.is_dir():
             raise InputError(f"{p}: not a folder (give a run folder or a --multirun sweep folder)")
-        else:  # a sweep folder: jobs are numbered sub-folders
-            jobs = [d for d in p.iterdir() if (d / METRICS_FILE).is_file()]
-            out += sorted(jobs, key=lambda d: (len(d.name), d.name))
+        out += find_runs(p)
     return out
 
 

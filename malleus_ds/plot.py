@@ -3,7 +3,8 @@
     malleus-plot RUN_DIR [-o FILE.png] [--window N]
 
 ``RUN_DIR`` is a run folder (it holds ``metrics.jsonl``) or a Hydra ``--multirun`` sweep folder
-(run folders below it, e.g. ``0/``, ``1/``, ...; found by their ``metrics.jsonl``).
+(run folders below it, e.g. ``0/``, ``1/``, ...; found by their ``metrics.jsonl``:
+``run_folder.find_runs``).
 
 The data side (reading metrics, per-step arrays, straggler regions, events, job labels) is pure
 and separate from the drawing, so it can be tested without looking at pixels.
@@ -14,7 +15,6 @@ Bad input (missing folder, no metrics.jsonl, a corrupt line, a file without step
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import textwrap
 import warnings
@@ -26,7 +26,7 @@ import numpy as np
 
 from . import metrics, whatif
 from .metrics import METRICS_FILE, MetricsError, emulated_rates, metrics_path
-from .run_folder import read_overrides
+from .run_folder import find_runs, read_overrides
 from .straggler import HEALTHY
 
 PROG = "malleus-plot"
@@ -100,25 +100,6 @@ class RunData:
         if self.measured_rates is not None:
             n = max(n, self.measured_rates.shape[1])
         return max([n] + [r + 1 for er in self.emulated_rates for r in er])
-
-
-def _natural_key(p: Path) -> list:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.as_posix())]
-
-
-def find_run_dirs(root: str | Path) -> list[Path]:
-    """``root`` itself when it holds metrics.jsonl, else every folder below it that does
-    (in natural order: 0, 1, 2, ..., 10)."""
-    root = Path(root)
-    if not root.is_dir():
-        raise PlotError(f"{root}: no such folder" if not root.exists() else f"{root}: not a folder")
-    if (root / METRICS_FILE).is_file():
-        return [root]
-    found = sorted((p.parent for p in root.rglob(METRICS_FILE) if p.is_file()),
-                   key=lambda d: _natural_key(d.relative_to(root)))
-    if not found:
-        raise PlotError(f"{root}: no {METRICS_FILE} found in it or below it")
-    return found
 
 
 def _num(v, what: str) -> float:
@@ -275,9 +256,14 @@ def job_labels(runs: Sequence[RunData], root: Path | None = None) -> list[str]:
 
 
 def load_runs(root: str | Path) -> list[RunData]:
-    """All runs at or below ``root``; a multirun's jobs are labelled by :func:`job_labels`."""
+    """All runs at or below ``root`` (``run_folder.find_runs``); a multirun's jobs are labelled
+    by :func:`job_labels`."""
     root = Path(root)
-    dirs = find_run_dirs(root)
+    if not root.is_dir():
+        raise PlotError(f"{root}: no such folder" if not root.exists() else f"{root}: not a folder")
+    dirs = find_runs(root)
+    if not dirs:
+        raise PlotError(f"{root}: no {METRICS_FILE} found in it or below it")
     runs = [read_run(d) for d in dirs]
     if len(runs) > 1:
         for r, lab in zip(runs, job_labels(runs, root)):

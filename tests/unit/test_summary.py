@@ -87,3 +87,31 @@ def test_summarize_prints_the_overrides_hydra_wrote(tmp_path, capsys):
     row = capsys.readouterr().out.splitlines()[1]
     assert row.endswith("1.00x  engine=malleus train.note=a: b ~foo")
     assert mod.overrides(tmp_path) == "" and read_overrides(tmp_path) is None
+
+
+def test_summarize_and_plot_find_the_same_runs(tmp_path, capsys):
+    """One search (``run_folder.find_runs``): at any depth (a sweep of compare runs is two deep),
+    in natural order; a folder holding metrics.jsonl is one run."""
+    import importlib.util
+    import json
+
+    from malleus_ds.plot import load_runs
+    from malleus_ds.run_folder import find_runs
+
+    sweep = tmp_path / "sweep"
+    jobs = [sweep / j / e for j in ("0", "2", "10") for e in ("deepspeed", "malleus")]
+    for d in reversed(jobs):
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "samples": 8,
+                                                     "step_time_s": 0.5}) + "\n")
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    assert find_runs(sweep) == jobs
+    assert find_runs(jobs[0]) == [jobs[0]] and find_runs(tmp_path / "nope") == []
+    assert [r.path for r in load_runs(sweep)] == jobs
+    spec = importlib.util.spec_from_file_location("summarize", "launch/summarize.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.run_dirs([str(sweep)]) == jobs
+    assert mod.run_dirs([str(jobs[1] / "metrics.jsonl")]) == [jobs[1]]
+    assert mod.main([str(sweep), "--skip", "0"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) > len(jobs)

@@ -27,6 +27,9 @@ and a checkpoint save is an event line too (``{"event": "checkpoint", "step", "p
 "ideal": {"1": 1.0, "2": 2.0}}``). engine=malleus step lines carry ``"plan"``, the id of the plan that ran the step, and
 ``"measured_rates"``, each rank's smoothed measured rate (``straggler.py``; null until measured).
 
+:func:`format_event` turns a replan or migrate line into text: one line for the run summary and
+the progress bar, a short label for ``malleus-plot``.
+
 ``compute_s[d]`` is rank ``d``'s forward+backward seconds in that step *including* its emulated
 slowdown (what a real slow GPU would show); ``emulated_s[d]`` is the part of it that was the
 emulation's sleep. ``emulated_rates`` holds the emulation's schedule active in that step (slowed
@@ -261,6 +264,41 @@ def read_metrics(path: str | Path, events: bool = False) -> list[dict]:
     Checked (:func:`read_metrics_file`): a bad line raises :class:`MetricsError`."""
     f = read_metrics_file(path)
     return list(f.events if events else f.steps)
+
+
+def format_event(ev: Mapping, short: bool = False) -> str:
+    """Text for a ``replan`` or ``migrate`` event line (any other: the line as it is).
+
+    One line (the run summary, the progress bar): what the loop measured, planned and chose, or
+    what the switch moved. ``short``: the few words ``malleus-plot`` writes next to the event's
+    vertical line, one fact a line: the trigger, ``not adopted``, the planning seconds; or the
+    size moved and the seconds it took. A replan line without ``adopted`` counts as adopted."""
+    kind = ev.get("event")
+    if kind == "replan":
+        adopted = ev.get("adopted", True) is not False
+        if short:
+            ps = ev.get("planning_s")
+            return (f"replan ({ev.get('trigger') or '?'})" + ("" if adopted else "\nnot adopted")
+                    + (f"\n{ps:.1f} s plan" if _is_num(ps) else ""))
+        rates = ", ".join(f"rank {d} {x:g}" for d, x in enumerate(ev.get("measured_rates") or ())
+                          if x is not None and x > 1.0) or "all healthy"
+        head = f"replan before step {ev['step']} ({ev.get('trigger')}; measured {rates})"
+        if ev.get("trigger") == "error":
+            return f"{head}: {ev.get('reason')}"
+        pred = ev.get("predicted_step_s") or [None, None]
+        verdict = f"-> {ev.get('to')}" if adopted else f"kept {ev.get('from')}"
+        return (f"{head}: planned in {ev.get('planning_s', 0):.2f} s, step "
+                f"{pred[0]} s -> {pred[1]} s predicted, {verdict} ({ev.get('reason')})")
+    if kind == "migrate":
+        if short:
+            b, t = ev.get("bytes"), ev.get("seconds")
+            parts = ([f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"]
+                     if _is_num(b) else []) + ([f"{t:.2f} s"] if _is_num(t) else [])
+            return "migrate" + (" " + ", ".join(parts) if parts else "")
+        return (f"migrate before step {ev['step']}: {ev['from']} -> {ev['to']}, "
+                f"{ev['bytes'] / 2**20:.2f} MiB sent in {ev['seconds']:.3f} s, "
+                f"{ev['peak_extra_bytes'] / 2**20:.2f} MiB extra at peak")
+    return str(ev)
 
 
 @dataclass(frozen=True)

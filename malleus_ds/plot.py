@@ -25,7 +25,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from . import metrics, whatif
-from .metrics import METRICS_FILE, MetricsError, emulated_rates, metrics_path
+from .metrics import METRICS_FILE, MetricsError, emulated_rates, format_event, metrics_path
 from .run_folder import find_runs, read_overrides
 from .straggler import HEALTHY
 
@@ -48,7 +48,8 @@ class PlotError(Exception):
 
 @dataclass(frozen=True)
 class Event:
-    """A ``replan`` or ``migrate`` line of metrics.jsonl, with the text drawn next to its line."""
+    """A ``replan`` or ``migrate`` line of metrics.jsonl, with the text drawn next to its line
+    (``metrics.format_event(..., short=True)``)."""
 
     kind: str              # "replan" | "migrate"
     step: int
@@ -149,24 +150,6 @@ def _matrix(rows: Sequence[list[float] | None], width: int) -> np.ndarray:
     return m
 
 
-def event_label(ev: Mapping) -> str:
-    """The text drawn next to an event's vertical line."""
-    if ev["event"] == "replan":
-        trig = ev.get("trigger") or "?"
-        head = f"replan ({trig})"
-        if ev.get("adopted", True) is False:
-            head += "\nnot adopted"
-        ps = ev.get("planning_s")
-        return head + (f"\n{ps:.1f} s plan" if isinstance(ps, (int, float)) else "")
-    parts = []
-    if isinstance(ev.get("bytes"), (int, float)):
-        b = ev["bytes"]
-        parts.append(f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB")
-    if isinstance(ev.get("seconds"), (int, float)):
-        parts.append(f"{ev['seconds']:.2f} s")
-    return "migrate" + (" " + ", ".join(parts) if parts else "")
-
-
 def extract_events(lines: Iterable[Mapping]) -> list[Event]:
     """replan / migrate events (others are ignored), in step order."""
     out = []
@@ -174,7 +157,7 @@ def extract_events(lines: Iterable[Mapping]) -> list[Event]:
         kind = ev.get("event")
         if kind not in EVENT_KINDS:
             continue
-        out.append(Event(kind, int(ev["step"]), event_label(ev),
+        out.append(Event(kind, int(ev["step"]), format_event(ev, short=True),
                          adopted=ev.get("adopted", True) is not False if kind == "replan" else True,
                          trigger=ev.get("trigger") if kind == "replan" else None))
     return sorted(out, key=lambda e: (e.step, EVENT_KINDS.index(e.kind)))

@@ -22,7 +22,7 @@ import time
 from ..clock import ComputeClock as _ComputeClock
 from ..config import RunConfig
 from ..emulation import Straggler
-from ..metrics import MetricsWriter, StepRecord, format_phases, phases
+from ..metrics import MetricsWriter, StepRecord, format_event, format_phases, phases
 from ..plan import Plan, even_split
 from ..reference import micro_batches
 from ..watchdog import phase
@@ -159,25 +159,6 @@ class StepReporter:
                           samples_per_step=self.cfg.train.global_batch_size, phases=ph,
                           metrics_path=str(self.writer.path) if self.writer.path else None,
                           extra=dict(extra, events=list(self.events)) if self.events else extra)
-
-
-def format_event(ev: dict) -> str:
-    """One line for a metrics event (a re-plan, a live plan switch)."""
-    if ev.get("event") == "replan":
-        rates = ", ".join(f"rank {d} {x:g}" for d, x in enumerate(ev.get("measured_rates") or ())
-                          if x is not None and x > 1.0) or "all healthy"
-        head = f"replan before step {ev['step']} ({ev.get('trigger')}; measured {rates})"
-        if ev.get("trigger") == "error":
-            return f"{head}: {ev.get('reason')}"
-        pred = ev.get("predicted_step_s") or [None, None]
-        verdict = (f"-> {ev['to']}" if ev.get("adopted") else f"kept {ev.get('from')}")
-        return (f"{head}: planned in {ev.get('planning_s', 0):.2f} s, step "
-                f"{pred[0]} s -> {pred[1]} s predicted, {verdict} ({ev.get('reason')})")
-    if ev.get("event") == "migrate":
-        return (f"migrate before step {ev['step']}: {ev['from']} -> {ev['to']}, "
-                f"{ev['bytes'] / 2**20:.2f} MiB sent in {ev['seconds']:.3f} s, "
-                f"{ev['peak_extra_bytes'] / 2**20:.2f} MiB extra at peak")
-    return str(ev)
 
 
 def format_summary(cfg: RunConfig, s: RunSummary) -> str:

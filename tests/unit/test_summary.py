@@ -115,3 +115,27 @@ def test_summarize_and_plot_find_the_same_runs(tmp_path, capsys):
     assert mod.run_dirs([str(jobs[1] / "metrics.jsonl")]) == [jobs[1]]
     assert mod.main([str(sweep), "--skip", "0"]) == 0
     assert len(capsys.readouterr().out.splitlines()) > len(jobs)
+
+
+def test_one_text_per_event():
+    """``metrics.format_event``: the summary's and progress bar's line, and (short) the label
+    malleus-plot draws; runners/common.py and plot.py both use it."""
+    from malleus_ds import plot
+    from malleus_ds.metrics import format_event
+    from malleus_ds.runners import common
+
+    rp = {"event": "replan", "step": 20, "trigger": "change", "measured_rates": [1.0, 5.3],
+          "from": "plan-b", "to": "plan-c", "planning_s": 0.7, "predicted_step_s": [0.26, 0.25],
+          "adopted": False, "reason": "no gain"}
+    mg = {"event": "migrate", "step": 9, "from": "plan-a", "to": "plan-b", "bytes": 3 * 2**30,
+          "seconds": 1.5, "peak_extra_bytes": 2**31}
+    assert format_event(rp) == ("replan before step 20 (change; measured rank 1 5.3): planned "
+                                "in 0.70 s, step 0.26 s -> 0.25 s predicted, kept plan-b "
+                                "(no gain)")
+    assert format_event(mg) == ("migrate before step 9: plan-a -> plan-b, 3072.00 MiB sent in "
+                                "1.500 s, 2048.00 MiB extra at peak")
+    assert format_event(rp, short=True) == "replan (change)\nnot adopted\n0.7 s plan"
+    assert format_event(mg, short=True) == "migrate 3.00 GiB, 1.50 s"
+    assert [e.label for e in plot.extract_events([rp, mg])] == [     # in step order
+        format_event(mg, short=True), format_event(rp, short=True)]
+    assert common.format_event is format_event

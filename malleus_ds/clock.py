@@ -52,12 +52,13 @@ class ComputeClock:
         self._events = []
         self._sync = self.cuda and self._emulating(step)
         if self.straggler is not None:
-            self.straggler.at_step(step)    # straggler.method=quota: the step's CPU cap
+            self.straggler.at_step(step)    # method=quota|compete: the step's CPU cap
         HEARTBEAT.beat("step start", step)
 
     def _emulating(self, step: int) -> bool:
         """Does the sleep emulation slow this rank at ``step`` (it needs synchronised spans to
-        sleep in proportion to them)? A CPU quota (``method=quota``) slows the process itself:
+        sleep in proportion to them)? A CPU quota or competitors (``method=quota|compete``) slow
+        the process itself:
         CUDA events time it like a real slow GPU."""
         st = self.straggler
         return (st is not None and getattr(st.schedule, "method", "sleep") == "sleep"

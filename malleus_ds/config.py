@@ -238,8 +238,9 @@ def compare_engines(v: Any) -> tuple[str, ...]:
 
 
 def _straggler(s: Mapping[str, Any], world_size: int) -> StragglerSchedule:
-    """``straggler.schedule`` and ``straggler.method`` (sleep | quota; emulation.py). Whether
-    this machine can apply ``quota`` is checked at runner start-up (``runners/__init__.py``)."""
+    """``straggler.schedule`` and ``straggler.method`` (sleep | quota | compete; emulation.py).
+    Whether this machine can apply ``quota`` or ``compete`` is checked at runner start-up
+    (``runners/__init__.py``)."""
     if not isinstance(s, Mapping):
         raise ConfigError(f"straggler must be a mapping with key 'schedule', got {s!r} "
                           f"(allowed keys: ['schedule', 'method'])")

@@ -74,6 +74,7 @@ class Controller:
         self.units = cost_units(plan, self.world, self.tp, self.slowdown, self.head)
         self.shape = tuple(cost_shape(plan, self.world).T)     # per-micro-batch terms, fitted
         self.held = held_ranks(self.units, None)     # working under a plan made for them as slow
+        self._floor = np.zeros(self.world)           # ...and the rates it was made for
         self.probe_ref = probe_reference(self.units, self.held)
         self.measured = np.full(self.world, np.nan)
         self.step_times: deque[float] = deque(maxlen=max(3, settings.detect.window))
@@ -174,7 +175,7 @@ class Controller:
             self._skip -= 1
             return
         self.est.add(comp, self.units, probe, shape=self.shape, held=self.held)
-        self.measured = self.est.rates()
+        self.measured = self.est.rates(floor=self._floor)
         self._seen += 1
         if self._seen < self.s.detect.window:    # a full window before the first detection
             return
@@ -253,6 +254,7 @@ class Controller:
         the same on every rank: from the broadcast event's rates, or the shared measurement)
         and the rank that calibrates their probes."""
         self.held = held_ranks(self.units, rates, self.s.detect.healthy)
+        self._floor = np.where(self.held, [0.0 if r is None else r for r in rates], 0.0)
         self.probe_ref = probe_reference(self.units, self.held)
 
     def close(self) -> None:

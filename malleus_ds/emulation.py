@@ -15,6 +15,9 @@ Entries that overlap on one rank combine by ``max``. Off by default (empty sched
   ``emulated_s`` stays 0; ``emulated_rates`` in metrics.jsonl still records the schedule's rates,
   which are then the *target* slowdown. :func:`check_method` refuses ``quota`` where the machine
   cannot apply it, naming the reason.
+* ``compete``: a real slowdown without cgroups (``malleus_ds/cpu_compete.py``): the rank is
+  pinned to one core and competing busy processes beside it take ``1 - 1/rate`` of that core;
+  as with ``quota`` nothing sleeps. Needs only CPU affinity (Linux).
 
 Pure Python (no torch): the schedule is validated before any process group exists.
 """
@@ -25,7 +28,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 _KEYS = ("rank", "rate", "start_step", "end_step")
-METHODS = ("sleep", "quota")
+METHODS = ("sleep", "quota", "compete")
+#: the methods the OS applies (nothing sleeps; ``emulated_s`` stays 0)
+REAL = ("quota", "compete")
 
 
 class StragglerError(ValueError):
@@ -59,11 +64,13 @@ class RawSchedule(tuple):
 
 
 def parse_method(v: Any, where: str = "straggler.method") -> str:
-    """``sleep`` | ``quota`` (``None``: sleep); anything else is a StragglerError naming it."""
+    """``sleep`` | ``quota`` | ``compete`` (``None``: sleep); anything else is a StragglerError
+    naming it."""
     m = "sleep" if v is None else v
     if m not in METHODS:
         raise StragglerError(f"{where}={v!r} is not known; choose one of {list(METHODS)} "
-                             f"(sleep: emulated by sleeping; quota: a real CPU cap by cgroup)")
+                             f"(sleep: emulated by sleeping; quota: a real CPU cap by cgroup; "
+                             f"compete: real, busy processes pinned beside the rank)")
     return m
 
 
@@ -144,26 +151,34 @@ class StragglerSchedule:
 
 
 def check_method(schedule: StragglerSchedule, reason=None, where: str = "straggler") -> None:
-    """Refuse ``method=quota`` (with a schedule) on a machine that cannot apply it, naming why.
-    ``reason``: ``cpu_quota.unavailable_reason`` (a parameter for tests); ``where``: the
-    config section, for the message."""
-    if schedule.method != "quota" or not schedule:
+    """Refuse ``method=quota`` or ``compete`` (with a schedule) on a machine that cannot apply
+    it, naming why. ``reason``: ``cpu_quota.unavailable_reason`` /
+    ``cpu_compete.unavailable_reason`` (a parameter for tests); ``where``: the config section,
+    for the message."""
+    if schedule.method not in REAL or not schedule:
         return
     if reason is None:
-        from .cpu_quota import unavailable_reason as reason
+        if schedule.method == "quota":
+            from .cpu_quota import unavailable_reason as reason
+        else:
+            from .cpu_compete import unavailable_reason as reason
     why = reason()
     if why:
-        raise StragglerError(f"{where}.method=quota: {why}; use {where}.method=sleep")
+        alt = f"{where}.method=compete or " if schedule.method == "quota" else ""
+        raise StragglerError(f"{where}.method={schedule.method}: {why}; use "
+                             f"{alt}{where}.method=sleep")
 
 
 class Straggler:
     """Per-rank straggler. Call :meth:`at_step` when a step starts and :meth:`after_compute`
     right after each timed micro-batch compute (``malleus_ds/clock.py`` does both).
 
-    ``quota``: a callable returning this process's ``CpuQuota`` (default
-    ``cpu_quota.process_quota``), called on the first rate change only, so a rank the schedule
-    never slows never touches a cgroup. Building a ``quota`` Straggler runs
-    :func:`check_method` (on every rank alike: the same error everywhere, no hang)."""
+    ``quota``: a callable returning this process's slowdown control, an object with
+    ``set_rate`` (default ``cpu_quota.process_quota`` for ``method=quota``,
+    ``cpu_compete.process_competitor`` for ``compete``), called on the first rate change only,
+    so a rank the schedule never slows never touches a cgroup or its affinity. Building a
+    Straggler runs :func:`check_method` (on every rank alike: the same error everywhere, no
+    hang)."""
 
     def __init__(self, schedule: StragglerSchedule, rank: int, sleep=time.sleep,
                  quota=None, reason=None) -> None:
@@ -172,32 +187,34 @@ class Straggler:
         self._sleep = sleep
         self._quota_factory = quota
         self._quota = None
-        self.applied_rate = 1.0         # method=quota: the rate the CPU cap now enforces
+        self.applied_rate = 1.0         # quota / compete: the rate the OS now enforces
         check_method(schedule, reason)
 
     def at_step(self, step: int) -> None:
-        """Start of ``step``. sleep: nothing. quota: set this rank's CPU cap to the step's rate
-        when it differs from the one applied."""
-        if self.schedule.method != "quota":
+        """Start of ``step``. sleep: nothing. quota / compete: set this rank's CPU cap (its
+        competitors) to the step's rate when it differs from the one applied."""
+        if self.schedule.method not in REAL:
             return
         rate = self.schedule.rate(self.rank, step)
         if rate == self.applied_rate:
             return
         if self._quota is None:
-            if self._quota_factory is None:
+            if self._quota_factory is not None:
+                factory = self._quota_factory
+            elif self.schedule.method == "quota":
                 from .cpu_quota import process_quota as factory
             else:
-                factory = self._quota_factory
+                from .cpu_compete import process_competitor as factory
             self._quota = factory()
         self._quota.set_rate(rate)
         self.applied_rate = rate
 
     def after_compute(self, step: int, compute_seconds: float) -> float:
         """sleep: sleep ``(rate - 1) × compute_seconds`` if this rank is slowed at ``step``.
-        quota: nothing (the OS already slowed the compute).
+        quota / compete: nothing (the OS already slowed the compute).
 
-        Returns the seconds slept (0.0 when healthy or with method=quota)."""
-        if self.schedule.method == "quota":
+        Returns the seconds slept (0.0 when healthy or with a real method)."""
+        if self.schedule.method in REAL:
             return 0.0
         rate = self.schedule.rate(self.rank, step)
         if rate <= 1.0 or compute_seconds <= 0:
@@ -208,8 +225,8 @@ class Straggler:
         return time.perf_counter() - t0 if self._sleep is time.sleep else delay
 
     def close(self) -> None:
-        """method=quota: lift the cap (back to rate 1.0); the cgroup itself goes at
-        ``cpu_quota.release`` (end of a run) or at exit."""
+        """quota / compete: lift the cap (back to rate 1.0); the cgroup itself goes at
+        ``cpu_quota.release`` (end of a run) or at exit, the competitors at rate 1.0."""
         if self._quota is not None and self.applied_rate != 1.0:
             self._quota.set_rate(1.0)
         self.applied_rate = 1.0

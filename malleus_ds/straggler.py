@@ -299,9 +299,11 @@ class RateEstimator:
         self._cal.extend((t[ref] / p[ref]).tolist())
         return float(np.median(self._cal)) if self._cal else 1.0
 
-    def rates(self) -> np.ndarray:
+    def rates(self, floor: Sequence[float] | None = None) -> np.ndarray:
         """Smoothed rates: per rank the median over the kept rows, ignoring NaN; NaN where no
-        row has a measurement. Not clamped (a rank may read 0.9)."""
+        row has a measurement. Not clamped (a rank may read 0.9). ``floor[d]``: the rate a
+        held rank's plan was made for, which it keeps at least until a probe of it is in the
+        window (right after a switch its light load alone would read it healthy)."""
         if not self._rows:
             return np.full(self.world, np.nan)
         rows, probes = self._normalised_rows()
@@ -318,7 +320,12 @@ class RateEstimator:
         act = sm[self._active & ~np.isnan(sm)]
         if not act.size:
             return np.full(self.world, np.nan)
-        return sm / _reference(act, self.band)
+        out = sm / _reference(act, self.band)
+        if floor is not None:
+            f = _vector(floor, self.world, "floor")
+            unprobed = self._held & np.isnan(fastest)
+            out[unprobed] = np.fmax(out[unprobed], f[unprobed])
+        return out
 
     def reset(self) -> None:
         """Forget the history (after a plan switch, when units change). Never called here."""

@@ -39,6 +39,7 @@ import importlib
 from types import ModuleType
 
 from ..config import ConfigError, RunConfig
+from ..cpu_compete import release as release_competitors
 from ..cpu_quota import release as release_quota
 from .base import DistEnv, RunSummary, destroy_process_group, init_process_group
 from .checkpoint import nothing_to_run, resume_point
@@ -80,8 +81,8 @@ def validate(cfg: RunConfig) -> ModuleType:
 
 
 def check_straggler_method(schedule, where: str = "straggler") -> None:
-    """``straggler.method=quota`` on a machine that cannot cap a process's CPU is a ConfigError
-    naming the reason (every rank, before any process group)."""
+    """``straggler.method=quota`` (``compete``) on a machine that cannot cap a process's CPU
+    (pin it) is a ConfigError naming the reason (every rank, before any process group)."""
     from ..emulation import StragglerError, check_method
 
     try:
@@ -91,12 +92,13 @@ def check_straggler_method(schedule, where: str = "straggler") -> None:
 
 
 def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
-    """Run ``cfg`` on this rank inside an existing default process group; a CPU quota the run
-    set (``straggler.method=quota``) is lifted when it ends."""
+    """Run ``cfg`` on this rank inside an existing default process group; a CPU quota or
+    competitors the run set (``straggler.method=quota|compete``) are lifted when it ends."""
     try:
         return validate(cfg).run(cfg, env)
     finally:
         release_quota()
+        release_competitors()
 
 
 def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
@@ -126,6 +128,7 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
         return summary
     finally:
         release_quota()             # straggler.method=quota: this process's cgroup, if any
+        release_competitors()       # ...=compete: its competing processes, if any
         if dog is not None:
             dog.stop()
         orphan_watch.stop()

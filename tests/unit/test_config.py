@@ -170,7 +170,7 @@ def test_straggler_method_sleep_default_quota_and_unknown():
     c = cfg(straggler={"schedule": SLOW1, "method": "quota"})
     assert c.straggler.method == "quota" and c.straggler.rate(1, 2) == 3.0
     with pytest.raises(ConfigError, match=r"straggler.method='nice' is not known; choose one of "
-                                          r"\['sleep', 'quota'\]"):
+                                          r"\['sleep', 'quota', 'compete'\]"):
         cfg(straggler={"schedule": SLOW1, "method": "nice"})
 
 
@@ -182,7 +182,8 @@ def test_straggler_method_quota_refused_where_the_machine_cannot(monkeypatch):
         c = cfg(engine=engine, straggler={"schedule": SLOW1, "method": "quota"})
         with pytest.raises(ConfigError, match=r"^straggler.method=quota: no cgroup cpu controller "
                                               r"is mounted \(looked for /x/cpu/cpu.cfs_quota_us\); "
-                                              r"use straggler.method=sleep$"):
+                                              r"use straggler.method=compete or "
+                                              r"straggler.method=sleep$"):
             runners.validate(c)
         runners.validate(cfg(engine=engine, straggler={"schedule": SLOW1}))      # sleep: fine
         runners.validate(cfg(engine=engine, straggler={"schedule": [], "method": "quota"}))
@@ -206,7 +207,8 @@ def test_ds_config_malleus_straggler_method(monkeypatch):
 
     monkeypatch.setattr(cq, "unavailable_reason", lambda: NO_CGROUP)
     with pytest.raises(ConfigError, match=r"ds_config.malleus.straggler.method=quota: no cgroup "
-                                          r"cpu .*; use ds_config.malleus.straggler.method=sleep"):
+                                          r"cpu .*; use ds_config.malleus.straggler.method=compete or "
+                                          r"ds_config.malleus.straggler.method=sleep"):
         runners.validate(malleus({"schedule": SLOW1, "method": "quota"}))
     with pytest.raises(ConfigError, match=r"ds_config.malleus.straggler.schedule\[0\].rank=5 does "
                                           r"not exist: the job has world_size=2"):

@@ -128,18 +128,23 @@ def test_quota_method_errors_name_the_reason():
 
     sched = StragglerSchedule.parse([{"rank": 1, "rate": 3.0}], method="quota")
     msg = (r"^straggler.method=quota: /sys/fs/cgroup/cpu is read-only; "
-           r"use straggler.method=sleep$")
+           r"use straggler.method=compete or straggler.method=sleep$")
     with pytest.raises(StragglerError, match=msg):
         Straggler(sched, rank=0, reason=lambda: "/sys/fs/cgroup/cpu is read-only")
     with pytest.raises(StragglerError, match=r"ds_config.malleus.straggler.method=quota: x; use "
-                                             r"ds_config.malleus.straggler.method=sleep"):
+                                             r"ds_config.malleus.straggler.method=compete or "
+                                             r"ds_config.malleus.straggler.method=sleep$"):
         check_method(sched, lambda: "x", "ds_config.malleus.straggler")
+    compete = StragglerSchedule.parse([{"rank": 1, "rate": 3.0}], method="compete")
+    with pytest.raises(StragglerError, match=r"^straggler.method=compete: no affinity; use "
+                                             r"straggler.method=sleep$"):
+        check_method(compete, lambda: "no affinity")
     asked = []
     check_method(StragglerSchedule.parse(sched.to_json()), lambda: asked.append(1) or "x")
     check_method(StragglerSchedule.parse([], method="quota"), lambda: asked.append(1) or "x")
     assert asked == []                          # sleep, or no straggler: nothing to check
     with pytest.raises(StragglerError, match=r"straggler.method='cgroup' is not known; choose "
-                                             r"one of \['sleep', 'quota'\]"):
+                                             r"one of \['sleep', 'quota', 'compete'\]"):
         StragglerSchedule.parse([], method="cgroup")
     raw = RawSchedule(({"rank": 1, "rate": 2},), "quota")
     assert raw == ({"rank": 1, "rate": 2},) and StragglerSchedule.parse(raw).method == "quota"

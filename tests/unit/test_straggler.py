@@ -406,3 +406,18 @@ def test_a_suspended_rank_only_triggers_when_it_gets_better():
     det.planned_for([1.0, 1.0, 1.0, 5.0])
     trig = det.check([1.0, 1.0, 1.0, 2.0], idle=idle)                 # better: maybe back in
     assert trig is not None and trig.kind == "change"
+
+
+def test_a_held_rank_keeps_its_planned_rate_until_it_is_probed():
+    """Right after a switch a held rank's light load reads healthy and no probe of it is in the
+    window yet: it keeps the rate its plan was made for (``floor``) until one is."""
+    units = np.array([4.0, 4.0, 4.0, 1.0])
+    hold = [False, False, False, True]
+    floor = [0.0, 0.0, 0.0, 3.5]
+    est = RateEstimator(4)
+    for _ in range(3):
+        est.add(units * BASE, units, None, held=hold)
+    assert est.rates() == pytest.approx([1, 1, 1, 1])
+    assert est.rates(floor=floor) == pytest.approx([1, 1, 1, 3.5])
+    est.add(units * BASE, units, [BASE, np.nan, np.nan, 1.1 * BASE], held=hold)   # probed
+    assert est.rates(floor=floor)[3] == pytest.approx(1.1, rel=0.05)

@@ -10,6 +10,7 @@ import pytest
 
 from malleus_ds.control import Controller
 from malleus_ds.engine.settings import AdaptiveSettings
+from malleus_ds.engine.step_reduce import StepSums
 from malleus_ds.planner.client import PlannerClient
 from malleus_ds.replan import decide, job_problem, memory_model, nominal_shape
 from malleus_ds.cost import step_time
@@ -167,9 +168,9 @@ def _drive(ctl, plan, rates, steps, rng, base=0.01):
     units = cost_units(plan, 4, 1, {1: 1.0})
     for k in range(steps):
         comp = units * base * np.asarray(rates) * rng.uniform(0.9, 1.1, 4)
-        summed = [0.0] + list(comp) + [0.0] * 4
-        summed[0] = ctl.slots(comp[0], 0.0)[0]     # rank 0's flag, as the all-reduce would sum
-        ctl.observe(k, summed)
+        ready, _ = ctl.contribute(comp[0], 0.0)    # rank 0's flag, as the all-reduce would sum
+        ctl.observe(k, StepSums(loss=0.0, overflow=False, ready=ready, compute_s=comp,
+                                probe_s=np.full(4, np.nan)))
         ctl.step_done(float(comp.max()) * 1.2)
         yield k
 
@@ -309,9 +310,10 @@ def test_a_held_rank_with_slack_sustains_its_probe_within_its_slack():
         c.compute_times.extend([0.1] * 5)         # slack 0.2 s: the probe gets at most 0.1 s
         c.engine.runs[0] = 0
         assert c.probe_due(2)
-        t0 = time.perf_counter()
         c.probe(2)
-        assert time.perf_counter() - t0 < 0.1 + 0.03, c.engine.runs[0]
+        # warm-up + sustain (<= 50 ms of >= 10 ms runs, and the one that crosses it) + timed
+        # repeats (50 ms at the pace of the last run, >= 10 ms): counted, not timed (load-proof)
+        assert c.engine.runs[0] <= 1 + 6 + 5, c.engine.runs[0]
         c.switched(plan, [1.0, 1.0, 1.0, 1.0])
         assert not c.held.any() and c.probe_ref is None and not c.probe_due(2)
     finally:

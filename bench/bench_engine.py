@@ -97,7 +97,8 @@ def _worker(rank, world, layout, model_name, seq, G, steps, rounds, warmup):
     from deepspeed.utils import groups
 
     from malleus_ds.data import ByteCorpus
-    from malleus_ds.engine.engine import MalleusEngine, _init_deepspeed_comm
+    from malleus_ds.ds_compat import init_deepspeed_comm
+    from malleus_ds.engine.engine import MalleusEngine
     from malleus_ds.models.llama import lm_loss
     from malleus_ds.plan import static_plan
     from malleus_ds.reference import micro_batches
@@ -105,7 +106,7 @@ def _worker(rank, world, layout, model_name, seq, G, steps, rounds, warmup):
     cfg = _load_model(model_name, seq)
     mbs, seed = 1, 0
     data = ByteCorpus(seq, seed=seed)
-    _init_deepspeed_comm()
+    init_deepspeed_comm()
     stock = _stock_engine(layout, cfg, G, mbs, seed)
     stock_mpu = groups.mpu
     pp, dp = (1, 2) if layout == "dp2" else (2, 1)

@@ -151,26 +151,23 @@ class Controller:
             return self._probe.measure(True, Probe.budget(self.step_times, self.compute_times))
         return self._probe.measure(False, 0.0)
 
-    def slots(self, compute_s: float, probe_s: float) -> list[float]:
-        """``[decision ready (rank 0), compute_s per rank..., probe per-unit s per rank...]``,
-        this rank's entries filled in, the rest 0: summed by the step's all-reduce."""
-        out = [0.0] * (1 + 2 * self.world)
+    def contribute(self, compute_s: float, probe_s: float) -> tuple[bool, float]:
+        """This rank's adaptive-loop values for the step's all-reduce
+        (``engine/step_reduce.py``): rank 0's "decision ready" flag, and the probe timed after
+        the last all-reduce in seconds per cost unit (0.0: none). Records this step's compute."""
+        ready = False
         if self.rank == 0:
             self._collect()
-            out[0] = 1.0 if self._result is not None else 0.0
-        out[1 + self.rank] = compute_s
+            ready = self._result is not None
         if self.engine.located is not None:
             self.compute_times.append(compute_s)
-        out[1 + self.world + self.rank] = probe_s / self.slowdown[self.tp] if probe_s > 0 else 0.0
-        return out
+        return ready, (probe_s / self.slowdown[self.tp] if probe_s > 0 else 0.0)
 
-    def observe(self, step: int, summed: list[float]) -> None:
-        """After the all-reduce: rates (every rank), detection and a re-plan request (rank 0)."""
-        w = self.world
-        self.ready = self.ready or summed[0] > 0.5
-        comp = np.asarray(summed[1:1 + w], dtype=float)
-        probe = np.asarray(summed[1 + w:1 + 2 * w], dtype=float)
-        probe[probe <= 0] = np.nan
+    def observe(self, step: int, sums) -> None:
+        """After the all-reduce (``sums``: its :class:`~malleus_ds.engine.step_reduce.StepSums`):
+        rates (every rank), detection and a re-plan request (rank 0)."""
+        self.ready = self.ready or sums.ready
+        comp, probe = sums.compute_s, sums.probe_s
         if self._skip:          # the first step of a run or of a plan: allocation, first touch
             self._skip -= 1
             return

@@ -87,3 +87,15 @@ def _weights_only_engine_class():
             return load_deepspeed_file(path, map_location)
 
     return WeightsOnlyTorchCheckpointEngine
+
+
+def init_deepspeed_comm() -> None:
+    """Let DeepSpeed's comm layer wrap an existing torch.distributed world (or start one)."""
+    import deepspeed.comm as dscomm
+    import torch.distributed as tdist
+
+    skip_shm_comm_build()
+    if tdist.is_initialized():
+        dscomm.init_distributed(dist_backend=tdist.get_backend(), dist_init_required=False)
+    else:
+        dscomm.init_distributed()

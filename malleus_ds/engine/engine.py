@@ -60,23 +60,26 @@ from deepspeed.utils import log_dist
 from malleus_ds_kernels.pack import warm_up as warm_up_pack
 
 from ..samples import loss_share, micro_batches
-from ..models.base import StageModule, param_table, tied_params
+from ..ds_compat import init_deepspeed_comm
+from ..models.base import param_table, tied_params
 from ..plan import Plan, PlanError, nominal_tp
 from ..watchdog import phase
 from .groups import GROUPS, plan_rank_sets
 from .mpu import PlanMPU
 from .p2p import PipelineP2P
 from .plan_check import check_job_plan
-from .runtime import PlanRuntime, StageSpec, build_runtime, build_stage, locate
+from .runtime import PlanRuntime, RunningPlan, StageSpec, build_runtime, build_stage, locate
 from .precision import Precision
 from .state import EngineState
+from .step_reduce import StepReduction
 from .settings import (MalleusSettings, as_plan, base_ds_config, check_unsupported,
                        load_config, optimizer_settings)
 from ..schedule import Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad
+from .model_input import model_builder
 from .wire import wire_calls
 
 
-class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
+class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
     """One engine per rank, built from a plan (DESIGN.md §5).
 
     ``model``: a model config with the interface of ``malleus_ds/models/base.py`` (our
@@ -92,13 +95,13 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
     """
 
     def __init__(self, model, config=None, plan=None, *, data=None, args=None) -> None:
-        _init_deepspeed_comm()
+        init_deepspeed_comm()
         rank, world = tdist.get_rank(), tdist.get_world_size()
         user_cfg = load_config(config)
         settings = self.build_settings(user_cfg)
         if settings.gpus_per_node is None:   # decided once: the whole world is one node
             settings = replace(settings, gpus_per_node=world)
-        cfg, make_stage = _model_builder(model, settings.seed)
+        cfg, make_stage = model_builder(model, settings.seed)
         plan = self.build_plan(as_plan(plan) or settings.plan, cfg, world, settings, user_cfg)
         for sw in settings.switch:      # every scripted switch is checked before any collective
             try:
@@ -122,6 +125,7 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
         self._pending_switches = list(settings.switch)
         from ..control import Controller
         self.control = Controller(self, settings.adaptive)   # the adaptive loop (control.py)
+        self.reduction = StepReduction(self.world_size, self.global_rank)   # step_reduce.py
         self.events: list[dict] = []        # replan / migrate events not yet taken (take_events)
 
     # ------------------------------------------------------------------ build steps
@@ -193,15 +197,10 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
                              tied=tied_params(self.model_cfg))
 
     def adopt(self, rt: PlanRuntime) -> None:
-        """Make ``rt`` the running plan: the engine's per-plan attributes point into it."""
+        """Make ``rt`` the running plan. The engine's per-plan attributes read it
+        (:class:`~malleus_ds.engine.runtime.RunningPlan`); DeepSpeed's own ``module`` and ``optimizer`` are set here."""
         self.runtime = rt
         self.module = rt.module
-        self.plan, self.located, self.named = rt.plan, rt.located, rt.named
-        self.tp_rank, self.tp_size, self.tp_group = rt.spec.tp_rank, rt.spec.tp_size, rt.spec.tp_group
-        for k in ("pipeline_id", "stage_id", "num_stages", "micro_batches", "sample_offset",
-                  "schedule", "act_src", "act_dsts", "grad_src", "grad_dsts", "buckets",
-                  "grad_sync", "zero_stage"):
-            setattr(self, k, getattr(rt, k))
         self.optimizer = rt.optimizer
         self.basic_optimizer = rt.optimizer.optimizer
         self.optimizer.loss_scaler = self.loss_scaler     # like DeepSpeed's fp16 optimizers
@@ -303,25 +302,22 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
                 flats = self.grad_sync.reduce()     # fp32 buckets, summed over replicas
         else:
             flats = []
-        probe_s = self.control.take_probe()     # timed after the last step's all-reduce
-        # One world all-reduce: the global-batch loss; with fp16/bf16, the count of non-finite
-        # summed-gradient elements (each element is held by at least one rank, and a rank's
-        # inf/nan makes its bucket's sum non-finite), so every rank takes the same skip
-        # decision; and the adaptive loop's per-rank timings and rank 0's "decision ready" flag.
-        check = self.precision.check_overflow
-        red = torch.tensor([0.0, 0.0, *self.control.slots(self.clock.compute_s, probe_s)],
-                           dtype=torch.float64,
-                           device=self.device)
+        # One world all-reduce (engine/step_reduce.py): the global-batch loss, the non-finite
+        # count of the summed gradients (fp16/bf16: every rank takes the same skip decision),
+        # and the adaptive loop's per-rank timings and rank 0's "decision ready" flag.
+        compute_s = self.clock.compute_s
+        ready, probe = self.control.contribute(compute_s, self.control.take_probe())
+        red = self.reduction.vector(ready=ready, compute_s=compute_s, probe_per_unit=probe,
+                                    device=self.device)
         if self.is_last_stage and self.tp_rank == 0:
-            red[0] = self._loss_sum      # on the device until now: no host read per micro-batch
-        if check:                        # counted on the device: no host sync per bucket
-            for f, _ in flats:
-                red[1] += (~torch.isfinite(f)).sum()
+            self.reduction.set_loss(red, self._loss_sum)   # on the device until now
+        if self.precision.check_overflow:        # counted on the device: no host sync per bucket
+            self.reduction.add_nonfinite(red, flats)
         with phase("all-reduce"):
             tdist.all_reduce(red)
-            summed = red.tolist()            # the step's one read of the all-reduce (waits on GPU)
-        loss, overflow = summed[0], summed[1] > 0
-        self.control.observe(step, summed[2:])
+            sums = self.reduction.read(red)      # the step's one read of it (waits on GPU)
+        loss, overflow = sums.loss, sums.overflow
+        self.control.observe(step, sums)
         self.control.probe_after_reduce(step)     # every prober at the same moment
         self.optimizer.overflow = overflow
         if self.loss_scaler is not None:
@@ -490,49 +486,3 @@ class MalleusEngine(PipelineP2P, EngineState, DeepSpeedEngine):
 
     def step(self, *args, **kwargs):
         raise RuntimeError("MalleusEngine runs whole pipelined steps: use engine.train_batch()")
-
-
-# ---------------------------------------------------------------------- helpers
-
-
-
-
-def _init_deepspeed_comm() -> None:
-    """Let DeepSpeed's comm layer wrap an existing torch.distributed world (or start one)."""
-    from ..ds_compat import skip_shm_comm_build
-    import deepspeed.comm as dscomm
-
-    skip_shm_comm_build()
-    if tdist.is_initialized():
-        dscomm.init_distributed(dist_backend=tdist.get_backend(), dist_init_required=False)
-    else:
-        dscomm.init_distributed()
-
-
-def _is_model(obj) -> bool:
-    """A model config implementing the interface of ``malleus_ds/models/base.py``."""
-    return all(hasattr(obj, a) for a in ("build_layer", "run_block", "tp_plan", "num_layers"))
-
-
-def _model_builder(model, seed: int) -> tuple[object, Callable[..., nn.Module]]:
-    """(model config, ``make_stage(start, end, init=True)``)."""
-    if isinstance(model, StageModule):
-        full = model
-
-        def from_full(s: int, e: int, init: bool = True) -> nn.Module:
-            st = StageModule(full.cfg, s, e, seed)
-            src = dict(full.named_parameters())
-            with torch.no_grad():
-                for n, p in st.named_parameters():
-                    p.copy_(src[n])
-            return st
-        return full.cfg, from_full
-    if _is_model(model):
-        return model, lambda s, e, init=True: StageModule(model, s, e, seed, init=init)
-    if callable(model):
-        probe_cfg = getattr(model, "cfg", None)
-        if not _is_model(probe_cfg):
-            raise TypeError("model: a callable stage builder must carry its model config as .cfg")
-        return probe_cfg, lambda s, e, init=True: model(s, e)
-    raise TypeError(f"model: expected a model config (ModelConfig, HFModel), a StageModule or a "
-                    f"stage builder, got {type(model).__name__}")

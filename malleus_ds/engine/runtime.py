@@ -187,3 +187,52 @@ def build_runtime(plan: Plan, rank: int, spec: StageSpec, module: nn.Module, tab
 def _add_one(gs: GradSync, name: str, p: torch.Tensor) -> None:
     gs.accumulate({name: p.grad})
     p.grad = None
+
+
+class _FromRuntime:
+    """A MalleusEngine attribute that reads the running plan's :class:`PlanRuntime` (``path``:
+    dotted, default the attribute's own name). Before the first plan is adopted it does not
+    exist (AttributeError, so ``getattr(engine, name, default)`` works)."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+        self.parts = (self.path or name).split(".")
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return self
+        v = obj.__dict__.get("runtime")
+        if v is None:
+            raise AttributeError(f"{self.name}: no plan adopted yet")
+        for part in self.parts:
+            v = getattr(v, part)
+        return v
+
+
+class RunningPlan:
+    """The running plan's facts as attributes of the engine, each read from its
+    :class:`PlanRuntime` (``self.runtime``): nothing is copied at a switch, so nothing can go
+    stale (``MalleusEngine.adopt`` only sets ``runtime`` and DeepSpeed's own fields)."""
+
+    plan = _FromRuntime()
+    located = _FromRuntime()
+    named = _FromRuntime()
+    pipeline_id = _FromRuntime()
+    stage_id = _FromRuntime()
+    num_stages = _FromRuntime()
+    micro_batches = _FromRuntime()
+    sample_offset = _FromRuntime()
+    schedule = _FromRuntime()
+    act_src = _FromRuntime()
+    act_dsts = _FromRuntime()
+    grad_src = _FromRuntime()
+    grad_dsts = _FromRuntime()
+    buckets = _FromRuntime()
+    grad_sync = _FromRuntime()
+    zero_stage = _FromRuntime()
+    tp_rank = _FromRuntime("spec.tp_rank")
+    tp_size = _FromRuntime("spec.tp_size")
+    tp_group = _FromRuntime("spec.tp_group")

@@ -1,0 +1,83 @@
+"""The step's one world all-reduce and its slot layout (DESIGN.md §5-6).
+
+Every step of a MalleusEngine ends with one all-reduce over every rank of a float64 vector:
+
+==========================  =================================================================
+slot                        what each rank puts there (the sum is what every rank reads)
+==========================  =================================================================
+``LOSS``                    the global batch's loss sum: the last stage's TP rank 0 of each
+                            pipeline, 0 elsewhere
+``NONFINITE``               with fp16/bf16: the count of non-finite summed-gradient elements
+                            this rank holds (one rank's inf/nan makes its bucket's sum
+                            non-finite, so every rank takes the same skip decision)
+``READY``                   rank 0: 1.0 when an adaptive-loop decision waits to be broadcast
+``COMPUTE + d``             rank d: its compute seconds this step
+``PROBE + d``               rank d: its probe's seconds per cost unit (0: no probe)
+==========================  =================================================================
+
+:class:`StepReduction` owns the layout: the engine fills its own slots (:meth:`vector`,
+:meth:`add_nonfinite`), runs the all-reduce and reads the sums back once as a
+:class:`StepSums`, which the adaptive loop (``control.py``) observes. Nothing else knows an index.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class StepSums:
+    """One step's all-reduced values, read back once."""
+
+    loss: float                 # the global batch's loss sum
+    overflow: bool              # some summed gradient element is non-finite
+    ready: bool                 # rank 0 has a decision to broadcast
+    compute_s: np.ndarray       # per rank: compute seconds this step
+    probe_s: np.ndarray         # per rank: probe seconds per cost unit, NaN where none
+
+
+class StepReduction:
+    """The slot layout of the step's all-reduce for a world of ``world`` ranks (module doc)."""
+
+    LOSS, NONFINITE, READY = 0, 1, 2
+    COMPUTE = 3
+
+    def __init__(self, world: int, rank: int) -> None:
+        if not 0 <= rank < world:
+            raise ValueError(f"StepReduction: rank {rank} outside a world of {world}")
+        self.world, self.rank = world, rank
+        self.PROBE = self.COMPUTE + world
+        self.size = self.PROBE + world
+
+    def vector(self, *, ready: bool, compute_s: float, probe_per_unit: float,
+               device) -> torch.Tensor:
+        """This rank's contribution, all its slots but the loss and the non-finite count."""
+        vals = [0.0] * self.size
+        vals[self.READY] = 1.0 if ready else 0.0
+        vals[self.COMPUTE + self.rank] = float(compute_s)
+        vals[self.PROBE + self.rank] = float(probe_per_unit) if probe_per_unit > 0 else 0.0
+        return torch.tensor(vals, dtype=torch.float64, device=device)     # one copy to the device
+
+    def set_loss(self, v: torch.Tensor, loss_sum) -> None:
+        """The loss sum (a tensor on the device: no host read per micro-batch)."""
+        v[self.LOSS] = loss_sum
+
+    def add_nonfinite(self, v: torch.Tensor, flats) -> None:
+        """Count the non-finite elements of the summed gradient buckets, on the device."""
+        for f, _ in flats:
+            v[self.NONFINITE] += (~torch.isfinite(f)).sum()
+
+    def read(self, summed: torch.Tensor) -> StepSums:
+        """The sums, read to the host once (on GPU: the step's one wait on the all-reduce)."""
+        s = summed.tolist()
+        if len(s) != self.size:
+            raise ValueError(f"StepReduction.read: {len(s)} values, expected {self.size}")
+        probe = np.asarray(s[self.PROBE:self.PROBE + self.world], dtype=float)
+        probe[probe <= 0] = np.nan
+        return StepSums(loss=s[self.LOSS], overflow=s[self.NONFINITE] > 0,
+                        ready=s[self.READY] > 0.5,
+                        compute_s=np.asarray(s[self.COMPUTE:self.COMPUTE + self.world],
+                                             dtype=float),
+                        probe_s=probe)

@@ -31,7 +31,8 @@ catches a tag directory that mixes files of two saves.
 
 Loading (:func:`load_checkpoint`): for each interval this rank holds NOW, the saved plan's
 holdings (``plan_holdings`` with the saved ZeRO stage and precision) say which saved ranks held
-it, split at every saved holding boundary exactly like the live transfer plan (``HolderIndex``);
+it, split at every saved holding boundary exactly like the live transfer plan (the read
+planning is pure and lives beside it: ``migrate/file_reads.py``);
 each needed file is opened once with ``mmap=True`` and only the slices read are paged in, through
 a staging buffer of at most ``malleus.migrate_bucket_mb`` per copy (never a whole-model tensor).
 What was not stored is derived per the RUNNING precision, as a live switch does: fp32 masters are
@@ -45,110 +46,23 @@ from __future__ import annotations
 import json
 import os
 from bisect import bisect_right
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as tdist
 
 from ..agreement import AgreementError, store_timeout_s
 from ..agreement import agree as store_agree
-from ..layout import STATE_KINDS, Hold, merge, plan_holdings, subtract
+from ..layout import STATE_KINDS, plan_holdings
 from ..ckpt_format import (FORMAT, LATEST, MAX_WORLD, META, CheckpointError, open_rank_file,
                            rank_file, resolve)
 from ..fileio import atomic_write
 from ..safe_load import UnsafeFile, check_plain
 from ..migrate.apply import StateView, pack_parts, params_from_masters, unpack_parts
-from ..migrate.transfer import Transfer, HolderIndex, chunked
+from ..migrate.file_reads import Read, plan_reads, wants
+from ..migrate.transfer import Transfer, chunked
 from ..plan import Plan
-
-# ----------------------------------------------------------------------------- pure: what to read
-
-
-@dataclass(frozen=True)
-class Want:
-    """Fill elements ``[lo, hi)`` of ``kind`` of ``name`` (running engine) from the checkpoint's
-    ``src_kind`` (the same kind, or the other fp32 copy of the weights across precisions)."""
-
-    kind: str
-    src_kind: str
-    name: str
-    lo: int
-    hi: int
-
-
-@dataclass(frozen=True)
-class Read:
-    """Copy elements ``[lo, hi)`` of ``src_kind`` of ``name`` from saved rank ``file_rank``'s file
-    into ``kind`` of this rank's running state."""
-
-    file_rank: int
-    src_kind: str
-    kind: str
-    name: str
-    lo: int
-    hi: int
-
-
-def wants(holds: Iterable[Hold], *, mixed: bool, saved_mixed: bool, same_param_dtype: bool,
-          optimizer_states: bool = True) -> list[Want]:
-    """What this rank must read, from its current ``holds`` (``layout.holdings``), in a
-    deterministic order. ``mixed`` / ``saved_mixed``: bf16/fp16 now / in the checkpoint;
-    ``same_param_dtype``: the checkpoint's parameters have the running parameter dtype."""
-    by: dict[tuple[str, str], list[tuple[int, int]]] = {}
-    for h in holds:
-        by.setdefault((h.kind, h.name), []).append((h.lo, h.hi))
-    ivs = {k: merge(v) for k, v in by.items()}
-    fp32 = "master" if saved_mixed else "param"      # the checkpoint's fp32 weights
-    out = []
-    for (kind, name), iv in sorted(ivs.items()):
-        if kind in STATE_KINDS:
-            src = kind if optimizer_states else None
-        elif kind == "master":
-            src = fp32
-        elif not mixed:
-            src = fp32
-        else:
-            # low-precision parameters where this rank has a master are casts of it (derived
-            # after the reads, as training does); elsewhere read the saved parameters if they
-            # have this dtype, else cast the saved fp32 weights
-            iv = subtract(iv, ivs.get(("master", name), []))
-            src = "param" if same_param_dtype else fp32
-        if src is not None:
-            out += [Want(kind, src, name, a, b) for a, b in iv]
-    return out
-
-
-def plan_reads(ws: Sequence[Want], saved: dict[tuple[str, str], list[tuple[int, int, int]]],
-               rank: int, saved_world: int, home: int | None = None) -> list[Read]:
-    """Which saved rank's file each part of each want comes from. ``saved``: ``plan_holdings``
-    of the saved plan (saved ZeRO stage and precision). Every element is read exactly once, from
-    one saved holder, and each read lies inside ONE saved holding (cut at every holding boundary,
-    as the live transfer plan cuts them). Holder choice: a file this rank opens anyway (``home``,
-    then files already chosen) first, so few files are opened; then the holder ``(h - rank) mod
-    saved_world`` nearest, which spreads the ranks' reads over the files."""
-    used = {home} if home is not None else set()
-    sources: dict[tuple[str, str], HolderIndex] = {}
-    out = []
-    for w in ws:
-        key = (w.src_kind, w.name)
-        src = sources.get(key)
-        if src is None:
-            entries = saved.get(key)
-            if not entries:
-                raise CheckpointError(f"the checkpoint holds no {w.src_kind} of {w.name} (this "
-                                      f"rank needs elements [{w.lo}, {w.hi}) of it as {w.kind})")
-            src = sources[key] = HolderIndex(entries)
-        try:
-            for a, b, holders in src.split(w.lo, w.hi):
-                h = min(holders, key=lambda r: (r not in used, (r - rank) % saved_world))
-                used.add(h)
-                out.append(Read(h, w.src_kind, w.kind, w.name, a, b))
-        except ValueError as e:
-            raise CheckpointError(f"the checkpoint's {w.src_kind} of {w.name}: {e}") from None
-    return out
-
 
 # ----------------------------------------------------------------------------- files
 

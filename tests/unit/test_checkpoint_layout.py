@@ -9,7 +9,9 @@ import random
 
 import pytest
 
-from malleus_ds.engine.checkpoint import CheckpointError, chunked, plan_reads, wants
+from malleus_ds.ckpt_format import CheckpointError
+from malleus_ds.migrate.file_reads import plan_reads, wants
+from malleus_ds.migrate.transfer import chunked
 from malleus_ds.layout import holdings, merge, plan_holdings, subtract
 from malleus_ds.models.llama import model_config, param_table
 from malleus_ds.plan import Plan

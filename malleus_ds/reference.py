@@ -7,6 +7,9 @@ minimises the global-batch mean. The logged loss is that global-batch mean.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+from typing import Callable, Iterable
+
 import torch
 
 from .data import DataConfig, make_dataset
@@ -33,19 +36,10 @@ def reference_run(cfg: ModelConfig, *, seed: int, steps: int, global_batch_size:
     opt = make_optimizer(model.parameters(), optim)
     dataset = make_dataset(data or DataConfig(), cfg, seed if data_seed is None else data_seed)
     scale = loss_share(micro_batch_size, global_batch_size)
-    losses = []
-    for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for ids in micro_batches(step, global_batch_size, micro_batch_size):
-            x, y = dataset.batch(ids)
-            loss = lm_loss(model(x), y) * scale
-            loss.backward()
-            total += loss.item()
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=False)
-        opt.step()
-        losses.append(total)
+    losses = [torch_step(model, opt, dataset.batch,
+                         micro_batches(step, global_batch_size, micro_batch_size), scale,
+                         grad_clip=grad_clip)
+              for step in range(steps)]
     if adam_out is not None:
         for n, p in global_named_parameters(model):
             st = opt.state.get(p, {})
@@ -53,3 +47,29 @@ def reference_run(cfg: ModelConfig, *, seed: int, steps: int, global_batch_size:
         for a, b in tied_params(cfg):       # one parameter, two names in the engines
             adam_out[b] = adam_out[a]
     return losses, {k: v.detach().clone() for k, v in global_state_dict(model).items()}
+
+
+def torch_step(model, opt, fetch: Callable, ids_list: Iterable, scale: float, *,
+               compute: Callable = nullcontext, reduce: Callable[[float], float] | None = None,
+               grad_clip: float = 0.0) -> float:
+    """One plain-PyTorch step, the single-process loop ``reference_run`` and ``engine=torch``
+    (``runners/torch_runner.py``) share: for each micro-batch in ``ids_list``, ``fetch(ids) ->
+    (inputs, targets)``, its mean loss × ``scale`` (its share of the global mean), backward
+    (gradients sum), all inside ``compute()`` (a timing context); then ``reduce(loss) -> loss``
+    (data parallel: sum the gradients and the loss over the replicas; None on one process),
+    clipping of the summed gradients' global norm when ``grad_clip > 0`` and the optimizer
+    step. Returns the step's loss: the global-batch mean once reduced."""
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for ids in ids_list:
+        with compute():
+            x, y = fetch(ids)
+            loss = lm_loss(model(x), y) * scale
+            loss.backward()
+        total += loss.item()
+    if reduce is not None:
+        total = reduce(total)
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=False)
+    opt.step()
+    return total

@@ -1,6 +1,7 @@
 """``engine=torch``: plain PyTorch AdamW — the reference every other engine is checked against.
 
-On one process this is exactly :func:`malleus_ds.reference.reference_run`. With several ranks
+On one process this is exactly :func:`malleus_ds.reference.reference_run` (both run
+:func:`malleus_ds.reference.torch_step`). With several ranks
 it is plain data parallelism with the same math: each rank runs its share of the micro-batches
 (static plan order), each micro-batch loss is scaled by ``micro_batch_size / global_batch_size``,
 and gradients are *summed* across ranks (all-reduce SUM) before the identical optimizer step.
@@ -36,8 +37,9 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     import torch.distributed as dist
 
     from ..data import build_dataset
-    from ..models import build_model, lm_loss
+    from ..models import build_model
     from ..optim import make_optimizer
+    from ..reference import torch_step
 
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, cfg.train.seed).to(env.device)
@@ -69,27 +71,25 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
                      "optimizer": opt.state_dict()}
             atomic_write(root / tag / TORCH_STATE_FILE, lambda f: torch.save(state, f))
 
+    def fetch(ids):
+        return tuple(t.to(env.device) for t in data.batch(ids))
+
+    def reduce(total: float) -> float:
+        for p in model.parameters():                      # summed, not averaged (§5)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+        t = torch.tensor([total], dtype=torch.float64, device=env.device)
+        dist.all_reduce(t)
+        return float(t)
+
     clock, reporter = ComputeClock(cfg, env), StepReporter(cfg, env, first_step=ck.start)
     for step in range(ck.start, cfg.train.steps):
         t0 = time.perf_counter()
         clock.start_step(step)
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for ids in replica_micro_batches(cfg, step, env.rank, env.world_size):
-            with clock.compute():
-                x, y = (t.to(env.device) for t in data.batch(ids))
-                loss = lm_loss(model(x), y) * scale            # share of the global mean
-                loss.backward()
-            total += loss.item()
-        if multi:
-            for p in model.parameters():                      # summed, not averaged (§5)
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
-            t = torch.tensor([total], dtype=torch.float64, device=env.device)
-            dist.all_reduce(t)
-            total = float(t)
-        opt.step()
+        total = torch_step(model, opt, fetch, replica_micro_batches(cfg, step, env.rank,
+                                                                    env.world_size),
+                           scale, compute=clock.compute, reduce=reduce if multi else None)
         reporter.step_done(step, total, time.perf_counter() - t0, clock)
         ck.after_step(step + 1, write, reporter)
     ck.finish(cfg.train.steps, write, reporter)

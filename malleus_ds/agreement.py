@@ -188,3 +188,22 @@ def store_timeout_s() -> float:
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store().timeout.total_seconds()
+
+
+def raise_if_any_failed(name: str, err: str | None, what: str,
+                        error: type[Exception] = RuntimeError,
+                        timeout_s: float | None = None) -> None:
+    """Every rank learns whether any rank failed and, if one did, raises ``error`` naming the
+    first failed rank's message: ``"{what} failed on rank(s) [..]: rank r: message"``, the same
+    on every rank (so no rank carries on into a collective a failed rank never reaches); doubles
+    as a barrier. ``name`` must be the same on every rank (``what`` may hold a path that is not).
+    Deadline: ``timeout_s``, default the default group's timeout (``store_timeout_s``: the bound
+    the collective this replaces had; a rank writing a big file is slow, not dead). A store that
+    cannot be reached raises ``error`` too ("the ranks could not agree on its outcome")."""
+    try:
+        bad = agree(name, err or None, store_timeout_s() if timeout_s is None else timeout_s)
+    except AgreementError as e:
+        raise error(f"{what} failed: the ranks could not agree on its outcome ({e})") from None
+    if bad is not None:
+        raise error(f"{what} failed on rank(s) {list(bad.ranks)}: rank {bad.rank}: "
+                    f"{bad.message}")

@@ -52,8 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from ..agreement import AgreementError, store_timeout_s
-from ..agreement import agree as store_agree
+from ..agreement import raise_if_any_failed
 from ..layout import STATE_KINDS, plan_holdings
 from ..ckpt_format import (FORMAT, LATEST, MAX_WORLD, META, CheckpointError, open_rank_file,
                            rank_file, resolve)
@@ -68,21 +67,10 @@ from ..plan import Plan
 
 
 def _agree_or_raise(engine, err: str | None, what: str) -> None:
-    """Every rank raises if any rank failed (so no rank goes on into a collective that a failed
-    rank never reaches), naming the first failed rank's message; doubles as a barrier. Agreed
-    through the job's store (malleus_ds/agreement.py), not the communicator. Deadline: the
-    default group's timeout (``comm_timeout_s`` in the app, ``agreement.store_timeout_s``), the
-    bound the collective this replaces had: a rank writing a big file is slow, not dead (a
-    rank that died is caught sooner by the watchdog, malleus_ds/watchdog.py)."""
-    name = what.split("(", 1)[0]        # the same on every rank (a path might not be)
-    try:
-        bad = store_agree(name, err, store_timeout_s())
-    except AgreementError as e:
-        raise CheckpointError(f"{what} failed: the ranks could not agree on its outcome "
-                              f"({e})") from None
-    if bad is not None:
-        raise CheckpointError(f"{what} failed on rank(s) {list(bad.ranks)}: rank {bad.rank}: "
-                              f"{bad.message}")
+    """Every rank raises CheckpointError if any rank failed (``agreement.raise_if_any_failed``:
+    through the job's store, not the communicator; the name is ``what`` up to its first "(",
+    the same on every rank where a path might not be)."""
+    raise_if_any_failed(what.split("(", 1)[0], err, what, CheckpointError)
 
 
 def _table_json(table) -> dict[str, list]:

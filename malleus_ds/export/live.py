@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from ..agreement import raise_if_any_failed
 from .hf_folder import ExportError, _dtype, _hf_record, _summary, check_out_dir, write_folder
 from .readers import Assembler, _needed
 
@@ -38,12 +39,8 @@ def export_engine(engine, out_dir, dtype: str | None = None, force: bool = False
     _dtype(dtype)
     rank = engine.global_rank
 
-    def agree(err: str | None) -> None:
-        errs = [None] * engine.world_size
-        tdist.all_gather_object(errs, err)
-        bad = [(r, e) for r, e in enumerate(errs) if e]
-        if bad:
-            raise ExportError(bad[0][1] if bad[0][0] == 0 else f"rank {bad[0][0]}: {bad[0][1]}")
+    def agree(err: str | None) -> None:     # through the store (agreement.py), never a hang
+        raise_if_any_failed("export", err, "export", ExportError)
 
     err = None
     if rank == 0:

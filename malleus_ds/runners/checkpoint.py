@@ -215,28 +215,11 @@ def resume_point(cfg: RunConfig) -> Saved | None:
 
 
 def _raise_first_error(env: DistEnv, err: str | None, what: str) -> None:
-    """Every rank learns every rank's error (so none carries on alone); raise the first."""
-    bad = first_error(env, err)
-    if bad:
-        raise CheckpointSaveError(f"{what} failed on rank {bad[0]}: {bad[1]}")
+    """Every rank learns every rank's error (so none carries on alone) and raises the first
+    (``agreement.raise_if_any_failed``)."""
+    from ..agreement import raise_if_any_failed
 
-
-def first_error(env: DistEnv, err: str | None) -> tuple[int, str] | None:
-    """(rank, error) of the lowest rank that had one, the same on every rank; every rank must
-    call it. Agreed through the job's store (malleus_ds/agreement.py), not the communicator an
-    engine's failed write may have broken; a rank that died or hangs counts as failed after the
-    default group's timeout (``comm_timeout_s``), the bound the all_gather it replaces had: a
-    rank writing a big checkpoint is slow, not dead (a dead one is caught sooner by the
-    watchdog, malleus_ds/watchdog.py). A store that cannot be reached is an error of this rank."""
-    if env.world_size == 1:
-        return (0, err) if err else None
-    from ..agreement import AgreementError, agree, store_timeout_s
-
-    try:
-        bad = agree("app-checkpoint", err or None, store_timeout_s())
-    except AgreementError as e:
-        return env.rank, str(e)
-    return None if bad is None else (bad.rank, bad.message)
+    raise_if_any_failed("app-checkpoint", err, what, CheckpointSaveError)
 
 
 def _barrier(env: DistEnv) -> None:

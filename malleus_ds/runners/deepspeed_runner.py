@@ -33,7 +33,8 @@ from ..models.base import EMBED, HEAD, lm_loss
 from ..models.base import tied_params
 from ..plan import even_split
 from .base import DistEnv, RunSummary
-from .checkpoint import Checkpointer, engine_writer, first_error
+from ..agreement import raise_if_any_failed
+from .checkpoint import Checkpointer, engine_writer
 from .common import (ComputeClock, StepReporter, exclude_calls, monitors_to_run_dir,
                      replica_micro_batches)
 
@@ -241,9 +242,8 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
             path, client = engine.load_checkpoint(str(ck.resumed.root), tag=ck.resumed.tag)
         except UnsafeFile as e:
             err = str(e)
-        bad = first_error(env, err)         # every rank stops, naming the file
-        if bad:
-            raise ConfigError(f"checkpoint.resume (rank {bad[0]}): {bad[1]}")
+        # every rank stops, naming the file (agreement.py: through the store)
+        raise_if_any_failed("ds-resume", err, "checkpoint.resume", ConfigError)
         if path is None or (client or {}).get("step") != ck.resumed.step:
             raise ConfigError(f"checkpoint {ck.resumed.path}: DeepSpeed could not load it as the "
                               f"checkpoint of step {ck.resumed.step} (got {path}, client state "

@@ -141,3 +141,14 @@ def test_a_dead_store_raises_instead_of_hanging():
 
     with pytest.raises(AgreementError, match="store failed .*Connection reset"):
         Agreements().run(Dead(), 0, 2, "x", None, 5.0)
+
+
+def test_raise_if_any_failed_words_the_first_failure_the_same_everywhere():
+    """The one helper every "did any rank fail?" site uses (checkpoint save and load, export,
+    DeepSpeed resume): one process, no process group."""
+    from malleus_ds.agreement import raise_if_any_failed
+
+    raise_if_any_failed("ok-check", None, "saving x")            # nobody failed: no error
+    raise_if_any_failed("ok-check2", "", "saving x")              # an empty error is none
+    with pytest.raises(KeyError, match=r"saving x failed on rank\(s\) \[0\]: rank 0: disk full"):
+        raise_if_any_failed("bad-check", "disk full", "saving x", KeyError)

@@ -95,7 +95,7 @@ def test_a_failed_write_commits_nothing(tmp_path):
     def write(root, tag, done):
         raise OSError("disk full")
 
-    with pytest.raises(CheckpointSaveError, match="global_step4 failed on rank 0: OSError: disk"):
+    with pytest.raises(CheckpointSaveError, match=r"global_step4 failed on rank\(s\) \[0\]: rank 0: OSError: disk"):
         Checkpointer(c, DistEnv()).save(4, write)
     assert (tmp_path / "latest").read_text() == "global_step2"
     assert not (tmp_path / "global_step4" / RUN_FILE).exists()

@@ -28,7 +28,8 @@ BOTTOM = {"plan", "problem", "cost", "layout", "schedule", "ckpt_format", "views
 CORE = BOTTOM | {"engine", "migrate", "planner", "models", "control", "clock", "probe", "agreement",
                  "emulation", "cpu_quota", "cpu_compete", "watchdog", "procs", "ds_compat"}
 #: the app: what the core must never import
-APP = {"runners", "config", "data", "reference", "export", "cli", "plot", "compare", "api"}
+APP = {"runners", "config", "data", "reference", "export", "cli", "plot", "plot_data", "compare",
+       "api"}
 THIRD_PARTY_APP = {"hydra", "omegaconf"}
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from malleus_ds import compare, plot, whatif
+from malleus_ds import compare, plot, plot_data, whatif
 from malleus_ds.metrics import (METRICS_FILE, MetricsError, MetricsFile, MetricsWriter,
                                 StepRecord, read_metrics, read_metrics_file, read_run)
 
@@ -166,7 +166,7 @@ def test_an_old_run_folder_reads_everywhere(tmp_path, recs, capsys):
     d = run_dir(tmp_path, lines_of(*recs))
     f = read_metrics_file(d)
     assert list(f.steps) == recs and f.events == ()
-    run = plot.read_run(d)
+    run = plot_data.read_run(d)
     assert run.steps.tolist() == [0, 1, 2, 3] and run.measured_rates is None
     a = whatif.account_of_run(d, warmup=1)
     assert a.rate_source == ("emulated" if recs is OLD else "none")
@@ -181,11 +181,11 @@ def test_the_four_callers_split_one_file_alike(tmp_path):
     d = run_dir(tmp_path, lines_of(*NEW))
     f = read_metrics_file(d)
     steps, events = list(f.steps), list(f.events)
-    assert plot.parse_metrics(d / METRICS_FILE) == (steps, events)
+    assert plot_data.parse_metrics(d / METRICS_FILE) == (steps, events)
     assert read_run(d) == (steps, events)                    # summarize and compare read so
     assert whatif.read_lines(d) == (steps, events)
     assert whatif.read_lines(d / METRICS_FILE) == (steps, events)
-    run = plot.read_run(d)                                   # plot draws replan/migrate only
+    run = plot_data.read_run(d)                                   # plot draws replan/migrate only
     assert run.steps.tolist() == [r["step"] for r in steps]
     assert [(e.kind, e.step) for e in run.events] == [("replan", 1), ("migrate", 2)]
 
@@ -204,8 +204,8 @@ def test_summarize_reads_a_run_once(tmp_path, monkeypatch, capsys):
 def test_each_caller_keeps_its_error_class_and_prefix(tmp_path, capsys):
     d = run_dir(tmp_path, lines_of(step(0), step(1)) + '{"step": 2, "st', name="cmp/x")
     p = d / METRICS_FILE
-    with pytest.raises(plot.PlotError, match=rf"^{p}:3: corrupt line: not valid JSON \("):
-        plot.parse_metrics(p)
+    with pytest.raises(plot_data.PlotError, match=rf"^{p}:3: corrupt line: not valid JSON \("):
+        plot_data.parse_metrics(p)
     assert plot.main([str(d)]) == 2
     assert capsys.readouterr().err.startswith(f"malleus-plot: error: {p}:3: corrupt line: ")
     summ = _summarize()
@@ -217,8 +217,8 @@ def test_each_caller_keeps_its_error_class_and_prefix(tmp_path, capsys):
         whatif.account_of_run(d)
     # a file without step lines: each tool's own word for it
     run_dir(tmp_path, lines_of({"event": "checkpoint", "step": 3}), name="cmp/x")
-    with pytest.raises(plot.PlotError, match=r"metrics.jsonl: no step lines$"):
-        plot.parse_metrics(p)
+    with pytest.raises(plot_data.PlotError, match=r"metrics.jsonl: no step lines$"):
+        plot_data.parse_metrics(p)
     with pytest.raises(whatif.WhatIfError, match=r"no step lines \(1 event line\(s\)\)"):
         whatif.read_lines(d)
     assert summ.table([str(d)], skip=0) == []               # summarize leaves the run out

@@ -7,8 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from malleus_ds.plot import (DPI, FIGSIZE, Event, Region, job_labels, load_runs, main,
-                             read_run, rolling_median, straggler_regions)
+from malleus_ds.plot import DPI, FIGSIZE, main
+from malleus_ds.plot_data import (Event, Region, job_labels, load_runs, read_run, rolling_median,
+                                  straggler_regions)
 
 SAMPLES = 8
 STEPS = 40

@@ -95,7 +95,7 @@ def test_summarize_and_plot_find_the_same_runs(tmp_path, capsys):
     import importlib.util
     import json
 
-    from malleus_ds.plot import load_runs
+    from malleus_ds.plot_data import load_runs
     from malleus_ds.run_folder import find_runs
 
     sweep = tmp_path / "sweep"
@@ -120,7 +120,7 @@ def test_summarize_and_plot_find_the_same_runs(tmp_path, capsys):
 def test_one_text_per_event():
     """``metrics.format_event``: the summary's and progress bar's line, and (short) the label
     malleus-plot draws; runners/common.py and plot.py both use it."""
-    from malleus_ds import plot
+    from malleus_ds import plot_data
     from malleus_ds.metrics import format_event
     from malleus_ds.runners import common
 
@@ -136,6 +136,6 @@ def test_one_text_per_event():
                                 "1.500 s, 2048.00 MiB extra at peak")
     assert format_event(rp, short=True) == "replan (change)\nnot adopted\n0.7 s plan"
     assert format_event(mg, short=True) == "migrate 3.00 GiB, 1.50 s"
-    assert [e.label for e in plot.extract_events([rp, mg])] == [     # in step order
+    assert [e.label for e in plot_data.extract_events([rp, mg])] == [     # in step order
         format_event(mg, short=True), format_event(rp, short=True)]
     assert common.format_event is format_event

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from .engine.settings import ADAPTIVE_KEYS
 from .data import DATA_KINDS, DataConfig
 from .data.tokens import DTYPES, SUFFIXES, DataError, check_token_file
+from .device import DeviceError, check_device
 from .emulation import StragglerError, StragglerSchedule
 from .models.llama import ModelConfig, model_config
 from .optim import OptimConfig
@@ -149,7 +150,10 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
                           f"{train.num_micro_batches} micro-batches cannot feed parallel.dp="
                           f"{parallel.dp} replicas (each needs >= 1)")
     data = _data(d.get("data") or {}, model, train)
-    device = _device(d.get("device", "auto"))
+    try:
+        device = check_device(d.get("device", "auto"))
+    except DeviceError as e:
+        raise ConfigError(str(e)) from None
     plan = _plan(d.get("plan", "static"), engine)
     _nproc_per_node(d.get("nproc_per_node", 1))
     compare_engines(d.get("compare"))
@@ -184,19 +188,6 @@ def _refuse_unknown_keys(d: Mapping[str, Any]) -> None:
     hint = f" (did you mean {', '.join(hints)})" if hints else ""
     raise ConfigError(f"unknown top-level fields {unknown}{hint}; allowed: "
                       f"{sorted(TOP_LEVEL_KEYS)}")
-
-
-def _device(v: Any) -> str:
-    device = str(v)
-    if device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"device={device!r} must be one of auto, cpu, cuda")
-    if device == "cuda":
-        import torch                    # lazily: config checks stay cheap for cpu/auto runs
-
-        if not torch.cuda.is_available():
-            raise ConfigError("device=cuda but no CUDA GPU is visible (torch.cuda.is_available() "
-                              "is False); use device=cpu or device=auto")
-    return device
 
 
 def _plan(v: Any, engine: str) -> str:

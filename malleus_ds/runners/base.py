@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ..device import resolve_device
 from ..metrics import Phase
 
 
@@ -37,10 +38,7 @@ class DistEnv:
         rank = int(e.get("RANK", "0"))
         local_rank = int(e.get("LOCAL_RANK", str(rank)))
         local_world = int(e.get("LOCAL_WORLD_SIZE") or e.get("LOCAL_SIZE") or world)
-        if device == "auto":
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = resolve_device(device)
         if device == "cuda":
             return DistEnv(rank, world, local_rank, local_world, f"cuda:{local_rank}", "nccl")
         return DistEnv(rank, world, local_rank, local_world, "cpu", "gloo")

@@ -26,7 +26,8 @@ BOTTOM = {"plan", "problem", "cost", "layout", "schedule", "ckpt_format", "views
           "run_folder"}
 #: the core above it (packages or modules, relative to malleus_ds)
 CORE = BOTTOM | {"engine", "migrate", "planner", "models", "control", "clock", "probe", "agreement",
-                 "emulation", "cpu_quota", "cpu_compete", "watchdog", "procs", "ds_compat"}
+                 "emulation", "cpu_quota", "cpu_compete", "watchdog", "procs", "ds_compat",
+                 "device"}
 #: the app: what the core must never import
 APP = {"runners", "config", "data", "reference", "export", "cli", "plot", "plot_data", "compare",
        "api"}

@@ -19,7 +19,8 @@ from .data import DATA_KINDS, DataConfig
 from .data.tokens import DTYPES, SUFFIXES, DataError, check_token_file
 from .device import DeviceError, check_device
 from .emulation import StragglerError, StragglerSchedule
-from .models.llama import ModelConfig, model_config
+from .models.llama import ModelConfig
+from .models.parse import ModelError, check_layout, parse_model
 from .optim import OptimConfig
 
 
@@ -138,7 +139,10 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
     if engine not in ENGINES:
         raise ConfigError(f"engine={engine!r} is not known; choose one of {list(ENGINES)}")
     _refuse_unknown_keys(d)
-    model = _model(d.get("model") or {})
+    try:
+        model = parse_model(d.get("model") or {})
+    except ModelError as e:
+        raise ConfigError(str(e)) from None
     train = _train(d.get("train") or {})
     parallel = _parallel(d.get("parallel") or {}, world_size, model)
     cluster = _cluster(d.get("cluster") or {}, world_size, local_world_size or world_size, parallel)
@@ -364,44 +368,6 @@ def _data(c: Mapping[str, Any], model: ModelConfig, train: TrainConfig) -> DataC
                       seq_len=seq_len)
 
 
-HF_MODEL_KEYS = ("hf_config", "hf_path", "max_seq_len", "num_layers")
-
-
-def _hf_model(m: Mapping[str, Any]):
-    """``model=hf``: a Hugging Face Llama-family model (malleus_ds/models/hf.py)."""
-    from .models.hf import HFError, load_hf_model
-
-    unknown = sorted(set(m) - set(HF_MODEL_KEYS))
-    if unknown:
-        raise ConfigError(f"model=hf has unknown fields {unknown}; allowed: {sorted(HF_MODEL_KEYS)}")
-    for k in ("max_seq_len", "num_layers"):
-        if m.get(k) is not None and (isinstance(m[k], bool) or not isinstance(m[k], int) or m[k] < 1):
-            raise ConfigError(f"model.{k}={m[k]!r} must be a positive integer")
-    for k in ("hf_config", "hf_path"):
-        if m.get(k) is not None and not isinstance(m[k], str):
-            raise ConfigError(f"model.{k}={m[k]!r} must be a string (a preset name or a path)")
-    try:
-        return load_hf_model(m.get("hf_config"), m.get("hf_path"), max_seq_len=m.get("max_seq_len"),
-                             num_hidden_layers=m.get("num_layers"))
-    except (HFError, OSError, ValueError, TypeError) as e:
-        raise ConfigError(str(e)) from None
-
-
-def _model(m: Mapping[str, Any]):
-    m = dict(m)
-    name = m.pop("name", "tiny")
-    if name == "hf":
-        return _hf_model(m)
-    allowed = {f.name for f in fields(ModelConfig)} - {"name"}
-    unknown = sorted(set(m) - allowed)
-    if unknown:
-        raise ConfigError(f"model has unknown fields {unknown}; allowed: {sorted(allowed)}")
-    try:
-        return model_config(str(name), **m)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(str(e)) from None
-
-
 def _train(t: Mapping[str, Any]) -> TrainConfig:
     t = {k: v for k, v in t.items() if v is not None or k == "data_seed"}
     allowed = {f.name for f in fields(TrainConfig)}
@@ -460,12 +426,9 @@ def _parallel(p: Mapping[str, Any], world: int, model: ModelConfig) -> ParallelC
             raise ConfigError(f"parallel layout tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} ranks "
                               f"does not match the world size {world} (ranks launched); set "
                               f"parallel.dp=null to infer dp, or launch {tp * pp * dp} ranks")
-    if pp > model.num_layers:
-        raise ConfigError(f"parallel.pp={pp} stages cannot hold model.num_layers="
-                          f"{model.num_layers} layers (each stage needs >= 1 layer)")
     try:
-        model.check_tp(tp, "parallel.tp")
-    except ValueError as e:
+        check_layout(model, tp, pp)
+    except ValueError as e:             # ModelError, TPError
         raise ConfigError(str(e)) from None
     return ParallelConfig(tp, pp, dp)
 

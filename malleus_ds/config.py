@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .engine.settings import ADAPTIVE_KEYS
-from .data import DATA_KINDS, DataConfig
-from .data.tokens import DTYPES, SUFFIXES, DataError, check_token_file
+from .data import DataConfig
+from .data.parse import parse_data
+from .data.tokens import DataError
 from .device import DeviceError, check_device
 from .emulation import StragglerError, StragglerSchedule
 from .models.llama import ModelConfig
@@ -153,7 +154,10 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
                           f"train.micro_batch_size={train.micro_batch_size} = "
                           f"{train.num_micro_batches} micro-batches cannot feed parallel.dp="
                           f"{parallel.dp} replicas (each needs >= 1)")
-    data = _data(d.get("data") or {}, model, train)
+    try:
+        data = parse_data(d.get("data") or {}, model, train.global_batch_size)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
     try:
         device = check_device(d.get("device", "auto"))
     except DeviceError as e:
@@ -308,64 +312,6 @@ def _checkpoint(c: Mapping[str, Any]) -> CheckpointConfig:
                           f"set checkpoint.dir=PATH")
     return CheckpointConfig(dir=None if d is None else os.path.abspath(os.fspath(d)),
                             every=every, resume=resume)
-
-
-def _data(c: Mapping[str, Any], model: ModelConfig, train: TrainConfig) -> DataConfig:
-    """``data.*`` (conf/data/). ``data=tokens``: the file is checked here in full (exists,
-    dtype, size, every id < model.vocab_size, long enough for one global batch), so every rank
-    fails at start-up with the same message instead of mid-run."""
-    allowed = [f.name for f in fields(DataConfig)]
-    if not isinstance(c, Mapping):
-        raise ConfigError(f"data must be a mapping with keys {allowed}, got {c!r}")
-    unknown = sorted(str(k) for k in set(c) - set(allowed))
-    if unknown:
-        raise ConfigError(f"data has unknown fields {unknown}; allowed: {allowed}")
-    kind = "bytes" if c.get("kind") is None else str(c["kind"])
-    if kind not in DATA_KINDS:
-        raise ConfigError(f"data.kind={kind!r} is not known; choose one of {list(DATA_KINDS)} "
-                          f"(data=bytes: the shipped byte corpus; data=tokens data.path=FILE)")
-    seq_len = c.get("seq_len")
-    if seq_len is not None:
-        seq_len = _int(seq_len, "data.seq_len")
-        if seq_len < 1:
-            raise ConfigError(f"data.seq_len={seq_len} must be >= 1 (tokens per sample; null = "
-                              f"model.max_seq_len={model.max_seq_len})")
-        if seq_len > model.max_seq_len:
-            raise ConfigError(f"data.seq_len={seq_len} > model.max_seq_len={model.max_seq_len}: "
-                              f"samples cannot be longer than the model's context; lower "
-                              f"data.seq_len or raise model.max_seq_len")
-    path, dtype = c.get("path"), c.get("dtype")
-    if kind == "bytes":
-        for k, v in (("path", path), ("dtype", dtype)):
-            if v is not None:
-                raise ConfigError(f"data.{k}={v!r} is set but data=bytes trains on the shipped "
-                                  f"byte corpus and reads no file; use data=tokens data.path=FILE "
-                                  f"(a .bin/.npy of token ids; bytes of a text file: "
-                                  f"np.fromfile(txt, np.uint8).astype(np.uint16).tofile(bin)) "
-                                  f"or drop data.{k}")
-        if model.vocab_size < 256:
-            raise ConfigError(f"data=bytes feeds byte ids 0..255 but model.vocab_size="
-                              f"{model.vocab_size} < 256; use a model whose vocabulary covers "
-                              f"bytes, or data=tokens data.path=FILE with ids < "
-                              f"{model.vocab_size}")
-        return DataConfig(kind="bytes", seq_len=seq_len)
-    if isinstance(path, int) and not isinstance(path, bool):
-        path = str(path)
-    if path is None or not isinstance(path, (str, os.PathLike)) or not str(path).strip():
-        raise ConfigError(f"data=tokens needs data.path=FILE: a {' or '.join(SUFFIXES)} file of "
-                          f"token ids (got data.path={path!r})")
-    if dtype is not None and str(dtype) not in DTYPES:
-        raise ConfigError(f"data.dtype={dtype!r} must be one of {list(DTYPES)} (or null: uint16 "
-                          f"for .bin, the header's dtype for .npy)")
-    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
-    try:
-        check_token_file(path, None if dtype is None else str(dtype),
-                         seq_len=model.max_seq_len if seq_len is None else seq_len,
-                         vocab_size=model.vocab_size, global_batch_size=train.global_batch_size)
-    except DataError as e:
-        raise ConfigError(str(e)) from None
-    return DataConfig(kind="tokens", path=path, dtype=None if dtype is None else str(dtype),
-                      seq_len=seq_len)
 
 
 def _train(t: Mapping[str, Any]) -> TrainConfig:

@@ -63,7 +63,7 @@ DATA_KINDS = ("bytes", "tokens")
 
 @dataclass(frozen=True)
 class DataConfig:
-    """``data.*``: what the run trains on (parsed and checked by ``config.build_run_config``).
+    """``data.*``: what the run trains on (parsed and checked by ``data.parse.parse_data``).
 
     ``kind="bytes"``: the shipped byte corpus (:class:`ByteCorpus`). ``kind="tokens"``: the
     token-id file ``path`` (absolute; ``.bin`` of ``dtype`` ids or ``.npy``), see

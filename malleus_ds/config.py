@@ -1,130 +1,32 @@
-"""Run configuration as frozen dataclasses, validated before any process group exists.
+"""Parsing a run configuration: a plain dict -> a validated, frozen :class:`RunConfig`.
 
 ``launch/train.py`` turns Hydra's DictConfig into a plain dict and calls
 :func:`build_run_config` on every rank; the core never sees omegaconf. Every check here runs on
 every rank with only ``world_size`` known, so a bad input fails everywhere with the same message
 instead of hanging a collective. Messages name the field and the numbers and say what to do.
+
+The schema (``RunConfig`` and its sections, ``ConfigError``) is :mod:`malleus_ds.run_config`,
+re-exported here; the model and data sections are checked by ``models/parse.py`` and
+``data/parse.py``, the device setting by ``device.py``.
 """
 from __future__ import annotations
 
 import difflib
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Mapping
 
 from .engine.settings import ADAPTIVE_KEYS
-from .data import DataConfig
 from .data.parse import parse_data
 from .data.tokens import DataError
 from .device import DeviceError, check_device
 from .emulation import StragglerError, StragglerSchedule
 from .models.llama import ModelConfig
 from .models.parse import ModelError, check_layout, parse_model
-from .optim import OptimConfig
-
-
-class ConfigError(ValueError):
-    """A run configuration is invalid. The message names the field and the numbers."""
-
-
-#: Engines the app knows (the runner registry in ``malleus_ds.runners`` maps them to code).
-ENGINES = ("torch", "deepspeed", "malleus")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 10                     # optimizer steps to run
-    global_batch_size: int = 8          # samples per optimizer step (all ranks together)
-    micro_batch_size: int = 1           # samples per forward/backward
-    seed: int = 0                       # model init seed (per global layer index)
-    data_seed: int | None = None        # corpus order seed; None = ``seed``
-    lr: float = 1e-3                    # AdamW learning rate
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    warmup_steps: int = 1               # steps left out of throughput summaries (not of training)
-
-    @property
-    def num_micro_batches(self) -> int:
-        return self.global_batch_size // self.micro_batch_size
-
-    @property
-    def optim(self) -> OptimConfig:
-        return OptimConfig(lr=self.lr, betas=self.betas, eps=self.eps,
-                           weight_decay=self.weight_decay)
-
-    @property
-    def corpus_seed(self) -> int:
-        return self.seed if self.data_seed is None else self.data_seed
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Nominal layout degrees; ``tp * pp * dp == world_size`` (DESIGN.md §2 static plan)."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    gpus_per_node: int = 1              # ranks per node; TP groups never cross a node
-    nodes: int = 1
-
-
-@dataclass(frozen=True)
-class DeepSpeedSection:
-    """The ds_config a run uses: a preset under ``conf/deepspeed/`` or the user's own JSON."""
-
-    config_file: str | None = None      # absolute path of the JSON it was read from
-    config: Mapping[str, Any] = field(default_factory=dict, hash=False)
-
-    @property
-    def zero_stage(self) -> int:
-        return int((self.config.get("zero_optimization") or {}).get("stage", 0))
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """``checkpoint.*``: where and how often the app saves, and whether it resumes."""
-
-    dir: str | None = None              # absolute folder (resolved against the CWD); None = none
-    every: int = 0                      # save every N optimizer steps; 0 = only at the end
-    resume: bool = False                # continue from ``dir/latest``
-
-    @property
-    def enabled(self) -> bool:
-        return self.dir is not None
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    engine: str
-    model: ModelConfig              # or models.hf.HFModel (model=hf): the interface of models/base.py
-    train: TrainConfig
-    parallel: ParallelConfig
-    cluster: ClusterConfig
-    straggler: StragglerSchedule
-    deepspeed: DeepSpeedSection
-    world_size: int = 1
-    plan: str = "static"                # "static" or a path to a plan JSON (engine=malleus)
-    run_dir: str | None = None          # rank 0 writes metrics.jsonl here; None = no files
-    device: str = "auto"                # auto | cpu | cuda
-    progress: bool = True               # tqdm bar on rank 0
-    malleus: Mapping[str, Any] = field(default_factory=dict, hash=False)  # engine=malleus extras
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    data: DataConfig = DataConfig()     # what the run trains on (data=bytes | data=tokens)
-    comm_timeout_s: float = 1800.0      # process-group timeout: a collective waiting longer fails
-    hang_timeout_s: float = 300.0       # no progress on some rank this long stops the job; 0 = off
-    log_every: int = 10                 # progress line every N steps when stdout is no terminal
-    # kept for callers that read it; always empty: unknown top-level keys are refused
-    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
-
-
-# ----------------------------------------------------------------------------------------------
+from .run_config import (ENGINES, CheckpointConfig, ClusterConfig, ConfigError,
+                         DeepSpeedSection, ParallelConfig, RunConfig, TrainConfig)
 
 
 def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size: int | None = None,

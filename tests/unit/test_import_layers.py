@@ -29,7 +29,8 @@ CORE = BOTTOM | {"engine", "migrate", "planner", "models", "control", "clock", "
                  "emulation", "cpu_quota", "cpu_compete", "watchdog", "procs", "ds_compat",
                  "device"}
 #: the app: what the core must never import
-APP = {"runners", "config", "data", "reference", "export", "cli", "plot", "plot_data", "compare",
+APP = {"runners", "config", "run_config", "data", "reference", "export", "cli", "plot",
+       "plot_data", "compare",
        "api"}
 THIRD_PARTY_APP = {"hydra", "omegaconf"}
 

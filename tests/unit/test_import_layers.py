@@ -30,8 +30,7 @@ CORE = BOTTOM | {"engine", "migrate", "planner", "models", "control", "clock", "
                  "device"}
 #: the app: what the core must never import
 APP = {"runners", "config", "run_config", "data", "reference", "export", "cli", "plot",
-       "plot_data", "compare",
-       "api"}
+       "plot_data", "compare", "api"}
 THIRD_PARTY_APP = {"hydra", "omegaconf"}
 
 

@@ -1,8 +1,9 @@
-"""1F1B pipeline schedules for heterogeneous pipelines, as lists of instruction objects.
+"""1F1B pipeline schedules for heterogeneous pipelines, as lists of instruction objects, and the
+one event simulator that runs them.
 
 After DeepSpeed's ``runtime/pipe/schedule.py``: a schedule is plain data (frozen dataclasses with
 a short printable form), the engine dispatches each instruction through a table, and the schedule
-is tested with no processes at all (``replay_streams``).
+is tested with no processes at all (``run_streams``, the event simulator).
 
 Each pipeline of a plan gets its own schedule (its own stage count ``S`` and micro-batch count
 ``m``); pipelines never exchange activations, so they need no common clock. Stage ``j`` of ``S``
@@ -13,9 +14,11 @@ runs the classic non-interleaved 1F1B:
     cooldown  = warmup backwards
 
 so at most ``S - j`` micro-batches of activations are alive on stage ``j`` (the memory model of
-DESIGN.md §3). Sends are asynchronous (``isend``) and receives block; ``replay_streams`` checks that
-under exactly this rule every rank's stream completes (no deadlock) and every send is matched by
-one receive of the same shape of message.
+DESIGN.md §3). Sends are asynchronous (``isend``) and receives block. ``run_streams`` executes
+streams under exactly this rule, with a duration per instruction: with zero durations it is the
+deadlock check (``replay_streams``: every rank's stream completes and every send is matched by
+one receive of the same shape of message); with real ones it gives the timeline
+(``simulate.build_timeline``, ``malleus-sim``).
 
 Printable forms: ``"2F0"`` stage 2 forward micro-batch 0, ``"2B0"`` backward, ``"1RA3"`` /
 ``"1SA3"`` receive / send activation of micro-batch 3, ``"1RG3"`` / ``"1SG3"`` gradient.
@@ -23,7 +26,7 @@ Printable forms: ``"2F0"`` stage 2 forward micro-batch 0, ``"2B0"`` backward, ``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from .plan import Plan
 
@@ -150,18 +153,46 @@ class ScheduleError(RuntimeError):
     """A set of instruction streams would deadlock or leave messages unmatched."""
 
 
-def replay_streams(streams: Sequence[Sequence[Instr]]) -> list[str]:
-    """Execute the streams of one pipeline (``streams[j]`` = stage ``j``) under the engine's rule.
+@dataclass(frozen=True)
+class Event:
+    """One instruction as the simulator ran it: ``instr`` (whose ``stage`` is the stream it came
+    from) from ``start`` to ``end``."""
 
-    Sends never block; a receive blocks until the matching send was issued; each stage runs its
-    stream in order. Returns a global execution order (for printing); raises ``ScheduleError``
-    on deadlock, on a receive whose message never comes, or on a send nobody receives.
+    instr: Instr
+    start: float
+    end: float
+
+    def __str__(self) -> str:
+        return str(self.instr)
+
+
+def _zero(ins: Instr) -> float:
+    return 0.0
+
+
+def run_streams(streams: Sequence[Sequence[Instr]],
+                duration: Callable[[Instr], float] = _zero,
+                latency: Callable[[Instr], float] = _zero) -> list[Event]:
+    """THE event simulator: execute the streams of one pipeline (``streams[j]`` = stage ``j``)
+    under the engine's rule, timing each instruction.
+
+    Each stage runs its stream in order, one instruction at a time. Sends never block; a receive
+    blocks until the matching send was issued. ``duration(ins)`` is how long stage ``ins.stage``
+    is busy with ``ins``; ``latency(send)`` how long the message of a send takes to arrive after
+    the send ends. An instruction starts when its stage is free and, for a receive, when the
+    message has arrived. Zero durations (the defaults) make it the deadlock check
+    (:func:`replay_streams`); real ones give the timeline (``simulate.build_timeline``).
+
+    Returns the events in a global execution order (stage 0 runs as far as it can, then stage
+    1, ..., round and round); raises ``ScheduleError`` on deadlock, on a receive whose message
+    never comes, or on a send nobody receives.
     """
     S = len(streams)
     pc = [0] * S
-    sent: set[tuple[str, int, int]] = set()      # ("A"|"G", from stage, micro-batch)
+    free = [0.0] * S                                  # when each stage is next idle
+    sent: dict[tuple[str, int, int], float] = {}      # ("A"|"G", from stage, mb) -> arrival
     received: set[tuple[str, int, int]] = set()
-    order: list[str] = []
+    events: list[Event] = []
     while any(pc[j] < len(streams[j]) for j in range(S)):
         progressed = False
         for j in range(S):
@@ -169,31 +200,42 @@ def replay_streams(streams: Sequence[Sequence[Instr]]) -> list[str]:
                 ins = streams[j][pc[j]]
                 if ins.stage != j:
                     raise ScheduleError(f"stream {j} holds {ins} of another stage")
+                start = free[j]
                 if isinstance(ins, RecvAct):
                     key = ("A", j - 1, ins.micro_batch)
                     if key not in sent:
                         break
                     received.add(key)
+                    start = max(start, sent[key])
                 elif isinstance(ins, RecvGrad):
                     key = ("G", j + 1, ins.micro_batch)
                     if key not in sent:
                         break
                     received.add(key)
-                elif isinstance(ins, SendAct):
+                    start = max(start, sent[key])
+                end = start + duration(ins)
+                if isinstance(ins, SendAct):
                     if j + 1 >= S:
                         raise ScheduleError(f"{ins}: last stage sends an activation")
-                    sent.add(("A", j, ins.micro_batch))
+                    sent[("A", j, ins.micro_batch)] = end + latency(ins)
                 elif isinstance(ins, SendGrad):
                     if j == 0:
                         raise ScheduleError(f"{ins}: first stage sends a gradient")
-                    sent.add(("G", j, ins.micro_batch))
-                order.append(str(ins))
+                    sent[("G", j, ins.micro_batch)] = end + latency(ins)
+                events.append(Event(ins, start, end))
+                free[j] = end
                 pc[j] += 1
                 progressed = True
         if not progressed:
             stuck = {j: str(streams[j][pc[j]]) for j in range(S) if pc[j] < len(streams[j])}
             raise ScheduleError(f"deadlock: stages blocked at {stuck}")
-    unmatched = sent - received
+    unmatched = set(sent) - received
     if unmatched:
         raise ScheduleError(f"sends never received: {sorted(unmatched)}")
-    return order
+    return events
+
+
+def replay_streams(streams: Sequence[Sequence[Instr]]) -> list[str]:
+    """The deadlock check: :func:`run_streams` with zero durations. Returns the global
+    execution order (for printing); raises ``ScheduleError`` as :func:`run_streams` does."""
+    return [str(e) for e in run_streams(streams)]

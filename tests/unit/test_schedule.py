@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from malleus_ds.schedule import (Backward, Forward, ScheduleError, max_in_flight,
-                                        one_f_one_b, parse, plan_schedules, replay_streams)
+from malleus_ds.schedule import (Backward, Forward, ScheduleError, SendAct, max_in_flight,
+                                 one_f_one_b, parse, plan_schedules, replay_streams, run_streams)
 from malleus_ds.plan import Pipeline, Plan, Stage
 
 
@@ -63,3 +63,21 @@ def test_simulate_catches_deadlock_and_unmatched():
         replay_streams([[parse("0RG0"), parse("0SA0")], [parse("1RA0"), parse("1SG0")]])
     with pytest.raises(ScheduleError, match="never received"):
         replay_streams([a[1:], b[1:]])
+
+
+def test_run_streams_times_two_stages():
+    # forward 1, backward 2 on both stages; an activation takes 0.5 to arrive, a gradient 0
+    streams = [one_f_one_b(j, 2, 2) for j in range(2)]
+    ev = run_streams(streams,
+                     duration=lambda i: {"F": 1.0, "B": 2.0}.get(i.code, 0.0),
+                     latency=lambda i: 0.5 if isinstance(i, SendAct) else 0.0)
+    at = {str(e): (e.start, e.end) for e in ev}
+    assert at["0F0"] == (0.0, 1.0) and at["0F1"] == (1.0, 2.0)
+    assert at["1RA0"] == (1.5, 1.5) and at["1F0"] == (1.5, 2.5) and at["1B0"] == (2.5, 4.5)
+    assert at["0B0"] == (4.5, 6.5)                    # waits for stage 1's gradient
+    assert at["1F1"] == (4.5, 5.5) and at["1B1"] == (5.5, 7.5) and at["0B1"] == (7.5, 9.5)
+    assert max(e.end for e in ev) == 9.5
+    # zero durations: the same execution order as the deadlock check, every time 0
+    zero = run_streams(streams)
+    assert [str(e) for e in zero] == replay_streams(streams)
+    assert {(e.start, e.end) for e in zero} == {(0.0, 0.0)}

@@ -26,7 +26,7 @@ Printable forms: ``"2F0"`` stage 2 forward micro-batch 0, ``"2B0"`` backward, ``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 from .plan import Plan
 
@@ -153,10 +153,9 @@ class ScheduleError(RuntimeError):
     """A set of instruction streams would deadlock or leave messages unmatched."""
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):
     """One instruction as the simulator ran it: ``instr`` (whose ``stage`` is the stream it came
-    from) from ``start`` to ``end``."""
+    from) from ``start`` to ``end``. (A named tuple: the simulator makes one per instruction.)"""
 
     instr: Instr
     start: float
@@ -193,38 +192,39 @@ def run_streams(streams: Sequence[Sequence[Instr]],
     sent: dict[tuple[str, int, int], float] = {}      # ("A"|"G", from stage, mb) -> arrival
     received: set[tuple[str, int, int]] = set()
     events: list[Event] = []
-    while any(pc[j] < len(streams[j]) for j in range(S)):
+    left = sum(len(st) for st in streams)
+    while left:
         progressed = False
         for j in range(S):
-            while pc[j] < len(streams[j]):
-                ins = streams[j][pc[j]]
+            stream, n = streams[j], len(streams[j])
+            while pc[j] < n:
+                ins = stream[pc[j]]
                 if ins.stage != j:
                     raise ScheduleError(f"stream {j} holds {ins} of another stage")
                 start = free[j]
-                if isinstance(ins, RecvAct):
-                    key = ("A", j - 1, ins.micro_batch)
-                    if key not in sent:
+                cls = type(ins)
+                if cls is RecvAct or cls is RecvGrad:
+                    key = ("A", j - 1, ins.micro_batch) if cls is RecvAct else \
+                        ("G", j + 1, ins.micro_batch)
+                    arrival = sent.get(key)
+                    if arrival is None:
                         break
                     received.add(key)
-                    start = max(start, sent[key])
-                elif isinstance(ins, RecvGrad):
-                    key = ("G", j + 1, ins.micro_batch)
-                    if key not in sent:
-                        break
-                    received.add(key)
-                    start = max(start, sent[key])
+                    if arrival > start:
+                        start = arrival
                 end = start + duration(ins)
-                if isinstance(ins, SendAct):
+                if cls is SendAct:
                     if j + 1 >= S:
                         raise ScheduleError(f"{ins}: last stage sends an activation")
                     sent[("A", j, ins.micro_batch)] = end + latency(ins)
-                elif isinstance(ins, SendGrad):
+                elif cls is SendGrad:
                     if j == 0:
                         raise ScheduleError(f"{ins}: first stage sends a gradient")
                     sent[("G", j, ins.micro_batch)] = end + latency(ins)
                 events.append(Event(ins, start, end))
                 free[j] = end
                 pc[j] += 1
+                left -= 1
                 progressed = True
         if not progressed:
             stuck = {j: str(streams[j][pc[j]]) for j in range(S) if pc[j] < len(streams[j])}

@@ -1,11 +1,12 @@
 """Per-rank timeline of one training step of a plan (1F1B), its summary and a Gantt PNG.
 
-Each stage runs the non-interleaved 1F1B order: ``min(S-j-1, m)`` warm-up forwards, then
-one-forward-one-backward, then the remaining backwards. A forward of micro-batch ``k`` on stage
-``j`` waits for the forward of ``k`` on ``j-1``; a backward waits for the backward on ``j+1``
-(plus the point-to-point time when the problem has a ``comm`` section, see
-:mod:`malleus_ds.cost`). A stage's time per micro-batch ``t = y*l`` splits into forward ``t/3``
-and backward ``2t/3``. Pipelines run independently; the step ends when the last one does.
+Each stage runs the engine's own instruction stream (``schedule.one_f_one_b``: ``min(S-j-1, m)``
+warm-up forwards, then one-forward-one-backward, then the remaining backwards) in the one event
+simulator, ``schedule.run_streams``. A forward of micro-batch ``k`` on stage ``j`` waits for the
+forward of ``k`` on ``j-1``; a backward waits for the backward on ``j+1`` (plus the
+point-to-point time when the problem has a ``comm`` section, see :mod:`malleus_ds.cost`). A
+stage's time per micro-batch ``t = y*l`` splits into forward ``t/3`` and backward ``2t/3``.
+Pipelines run independently; the step ends when the last one does.
 
 The reference cost model (``sum t + (m-1) max t``) is the planner's objective; the simulated
 step time is an event-level check of it (equal for uniform stages, close otherwise).
@@ -18,6 +19,7 @@ from .cost import (capacity_fraction, comm_spec, eta, evaluate, group_rate, head
                    healthy_step_time)
 from .plan import Plan
 from .problem import Problem
+from .schedule import Backward, Forward, Instr, SendAct, one_f_one_b, run_streams
 
 FWD_SHARE = 1.0 / 3.0
 
@@ -55,17 +57,11 @@ class Timeline:
         return ()
 
 
-def compute_order(S: int, j: int, m: int) -> list[tuple[str, int]]:
-    """The compute ops of stage ``j`` of ``S`` for ``m`` micro-batches, ``("F"|"B", k)``, in the
-    order the engine runs them: its own 1F1B stream (``schedule.py``) less the sends and
-    receives, so the simulator and the engine cannot disagree on the schedule."""
-    from .schedule import Backward, Forward, one_f_one_b
-
-    return [(i.code, i.micro_batch) for i in one_f_one_b(j, S, m)
-            if isinstance(i, (Forward, Backward))]
-
-
 def build_timeline(problem: Problem, plan: Plan) -> Timeline:
+    """Run every pipeline's 1F1B streams (``schedule.one_f_one_b``, what the engine runs) through
+    the event simulator ``schedule.run_streams``: a forward lasts ``t/3``, a backward ``2t/3``,
+    sends and receives take no stage time, and a message arrives the boundary's point-to-point
+    time after it is sent."""
     cs = comm_spec(problem)
     gpn = problem.gpus_per_node
     ops: list[Op] = []
@@ -79,37 +75,21 @@ def build_timeline(problem: Problem, plan: Plan) -> Timeline:
         if cs is not None:
             link = [cs.boundary(p.stages[j].ranks[0] // gpn == p.stages[j + 1].ranks[0] // gpn)
                     for j in range(S - 1)]
-        order = [compute_order(S, j, m) for j in range(S)]
-        pos = [0] * S
-        free = [0.0] * S                  # when each stage is next idle
-        done: dict[tuple[str, int, int], float] = {}
-        remaining = sum(len(o) for o in order)
-        while remaining:
-            progressed = False
-            for j in range(S):
-                while pos[j] < len(order[j]):
-                    kind, k = order[j][pos[j]]
-                    if kind == "F":
-                        dep = done.get(("F", j - 1, k)) if j > 0 else 0.0
-                        lag = link[j - 1] if j > 0 else 0.0
-                        dur = t[j] * FWD_SHARE
-                    else:
-                        dep = done.get(("B", j + 1, k)) if j < S - 1 else done.get(("F", j, k))
-                        lag = link[j] if j < S - 1 else 0.0
-                        dur = t[j] * (1 - FWD_SHARE)
-                    if dep is None:
-                        break
-                    start = max(free[j], dep + lag)
-                    end = start + dur
-                    ops.append(Op(i, j, kind, k, start, end))
-                    done[(kind, j, k)] = end
-                    free[j] = end
-                    pos[j] += 1
-                    remaining -= 1
-                    progressed = True
-            if not progressed:  # cannot happen for 1F1B; guard against an infinite loop
-                raise RuntimeError(f"pipeline {i}: 1F1B simulation deadlocked")
-        ptimes.append(max(free))
+
+        def duration(ins: Instr, t=t) -> float:
+            if isinstance(ins, Forward):
+                return t[ins.stage] * FWD_SHARE
+            if isinstance(ins, Backward):
+                return t[ins.stage] * (1 - FWD_SHARE)
+            return 0.0
+
+        def latency(ins: Instr, link=link) -> float:      # sends only: j -> j+1 or j -> j-1
+            return link[ins.stage] if isinstance(ins, SendAct) else link[ins.stage - 1]
+
+        events = run_streams([one_f_one_b(j, S, m) for j in range(S)], duration, latency)
+        ops.extend(Op(i, e.instr.stage, e.instr.code, e.instr.micro_batch, e.start, e.end)
+                   for e in events if isinstance(e.instr, (Forward, Backward)))
+        ptimes.append(max(e.end for e in events))
         busy.append(tuple(tj * m for tj in t))
         ranks.append(tuple(s.ranks for s in p.stages))
     return Timeline(tuple(ops), tuple(ptimes), max(ptimes), tuple(busy), tuple(ranks))

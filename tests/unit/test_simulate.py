@@ -6,7 +6,8 @@ import pytest
 from malleus_ds.cost import evaluate
 from malleus_ds.plan import Pipeline, Plan, Stage
 from malleus_ds.problem import Problem
-from malleus_ds.simulate import build_timeline, compute_order, gantt, summarize
+from malleus_ds.schedule import Backward, Forward, one_f_one_b
+from malleus_ds.simulate import build_timeline, gantt, summarize
 
 
 def problem(rates=None) -> Problem:
@@ -17,15 +18,18 @@ def problem(rates=None) -> Problem:
         "cost": {"tp_slowdown": {"1": 1.0, "2": 1.9}}, "memory": None, "rates": rates or {}})
 
 
-def test_compute_order_is_the_engines_1f1b():
-    assert [f"{k}{m}" for k, m in compute_order(3, 0, 4)] == \
-        ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"]
-    assert [f"{k}{m}" for k, m in compute_order(3, 2, 2)] == ["F0", "B0", "F1", "B1"]
-    for S in range(1, 4):
-        for j in range(S):
-            for m in range(1, 5):
-                ops = compute_order(S, j, m)
-                assert sorted(ops) == sorted([("F", k) for k in range(m)] + [("B", k) for k in range(m)])
+def test_each_stage_runs_the_engines_1f1b():
+    pr = problem({"2": 3.0})
+    pl = Plan(8, 8, 1, (Pipeline(5, (Stage((0, 1), (0, 5)), Stage((3,), (5, 8)))),
+                        Pipeline(3, (Stage((4, 5), (0, 2)), Stage((6,), (2, 4)),
+                                     Stage((7,), (4, 8))))), (2,))
+    tl = build_timeline(pr, pl)
+    for i, p in enumerate(pl.pipelines):
+        S = len(p.stages)
+        for j, s in enumerate(p.stages):
+            engine = [str(x) for x in one_f_one_b(j, S, p.micro_batches)
+                      if isinstance(x, (Forward, Backward))]
+            assert [str(o) for o in tl.rank_ops(s.ranks[0])] == engine
 
 
 def test_uniform_pipeline_matches_cost_model():

@@ -4,9 +4,11 @@ Each stage runs the engine's own instruction stream (``schedule.one_f_one_b``: `
 warm-up forwards, then one-forward-one-backward, then the remaining backwards) in the one event
 simulator, ``schedule.run_streams``. A forward of micro-batch ``k`` on stage ``j`` waits for the
 forward of ``k`` on ``j-1``; a backward waits for the backward on ``j+1`` (plus the
-point-to-point time when the problem has a ``comm`` section, see :mod:`malleus_ds.cost`). A
-stage's time per micro-batch ``t = y*l`` splits into forward ``t/3`` and backward ``2t/3``.
-Pipelines run independently; the step ends when the last one does.
+point-to-point time when the problem has a ``comm`` section, see :mod:`malleus_ds.cost`: here
+it delays the message, where the cost model charges it to the sending stage's time). A stage's
+time per micro-batch ``t = y*l`` (the head added on the last stage: ``cost.stage_time``) splits
+into forward ``t/3`` and backward ``2t/3``. Pipelines run independently; the step ends when the
+last one does.
 
 The reference cost model (``sum t + (m-1) max t``) is the planner's objective; the simulated
 step time is an event-level check of it (equal for uniform stages, close otherwise).
@@ -15,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import (capacity_fraction, comm_spec, eta, evaluate, group_rate, head_layers,
-                   healthy_step_time)
+from .cost import (capacity_fraction, comm_spec, eta, evaluate, healthy_step_time,
+                   stage_time)
 from .plan import Plan
 from .problem import Problem
 from .schedule import Backward, Forward, Instr, SendAct, one_f_one_b, run_streams
@@ -68,9 +70,7 @@ def build_timeline(problem: Problem, plan: Plan) -> Timeline:
     ptimes, busy, ranks = [], [], []
     for i, p in enumerate(plan.pipelines):
         S, m = len(p.stages), p.micro_batches
-        h = head_layers(problem)
-        t = [group_rate(problem, s.ranks) * (s.num_layers + (h if j == S - 1 else 0.0))
-             for j, s in enumerate(p.stages)]
+        t = [stage_time(problem, s, last=j == S - 1) for j, s in enumerate(p.stages)]
         link = [0.0] * max(S - 1, 0)
         if cs is not None:
             link = [cs.boundary(p.stages[j].ranks[0] // gpn == p.stages[j + 1].ranks[0] // gpn)

@@ -4,8 +4,8 @@ Each stage runs the engine's own instruction stream (``schedule.one_f_one_b``: `
 warm-up forwards, then one-forward-one-backward, then the remaining backwards) in the one event
 simulator, ``schedule.run_streams``. A forward of micro-batch ``k`` on stage ``j`` waits for the
 forward of ``k`` on ``j-1``; a backward waits for the backward on ``j+1`` (plus the
-point-to-point time when the problem has a ``comm`` section, see :mod:`malleus_ds.cost`: here
-it delays the message, where the cost model charges it to the sending stage's time). A stage's
+point-to-point time ``cost.boundary_times`` when the problem has a ``comm`` section: here it
+delays the message, where the cost model charges it to the sending stage's time). A stage's
 time per micro-batch ``t = y*l`` (the head added on the last stage: ``cost.stage_time``) splits
 into forward ``t/3`` and backward ``2t/3``. Pipelines run independently; the step ends when the
 last one does.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import (capacity_fraction, comm_spec, eta, evaluate, healthy_step_time,
+from .cost import (boundary_times, capacity_fraction, eta, evaluate, healthy_step_time,
                    stage_time)
 from .plan import Plan
 from .problem import Problem
@@ -64,17 +64,12 @@ def build_timeline(problem: Problem, plan: Plan) -> Timeline:
     the event simulator ``schedule.run_streams``: a forward lasts ``t/3``, a backward ``2t/3``,
     sends and receives take no stage time, and a message arrives the boundary's point-to-point
     time after it is sent."""
-    cs = comm_spec(problem)
-    gpn = problem.gpus_per_node
     ops: list[Op] = []
     ptimes, busy, ranks = [], [], []
     for i, p in enumerate(plan.pipelines):
         S, m = len(p.stages), p.micro_batches
         t = [stage_time(problem, s, last=j == S - 1) for j, s in enumerate(p.stages)]
-        link = [0.0] * max(S - 1, 0)
-        if cs is not None:
-            link = [cs.boundary(p.stages[j].ranks[0] // gpn == p.stages[j + 1].ranks[0] // gpn)
-                    for j in range(S - 1)]
+        link = boundary_times(problem, p.stages)
 
         def duration(ins: Instr, t=t) -> float:
             if isinstance(ins, Forward):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from malleus_ds.cost import evaluate
+from malleus_ds.cost import boundary_times, evaluate, stage_time
 from malleus_ds.plan import Pipeline, Plan, Stage
 from malleus_ds.problem import Problem
 from malleus_ds.schedule import Backward, Forward, one_f_one_b
@@ -72,3 +72,23 @@ def test_gantt_png(tmp_path):
     out = tmp_path / "g.png"
     gantt(pr, pl, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_head_and_node_boundaries_come_from_the_cost_model():
+    # 2 nodes x 4 GPUs; stages on ranks 0 | 1 (same node) | 4 (next node)
+    d = problem().to_json()
+    d["comm"] = {"layer_ms": 10.0, "activation_mb": 50.0, "intra_node_gbps": 500.0,
+                 "inter_node_gbps": 25.0}
+    d["head_layers"] = 1.5
+    pr = Problem.from_json(d)
+    stages = (Stage((0,), (0, 3)), Stage((1,), (3, 6)), Stage((4,), (6, 8)))
+    pl = Plan(8, 8, 1, (Pipeline(8, stages),), tuple(r for r in range(8) if r not in (0, 1, 4)))
+    assert boundary_times(pr, stages) == pytest.approx((50 / 500 / 10, 50 / 25 / 10))
+    assert boundary_times(problem(), stages) == (0.0, 0.0)
+    tl = build_timeline(pr, pl)
+    op = {(o.stage, o.kind, o.micro_batch): o for o in tl.ops}
+    for j, c in enumerate(boundary_times(pr, stages)):    # the message delay of each boundary
+        assert op[(j + 1, "F", 0)].start - op[(j, "F", 0)].end == pytest.approx(c)
+    assert tl.busy[0] == pytest.approx(tuple(
+        8 * stage_time(pr, s, last=j == 2) for j, s in enumerate(stages)))
+    assert tl.busy[0][2] == pytest.approx(8 * 1.9 * (2 + 1.5))       # the head: last stage only

@@ -11,7 +11,10 @@ into forward ``t/3`` and backward ``2t/3``. Pipelines run independently; the ste
 last one does.
 
 The reference cost model (``sum t + (m-1) max t``) is the planner's objective; the simulated
-step time is an event-level check of it (equal for uniform stages, close otherwise).
+step time is an event-level check of it: without a ``comm`` section equal when ``m = 1`` or each
+pipeline's last stage is one of its slowest (uniform stages included), below it otherwise
+(``cost.pipeline_time_from_stage_times``); with one, at most it (messages are delayed here,
+not charged to the sender).
 """
 from __future__ import annotations
 

@@ -1,12 +1,17 @@
 """Reference cost model (DESIGN.md §3) and the optional communication terms."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from malleus_ds.cost import (capacity_fraction, check_memory, comm_spec, efficiency, evaluate,
-                             healthy_step_time, stage_memory_mb, step_time, validate_for_problem)
+from malleus_ds.cost import (boundary_times, capacity_fraction, check_memory, comm_spec,
+                             efficiency, evaluate, healthy_step_time, stage_memory_mb, stage_time,
+                             step_time, validate_for_problem)
 from malleus_ds.plan import Pipeline, Plan, PlanError, Stage
 from malleus_ds.problem import Problem
+from malleus_ds.schedule import (Backward, Forward, SendAct, SendGrad, one_f_one_b,
+                                 run_streams)
 
 SD8 = {"1": 1.0, "2": 1.9, "4": 3.66, "8": 7.22}
 MEM = {"device_mb": 81920, "reserved_mb": 4096, "layer_static_mb": 1100, "layer_activation_mb": 250,
@@ -123,3 +128,70 @@ def test_memory_switch_terms_are_optional_and_checked():
         problem(memory=dict(MEM, switch_buffer_mb=-1))
     pr = problem(memory=dict(MEM, layer_grad_mb=300))
     assert Problem.from_json(pr.to_json()).memory == pr.memory
+
+
+def _simulated_pipeline_time(pr: Problem, pipe: Pipeline) -> float:
+    """The cost model's own rule run event by event (``schedule.run_streams``): a stage's
+    compute ``stage_time`` splits into forward t/3 and backward 2t/3, and each send keeps its
+    stage busy for the boundary's ``boundary_times`` term (the sender pays); no latency."""
+    S = len(pipe.stages)
+    comp = [stage_time(pr, s, last=j == S - 1) for j, s in enumerate(pipe.stages)]
+    c = boundary_times(pr, pipe.stages)
+
+    def duration(ins):
+        if isinstance(ins, Forward):
+            return comp[ins.stage] / 3
+        if isinstance(ins, Backward):
+            return comp[ins.stage] * 2 / 3
+        if isinstance(ins, SendAct):
+            return c[ins.stage]
+        if isinstance(ins, SendGrad):
+            return c[ins.stage - 1]
+        return 0.0
+
+    events = run_streams([one_f_one_b(j, S, pipe.micro_batches) for j in range(S)], duration)
+    return max(e.end for e in events)
+
+
+def test_closed_form_1f1b_against_the_event_simulator():
+    """``sum t + (m-1) max t`` is exact when m = 1, S = 1 or the last stage is one of the
+    slowest (uniform stages included); otherwise the last stage waits less than the formula
+    assumes and the formula is an upper bound. Random plans, rates, heads and comm sections."""
+    rng = random.Random(0)
+    comm = {"layer_ms": 10.0, "activation_mb": 50.0, "intra_node_gbps": 500.0,
+            "inter_node_gbps": 25.0}
+    exact = bound = 0
+    for _ in range(300):
+        L = rng.randint(2, 24)
+        pipes, r = [], 0
+        for _p in range(rng.randint(1, 3)):
+            S = rng.randint(1, min(L, 6))
+            b = [0] + sorted(rng.sample(range(1, L), S - 1)) + [L]
+            stages = []
+            for j in range(S):
+                g = rng.choice([1, 2, 2])
+                stages.append(Stage(tuple(range(r, r + g)), (b[j], b[j + 1])))
+                r += g
+            pipes.append(Pipeline(rng.randint(1, 12), tuple(stages)))
+        extra = {}
+        if rng.random() < 0.5:
+            extra["head_layers"] = rng.choice([0.5, 1.5])
+        if rng.random() < 0.5:
+            extra["comm"] = comm
+        # (constructed directly: the plan need not fill the cluster to be costed)
+        pr = Problem(name="r", nodes=(r + 3) // 4, gpus_per_node=4, num_layers=L,
+                     global_batch_size=1, micro_batch_size=1, tp=2, pp=1, dp=1,
+                     tp_slowdown={1: 1.0, 2: 1.9}, memory=None,
+                     rates={k: rng.choice([1.0, 1.0, 1.0, 2.0, 3.5]) for k in range(r)},
+                     extra=extra)
+        plan = Plan(L, sum(p.micro_batches for p in pipes), 1, tuple(pipes))
+        cost = evaluate(pr, plan)
+        for pipe, ts, closed in zip(plan.pipelines, cost.stage_times, cost.pipeline_times):
+            sim = _simulated_pipeline_time(pr, pipe)
+            if pipe.micro_batches == 1 or len(ts) == 1 or ts[-1] >= max(ts):
+                assert sim == pytest.approx(closed, rel=1e-9), (ts, pipe.micro_batches)
+                exact += 1
+            else:
+                assert sim <= closed * (1 + 1e-9), (ts, pipe.micro_batches)
+                bound += sim < closed * (1 - 1e-6)
+    assert exact > 100 and bound > 100         # both cases were exercised

@@ -19,7 +19,7 @@ micro-batch and direction (MB / (GB/s) = ms), charged to the sender: stage ``j``
 the activation it sends to ``j+1`` and ``c`` for the gradient it sends to ``j-1``. The stage
 time becomes ``t_j = y_j l_j + c_(j,j+1) + c_(j-1,j)`` and the 1F1B formula is unchanged. The
 boundary uses the intra-node bandwidth when both stages' first ranks share a node
-(:func:`boundary_times`, the one place that decides it).
+(:func:`boundary_times`; ``_boundary_times`` is the one place that decides it).
 """
 from __future__ import annotations
 
@@ -90,23 +90,30 @@ def comm_spec(problem: Problem) -> CommSpec | None:
 def boundary_times(problem: Problem, stages: Sequence[Stage]) -> tuple[float, ...]:
     """Per boundary ``j -> j+1`` of a pipeline (``len(stages) - 1`` of them), the model units
     one micro-batch's message takes across it in one direction (:meth:`CommSpec.boundary`); all
-    0.0 without a ``comm`` section. The one place that decides whether a boundary stays inside
-    a node: when both stages' first ranks are on one node."""
+    0.0 without a ``comm`` section."""
     cs = comm_spec(problem)
     if cs is None:
         return (0.0,) * (len(stages) - 1)
-    gpn = problem.gpus_per_node
-    return tuple(cs.boundary(a.ranks[0] // gpn == b.ranks[0] // gpn)
-                 for a, b in zip(stages, stages[1:]))
+    return tuple(_boundary_times(cs, problem.gpus_per_node, stages))
+
+
+def _boundary_times(cs: CommSpec, gpus_per_node: int, stages: Sequence[Stage]) -> list[float]:
+    """:func:`boundary_times` under ``cs``. The one place that decides whether a boundary stays
+    inside a node: when both stages' first ranks are on one node."""
+    gpn = gpus_per_node
+    return [cs.boundary(stages[j].ranks[0] // gpn == stages[j + 1].ranks[0] // gpn)
+            for j in range(len(stages) - 1)]
 
 
 def pipeline_stage_times(problem: Problem, stages: Sequence[Stage]) -> tuple[float, ...]:
     """Per-stage time of one micro-batch, with communication when the problem gives it: each
     boundary's :func:`boundary_times` term is charged to both of its stages (the sender pays)."""
     ts = [stage_time(problem, s, last=j == len(stages) - 1) for j, s in enumerate(stages)]
-    for j, c in enumerate(boundary_times(problem, stages)):
-        ts[j] += c        # activation j -> j+1
-        ts[j + 1] += c    # gradient j+1 -> j
+    cs = comm_spec(problem)
+    if cs is not None:        # (without one every term is 0: the planner's hot path skips them)
+        for j, c in enumerate(_boundary_times(cs, problem.gpus_per_node, stages)):
+            ts[j] += c        # activation j -> j+1
+            ts[j + 1] += c    # gradient j+1 -> j
     return tuple(ts)
 
 

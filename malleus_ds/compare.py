@@ -254,7 +254,7 @@ def report(run_dir: str | Path, names: Sequence[str], warmup: int) -> tuple[str,
     """Compare the runs in ``run_dir/<name>/`` and draw them into ``run_dir/throughput.png``.
     Returns the text and the PNG's path (None when drawing failed; the text says why). A bad
     metrics.jsonl (``metrics.read_run``) is a CompareError naming the file and line."""
-    from . import plot
+    from . import plot, plot_data
 
     import logging
 
@@ -266,7 +266,7 @@ def report(run_dir: str | Path, names: Sequence[str], warmup: int) -> tuple[str,
         raise CompareError(str(e)) from None
     text = format_comparison(compare(runs, warmup)) + "\n" + whatif_lines(root, names, warmup)
     try:
-        data = [plot.read_run(root / n, name=f"engine={n}") for n in names]
+        data = [plot_data.read_run(root / n, name=f"engine={n}") for n in names]
         png = plot.draw(data, root / plot.DEFAULT_OUTPUT,
                         f"{root.name}: {' vs '.join(names)}, one straggler schedule")
     except Exception as e:  # noqa: BLE001 - the numbers stand without the picture

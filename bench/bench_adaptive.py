@@ -52,6 +52,7 @@ def oracle_plan(a, out: Path) -> Path:
     """The planner's best plan for the true rates (what the oracle switches to)."""
     from malleus_ds.models.base import head_layer_units, param_table
     from malleus_ds.models.llama import model_config
+    from malleus_ds.job_layout import JobLayout
     from malleus_ds.replan import job_problem
     from malleus_ds.plan import static_plan
     from malleus_ds.planner import plan
@@ -59,7 +60,7 @@ def oracle_plan(a, out: Path) -> Path:
     cur = static_plan(4, 16, 2, 1, 1, 4)
     m = model_config("tiny", num_layers=4, hidden_size=256, num_heads=4, max_seq_len=128)  # MODEL
     head = head_layer_units(param_table(m), 128, 256)      # as the adaptive loop costs the head
-    pr = job_problem(cur, 4, 4, 1, {1: 1.0}, None, head).with_rates({3: a.true_rate},
+    pr = job_problem(cur, JobLayout(4, 4, 1), {1: 1.0}, None, head).with_rates({3: a.true_rate},
                                                                      current_plan=cur)
     p = out / "oracle_plan.json"
     plan(pr, seed=0).plan.save(p)

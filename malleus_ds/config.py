@@ -23,6 +23,7 @@ from .data.parse import parse_data
 from .data.tokens import DataError
 from .device import DeviceError, check_device
 from .emulation import StragglerError, StragglerSchedule
+from .job_layout import JobLayout, JobLayoutError
 from .models.llama import ModelConfig
 from .models.parse import ModelError, check_layout, parse_model
 from .run_config import (ENGINES, CheckpointConfig, ClusterConfig, ConfigError,
@@ -289,11 +290,10 @@ def _cluster(c: Mapping[str, Any], world: int, local_world: int,
                           f"['gpus_per_node', 'nodes']")
     gpn = c.get("gpus_per_node")
     gpn = local_world if gpn is None else _int(gpn, "cluster.gpus_per_node")
-    if gpn < 1:
-        raise ConfigError(f"cluster.gpus_per_node={gpn} must be >= 1")
-    if world % gpn:
-        raise ConfigError(f"cluster.gpus_per_node={gpn} does not divide the world size {world}")
-    nodes = world // gpn
+    try:
+        nodes = JobLayout(world, gpn).nodes
+    except JobLayoutError as e:
+        raise ConfigError(f"cluster.{e.detail}") from None
     if c.get("nodes") is not None and _int(c["nodes"], "cluster.nodes") != nodes:
         raise ConfigError(f"cluster.nodes={c['nodes']} but world size {world} / "
                           f"cluster.gpus_per_node={gpn} = {nodes} nodes")

@@ -33,7 +33,7 @@ import numpy as np
 
 from .engine.settings import AdaptiveSettings
 from .models.base import head_layer_units
-from .plan import Plan, PlanError, nominal_tp
+from .plan import Plan, PlanError
 from .probe import Probe
 from .problem import Problem
 from .replan import (Decision, decide, device_memory_mb, fit_running_plan, job_problem,
@@ -60,7 +60,7 @@ class Controller:
         self.engine, self.s = engine, settings
         self.rank, self.world = engine.global_rank, engine.world_size
         plan = engine.plan
-        self.tp = engine.settings.tp or nominal_tp(plan)
+        self.tp = engine.job.tp       # the TP degree self.slowdown is keyed by
         self.tp_measured: dict[int, float] | None = None    # tp_cost.measure at start-up
         if settings.tp_slowdown == "measure" and self.tp > 1:
             from .engine.tp_cost import measure     # a collective: every rank builds a Controller
@@ -220,7 +220,7 @@ class Controller:
     def switched(self, plan: Plan, rates: list[float] | None) -> None:
         """After any switch (adaptive, forced or scripted): cost units of the new plan, the rates
         it was made for, and results planned against the old one become stale."""
-        tp = nominal_tp(plan, at_least=self.tp)
+        tp = self.engine.job.tp
         if tp != self.tp:       # engine API without a nominal tp: the plans' TP sizes set it
             self.tp, self._problem = tp, None
             self.slowdown = self._slowdown(tp)
@@ -269,13 +269,11 @@ class Controller:
         if self._problem is None and self.disabled_reason is None:
             e = self.engine
             try:
-                gpn = e.settings.gpus_per_node         # resolved by the engine
-                dev = self.s.device_mb or device_memory_mb(e.device, min(gpn, self.world))
+                dev = self.s.device_mb or device_memory_mb(e.device, e.job.gpus_per_node)
                 mem = memory_model(e.param_table, e.model_cfg, e.plan.micro_batch_size,
                                    e.seq_len, e.precision.mixed, dev,
                                    switch_buffer_mb=SWITCH_BUFFERS * e.settings.migrate_bucket_mb)
-                pr = job_problem(self._first_plan, self.world, gpn, self.tp, self.slowdown, mem,
-                                 self.head)
+                pr = job_problem(self._first_plan, e.job, self.slowdown, mem, self.head)
                 self._problem = fit_running_plan(pr, e.plan)
             except (PlanError, ValueError) as err:
                 self.disabled_reason = f"the running job cannot be planned for: {err}"
@@ -339,7 +337,7 @@ class Controller:
         pb = e.precision.dtype.itemsize if e.precision.mixed else 4
         return transfer_plan(Layout(e.plan, e.zero_stage), Layout(new, e.zero_stage),
                              e.param_table, mixed=e.precision.mixed, param_bytes=pb,
-                             gpus_per_node=e.settings.gpus_per_node).bytes
+                             job=e.job).bytes
 
     def _migrate_s_for(self, nbytes: int) -> float:
         """Predicted switch seconds: bytes ÷ the effective bandwidth of earlier switches

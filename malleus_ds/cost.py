@@ -26,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .plan import Plan, PlanError, Stage
+from .job_layout import JobLayout
+from .plan import Plan, PlanError, Stage, charged_layers
 from .problem import Memory, Problem
 
 
@@ -51,8 +52,8 @@ def head_layers(problem: Problem) -> float:
 def stage_time(problem: Problem, stage: Stage, last: bool = False) -> float:
     """Compute time of ``stage`` (no communication): ``y * (l + head)``, the head on the last
     stage of a pipeline only."""
-    extra = head_layers(problem) if last else 0.0
-    return group_rate(problem, stage.ranks) * (stage.num_layers + extra)
+    head = head_layers(problem) if last else 0.0
+    return group_rate(problem, stage.ranks) * charged_layers(stage, last, head)
 
 
 @dataclass(frozen=True)
@@ -94,14 +95,13 @@ def boundary_times(problem: Problem, stages: Sequence[Stage]) -> tuple[float, ..
     cs = comm_spec(problem)
     if cs is None:
         return (0.0,) * (len(stages) - 1)
-    return tuple(_boundary_times(cs, problem.gpus_per_node, stages))
+    return tuple(_boundary_times(cs, problem.job, stages))
 
 
-def _boundary_times(cs: CommSpec, gpus_per_node: int, stages: Sequence[Stage]) -> list[float]:
+def _boundary_times(cs: CommSpec, job: JobLayout, stages: Sequence[Stage]) -> list[float]:
     """:func:`boundary_times` under ``cs``. The one place that decides whether a boundary stays
     inside a node: when both stages' first ranks are on one node."""
-    gpn = gpus_per_node
-    return [cs.boundary(stages[j].ranks[0] // gpn == stages[j + 1].ranks[0] // gpn)
+    return [cs.boundary(job.same_node(stages[j].ranks[0], stages[j + 1].ranks[0]))
             for j in range(len(stages) - 1)]
 
 
@@ -111,7 +111,7 @@ def pipeline_stage_times(problem: Problem, stages: Sequence[Stage]) -> tuple[flo
     ts = [stage_time(problem, s, last=j == len(stages) - 1) for j, s in enumerate(stages)]
     cs = comm_spec(problem)
     if cs is not None:        # (without one every term is 0: the planner's hot path skips them)
-        for j, c in enumerate(_boundary_times(cs, problem.gpus_per_node, stages)):
+        for j, c in enumerate(_boundary_times(cs, problem.job, stages)):
             ts[j] += c        # activation j -> j+1
             ts[j + 1] += c    # gradient j+1 -> j
     return tuple(ts)
@@ -243,8 +243,7 @@ def validate_for_problem(problem: Problem, plan: Plan) -> None:
     """Full validity of ``plan`` for ``problem``: structure, world size, batch, memory."""
     from .plan import validate_plan
 
-    validate_plan(plan, tp=problem.tp, gpus_per_node=problem.gpus_per_node,
-                  world_size=problem.num_gpus, num_layers=problem.num_layers,
+    validate_plan(plan, problem.job, num_layers=problem.num_layers,
                   global_batch_size=problem.global_batch_size)
     if plan.micro_batch_size != problem.micro_batch_size:
         raise PlanError(f"plan.micro_batch_size={plan.micro_batch_size} does not match "

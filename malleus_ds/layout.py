@@ -26,9 +26,10 @@ the sorted rank set owns the ``k``-th even slice under ZeRO-1/2.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import lcm, prod
+from math import prod
 from typing import Iterable, Iterator, Mapping, Sequence
 
+from .job_layout import finest_tp
 from .plan import Plan, Stage
 
 #: Owner ids beyond layers 0..L-1: the embedding and the final norm + head (every model uses these).
@@ -305,7 +306,7 @@ def build_buckets(plan: Plan, table: ParamTable, rank: int) -> list[Bucket]:
                     spec.name, None, 0, spec.numel, tp_rank == 0, spec.numel, 0)))
                 continue
             if G is None:
-                G = lcm(*(s.tp for s in holders))       # the layer's finest TP degree
+                G = finest_tp(holders)       # the layer's finest TP degree
             per_rank = G // g                           # finest chunks inside my shard
             w = spec.shape[d] // G
             n = spec.numel // G
@@ -334,7 +335,7 @@ def sync_rank_sets(plan: Plan, table: ParamTable | None = None) -> set[RankSet]:
         if specs is None or any(s.split_dim is None for s in specs):
             out.add(replicated_holders(h))
         if (specs is None and owner >= 0) or (specs and any(s.split_dim is not None for s in specs)):
-            G = lcm(*(s.tp for s in h))
+            G = finest_tp(h)
             out.update(chunk_holders(h, c, G) for c in range(G))
     return {s for s in out if len(s) > 1}
 
@@ -409,7 +410,7 @@ def plan_holdings(plan: Plan, table: ParamTable, zero_stage: int, mixed: bool
         if not specs:
             continue
         holders = owner_holders(plan, owner)
-        G = lcm(*(s.tp for s in holders))
+        G = finest_tp(holders)
         for spec in specs:
             if spec.split_dim is None:
                 keyed.setdefault(replicated_holders(holders), []).append(

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from .job_layout import JobLayout
+
 VERSION = 1
 
 
@@ -207,13 +209,11 @@ class Plan(JsonFile):
 
 
 
-def nominal_tp(*plans: "Plan", at_least: int = 1) -> int:
-    """The job's nominal TP degree: the least common multiple of ``at_least`` and every stage's
-    TP size in ``plans``, so every TP group divides it. Cost units and the TP slowdown table are
-    keyed by ``nominal_tp // group size`` (``straggler.py``). The one place this is decided."""
-    import math
-
-    return math.lcm(at_least, *(st.tp for p in plans for q in p.pipelines for st in q.stages))
+def charged_layers(stage: Stage, last: bool, head: float) -> float:
+    """Layers' worth of compute ``stage`` does per micro-batch: its layers, plus the output head
+    (``head`` layer units, ``cost.head_layers``) on a pipeline's last stage. The cost model and
+    the per-rank cost units both ask; the one place this is decided."""
+    return stage.num_layers + (head if last else 0.0)
 
 
 def static_plan(num_layers: int, global_batch_size: int, micro_batch_size: int,
@@ -252,9 +252,10 @@ def even_split(total: int, parts: int) -> list[int]:
     return out
 
 
-def validate_plan(plan: Plan, *, tp: int, gpus_per_node: int, world_size: int | None = None,
-                  num_layers: int | None = None, global_batch_size: int | None = None) -> None:
-    """Raise ``PlanError`` unless ``plan`` is structurally valid (DESIGN.md §3).
+def validate_plan(plan: Plan, job: JobLayout, *, num_layers: int | None = None,
+                  global_batch_size: int | None = None) -> None:
+    """Raise ``PlanError`` unless ``plan`` is structurally valid for the job ``job`` (its world,
+    node shape and nominal TP degree; DESIGN.md §3).
 
     Memory is checked separately by :func:`malleus_ds.cost.check_memory` (it needs a problem).
     """
@@ -273,9 +274,9 @@ def validate_plan(plan: Plan, *, tp: int, gpus_per_node: int, world_size: int | 
     seen: dict[int, str] = {}
 
     def claim(r: int, where: str) -> None:
-        if r < 0 or (world_size is not None and r >= world_size):
-            raise PlanError(f"{where}: rank {r} is outside the world of {world_size} ranks "
-                            f"(valid: 0..{(world_size or 1) - 1})")
+        if not 0 <= r < job.world:
+            raise PlanError(f"{where}: rank {r} is outside the world of {job.world} ranks "
+                            f"(valid: 0..{job.world - 1})")
         if r in seen:
             raise PlanError(f"{where}: rank {r} already appears in {seen[r]}")
         seen[r] = where
@@ -300,14 +301,15 @@ def validate_plan(plan: Plan, *, tp: int, gpus_per_node: int, world_size: int | 
             expect = s.end
             if not s.ranks:
                 raise PlanError(f"{sw}.ranks is empty")
-            if tp % len(s.ranks):
-                raise PlanError(f"{sw}: TP group size {len(s.ranks)} does not divide tp={tp}")
-            nodes = {r // gpus_per_node for r in s.ranks}
-            if len(nodes) > 1:
-                raise PlanError(f"{sw}.ranks={list(s.ranks)} span nodes {sorted(nodes)} "
-                                f"(gpus_per_node={gpus_per_node}); a TP group must sit in one node")
+            if job.tp % len(s.ranks):
+                raise PlanError(f"{sw}: TP group size {len(s.ranks)} does not divide tp={job.tp}")
             for r in s.ranks:
                 claim(r, sw)
+            nodes = job.nodes_of(s.ranks)
+            if len(nodes) > 1:
+                raise PlanError(f"{sw}.ranks={list(s.ranks)} span nodes {nodes} "
+                                f"(gpus_per_node={job.gpus_per_node}); a TP group must sit in "
+                                f"one node")
         if expect != plan.num_layers:
             raise PlanError(f"{where}: stages cover [0, {expect}) but num_layers={plan.num_layers}")
     for r in plan.suspended:

@@ -8,8 +8,10 @@ Pure Python: no torch, no torch.distributed, no deepspeed, no omegaconf.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Mapping
 
+from .job_layout import JobLayout
 from .plan import (MAX_BATCH, MAX_LAYERS, MAX_RANKS, VERSION, JsonFile, Plan, PlanError,
                    _check_version, _int, static_plan)
 from .straggler import ideal_slowdown
@@ -60,6 +62,11 @@ class Problem(JsonFile):
     @property
     def num_gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @cached_property
+    def job(self) -> JobLayout:
+        """The job's shape (world, node shape, nominal TP degree) that plans are checked against."""
+        return JobLayout(self.num_gpus, self.gpus_per_node, self.tp)
 
     def rate(self, rank: int) -> float:
         return float(self.rates.get(rank, 1.0))

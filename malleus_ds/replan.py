@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping
 
+from .job_layout import JobLayout
 from .plan import Plan, PlanError
 from .problem import Memory, Problem
 
@@ -82,15 +83,14 @@ def fit_running_plan(problem: Problem, plan: Plan) -> Problem:
     return replace(problem, memory=replace(m, device_mb=peak + m.reserved_mb))
 
 
-def job_problem(plan: Plan, world: int, gpus_per_node: int, tp: int,
-                tp_slowdown: Mapping[int, float], memory: Memory | None,
-                head_layers: float = 0.0) -> Problem:
-    """The planning problem of a running job (rates are filled in per re-plan); ``head_layers``:
-    the output head's compute in layer units (``models.base.head_layer_units``)."""
-    pp, dp = nominal_shape(plan, world, tp)
-    return Problem(name="running-job", nodes=world // gpus_per_node, gpus_per_node=gpus_per_node,
+def job_problem(plan: Plan, job: JobLayout, tp_slowdown: Mapping[int, float],
+                memory: Memory | None, head_layers: float = 0.0) -> Problem:
+    """The planning problem of a running job of shape ``job`` (rates are filled in per re-plan);
+    ``head_layers``: the output head's compute in layer units (``models.base.head_layer_units``)."""
+    pp, dp = nominal_shape(plan, job.world, job.tp)
+    return Problem(name="running-job", nodes=job.nodes, gpus_per_node=job.gpus_per_node,
                    num_layers=plan.num_layers, global_batch_size=plan.global_batch_size,
-                   micro_batch_size=plan.micro_batch_size, tp=tp, pp=pp, dp=dp,
+                   micro_batch_size=plan.micro_batch_size, tp=job.tp, pp=pp, dp=dp,
                    tp_slowdown=dict(tp_slowdown), memory=memory, rates={},
                    extra={"head_layers": head_layers} if head_layers else {})
 

@@ -24,3 +24,12 @@ def micro_batches(step: int, global_batch_size: int, micro_batch_size: int) -> l
     """Sample-id lists of the micro-batches of ``step``, in global order."""
     ids = list(global_batch_ids(step, global_batch_size))
     return [ids[i:i + micro_batch_size] for i in range(0, len(ids), micro_batch_size)]
+
+
+def pipeline_micro_batches(step: int, plan, pipeline: int) -> list[list[int]]:
+    """Sample-id lists of the micro-batches pipeline ``pipeline`` of ``plan`` runs at ``step``:
+    the next ``micro_batches`` of the step's micro-batches after those of the pipelines before
+    it, in plan order. The one place this is decided (DESIGN.md §5)."""
+    first = sum(p.micro_batches for p in plan.pipelines[:pipeline])
+    every = micro_batches(step, plan.global_batch_size, plan.micro_batch_size)
+    return every[first:first + plan.pipelines[pipeline].micro_batches]

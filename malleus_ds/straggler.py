@@ -29,7 +29,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .plan import Plan
+from .plan import Plan, charged_layers
 
 #: a smoothed measured rate below this counts as healthy (1.0): DESIGN.md §6; the default of
 #: :attr:`DetectConfig.healthy`, and the threshold ``whatif.py`` and ``malleus-plot`` use
@@ -60,7 +60,7 @@ def cost_units(plan: Plan, world: int, tp: int, tp_slowdown: Mapping[int, float]
             if key not in tp_slowdown:
                 raise ValueError(f"{where}: tp_slowdown has no entry for key {key} (= tp {tp} / "
                                  f"group size {stage.tp}); keys: {sorted(tp_slowdown)}")
-            layers = stage.num_layers + (head if j == len(pipe.stages) - 1 else 0.0)
+            layers = charged_layers(stage, j == len(pipe.stages) - 1, head)
             u = layers * pipe.micro_batches * float(tp_slowdown[key])
             for r in stage.ranks:
                 if not 0 <= r < world:

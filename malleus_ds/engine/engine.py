@@ -59,10 +59,11 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import log_dist
 from malleus_ds_kernels.pack import warm_up as warm_up_pack
 
-from ..samples import loss_share, micro_batches
+from ..samples import loss_share, pipeline_micro_batches
 from ..ds_compat import init_deepspeed_comm
 from ..models.base import param_table, tied_params
-from ..plan import Plan, PlanError, nominal_tp
+from ..job_layout import JobLayout, JobLayoutError
+from ..plan import Plan, PlanError
 from ..watchdog import phase
 from .groups import GROUPS, plan_rank_sets
 from .mpu import PlanMPU
@@ -99,8 +100,6 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         rank, world = tdist.get_rank(), tdist.get_world_size()
         user_cfg = load_config(config)
         settings = self.build_settings(user_cfg)
-        if settings.gpus_per_node is None:   # decided once: the whole world is one node
-            settings = replace(settings, gpus_per_node=world)
         cfg, make_stage = model_builder(model, settings.seed)
         plan = self.build_plan(as_plan(plan) or settings.plan, cfg, world, settings, user_cfg)
         for sw in settings.switch:      # every scripted switch is checked before any collective
@@ -145,12 +144,22 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         if plan is None:
             raise PlanError("MalleusEngine: no plan given (pass plan=... or set "
                             "ds_config.malleus.plan to a plan JSON file)")
-        check_job_plan(plan, cfg, world, s.tp or nominal_tp(plan), s.gpus_per_node)
+        check_job_plan(plan, cfg, MalleusEngine.job_layout(world, plan, s))
         mbs_cfg = user_cfg.get("train_micro_batch_size_per_gpu")
         if mbs_cfg is not None and mbs_cfg != plan.micro_batch_size:
             raise PlanError(f"ds_config.train_micro_batch_size_per_gpu={mbs_cfg} differs from "
                             f"plan.micro_batch_size={plan.micro_batch_size}; drop it (the plan's wins)")
         return plan
+
+    @staticmethod
+    def job_layout(world: int, plan: Plan, s: MalleusSettings) -> JobLayout:
+        """The job's shape under ``plan`` (``job_layout.py``): ``malleus.gpus_per_node`` (default:
+        the whole world is one node) and ``malleus.tp`` (default: the lcm of the plan's TP
+        sizes). Pure: a bad value raises the same error on every rank."""
+        try:
+            return JobLayout.for_plans(world, plan, gpus_per_node=s.gpus_per_node, tp=s.tp)
+        except JobLayoutError as e:
+            raise PlanError(f"ds_config.malleus.{e.detail}") from None
 
     @staticmethod
     def build_groups(plan: Plan, world: int) -> None:
@@ -161,6 +170,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         """What outlives a plan (data, loss scaler, LR schedule, emulation, dispatch table), and
         the first plan's runtime."""
         self.model_cfg, self.settings = cfg, settings
+        self.job = self.job_layout(self.world_size, plan, settings)     # job_layout.py
         self.param_table = param_table(cfg)
         if isinstance(data, type) or (callable(data) and not hasattr(data, "batch")):
             data = data(cfg.max_seq_len, seed=settings.seed)     # a factory, e.g. ByteCorpus
@@ -253,9 +263,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
 
     def my_micro_batches(self, step: int) -> list[list[int]]:
         """Sample ids of this pipeline's micro-batches at ``step`` (DESIGN.md §5)."""
-        first = self.sample_offset // self.plan.micro_batch_size
-        every = micro_batches(step, self.plan.global_batch_size, self.plan.micro_batch_size)
-        return every[first:first + self.micro_batches]
+        return pipeline_micro_batches(step, self.plan, self.pipeline_id)
 
     def train_batch(self, data_iter=None, step: int | None = None) -> float:
         """Run one global step of the plan; returns the global-batch mean loss on every rank.
@@ -412,6 +420,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
             report = switch_plan(self, new_plan)
         self.migrations.append(report)
         self.events.append(report.event())
+        self.job = self.job.with_plans(self.plan)    # a switch may bring new TP sizes
         self.control.switched(self.plan, rates)
         return report
 

@@ -42,19 +42,13 @@ of the running plans plus ``world_size``, however many switches a run makes.
 from __future__ import annotations
 
 import weakref
-from math import lcm
 from typing import Iterable
 
 from ..layout import RankSet, owner_holders, sync_rank_sets
-from ..plan import Plan, Stage
+from ..plan import Plan
 
 #: The stage holding ``layer`` in each pipeline (EMBED: first stages, HEAD: last stages).
 layer_holders = owner_holders
-
-
-def finest_degree(holders: Iterable[Stage]) -> int:
-    """The TP degree of the finest shards of a layer: lcm of its holders' TP sizes."""
-    return lcm(*(s.tp for s in holders))
 
 
 def check_world(plan: Plan, world: int) -> None:

@@ -6,22 +6,21 @@ start-up (``runners/malleus_runner.py``), so a bad plan file gives the same word
 """
 from __future__ import annotations
 
+from ..job_layout import JobLayout
 from ..plan import Plan, PlanError, validate_plan
 from .groups import check_world
 
 
-def check_job_plan(plan: Plan, model, world: int, tp: int, gpus_per_node: int,
-                   where: str = "") -> None:
+def check_job_plan(plan: Plan, model, job: JobLayout, where: str = "") -> None:
     """Raise :class:`~malleus_ds.plan.PlanError` unless ``plan`` fits this job: it names only
-    launched ranks (``world``), is valid for the nominal TP size ``tp`` and the node shape
+    launched ranks (``job.world``), is valid for the nominal TP size and the node shape
     (``validate_plan``: layers, batches, TP groups inside a node, ...), and every stage's TP
     size splits ``model`` (its own rule: heads, KV heads, FFN width). ``where`` prefixes the
     stage named in a TP error (e.g. ``"plan "``)."""
     from ..models.base import TPError
 
-    check_world(plan, world)
-    validate_plan(plan, tp=tp, gpus_per_node=gpus_per_node, world_size=world,
-                  num_layers=model.num_layers)
+    check_world(plan, job.world)
+    validate_plan(plan, job, num_layers=model.num_layers)
     for i, p in enumerate(plan.pipelines):
         for j, st in enumerate(p.stages):
             try:

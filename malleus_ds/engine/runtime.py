@@ -115,7 +115,6 @@ class PlanRuntime:
     stage_id: int | None = None
     num_stages: int = 0
     micro_batches: int = 0
-    sample_offset: int = 0
     schedule: list = field(default_factory=list)
     act_src: int | None = None
     act_dsts: list[int] = field(default_factory=list)
@@ -169,7 +168,6 @@ def build_runtime(plan: Plan, rank: int, spec: StageSpec, module: nn.Module, tab
         pipe = plan.pipelines[i]
         rt.pipeline_id, rt.stage_id, rt.num_stages = i, j, len(pipe.stages)
         rt.micro_batches = pipe.micro_batches
-        rt.sample_offset = sum(p.micro_batches for p in plan.pipelines[:i]) * plan.micro_batch_size
         rt.schedule = one_f_one_b(j, rt.num_stages, pipe.micro_batches)
         peers = pipeline_peers(plan, rank)     # wire.py: k-th receiver <- sender k % g
         rt.act_src, rt.act_dsts = peers.act_src, list(peers.act_dsts)
@@ -224,7 +222,6 @@ class RunningPlan:
     stage_id = _FromRuntime()
     num_stages = _FromRuntime()
     micro_batches = _FromRuntime()
-    sample_offset = _FromRuntime()
     schedule = _FromRuntime()
     act_src = _FromRuntime()
     act_dsts = _FromRuntime()

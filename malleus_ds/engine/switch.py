@@ -190,7 +190,7 @@ def switch_plan(engine, new_plan) -> MigrationReport:
     param_bytes = torch.empty(0, dtype=param_dtype).element_size()
     tplan = transfer_plan(Layout(old_rt.plan, old_rt.zero_stage), Layout(plan, old_rt.zero_stage),
                           table, mixed=mixed, param_bytes=param_bytes,
-                          gpus_per_node=engine.settings.gpus_per_node)
+                          job=engine.job)
     msgs = messages(tplan, cap, mixed, table)
     rds = rounds(msgs, cap)
     marks.append(("transfer plan", time.perf_counter()))

@@ -23,6 +23,7 @@ from bisect import bisect_right
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, TypeVar
 
+from ..job_layout import JobLayout
 from ..layout import Interval, ParamTable, intersect, kinds, merge, plan_holdings, subtract
 from ..plan import Plan
 
@@ -108,12 +109,13 @@ class HolderIndex:
 
 
 def transfer_plan(old: Layout, new: Layout, table: ParamTable, *, mixed: bool = False,
-                  param_bytes: int = 4, gpus_per_node: int | None = None) -> TransferPlan:
+                  param_bytes: int = 4, job: JobLayout | None = None) -> TransferPlan:
     """The network transfers that take every rank from its holdings under ``old`` to those under
-    ``new`` (module docstring). Deterministic: the same on every rank."""
+    ``new`` (module docstring). Deterministic: the same on every rank. ``job`` gives the node
+    shape (a holder on the receiver's node is preferred); None: one node."""
     oh = plan_holdings(old.plan, table, old.zero_stage, mixed)
     nh = plan_holdings(new.plan, table, new.zero_stage, mixed)
-    gpn = gpus_per_node or 1 << 30
+    same_node = job.same_node if job is not None else (lambda a, b: True)
     load: dict[int, int] = {}
     out = TransferPlan(param_bytes=param_bytes)
     for kind in kinds(mixed):
@@ -143,8 +145,7 @@ def transfer_plan(old: Layout, new: Layout, table: ParamTable, *, mixed: bool = 
                     out.lower_bound += (b - a) * size
                     cur = None
                     for x, y, holders in src.split(a, b):
-                        node = r // gpn
-                        near = [h for h in holders if h // gpn == node] or holders
+                        near = [h for h in holders if same_node(h, r)] or holders
                         s = min(near, key=lambda h: (load.get(h, 0), h))
                         load[s] = load.get(s, 0) + (y - x) * size
                         if cur is not None and cur[0] == s and cur[2] == x:

@@ -40,13 +40,13 @@ class NodeOption:
         return sum(1.0 / gr.y for gr in self.groups)
 
 
-def nominal_groups(node: int, gpus_per_node: int, tp: int, rates: Mapping[int, float],
+def nominal_groups(node_ranks: Sequence[int], tp: int, rates: Mapping[int, float],
                    slowdown: Mapping[int, float]) -> tuple[Group, ...]:
-    """The static layout's groups of ``node``: consecutive blocks of ``tp`` ranks."""
-    base = node * gpus_per_node
+    """The static layout's groups of a node (its ranks in order, ``JobLayout.node_ranks``):
+    consecutive blocks of ``tp`` ranks."""
     out = []
-    for k in range(gpus_per_node // tp):
-        ranks = tuple(range(base + k * tp, base + (k + 1) * tp))
+    for k in range(len(node_ranks) // tp):
+        ranks = tuple(node_ranks[k * tp:(k + 1) * tp])
         out.append(Group(ranks, float(slowdown[1]) * max(rates.get(r, 1.0) for r in ranks)))
     return tuple(out)
 
@@ -82,15 +82,16 @@ def _compositions(n: int, parts: tuple[int, ...]) -> tuple[tuple[int, ...], ...]
     return tuple(out)
 
 
-def node_options(node: int, gpus_per_node: int, tp: int, rates: Mapping[int, float],
+def node_options(node_ranks: Sequence[int], tp: int, rates: Mapping[int, float],
                  slowdown: Mapping[int, float], max_suspend: int | None = None) -> list[NodeOption]:
-    """Grouping options for ``node`` (option 0 = nominal), pruned as described above.
+    """Grouping options for a node, given its ranks in order (option 0 = nominal), pruned as
+    described above.
 
     ``slowdown`` is keyed by ``tp/g``.
     """
-    base = node * gpus_per_node
-    ranks = list(range(base, base + gpus_per_node))
-    nominal = NodeOption(nominal_groups(node, gpus_per_node, tp, rates, slowdown), ())
+    ranks = list(node_ranks)
+    gpus_per_node = len(ranks)
+    nominal = NodeOption(nominal_groups(ranks, tp, rates, slowdown), ())
     xs = {r: float(rates.get(r, 1.0)) for r in ranks}
     order = sorted(ranks, key=lambda r: (-xs[r], r))       # slowest first
     n_slow = sum(1 for r in ranks if xs[r] > 1.0)
@@ -137,10 +138,3 @@ def static_position(rank: int, tp: int, dp: int) -> tuple[int, int]:
 
 def is_healthy_full(group: Group, tp: int) -> bool:
     return group.g == tp and group.y == 1.0
-
-
-def split_ranks(ranks: Sequence[int], gpus_per_node: int) -> dict[int, list[int]]:
-    nodes: dict[int, list[int]] = {}
-    for r in ranks:
-        nodes.setdefault(r // gpus_per_node, []).append(r)
-    return nodes

@@ -59,17 +59,19 @@ class SearchSpace:
         """``num_pipelines`` fixes P (Malleus keeps ``dp``); None searches it."""
         self.problem = problem
         pr = problem
-        self.tp, self.L, self.gpn = pr.tp, pr.num_layers, pr.gpus_per_node
+        self.tp, self.L, job = pr.tp, pr.num_layers, pr.job
         self.M = pr.global_batch_size // pr.micro_batch_size
         rates = {r: pr.rate(r) for r in pr.rates}
-        self.special_nodes = sorted({r // self.gpn for r, x in rates.items() if x != 1.0})
+        self.special_nodes = job.nodes_of([r for r, x in rates.items() if x != 1.0])
         sp = set(self.special_nodes)
         self.options: list[list[NodeOption]] = [
-            node_options(n, self.gpn, self.tp, rates, pr.tp_slowdown) for n in self.special_nodes]
+            node_options(job.node_ranks(n), self.tp, rates, pr.tp_slowdown)
+            for n in self.special_nodes]
         self.base_pool: list[Group] = []
-        for n in range(pr.nodes):
+        for n in range(job.nodes):
             if n not in sp:
-                self.base_pool.extend(nominal_groups(n, self.gpn, self.tp, rates, pr.tp_slowdown))
+                self.base_pool.extend(nominal_groups(job.node_ranks(n), self.tp, rates,
+                                                     pr.tp_slowdown))
         self.max_groups = [max(len(o.groups) for o in opts) for opts in self.options]
         total_groups = len(self.base_pool) + sum(self.max_groups)
         self.P_max = max(1, min(total_groups, self.M))

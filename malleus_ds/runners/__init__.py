@@ -38,7 +38,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from ..config import ConfigError, RunConfig
+from ..run_config import ConfigError, RunConfig
 from ..cpu_compete import release as release_competitors
 from ..cpu_quota import release as release_quota
 from .base import DistEnv, RunSummary, destroy_process_group, init_process_group

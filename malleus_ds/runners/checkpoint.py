@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..ckpt_format import LATEST, RUN_FILE, RUN_FORMAT
-from ..config import ConfigError, RunConfig
+from ..run_config import ConfigError, RunConfig
 from ..fileio import atomic_write_text
 from ..watchdog import phase
 from .base import DistEnv

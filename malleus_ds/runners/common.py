@@ -20,7 +20,7 @@ import sys
 import time
 
 from ..clock import ComputeClock as _ComputeClock
-from ..config import RunConfig
+from ..run_config import RunConfig
 from ..emulation import Straggler
 from ..metrics import MetricsWriter, StepRecord, format_event, format_phases, phases
 from ..plan import Plan, even_split

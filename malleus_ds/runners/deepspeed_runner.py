@@ -27,7 +27,8 @@ import time
 import torch
 from torch import nn
 
-from ..config import ConfigError, RunConfig, check_even_batch
+from ..config import check_even_batch
+from ..run_config import ConfigError, RunConfig
 from ..ds_compat import batch_keys
 from ..models.base import EMBED, HEAD, lm_loss
 from ..models.base import tied_params

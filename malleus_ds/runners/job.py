@@ -2,9 +2,9 @@
 ``cluster.*``, ``malleus.switch``): below the runners and the checkpoint writer, which both ask."""
 from __future__ import annotations
 
-from ..config import ConfigError, RunConfig
+from ..run_config import ConfigError, RunConfig
+from ..job_layout import JobLayout, nominal_tp
 from ..plan import Plan, PlanError, static_plan
-from ..plan import nominal_tp as plans_tp
 
 
 def load_plan(cfg: RunConfig) -> Plan:
@@ -18,18 +18,17 @@ def load_plan(cfg: RunConfig) -> Plan:
         raise ConfigError(f"plan={cfg.plan}: {e}") from None
 
 
-def gpus_per_node(cfg: RunConfig) -> int:
+def job_layout(cfg: RunConfig, plan: Plan) -> JobLayout:
+    """The job's shape (``job_layout.py``). Nodes: ``cluster.*`` when ``cluster.nodes *
+    cluster.gpus_per_node`` is the world size, else every rank on one node (local CPU processes).
+    Nominal TP degree: ``parallel.tp`` raised so every TP group of ``plan`` and of the scripted
+    switch plans (``malleus.switch``) divides it."""
     c = cfg.cluster
-    return c.gpus_per_node if c.nodes * c.gpus_per_node == cfg.world_size else cfg.world_size
-
-
-def nominal_tp(cfg: RunConfig, plan: Plan) -> int:
-    """The job's TP degree: every TP group of the plan and of the scripted switch plans
-    (``malleus.switch``) divides it."""
+    gpn = c.gpus_per_node if c.nodes * c.gpus_per_node == cfg.world_size else cfg.world_size
     plans = [plan]
     for e in cfg.malleus.get("switch") or ():
         try:    # unreadable entries are reported by the settings parser, naming the entry
             plans.append(Plan.load(e["plan"]))
         except (PlanError, TypeError, KeyError):
             pass
-    return plans_tp(*plans, at_least=cfg.parallel.tp)
+    return JobLayout(cfg.world_size, gpn, nominal_tp(*plans, at_least=cfg.parallel.tp))

@@ -18,27 +18,27 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from ..config import ConfigError, RunConfig
+from ..run_config import ConfigError, RunConfig
 from ..plan import Plan, PlanError
 from .base import DistEnv, RunSummary
 from .checkpoint import Checkpointer, engine_writer
 from .common import ComputeClock, StepReporter, monitors_to_run_dir
-from .job import gpus_per_node, load_plan, nominal_tp
+from .job import job_layout, load_plan
 
 
-def check_plan(cfg: RunConfig, plan: Plan, tp: int, where: str) -> None:
+def check_plan(cfg: RunConfig, plan: Plan, where: str) -> None:
     """The start-up checks of a plan against this job (world, layers, node shape, TP sizes)."""
     from ..engine.plan_check import check_job_plan
 
     try:
-        check_job_plan(plan, cfg.model, cfg.world_size, tp, gpus_per_node(cfg), "plan ")
+        check_job_plan(plan, cfg.model, job_layout(cfg, plan), "plan ")
     except PlanError as e:
         raise ConfigError(f"engine=malleus {where}: {e}") from None
 
 
 def validate(cfg: RunConfig) -> None:
     plan = load_plan(cfg)
-    check_plan(cfg, plan, nominal_tp(cfg, plan), f"plan={cfg.plan}")
+    check_plan(cfg, plan, f"plan={cfg.plan}")
     from ..engine.engine import MalleusEngine
     from ..engine.settings import check_zero_stage
 
@@ -63,7 +63,7 @@ def validate(cfg: RunConfig) -> None:
                 raise ConfigError(f"{where}.plan {f}={getattr(sw.plan, f)} differs from the "
                                   f"starting plan's {getattr(plan, f)}; the global batch never "
                                   f"changes within a run")
-        check_plan(cfg, sw.plan, nominal_tp(cfg, sw.plan), f"{where}.plan")
+        check_plan(cfg, sw.plan, f"{where}.plan")
 
 
 def check_ds_straggler(raw, world_size: int) -> None:
@@ -89,8 +89,9 @@ def build_ds_config(cfg: RunConfig, plan: Plan) -> dict:
     c.setdefault("optimizer", {"type": "AdamW", "params": {
         "lr": t.lr, "betas": list(t.betas), "eps": t.eps, "weight_decay": t.weight_decay}})
     c.pop("zero_allow_untested_optimizer", None)
-    c["malleus"] = dict(c.get("malleus") or {}, seed=t.seed, tp=nominal_tp(cfg, plan),
-                        gpus_per_node=gpus_per_node(cfg))
+    job = job_layout(cfg, plan)
+    c["malleus"] = dict(c.get("malleus") or {}, seed=t.seed, tp=job.tp,
+                        gpus_per_node=job.gpus_per_node)
     for k, v in cfg.malleus.items():                    # the app's malleus.* win
         if k != "switch" or v:
             c["malleus"][k] = [dict(e) for e in v] if k == "switch" else v

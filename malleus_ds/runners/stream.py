@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from ..config import ConfigError, RunConfig
+from ..run_config import ConfigError, RunConfig
 
 PREFIX = "[malleus_ds]"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from ..ckpt_format import TORCH_FORMAT, TORCH_STATE_FILE
-from ..config import ConfigError, RunConfig
+from ..run_config import ConfigError, RunConfig
 from ..fileio import atomic_write
 from ..samples import loss_share
 from .base import DistEnv, RunSummary

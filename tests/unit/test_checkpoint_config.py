@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from malleus_ds import runners
-from malleus_ds.config import CheckpointConfig, ConfigError
+from malleus_ds.run_config import CheckpointConfig, ConfigError
 from malleus_ds.runners.base import DistEnv, RunSummary
 from malleus_ds.runners.checkpoint import (RUN_FILE, Checkpointer, CheckpointSaveError,
                                            resume_point, run_record)

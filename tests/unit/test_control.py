@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from malleus_ds.job_layout import JobLayout
 from malleus_ds.control import Controller
 from malleus_ds.engine.settings import AdaptiveSettings
 from malleus_ds.engine.step_reduce import StepSums
@@ -53,7 +54,7 @@ def test_job_problem_is_a_valid_problem_for_the_running_plan():
 
     for plan, tp in [(static_plan(4, 8, 1, 1, 1, 4), 1), (static_plan(8, 16, 2, 2, 2, 2), 2)]:
         world = sum(len(s.ranks) for p in plan.pipelines for s in p.stages)
-        pr = job_problem(plan, world, world, tp, {k: float(k) for k in (1, 2) if tp % k == 0},
+        pr = job_problem(plan, JobLayout(world, world, tp), {k: float(k) for k in (1, 2) if tp % k == 0},
                          None)
         assert (pr.tp, pr.pp * pr.dp * pr.tp) == (tp, world)
         validate_for_problem(pr, plan)
@@ -89,7 +90,7 @@ def test_memory_model_from_real_sizes():
 
 def _problem(rates=None, cur=None):
     plan = static_plan(4, 8, 1, 1, 1, 4)
-    pr = job_problem(plan, 4, 4, 1, {1: 1.0}, None)
+    pr = job_problem(plan, JobLayout(4, 4, 1), {1: 1.0}, None)
     return pr.with_rates(rates or {}, current_plan=cur or plan), plan
 
 
@@ -128,7 +129,7 @@ def test_worker_forced_gives_another_valid_plan_and_errors_are_answers():
     assert alternative_plan(pr, alt).id != alt.id
     assert "error" in answer({"problem": {"version": 1}})
     one = static_plan(1, 1, 1, 1, 1, 1)
-    pr1 = job_problem(one, 1, 1, 1, {1: 1.0}, None).with_rates({}, current_plan=one)
+    pr1 = job_problem(one, JobLayout(1, 1, 1), {1: 1.0}, None).with_rates({}, current_plan=one)
     with pytest.raises(PlanError, match="no valid plan other than the running one"):
         alternative_plan(pr1, one)
 
@@ -156,7 +157,8 @@ def _engine(plan, rank=0, world=4):
 
     cfg = PRESETS["tiny"]
     return _FakeEngine(global_rank=rank, world_size=world, plan=plan, located=plan.locate(rank),
-                       settings=SimpleNamespace(tp=1, gpus_per_node=world, migrate_bucket_mb=64.0),
+                       settings=SimpleNamespace(migrate_bucket_mb=64.0),
+                       job=JobLayout.one_node(world),
                        param_table=param_table(cfg), model_cfg=cfg, seq_len=cfg.max_seq_len,
                        precision=Precision(), zero_stage=1, device="cpu", migrations=[])
 
@@ -207,7 +209,7 @@ def test_running_plan_always_fits_the_memory_model():
     cfg = PRESETS["70b"]
     plan = static_plan(80, 8, 1, 1, 4, 1)
     tight = memory_model(param_table(cfg), cfg, 1, 4096, True, 1000.0)   # "1 GB devices"
-    pr = job_problem(plan, 4, 4, 1, {1: 1.0}, tight)
+    pr = job_problem(plan, JobLayout(4, 4, 1), {1: 1.0}, tight)
     with pytest.raises(PlanError, match="needs .* MB > budget 900 MB"):
         validate_for_problem(pr, plan)
     fitted = fit_running_plan(pr, plan)

@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from malleus_ds.job_layout import JobLayout
 from malleus_ds.cost import evaluate, head_layers, stage_time
 from malleus_ds.models.base import head_layer_units as model_head_layers, param_table
 from malleus_ds.models.llama import model_config
@@ -84,8 +85,8 @@ def test_work_units_and_job_problem_carry_the_head():
             assert units[r] == plain[r]
         for r in last.ranks:
             assert units[r] == pytest.approx(plain[r] + 0.5 * pipe.micro_batches)
-    pr = job_problem(plan, 4, 4, 1, {1: 1.0}, None, head_layers=0.3)
-    assert head_layers(pr) == 0.3 and head_layers(job_problem(plan, 4, 4, 1, {1: 1.0}, None)) == 0
+    pr = job_problem(plan, JobLayout(4, 4, 1), {1: 1.0}, None, head_layers=0.3)
+    assert head_layers(pr) == 0.3 and head_layers(job_problem(plan, JobLayout(4, 4, 1), {1: 1.0}, None)) == 0
 
 
 def test_model_head_layers_grows_with_the_vocabulary():

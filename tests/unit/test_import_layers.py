@@ -21,7 +21,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[2] / "malleus_ds"
 
 #: the bottom layer: pure contracts and models every other layer stands on
-BOTTOM = {"plan", "problem", "cost", "layout", "schedule", "ckpt_format", "views", "samples",
+BOTTOM = {"job_layout", "plan", "problem", "cost", "layout", "schedule", "ckpt_format", "views", "samples",
           "optim", "fileio", "safe_load", "straggler", "replan", "simulate", "metrics",
           "run_folder"}
 #: the core above it (packages or modules, relative to malleus_ds)

@@ -2,7 +2,7 @@
 import pytest
 
 from malleus_ds import runners
-from malleus_ds.config import ConfigError
+from malleus_ds.run_config import ConfigError
 from tests.unit.test_config import cfg
 
 

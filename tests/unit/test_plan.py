@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from malleus_ds.job_layout import JobLayout
 from malleus_ds.plan import Pipeline, Plan, PlanError, Stage, static_plan, validate_plan
 from malleus_ds.problem import Problem
 
@@ -54,7 +55,7 @@ def test_static_plan_rank_formula():
     # rank = tp_rank + tp*(dp_rank + dp*pp_rank)
     assert pl.pipelines[1].stages[1].ranks == (6, 7)
     assert pl.pipelines[0].stages[1].ranks == (4, 5)
-    validate_plan(pl, tp=2, gpus_per_node=4, world_size=8)
+    validate_plan(pl, JobLayout(8, 4, 2))
 
 
 @pytest.mark.parametrize("bad, needle", [
@@ -89,7 +90,7 @@ def _plan(pipes, suspended=()):
 ])
 def test_plan_errors_name_pipeline_stage_and_numbers(pipes, susp, needle):
     with pytest.raises(PlanError) as ei:
-        validate_plan(_plan(pipes, susp), tp=2, gpus_per_node=4, world_size=8)
+        validate_plan(_plan(pipes, susp), JobLayout(8, 4, 2))
     assert needle in str(ei.value)
 
 
@@ -186,13 +187,16 @@ def test_random_plans_round_trip_and_validate():
         gbs = sum(p.micro_batches for p in pipes)
         return Plan(L, gbs, 1, tuple(pipes), ())
 
+    def _job(pl):       # the smallest world of whole 4-rank nodes that holds pl's ranks
+        return JobLayout(4 * (max(pl.all_ranks) // 4 + 1), 4, 2)
+
     @settings(max_examples=60, deadline=None)
     @given(plans())
     def check(pl):
-        validate_plan(pl, tp=2, gpus_per_node=4)
+        validate_plan(pl, _job(pl))
         again = Plan.loads(pl.dumps())
         assert again == pl
-        validate_plan(again, tp=2, gpus_per_node=4)
+        validate_plan(again, _job(again))
 
     check()
 
@@ -213,7 +217,7 @@ def test_a_problem_without_tp_slowdown_gets_the_engines_ideal_table():
 
 
 def test_nominal_tp_is_the_lcm_of_every_stage_and_the_floor():
-    from malleus_ds.plan import nominal_tp
+    from malleus_ds.job_layout import nominal_tp
 
     a = static_plan(8, 8, 1, 2, 2, 2)                 # TP 2 everywhere
     b = static_plan(8, 8, 1, 4, 1, 2)                 # TP 4

@@ -119,7 +119,7 @@ def test_split_batches_infeasible():
 
 def test_node_options_nominal_first_and_suspension():
     sd = {1: 1.0, 2: 1.9, 4: 3.66, 8: 7.22}
-    opts = node_options(1, 8, 8, {9: 4.0}, sd)
+    opts = node_options(range(8, 16), 8, {9: 4.0}, sd)
     assert [len(g.ranks) for g in opts[0].groups] == [8] and opts[0].suspended == ()
     assert opts[0].groups[0].y == 4.0
     assert any(9 in o.suspended for o in opts)

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from malleus_ds.job_layout import JobLayout
 from malleus_ds.plan import Pipeline, Plan, Stage, static_plan, validate_plan
 from malleus_ds.straggler import (DetectConfig, Detector, RateEstimator, Trigger, as_list,
                                   cost_units, held_ranks, ideal_slowdown, probe_reference)
@@ -125,7 +126,7 @@ def test_noiseless_drift_replans_once_at_onset():
 
 def test_suspended_rank_probe_no_trigger_while_slow_then_recovery():
     plan = suspended_plan()
-    validate_plan(plan, tp=1, gpus_per_node=4, world_size=4)
+    validate_plan(plan, JobLayout(4, 4, 1))
     rate = lambda k: one_slow(4, 3, 5.0 if k < 40 else 1.0)  # noqa: E731
     trace = run_trace(plan, 4, 1, rate, 80, seed=3, noise=0.1, initial=[1, 1, 1, 5])
     assert len(trace) == 1, trace
@@ -297,7 +298,7 @@ def nonuniform_plan() -> Plan:
 
 def test_cost_units_nonuniform_plan():
     plan = nonuniform_plan()
-    validate_plan(plan, tp=2, gpus_per_node=4, world_size=8)
+    validate_plan(plan, JobLayout(8, 4, 2))
     units = cost_units(plan, 8, 2, {1: 1.0, 2: 1.9})
     assert units.dtype == np.float64
     assert units.tolist() == pytest.approx([9, 9, 28.5, 0, 10, 10, 57, 0])

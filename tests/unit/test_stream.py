@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from malleus_ds import runners
-from malleus_ds.config import ConfigError
+from malleus_ds.run_config import ConfigError
 from malleus_ds.runners.stream import (StepStream, TrainLog, check_monitor_packages,
                                        format_progress, format_startup, monitor_events,
                                        should_log)

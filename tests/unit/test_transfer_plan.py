@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+from malleus_ds.job_layout import JobLayout
 from malleus_ds.layout import holdings
 from malleus_ds.migrate.transfer import Layout, kept_slices, transfer_plan
 from malleus_ds.models.llama import model_config, param_table
@@ -24,8 +25,9 @@ def _elements(plan, world, zero, mixed):
 
 
 def _check(pa, pb, world, za, zb, mixed, gpn=None):
+    job = JobLayout(-(-world // gpn) * gpn, gpn) if gpn else None    # whole nodes
     tp = transfer_plan(Layout(pa, za), Layout(pb, zb), TABLE, mixed=mixed,
-                       param_bytes=2 if mixed else 4, gpus_per_node=gpn)
+                       param_bytes=2 if mixed else 4, job=job)
     old, new = _elements(pa, world, za, mixed), _elements(pb, world, zb, mixed)
     got = {}        # (kind, name, dst) -> {element: sender}
     for t in tp.transfers:
@@ -116,7 +118,7 @@ def test_scale_1024_ranks_80_layers():
     p1["ranks"], p2["ranks"] = p2["ranks"], p1["ranks"]
     b = Plan.from_json(j)
     t0 = time.perf_counter()
-    tp = transfer_plan(Layout(a, 1), Layout(b, 1), table, gpus_per_node=8)
+    tp = transfer_plan(Layout(a, 1), Layout(b, 1), table, job=JobLayout(1024, 8, 8))
     dt = time.perf_counter() - t0
     from malleus_ds.migrate.rounds import messages, rounds
     msgs = messages(tp, 256 << 20, False, table)      # every rank also cuts messages and rounds

@@ -25,6 +25,8 @@ import os
 import subprocess
 import sys
 
+from .procs import PerProcess
+
 #: CFS weight per nice value 0..19 (kernel/sched/core.c, ``sched_prio_to_weight``)
 NICE_WEIGHTS = (1024, 820, 655, 526, 423, 335, 272, 215, 172, 137,
                 110, 87, 70, 56, 45, 36, 29, 23, 18, 15)
@@ -138,23 +140,17 @@ class CpuCompetitor:
         atexit.unregister(self.close)
 
 
-_PROCESS: CpuCompetitor | None = None
+_PROCESS: PerProcess[CpuCompetitor] = PerProcess(lambda: CpuCompetitor())
 
 
 def process_competitor() -> CpuCompetitor:
     """This process's one :class:`CpuCompetitor`, created on first use."""
-    global _PROCESS
-    if _PROCESS is None:
-        _PROCESS = CpuCompetitor()
-    return _PROCESS
+    return _PROCESS.get()
 
 
 def release() -> None:
     """Stop this process's competitors (end of a run). No-op if none."""
-    global _PROCESS
-    if _PROCESS is not None:
-        _PROCESS.close()
-        _PROCESS = None
+    _PROCESS.release()
 
 
 def calibrate(rates=(2.0, 3.0, 6.0), repeats: int = 3, workload=None, out=print

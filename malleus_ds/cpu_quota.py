@@ -40,6 +40,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .procs import PerProcess
+
 SYS_ROOT = "/sys/fs/cgroup"
 PROC_CGROUP = "/proc/self/cgroup"
 DEFAULT_PERIOD_US = 50_000
@@ -278,23 +280,17 @@ class CpuQuota:
         self.rate = 1.0
 
 
-_PROCESS: CpuQuota | None = None
+_PROCESS: PerProcess[CpuQuota] = PerProcess(lambda: CpuQuota(), usable=lambda q: q.path is not None)
 
 
 def process_quota() -> CpuQuota:
     """This process's one :class:`CpuQuota`, created on first use."""
-    global _PROCESS
-    if _PROCESS is None or _PROCESS.path is None:
-        _PROCESS = CpuQuota()
-    return _PROCESS
+    return _PROCESS.get()
 
 
 def release() -> None:
     """Lift this process's quota and leave its cgroup (end of a run). No-op if none."""
-    global _PROCESS
-    if _PROCESS is not None:
-        _PROCESS.close()
-        _PROCESS = None
+    _PROCESS.release()
 
 
 # -- calibration --------------------------------------------------------------------------------

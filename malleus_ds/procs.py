@@ -3,6 +3,29 @@ which run in sessions of their own, directly."""
 from __future__ import annotations
 
 import os
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class PerProcess(Generic[T]):
+    """One object per process, made by ``make`` on first use (again if ``usable`` says the last
+    one is spent) and closed by :meth:`release`: the CPU quota (``cpu_quota.py``) and the CPU
+    competitors (``cpu_compete.py``) of a straggler emulation each keep one."""
+
+    def __init__(self, make: Callable[[], T], usable: Callable[[T], bool] = lambda obj: True):
+        self._make, self._usable, self._obj = make, usable, None
+
+    def get(self) -> T:
+        if self._obj is None or not self._usable(self._obj):
+            self._obj = self._make()
+        return self._obj
+
+    def release(self) -> None:
+        """Close this process's object, if any (end of a run)."""
+        obj, self._obj = self._obj, None
+        if obj is not None:
+            obj.close()
 
 
 def children_map() -> dict[int, list[int]]:

@@ -53,12 +53,18 @@ def run_trace(plan, world, tp, rate_at, steps, *, seed=0, noise=0.0, spike_every
             probing[probe_reference(units)] = True
         probe_s = np.where(probing, BASE * factor * probe_bias, np.nan) if probe else None
         est.add(compute, units, probe_s)
-        if (step + 1) % cfg.every == 0:
-            trig = det.check(est.rates())
-            if trig is not None:
-                det.planned_for(trig.rates)
-                out.append((step, trig.kind, trig.rates))
+        _check_every(cfg, det, est, step, out)
     return out
+
+
+def _check_every(cfg, det, est, step, out):
+    """The controller's detector check after ``step``, as often as ``cfg.every`` says; a
+    trigger is planned for at once and appended to ``out`` as (step, kind, rates)."""
+    if (step + 1) % cfg.every == 0:
+        trig = det.check(est.rates())
+        if trig is not None:
+            det.planned_for(trig.rates)
+            out.append((step, trig.kind, trig.rates))
 
 
 def one_slow(world, rank, rate):
@@ -195,11 +201,7 @@ def capped_trace(held: bool, *, cap=5.0, lift=40, steps=80, seed=7, noise=0.1):
             probing |= hold
         probe_s = np.where(probing, BASE * full * jitter, np.nan)
         est.add(compute, units, probe_s, held=hold if held else None)
-        if (step + 1) % CFG.every == 0:
-            trig = det.check(est.rates())
-            if trig is not None:
-                det.planned_for(trig.rates)
-                out.append((step, trig.kind, trig.rates))
+        _check_every(CFG, det, est, step, out)
     return out
 
 

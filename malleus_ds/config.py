@@ -207,10 +207,14 @@ def _checkpoint(c: Mapping[str, Any]) -> CheckpointConfig:
         raise ConfigError(f"checkpoint.every={every} must be >= 0 (0 = save only at the end "
                           f"of the run)")
     resume = False if c.get("resume") is None else c["resume"]
-    if not isinstance(resume, bool):
-        raise ConfigError(f"checkpoint.resume={resume!r} must be true or false")
+    if isinstance(resume, str) and resume.strip().lower() == "auto":
+        resume = "auto"
+    elif not isinstance(resume, bool):
+        raise ConfigError(f"checkpoint.resume={resume!r} must be true, false or auto (continue "
+                          f"from checkpoint.dir/latest if there is one, else start fresh)")
     if d is None and (every > 0 or resume):
-        what = f"checkpoint.every={every}" if every > 0 else "checkpoint.resume=true"
+        what = (f"checkpoint.every={every}" if every > 0 else
+                f"checkpoint.resume={'auto' if resume == 'auto' else 'true'}")
         raise ConfigError(f"{what} needs checkpoint.dir (the folder to save to / resume from); "
                           f"set checkpoint.dir=PATH")
     return CheckpointConfig(dir=None if d is None else os.path.abspath(os.fspath(d)),

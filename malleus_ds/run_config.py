@@ -83,7 +83,8 @@ class CheckpointConfig:
 
     dir: str | None = None              # absolute folder (resolved against the CWD); None = none
     every: int = 0                      # save every N optimizer steps; 0 = only at the end
-    resume: bool = False                # continue from ``dir/latest``
+    resume: bool | str = False          # True: continue from ``dir/latest`` (an error if none);
+                                        # "auto": continue if there is one, else start fresh
 
     @property
     def enabled(self) -> bool:

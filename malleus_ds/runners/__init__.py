@@ -42,7 +42,7 @@ from ..run_config import ConfigError, RunConfig
 from ..cpu_compete import release as release_competitors
 from ..cpu_quota import release as release_quota
 from .base import DistEnv, RunSummary, destroy_process_group, init_process_group
-from .checkpoint import nothing_to_run, resume_point
+from .checkpoint import nothing_to_run, resume_point, start_line
 from .stream import check_monitor_packages
 
 RUNNERS: dict[str, str] = {
@@ -115,6 +115,9 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
         note = getattr(cfg.model, "seq_len_note", None)
         print(f"[malleus_ds] building engine={cfg.engine} model={cfg.model.name} on "
               f"{env.world_size} rank(s)" + (f"; {note}" if note else ""), flush=True)
+        line = start_line(cfg, saved)
+        if line:
+            print(line, flush=True)
     STOP.install()
     orphan_watch = LauncherWatch(launchers_above(), env.rank).start()
     dog = start_watchdog(cfg, env)

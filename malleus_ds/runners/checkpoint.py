@@ -162,12 +162,15 @@ def read_saved(root: Path) -> Saved | None:
 
 
 def resume_point(cfg: RunConfig) -> Saved | None:
-    """The checkpoint a ``checkpoint.resume=true`` run starts from, checked against the run;
-    None when not resuming. Pure apart from reading files (no process group needed)."""
+    """The checkpoint a ``checkpoint.resume=true|auto`` run starts from, checked against the run;
+    None when not resuming (``auto``: when ``dir`` holds no checkpoint yet). Pure apart from
+    reading files (no process group needed), so every rank decides the same."""
     if not cfg.checkpoint.resume:
         return None
     root = Path(cfg.checkpoint.dir)
     saved = read_saved(root)
+    if saved is None and cfg.checkpoint.resume == "auto":
+        return None
     if saved is None:
         # resume=true promises to continue at the saved step: starting from scratch instead
         # would silently retrain (and overwrite) what the user meant to continue
@@ -212,6 +215,18 @@ def resume_point(cfg: RunConfig) -> Saved | None:
                           f"data position of step {saved.step} and the optimizer state belong to "
                           f"{FIELD[k]}={was}; resume with it")
     return saved
+
+
+def start_line(cfg: RunConfig, saved: Saved | None) -> str | None:
+    """The start-up line that says where a resuming run starts (None when not resuming)."""
+    c = cfg.checkpoint
+    mode = "auto" if c.resume == "auto" else "true"
+    if not c.resume:
+        return None
+    if saved is None:
+        return (f"[malleus_ds] checkpoint.resume={mode}: starting fresh at step 0 "
+                f"(checkpoint.dir={c.dir} holds no checkpoint yet)")
+    return f"[malleus_ds] checkpoint.resume={mode}: continuing from step {saved.step} ({saved.path})"
 
 
 def _raise_first_error(env: DistEnv, err: str | None, what: str) -> None:

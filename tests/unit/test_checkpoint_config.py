@@ -31,7 +31,8 @@ def test_defaults_and_relative_dir(tmp_path, monkeypatch):
                               r"\['dir', 'every', 'resume'\]"),
     ({"dir": "x", "every": -1}, r"checkpoint.every=-1 must be >= 0"),
     ({"dir": "x", "every": 1.5}, r"checkpoint.every=1.5 must be an integer"),
-    ({"dir": "x", "resume": "yes"}, r"checkpoint.resume='yes' must be true or false"),
+    ({"dir": "x", "resume": "yes"}, r"checkpoint.resume='yes' must be true, false or auto"),
+    ({"resume": "auto"}, r"checkpoint.resume=auto needs checkpoint.dir"),
     ({"every": 3}, r"checkpoint.every=3 needs checkpoint.dir"),
     ({"resume": True}, r"checkpoint.resume=true needs checkpoint.dir"),
     ({"dir": "  "}, r"checkpoint.dir='  ' must be a folder path"),
@@ -125,6 +126,35 @@ def test_resume_without_a_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match="'latest' names 'global_step9' but .* does not exist: "
                                           "an unfinished save"):
         runners.validate(_resume(tmp_path))
+
+
+def test_resume_auto_starts_fresh_on_an_empty_folder_and_continues_from_a_checkpoint(tmp_path):
+    from malleus_ds.runners.checkpoint import start_line
+
+    auto = cfg(checkpoint={"dir": str(tmp_path / "ck"), "resume": "AUTO"}, train={"steps": 6})
+    assert auto.checkpoint.resume == "auto"
+    runners.validate(auto)                              # no folder yet: not an error
+    assert resume_point(auto) is None
+    assert start_line(auto, None) == (f"[malleus_ds] checkpoint.resume=auto: starting fresh at "
+                                      f"step 0 (checkpoint.dir={tmp_path / 'ck'} holds no "
+                                      f"checkpoint yet)")
+    ck = Checkpointer(auto, DistEnv())
+    assert (ck.start, ck.resumed) == (0, None)
+    ck.save(2, lambda root, tag, done: None)
+    saved = resume_point(auto)                          # the same command line, restarted
+    assert (saved.step, Checkpointer(auto, DistEnv()).start) == (2, 2)
+    assert start_line(auto, saved) == (f"[malleus_ds] checkpoint.resume=auto: continuing from "
+                                       f"step 2 ({tmp_path / 'ck' / 'global_step2'})")
+    assert start_line(cfg(), None) is None
+    # auto checks the checkpoint it finds like true does: another model is refused
+    other = cfg(checkpoint={"dir": str(tmp_path / "ck"), "resume": "auto"},
+                model={"name": "tiny", "num_layers": 2})
+    with pytest.raises(ConfigError, match=r"holds another model: model.num_layers=4 there, 2"):
+        resume_point(other)
+    # and a 'latest' naming an unfinished save is an error, never a silent fresh start
+    (tmp_path / "ck" / "latest").write_text("global_step9")
+    with pytest.raises(ConfigError, match="an unfinished save"):
+        resume_point(auto)
 
 
 def test_resume_must_match_engine_model_batch_and_data(tmp_path):

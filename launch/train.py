@@ -79,16 +79,32 @@ def _non_zero_rank_overrides() -> list[str]:
             "hydra/hydra_logging=none"]
 
 
-def _launch_ranks(nproc: int, task_overrides: list[str], run_dir: str) -> int:
+def _restartable_run_dir(argv: list[str], env) -> list[str]:
+    """Under ``torchrun --max-restarts N`` (N > 0) without a ``hydra.run.dir`` of the user's: a
+    run folder named for torchrun's run id (the same in every restart, the same on every node),
+    so each restart continues the job's metrics.jsonl instead of starting a new folder."""
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if int(env.get("TORCHELASTIC_MAX_RESTARTS") or 0) <= 0 or not run_id or run_id == "none":
+        return []
+    if any(a.lstrip("+").startswith("hydra.run.dir=") for a in argv):
+        return []
+    return [f"hydra.run.dir=outputs/elastic/{run_id}"]
+
+
+def _launch_ranks(nproc: int, task_overrides: list[str], run_dir: str,
+                  max_restarts: int = 0) -> int:
     """Start ``nproc`` local ranks of this app via torchrun; they re-compose the same config.
 
     torchrun runs in a session of its own and its workers in theirs, so a terminal's Ctrl-C
     reaches only this process: SIGTERM / SIGINT here are passed to every rank directly (they
     stop together at the next step boundary, checkpoint when ``checkpoint.dir`` is set, and
     exit cleanly, so torchrun ends quietly); a second signal, or ranks still running after
-    :data:`_STOP_GRACE_S`, kills them all. No rank outlives this process."""
+    :data:`_STOP_GRACE_S`, kills them all. No rank outlives this process. ``max_restarts``:
+    torchrun restarts every rank when one fails, up to that many times (each continues from the
+    latest checkpoint: ``checkpoint.resume=auto``)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(Path(__file__).resolve()),
+           f"--nproc_per_node={nproc}", f"--max-restarts={max_restarts}",
+           str(Path(__file__).resolve()),
            *[o for o in task_overrides if not o.startswith("nproc_per_node=")],
            "nproc_per_node=1", f"hydra.run.dir={run_dir}"]
     env = dict(os.environ)
@@ -140,6 +156,17 @@ def _launch_ranks(nproc: int, task_overrides: list[str], run_dir: str) -> int:
         for s, h in old.items():
             signal.signal(s, h)
     return 128 + got[0] if got else rc
+
+
+def _gave_up(plain: dict, restarts: int, run_dir: str) -> None:
+    """The last word of a job torchrun stopped restarting: the checkpoint to resume from, and
+    where torchrun's own report (above) names the failed rank."""
+    from malleus_ds.runners.checkpoint import latest_note
+
+    ck = (plain.get("checkpoint") or {}).get("dir")
+    _line(f"[malleus_ds] the job failed after {restarts} restart(s) (max_restarts={restarts}); "
+          f"torchrun's report above names the failed rank and its exit code. "
+          f"{latest_note(ck)}; metrics: {run_dir}/metrics.jsonl")
 
 
 def _run_compare(engines: tuple[str, ...], plain: dict, nproc: int, task_overrides: list[str],
@@ -232,8 +259,11 @@ def main() -> None:
             except ConfigError as e:
                 print(f"[malleus_ds] config error: {e}", file=sys.stderr, flush=True)
                 sys.exit(2)
-            rc = _launch_ranks(nproc, list(hc.overrides.task), hc.runtime.output_dir)
+            restarts = cfg.get("max_restarts", 0)
+            rc = _launch_ranks(nproc, list(hc.overrides.task), hc.runtime.output_dir, restarts)
             if rc != 0:
+                if restarts:
+                    _gave_up(plain, restarts, hc.runtime.output_dir)
                 sys.exit(rc)
             return
         env = DistEnv.from_environ(str(cfg.get("device", "auto")))
@@ -280,6 +310,8 @@ def main() -> None:
         sys.exit(2)
     if _rank() != 0:
         sys.argv += _non_zero_rank_overrides()
+    else:
+        sys.argv += _restartable_run_dir(sys.argv, os.environ)
     app()
 
 

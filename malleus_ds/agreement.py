@@ -121,20 +121,26 @@ class Agreements:
         self._pending = []
 
 
+#: the longest one store wait lasts: Python runs signal handlers only between such calls, so a
+#: SIGTERM (a launcher ending the job) is acted on within this many seconds
+WAIT_SLICE_S = 1.0
+
+
 def _wait(store, keys: list[str], timeout_s: float) -> list[int]:
     """Wait for every key until the deadline; the indices of the keys still absent then."""
     deadline = time.monotonic() + timeout_s
     while True:
-        left = deadline - time.monotonic()
+        start = time.monotonic()
         try:
-            store.wait(keys, timedelta(seconds=max(left, 0.001)))
+            store.wait(keys, timedelta(seconds=min(max(deadline - start, 0.001), WAIT_SLICE_S)))
             return []
         except Exception:  # noqa: BLE001 - a timeout; a dead store fails the check below too
             pass
         missing = [i for i, k in enumerate(keys) if not store.check([k])]
         if not missing or time.monotonic() >= deadline:
             return missing
-        time.sleep(0.05)        # wait() returned early without its keys: try again, no spin
+        if time.monotonic() - start < WAIT_SLICE_S / 2:
+            time.sleep(0.05)    # wait() returned early without its keys: try again, no spin
 
 
 def _verdict(name: str, vals: dict[int, bytes], silent: list[int], timeout_s: float) -> str:

@@ -67,6 +67,8 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
         raise ConfigError(str(e)) from None
     plan = _plan(d.get("plan", "static"), engine)
     _nproc_per_node(d.get("nproc_per_node", 1))
+    ckpt = _checkpoint(d.get("checkpoint") or {})
+    _max_restarts(d.get("max_restarts", 0), ckpt)
     compare_engines(d.get("compare"))
     comm = _seconds(d.get("comm_timeout_s", 1800.0), "comm_timeout_s", zero_ok=False)
     hang = _seconds(d.get("hang_timeout_s", 300.0), "hang_timeout_s", zero_ok=True)
@@ -77,7 +79,7 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
                      straggler=straggler, deepspeed=ds, world_size=world_size, plan=plan,
                      run_dir=run_dir, device=device, progress=bool(d.get("progress", True)),
                      malleus=_malleus(d.get("malleus") or {}, engine),
-                     checkpoint=_checkpoint(d.get("checkpoint") or {}), data=data,
+                     checkpoint=ckpt, data=data,
                      comm_timeout_s=comm,
                      hang_timeout_s=hang, log_every=log_every)
 
@@ -86,7 +88,7 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
 #: set these). ``nproc_per_node`` is read by launch/train.py (ranks to spawn), not by the core.
 TOP_LEVEL_KEYS = ("engine", "model", "train", "parallel", "cluster", "straggler", "deepspeed",
                   "device", "plan", "progress", "malleus", "checkpoint", "data", "comm_timeout_s",
-                  "hang_timeout_s", "log_every", "nproc_per_node", "compare")
+                  "hang_timeout_s", "log_every", "nproc_per_node", "max_restarts", "compare")
 
 
 def _refuse_unknown_keys(d: Mapping[str, Any]) -> None:
@@ -116,6 +118,20 @@ def _nproc_per_node(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ConfigError(f"nproc_per_node={v!r} must be an integer >= 1 (local ranks to start; "
                           f"1 = run in this process)")
+    return v
+
+
+def _max_restarts(v: Any, ckpt: CheckpointConfig) -> int:
+    """``max_restarts``: torchrun restarts of the ranks a bare ``python launch/train.py
+    nproc_per_node=N`` starts (launch/train.py); each must continue from a checkpoint."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigError(f"max_restarts={v!r} must be an integer >= 0 (0 = no restarts)")
+    if v and ckpt.resume != "auto":
+        raise ConfigError(f"max_restarts={v} needs checkpoint.resume=auto (and checkpoint.dir): "
+                          f"with checkpoint.resume={str(ckpt.resume).lower()} a restart would "
+                          + ("fail: the first start has no checkpoint yet" if ckpt.resume else
+                             "train again from step 0")
+                          + "; add checkpoint.dir=PATH checkpoint.resume=auto")
     return v
 
 

@@ -21,6 +21,12 @@ A job the hung-rank watchdog stops (``watchdog.py``; ``hang_timeout_s``) ends wi
     {"event": "hang", "stuck": [{"rank": 1, "step": 7, "phase": "forward/backward",
      "stalled_s": 21.0}], "waiting": [{"rank": 0, ...}], "reason": "...", "hang_timeout_s": 20}
 
+a job torchrun restarted (``--max-restarts``; ``checkpoint.resume=auto``) says so where the
+restarted run's lines begin, after the lines of the steps before ``from_step`` (the lines of the
+steps the failure lost are dropped, so each step appears once; ``MetricsWriter``)::
+
+    {"event": "restart", "attempt": 1, "from_step": 4, "world": 4, "lost_steps": 2}
+
 and a checkpoint save is an event line too (``{"event": "checkpoint", "step", "path",
 "seconds"}``), as is the TP slowdown measured at start-up when a plan has TP groups
 (``engine/tp_cost.py``; ``{"event": "tp_slowdown", "step", "tp", "table": {"1": 1.0, "2": 1.6},
@@ -94,11 +100,18 @@ class MetricsWriter:
 
     ``run_dir=None`` writes nothing (non-zero ranks, tests). The file is locked while open
     (``flock``, released when the process ends, however it ends): a second live run pointed at
-    the same folder gets :class:`MetricsBusy` instead of corrupting this one's lines."""
+    the same folder gets :class:`MetricsBusy` instead of corrupting this one's lines.
 
-    def __init__(self, run_dir: str | Path | None) -> None:
+    ``keep_before=None`` starts the file empty. A run that continues one in the same folder (a
+    resume from step ``s``, or torchrun's restart of a job) passes ``keep_before=s``: the lines
+    of steps before ``s`` stay, and every line of step ``s`` or later (steps and events that
+    the continuing run redoes) is dropped, so each step appears once (:meth:`keep`).
+    ``dropped_steps`` counts the step lines dropped (work the failure lost)."""
+
+    def __init__(self, run_dir: str | Path | None, keep_before: int | None = None) -> None:
         self.path = Path(run_dir) / METRICS_FILE if run_dir else None
         self._f = None
+        self.dropped_steps = 0
         if self.path is not None:
             import fcntl
 
@@ -110,8 +123,37 @@ class MetricsWriter:
                 f.close()
                 raise MetricsBusy(f"{self.path} is being written by another live run; give "
                                   f"this run its own folder (hydra.run.dir=...)") from None
+            kept: list[str] = []
+            if keep_before is not None and self.path.stat().st_size:
+                with open(self.path) as old:
+                    kept, self.dropped_steps = self.keep(old.read().splitlines(), keep_before)
             f.truncate(0)
+            if kept:
+                f.write("".join(line + "\n" for line in kept))
+                f.flush()
             self._f = f
+
+    @staticmethod
+    def keep(lines: Sequence[str], before: int) -> tuple[list[str], int]:
+        """The lines a run continuing at step ``before`` keeps (those of earlier steps and those
+        without a step), and how many step lines it drops. A line that is not a JSON object (a
+        write cut short by the failure) is dropped."""
+        kept, dropped = [], 0
+        for line in lines:
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(obj, dict):
+                continue
+            step = obj.get("step")
+            # a checkpoint event's step counts steps done: the one resumed from stays
+            last = before + 1 if obj.get("event") == "checkpoint" else before
+            if isinstance(step, int) and step >= last:
+                dropped += "event" not in obj
+                continue
+            kept.append(line)
+        return kept, dropped
 
     def write(self, rec: StepRecord) -> None:
         self.write_event(rec.to_json())
@@ -267,7 +309,7 @@ def read_metrics(path: str | Path, events: bool = False) -> list[dict]:
 
 
 def format_event(ev: Mapping, short: bool = False) -> str:
-    """Text for a ``replan`` or ``migrate`` event line (any other: the line as it is).
+    """Text for a ``replan``, ``migrate`` or ``restart`` event line (any other: the line as it is).
 
     One line (the run summary, the progress bar): what the loop measured, planned and chose, or
     what the switch moved. ``short``: the few words ``malleus-plot`` writes next to the event's
@@ -298,6 +340,12 @@ def format_event(ev: Mapping, short: bool = False) -> str:
         return (f"migrate before step {ev['step']}: {ev['from']} -> {ev['to']}, "
                 f"{ev['bytes'] / 2**20:.2f} MiB sent in {ev['seconds']:.3f} s, "
                 f"{ev['peak_extra_bytes'] / 2**20:.2f} MiB extra at peak")
+    if kind == "restart":
+        if short:
+            return f"restart {ev.get('attempt')}"
+        return (f"restart {ev.get('attempt')}: continuing from step {ev.get('from_step')} on "
+                f"{ev.get('world')} rank(s); {ev.get('lost_steps')} step(s) done since that "
+                f"checkpoint are run again")
     return str(ev)
 
 

@@ -180,6 +180,28 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - the store may be gone at exit
             pass
 
+    def gone_peers(self, seen: dict[int, tuple[int, float]]) -> list[int]:
+        """Ranks whose process is gone: on this host, a published pid that no longer names the
+        same process (at once); elsewhere, a heartbeat tick unchanged for ``frozen_after``
+        (``seen``: the caller's memory of each rank's last tick and when it changed, updated
+        here). A rank that finished (``done``) is never gone. Reads the store; any thread."""
+        from .procs import is_alive
+
+        now, out = time.monotonic(), []
+        for r, rec in self._read([r for r in range(self.world) if r != self.rank]).items():
+            if rec.get("done"):
+                continue
+            if rec.get("host") == self._whoami.get("host") and isinstance(rec.get("pid"), int):
+                if not is_alive(rec["pid"], rec.get("started")):
+                    out.append(r)
+                continue
+            tick, since = seen.get(r, (None, now))
+            if rec.get("tick") != tick:
+                seen[r] = (rec.get("tick"), now)
+            elif now - since >= self.frozen_after:
+                out.append(r)
+        return sorted(out)
+
     # -- the thread ---------------------------------------------------------------------------
 
     def _publish(self) -> None:

@@ -108,7 +108,8 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
     saved = resume_point(cfg)
     if saved is not None and saved.step >= cfg.train.steps:
         return nothing_to_run(cfg, saved)       # no engine, no process group, no files
-    from .guard import STOP, LauncherWatch, Stopped, launchers_above, start_watchdog
+    from .guard import (STOP, LauncherWatch, Stopped, launchers_above,
+                        leave_when_a_peer_is_gone, start_watchdog)
 
     init_process_group(env, cfg.comm_timeout_s)
     if env.is_rank0:        # a big model takes a while to build or load: say what is going on
@@ -121,6 +122,8 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
     STOP.install()
     orphan_watch = LauncherWatch(launchers_above(), env.rank).start()
     dog = start_watchdog(cfg, env)
+    if dog is not None:     # a signal while a peer is dead: leave now (torchrun restarts us)
+        STOP.on_first.append(lambda signum: leave_when_a_peer_is_gone(dog, env.rank, signum))
     try:
         try:
             summary = mod.run(cfg, env)
@@ -136,6 +139,7 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
             dog.stop()
         orphan_watch.stop()
         STOP.uninstall()
+        STOP.on_first.clear()
         destroy_process_group()
 
 

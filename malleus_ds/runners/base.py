@@ -24,6 +24,8 @@ class DistEnv:
     local_world_size: int = 1
     device: str = "cpu"          # "cpu" or "cuda:<local_rank>"
     backend: str = "gloo"        # gloo on CPU, nccl on GPU
+    #: torchrun's restart of this job (``TORCHELASTIC_RESTART_COUNT``; 0: the first start)
+    restart: int = 0
     #: when this process started the run (``time.perf_counter``): start-up time is measured from it
     started: float = field(default_factory=time.perf_counter, compare=False)
 
@@ -38,10 +40,12 @@ class DistEnv:
         rank = int(e.get("RANK", "0"))
         local_rank = int(e.get("LOCAL_RANK", str(rank)))
         local_world = int(e.get("LOCAL_WORLD_SIZE") or e.get("LOCAL_SIZE") or world)
+        restart = int(e.get("TORCHELASTIC_RESTART_COUNT") or 0)
         device = resolve_device(device)
         if device == "cuda":
-            return DistEnv(rank, world, local_rank, local_world, f"cuda:{local_rank}", "nccl")
-        return DistEnv(rank, world, local_rank, local_world, "cpu", "gloo")
+            return DistEnv(rank, world, local_rank, local_world, f"cuda:{local_rank}", "nccl",
+                           restart)
+        return DistEnv(rank, world, local_rank, local_world, "cpu", "gloo", restart)
 
 
 def init_process_group(env: DistEnv, timeout_s: float | None = None) -> None:
@@ -68,7 +72,26 @@ def init_process_group(env: DistEnv, timeout_s: float | None = None) -> None:
     kw = init_kwargs(env)
     if timeout_s:
         kw["timeout"] = timedelta(seconds=timeout_s)
+    store = attempt_store(env, kw.get("timeout", timedelta(seconds=300)))
+    if store is not None:
+        kw["store"] = store
     dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, **kw)
+
+
+def attempt_store(env: DistEnv, timeout, environ=None):
+    """Under torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE=True``): the job's store,
+    its keys under a prefix of this restart (``malleus/attempt{k}``). The agent keeps one store
+    server for the whole job, and the default group's keys carry no attempt (``env://``): a
+    restarted group would read the dead group's addresses and fail to connect. None elsewhere
+    (``env://`` as usual)."""
+    import torch.distributed as dist
+
+    e = os.environ if environ is None else environ
+    if e.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    base = dist.TCPStore(e["MASTER_ADDR"], int(e["MASTER_PORT"]), env.world_size,
+                         is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"malleus/attempt{env.restart}", base)
 
 
 def init_kwargs(env: DistEnv) -> dict:

@@ -217,6 +217,22 @@ def resume_point(cfg: RunConfig) -> Saved | None:
     return saved
 
 
+def latest_note(ckpt_dir: str | None) -> str:
+    """Where a failed job continues from: the checkpoint ``ckpt_dir/latest`` names, as a
+    sentence (no checkpoint yet, or none configured, is said so)."""
+    if not ckpt_dir:
+        return "No checkpoint.dir was set: a new run starts from step 0"
+    root = Path(ckpt_dir).absolute()
+    try:
+        saved = read_saved(root)
+    except ConfigError as e:
+        return f"The checkpoint folder is not usable: {e}"
+    if saved is None:
+        return f"No checkpoint was saved in {root} yet: a new run starts from step 0"
+    return (f"Resume from {saved.path} (step {saved.step}) with checkpoint.dir={root} "
+            f"checkpoint.resume=auto")
+
+
 def start_line(cfg: RunConfig, saved: Saved | None) -> str | None:
     """The start-up line that says where a resuming run starts (None when not resuming)."""
     c = cfg.checkpoint

@@ -85,13 +85,20 @@ class StepReporter:
         self.times: list[float] = []
         self.records: list[dict] = []
         self.events: list[dict] = []
-        self.writer = MetricsWriter(cfg.run_dir if env.is_rank0 else None)
+        # a resumed or restarted run continues the folder's metrics.jsonl at its first step
+        keep = first_step if first_step > 0 or env.restart > 0 else None
+        self.writer = MetricsWriter(cfg.run_dir if env.is_rank0 else None, keep_before=keep)
         self.stop_signal = 0                # a SIGTERM/SIGINT some rank got (guard.py)
         self.bar = None
         # rank 0: progress lines (stdout not a terminal), train.log, the ds_config's monitor
         self.stream = StepStream(cfg, monitor) if env.is_rank0 else None
         if self.stream is not None and first_step < cfg.train.steps:
             self.stream.startup(time.perf_counter() - env.started, first_step, cfg.model)
+        if env.restart > 0 and env.is_rank0:
+            ev = {"event": "restart", "attempt": env.restart, "from_step": first_step,
+                  "world": env.world_size, "lost_steps": self.writer.dropped_steps}
+            self.event(ev)
+            print(f"[malleus_ds] {format_event(ev)}", flush=True)
         if env.is_rank0 and cfg.progress:
             from tqdm import tqdm
             self.bar = tqdm(total=cfg.train.steps, initial=first_step,

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,11 +51,13 @@ class Stopped(Exception):
 
 
 class StopSignals:
-    """SIGTERM / SIGINT -> a flag read at step boundaries (main thread only)."""
+    """SIGTERM / SIGINT -> a flag read at step boundaries (main thread only). ``on_first``:
+    callables run with the signal number when the first signal arrives (a peer-loss watch)."""
 
     def __init__(self) -> None:
         self.signum = 0
         self._old: dict[int, object] = {}
+        self.on_first: list = []
 
     def install(self) -> None:
         import threading
@@ -76,7 +79,11 @@ class StopSignals:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             sys.exit(128 + signum)
+        first = not self.signum
         self.signum = signum
+        if first:
+            for fn in list(self.on_first):
+                fn(signum)
 
 
 STOP = StopSignals()
@@ -175,6 +182,35 @@ class LauncherWatch:
             sys.stderr.flush()
             self._exit(128 + LAUNCHER_GONE)
             return
+
+
+def leave_when_a_peer_is_gone(dog: Watchdog, rank: int, signum: int, grace_s: float = 30.0,
+                              every_s: float = 0.2, exit=os._exit) -> threading.Thread:
+    """After a stop signal, watch for a peer process that is gone (``Watchdog.gone_peers``);
+    if one is, exit at once with ``128 + signum``. torchrun signals every worker when one of
+    them dies (killed, OOM, a segfault): the survivors are then blocked in a collective or an
+    agreement with the dead rank, a stop at a step boundary can never be agreed, and the agent
+    would wait ``grace_s`` (its 30 s) before its SIGKILL, which delays the restart. A stop
+    whose ranks are all alive is left to finish (it checkpoints)."""
+    def run() -> None:
+        seen: dict[int, tuple[int, float]] = {}
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            try:
+                gone = dog.gone_peers(seen)
+            except Exception:  # noqa: BLE001 - store gone: the agent is ending the job
+                gone = []
+            if gone:
+                print(f"[malleus_ds] rank {rank}: {signal.Signals(signum).name} and rank(s) "
+                      f"{gone} gone: no step boundary can be agreed without them; exiting now",
+                      file=sys.stderr, flush=True)
+                exit(128 + signum)
+                return
+            time.sleep(every_s)
+
+    t = threading.Thread(target=run, name="malleus-peer-loss", daemon=True)
+    t.start()
+    return t
 
 
 def start_watchdog(cfg, env) -> Watchdog | None:

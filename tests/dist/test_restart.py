@@ -1,0 +1,110 @@
+"""A rank dies mid-run: torchrun restarts the job, which continues from its latest checkpoint
+(``checkpoint.resume=auto``, ``max_restarts``) to the losses of a run that never failed.
+
+The kill is real (SIGKILL to the worker process whose ``RANK`` is 2) and event-driven: it is sent
+once metrics.jsonl shows a step after the first checkpoint, whatever the machine's speed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from malleus_ds.procs import descendants
+from tests.dist.test_checkpoint_cli import ARGS, TRAIN, _reference, _rows
+
+STEPS, EVERY = 16, 2
+
+
+def _env_of(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+
+
+def _worker(root: int, rank: int) -> int | None:
+    """The pid of the training process of ``rank`` below ``root`` (torchrun's workers)."""
+    for pid in descendants(root):
+        env = _env_of(pid)
+        if env.get("RANK") == str(rank) and "TORCHELASTIC_RESTART_COUNT" in env:
+            return pid
+    return None
+
+
+def _steps_in(run_dir: Path) -> list[int]:
+    f = run_dir / "metrics.jsonl"
+    if not f.is_file():
+        return []
+    out = []
+    for line in f.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if "event" not in r:
+            out.append(r["step"])
+    return out
+
+
+def test_a_rank_killed_mid_run_restarts_from_the_latest_checkpoint(tmp_path):
+    """4 ranks, ``max_restarts=2`` (our launcher, torchrun --max-restarts underneath),
+    ``checkpoint.every=2``, ``resume=auto``; rank 2 gets SIGKILL after step 3. The job exits 0
+    after all steps, metrics.jsonl holds every step once with the reference losses, and a
+    restart event says from which checkpoint and how many steps were run again."""
+    ck, run = tmp_path / "ck", tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(k, None)
+    cmd = [sys.executable, TRAIN, *ARGS, "nproc_per_node=4", "max_restarts=2", "engine=malleus",
+           "plan=static", f"train.steps={STEPS}", f"checkpoint.dir={ck}",
+           f"checkpoint.every={EVERY}", "checkpoint.resume=auto", f"hydra.run.dir={run}"]
+    p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    killed = None
+    deadline = time.monotonic() + 240
+    try:
+        while killed is None and time.monotonic() < deadline and p.poll() is None:
+            seen = _steps_in(run)
+            if seen and max(seen) >= 3:       # steps 0-3 done: the step-2 checkpoint is saved
+                pid = _worker(p.pid, 2)
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    killed = max(seen)
+            time.sleep(0.02)
+        out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if p.poll() is None:
+            for pid in descendants(p.pid) + [p.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    (tmp_path / "out.txt").write_text(out)
+    assert killed is not None and killed < STEPS - 1, out[-4000:]
+    assert p.returncode == 0, out[-4000:]
+    rows = _rows(run)
+    steps = [r for r in rows if "event" not in r]
+    assert [r["step"] for r in steps] == list(range(STEPS)), [r.get("step") for r in rows]
+    np.testing.assert_allclose([r["loss"] for r in steps], _reference(STEPS), rtol=1e-5)
+    restarts = [r for r in rows if r.get("event") == "restart"]
+    assert len(restarts) == 1, restarts
+    ev = restarts[0]
+    assert ev["attempt"] == 1 and ev["world"] == 4
+    assert ev["from_step"] % EVERY == 0 and 2 <= ev["from_step"] <= killed + 1
+    # lost work: at most checkpoint.every steps done since the checkpoint
+    assert 0 <= ev["lost_steps"] <= EVERY and ev["from_step"] + ev["lost_steps"] >= killed
+    # the restart line sits where the restarted run's lines begin
+    at = rows.index(ev)
+    assert [r["step"] for r in rows[:at] if "event" not in r] == list(range(ev["from_step"]))
+    assert f"checkpoint.resume=auto: continuing from step {ev['from_step']}" in out
+    assert "checkpoint.resume=auto: starting fresh at step 0" in out
+    assert f"restart 1: continuing from step {ev['from_step']} on 4 rank(s)" in out
+    assert (ck / "latest").read_text() == f"global_step{STEPS}"

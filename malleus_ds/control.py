@@ -80,6 +80,7 @@ class Controller:
         self.step_times: deque[float] = deque(maxlen=max(3, settings.detect.window))
         self.compute_times: deque[float] = deque(maxlen=max(3, settings.detect.window))
         self.forced = list(settings.replan_at)
+        self._carried_at: int | None = None     # the step a carried-rates re-plan is due (carry)
         self.ready = False                # every rank: rank 0 flagged a decision in an all-reduce
         self._pending: dict | None = None  # rank 0: the request the worker is planning
         self._result: Decision | None = None   # rank 0: a decision not yet flagged
@@ -210,12 +211,30 @@ class Controller:
             self.forced.pop(0)                       # resumed past it
         if self.forced and self.forced[0] == step:
             self.forced.pop(0)
+            trigger = "carried" if step == self._carried_at else "forced"
             obj = [None]
             if self.rank == 0:
-                obj[0] = self._forced(step)
+                obj[0] = self._forced(step, trigger)
             dist.broadcast_object_list(obj, src=0)
             out.append((obj[0].event, obj[0].plan))
         return out
+
+    def carry(self, rates, step: int) -> bool:
+        """Rates measured before a restart (a checkpoint carried them; None: unknown): the
+        measurement to start from, and, when some rank is not healthy and the loop is on, a
+        re-plan before ``step`` (the run's first) with trigger ``carried``, so a known
+        straggler is planned around at once rather than found again. Every rank calls it with
+        the same rates. Returns whether a re-plan was scheduled."""
+        r = np.array([np.nan if x is None else float(x) for x in rates], dtype=np.float64)
+        if r.shape != (self.world,):
+            return False
+        self.measured = r
+        slow = bool(np.any(np.nan_to_num(r, nan=1.0) >= self.s.detect.healthy))
+        if not (self.s.enabled and slow and self.world > 1):
+            return False
+        self._carried_at = step
+        self.forced = sorted({step, *self.forced})
+        return True
 
     def switched(self, plan: Plan, rates: list[float] | None) -> None:
         """After any switch (adaptive, forced or scripted): cost units of the new plan, the rates
@@ -314,13 +333,13 @@ class Controller:
                               time.perf_counter() - p["t0"], step_s, nbytes,
                               self._migrate_s_for(nbytes), self.s.horizon_steps)
 
-    def _forced(self, step: int) -> Decision:
+    def _forced(self, step: int, trigger: str = "forced") -> Decision:
         if self._client is None:
-            return self._error("forced", step, "no planner (a single rank)")
+            return self._error(trigger, step, "no planner (a single rank)")
         if self._pending is not None:              # finish (and drop) what is in flight
             self._collect(self._client.wait(self.FORCED_TIMEOUT_S))
             self._result = None
-        self._request("forced", self._normalised(), step)
+        self._request(trigger, self._normalised(), step)
         if self._pending is not None:
             self._collect(self._client.wait(self.FORCED_TIMEOUT_S))
         res, self._result = self._result, None

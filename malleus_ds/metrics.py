@@ -112,6 +112,8 @@ class MetricsWriter:
         self.path = Path(run_dir) / METRICS_FILE if run_dir else None
         self._f = None
         self.dropped_steps = 0
+        self.kept_lines = 0         # lines of the earlier run(s) kept (keep_before)
+        self.restarts_before = 0    # restart events among them
         if self.path is not None:
             import fcntl
 
@@ -127,6 +129,8 @@ class MetricsWriter:
             if keep_before is not None and self.path.stat().st_size:
                 with open(self.path) as old:
                     kept, self.dropped_steps = self.keep(old.read().splitlines(), keep_before)
+                self.kept_lines = len(kept)
+                self.restarts_before = sum('"event": "restart"' in line for line in kept)
             f.truncate(0)
             if kept:
                 f.write("".join(line + "\n" for line in kept))

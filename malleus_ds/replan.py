@@ -109,7 +109,9 @@ def decide(problem: Problem, current: Plan, new: Plan, trigger: str, rates: list
     """The cost rule (pure): adopt ``new`` iff it differs and its predicted gain over
     ``horizon_steps`` exceeds the predicted migration seconds (forced: always). Step times are
     the cost model's (``problem`` carries the measured rates), in seconds calibrated so that the
-    running plan's prediction equals its measured ``step_s``."""
+    running plan's prediction equals its measured ``step_s``. ``carried`` (rates a checkpoint
+    carried across a restart, before any step is timed): adopted when the planner found a plan,
+    which it does only ``min_improvement`` better than the running one."""
     from .cost import step_time
 
     old_T, new_T = step_time(problem, current), step_time(problem, new)
@@ -121,6 +123,8 @@ def decide(problem: Problem, current: Plan, new: Plan, trigger: str, rates: list
         adopt, why = False, "the running plan is still the best"
     elif trigger == "forced":
         adopt, why = True, "forced"
+    elif trigger == "carried":      # the planner found it min_improvement better for them
+        adopt, why = True, "rates carried from before the restart; no step timed yet"
     elif gain_s is None:
         adopt, why = False, "no measured step time yet"
     elif gain_s > migrate_s:

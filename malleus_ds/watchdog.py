@@ -135,6 +135,8 @@ def format_hang(report: dict) -> str:
     stuck = "; ".join(f"rank {s['rank']} in step {s['step']} ({s['phase']}) for {s['stalled_s']} s"
                       for s in report["stuck"])
     wait = ", ".join(str(w["rank"]) for w in report.get("waiting", []))
+    if report.get("gone"):        # Watchdog._gone_report: at once, not after hang_timeout_s
+        return f"rank(s) gone: {stuck} — {report['reason']}; stopping the job"
     return (f"hang: {stuck} — {report['reason']}; no progress for >= "
             f"{report['hang_timeout_s']} s (hang_timeout_s)"
             + (f"; ranks {wait} wait for it" if wait else "") + "; stopping the job")
@@ -245,16 +247,40 @@ class Watchdog:
     def _watch_all(self) -> dict | None:
         now = time.monotonic()
         self._update(self._read(range(self.world)), now)
-        report = find_stuck(self._views, now, self.timeout, self.frozen_after)
+        report = (self._gone_report(now)
+                  or find_stuck(self._views, now, self.timeout, self.frozen_after))
         if report is not None:
             self.store.set(f"{self.prefix}/hang", json.dumps(report))
         return report
+
+    def _gone_report(self, now: float) -> dict | None:
+        """A report at once when the process of a rank on this host is gone (killed, OOM, a
+        segfault): no collective or agreement with it can complete, and its launcher may be
+        gone too (a lost node), so nobody else would end the job before ``hang_timeout_s``."""
+        from .procs import is_alive
+
+        host = self._whoami.get("host")
+        gone = [r for r, v in sorted(self._views.items())
+                if r != self.rank and not v.record.get("done") and v.record.get("host") == host
+                and isinstance(v.record.get("pid"), int)
+                and not is_alive(v.record["pid"], v.record.get("started"))]
+        if not gone:
+            return None
+        stuck = [{"rank": r, "step": self._views[r].record.get("step"),
+                  "phase": self._views[r].record.get("phase"),
+                  "stalled_s": round(now - self._views[r].progress_at, 1)} for r in gone]
+        return {"event": "hang", "stuck": stuck, "waiting": [], "gone": True,
+                "reason": "its process is gone (killed, out of memory or crashed)",
+                "hang_timeout_s": self.timeout}
 
     def _watch_rank0(self) -> dict | None:
         if self.store.check([f"{self.prefix}/hang"]):
             return json.loads(self.store.get(f"{self.prefix}/hang"))
         now = time.monotonic()
         self._update(self._read([0]), now)
+        gone = self._gone_report(now)        # rank 0 itself, on this host
+        if gone is not None:
+            return gone
         v = self._views.get(0)
         if v is None or v.record.get("done") or now - v.tick_at < max(self.timeout,
                                                                        self.frozen_after):

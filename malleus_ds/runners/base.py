@@ -24,8 +24,10 @@ class DistEnv:
     local_world_size: int = 1
     device: str = "cpu"          # "cpu" or "cuda:<local_rank>"
     backend: str = "gloo"        # gloo on CPU, nccl on GPU
-    #: torchrun's restart of this job (``TORCHELASTIC_RESTART_COUNT``; 0: the first start)
+    #: torchrun's restart of this job (``TORCHELASTIC_RESTART_COUNT``; 0: the first start, and
+    #: a restart for a node joining or leaving; counted per agent)
     restart: int = 0
+    elastic: bool = False        # under torchrun's elastic agent (``TORCHELASTIC_RUN_ID``)
     #: when this process started the run (``time.perf_counter``): start-up time is measured from it
     started: float = field(default_factory=time.perf_counter, compare=False)
 
@@ -41,11 +43,12 @@ class DistEnv:
         local_rank = int(e.get("LOCAL_RANK", str(rank)))
         local_world = int(e.get("LOCAL_WORLD_SIZE") or e.get("LOCAL_SIZE") or world)
         restart = int(e.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        elastic = bool(e.get("TORCHELASTIC_RUN_ID"))
         device = resolve_device(device)
         if device == "cuda":
             return DistEnv(rank, world, local_rank, local_world, f"cuda:{local_rank}", "nccl",
-                           restart)
-        return DistEnv(rank, world, local_rank, local_world, "cpu", "gloo", restart)
+                           restart, elastic)
+        return DistEnv(rank, world, local_rank, local_world, "cpu", "gloo", restart, elastic)
 
 
 def init_process_group(env: DistEnv, timeout_s: float | None = None) -> None:
@@ -72,27 +75,60 @@ def init_process_group(env: DistEnv, timeout_s: float | None = None) -> None:
     kw = init_kwargs(env)
     if timeout_s:
         kw["timeout"] = timedelta(seconds=timeout_s)
-    store = attempt_store(env, kw.get("timeout", timedelta(seconds=300)))
+    store, attempt = attempt_store(env, kw.get("timeout", timedelta(seconds=300)))
     if store is not None:
         kw["store"] = store
+    os.environ["MALLEUS_DS_ATTEMPT"] = attempt    # keys of this attempt (the watchdog's)
     dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, **kw)
 
 
 def attempt_store(env: DistEnv, timeout, environ=None):
-    """Under torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE=True``): the job's store,
-    its keys under a prefix of this restart (``malleus/attempt{k}``). The agent keeps one store
-    server for the whole job, and the default group's keys carry no attempt (``env://``): a
-    restarted group would read the dead group's addresses and fail to connect. None elsewhere
-    (``env://`` as usual)."""
+    """Under torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE=True``): a store of this
+    attempt alone, hosted by rank 0, and the attempt's id; ``(None, "0")`` elsewhere (``env://``
+    as usual: no restarts, or a fresh store per attempt).
+
+    The agent keeps one store server for the whole job, and ``env://`` keys carry no attempt:
+    a restarted group read the dead group's addresses and could not connect. Nor can the restart
+    count name an attempt: a node that joins later counts its own restarts, and a restart for a
+    membership change counts none. So rank 0 hosts a new store and publishes ``id port`` in the
+    agent's store (``malleus/attempt``); the other ranks take the published entry whose store
+    answers with the same id. A stale entry names a store that died with its attempt."""
+    import time
+    import uuid
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     e = os.environ if environ is None else environ
     if e.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return None
-    base = dist.TCPStore(e["MASTER_ADDR"], int(e["MASTER_PORT"]), env.world_size,
-                         is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"malleus/attempt{env.restart}", base)
-
+        return None, "0"
+    host, key = e["MASTER_ADDR"], "malleus/attempt"
+    agent = dist.TCPStore(host, int(e["MASTER_PORT"]), env.world_size, is_master=False,
+                          timeout=timeout)
+    if env.rank == 0:
+        own = dist.TCPStore(host, 0, env.world_size, is_master=True, timeout=timeout,
+                            wait_for_workers=False)
+        token = uuid.uuid4().hex[:12]
+        own.set("malleus/id", token)
+        agent.set(key, f"{token} {own.port}")
+        return own, token
+    deadline = time.monotonic() + timeout.total_seconds()
+    last = "nothing published"
+    while time.monotonic() < deadline:
+        try:
+            agent.wait([key], timedelta(seconds=1))
+            token, port = agent.get(key).decode().split()
+            own = dist.TCPStore(host, int(port), env.world_size, is_master=False,
+                                timeout=timedelta(seconds=2), wait_for_workers=False)
+            if own.get("malleus/id").decode() == token:
+                own.set_timeout(timeout)
+                return own, token
+            last = f"{host}:{port} answers with another id"
+        except Exception as err:  # noqa: BLE001 - a stale entry: its store is gone
+            last = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+        time.sleep(0.2)
+    raise RuntimeError(f"rank {env.rank}: no store of this attempt from rank 0 within "
+                       f"{timeout.total_seconds():.0f} s (last: {last})")
 
 def init_kwargs(env: DistEnv) -> dict:
     """Extra ``init_process_group`` arguments. On NCCL, ``device_id``: the communicator is

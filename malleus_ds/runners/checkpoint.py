@@ -298,6 +298,8 @@ class Checkpointer:
         self.start = self.resumed.step if self.resumed else 0
         self.last_saved: int | None = self.start if self.resumed else None
         self.tags: list[str] = []
+        #: rank 0: more of ``run.json`` at each save (engine=malleus: the measured rates)
+        self.extra: Callable[[], dict] | None = None
         c = cfg.checkpoint
         if c.enabled and not c.resume and env.is_rank0:
             try:
@@ -353,8 +355,8 @@ class Checkpointer:
         _raise_first_error(self.env, err, f"saving checkpoint {root / tag}")
         if self.env.is_rank0:
             try:
-                atomic_write_text(root / tag / RUN_FILE,
-                             json.dumps(run_record(self.cfg, done), indent=1) + "\n")
+                rec = dict(run_record(self.cfg, done), **(self.extra() if self.extra else {}))
+                atomic_write_text(root / tag / RUN_FILE, json.dumps(rec, indent=1) + "\n")
                 atomic_write_text(root / LATEST, tag)
             except OSError as e:
                 err = f"cannot commit {root / tag / RUN_FILE}: {e}"
@@ -373,6 +375,24 @@ class Checkpointer:
         if self.tags:
             out["checkpoints"] = {"dir": self.cfg.checkpoint.dir, "tags": list(self.tags)}
         return out
+
+
+def carried_rates(meta: dict, devices: list[str]) -> list[float | None] | None:
+    """The measured rates a checkpoint's ``run.json`` carries (``rates`` and ``devices``: one
+    per saving rank), for the ranks of this job, named by ``devices`` (``host/local_rank``).
+
+    A device keeps its rate wherever the restart placed it. When device names are not unique
+    (two emulated nodes on one host) they cannot be told apart: by rank if the world size is the
+    saving one, else nothing is carried. None when the record has no rates."""
+    rates, saved = meta.get("rates"), meta.get("devices")
+    if not isinstance(rates, list) or not rates:
+        return None
+    rates = [float(x) if isinstance(x, (int, float)) and x == x else None for x in rates]
+    if (isinstance(saved, list) and len(saved) == len(rates) and len(set(saved)) == len(saved)
+            and len(set(devices)) == len(devices)):
+        by_device = dict(zip(saved, rates))
+        return [by_device.get(d) for d in devices]
+    return rates if len(rates) == len(devices) else None
 
 
 def nothing_to_run(cfg: RunConfig, saved: Saved):

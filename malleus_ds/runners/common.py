@@ -94,9 +94,12 @@ class StepReporter:
         self.stream = StepStream(cfg, monitor) if env.is_rank0 else None
         if self.stream is not None and first_step < cfg.train.steps:
             self.stream.startup(time.perf_counter() - env.started, first_step, cfg.model)
-        if env.restart > 0 and env.is_rank0:
-            ev = {"event": "restart", "attempt": env.restart, "from_step": first_step,
-                  "world": env.world_size, "lost_steps": self.writer.dropped_steps}
+        w = self.writer
+        # torchrun started this job again: after a failure (its restart count), or after a
+        # node joined or left (the count stays; the job's folder already has its lines)
+        if env.is_rank0 and (env.restart > 0 or (env.elastic and w.kept_lines + w.dropped_steps)):
+            ev = {"event": "restart", "attempt": w.restarts_before + 1, "from_step": first_step,
+                  "world": env.world_size, "lost_steps": w.dropped_steps}
             self.event(ev)
             print(f"[malleus_ds] {format_event(ev)}", flush=True)
         if env.is_rank0 and cfg.progress:

@@ -227,6 +227,6 @@ def start_watchdog(cfg, env) -> Watchdog | None:
             with open(metrics, "a") as f:
                 f.write(json.dumps(report) + "\n")
 
-    prefix = f"malleus_wd/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    prefix = f"malleus_wd/{os.environ.get('MALLEUS_DS_ATTEMPT', '0')}"    # base.attempt_store
     return Watchdog(store, env.rank, env.world_size, cfg.hang_timeout_s, on_hang=log,
                     prefix=prefix).start()

@@ -21,7 +21,7 @@ import time
 from ..run_config import ConfigError, RunConfig
 from ..plan import Plan, PlanError
 from .base import DistEnv, RunSummary
-from .checkpoint import Checkpointer, engine_writer
+from .checkpoint import Checkpointer, carried_rates, engine_writer
 from .common import ComputeClock, StepReporter, monitors_to_run_dir
 from .job import job_layout, load_plan
 
@@ -99,6 +99,21 @@ def build_ds_config(cfg: RunConfig, plan: Plan) -> dict:
     return c
 
 
+def device_names(env: DistEnv) -> list[str]:
+    """Every rank's ``host/local_rank``, in rank order (an all-gather): what a checkpoint's
+    rates are keyed by, so they follow the device when a restart renumbers the ranks."""
+    import socket
+
+    import torch.distributed as dist
+
+    me = f"{socket.gethostname()}/{env.local_rank}"
+    if env.world_size == 1:
+        return [me]
+    out: list = [None] * env.world_size
+    dist.all_gather_object(out, me)
+    return [str(x) for x in out]
+
+
 def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     from ..data import build_dataset
     from ..engine.engine import MalleusEngine
@@ -121,6 +136,16 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
                               f"{engine.global_steps} (client state {client!r}), run.json of "
                               f"step {ck.resumed.step}; the folder mixes two saves")
 
+    devices = device_names(env)     # collective: where each rank runs (host/local_rank)
+    if ck.resumed is not None:
+        rates = carried_rates(ck.resumed.meta, devices)
+        if rates is not None and engine.control.carry(rates, ck.start) and env.is_rank0:
+            h = engine.control.s.detect.healthy
+            slow = {d: r for d, r in enumerate(rates) if r is not None and r >= h}
+            print(f"[malleus_ds] rates measured before the restart: {slow}; re-planning "
+                  f"before step {ck.start}", flush=True)
+    if env.is_rank0:
+        ck.extra = lambda: {"rates": engine.measured_rates, "devices": devices}
     write = engine_writer(engine)
 
     clock = ComputeClock(cfg, env)

@@ -19,7 +19,7 @@ import numpy as np
 from malleus_ds.procs import descendants
 from tests.dist.test_checkpoint_cli import ARGS, TRAIN, _reference, _rows
 
-STEPS, EVERY = 16, 2
+STEPS, EVERY = 20, 2
 
 
 def _env_of(pid: int) -> dict[str, str]:
@@ -39,41 +39,42 @@ def _worker(root: int, rank: int) -> int | None:
     return None
 
 
-def _steps_in(run_dir: Path) -> list[int]:
+def _lines_in(run_dir: Path) -> list[dict]:
     f = run_dir / "metrics.jsonl"
-    if not f.is_file():
-        return []
     out = []
-    for line in f.read_text().splitlines():
+    for line in (f.read_text().splitlines() if f.is_file() else ()):
         try:
-            r = json.loads(line)
+            out.append(json.loads(line))
         except ValueError:
-            continue
-        if "event" not in r:
-            out.append(r["step"])
+            continue            # being written
     return out
 
 
 def test_a_rank_killed_mid_run_restarts_from_the_latest_checkpoint(tmp_path):
     """4 ranks, ``max_restarts=2`` (our launcher, torchrun --max-restarts underneath),
-    ``checkpoint.every=2``, ``resume=auto``; rank 2 gets SIGKILL after step 3. The job exits 0
-    after all steps, metrics.jsonl holds every step once with the reference losses, and a
-    restart event says from which checkpoint and how many steps were run again."""
+    ``checkpoint.every=2``, ``resume=auto``, rank 1 a straggler (4x) that the adaptive loop
+    plans around; rank 2 gets SIGKILL a step after that switch. The job exits 0 after all steps,
+    metrics.jsonl holds every step once with the reference losses, a restart event says from
+    which checkpoint and how many steps were run again, and the restarted run plans around
+    rank 1 before its first step from the rates the checkpoint carried (trigger ``carried``)."""
     ck, run = tmp_path / "ck", tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         env.pop(k, None)
     cmd = [sys.executable, TRAIN, *ARGS, "nproc_per_node=4", "max_restarts=2", "engine=malleus",
            "plan=static", f"train.steps={STEPS}", f"checkpoint.dir={ck}",
-           f"checkpoint.every={EVERY}", "checkpoint.resume=auto", f"hydra.run.dir={run}"]
+           f"checkpoint.every={EVERY}", "checkpoint.resume=auto", f"hydra.run.dir={run}",
+           "straggler.schedule=[{rank:1,rate:4.0}]"]
     p = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     killed = None
     deadline = time.monotonic() + 240
     try:
         while killed is None and time.monotonic() < deadline and p.poll() is None:
-            seen = _steps_in(run)
-            if seen and max(seen) >= 3:       # steps 0-3 done: the step-2 checkpoint is saved
+            lines = _lines_in(run)
+            moved = [r["step"] for r in lines if r.get("event") == "migrate"]
+            seen = [r["step"] for r in lines if "event" not in r]
+            if moved and seen and max(seen) >= moved[0] + 1:   # a step and a save after it
                 pid = _worker(p.pid, 2)
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
@@ -108,3 +109,10 @@ def test_a_rank_killed_mid_run_restarts_from_the_latest_checkpoint(tmp_path):
     assert "checkpoint.resume=auto: starting fresh at step 0" in out
     assert f"restart 1: continuing from step {ev['from_step']} on 4 rank(s)" in out
     assert (ck / "latest").read_text() == f"global_step{STEPS}"
+    # the rates measured before the failure came back with the checkpoint: rank 1 is planned
+    # around before the first resumed step, not found again
+    after = rows[at:]
+    carried = [r for r in after if r.get("event") == "replan"][0]
+    assert (carried["trigger"], carried["step"]) == ("carried", ev["from_step"]), carried
+    assert carried["measured_rates"][1] > 2.0 and carried.get("adopted", True), carried
+    assert "rates measured before the restart: {1: " in out

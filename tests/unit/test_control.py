@@ -116,6 +116,11 @@ def test_cost_rule():
     assert decide(pr, cur, new, "forced", [1] * 4, 5, 0.1, 1.0, 1, 1e9, s).plan is not None
     assert decide(pr, cur, cur, "change", [1] * 4, 5, 0.1, 1.0, 0, 0.0, s).plan is None
     assert decide(pr, cur, new, "onset", [1] * 4, 5, 0.1, None, 1, 0.0, s).plan is None
+    # rates a checkpoint carried: adopted before any step is timed (the planner only answers
+    # with a plan min_improvement better), and never the running plan again
+    carried = decide(pr, cur, new, "carried", [1, 1, 1, 5], 6, 0.1, None, 1, 0.0, s)
+    assert carried.plan is not None and "carried" in carried.event["reason"]
+    assert decide(pr, cur, cur, "carried", [1, 1, 1, 5], 6, 0.1, None, 1, 0.0, s).plan is None
 
 
 def test_worker_forced_gives_another_valid_plan_and_errors_are_answers():
@@ -333,3 +338,34 @@ def test_the_planner_worker_is_found_from_the_checkout():
         assert (Path(first) / "malleus_ds" / "planner" / "worker.py").is_file(), first
     finally:
         c.close()
+
+
+def test_carried_rates_schedule_a_replan_before_the_first_resumed_step():
+    plan = static_plan(4, 8, 1, 1, 1, 4)
+    ctl = Controller(_engine(plan), AdaptiveSettings(replan_at=(9,)))
+    try:
+        assert ctl.carry([1.0, 4.2, None, 1.05], 6)
+        assert ctl.forced == [6, 9] and ctl._carried_at == 6
+        assert ctl.measured[1] == 4.2 and np.isnan(ctl.measured[2])
+        healthy = Controller(_engine(plan), AdaptiveSettings())
+        assert not healthy.carry([1.0, 1.1, 1.0, None], 6) and healthy.forced == []
+        assert healthy.measured[1] == 1.1                  # still the measurement to start from
+        assert not healthy.carry([4.0, 1.0], 6)            # another world: not these ranks
+        off = Controller(_engine(plan), AdaptiveSettings(enabled=False))
+        assert not off.carry([1.0, 4.0, 1.0, 1.0], 6) and off.forced == []
+    finally:
+        ctl.close()
+
+
+def test_carried_rates_follow_the_device_and_fall_back_to_ranks():
+    from malleus_ds.runners.checkpoint import carried_rates
+
+    meta = {"rates": [1.0, 4.0, None, 1.0], "devices": ["a/0", "a/1", "b/0", "b/1"]}
+    # a restart renumbered the ranks: the slow device keeps its rate
+    assert carried_rates(meta, ["b/0", "b/1", "a/0", "a/1"]) == [None, 1.0, 1.0, 4.0]
+    assert carried_rates(meta, ["a/0", "a/1"]) == [1.0, 4.0]           # node b left
+    # two emulated nodes on one host: names repeat, so only the same world maps (by rank)
+    same = dict(meta, devices=["h/0", "h/1", "h/0", "h/1"])
+    assert carried_rates(same, ["h/0", "h/1", "h/0", "h/1"]) == [1.0, 4.0, None, 1.0]
+    assert carried_rates(same, ["h/0", "h/1"]) is None
+    assert carried_rates({"step": 3}, ["a/0"]) is None                # saved before rates existed

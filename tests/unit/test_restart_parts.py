@@ -32,6 +32,7 @@ def test_a_continuing_run_keeps_earlier_steps_and_drops_what_it_redoes(tmp_path)
     (tmp_path / "metrics.jsonl").write_text(_lines(*old) + '{"step": 4, "lo')   # cut short
     w = MetricsWriter(tmp_path, keep_before=2)
     assert w.dropped_steps == 2                      # steps 2 and 3 are run again
+    assert (w.kept_lines, w.restarts_before) == (4, 0)
     w.write_event({"event": "restart", "attempt": 1, "from_step": 2, "world": 4,
                    "lost_steps": w.dropped_steps})
     for k in (2, 3, 4):
@@ -41,6 +42,9 @@ def test_a_continuing_run_keeps_earlier_steps_and_drops_what_it_redoes(tmp_path)
     assert [s["step"] for s in steps] == [0, 1, 2, 3, 4]             # each step once
     # the checkpoint resumed from and the step-less hang report stay; the lost replan goes
     assert [e["event"] for e in events] == ["checkpoint", "hang", "restart"]
+    again = MetricsWriter(tmp_path, keep_before=4)   # a second restart counts the first
+    assert (again.restarts_before, again.dropped_steps) == (1, 1)
+    again.close()
     # a fresh start (no keep_before) starts the file empty, as before
     MetricsWriter(tmp_path).close()
     assert (tmp_path / "metrics.jsonl").read_text() == ""
@@ -53,20 +57,34 @@ def test_the_restart_event_reads_as_a_sentence():
     assert format_event(ev, short=True) == "restart 2"
 
 
-def test_the_attempt_store_prefixes_keys_by_restart_under_the_agent_store():
+def test_each_attempt_gets_a_store_of_its_own_and_never_reads_a_dead_one():
+    """Under torchrun's agent store rank 0 hosts a store for the attempt and publishes it; a
+    rank that first finds a dead attempt's entry keeps looking until the live one answers."""
+    import socket
+    import threading
+    from datetime import timedelta
+
     import torch.distributed as dist
 
-    assert attempt_store(DistEnv(), None, environ={}) is None      # env:// as usual
-    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    assert attempt_store(DistEnv(), None, environ={}) == (None, "0")     # env:// as usual
+    agent = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(server.port)}
-    from datetime import timedelta
-    first = attempt_store(DistEnv(world_size=1, restart=0), timedelta(seconds=5), env)
-    second = attempt_store(DistEnv(world_size=1, restart=1), timedelta(seconds=5), env)
-    first.set("rank0/addr", "dead:1")
-    assert not second.check(["rank0/addr"])          # a restart never reads the dead attempt
-    assert server.get("malleus/attempt0/rank0/addr") == b"dead:1"
-
+           "MASTER_PORT": str(agent.port)}
+    with socket.socket() as sk:         # a port nothing listens on: the dead attempt's store
+        sk.bind(("127.0.0.1", 0))
+        dead_port = sk.getsockname()[1]
+    agent.set("malleus/attempt", f"deadbeef {dead_port}")
+    got = {}
+    other = threading.Thread(target=lambda: got.update(r1=attempt_store(
+        DistEnv(rank=1, world_size=2), timedelta(seconds=30), env)))
+    other.start()
+    time.sleep(0.5)                     # rank 1 meets the stale entry first (or not: same end)
+    own, token = attempt_store(DistEnv(rank=0, world_size=2), timedelta(seconds=30), env)
+    other.join(60)
+    store1, token1 = got["r1"]
+    assert token1 == token != "deadbeef"
+    store1.set("rank1/addr", "live:1")
+    assert own.get("rank1/addr") == b"live:1"      # one store, this attempt's
 
 def test_dist_env_reads_the_restart_count(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
@@ -147,3 +165,29 @@ def test_gone_peers_sees_a_dead_process_on_this_host_and_a_silent_one_elsewhere(
     seen[3] = (5, time.monotonic() - dog.frozen_after - 1)
     assert dog.gone_peers(seen) == [2, 3]            # rank 3's tick unchanged too long
     assert start_time(me["pid"]) == me["started"]
+
+
+def test_the_watchdog_reports_a_dead_rank_on_its_host_at_once():
+    """No launcher signals a survivor when a whole node is lost: rank 0 sees the dead process
+    on its host in its next look, not after hang_timeout_s."""
+    import torch.distributed as dist
+
+    from malleus_ds.watchdog import Watchdog, format_hang, whoami
+
+    store = dist.HashStore()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    me = whoami()
+    rec = {"host": me["host"], "pid": dead.pid, "started": 1, "tick": 3, "progress": 9,
+           "step": 7, "phase": "all-reduce", "done": False}
+    store.set("malleus_wd/hb/1", json.dumps(rec))
+    exits, logged = [], []
+    dog = Watchdog(store, 0, 2, 300.0, interval_s=0.05, exit=exits.append,
+                   on_hang=logged.append)
+    dog.start()
+    deadline = time.monotonic() + 20
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dog.stop()
+    assert exits == [3] and logged[0]["gone"] and logged[0]["stuck"][0]["rank"] == 1
+    assert format_hang(logged[0]).startswith("rank(s) gone: rank 1 in step 7 (all-reduce)")

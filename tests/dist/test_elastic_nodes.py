@@ -1,0 +1,116 @@
+"""A node leaves and the job shrinks (issue 20, item 3).
+
+Two torchrun agents on this machine emulate two nodes of 2 ranks each (``--nnodes 1:2``, c10d
+rendezvous on 127.0.0.1). The first agent started hosts the rendezvous store and survives; the
+second one, agent and workers, is killed with SIGKILL once metrics.jsonl shows a step after a
+checkpoint. The survivors see the dead ranks' processes gone (the watchdog, at once: no launcher
+of theirs signals them), exit, and their torchrun restarts them on a world of 2, which resume
+from the latest checkpoint under a layout for 2 ranks with the same training math.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from malleus_ds.procs import descendants
+from tests.dist.test_checkpoint_cli import ARGS, TRAIN, _reference, _rows
+
+STEPS = 24
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _agent(port: int, run: Path, ck: Path, cwd: Path, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", LOGLEVEL="INFO")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
+           "--rdzv-conf=last_call_timeout=5", "--max-restarts=3", "--monitor-interval=0.2",
+           TRAIN, *ARGS, "engine=malleus", "plan=static", f"train.steps={STEPS}",
+           f"checkpoint.dir={ck}", "checkpoint.every=2", "checkpoint.resume=auto",
+           f"hydra.run.dir={run}", "hang_timeout_s=30"]
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _kill_node(p: subprocess.Popen) -> None:
+    """The node is lost: its agent and its workers (in sessions of their own), at once."""
+    for pid in [p.pid] + descendants(p.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.wait(30)
+
+
+def _lines(run: Path) -> list[dict]:
+    f = run / "metrics.jsonl"
+    out = []
+    for line in (f.read_text().splitlines() if f.is_file() else ()):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def _wait_for(cond, deadline: float, procs) -> bool:
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        if any(p.poll() not in (None,) for p in procs):
+            return cond()
+        time.sleep(0.05)
+    return False
+
+
+def _world_of(rows: list[dict]) -> dict[int, int]:
+    return {r["step"]: len(r["compute_s"]) for r in rows if "event" not in r}
+
+
+def test_a_node_leaves_and_the_job_shrinks_to_the_survivors(tmp_path):
+    run, ck, port = tmp_path / "run", tmp_path / "ck", _free_port()
+    a = _agent(port, run, ck, tmp_path, tmp_path / "a.log")
+    time.sleep(0.5)                    # a hosts the rendezvous store: it starts first
+    b = _agent(port, run, ck, tmp_path, tmp_path / "b.log")
+    deadline = time.monotonic() + 300
+    try:
+        # 4 ranks training, past a checkpoint
+        assert _wait_for(lambda: [s for s in _world_of(_lines(run)).items()
+                                  if s[0] >= 3 and s[1] == 4], deadline, [a, b]), \
+            (tmp_path / "a.log").read_text()[-3000:]
+        _kill_node(b)
+        a.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                _kill_node(p)
+    log = (tmp_path / "a.log").read_text()
+    assert a.returncode == 0, log[-4000:]
+    rows = _rows(run)
+    steps = [r for r in rows if "event" not in r]
+    assert [r["step"] for r in steps] == list(range(STEPS)), [r.get("step") for r in rows]
+    np.testing.assert_allclose([r["loss"] for r in steps], _reference(STEPS), rtol=1e-5)
+    worlds = _world_of(rows)
+    restarts = [r for r in rows if r.get("event") == "restart"]
+    assert len(restarts) == 1 and restarts[0]["world"] == 2, restarts
+    shrunk_at = restarts[0]["from_step"]
+    assert shrunk_at % 2 == 0 and shrunk_at >= 2
+    assert {w for s, w in worlds.items() if s < shrunk_at} == {4}, worlds
+    assert {w for s, w in worlds.items() if s >= shrunk_at} == {2}, worlds
+    gone = [r for r in rows if r.get("event") == "hang"]
+    assert gone and "process is gone" in gone[0]["reason"], gone
+    assert sorted(s["rank"] for s in gone[0]["stuck"]) in ([2, 3], [0, 1]), gone

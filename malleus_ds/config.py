@@ -233,8 +233,11 @@ def _checkpoint(c: Mapping[str, Any]) -> CheckpointConfig:
                 f"checkpoint.resume={'auto' if resume == 'auto' else 'true'}")
         raise ConfigError(f"{what} needs checkpoint.dir (the folder to save to / resume from); "
                           f"set checkpoint.dir=PATH")
+    background = True if c.get("background") is None else c["background"]
+    if not isinstance(background, bool):
+        raise ConfigError(f"checkpoint.background={background!r} must be true or false")
     return CheckpointConfig(dir=None if d is None else os.path.abspath(os.fspath(d)),
-                            every=every, resume=resume)
+                            every=every, resume=resume, background=background)
 
 
 def _train(t: Mapping[str, Any]) -> TrainConfig:

@@ -85,6 +85,7 @@ class CheckpointConfig:
     every: int = 0                      # save every N optimizer steps; 0 = only at the end
     resume: bool | str = False          # True: continue from ``dir/latest`` (an error if none);
                                         # "auto": continue if there is one, else start fresh
+    background: bool = True             # engine=malleus: write while training goes on
 
     @property
     def enabled(self) -> bool:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import json
 import os
 from bisect import bisect_right
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -115,16 +116,29 @@ def _engine_state(engine, meta: dict, client_state) -> dict:
             "client_state": client_state or {}}
 
 
-def _write_rank_file(engine, path: Path, meta: dict, state: dict) -> None:
-    """This rank's file (module docstring); its CPU copies are freed on return."""
-    payload = {"format": FORMAT, "save_id": meta["save_id"], "rank": engine.global_rank,
-               "meta": meta, "engine": state, "slices": _held_slices(engine)}
-    atomic_write(path, lambda f: torch.save(payload, f))
+@dataclass
+class Snapshot:
+    """One rank's part of a save, copied to host memory at a step boundary
+    (:func:`snapshot_checkpoint`); :func:`write_snapshot` writes and commits it, on this thread
+    or in the background while training goes on. Holds no reference to the engine."""
+
+    save_dir: Path
+    tag: str
+    rank: int
+    meta: dict
+    payload: dict               # the rank file (module docstring): host tensors, plain data
+    save_latest: bool
+
+    @property
+    def dir(self) -> Path:
+        return self.save_dir / self.tag
 
 
-def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True
-                    ) -> bool:
-    """See the module docstring. Collective."""
+def snapshot_checkpoint(engine, save_dir, tag=None, client_state=None,
+                        save_latest: bool = True) -> Snapshot:
+    """The collective, step-boundary part of a save: Adam's step and the save id agreed, the
+    engine state checked to be plain data, the tag folder prepared (an older save under it
+    uncommitted), and this rank's holdings copied to host memory. Collective."""
     rank, world = engine.global_rank, engine.world_size
     plan, rt, prec = engine.plan, engine.runtime, engine.precision
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
@@ -155,19 +169,41 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     except OSError as e:
         err = f"cannot prepare {d}: {e}"
     _agree_or_raise(engine, err, f"save_checkpoint({d})")
+    payload = {"format": FORMAT, "save_id": sid, "rank": rank, "meta": meta, "engine": state,
+               "slices": _held_slices(engine)}
+    return Snapshot(Path(save_dir), tag, rank, meta, payload, save_latest)
+
+
+def write_snapshot(snap: Snapshot, agree=None) -> None:
+    """Write ``snap``'s rank file, then rank 0 commits ``meta.json`` (and ``latest`` with
+    ``save_latest``) once every rank's file is complete. ``agree(err, what)``: every rank learns
+    whether any failed and raises (default: the default group's agreement; a background writer
+    passes one of its own so its calls never interleave with the training thread's). No
+    collective: safe on a thread of its own."""
+    agree = agree or (lambda err, what: raise_if_any_failed(what.split("(", 1)[0], err, what,
+                                                             CheckpointError))
+    d, rank, err = snap.dir, snap.rank, None
     try:
-        _write_rank_file(engine, rank_file(d, rank), meta, state)
-    except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
+        atomic_write(rank_file(d, rank), lambda f: torch.save(snap.payload, f))
+    except Exception as e:  # noqa: BLE001 - reported on every rank by agree
         err = f"rank {rank} could not write {rank_file(d, rank)}: {type(e).__name__}: {e}"
-    _agree_or_raise(engine, err, f"save_checkpoint({d})")        # every rank file is complete
+    snap.payload = {}       # the host copies go as soon as they are on disk
+    agree(err, f"save_checkpoint({d})")        # every rank file is complete
     if rank == 0:
         try:
-            atomic_write(d / META, lambda f: f.write(json.dumps(meta, indent=1) + "\n"), "w")
-            if save_latest:
-                atomic_write(Path(save_dir) / LATEST, lambda f: f.write(tag), "w")
+            atomic_write(d / META, lambda f: f.write(json.dumps(snap.meta, indent=1) + "\n"), "w")
+            if snap.save_latest:
+                atomic_write(snap.save_dir / LATEST, lambda f: f.write(snap.tag), "w")
         except OSError as e:
             err = f"rank 0 could not commit {d / META}: {e}"
-    _agree_or_raise(engine, err, f"save_checkpoint({d})")        # `latest` names a committed checkpoint
+    agree(err, f"save_checkpoint({d})")        # `latest` names a committed checkpoint
+
+
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True
+                    ) -> bool:
+    """See the module docstring: :func:`snapshot_checkpoint` then :func:`write_snapshot`, on
+    this thread. Collective."""
+    write_snapshot(snapshot_checkpoint(engine, save_dir, tag, client_state, save_latest))
     return True
 
 

@@ -62,6 +62,14 @@ class EngineState:
         from .checkpoint import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
+    def snapshot_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
+        """The step-boundary half of :meth:`save_checkpoint`: this rank's state copied to host
+        memory and the tag folder prepared (collective). ``engine.checkpoint.write_snapshot``
+        writes and commits the returned snapshot, also from a background thread while training
+        goes on (``runners/checkpoint.py`` does, by default). See ``engine/checkpoint.py``."""
+        from .checkpoint import snapshot_checkpoint
+        return snapshot_checkpoint(self, save_dir, tag, client_state, save_latest)
+
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,
                         load_lr_scheduler_states=True, **_kw):
         """Load what :meth:`save_checkpoint` wrote, under this engine's plan, ZeRO stage,

@@ -271,11 +271,11 @@ Writer = Callable[[Path, str, int], None]
 
 def engine_writer(engine) -> Writer:
     """A :data:`Writer` for an engine with DeepSpeed's ``save_checkpoint`` (stock DeepSpeed and
-    MalleusEngine): the engine's own files with the step as client state; the app writes
-    ``latest`` itself, after ``run.json``."""
-    def write(root, tag: str, done: int) -> None:
-        engine.save_checkpoint(str(root), tag=tag, client_state={"step": done}, save_latest=False)
-    return write
+    MalleusEngine; ``background_save.EngineWriter``, which also splits a save for the
+    background where the engine can)."""
+    from .background_save import EngineWriter
+
+    return EngineWriter(engine)
 
 
 class Checkpointer:
@@ -301,6 +301,10 @@ class Checkpointer:
         #: rank 0: more of ``run.json`` at each save (engine=malleus: the measured rates)
         self.extra: Callable[[], dict] | None = None
         c = cfg.checkpoint
+        self._background = None     # background_save.BackgroundSaves (checkpoint.background)
+        if c.enabled and c.background:
+            from .background_save import BackgroundSaves
+            self._background = BackgroundSaves(env.rank, env.world_size, CheckpointSaveError)
         if c.enabled and not c.resume and env.is_rank0:
             try:
                 old = read_saved(Path(c.dir))
@@ -322,6 +326,7 @@ class Checkpointer:
 
             if c.enabled and self.last_saved != done:
                 self.save(done, write, reporter)
+            self.wait(reporter)                 # the checkpoint named below is committed
             reporter.close()
             raise Stopped(reporter.stop_signal, done,
                           str(Path(c.dir) / tag_of(done)) if c.enabled else None)
@@ -330,6 +335,18 @@ class Checkpointer:
         """The end-of-run save (when ``checkpoint.dir`` is set and it has not just saved)."""
         if self.cfg.checkpoint.enabled and done > self.start and self.last_saved != done:
             self.save(done, write, reporter)
+        self.wait(reporter)
+
+    def wait(self, reporter=None) -> None:
+        """The background save in flight (``checkpoint.background``), written and committed;
+        its error raised on every rank. No-op without one."""
+        if self._background is None or self._background.current is None:
+            return
+        with phase("checkpoint"):       # patient: a big write is slow, not hung
+            job = self._background.wait()
+        self.tags.append(job.tag)
+        if reporter is not None:
+            reporter.note(dict(job.event, write_s=round(job.write_s, 6)))
 
     def save(self, done: int, write: Writer, reporter=None) -> None:
         """``write`` the engine state into ``dir/global_step{done}``, then rank 0 commits it:
@@ -338,6 +355,7 @@ class Checkpointer:
             self._save(done, write, reporter)
 
     def _save(self, done: int, write: Writer, reporter=None) -> None:
+        self.wait(reporter)         # one save in flight at a time
         t0 = time.perf_counter()
         root, tag = Path(self.cfg.checkpoint.dir), tag_of(done)
         err = None
@@ -348,24 +366,42 @@ class Checkpointer:
             except OSError as e:
                 err = f"cannot prepare {root / tag}: {e}"
         _raise_first_error(self.env, err, f"saving checkpoint {root / tag}")
+        # rank 0's record is taken now, at the step it describes (rates included)
+        rec = dict(run_record(self.cfg, done), **(self.extra() if self.extra else {})) \
+            if self.env.is_rank0 else None
+
+        def commit() -> str | None:     # rank 0, after every rank's engine files
+            try:
+                atomic_write_text(root / tag / RUN_FILE, json.dumps(rec, indent=1) + "\n")
+                atomic_write_text(root / LATEST, tag)
+            except OSError as e:
+                return f"cannot commit {root / tag / RUN_FILE}: {e}"
+            return None
+
+        event = {"event": "checkpoint", "step": done, "path": str(root / tag)}
+        self.last_saved = done
+        if self._background is not None and getattr(write, "can_snapshot", False):
+            from .background_save import InFlight
+            try:
+                persist = write.snapshot(root, tag, done)     # collective: host copies
+            except Exception as e:  # noqa: BLE001 - the engine agreed it on every rank
+                raise CheckpointSaveError(f"saving checkpoint {root / tag} failed: {e}") from None
+            pause = time.perf_counter() - t0
+            job = InFlight(done, tag, root / tag, t0,
+                           event=dict(event, seconds=round(pause, 6), background=True))
+            self._background.start(job, persist, commit)
+            return
         try:
             write(root, tag, done)
         except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
             err = f"{type(e).__name__}: {e}"
         _raise_first_error(self.env, err, f"saving checkpoint {root / tag}")
         if self.env.is_rank0:
-            try:
-                rec = dict(run_record(self.cfg, done), **(self.extra() if self.extra else {}))
-                atomic_write_text(root / tag / RUN_FILE, json.dumps(rec, indent=1) + "\n")
-                atomic_write_text(root / LATEST, tag)
-            except OSError as e:
-                err = f"cannot commit {root / tag / RUN_FILE}: {e}"
+            err = commit()
         _raise_first_error(self.env, err, f"saving checkpoint {root / tag}")
         self.tags.append(tag)
-        self.last_saved = done
         if reporter is not None:
-            reporter.note({"event": "checkpoint", "step": done, "path": str(root / tag),
-                           "seconds": round(time.perf_counter() - t0, 6)})
+            reporter.note(dict(event, seconds=round(time.perf_counter() - t0, 6)))
 
     def summary(self) -> dict:
         """``RunSummary.extra`` entries for :func:`common.format_summary`."""

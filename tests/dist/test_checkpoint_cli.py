@@ -76,8 +76,10 @@ def test_malleus_resumes_under_another_plan_and_world_size(tmp_path):
     # the every=3 save is also the end-of-run one: saved once
     assert [r["step"] for r in _rows(a) if r.get("event") == "checkpoint"] == [3]
 
+    # the scripted switches alone: the adaptive loop off, so no re-plan from the rates the
+    # checkpoint carried (tests/dist/test_restart.py checks those)
     p = _launch(2, ["engine=malleus", "plan=static", "train.steps=6", f"checkpoint.dir={ck}",
-                    "checkpoint.resume=true", f"hydra.run.dir={b}",
+                    "checkpoint.resume=true", f"hydra.run.dir={b}", "malleus.adaptive=false",
                     f"malleus.switch=[{{step:1,plan:{tp2}}},{{step:4,plan:{pp2}}}]"], tmp_path)
     _ok(p)
     first, second = _steps(a), _steps(b)

@@ -16,27 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from malleus_ds.procs import descendants
+from malleus_ds.procs import descendants, rank_pid
 from tests.dist.test_checkpoint_cli import ARGS, TRAIN, _reference, _rows
 
 STEPS, EVERY = 20, 2
-
-
-def _env_of(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
-
-
-def _worker(root: int, rank: int) -> int | None:
-    """The pid of the training process of ``rank`` below ``root`` (torchrun's workers)."""
-    for pid in descendants(root):
-        env = _env_of(pid)
-        if env.get("RANK") == str(rank) and "TORCHELASTIC_RESTART_COUNT" in env:
-            return pid
-    return None
 
 
 def _lines_in(run_dir: Path) -> list[dict]:
@@ -75,7 +58,7 @@ def test_a_rank_killed_mid_run_restarts_from_the_latest_checkpoint(tmp_path):
             moved = [r["step"] for r in lines if r.get("event") == "migrate"]
             seen = [r["step"] for r in lines if "event" not in r]
             if moved and seen and max(seen) >= moved[0] + 1:   # a step and a save after it
-                pid = _worker(p.pid, 2)
+                pid = rank_pid(p.pid, 2)
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
                     killed = max(seen)

@@ -18,17 +18,17 @@ from tests.unit.test_config import cfg
 
 
 def test_defaults_and_relative_dir(tmp_path, monkeypatch):
-    assert cfg().checkpoint == CheckpointConfig(None, 0, False)
+    assert cfg().checkpoint == CheckpointConfig(None, 0, False, True)
     assert not cfg().checkpoint.enabled
     monkeypatch.chdir(tmp_path)
     c = cfg(checkpoint={"dir": "ck", "every": 5}).checkpoint
-    assert c == CheckpointConfig(str(tmp_path / "ck"), 5, False) and c.enabled
+    assert c == CheckpointConfig(str(tmp_path / "ck"), 5, False, True) and c.enabled
     assert cfg(checkpoint={"dir": 2024}).checkpoint.dir == str(tmp_path / "2024")
 
 
 @pytest.mark.parametrize("section,pattern", [
     ({"dir": "x", "evry": 2}, r"checkpoint has unknown fields \['evry'\]; allowed: "
-                              r"\['dir', 'every', 'resume'\]"),
+                              r"\['dir', 'every', 'resume', 'background'\]"),
     ({"dir": "x", "every": -1}, r"checkpoint.every=-1 must be >= 0"),
     ({"dir": "x", "every": 1.5}, r"checkpoint.every=1.5 must be an integer"),
     ({"dir": "x", "resume": "yes"}, r"checkpoint.resume='yes' must be true, false or auto"),
@@ -52,7 +52,7 @@ def test_default_yaml_has_the_section():
         c = compose(config_name="config", overrides=["checkpoint.dir=/tmp/x",
                                                      "checkpoint.every=2"])
     assert OmegaConf.to_container(c)["checkpoint"] == {"dir": "/tmp/x", "every": 2,
-                                                       "resume": False}
+                                                       "resume": False, "background": True}
 
 
 def _save(tmp_path, step=3, **kw):
@@ -198,3 +198,71 @@ def test_summary_lines():
     assert "resumed from step 4: /ck/global_step4" in text
     assert ("checkpoints: 6 saved to /ck (global_step5, ..., global_step10; "
             "latest = global_step10)") in text
+
+
+class _SlowWriter:
+    """A writer whose save splits like MalleusEngine's: the snapshot returns at once, the write
+    waits for the test to let it go (event-driven, no timing)."""
+
+    can_snapshot = True
+
+    def __init__(self, fail_at=None):
+        import threading
+        from collections import defaultdict
+
+        self.go, self.snaps, self.fail_at = defaultdict(threading.Event), [], fail_at
+
+    def __call__(self, root, tag, done):
+        raise AssertionError("the background path never saves on the training thread")
+
+    def snapshot(self, root, tag, done):
+        self.snaps.append(done)
+
+        def persist(agree):
+            assert self.go[done].wait(30)
+            err = None
+            if done == self.fail_at:
+                err = "rank 0 could not write: OSError: disk full"
+            else:
+                (root / tag / "engine.pt").write_text(str(done))
+            agree(err, f"save_checkpoint({root / tag})")
+        return persist
+
+
+def test_a_background_save_commits_after_training_went_on_and_never_half(tmp_path):
+    c = cfg(checkpoint={"dir": str(tmp_path), "every": 2}, train={"steps": 6})
+    assert c.checkpoint.background
+    ck, w = Checkpointer(c, DistEnv()), _SlowWriter()
+    ck.after_step(1, w)
+    ck.after_step(2, w)                         # snapshot taken, write in flight
+    assert w.snaps == [2] and not (tmp_path / "latest").exists()
+    ck.after_step(3, w)                         # training goes on meanwhile
+    assert not (tmp_path / "global_step2" / RUN_FILE).exists()
+    w.go[2].set()
+    ck.after_step(4, w)                         # the next save waits for the one in flight
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    assert json.loads((tmp_path / "global_step2" / RUN_FILE).read_text())["step"] == 2
+    w.go[4].set()
+    w.go[6].set()
+    ck.finish(6, w)                             # the end-of-run save, and the wait for it
+    assert (tmp_path / "latest").read_text() == "global_step6"
+    assert ck.summary()["checkpoints"]["tags"] == ["global_step2", "global_step4",
+                                                   "global_step6"]
+
+
+def test_a_failed_background_write_is_raised_at_the_next_wait_and_commits_nothing(tmp_path):
+    _save(tmp_path, 2)
+    c = cfg(checkpoint={"dir": str(tmp_path), "every": 2}, train={"steps": 6})
+    ck, w = Checkpointer(c, DistEnv()), _SlowWriter(fail_at=4)
+    ck.after_step(4, w)
+    w.go[4].set()
+    with pytest.raises(CheckpointSaveError, match=r"global_step4\) failed on rank\(s\) \[0\]: "
+                                                  r"rank 0: rank 0 could not write"):
+        ck.wait()
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    assert not (tmp_path / "global_step4" / RUN_FILE).exists()
+    sync = cfg(checkpoint={"dir": str(tmp_path), "background": False})
+    assert not sync.checkpoint.background
+    seen = []
+    Checkpointer(sync, DistEnv()).save(8, lambda root, tag, done: seen.append(done))
+    assert seen == [8] and (tmp_path / "latest").read_text() == "global_step8"

@@ -355,8 +355,8 @@ class Checkpointer:
             self._save(done, write, reporter)
 
     def _save(self, done: int, write: Writer, reporter=None) -> None:
+        t0 = time.perf_counter()    # "seconds": what this save holds the training thread
         self.wait(reporter)         # one save in flight at a time
-        t0 = time.perf_counter()
         root, tag = Path(self.cfg.checkpoint.dir), tag_of(done)
         err = None
         if self.env.is_rank0:       # an older save under this tag is uncommitted from here on

@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -31,19 +30,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from malleus_ds.metrics import read_live  # noqa: E402
 from malleus_ds.procs import descendants, rank_pid  # noqa: E402
 
 TRAIN = str(REPO / "launch" / "train.py")
-
-
-def _lines(f: Path) -> list[dict]:
-    out = []
-    for x in (f.read_text().splitlines() if f.is_file() else ()):
-        try:
-            out.append(json.loads(x))
-        except ValueError:
-            pass
-    return out
 
 
 def _env() -> dict:
@@ -65,7 +55,7 @@ def step_time(a, tmp: Path, name: str, extra: list[str]) -> float:
                        capture_output=True, text=True, timeout=1800)
     if p.returncode != 0:
         raise SystemExit(f"{name}: exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
-    rows = _lines(run / "metrics.jsonl")
+    rows = read_live(run)
     # the training thread's time per step: the step itself plus what each save held it (a
     # save on the step: all of it; in the background: the wait for the previous write and
     # the copy to host memory); the background write's effect shows in the step times
@@ -100,7 +90,7 @@ def _first_step_after(run: Path, t_kill: float, restarted: bool, timeout: float 
     """Seconds from ``t_kill`` until metrics.jsonl has a step line of the continued run: after
     its ``restart`` event (``restarted``), or any (a new run folder)."""
     while time.monotonic() - t_kill < timeout:
-        rows = _lines(run / "metrics.jsonl")
+        rows = read_live(run)
         marks = [i for i, r in enumerate(rows) if r.get("event") == "restart"]
         after = rows[marks[-1] + 1:] if marks else ([] if restarted else rows)
         if any("event" not in r for r in after):
@@ -111,7 +101,7 @@ def _first_step_after(run: Path, t_kill: float, restarted: bool, timeout: float 
 
 def _kill_after(p: subprocess.Popen, run: Path, steps: int) -> float:
     while True:
-        rows = _lines(run / "metrics.jsonl")
+        rows = read_live(run)
         if sum("event" not in r for r in rows) >= steps:
             pid = rank_pid(p.pid, 1)
             if pid is not None:

@@ -174,6 +174,27 @@ class MetricsWriter:
             self._f = None
 
 
+def read_live(path: str | Path) -> list[dict]:
+    """The lines of a metrics.jsonl (or its run folder) that a live run is writing: every
+    complete JSON object so far, in order; a half-written last line and a missing file give
+    nothing for it. Unchecked (watching a run: tests, benches); :func:`read_metrics_file`
+    is the checked reader of a finished one."""
+    f = metrics_path(path)
+    out = []
+    try:
+        text = f.read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
+
+
 #: keys every step line has (in the order a message lists the missing ones)
 STEP_KEYS = ("step", "step_time_s", "samples")
 #: event kinds anchored to a step: their line must carry a numeric ``"step"``

@@ -9,7 +9,6 @@ from the latest checkpoint under a layout for 2 ranks with the same training mat
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from malleus_ds.metrics import read_live
 from malleus_ds.procs import descendants
 from tests.dist.test_checkpoint_cli import ARGS, TRAIN, _reference, _rows
 
@@ -56,17 +56,6 @@ def _kill_node(p: subprocess.Popen) -> None:
     p.wait(30)
 
 
-def _lines(run: Path) -> list[dict]:
-    f = run / "metrics.jsonl"
-    out = []
-    for line in (f.read_text().splitlines() if f.is_file() else ()):
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
-
-
 def _wait_for(cond, deadline: float, procs) -> bool:
     while time.monotonic() < deadline:
         if cond():
@@ -89,7 +78,7 @@ def test_a_node_leaves_and_the_job_shrinks_to_the_survivors(tmp_path):
     deadline = time.monotonic() + 300
     try:
         # 4 ranks training, past a checkpoint
-        assert _wait_for(lambda: [s for s in _world_of(_lines(run)).items()
+        assert _wait_for(lambda: [s for s in _world_of(read_live(run)).items()
                                   if s[0] >= 3 and s[1] == 4], deadline, [a, b]), \
             (tmp_path / "a.log").read_text()[-3000:]
         _kill_node(b)

@@ -6,31 +6,19 @@ once metrics.jsonl shows a step after the first checkpoint, whatever the machine
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
+from malleus_ds.metrics import read_live
 from malleus_ds.procs import descendants, rank_pid
 from tests.dist.test_checkpoint_cli import ARGS, TRAIN, _reference, _rows
 
 STEPS, EVERY = 20, 2
-
-
-def _lines_in(run_dir: Path) -> list[dict]:
-    f = run_dir / "metrics.jsonl"
-    out = []
-    for line in (f.read_text().splitlines() if f.is_file() else ()):
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue            # being written
-    return out
 
 
 def test_a_rank_killed_mid_run_restarts_from_the_latest_checkpoint(tmp_path):
@@ -54,7 +42,7 @@ def test_a_rank_killed_mid_run_restarts_from_the_latest_checkpoint(tmp_path):
     deadline = time.monotonic() + 240
     try:
         while killed is None and time.monotonic() < deadline and p.poll() is None:
-            lines = _lines_in(run)
+            lines = read_live(run)
             moved = [r["step"] for r in lines if r.get("event") == "migrate"]
             seen = [r["step"] for r in lines if "event" not in r]
             if moved and seen and max(seen) >= moved[0] + 1:   # a step and a save after it

@@ -191,3 +191,13 @@ def test_the_watchdog_reports_a_dead_rank_on_its_host_at_once():
     dog.stop()
     assert exits == [3] and logged[0]["gone"] and logged[0]["stuck"][0]["rank"] == 1
     assert format_hang(logged[0]).startswith("rank(s) gone: rank 1 in step 7 (all-reduce)")
+
+
+def test_a_live_metrics_file_reads_up_to_its_last_complete_line(tmp_path):
+    from malleus_ds.metrics import read_live
+
+    assert read_live(tmp_path) == []                             # not written yet
+    (tmp_path / "metrics.jsonl").write_text(_lines(_step(0), {"event": "checkpoint",
+                                                              "step": 1}) + '{"step": 1, "lo')
+    assert [r.get("event", "step") for r in read_live(tmp_path)] == ["step", "checkpoint"]
+    assert read_live(tmp_path / "metrics.jsonl") == read_live(tmp_path)

@@ -64,41 +64,41 @@ class InFlight:
     event: dict = field(default_factory=dict)
 
 
+_AGREEMENTS = None
+
+
+def _agreements():
+    """The writing threads' agreement sequence: one per process, like the training thread's
+    (``agreement.agree``), so a second run in one process (tests, notebooks) does not reuse
+    the first run's numbers and read its keys."""
+    global _AGREEMENTS
+    if _AGREEMENTS is None:
+        from ..agreement import Agreements
+        _AGREEMENTS = Agreements("malleus_ckpt_bg")
+    return _AGREEMENTS
+
+
 class BackgroundSaves:
     """Runs each save's write on a thread; :meth:`wait` joins it and raises its (agreed) error.
     ``commit()``: rank 0's part after the engine's files (``run.json`` and ``latest``)."""
 
     def __init__(self, rank: int, world: int, error: type[Exception]) -> None:
-        from ..agreement import Agreements
-
         self.rank, self.world, self.error = rank, world, error
-        self._agreements = Agreements("malleus_ckpt_bg")
+        self._agreements = _agreements()
         self._client = None
         self.current: InFlight | None = None
 
     def _store(self):
-        """A store client of the writing thread's own (a client is not shared across threads),
-        its keys under this attempt (``MALLEUS_DS_ATTEMPT``, ``base.attempt_store``): the job's
-        store at MASTER_ADDR / MASTER_PORT, else the default group's (tests' FileStore)."""
+        """A client of the default group's store of the writing thread's own (``clone``: a
+        client is not shared across threads), keys under ``malleus_ckpt_bg``. The default
+        store is this attempt's (``base.attempt_store``), so no key of a dead attempt is read."""
         if self.world == 1:
             return None
         if self._client is None:
-            import os
-            from datetime import timedelta
-
             import torch.distributed as dist
+            from torch.distributed.distributed_c10d import _get_default_store
 
-            from ..agreement import store_timeout_s
-
-            addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-            if addr and port:
-                base = dist.TCPStore(addr, int(port), is_master=False, wait_for_workers=False,
-                                     timeout=timedelta(seconds=store_timeout_s()))
-                attempt = os.environ.get("MALLEUS_DS_ATTEMPT", "0")
-                self._client = dist.PrefixStore(f"malleus_ckpt_bg/{attempt}", base)
-            else:
-                from torch.distributed.distributed_c10d import _get_default_store
-                self._client = _get_default_store()
+            self._client = dist.PrefixStore("malleus_ckpt_bg", _get_default_store().clone())
         return self._client
 
     def agree(self, err: str | None, what: str) -> None:

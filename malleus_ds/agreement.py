@@ -43,6 +43,7 @@ import json
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 #: bytes of a rank's error text that the other ranks receive
 MAX_MESSAGE_BYTES = 2048
@@ -206,8 +207,17 @@ def raise_if_any_failed(name: str, err: str | None, what: str,
     Deadline: ``timeout_s``, default the default group's timeout (``store_timeout_s``: the bound
     the collective this replaces had; a rank writing a big file is slow, not dead). A store that
     cannot be reached raises ``error`` too ("the ranks could not agree on its outcome")."""
+    raise_failure(lambda: agree(name, err or None, store_timeout_s() if timeout_s is None
+                                else timeout_s), what, error)
+
+
+def raise_failure(decide: Callable[[], "Failure | None"], what: str,
+                  error: type[Exception] = RuntimeError) -> None:
+    """Raise ``error`` when the agreement ``decide()`` found a failed rank, or could not be
+    reached: the one wording of every "did any rank fail?" (:func:`raise_if_any_failed`, and
+    agreements of a sequence of their own, e.g. background checkpoint writes)."""
     try:
-        bad = agree(name, err or None, store_timeout_s() if timeout_s is None else timeout_s)
+        bad = decide()
     except AgreementError as e:
         raise error(f"{what} failed: the ranks could not agree on its outcome ({e})") from None
     if bad is not None:

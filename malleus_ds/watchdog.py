@@ -187,14 +187,13 @@ class Watchdog:
         same process (at once); elsewhere, a heartbeat tick unchanged for ``frozen_after``
         (``seen``: the caller's memory of each rank's last tick and when it changed, updated
         here). A rank that finished (``done``) is never gone. Reads the store; any thread."""
-        from .procs import is_alive
-
         now, out = time.monotonic(), []
         for r, rec in self._read([r for r in range(self.world) if r != self.rank]).items():
             if rec.get("done"):
                 continue
-            if rec.get("host") == self._whoami.get("host") and isinstance(rec.get("pid"), int):
-                if not is_alive(rec["pid"], rec.get("started")):
+            local = self._process_gone(rec)
+            if local is not None:
+                if local:
                     out.append(r)
                 continue
             tick, since = seen.get(r, (None, now))
@@ -203,6 +202,16 @@ class Watchdog:
             elif now - since >= self.frozen_after:
                 out.append(r)
         return sorted(out)
+
+    def _process_gone(self, rec: dict) -> bool | None:
+        """For a rank's published record: on this host, whether its pid no longer names the
+        same process (killed, OOM, a segfault); None when it runs elsewhere (or published no
+        pid), where only its heartbeat can tell."""
+        from .procs import is_alive
+
+        if rec.get("host") != self._whoami.get("host") or not isinstance(rec.get("pid"), int):
+            return None
+        return not is_alive(rec["pid"], rec.get("started"))
 
     # -- the thread ---------------------------------------------------------------------------
 
@@ -257,13 +266,8 @@ class Watchdog:
         """A report at once when the process of a rank on this host is gone (killed, OOM, a
         segfault): no collective or agreement with it can complete, and its launcher may be
         gone too (a lost node), so nobody else would end the job before ``hang_timeout_s``."""
-        from .procs import is_alive
-
-        host = self._whoami.get("host")
         gone = [r for r, v in sorted(self._views.items())
-                if r != self.rank and not v.record.get("done") and v.record.get("host") == host
-                and isinstance(v.record.get("pid"), int)
-                and not is_alive(v.record["pid"], v.record.get("started"))]
+                if r != self.rank and not v.record.get("done") and self._process_gone(v.record)]
         if not gone:
             return None
         stuck = [{"rank": r, "step": self._views[r].record.get("step"),

@@ -54,10 +54,8 @@ class EngineWriter:
 class InFlight:
     """One save being written in the background."""
 
-    done: int
     tag: str
     path: Path
-    started: float
     thread: threading.Thread | None = None
     error: str | None = None
     write_s: float = 0.0
@@ -90,33 +88,27 @@ class BackgroundSaves:
 
     def _store(self):
         """A client of the default group's store of the writing thread's own (``clone``: a
-        client is not shared across threads), keys under ``malleus_ckpt_bg``. The default
-        store is this attempt's (``base.attempt_store``), so no key of a dead attempt is read."""
+        client is not shared across threads); the agreements' keys live under
+        ``malleus_ckpt_bg``. The default store is this attempt's (``base.attempt_store``), so
+        no key of a dead attempt is read."""
         if self.world == 1:
             return None
         if self._client is None:
-            import torch.distributed as dist
             from torch.distributed.distributed_c10d import _get_default_store
 
-            self._client = dist.PrefixStore("malleus_ckpt_bg", _get_default_store().clone())
+            self._client = _get_default_store().clone()
         return self._client
 
     def agree(self, err: str | None, what: str) -> None:
-        from ..agreement import AgreementError, store_timeout_s
+        from ..agreement import raise_failure, store_timeout_s
 
         try:
             store = self._store()
         except Exception as e:  # noqa: BLE001 - the store's host is gone
             raise self.error(f"{what} failed: the job's store cannot be reached ({e})") from None
-        try:
-            bad = self._agreements.run(store, self.rank, self.world, what.split("(", 1)[0],
-                                       err, store_timeout_s())
-        except AgreementError as e:
-            raise self.error(f"{what} failed: the ranks could not agree on its outcome "
-                             f"({e})") from None
-        if bad is not None:
-            raise self.error(f"{what} failed on rank(s) {list(bad.ranks)}: rank {bad.rank}: "
-                             f"{bad.message}")
+        raise_failure(lambda: self._agreements.run(store, self.rank, self.world,
+                                                   what.split("(", 1)[0], err,
+                                                   store_timeout_s()), what, self.error)
 
     def start(self, job: InFlight, persist: Persist, commit: Callable[[], str | None]) -> None:
         """Write ``job`` on a thread: the engine's files (``persist``), then rank 0's

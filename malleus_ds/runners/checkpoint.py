@@ -387,7 +387,7 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - the engine agreed it on every rank
                 raise CheckpointSaveError(f"saving checkpoint {root / tag} failed: {e}") from None
             pause = time.perf_counter() - t0
-            job = InFlight(done, tag, root / tag, t0,
+            job = InFlight(tag, root / tag,
                            event=dict(event, seconds=round(pause, 6), background=True))
             self._background.start(job, persist, commit)
             return

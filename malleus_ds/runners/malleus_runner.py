@@ -136,16 +136,17 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
                               f"{engine.global_steps} (client state {client!r}), run.json of "
                               f"step {ck.resumed.step}; the folder mixes two saves")
 
-    devices = device_names(env)     # collective: where each rank runs (host/local_rank)
-    if ck.resumed is not None:
-        rates = carried_rates(ck.resumed.meta, devices)
-        if rates is not None and engine.control.carry(rates, ck.start) and env.is_rank0:
-            h = engine.control.s.detect.healthy
-            slow = {d: r for d, r in enumerate(rates) if r is not None and r >= h}
-            print(f"[malleus_ds] rates measured before the restart: {slow}; re-planning "
-                  f"before step {ck.start}", flush=True)
-    if env.is_rank0:
-        ck.extra = lambda: {"rates": engine.measured_rates, "devices": devices}
+    if cfg.checkpoint.dir:
+        devices = device_names(env)     # collective: where each rank runs (host/local_rank)
+        if ck.resumed is not None:
+            rates = carried_rates(ck.resumed.meta, devices)
+            if rates is not None and engine.control.carry(rates, ck.start) and env.is_rank0:
+                h = engine.control.s.detect.healthy
+                slow = {d: r for d, r in enumerate(rates) if r is not None and r >= h}
+                print(f"[malleus_ds] rates measured before the restart: {slow}; re-planning "
+                      f"before step {ck.start}", flush=True)
+        if env.is_rank0:
+            ck.extra = lambda: {"rates": engine.measured_rates, "devices": devices}
     write = engine_writer(engine)
 
     clock = ComputeClock(cfg, env)

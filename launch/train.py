@@ -161,7 +161,7 @@ def _launch_ranks(nproc: int, task_overrides: list[str], run_dir: str,
 def _gave_up(plain: dict, restarts: int, run_dir: str) -> None:
     """The last word of a job torchrun stopped restarting: the checkpoint to resume from, and
     where torchrun's own report (above) names the failed rank."""
-    from malleus_ds.runners.checkpoint import latest_note
+    from malleus_ds.runners.resume import latest_note
 
     ck = (plain.get("checkpoint") or {}).get("dir")
     _line(f"[malleus_ds] the job failed after {restarts} restart(s) (max_restarts={restarts}); "

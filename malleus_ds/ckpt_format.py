@@ -26,7 +26,7 @@ from .safe_load import UnsafeFile, load_plain, read_json, read_small_text
 
 # ------------------------------------------------------------------ the app's checkpoint folder
 
-#: run.json's format string (runners/checkpoint.py)
+#: run.json's format string (runners/resume.py)
 RUN_FORMAT = "malleus_ds-run-checkpoint-v1"
 RUN_FILE = "run.json"
 #: engine=torch's state file and its format string (runners/torch_runner.py)

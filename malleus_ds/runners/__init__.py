@@ -42,7 +42,7 @@ from ..run_config import ConfigError, RunConfig
 from ..cpu_compete import release as release_competitors
 from ..cpu_quota import release as release_quota
 from .base import DistEnv, RunSummary, destroy_process_group, init_process_group
-from .checkpoint import nothing_to_run, resume_point, start_line
+from .resume import nothing_to_run, resume_point, start_line
 from .stream import check_monitor_packages
 
 RUNNERS: dict[str, str] = {

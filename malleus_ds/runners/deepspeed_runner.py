@@ -17,7 +17,7 @@ names its own ``optimizer`` (then DeepSpeed builds it and ``train.lr`` etc. are 
 Checkpoints (``checkpoint.dir``) are DeepSpeed's own (``engine.save_checkpoint`` /
 ``load_checkpoint``: module, ZeRO partitions, LR scheduler, counters). Stock DeepSpeed loads them
 only under the layout that saved them, so resuming with another world size, tp/pp/dp, ZeRO stage
-or precision is a ConfigError before any process group (``runners/checkpoint.py``).
+or precision is a ConfigError before any process group (``runners/resume.py``).
 """
 from __future__ import annotations
 

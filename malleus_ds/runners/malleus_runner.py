@@ -21,7 +21,8 @@ import time
 from ..run_config import ConfigError, RunConfig
 from ..plan import Plan, PlanError
 from .base import DistEnv, RunSummary
-from .checkpoint import Checkpointer, carried_rates, engine_writer
+from .checkpoint import Checkpointer, engine_writer
+from .resume import carried_rates
 from .common import ComputeClock, StepReporter, monitors_to_run_dir
 from .job import job_layout, load_plan
 

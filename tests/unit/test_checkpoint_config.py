@@ -11,8 +11,8 @@ import pytest
 from malleus_ds import runners
 from malleus_ds.run_config import CheckpointConfig, ConfigError
 from malleus_ds.runners.base import DistEnv, RunSummary
-from malleus_ds.runners.checkpoint import (RUN_FILE, Checkpointer, CheckpointSaveError,
-                                           resume_point, run_record)
+from malleus_ds.runners.checkpoint import RUN_FILE, Checkpointer, CheckpointSaveError
+from malleus_ds.runners.resume import resume_point, run_record
 from malleus_ds.runners.common import format_summary
 from tests.unit.test_config import cfg
 
@@ -129,7 +129,7 @@ def test_resume_without_a_checkpoint(tmp_path):
 
 
 def test_resume_auto_starts_fresh_on_an_empty_folder_and_continues_from_a_checkpoint(tmp_path):
-    from malleus_ds.runners.checkpoint import start_line
+    from malleus_ds.runners.resume import start_line
 
     auto = cfg(checkpoint={"dir": str(tmp_path / "ck"), "resume": "AUTO"}, train={"steps": 6})
     assert auto.checkpoint.resume == "auto"

@@ -19,7 +19,8 @@ from malleus_ds.data.tokens import (DataError, TokenDataset, check_token_file, n
 from malleus_ds.models import model_config
 from malleus_ds.reference import reference_run
 from malleus_ds.runners.base import DistEnv
-from malleus_ds.runners.checkpoint import RUN_FILE, Checkpointer, resume_point, run_record
+from malleus_ds.runners.checkpoint import RUN_FILE, Checkpointer
+from malleus_ds.runners.resume import resume_point, run_record
 from tests.unit.test_config import cfg
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

@@ -35,6 +35,8 @@ if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO))
 
 _LAUNCHED = ("RANK", "LOCAL_RANK")  # env vars torchrun / the deepspeed launcher set per rank
+FATAL_NAME = "fatal.txt"     # in the run folder: why a rank ended the restarts
+_END_RESTARTS_WAIT_S = 30.0  # under restarts, how long other ranks wait for local rank 0
 _CONFIG_ERROR_GRACE_S = 3.0  # a rank with a config error waits this long before exiting
 _STOP_GRACE_S = 120.0  # after SIGTERM/SIGINT, ranks get this long to checkpoint and exit
 
@@ -110,6 +112,8 @@ def _launch_ranks(nproc: int, task_overrides: list[str], run_dir: str,
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["MALLEUS_DS_WRAPPED"] = "1"
+    from malleus_ds.runners.elastic import FATAL_FILE_ENV
+    env[FATAL_FILE_ENV] = str(Path(run_dir).absolute() / FATAL_NAME)
     env["MALLEUS_DS_WRAPPER_PID"] = str(os.getpid())  # ranks stop when this process is gone
     print(f"[malleus_ds] launching {nproc} ranks: {' '.join(cmd)}", flush=True)
     from malleus_ds.procs import descendants
@@ -160,10 +164,16 @@ def _launch_ranks(nproc: int, task_overrides: list[str], run_dir: str,
 
 def _gave_up(plain: dict, restarts: int, run_dir: str) -> None:
     """The last word of a job torchrun stopped restarting: the checkpoint to resume from, and
-    where torchrun's own report (above) names the failed rank."""
+    where torchrun's own report (above) names the failed rank; or, when a rank stopped the
+    restarts (``runners/elastic.py``), why."""
     from malleus_ds.runners.resume import latest_note
 
     ck = (plain.get("checkpoint") or {}).get("dir")
+    fatal = Path(run_dir) / FATAL_NAME
+    if fatal.is_file():
+        _line(f"[malleus_ds] the job stopped without restarting: every attempt would fail the "
+              f"same way ({fatal.read_text().strip()}). {latest_note(ck)}")
+        return
     _line(f"[malleus_ds] the job failed after {restarts} restart(s) (max_restarts={restarts}); "
           f"torchrun's report above names the failed rank and its exit code. "
           f"{latest_note(ck)}; metrics: {run_dir}/metrics.jsonl")
@@ -271,7 +281,8 @@ def main() -> None:
         try:
             rc = build_run_config(plain, world_size=env.world_size,
                                   local_world_size=env.local_world_size, run_dir=run_dir,
-                                  ds_search_dirs=(CONF_DIR / "deepspeed",))
+                                  ds_search_dirs=(CONF_DIR / "deepspeed",),
+                                  elastic=env.restartable)
             summary = execute(rc, env)
         except Stopped as e:            # SIGTERM / SIGINT: every rank stopped together
             if env.is_rank0:
@@ -291,6 +302,14 @@ def main() -> None:
                 # (rank 0 reaches them last: it sets up the Hydra run folder first)
                 import time
                 time.sleep(_CONFIG_ERROR_GRACE_S)
+            if env.restartable:         # every attempt would fail so: no restart loop
+                from malleus_ds.runners.elastic import end_restarts
+                note = end_restarts(env, f"config error: {e}")
+                if note:
+                    _line(note)
+                if env.local_rank != 0:     # exiting first would start a restart: let the
+                    import time             # node's first rank stop the agent, which ends us
+                    time.sleep(_END_RESTARTS_WAIT_S)
             sys.exit(2)
         except MigrationError as e:     # a plan switch failed; every rank raises it (agreed)
             # one line, and the watchdog's status: the job ends for a restart from a checkpoint

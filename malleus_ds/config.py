@@ -32,10 +32,13 @@ from .run_config import (ENGINES, CheckpointConfig, ClusterConfig, ConfigError,
 
 def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size: int | None = None,
                      run_dir: str | None = None,
-                     ds_search_dirs: tuple[str | Path, ...] = ()) -> RunConfig:
+                     ds_search_dirs: tuple[str | Path, ...] = (),
+                     elastic: bool = False) -> RunConfig:
     """Plain dict (the Hydra config, resolved) -> validated :class:`RunConfig`.
 
     ``ds_search_dirs``: where a relative ``deepspeed.config_file`` is looked up (before the CWD).
+    ``elastic``: the ranks run under torchrun's elastic agent, whose restarts may bring fewer (or
+    more) ranks than the layout was written for (``_elastic_pp``).
     """
     if world_size < 1:
         raise ConfigError(f"world_size={world_size} must be >= 1")
@@ -48,7 +51,8 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
     except ModelError as e:
         raise ConfigError(str(e)) from None
     train = _train(d.get("train") or {})
-    parallel = _parallel(d.get("parallel") or {}, world_size, model)
+    parallel = _parallel(d.get("parallel") or {}, world_size, model,
+                         elastic=elastic and engine == "malleus")
     cluster = _cluster(d.get("cluster") or {}, world_size, local_world_size or world_size, parallel)
     straggler = _straggler(d.get("straggler") or {}, world_size)
     ds = _deepspeed(d.get("deepspeed") or {}, ds_search_dirs)
@@ -276,7 +280,8 @@ def _train(t: Mapping[str, Any]) -> TrainConfig:
     return tc
 
 
-def _parallel(p: Mapping[str, Any], world: int, model: ModelConfig) -> ParallelConfig:
+def _parallel(p: Mapping[str, Any], world: int, model: ModelConfig,
+              elastic: bool = False) -> ParallelConfig:
     unknown = sorted(set(p) - {"tp", "pp", "dp"})
     if unknown:
         raise ConfigError(f"parallel has unknown fields {unknown}; allowed: ['dp', 'pp', 'tp']")
@@ -285,6 +290,9 @@ def _parallel(p: Mapping[str, Any], world: int, model: ModelConfig) -> ParallelC
     for k, v in (("tp", tp), ("pp", pp)):
         if v < 1:
             raise ConfigError(f"parallel.{k}={v} must be >= 1")
+    asked = None
+    if p.get("dp") is None and elastic and world % (tp * pp) and world % tp == 0:
+        asked, pp = pp, _elastic_pp(world // tp, pp, model.num_layers)
     if p.get("dp") is None:
         if world % (tp * pp):
             raise ConfigError(f"parallel.tp={tp} x parallel.pp={pp} = {tp * pp} does not divide "
@@ -302,7 +310,16 @@ def _parallel(p: Mapping[str, Any], world: int, model: ModelConfig) -> ParallelC
         check_layout(model, tp, pp)
     except ValueError as e:             # ModelError, TPError
         raise ConfigError(str(e)) from None
-    return ParallelConfig(tp, pp, dp)
+    return ParallelConfig(tp, pp, dp, asked_pp=asked)
+
+
+def _elastic_pp(groups: int, pp: int, num_layers: int) -> int:
+    """Stages for a world of ``groups`` TP groups that ``pp`` does not tile (an elastic restart
+    after a node left or joined): the fewest stages >= ``pp`` that tile it (no more layers per
+    rank than the layout was written for), else the most that do (more layers per rank: the
+    start-up memory check, ``runners/fit.py``, says whether they still fit)."""
+    tiles = [s for s in range(1, min(groups, num_layers) + 1) if groups % s == 0]
+    return min((s for s in tiles if s >= pp), default=max(tiles))
 
 
 def _cluster(c: Mapping[str, Any], world: int, local_world: int,

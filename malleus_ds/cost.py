@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 
 from .job_layout import JobLayout
 from .plan import Plan, PlanError, Stage, charged_layers
-from .problem import Memory, Problem
+from .problem import Memory, Problem, fmt_mb
 
 
 def group_rate(problem: Problem, ranks: Sequence[int]) -> float:
@@ -182,8 +182,8 @@ def check_memory(problem: Problem, plan: Plan) -> None:
             if need > budget + 1e-9:
                 raise PlanError(
                     f"pipelines[{i}].stages[{j}] (ranks {list(s.ranks)}, layers "
-                    f"[{s.start}, {s.end}]) needs {need:.0f} MB > budget "
-                    f"{budget:.0f} MB (device_mb - reserved_mb)")
+                    f"[{s.start}, {s.end}]) needs {fmt_mb(need)} MB > budget "
+                    f"{fmt_mb(budget)} MB (device_mb - reserved_mb)")
 
 
 def _holding(plan: Plan) -> dict[int, tuple[int, int, int, bool, bool]]:
@@ -234,9 +234,9 @@ def check_switch_memory(problem: Problem, old: Plan, new: Plan) -> None:
     budget = problem.memory.budget_mb
     for r, need in sorted(switch_peak_mb(problem, old, new).items()):
         if need > budget + 1e-9:
-            raise PlanError(f"switching {old.id} -> {new.id} needs {need:.0f} MB on rank {r} at "
+            raise PlanError(f"switching {old.id} -> {new.id} needs {fmt_mb(need)} MB on rank {r} at "
                             f"its peak (old state + state moved in + buffers) > budget "
-                            f"{budget:.0f} MB (device_mb - reserved_mb)")
+                            f"{fmt_mb(budget)} MB (device_mb - reserved_mb)")
 
 
 def validate_for_problem(problem: Problem, plan: Plan) -> None:

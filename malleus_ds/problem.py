@@ -21,6 +21,12 @@ from .straggler import ideal_slowdown
 _MEMORY_OPTIONAL = ("layer_grad_mb", "switch_buffer_mb")
 
 
+
+def fmt_mb(x: float) -> str:
+    """Megabytes for a message: whole MB from 100 up (``35904``), else 3 significant digits
+    (``1.15``, ``0.422``), so the numbers of a small model still tell the story."""
+    return f"{x:.0f}" if abs(x) >= 100 or x == int(x) else f"{x:.3g}"
+
 @dataclass(frozen=True)
 class Memory:
     device_mb: float

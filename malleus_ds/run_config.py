@@ -57,6 +57,9 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    #: the ``parallel.pp`` asked for when an elastic restart's world size could not be tiled by
+    #: it and engine=malleus took ``pp`` stages instead (``config._elastic_pp``); None otherwise
+    asked_pp: int | None = None
 
 
 @dataclass(frozen=True)

@@ -156,9 +156,11 @@ class Watchdog:
         self.frozen_after = max(5 * self.interval, min(self.timeout, 5.0))
         self.on_hang, self.prefix, self._exit, self.hb = on_hang, prefix, exit, heartbeat
         self._tick = 0
+        self._left = False        # this rank is exiting on a report: not itself a lost rank
         self._whoami = whoami()
         self._views: dict[int, RankView] = {}
         self._stop = threading.Event()
+        self._fired = threading.Lock()      # one report per process: the thread's or the caller's
         self._thread = threading.Thread(target=self._run, name="malleus-watchdog", daemon=True)
 
     def key(self, r: int) -> str:
@@ -220,7 +222,7 @@ class Watchdog:
         hb = self.hb
         self.store.set(self.key(self.rank), json.dumps(
             {"tick": self._tick, "progress": hb.progress, "step": hb.step, "phase": hb.phase,
-             "done": hb.done, **self._whoami}))
+             "done": hb.done, "left": self._left, **self._whoami}))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -262,12 +264,32 @@ class Watchdog:
             self.store.set(f"{self.prefix}/hang", json.dumps(report))
         return report
 
+    def end_if_peers_gone(self) -> None:
+        """Called when a collective failed (gloo: "connection closed by peer"): if a rank on
+        this host has no process any more, report it as the watchdog would and exit
+        (``HANG_EXIT_CODE``), so the failure is named and logged whichever saw it first, the
+        collective or the watchdog's thread. Returns when no such rank is found."""
+        now = time.monotonic()
+        try:
+            self._update(self._read([r for r in range(self.world) if r != self.rank]), now)
+        except Exception:  # noqa: BLE001 - store unreachable: nothing to tell
+            return
+        report = self._gone_report(now)
+        if report is not None:
+            if self.rank == 0:
+                try:
+                    self.store.set(f"{self.prefix}/hang", json.dumps(report))
+                except Exception:  # noqa: BLE001 - the others find out by themselves
+                    pass
+            self._fire(report)
+
     def _gone_report(self, now: float) -> dict | None:
         """A report at once when the process of a rank on this host is gone (killed, OOM, a
         segfault): no collective or agreement with it can complete, and its launcher may be
         gone too (a lost node), so nobody else would end the job before ``hang_timeout_s``."""
         gone = [r for r, v in sorted(self._views.items())
-                if r != self.rank and not v.record.get("done") and self._process_gone(v.record)]
+                if r != self.rank and not v.record.get("done") and not v.record.get("left")
+                and self._process_gone(v.record)]
         if not gone:
             return None
         stuck = [{"rank": r, "step": self._views[r].record.get("step"),
@@ -292,6 +314,14 @@ class Watchdog:
         return find_stuck({0: v}, now, self.timeout, self.frozen_after)
 
     def _fire(self, report: dict) -> None:
+        if not self._fired.acquire(blocking=False):
+            while True:         # the other reporter (thread or caller) is ending the process
+                time.sleep(1.0)
+        self._left = True
+        try:            # the peers must not count this rank's exit as one more lost rank
+            self._publish()
+        except Exception:  # noqa: BLE001 - the store may be gone
+            pass
         print(f"[malleus_ds] rank {self.rank}: {format_hang(report)}", file=sys.stderr,
               flush=True)
         for r, pid in end_frozen_peers(report, self.rank, self._whoami.get("host")):

@@ -22,7 +22,7 @@ from ..cost import (capacity_fraction, check_memory, check_switch_memory, comm_s
                     healthy_step_time, pipeline_stage_times, step_time, validate_for_problem)
 from ..cost import eta as cost_eta
 from ..plan import Plan, PlanError
-from ..problem import Problem
+from ..problem import Problem, fmt_mb
 from .baselines import all_baselines
 from .batch import FixedPipeline, split_batches
 from .config import PlannerConfig
@@ -173,12 +173,12 @@ def _memory_why(problem: Problem) -> str:
     budget = m.budget_mb
     need, what = _memory_floor(problem, budget)
     if need > budget + 1e-9:
-        out += (f"; no layout can fit: {what} = {need:.0f} MB per GPU > budget {budget:.0f} MB "
-                f"(device_mb {m.device_mb:.0f} - reserved_mb {m.reserved_mb:.0f}), "
-                f"{need - budget:.0f} MB short")
+        out += (f"; no layout can fit: {what} = {fmt_mb(need)} MB per GPU > budget {fmt_mb(budget)} MB "
+                f"(device_mb {fmt_mb(m.device_mb)} - reserved_mb {fmt_mb(m.reserved_mb)}), "
+                f"{fmt_mb(need - budget)} MB short")
     else:
-        out += (f"; every layout needs >= {need:.0f} MB per GPU ({what}), within the budget "
-                f"{budget:.0f} MB, so layer split and activations in flight rule them out")
+        out += (f"; every layout needs >= {fmt_mb(need)} MB per GPU ({what}), within the budget "
+                f"{fmt_mb(budget)} MB, so layer split and activations in flight rule them out")
     return out
 
 
@@ -191,15 +191,15 @@ def _memory_floor(problem: Problem, budget: float) -> tuple[float, str]:
     m, tp, L, n = problem.memory, problem.tp, problem.num_layers, problem.num_gpus
     per = m.layer_static_mb + m.layer_activation_mb
     terms = [
-        (m.extra_mb, f"extra_mb {m.extra_mb:.0f} alone"),
+        (m.extra_mb, f"extra_mb {fmt_mb(m.extra_mb)} alone"),
         (m.embedding_mb + per + m.extra_mb,
-         f"the first stage: embedding_mb {m.embedding_mb:.0f} + one layer (layer_static_mb "
-         f"{m.layer_static_mb:.0f} + layer_activation_mb {m.layer_activation_mb:.0f}) + extra_mb "
-         f"{m.extra_mb:.0f}"),
+         f"the first stage: embedding_mb {fmt_mb(m.embedding_mb)} + one layer (layer_static_mb "
+         f"{fmt_mb(m.layer_static_mb)} + layer_activation_mb {fmt_mb(m.layer_activation_mb)}) + extra_mb "
+         f"{fmt_mb(m.extra_mb)}"),
         ((L * per + 2 * m.embedding_mb) * tp / n + m.extra_mb,
-         f"{L} layers x (layer_static_mb {m.layer_static_mb:.0f} + layer_activation_mb "
-         f"{m.layer_activation_mb:.0f}) + 2 x embedding_mb {m.embedding_mb:.0f}, x tp {tp} / "
-         f"{n} GPUs, + extra_mb {m.extra_mb:.0f}"),
+         f"{L} layers x (layer_static_mb {fmt_mb(m.layer_static_mb)} + layer_activation_mb "
+         f"{fmt_mb(m.layer_activation_mb)}) + 2 x embedding_mb {fmt_mb(m.embedding_mb)}, x tp {tp} / "
+         f"{n} GPUs, + extra_mb {fmt_mb(m.extra_mb)}"),
     ]
     over = [t for t in terms if t[0] > budget + 1e-9]
     return over[0] if over else max(terms, key=lambda t: t[0])

@@ -130,6 +130,10 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
         except Stopped:             # every rank stopped after the same step
             _leave_together(env)
             raise
+        except Exception:
+            if dog is not None:     # a collective failed: a peer's process gone? name it
+                dog.end_if_peers_gone()
+            raise
         _leave_together(env)
         return summary
     finally:

@@ -28,12 +28,20 @@ class DistEnv:
     #: a restart for a node joining or leaving; counted per agent)
     restart: int = 0
     elastic: bool = False        # under torchrun's elastic agent (``TORCHELASTIC_RUN_ID``)
+    #: restarts the agent may make (``TORCHELASTIC_MAX_RESTARTS``; 0: none)
+    max_restarts: int = 0
     #: when this process started the run (``time.perf_counter``): start-up time is measured from it
     started: float = field(default_factory=time.perf_counter, compare=False)
 
     @property
     def is_rank0(self) -> bool:
         return self.rank == 0
+
+    @property
+    def restartable(self) -> bool:
+        """Under an elastic agent that restarts failed workers: a restart may bring another
+        world size, and an error every attempt would meet again must end the job instead."""
+        return self.elastic and self.max_restarts > 0
 
     @staticmethod
     def from_environ(device: str = "auto") -> "DistEnv":
@@ -44,11 +52,13 @@ class DistEnv:
         local_world = int(e.get("LOCAL_WORLD_SIZE") or e.get("LOCAL_SIZE") or world)
         restart = int(e.get("TORCHELASTIC_RESTART_COUNT") or 0)
         elastic = bool(e.get("TORCHELASTIC_RUN_ID"))
+        max_restarts = int(e.get("TORCHELASTIC_MAX_RESTARTS") or 0)
         device = resolve_device(device)
         if device == "cuda":
             return DistEnv(rank, world, local_rank, local_world, f"cuda:{local_rank}", "nccl",
-                           restart, elastic)
-        return DistEnv(rank, world, local_rank, local_world, "cpu", "gloo", restart, elastic)
+                           restart, elastic, max_restarts)
+        return DistEnv(rank, world, local_rank, local_world, "cpu", "gloo", restart, elastic,
+                       max_restarts)
 
 
 def init_process_group(env: DistEnv, timeout_s: float | None = None) -> None:

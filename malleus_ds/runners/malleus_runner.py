@@ -22,6 +22,7 @@ from ..run_config import ConfigError, RunConfig
 from ..plan import Plan, PlanError
 from .base import DistEnv, RunSummary
 from .checkpoint import Checkpointer, engine_writer
+from .fit import check_fits
 from .resume import carried_rates
 from .common import ComputeClock, StepReporter, monitors_to_run_dir
 from .job import job_layout, load_plan
@@ -120,10 +121,22 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     from ..engine.engine import MalleusEngine
 
     plan = load_plan(cfg)
+    par = cfg.parallel
+    if par.asked_pp is not None and env.is_rank0:
+        print(f"[malleus_ds] parallel.pp={par.asked_pp} does not tile the {cfg.world_size} ranks "
+              f"of this elastic start: pp={par.pp} x dp={par.dp} (tp={par.tp}) instead",
+              flush=True)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(
         cfg.train, global_batch_size=plan.global_batch_size, micro_batch_size=plan.micro_batch_size))
     data = build_dataset(cfg)
-    engine = MalleusEngine(cfg.model, build_ds_config(cfg, plan), plan, data=data)
+    ds_config = build_ds_config(cfg, plan)
+    fit = check_fits(cfg, plan, ds_config, env)     # before any allocation: the job holds it?
+    if fit.note is not None:
+        plan = fit.plan
+        ds_config = build_ds_config(cfg, plan)
+        if env.is_rank0:
+            print(f"[malleus_ds] {fit.note}", flush=True)
+    engine = MalleusEngine(cfg.model, ds_config, plan, data=data)
     ck = Checkpointer(cfg, env)
     if ck.resumed is not None:
         from ..engine.checkpoint import CheckpointError

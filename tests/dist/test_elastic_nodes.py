@@ -5,7 +5,8 @@ rendezvous on 127.0.0.1). The first agent started hosts the rendezvous store and
 second one, agent and workers, is killed with SIGKILL once metrics.jsonl shows a step after a
 checkpoint. The survivors see the dead ranks' processes gone (the watchdog, at once: no launcher
 of theirs signals them), exit, and their torchrun restarts them on a world of 2, which resume
-from the latest checkpoint under a layout for 2 ranks with the same training math.
+from the latest checkpoint under a layout for 2 ranks with the same training math. When the
+survivors cannot hold the model, every rank says so and the job ends without a restart loop.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _agent(port: int, run: Path, ck: Path, cwd: Path, log: Path) -> subprocess.Popen:
+def _agent(port: int, run: Path, ck: Path, cwd: Path, log: Path, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", LOGLEVEL="INFO")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
@@ -41,7 +42,7 @@ def _agent(port: int, run: Path, ck: Path, cwd: Path, log: Path) -> subprocess.P
            "--rdzv-conf=last_call_timeout=5", "--max-restarts=3", "--monitor-interval=0.2",
            TRAIN, *ARGS, "engine=malleus", "plan=static", f"train.steps={STEPS}",
            f"checkpoint.dir={ck}", "checkpoint.every=2", "checkpoint.resume=auto",
-           f"hydra.run.dir={run}", "hang_timeout_s=30"]
+           f"hydra.run.dir={run}", "hang_timeout_s=30", *extra]
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -103,3 +104,36 @@ def test_a_node_leaves_and_the_job_shrinks_to_the_survivors(tmp_path):
     gone = [r for r in rows if r.get("event") == "hang"]
     assert gone and "process is gone" in gone[0]["reason"], gone
     assert sorted(s["rank"] for s in gone[0]["stuck"]) in ([2, 3], [0, 1]), gone
+
+
+def test_survivors_that_cannot_hold_the_model_end_the_job_without_restarting(tmp_path):
+    """4 ranks in a 4-stage pipeline fit a device of ``dev`` MB; the 2 survivors would need 2
+    stages of twice the layers (the memory model's numbers, tests/unit/test_fit.py): every
+    survivor prints why, the first stops its agent, and nothing restarts again."""
+    from tests.unit.test_fit import peak_mb
+
+    dev = (peak_mb(4, 4) + peak_mb(2, 2)) / 2 / 0.9
+    extra = ("parallel.pp=4", f"+malleus.device_mb={dev:.4f}", "malleus.migrate_bucket_mb=0.01")
+    run, ck, port = tmp_path / "run", tmp_path / "ck", _free_port()
+    a = _agent(port, run, ck, tmp_path, tmp_path / "a.log", *extra)
+    time.sleep(0.5)
+    b = _agent(port, run, ck, tmp_path, tmp_path / "b.log", *extra)
+    deadline = time.monotonic() + 300
+    try:
+        assert _wait_for(lambda: [s for s in _world_of(read_live(run)).items()
+                                  if s[0] >= 3 and s[1] == 4], deadline, [a, b]), \
+            (tmp_path / "a.log").read_text()[-3000:]
+        _kill_node(b)
+        a.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                _kill_node(p)
+    log = (tmp_path / "a.log").read_text()
+    assert a.returncode != 0, log[-4000:]
+    said = [ln for ln in log.splitlines() if "cannot hold the model" in ln]
+    assert sorted(ln.split("config error (rank ")[1][0] for ln in said) == ["0", "1"], log[-4000:]
+    assert "no layout can fit" in said[0] and "malleus.device_mb" in said[0]
+    assert "parallel.pp=4 does not tile the 2 ranks of this elastic start" in log
+    assert log.count("stopped torchrun's agent") == 1, log[-4000:]
+    assert log.count("[malleus_ds] config error (rank 0)") == 1, log[-4000:]   # one attempt

@@ -87,3 +87,30 @@ def test_a_rank_killed_mid_run_restarts_from_the_latest_checkpoint(tmp_path):
     assert (carried["trigger"], carried["step"]) == ("carried", ev["from_step"]), carried
     assert carried["measured_rates"][1] > 2.0 and carried.get("adopted", True), carried
     assert "rates measured before the restart: {1: " in out
+
+
+def test_an_error_every_attempt_meets_ends_the_job_without_restarting(tmp_path):
+    """``max_restarts=3`` and a model no layout of the 2 ranks can hold (``malleus.device_mb``
+    far too small; the launcher's own config check passes, the ranks' memory check does not):
+    both ranks say why, the first stops torchrun's agent, nothing restarts, and the launcher's
+    last line says why it did not restart."""
+    ck, run = tmp_path / "ck", tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        env.pop(k, None)
+    cmd = [sys.executable, TRAIN, *ARGS, "nproc_per_node=2", "max_restarts=3", "engine=malleus",
+           "plan=static", "train.steps=4", f"checkpoint.dir={ck}", "checkpoint.resume=auto",
+           f"hydra.run.dir={run}", "+malleus.device_mb=0.5"]
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=240)
+    out = p.stdout
+    (tmp_path / "out.txt").write_text(out)
+    assert p.returncode != 0, out[-4000:]
+    for r in (0, 1):
+        assert out.count(f"config error (rank {r}): the 2 ranks of this job cannot hold the "
+                         f"model") == 1, out[-4000:]           # once: no second attempt
+    assert "stopped torchrun's agent" in out
+    last = [ln for ln in out.splitlines() if ln.startswith("[malleus_ds]")][-1]
+    assert last.startswith("[malleus_ds] the job stopped without restarting: every attempt would "
+                           "fail the same way (config error: the 2 ranks"), last
+    assert "No checkpoint was saved" in last

@@ -67,9 +67,10 @@ def step_time(a, tmp: Path, name: str, extra: list[str]) -> float:
 
 def overhead(a, tmp: Path) -> None:
     configs = {"none": [],
-               "every=1 background": [f"checkpoint.dir={tmp}/ck-bg", "checkpoint.every=1"],
+               "every=1 background": [f"checkpoint.dir={tmp}/ck-bg", "checkpoint.every=1",
+                                      "checkpoint.keep=2"],
                "every=1 on the step": [f"checkpoint.dir={tmp}/ck-sync", "checkpoint.every=1",
-                                       "checkpoint.background=false"]}
+                                       "checkpoint.keep=2", "checkpoint.background=false"]}
     got: dict[str, list[float]] = {k: [] for k in configs}
     for r in range(a.rounds):
         for name, extra in configs.items():

@@ -240,8 +240,12 @@ def _checkpoint(c: Mapping[str, Any]) -> CheckpointConfig:
     background = True if c.get("background") is None else c["background"]
     if not isinstance(background, bool):
         raise ConfigError(f"checkpoint.background={background!r} must be true or false")
+    keep = _int(0 if c.get("keep") is None else c["keep"], "checkpoint.keep")
+    if keep < 0:
+        raise ConfigError(f"checkpoint.keep={keep} must be >= 0 (the newest N checkpoints stay, "
+                          f"older ones are deleted; 0 = keep all)")
     return CheckpointConfig(dir=None if d is None else os.path.abspath(os.fspath(d)),
-                            every=every, resume=resume, background=background)
+                            every=every, resume=resume, background=background, keep=keep)
 
 
 def _train(t: Mapping[str, Any]) -> TrainConfig:

@@ -89,6 +89,7 @@ class CheckpointConfig:
     resume: bool | str = False          # True: continue from ``dir/latest`` (an error if none);
                                         # "auto": continue if there is one, else start fresh
     background: bool = True             # engine=malleus: write while training goes on
+    keep: int = 0                       # the newest N committed checkpoints stay; 0 = all
 
     @property
     def enabled(self) -> bool:

@@ -14,11 +14,15 @@ File format (one tag directory ``save_dir/tag/``):
                   "loss_scaler", "lr_scheduler", "param_groups", "client_state"},
        "slices": {(kind, name, lo, hi): 1-D tensor}}
 
-  ``slices`` is exactly what the rank held (``malleus_ds.layout.holdings``), one flat tensor per
-  holding in canonical order (split dim first, flattened): its parameter shards in the parameter
-  dtype (``param``) and, per bucket, the fp32 ``master`` (bf16/fp16 only), ``exp_avg`` and
-  ``exp_avg_sq`` of the range it owned — under ZeRO-1/2 only its partition. Nothing is gathered,
-  so a save moves no bytes between ranks and every file is the size of what its rank held.
+  ``slices`` is the rank's share of what it held (``malleus_ds.layout.holdings``), one flat
+  tensor per run in canonical order (split dim first, flattened): its parameter shards in the
+  parameter dtype (``param``) and, per bucket, the fp32 ``master`` (bf16/fp16 only), ``exp_avg``
+  and ``exp_avg_sq`` of the range it owned — under ZeRO-1/2 only its partition. What several
+  ranks hold (a parameter's data-parallel replicas; under ZeRO-0 the optimizer state too) is
+  split among them (``migrate/file_reads.one_copy``; ``meta["stored"] = "one-copy"``), so every
+  element is written once and the replicas share the writing. Nothing is gathered: a save
+  moves no bytes between ranks. (A checkpoint without ``stored`` was written before that: each
+  rank stored all it held; it loads as such.)
 * ``meta.json`` (rank 0, written LAST, so it is the commit record: a directory without it is an
   unfinished save): format, save_id, plan JSON, world size, ZeRO stage, precision, Adam step and
   counters, batch sizes, and the parameter table (name -> [shape, split dim]) so a checkpoint of
@@ -54,13 +58,13 @@ import torch
 import torch.distributed as tdist
 
 from ..agreement import raise_if_any_failed
-from ..layout import STATE_KINDS, plan_holdings
+from ..layout import STATE_KINDS, intersect, plan_holdings
 from ..ckpt_format import (FORMAT, LATEST, MAX_WORLD, META, CheckpointError, open_rank_file,
                            rank_file, resolve)
 from ..fileio import atomic_write
 from ..safe_load import UnsafeFile, check_plain
 from ..migrate.apply import StateView, pack_parts, params_from_masters, unpack_parts
-from ..migrate.file_reads import Read, plan_reads, wants
+from ..migrate.file_reads import ONE_COPY, Read, one_copy, plan_reads, wants
 from ..migrate.transfer import Transfer, chunked
 from ..plan import Plan
 
@@ -82,23 +86,29 @@ def _table_json(table) -> dict[str, list]:
 
 
 def _held_slices(engine) -> dict[tuple[str, str, int, int], torch.Tensor]:
-    """This rank's holdings as CPU flat tensors in canonical order, one per holding."""
-    rt, rank = engine.runtime, engine.global_rank
-    sv = StateView(rt, engine.param_table, rank, engine.precision.mixed)
+    """This rank's share of the save as CPU flat tensors in canonical order: of every holding,
+    the runs :func:`~malleus_ds.migrate.file_reads.one_copy` gives this rank (replicas split what
+    they share, so each element is written once)."""
+    rt, rank, table = engine.runtime, engine.global_rank, engine.param_table
+    mixed = engine.precision.mixed
+    sv = StateView(rt, table, rank, mixed)
+    mine: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for key, runs in one_copy(plan_holdings(engine.plan, table, rt.zero_stage, mixed)).items():
+        mine[key] = sorted((lo, hi) for lo, hi, r in runs if r == rank)
     opt = rt.optimizer
     out = {}
     for h in sorted(sv.holds(), key=lambda h: (h.kind, h.name, h.lo)):
-        n = h.hi - h.lo
-        key = (h.kind, h.name, h.lo, h.hi)
-        if h.kind in STATE_KINDS and h.kind not in opt.optimizer.state[opt.masters[h.buf]]:
-            # before the first step Adam has no moments: they are zeros (StateView.buffer would
-            # insert them into the state without a step, which AdamW then trips over)
-            out[key] = torch.zeros(n, dtype=torch.float32)
-            continue
-        dt = rt.named[h.name].dtype if h.kind == "param" else torch.float32
-        buf = torch.empty(n, dtype=dt, device=engine.device)
-        pack_parts(sv, [Transfer(rank, rank, h.kind, h.name, h.lo, h.hi)], buf)
-        out[key] = buf.cpu()
+        for lo, hi in intersect([(h.lo, h.hi)], mine.get((h.kind, h.name), [])):
+            key = (h.kind, h.name, lo, hi)
+            if h.kind in STATE_KINDS and h.kind not in opt.optimizer.state[opt.masters[h.buf]]:
+                # before the first step Adam has no moments: they are zeros (StateView.buffer
+                # would insert them into the state without a step, which AdamW then trips over)
+                out[key] = torch.zeros(hi - lo, dtype=torch.float32)
+                continue
+            dt = rt.named[h.name].dtype if h.kind == "param" else torch.float32
+            buf = torch.empty(hi - lo, dtype=dt, device=engine.device)
+            pack_parts(sv, [Transfer(rank, rank, h.kind, h.name, lo, hi)], buf)
+            out[key] = buf.cpu()
     return out
 
 
@@ -154,7 +164,8 @@ def snapshot_checkpoint(engine, save_dir, tag=None, client_state=None,
             "num_layers": plan.num_layers, "global_batch_size": plan.global_batch_size,
             "micro_batch_size": plan.micro_batch_size, "adam_step": adam_step,
             "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
-            "global_samples": engine.global_samples, "params": _table_json(engine.param_table)}
+            "global_samples": engine.global_samples, "params": _table_json(engine.param_table),
+            "stored": ONE_COPY}
     err = None
     state = _engine_state(engine, meta, client_state)
     try:    # before anything is touched: a file we write must load with weights_only=True
@@ -174,6 +185,16 @@ def snapshot_checkpoint(engine, save_dir, tag=None, client_state=None,
     return Snapshot(Path(save_dir), tag, rank, meta, payload, save_latest)
 
 
+def _save(obj, f) -> None:
+    """``torch.save`` without the zip's CRC32: ``torch.load`` never checks it (a flipped byte in
+    a tensor loads silently either way, with or without ``mmap``), and computing it costs 0.23 s
+    of CPU per 384 MB (bench/RESULTS.md), taken from training while a background save writes."""
+    from torch.utils.serialization import config
+
+    with config.patch({"save.compute_crc32": False}):
+        torch.save(obj, f)
+
+
 def write_snapshot(snap: Snapshot, agree=None) -> None:
     """Write ``snap``'s rank file, then rank 0 commits ``meta.json`` (and ``latest`` with
     ``save_latest``) once every rank's file is complete. ``agree(err, what)``: every rank learns
@@ -184,7 +205,7 @@ def write_snapshot(snap: Snapshot, agree=None) -> None:
                                                              CheckpointError))
     d, rank, err = snap.dir, snap.rank, None
     try:
-        atomic_write(rank_file(d, rank), lambda f: torch.save(snap.payload, f))
+        atomic_write(rank_file(d, rank), lambda f: _save(snap.payload, f))
     except Exception as e:  # noqa: BLE001 - reported on every rank by agree
         err = f"rank {rank} could not write {rank_file(d, rank)}: {type(e).__name__}: {e}"
     snap.payload = {}       # the host copies go as soon as they are on disk
@@ -315,6 +336,8 @@ def _load_state(engine, d: Path, meta: dict, saved_plan: Plan, optimizer_states:
                same_param_dtype=sp_name == engine.precision.name,
                optimizer_states=optimizer_states)
     saved = plan_holdings(saved_plan, table, int(meta["zero_stage"]), saved_mixed)
+    if meta.get("stored") == ONE_COPY:      # else an older save: every rank stored all it held
+        saved = one_copy(saved)
     reads = plan_reads(ws, saved, rank, W, home)
     by_file: dict[int, list[Read]] = {}
     for r in reads:

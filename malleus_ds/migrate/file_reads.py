@@ -4,6 +4,8 @@
 :func:`wants` lists what this rank must fill under the running plan (from its holdings,
 ``layout.holdings``); :func:`plan_reads` picks, for every part, the saved rank whose file holds
 it, cut at every saved holding boundary as the live transfer plan (``transfer.py``) cuts them.
+:func:`one_copy` says which rank's file stores each element when a save writes every element once
+(replicas split what they share), for the saver and the reader alike.
 """
 from __future__ import annotations
 
@@ -66,6 +68,33 @@ def wants(holds: Iterable[Hold], *, mixed: bool, saved_mixed: bool, same_param_d
             src = "param" if same_param_dtype else fp32
         if src is not None:
             out += [Want(kind, src, name, a, b) for a, b in iv]
+    return out
+
+
+#: ``meta["stored"]`` of a checkpoint whose files hold every element once (:func:`one_copy`);
+#: absent: every rank stored all it held (older checkpoints)
+ONE_COPY = "one-copy"
+
+
+def one_copy(saved: dict[tuple[str, str], list[tuple[int, int, int]]]
+             ) -> dict[tuple[str, str], list[tuple[int, int, int]]]:
+    """What each rank's file stores when every element is written once: ``saved``
+    (``plan_holdings``: ``(kind, name) -> [(lo, hi, rank)]``) cut at every holding boundary, each
+    piece held by ``k`` ranks (data-parallel replicas of a parameter; under ZeRO-0 of the
+    optimizer state too) split into ``k`` near-equal runs, the i-th stored by the i-th lowest
+    holder. So the replicas share the writing, each element is on disk once, and the result is
+    again a ``plan_holdings`` map the reader (:func:`plan_reads`) takes as it is. Pure and
+    deterministic: the saver and every reader compute the same."""
+    out: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
+    for key, entries in saved.items():
+        idx = HolderIndex(entries)
+        runs = out.setdefault(key, [])
+        for i, holders in enumerate(idx.holders):
+            a, b, k = idx.cuts[i], idx.cuts[i + 1], len(holders)
+            for j, r in enumerate(holders):
+                lo, hi = a + (b - a) * j // k, a + (b - a) * (j + 1) // k
+                if hi > lo:
+                    runs.append((lo, hi, r))
     return out
 
 

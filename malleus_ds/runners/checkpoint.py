@@ -63,6 +63,29 @@ def engine_writer(engine) -> Writer:
     return EngineWriter(engine)
 
 
+def prune(root: Path, newest: int, keep: int) -> list[tuple[Path, str | None]]:
+    """``checkpoint.keep``: delete the checkpoints of ``root`` older than the ``keep`` newest,
+    after ``global_step{newest}`` was committed (``latest`` names it, so what is deleted is never
+    what a restart would load). Only ``global_step<N>`` folders with ``N < newest`` are touched;
+    the folder's ``run.json`` goes first, so a deletion cut short leaves an uncommitted folder,
+    never a committed partial one. Returns ``[(folder, error or None)]`` of the folders deleted."""
+    import re
+    import shutil
+
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir()
+                   if p.is_dir() and (m := re.fullmatch(r"global_step(\d+)", p.name))
+                   and int(m.group(1)) < newest)
+    out = []
+    for _, p in steps[:max(0, len(steps) - (keep - 1))]:
+        try:
+            (p / RUN_FILE).unlink(missing_ok=True)
+            shutil.rmtree(p)
+            out.append((p, None))
+        except OSError as e:
+            out.append((p, str(e)))
+    return out
+
+
 class Checkpointer:
     """A runner's side of checkpointing: where the run starts, when it saves, summary facts.
 
@@ -161,6 +184,11 @@ class Checkpointer:
                 atomic_write_text(root / LATEST, tag)
             except OSError as e:
                 return f"cannot commit {root / tag / RUN_FILE}: {e}"
+            if self.cfg.checkpoint.keep:
+                for gone, why in prune(root, done, self.cfg.checkpoint.keep):
+                    if why:
+                        print(f"[malleus_ds] checkpoint.keep: could not delete {gone}: {why}",
+                              file=sys.stderr, flush=True)
             return None
 
         event = {"event": "checkpoint", "step": done, "path": str(root / tag)}

@@ -28,7 +28,9 @@ def test_defaults_and_relative_dir(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("section,pattern", [
     ({"dir": "x", "evry": 2}, r"checkpoint has unknown fields \['evry'\]; allowed: "
-                              r"\['dir', 'every', 'resume', 'background'\]"),
+                              r"\['dir', 'every', 'resume', 'background', 'keep'\]"),
+    ({"dir": "x", "keep": -1}, r"checkpoint.keep=-1 must be >= 0 \(the newest N checkpoints stay"),
+    ({"dir": "x", "keep": "two"}, r"checkpoint.keep='two' must be an integer"),
     ({"dir": "x", "every": -1}, r"checkpoint.every=-1 must be >= 0"),
     ({"dir": "x", "every": 1.5}, r"checkpoint.every=1.5 must be an integer"),
     ({"dir": "x", "resume": "yes"}, r"checkpoint.resume='yes' must be true, false or auto"),
@@ -52,7 +54,8 @@ def test_default_yaml_has_the_section():
         c = compose(config_name="config", overrides=["checkpoint.dir=/tmp/x",
                                                      "checkpoint.every=2"])
     assert OmegaConf.to_container(c)["checkpoint"] == {"dir": "/tmp/x", "every": 2,
-                                                       "resume": False, "background": True}
+                                                       "resume": False, "background": True,
+                                                       "keep": 0}
 
 
 def _save(tmp_path, step=3, **kw):
@@ -100,6 +103,50 @@ def test_a_failed_write_commits_nothing(tmp_path):
         Checkpointer(c, DistEnv()).save(4, write)
     assert (tmp_path / "latest").read_text() == "global_step2"
     assert not (tmp_path / "global_step4" / RUN_FILE).exists()
+
+
+def test_keep_leaves_the_newest_checkpoints_and_never_what_latest_names(tmp_path):
+    c = cfg(checkpoint={"dir": str(tmp_path), "every": 1, "keep": 2}, train={"steps": 5})
+    ck = Checkpointer(c, DistEnv())
+    (tmp_path / "global_step0x").mkdir()               # not a checkpoint folder: left alone
+    (tmp_path / "notes").mkdir()
+
+    def write(root, tag, done):
+        (root / tag / "engine.pt").write_text("x")
+
+    for done in range(1, 6):
+        ck.after_step(done, write)
+        kept = sorted(p.name for p in tmp_path.glob("global_step*") if p.name[11:].isdigit())
+        assert kept == [f"global_step{s}" for s in range(max(1, done - 1), done + 1)], kept
+        assert (tmp_path / "latest").read_text() == f"global_step{done}"
+    ck.finish(5, write)
+    assert (tmp_path / "global_step0x").is_dir() and (tmp_path / "notes").is_dir()
+    assert resume_point(_resume(tmp_path)).step == 5
+    # keep=0 (the default) keeps them all
+    c = cfg(checkpoint={"dir": str(tmp_path / "all"), "every": 1}, train={"steps": 3})
+    ck = Checkpointer(c, DistEnv())
+    for done in range(1, 4):
+        ck.after_step(done, write)
+    assert len(list((tmp_path / "all").glob("global_step*"))) == 3
+
+
+def test_prune_reports_what_it_could_not_delete(tmp_path, monkeypatch):
+    from malleus_ds.runners.checkpoint import prune
+
+    for s in (1, 2, 3):
+        (tmp_path / f"global_step{s}").mkdir()
+        (tmp_path / f"global_step{s}" / RUN_FILE).write_text("{}")
+    import shutil
+
+    def no(p):
+        raise PermissionError(f"read-only: {p}")
+
+    monkeypatch.setattr(shutil, "rmtree", no)
+    got = prune(tmp_path, 3, 1)
+    assert [(p.name, "read-only" in (e or "")) for p, e in got] == [("global_step1", True),
+                                                                    ("global_step2", True)]
+    # run.json went first: what is left of a failed deletion is never a committed checkpoint
+    assert not (tmp_path / "global_step1" / RUN_FILE).exists()
 
 
 def test_resume_point_and_nothing_to_run(tmp_path):

@@ -10,7 +10,8 @@ import random
 import pytest
 
 from malleus_ds.ckpt_format import CheckpointError
-from malleus_ds.migrate.file_reads import plan_reads, wants
+from malleus_ds.migrate.file_reads import one_copy, plan_reads, wants
+from malleus_ds.migrate.transfer import HolderIndex
 from malleus_ds.migrate.transfer import chunked
 from malleus_ds.layout import holdings, merge, plan_holdings, subtract
 from malleus_ds.models.llama import model_config, param_table
@@ -28,9 +29,11 @@ def _disjoint_union(ivs) -> list[tuple[int, int]]:
 
 
 def _check_pair(saved_plan, saved_world, saved_zero, saved_prec, plan, world, zero, prec,
-                optimizer_states=True):
+                optimizer_states=True, one=True):
     saved_mixed, mixed = saved_prec != "fp32", prec != "fp32"
     saved = plan_holdings(saved_plan, TABLE, saved_zero, saved_mixed)
+    if one:                           # every element stored once (the default since session 13)
+        saved = one_copy(saved)
     stored = {}                       # (kind, name, rank) -> its stored slices (one per holding)
     for (kind, name), es in saved.items():
         for lo, hi, r in es:
@@ -78,15 +81,45 @@ def test_every_held_element_read_exactly_once(seed):
     for prec0, prec1 in (("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16"), ("bf16", "fp32"),
                          ("bf16", "fp16")):
         _check_pair(p0, w0, rng.choice([0, 1, 2]), prec0, p1, w1, rng.choice([0, 1, 2]), prec1,
-                    optimizer_states=rng.random() < 0.8)
+                    optimizer_states=rng.random() < 0.8, one=rng.random() < 0.7)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_one_copy_stores_every_held_element_once_and_shares_the_writing(seed):
+    rng = random.Random(100 + seed)
+    w = rng.randint(2, 6)
+    plan = Plan.from_json(random_plan(rng, w, G=12))
+    for zero, mixed in ((0, False), (1, True), (2, False)):
+        held = plan_holdings(plan, TABLE, zero, mixed)
+        stored = one_copy(held)
+        assert set(stored) == set(held)
+        for key, entries in held.items():
+            runs = sorted(stored[key])
+            assert all(a[1] <= b[0] for a, b in zip(runs, runs[1:])), f"{key}: stored twice"
+            assert merge((lo, hi) for lo, hi, _ in runs) == merge((lo, hi) for lo, hi, _ in entries)
+            own = {}
+            for lo, hi, r in entries:
+                own.setdefault(r, []).append((lo, hi))
+            for lo, hi, r in runs:    # a rank stores only what it held
+                assert any(a <= lo and hi <= b for a, b in own[r]), (key, lo, hi, r)
+            # each piece held by k ranks: every holder stores floor or ceil of 1/k of it
+            idx = HolderIndex(entries)
+            for i, holders in enumerate(idx.holders):
+                a, b = idx.cuts[i], idx.cuts[i + 1]
+                for r in holders:
+                    got = sum(max(0, min(hi, b) - max(lo, a)) for lo, hi, q in runs if q == r)
+                    assert (b - a) // len(holders) <= got <= -(-(b - a) // len(holders)), \
+                        (key, a, b, holders, r, got)
 
 
 def test_same_plan_reads_only_its_own_file():
     rng = random.Random(7)
     pj = random_plan(rng, 4, G=12)
     p = Plan.from_json(pj)
-    counts = _check_pair(p, 4, 1, "bf16", p, 4, 1, "bf16")
+    counts = _check_pair(p, 4, 1, "bf16", p, 4, 1, "bf16", one=False)
     assert counts == [1, 1, 1, 1]
+    # one copy: the replicas' files too, but never more than the ranks of the plan
+    assert all(1 <= c <= 4 for c in _check_pair(p, 4, 1, "bf16", p, 4, 1, "bf16"))
 
 
 def test_missing_kind_is_a_clear_error():

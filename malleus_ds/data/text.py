@@ -53,7 +53,7 @@ TEXT_SUFFIXES = (".jsonl", ".txt")
 CONVERT_HINT = ("convert them to .jsonl first, e.g. with the datasets package: "
                 "datasets.load_from_disk(DIR).to_json('train.jsonl') or "
                 "datasets.Dataset.from_parquet('FILE.parquet').to_json('train.jsonl')")
-OTHER_FORMATS = (".parquet", ".arrow", ".json", ".csv", ".gz", ".zst")
+OTHER_FORMATS = (".parquet", ".arrow", ".csv", ".gz", ".zst")
 #: tokenizer files that decide what ids a text gets (the cache key hashes those present;
 #: model weights in the same folder are never read)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -394,7 +394,7 @@ def prepare_text(path: str | os.PathLike, *, text_field: str, tokenizer: str | o
 
         def build(f: BinaryIO) -> dict:
             say(f"tokenizing {len(files)} file(s), {total} bytes, with {tokenizer_src} "
-                f"(vocabulary {vocab}) into {folder}")
+                f"(vocabulary {vocab}) into {folder}", always=True)
             t0 = time.monotonic()
             counts = tokenize(f, tok, frame, root, files, text_field, dtype, progress=progress)
             return {**counts, "vocab": vocab, "files": file_rec, "text_field": text_field,

@@ -139,8 +139,9 @@ def _build(folder: Path, key: str, dtype: np.dtype, build: Callable[[BinaryIO], 
     return CacheEntry(p["npy"], meta, built=True)
 
 
-def say(line: str) -> None:
-    """A start-up line on stderr from the first local process only (rank 0, or a process not
-    started by a launcher), so N ranks print it once."""
-    if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
+def say(line: str, *, always: bool = False) -> None:
+    """A start-up line on stderr. Lines every process would print (a cache found) come from the
+    first local process only (rank 0, or a process no launcher started), so N ranks print them
+    once; ``always``: this process alone has something to say (it builds the cache)."""
+    if always or os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
         print(f"[malleus_ds] data: {line}", file=sys.stderr, flush=True)

@@ -72,8 +72,9 @@ class DataConfig:
     :class:`~malleus_ds.data.tokens.TokenDataset`. ``seq_len``: tokens per sample; None =
     ``model.max_seq_len``. ``dtype``: None = uint16 for ``.bin``, the header's for ``.npy``.
 
-    ``kind="text"`` (:mod:`malleus_ds.data.text`): ``path`` is a ``.jsonl``/``.txt`` file or a
-    folder of them, ``text_field`` the ``.jsonl`` field with the text, ``tokenizer`` the
+    ``kind="text"`` (:mod:`malleus_ds.data.text`): ``path`` is a ``.jsonl``/``.txt``/``.parquet``
+    file, a ``datasets`` save_to_disk folder or a folder of such files, ``text_field`` the field
+    or column with the text, ``tokenizer`` the
     tokenizer folder (parsed: the model's own folder when not set), ``cache_dir`` where the
     token file is cached (parsed: ``<path>.malleus-tokens``). ``token_file`` is set by the
     parser (the cached ``.npy`` it found or built), never by a user."""
@@ -111,7 +112,7 @@ def text_tokens(data: DataConfig, model: "ModelConfig"):
     from .text import default_cache_dir, prepare_text, tokenizer_dir
 
     if not data.path:
-        raise DataError("data=text needs data.path=FILE|DIR (.jsonl or .txt, or a folder of them)")
+        raise DataError("data=text needs data.path=FILE|DIR (.jsonl, .txt, .parquet or a folder)")
     tok, src = tokenizer_dir(data.tokenizer, model)
     return prepare_text(data.path, text_field=data.text_field or "text", tokenizer=tok,
                         tokenizer_src=src, cache_dir=data.cache_dir or default_cache_dir(data.path),

@@ -95,8 +95,9 @@ def _text(c: Mapping[str, Any], model: "ModelConfig", global_batch_size: int,
 
     path = c.get("path")
     if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)) or not str(path).strip():
-        raise DataError(f"data=text needs data.path=FILE|DIR: a .jsonl or .txt file, or a "
-                        f"folder of them (got data.path={path!r})")
+        raise DataError(f"data=text needs data.path=FILE|DIR: a .jsonl, .txt or .parquet file, "
+                        f"a datasets save_to_disk folder or a folder of such files (got "
+                        f"data.path={path!r})")
     if c.get("dtype") is not None:
         raise DataError(f"data.dtype={c['dtype']!r} is set but data=text picks the dtype of its "
                         f"token cache itself (uint16, or uint32 for a vocabulary over 65536); "
@@ -104,7 +105,7 @@ def _text(c: Mapping[str, Any], model: "ModelConfig", global_batch_size: int,
     field = "text" if c.get("text_field") is None else c["text_field"]
     if not isinstance(field, str) or not field:
         raise DataError(f"data.text_field={field!r} must be a non-empty string (the .jsonl "
-                        f"field that holds the text)")
+                        f"field or table column that holds the text)")
     paths = {}
     for k in ("tokenizer", "cache_dir"):
         v = c.get(k)

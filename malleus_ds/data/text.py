@@ -1,17 +1,17 @@
 """Raw text, tokenized with the model's own tokenizer (``data=text``).
 
 Someone fine-tuning a Hugging Face model brings a folder of text and the model's tokenizer, not
-token ids. ``data.path`` is a ``.jsonl`` file (one JSON object per line, the text in
-``data.text_field``), a ``.txt`` file, or a folder of them (searched recursively, hidden files
-skipped, read in the sorted order of their relative paths, so every process reads the same
-corpus). The tokenizer is the model folder's own (``model=hf_local``) or ``data.tokenizer=DIR``,
-loaded with ``transformers.AutoTokenizer.from_pretrained(DIR, local_files_only=True)``: nothing
-is fetched.
+token ids. ``data.path`` names the text: a ``.jsonl``, ``.txt`` or ``.parquet`` file, a
+``datasets`` save_to_disk folder, or a folder of such files (:mod:`malleus_ds.data.text_files`
+lists and reads them, in the same order on every process). The tokenizer is the model folder's
+own (``model=hf_local``) or ``data.tokenizer=DIR``, loaded with
+``transformers.AutoTokenizer.from_pretrained(DIR, local_files_only=True)``: nothing is fetched.
 
 How text becomes tokens (as Hugging Face's ``run_clm`` example: concatenate everything, then
 cut windows):
 
-- a document is one ``.jsonl`` record's text, or one whole ``.txt`` file;
+- a document is one ``.jsonl`` record's or one table row's text (``data.text_field``), or one
+  whole ``.txt`` file;
 - its tokens are what the tokenizer's own call gives, special tokens included (Llama-style
   tokenizers put BOS first, GPT-2-style ones nothing), then EOS unless the tokenizer already
   ends with it: documents are joined by EOS;
@@ -44,16 +44,10 @@ from typing import BinaryIO, Iterator
 
 import numpy as np
 
+from .text_files import needs_field, read_texts, text_files
 from .token_cache import get_or_build, lookup, say
 from .tokens import DataError, inspect_token_file
 
-#: file suffixes data=text reads
-TEXT_SUFFIXES = (".jsonl", ".txt")
-#: tabular formats it does not read, with how to turn them into .jsonl
-CONVERT_HINT = ("convert them to .jsonl first, e.g. with the datasets package: "
-                "datasets.load_from_disk(DIR).to_json('train.jsonl') or "
-                "datasets.Dataset.from_parquet('FILE.parquet').to_json('train.jsonl')")
-OTHER_FORMATS = (".parquet", ".arrow", ".csv", ".gz", ".zst")
 #: tokenizer files that decide what ids a text gets (the cache key hashes those present;
 #: model weights in the same folder are never read)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -85,39 +79,6 @@ class TextTokens:
 
 
 # ---- where the text and the tokenizer are -------------------------------------------------
-
-
-def text_files(path: str | os.PathLike) -> list[Path]:
-    """The files of ``data.path``: the file itself, or a folder's ``.jsonl``/``.txt`` files
-    (recursive, hidden ones skipped) sorted by relative path. Raises :class:`DataError`."""
-    p = Path(path)
-    what = f"data.path={str(p)!r}"
-    if p.is_file():
-        if p.suffix not in TEXT_SUFFIXES:
-            hint = f"; {CONVERT_HINT}" if p.suffix in OTHER_FORMATS else ""
-            raise DataError(f"{what}: data=text reads {' or '.join(TEXT_SUFFIXES)} files (or a "
-                            f"folder of them), got suffix {p.suffix!r}{hint}")
-        return [p]
-    if not p.is_dir():
-        raise DataError(f"{what}: no such file or folder (a relative path is resolved against "
-                        f"the directory the run starts in)")
-    found, other = [], []
-    for q in p.rglob("*"):
-        rel = q.relative_to(p)
-        if any(part.startswith(".") for part in rel.parts) or not q.is_file():
-            continue
-        if q.suffix in TEXT_SUFFIXES:
-            found.append(q)
-        elif q.suffix in OTHER_FORMATS:
-            other.append(rel.as_posix())
-    if other:
-        raise DataError(f"{what} holds {len(other)} file(s) data=text does not read "
-                        f"({', '.join(sorted(other)[:3])}{', ...' if len(other) > 3 else ''}); "
-                        f"it reads {' and '.join(TEXT_SUFFIXES)} files: {CONVERT_HINT}")
-    if not found:
-        raise DataError(f"{what} is a folder without {' or '.join(TEXT_SUFFIXES)} files "
-                        f"(searched recursively, hidden files skipped): no text to train on")
-    return sorted(found, key=lambda q: q.relative_to(p).as_posix())
 
 
 def tokenizer_dir(tokenizer: str | None, model) -> tuple[Path, str]:
@@ -221,13 +182,13 @@ def tokenizer_digest(d: Path) -> str:
 
 def cache_key(root: Path, files: list[Path], text_field: str, tok_digest: str) -> tuple[str, list]:
     """(key, the files' record): a hash of the rule, every file's relative name, size and
-    content hash, the text field (``.jsonl`` only) and the tokenizer's hash."""
+    content hash, the text field (unless all are ``.txt``) and the tokenizer's hash."""
     base = root if root.is_dir() else root.parent
     rec = [{"name": f.relative_to(base).as_posix(), "bytes": f.stat().st_size,
             "sha256": file_digest(f)} for f in files]
-    jsonl = any(f.suffix == ".jsonl" for f in files)
     material = {"format": FORMAT, "files": [[r["name"], r["bytes"], r["sha256"]] for r in rec],
-                "text_field": text_field if jsonl else None, "tokenizer": tok_digest}
+                "text_field": text_field if needs_field(files) else None,
+                "tokenizer": tok_digest}
     key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]
     return key, rec
 
@@ -239,55 +200,6 @@ def default_cache_dir(path: str | os.PathLike) -> Path:
 
 
 # ---- reading and tokenizing ------------------------------------------------------------------
-
-
-def _where(root: Path, f: Path) -> str:
-    if root.is_dir():
-        return f"data.path={str(root)!r}: {f.relative_to(root).as_posix()}"
-    return f"data.path={str(f)!r}:"
-
-
-def jsonl_texts(root: Path, f: Path, field: str) -> Iterator[tuple[str | None, int]]:
-    """(text, bytes read) per line of a ``.jsonl`` file (text None for a blank line). Bad lines
-    are a :class:`DataError` naming the file and the line."""
-    where = _where(root, f)
-    with open(f, "rb") as fh:
-        for ln, raw in enumerate(fh, 1):
-            if not raw.strip():
-                yield None, len(raw)
-                continue
-            try:
-                rec = json.loads(raw)
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where} line {ln} is not UTF-8 text ({e.reason} at byte "
-                                f"{e.start})") from None
-            except ValueError as e:
-                raise DataError(f"{where} line {ln} is not valid JSON ({e}); a .jsonl file "
-                                f"holds one JSON object per line") from None
-            if not isinstance(rec, dict):
-                raise DataError(f"{where} line {ln} is a JSON {type(rec).__name__}, not an "
-                                f"object with a {field!r} field")
-            if field not in rec:
-                keys = sorted(rec)
-                raise DataError(f"{where} line {ln} has no field {field!r} (its fields: "
-                                f"{keys[:8]}{' ...' if len(keys) > 8 else ''}); set "
-                                f"data.text_field=NAME to the field that holds the text")
-            text = rec[field]
-            if not isinstance(text, str):
-                raise DataError(f"{where} line {ln}: field {field!r} holds a "
-                                f"{type(text).__name__}, not a string")
-            yield text, len(raw)
-
-
-def txt_lines(root: Path, f: Path) -> Iterator[tuple[str, int]]:
-    """(line with its line break, bytes read) of a ``.txt`` file."""
-    with open(f, "rb") as fh:
-        for ln, raw in enumerate(fh, 1):
-            try:
-                yield raw.decode("utf-8"), len(raw)
-            except UnicodeDecodeError as e:
-                raise DataError(f"{_where(root, f)} line {ln} is not UTF-8 text ({e.reason} at "
-                                f"byte {e.start})") from None
 
 
 def _batches(items: Iterator[tuple[str | None, int]]) -> Iterator[tuple[list[str], int]]:
@@ -340,8 +252,8 @@ def tokenize(f: BinaryIO, tok, frame: tuple[list[int], list[int]], root: Path,
     with tqdm(total=total, unit="B", unit_scale=True, desc="[malleus_ds] data: tokenizing",
               file=sys.stderr, mininterval=1.0, disable=not progress, leave=True) as bar:
         for p in files:
-            if p.suffix == ".jsonl":
-                for texts, nbytes in _batches(jsonl_texts(root, p, field)):
+            if p.suffix != ".txt":                     # a document per record / row
+                for texts, nbytes in _batches(read_texts(root, p, field)):
                     parts: list[list[int]] = []
                     for ids in encode(texts):
                         parts += (prefix, ids, suffix)
@@ -350,7 +262,7 @@ def tokenize(f: BinaryIO, tok, frame: tuple[list[int], list[int]], root: Path,
                     bar.update(nbytes)
             else:
                 started = False
-                for texts, nbytes in _batches(txt_lines(root, p)):
+                for texts, nbytes in _batches(read_texts(root, p, field)):
                     if texts and not started:
                         sink.write([prefix])
                         started = True

@@ -1,4 +1,5 @@
-"""``data=text``: raw text tokenized with a local tokenizer into a cached token file.
+"""``data=text``: raw text (.jsonl, .txt, .parquet, a datasets folder) tokenized with a local
+tokenizer into a cached token file.
 
 The tokenizers are trained here (``tokenizers``: a word-level one, whose ids a test can compute
 by hand) and saved as folders ``AutoTokenizer`` loads; nothing is downloaded. Checked: how
@@ -11,6 +12,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from malleus_ds.config import ConfigError
 from malleus_ds.data import CORPUS_PATH, DataConfig, build_dataset, make_dataset
 from malleus_ds.data import text as text_mod
 from malleus_ds.data.text import prepare_text
-from malleus_ds.data.tokens import TokenDataset
+from malleus_ds.data.tokens import DataError, TokenDataset
 from malleus_ds.reference import reference_run
 from tests.unit.test_config import cfg
 
@@ -280,7 +282,7 @@ def test_an_empty_corpus(tmp_path, tok):
     d = tmp_path / "d"
     d.mkdir()
     (d / "x.md").write_text("hello")
-    _err(re.escape(f"data.path='{d}' is a folder without .jsonl or .txt files"), d, tok)
+    _err(re.escape(f"data.path='{d}' is a folder without .jsonl, .txt, .parquet files"), d, tok)
     _err(re.escape(f"data.path='{tmp_path / 'nope.jsonl'}': no such file or folder"),
          tmp_path / "nope.jsonl", tok)
 
@@ -331,19 +333,80 @@ def test_other_settings_and_formats(tmp_path, tok):
     _err(r"data.dtype='uint16' is set but data=text picks the dtype", src, tok, dtype="uint16")
     _err(r"data.text_field='' must be a non-empty string", src, tok, text_field="")
     _err(r"data=text needs data.path=FILE\|DIR", None, tok)
-    pq = tmp_path / "t.parquet"
-    pq.write_bytes(b"PAR1")
-    msg = _err(r"data=text reads \.jsonl or \.txt files .* got suffix '\.parquet'; convert", pq, tok)
+    csv = tmp_path / "t.csv"
+    csv.write_text("text\nhello\n")
+    msg = _err(r"data=text reads \.jsonl, \.txt, \.parquet files or a folder of them .* got "
+               r"suffix '\.csv'; convert", csv, tok)
     assert "to_json('train.jsonl')" in msg
-    d = tmp_path / "saved"
-    d.mkdir()
-    (d / "data-00000-of-00001.arrow").write_bytes(b"")
-    (d / "state.json").write_text("{}")
-    _err(r"holds 1 file\(s\) data=text does not read \(data-00000-of-00001.arrow\)", d, tok)
+    d = tmp_path / "folder"
+    (d / "saved").mkdir(parents=True)
+    write_jsonl(d / "a.jsonl", docs(30))
+    (d / "saved" / "data-00000-of-00001.arrow").write_bytes(b"")
+    _err(r"holds 1 file\(s\) data=text does not read \(saved/data-00000-of-00001.arrow\); .* a "
+         r"datasets folder is read when data.path points at it", d, tok)
+    _err(r"an \.arrow file is read as a shard of a datasets folder",
+         d / "saved" / "data-00000-of-00001.arrow", tok)
     with pytest.raises(ConfigError, match=re.escape(
             "data has unknown fields ['tokenizer']; allowed: ['kind', 'path', 'dtype', "
             "'seq_len'] (data.tokenizer: data=text only)")):
         cfg(data={"kind": "tokens", "path": "x.bin", "tokenizer": str(tok)})
+
+
+# --- tables: parquet files and datasets folders (pyarrow) ------------------------------------
+
+
+def _tokens(path, tok_dir, tmp_path, field="text") -> list[int]:
+    tt = prepare_text(path, text_field=field, tokenizer=tok_dir, tokenizer_src="t",
+                      cache_dir=tmp_path / "cache", vocab_size=4096, progress=False)
+    return np.load(tt.path).tolist()
+
+
+def test_parquet_files_one_document_per_row(tmp_path, tok):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = docs(40)
+    d = tmp_path / "pq"
+    d.mkdir()
+    pq.write_table(pa.table({"id": list(range(25)), "body": texts[:24] + [""]}), d / "a.parquet",
+                   row_group_size=7)                                  # several row groups
+    write_jsonl(d / "b.jsonl", texts[24:], field="body")
+    c = text_cfg(d, tok, text_field="body")
+    assert build_dataset(c).tokens.tolist() == [i for t in texts for i in word_ids(tok, t) + [EOS]]
+    f = d / "a.parquet"
+    _err(re.escape(f"data.path='{f}': has no column 'text' (its columns: ['id', 'body']); set "
+                   f"data.text_field=NAME"), f, tok)
+    _err(re.escape(f"data.path='{f}': column 'id' holds int64, not strings"), f, tok,
+         text_field="id")
+    pq.write_table(pa.table({"text": ["fine", None]}), f)
+    _err(re.escape(f"data.path='{f}': row 2: column 'text' is null"), f, tok)
+    f.write_bytes(b"PAR1 not really")
+    _err(re.escape(f"data.path='{f}': is not a readable parquet file"), f, tok)
+
+
+#: ``datasets.Dataset.from_dict({"text": [...4 rows, one empty], "id": [...]})
+#: .save_to_disk(DIR, num_shards=2)``, written by datasets 5.2.0 (not needed at run time)
+SAVED = Path(__file__).with_name("data") / "hf_saved"
+
+
+def test_a_datasets_save_to_disk_folder(tmp_path, tok, monkeypatch):
+    rows = ["The first document.", "A second one, with more words!", "the fourth and last"]
+    assert _tokens(SAVED, tok, tmp_path) == [i for t in rows for i in word_ids(tok, t) + [EOS]]
+    assert not SAVED.with_name("hf_saved.malleus-tokens").exists()
+    with pytest.raises(DataError, match=r"data-00000-of-00002.arrow has no column 'body' \(its "
+                                        r"columns: \['text', 'id'\]\)"):
+        _tokens(SAVED, tok, tmp_path, field="body")
+    dd = tmp_path / "dict"
+    dd.mkdir()
+    (dd / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    with pytest.raises(DataError, match=re.escape(
+            f"data.path='{dd}' is a datasets DatasetDict (splits ['train', 'test']); point "
+            f"data.path at one split's folder, e.g. {dd / 'train'}")):
+        _tokens(dd, tok, tmp_path)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)      # pyarrow not installed
+    with pytest.raises(DataError, match=r"reading \.parquet files and datasets folders needs "
+                                        r"pyarrow, which is not installed: pip install pyarrow"):
+        _tokens(SAVED, tok, tmp_path)
 
 
 def test_hydra_group_and_the_checkpoint_record(tmp_path, tok, monkeypatch):

@@ -246,6 +246,47 @@ def test_concurrent_builders_make_one_cache(tmp_path, tok):
     assert files == [f"{key}.json", f"{key}.lock", f"{key}.npy"]
 
 
+def test_a_failed_or_killed_build_leaves_nothing_a_reader_would_use(tmp_path):
+    """The cache alone (token_cache.py): a build that dies leaves no entry, only its lock; a
+    dead builder's temporary files go when the next build starts; a DataError is recorded."""
+    from malleus_ds.data import token_cache as tc
+
+    folder, dt = tmp_path / "cache", np.dtype(np.uint16)
+
+    def crash(f):
+        f.write(np.arange(10, dtype=dt).tobytes())
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        tc.get_or_build(folder, "k1", dt, crash, what="w")
+    assert sorted(p.name for p in folder.iterdir()) == ["k1.lock"]
+    assert tc.lookup(folder, "k1") is None
+    (folder / ".k1.raw.tmp99999").write_bytes(b"half")             # a killed builder's files
+    (folder / ".k1.npy.tmp99999").write_bytes(b"half")
+
+    def ok(f):
+        f.write(np.arange(10, dtype=dt).tobytes())
+        return {"tokens": 10}
+
+    e = tc.get_or_build(folder, "k1", dt, ok, what="w")
+    assert e.built and np.load(e.path).tolist() == list(range(10)) and e.meta["dtype"] == "uint16"
+    assert sorted(p.name for p in folder.iterdir()) == ["k1.json", "k1.lock", "k1.npy"]
+    assert not tc.get_or_build(folder, "k1", dt, crash, what="w").built    # found, not rebuilt
+
+    def bad(f):
+        raise DataError("data.path='x': line 2 is bad")
+
+    for _ in range(2):                                             # recorded: same message
+        with pytest.raises(DataError, match="line 2 is bad"):
+            tc.get_or_build(folder, "k2", dt, bad if _ == 0 else crash, what="w")
+    blocked = tmp_path / "file"
+    blocked.write_text("")                                         # a folder that cannot be made
+    with pytest.raises(DataError, match=re.escape(
+            f"w: cannot write the token cache in {blocked / 'c'} (")) as ei:
+        tc.get_or_build(blocked / "c", "k3", dt, ok, what="w")
+    assert "set data.cache_dir=DIR to a writable folder" in str(ei.value)
+
+
 # --- bad input: a start-up error naming the file and the numbers -----------------------------
 
 

@@ -273,8 +273,8 @@ def tokenize(f: BinaryIO, tok, frame: tuple[list[int], list[int]], root: Path,
                     docs += 1
     if sink.tokens == 0:
         raise DataError(f"data.path={str(root)!r}: no text to train on: {len(files)} file(s), "
-                        f"{total} bytes, 0 non-empty documents (.jsonl records with an empty "
-                        f"{field!r} and empty files are skipped)")
+                        f"{total} bytes, 0 non-empty documents (records and rows with an "
+                        f"empty {field!r} and empty files are skipped)")
     return {"tokens": sink.tokens, "documents": docs, "max_id": sink.top}
 
 

@@ -3,8 +3,9 @@
 # transformers (<6) and its dependencies, Hugging Face's `kernels` among them. Builds
 # .venv-latest (torch pinned to the constraints file's CPU wheel only, so this machine does not
 # pull a multi-GB CUDA build; everything else resolves freely), prints the versions, and runs the
-# Hugging Face tests in it: the import test (HF's `kernels` is not shadowed by our kernels/) and
-# the model tests. .ci/run calls it after the suite. Extra arguments go to pytest.
+# Hugging Face tests in it: the import test (HF's `kernels` is not shadowed by our kernels/),
+# the model tests and data=text's (tokenizers trained, saved and loaded through AutoTokenizer).
+# .ci/run calls it after the suite. Extra arguments go to pytest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -23,4 +24,4 @@ echo "[latest] resolved without constraints:" \
   "$("$V/bin/python" -m pip list 2>/dev/null | grep -E '^(torch|transformers|kernels|huggingface.hub|tokenizers|safetensors|deepspeed) ' | tr -s ' ' | tr '\n' ';')"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 exec "$V/bin/python" -m pytest -q -p no:cacheprovider tests/unit/test_transformers_import.py \
-  tests/unit/test_hf_model.py "$@"
+  tests/unit/test_hf_model.py tests/unit/test_data_text.py "$@"

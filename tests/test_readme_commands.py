@@ -80,6 +80,11 @@ EXPECT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "plan=$PWD/plan.json": ((), ("engine=malleus model=tiny world=4",)),
     "malleus.switch=": ((), ("migrate before step 5", "migrate before step 9",
                              "suspended [3]")),
+    # data=text: tokenized once into the cache, exported with its tokenizer, reused by a 2nd run
+    "checkpoint.dir=ck-text": (("ck-text/latest", "train.jsonl.malleus-tokens"),
+                               ("data: tokenizing 1 file(s)",)),
+    "malleus-export ck-text": (("text-llama-trained/tokenizer.json",), ()),
+    "data.tokenizer=text-llama": ((), ("tokens from the token cache",)),
 }
 
 

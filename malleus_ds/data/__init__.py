@@ -5,7 +5,9 @@ sample id. The global batch of step ``k`` is the fixed list of ids ``[k*G, (k+1)
 The shipped corpus (``corpus.txt``) is English technical prose: docstrings of the Python
 standard library (PSF licence), extracted once and committed; nothing is downloaded.
 
-``data=tokens`` trains on a local file of token ids instead (:mod:`malleus_ds.data.tokens`).
+``data=tokens`` trains on a local file of token ids instead (:mod:`malleus_ds.data.tokens`),
+``data=text`` on raw text tokenized by the model's own tokenizer into a cached token file
+(:mod:`malleus_ds.data.text`), read the same way.
 :func:`build_dataset` is the one factory every runner and the reference use.
 """
 from __future__ import annotations
@@ -58,7 +60,7 @@ class ByteCorpus:
 
 
 #: ``data.kind`` values (the ``conf/data/`` options)
-DATA_KINDS = ("bytes", "tokens")
+DATA_KINDS = ("bytes", "tokens", "text")
 
 
 @dataclass(frozen=True)
@@ -68,12 +70,23 @@ class DataConfig:
     ``kind="bytes"``: the shipped byte corpus (:class:`ByteCorpus`). ``kind="tokens"``: the
     token-id file ``path`` (absolute; ``.bin`` of ``dtype`` ids or ``.npy``), see
     :class:`~malleus_ds.data.tokens.TokenDataset`. ``seq_len``: tokens per sample; None =
-    ``model.max_seq_len``. ``dtype``: None = uint16 for ``.bin``, the header's for ``.npy``."""
+    ``model.max_seq_len``. ``dtype``: None = uint16 for ``.bin``, the header's for ``.npy``.
+
+    ``kind="text"`` (:mod:`malleus_ds.data.text`): ``path`` is a ``.jsonl``/``.txt``/``.parquet``
+    file, a ``datasets`` save_to_disk folder or a folder of such files, ``text_field`` the field
+    or column with the text, ``tokenizer`` the
+    tokenizer folder (parsed: the model's own folder when not set), ``cache_dir`` where the
+    token file is cached (parsed: ``<path>.malleus-tokens``). ``token_file`` is set by the
+    parser (the cached ``.npy`` it found or built), never by a user."""
 
     kind: str = "bytes"
     path: str | None = None
     dtype: str | None = None
     seq_len: int | None = None
+    text_field: str | None = None
+    tokenizer: str | None = None
+    cache_dir: str | None = None
+    token_file: str | None = None
 
     def resolved_seq_len(self, model: "ModelConfig") -> int:
         return model.max_seq_len if self.seq_len is None else self.seq_len
@@ -88,7 +101,22 @@ def make_dataset(data: DataConfig, model: "ModelConfig", seed: int):
         if not data.path:
             raise DataError("data=tokens needs data.path=FILE (.bin or .npy of token ids)")
         return TokenDataset(data.path, seq_len, seed=seed, dtype=data.dtype)
+    if data.kind == "text":
+        return TokenDataset(data.token_file or text_tokens(data, model).path, seq_len, seed=seed)
     raise DataError(f"data.kind={data.kind!r} is not known; choose one of {list(DATA_KINDS)}")
+
+
+def text_tokens(data: DataConfig, model: "ModelConfig"):
+    """``data=text``: the corpus' cached token file (found, or tokenized now) for ``model``
+    (:class:`~malleus_ds.data.text.TextTokens`)."""
+    from .text import default_cache_dir, prepare_text, tokenizer_dir
+
+    if not data.path:
+        raise DataError("data=text needs data.path=FILE|DIR (.jsonl, .txt, .parquet or a folder)")
+    tok, src = tokenizer_dir(data.tokenizer, model)
+    return prepare_text(data.path, text_field=data.text_field or "text", tokenizer=tok,
+                        tokenizer_src=src, cache_dir=data.cache_dir or default_cache_dir(data.path),
+                        vocab_size=model.vocab_size)
 
 
 def build_dataset(cfg):

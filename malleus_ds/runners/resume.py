@@ -88,7 +88,9 @@ def _precision(cfg: RunConfig) -> str:
 
 def data_record(cfg: RunConfig) -> dict:
     """What the run trains on, as ``run.json`` records it: the kind, the token file (absolute
-    path, dtype, length in tokens) and the tokens per sample."""
+    path, dtype, length in tokens) and the tokens per sample; ``data=text`` adds the tokenizer
+    folder and the content key of text and tokenizer (``text_key``: changed text or a changed
+    tokenizer is other data, even under the same names)."""
     d = cfg.data
     rec = {"kind": d.kind, "path": None, "dtype": None, "tokens": None,
            "seq_len": d.resolved_seq_len(cfg.model)}
@@ -97,6 +99,12 @@ def data_record(cfg: RunConfig) -> dict:
 
         tf = inspect_token_file(d.path, d.dtype)    # header and size only
         rec.update(path=str(tf.path), dtype=tf.dtype.name, tokens=tf.num_tokens)
+    elif d.kind == "text":
+        from ..data.tokens import inspect_token_file
+
+        tf = inspect_token_file(d.token_file)       # the cache file: named by the content key
+        rec.update(path=d.path, dtype=tf.dtype.name, tokens=tf.num_tokens,
+                   tokenizer=d.tokenizer, text_key=tf.path.stem)
     return rec
 
 

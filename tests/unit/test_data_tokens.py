@@ -279,8 +279,8 @@ def test_seq_len_kind_and_unknown_fields(tmp_path):
     assert cfg(data=_tok(f, seq_len=65), model={"max_seq_len": 128}).data.seq_len == 65
     _err(tmp_path, {"kind": "tokens", "paht": str(f)}, re.escape(
         "data has unknown fields ['paht']; allowed: ['kind', 'path', 'dtype', 'seq_len']"))
-    _err(tmp_path, {"kind": "text"}, r"data.kind='text' is not known; choose one of "
-                                     r"\['bytes', 'tokens'\]")
+    _err(tmp_path, {"kind": "csv"}, r"data.kind='csv' is not known; choose one of "
+                                    r"\['bytes', 'tokens', 'text'\]")
     _err(tmp_path, {"kind": "tokens"}, r"data=tokens needs data.path=FILE: a .bin or .npy file "
                                        r"of token ids \(got data.path=None\)")
     _err(tmp_path, {"kind": "bytes", "path": str(f)},

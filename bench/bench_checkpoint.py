@@ -7,7 +7,9 @@
    configurations run in turn, ``--rounds`` times (this machine is noisy: side by side in one
    run); each run's training time per step after ``--warmup`` steps (step times plus the time
    each save held the training thread, from metrics.jsonl), then the median over rounds.
-   Target (issue 20): background overhead <= 10%.
+   Target (issue 20): background overhead <= 10%. ``checkpoint.every=2`` in the background is
+   measured beside it (half the saves: the trade-off a user makes). Every save keeps 2
+   checkpoints (``checkpoint.keep=2``), so deleting old ones is in the cost, as in a long run.
 2. Recovery: rank 1 is killed with SIGKILL after a few steps; the seconds from the kill to the
    first step line of the continued run, with ``max_restarts=1`` (torchrun restarts it) against
    a manual restart (the job ends, and the same command with ``checkpoint.resume=true`` starts
@@ -70,7 +72,9 @@ def overhead(a, tmp: Path) -> None:
                "every=1 background": [f"checkpoint.dir={tmp}/ck-bg", "checkpoint.every=1",
                                       "checkpoint.keep=2"],
                "every=1 on the step": [f"checkpoint.dir={tmp}/ck-sync", "checkpoint.every=1",
-                                       "checkpoint.keep=2", "checkpoint.background=false"]}
+                                       "checkpoint.keep=2", "checkpoint.background=false"],
+               "every=2 background": [f"checkpoint.dir={tmp}/ck-bg2", "checkpoint.every=2",
+                                      "checkpoint.keep=2"]}
     got: dict[str, list[float]] = {k: [] for k in configs}
     for r in range(a.rounds):
         for name, extra in configs.items():
@@ -85,6 +89,8 @@ def overhead(a, tmp: Path) -> None:
     bg = statistics.median(got["every=1 background"]) / base - 1
     print(f"  background overhead {100 * bg:.1f}% (target <= 10%): "
           f"{'pass' if bg <= 0.10 else 'FAIL'}")
+    bg2 = statistics.median(got["every=2 background"]) / base - 1
+    print(f"  every=2 background overhead {100 * bg2:.1f}% (for the trade-off: half the saves)")
 
 
 def _first_step_after(run: Path, t_kill: float, restarted: bool, timeout: float = 600) -> float:

@@ -53,19 +53,19 @@ SKIP: dict[str, str] = {
     "malleus-plot outputs/adaptive":
         "plots the run folder of the skipped adaptive-loop demo just above it",
     "python launch/train.py nproc_per_node=4 max_restarts=2 engine=malleus train.steps=1000 "
-    "checkpoint.dir=ck checkpoint.every=10 checkpoint.resume=auto":
+    "checkpoint.dir=ck checkpoint.every=10 checkpoint.keep=2 checkpoint.resume=auto":
         "1000 steps on 4 ranks; the same flags, with a rank killed mid-run and the job "
         "restarted, are tests/dist/test_restart.py",
     "torchrun --nproc_per_node 4 --max-restarts 2 launch/train.py engine=malleus "
     "train.steps=1000 checkpoint.dir=ck checkpoint.every=10 checkpoint.resume=auto":
         "the torchrun form of the command above (tests/dist/test_restart.py runs torchrun "
         "--max-restarts through our launcher)",
-    "torchrun --nnodes 1:2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29400 "
-    "--rdzv-id job1 --max-restarts 3 launch/train.py engine=malleus train.steps=1000 "
-    "checkpoint.dir=/shared/ck checkpoint.every=10 checkpoint.resume=auto "
-    "hydra.run.dir=/shared/run":
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 2 "
+    "--rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id job1 --max-restarts 3 "
+    "launch/train.py engine=malleus train.steps=1000 checkpoint.dir=/shared/ck "
+    "checkpoint.every=10 checkpoint.keep=2 checkpoint.resume=auto hydra.run.dir=/shared/run":
         "one agent per node of a multi-node job (HOST, /shared); two such agents on this "
-        "machine, one killed, are tests/dist/test_elastic_nodes.py",
+        "machine, one killed and started again, are tests/dist/test_elastic_nodes.py",
 }
 
 #: Checks beyond exit code 0: a substring of a README command -> (files that must exist in the

@@ -7,13 +7,13 @@ others wait and read its file; the later runs tokenize nothing."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from tests.dist.test_data_tokens_engines import _env, _torchrun
 from tests.unit.test_data_text import docs, make_tokenizer, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,18 +23,6 @@ COMMON = ["progress=false", f"train.steps={STEPS}", "train.global_batch_size=8",
           "train.micro_batch_size=2", "train.data_seed=3", "data=text", "data.path=train.jsonl",
           f"data.seq_len={SEQ}", "model=hf_local", "model.hf_path=my-llama"]
 TOKENIZING = "[malleus_ds] data: tokenizing 1 file(s)"
-
-
-def _env():
-    e = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
-        e.pop(k, None)
-    return e
-
-
-def _torchrun(n: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-            TRAIN]
 
 
 def _run(cmd: list[str], out: Path, cwd: Path) -> tuple[list[float], str]:

@@ -77,14 +77,15 @@ def _world_of(rows: list[dict]) -> dict[int, int]:
     return {r["step"]: len(r["compute_s"]) for r in rows if "event" not in r}
 
 
-def test_a_node_leaves_and_the_job_shrinks_to_the_survivors(tmp_path):
+def _lose_a_node(tmp_path: Path, *extra: str):
+    """Two agents (a hosts the store), 4 ranks training past a checkpoint, then b's node is
+    lost; returns (a's exit code, a's log, the run folder) once a has exited."""
     run, ck, port = tmp_path / "run", tmp_path / "ck", _free_port()
-    a = _agent(port, run, ck, tmp_path, tmp_path / "a.log")
+    a = _agent(port, run, ck, tmp_path, tmp_path / "a.log", *extra)
     time.sleep(0.5)                    # a hosts the rendezvous store: it starts first
-    b = _agent(port, run, ck, tmp_path, tmp_path / "b.log")
+    b = _agent(port, run, ck, tmp_path, tmp_path / "b.log", *extra)
     deadline = time.monotonic() + 300
     try:
-        # 4 ranks training, past a checkpoint
         assert _wait_for(lambda: [s for s in _world_of(read_live(run)).items()
                                   if s[0] >= 3 and s[1] == 4], deadline, [a, b]), \
             (tmp_path / "a.log").read_text()[-3000:]
@@ -94,8 +95,12 @@ def test_a_node_leaves_and_the_job_shrinks_to_the_survivors(tmp_path):
         for p in (a, b):
             if p.poll() is None:
                 _kill_node(p)
-    log = (tmp_path / "a.log").read_text()
-    assert a.returncode == 0, log[-4000:]
+    return a.returncode, (tmp_path / "a.log").read_text(), run
+
+
+def test_a_node_leaves_and_the_job_shrinks_to_the_survivors(tmp_path):
+    rc, log, run = _lose_a_node(tmp_path)
+    assert rc == 0, log[-4000:]
     rows = _rows(run)
     steps = [r for r in rows if "event" not in r]
     assert [r["step"] for r in steps] == list(range(STEPS)), [r.get("step") for r in rows]
@@ -120,23 +125,8 @@ def test_survivors_that_cannot_hold_the_model_end_the_job_without_restarting(tmp
 
     dev = (peak_mb(4, 4) + peak_mb(2, 2)) / 2 / 0.9
     extra = ("parallel.pp=4", f"+malleus.device_mb={dev:.4f}", "malleus.migrate_bucket_mb=0.01")
-    run, ck, port = tmp_path / "run", tmp_path / "ck", _free_port()
-    a = _agent(port, run, ck, tmp_path, tmp_path / "a.log", *extra)
-    time.sleep(0.5)
-    b = _agent(port, run, ck, tmp_path, tmp_path / "b.log", *extra)
-    deadline = time.monotonic() + 300
-    try:
-        assert _wait_for(lambda: [s for s in _world_of(read_live(run)).items()
-                                  if s[0] >= 3 and s[1] == 4], deadline, [a, b]), \
-            (tmp_path / "a.log").read_text()[-3000:]
-        _kill_node(b)
-        a.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in (a, b):
-            if p.poll() is None:
-                _kill_node(p)
-    log = (tmp_path / "a.log").read_text()
-    assert a.returncode != 0, log[-4000:]
+    rc, log, run = _lose_a_node(tmp_path, *extra)
+    assert rc != 0, log[-4000:]
     said = [ln for ln in log.splitlines() if "cannot hold the model" in ln]
     assert sorted(ln.split("config error (rank ")[1][0] for ln in said) == ["0", "1"], log[-4000:]
     assert "no layout can fit" in said[0] and "malleus.device_mb" in said[0]

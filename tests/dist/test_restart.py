@@ -6,7 +6,9 @@ once metrics.jsonl shows a step after the first checkpoint, whatever the machine
 """
 from __future__ import annotations
 
+import ast
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -86,7 +88,8 @@ def test_a_rank_killed_mid_run_restarts_from_the_latest_checkpoint(tmp_path):
     carried = [r for r in after if r.get("event") == "replan"][0]
     assert (carried["trigger"], carried["step"]) == ("carried", ev["from_step"]), carried
     assert carried["measured_rates"][1] > 2.0 and carried.get("adopted", True), carried
-    assert "rates measured before the restart: {1: " in out
+    said = re.search(r"rates measured before the restart: (\{[^}]*\})", out)
+    assert said and ast.literal_eval(said.group(1)).get(1, 0) > 2.0, out[-3000:]  # others: load
 
 
 def test_an_error_every_attempt_meets_ends_the_job_without_restarting(tmp_path):

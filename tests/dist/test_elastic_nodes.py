@@ -114,7 +114,10 @@ def test_a_node_leaves_and_the_job_shrinks_to_the_survivors(tmp_path):
     assert {w for s, w in worlds.items() if s >= shrunk_at} == {2}, worlds
     gone = [r for r in rows if r.get("event") == "hang"]
     assert gone and "process is gone" in gone[0]["reason"], gone
-    assert sorted(s["rank"] for s in gone[0]["stuck"]) in ([2, 3], [0, 1]), gone
+    # the killed node's ranks (those already gone when the watchdog looked: the kills are
+    # one after another, so under load it may name one of the two)
+    named = {s["rank"] for s in gone[0]["stuck"]}
+    assert named and (named <= {2, 3} or named <= {0, 1}), gone
 
 
 def test_survivors_that_cannot_hold_the_model_end_the_job_without_restarting(tmp_path):

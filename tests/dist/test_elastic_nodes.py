@@ -53,6 +53,20 @@ def _agent(port: int, run: Path, ck: Path, cwd: Path, log: Path, *extra: str,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _hosting(port: int, a: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Wait until agent ``a`` listens on the rendezvous port: the agent started first hosts the
+    store and must outlive the other node (a fixed delay is not enough on a loaded machine,
+    where the second agent could bind the port first and take the store down with it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and a.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"agent a does not listen on port {port} (exit code {a.poll()})")
+
+
 def _kill_node(p: subprocess.Popen) -> None:
     """The node is lost: its agent and its workers (in sessions of their own), at once."""
     for pid in [p.pid] + descendants(p.pid):
@@ -82,7 +96,7 @@ def _lose_a_node(tmp_path: Path, *extra: str):
     lost; returns (a's exit code, a's log, the run folder) once a has exited."""
     run, ck, port = tmp_path / "run", tmp_path / "ck", _free_port()
     a = _agent(port, run, ck, tmp_path, tmp_path / "a.log", *extra)
-    time.sleep(0.5)                    # a hosts the rendezvous store: it starts first
+    _hosting(port, a)                  # a hosts the rendezvous store: b starts after
     b = _agent(port, run, ck, tmp_path, tmp_path / "b.log", *extra)
     deadline = time.monotonic() + 300
     try:
@@ -147,7 +161,7 @@ def test_a_node_rejoins_and_the_job_grows_back(tmp_path):
     # of 4 and 2 ranks against one process stays within 1e-5 for ~150 steps of this model)
     steps, big = GROW_STEPS, ("train.global_batch_size=32",)
     a = _agent(port, run, ck, tmp_path, tmp_path / "a.log", *big, steps=steps)
-    time.sleep(0.5)
+    _hosting(port, a)
     b = _agent(port, run, ck, tmp_path, tmp_path / "b.log", *big, steps=steps)
     deadline = time.monotonic() + 400
     b2 = None

@@ -40,7 +40,10 @@ def test_six_ranks_three_vs_two_stages_tp2_and_random_plans():
                                        rng.choice([0, 1, 2]), STEPS, EPS) for _ in range(2)]
     res = run_distributed(train_cases, 6, cases, timeout=300)
     for k, (pj, _z, steps, eps) in enumerate(cases):
-        check(pj, [r[k] for r in res], steps=steps, eps=eps)
+        # parameters to 2e-5 of the tensor's largest: the reduction order of 6 ranks through
+        # Adam's steps measured 1.08e-5 on one of our machines' CPUs (1e-5 on another); a wrong
+        # slice or a missed gradient is off by orders of magnitude more
+        check(pj, [r[k] for r in res], steps=steps, eps=eps, param_rtol=2e-5)
 
 
 @pytest.mark.parametrize("world,seed", [(4, 1), (5, 2)])

@@ -304,9 +304,7 @@ def main() -> None:
                 time.sleep(_CONFIG_ERROR_GRACE_S)
             if env.restartable:         # every attempt would fail so: no restart loop
                 from malleus_ds.runners.elastic import end_restarts
-                note = end_restarts(env, f"config error: {e}")
-                if note:
-                    _line(note)
+                end_restarts(env, f"config error: {e}", _line)
                 if env.local_rank != 0:     # exiting first would start a restart: let the
                     import time             # node's first rank stop the agent, which ends us
                     time.sleep(_END_RESTARTS_WAIT_S)

@@ -51,20 +51,20 @@ def record_fatal(message: str, path: str | None = None) -> None:
         f.write(message.strip() + "\n")
 
 
-def end_restarts(env: DistEnv, message: str) -> str | None:
+def end_restarts(env: DistEnv, message: str, say) -> None:
     """After an error that every attempt would meet again (``message``): record it, and on the
-    node's first rank stop the agent (module docstring). Returns the line to print, or None
-    when there is no restarting agent to stop."""
+    node's first rank stop the agent (module docstring). ``say(line)`` prints what is done,
+    before the signal: the agent's SIGTERM to its workers may end this process right after."""
     if not env.restartable:
-        return None
+        return
     record_fatal(message)
     if env.local_rank != 0:
-        return None
+        return
     pid = agent_pid()
     if pid is None:
-        return ("[malleus_ds] this error recurs on every restart, but the parent process is not "
-                "a torchrun agent this rank can stop: it may restart the job in vain")
+        say("[malleus_ds] this error recurs on every restart, but the parent process is not a "
+            "torchrun agent this rank can stop: it may restart the job in vain")
+        return
+    say(f"[malleus_ds] this error recurs on every restart: stopping torchrun's agent (pid {pid}) "
+        f"instead of letting it restart the job {env.max_restarts - env.restart} more time(s)")
     os.kill(pid, signal.SIGTERM)
-    return (f"[malleus_ds] this error recurs on every restart: stopped torchrun's agent (pid "
-            f"{pid}) instead of letting it restart the job {env.max_restarts - env.restart} "
-            f"more time(s)")

@@ -112,7 +112,7 @@ def test_an_error_every_attempt_meets_ends_the_job_without_restarting(tmp_path):
     for r in (0, 1):
         assert out.count(f"config error (rank {r}): the 2 ranks of this job cannot hold the "
                          f"model") == 1, out[-4000:]           # once: no second attempt
-    assert "stopped torchrun's agent" in out
+    assert "stopping torchrun's agent" in out
     last = [ln for ln in out.splitlines() if ln.startswith("[malleus_ds]")][-1]
     assert last.startswith("[malleus_ds] the job stopped without restarting: every attempt would "
                            "fail the same way (config error: the 2 ranks"), last

@@ -7,9 +7,92 @@ from __future__ import annotations
 import pytest
 import torch
 
+from malleus_ds.config import ConfigError, activation_checkpointing_note, build_run_config
 from malleus_ds.models import build_model, lm_loss, model_config
 from malleus_ds.models.base import StageModule, enable_activation_checkpointing
 from tests.peak_memory import peak_tensor_mb
+
+# ------------------------------------------------------------------------- the knob
+
+
+def cfg(train=None, ds=None, engine="torch", world=1):
+    d = {"engine": engine, "model": {"name": "tiny"},
+         "train": {"steps": 2, "global_batch_size": 8, "micro_batch_size": 1, **(train or {})},
+         "parallel": {"tp": 1, "pp": 1, "dp": None}}
+    if ds is not None:
+        d["deepspeed"] = {"config": ds}
+    return build_run_config(d, world_size=world)
+
+
+def test_off_by_default_and_on_when_asked():
+    assert cfg().train.activation_checkpointing is False
+    assert activation_checkpointing_note(cfg()) is None
+    assert cfg({"activation_checkpointing": None}).train.activation_checkpointing is False
+    c = cfg({"activation_checkpointing": True})
+    assert c.train.activation_checkpointing is True
+    assert "train.activation_checkpointing=true" in activation_checkpointing_note(c)
+
+
+@pytest.mark.parametrize("ds,src", [
+    ({"activation_checkpointing": {}}, "activation_checkpointing"),
+    ({"activation_checkpointing": {"partition_activations": False, "number_checkpoints": 4}},
+     "activation_checkpointing"),
+    ({"pipeline": {"activation_checkpoint_interval": 1}}, "pipeline.activation_checkpoint_interval"),
+])
+def test_a_ds_config_that_enables_deepspeed_checkpointing_turns_it_on(ds, src):
+    for asked in (None, True):
+        c = cfg({"activation_checkpointing": asked}, ds=ds)
+        assert c.train.activation_checkpointing is True
+        assert f"the ds_config's {src}" in activation_checkpointing_note(c)
+
+
+def test_interval_zero_or_null_section_is_off():
+    assert not cfg(ds={"pipeline": {"activation_checkpoint_interval": 0}}).train.activation_checkpointing
+    assert not cfg(ds={"activation_checkpointing": None}).train.activation_checkpointing
+
+
+def test_false_against_a_ds_config_that_turns_it_on_is_an_error():
+    with pytest.raises(ConfigError, match=r"train.activation_checkpointing=false, but the "
+                                          r"ds_config turns activation checkpointing on "
+                                          r"\(activation_checkpointing\); drop"):
+        cfg({"activation_checkpointing": False}, ds={"activation_checkpointing": {}})
+
+
+@pytest.mark.parametrize("train,ds,match", [
+    ({"activation_checkpointing": "yes"}, None,
+     r"train.activation_checkpointing='yes' must be true, false or null"),
+    (None, {"activation_checkpointing": {"partition_activations": True}},
+     r"activation_checkpointing.partition_activations=true is not supported \(it splits"),
+    (None, {"activation_checkpointing": {"cpu_checkpointing": True}},
+     r"cpu_checkpointing=true is not supported \(it moves the kept inputs to host memory\)"),
+    (None, {"activation_checkpointing": {"partition_activation": False}},
+     r"activation_checkpointing: unknown keys \['partition_activation'\]; DeepSpeed's are"),
+    (None, {"activation_checkpointing": {"number_checkpoints": 0}},
+     r"number_checkpoints=0 must be an integer >= 1 or null"),
+    (None, {"activation_checkpointing": True},
+     r"ds_config.activation_checkpointing must be an object"),
+    (None, {"pipeline": {"activation_checkpoint_interval": 2}},
+     r"pipeline.activation_checkpoint_interval=2: only 0 \(off\) or 1"),
+])
+def test_bad_values_name_the_field(train, ds, match):
+    with pytest.raises(ConfigError, match=match):
+        cfg(train, ds)
+
+
+def test_engine_malleus_hands_it_to_the_engine_through_the_ds_config():
+    from malleus_ds.engine.engine import MalleusEngine
+    from malleus_ds.runners.job import load_plan
+    from malleus_ds.runners.malleus_runner import build_ds_config
+
+    for asked, on in ((None, False), (True, True)):
+        c = cfg({"activation_checkpointing": asked}, engine="malleus", world=2)
+        ds = build_ds_config(c, load_plan(c))
+        assert ("activation_checkpointing" in ds) is on
+        assert MalleusEngine.build_settings(ds).recompute is on
+    # the user's own section is kept as it is
+    c = cfg(ds={"activation_checkpointing": {"number_checkpoints": 4}}, engine="malleus", world=2)
+    assert build_ds_config(c, load_plan(c))["activation_checkpointing"] == {"number_checkpoints": 4}
+
 
 # ------------------------------------------------------------------------- one model
 

@@ -302,9 +302,9 @@ def _activation_checkpointing(t: TrainConfig, asked: Any, ds: DeepSpeedSection) 
         raise ConfigError(f"{e}{_ds_file(ds)}") from None
     if asked is False and src is not None:
         raise ConfigError(f"train.activation_checkpointing=false, but the ds_config{_ds_file(ds)} "
-                          f"turns activation checkpointing on ({src}); drop "
-                          f"train.activation_checkpointing (null follows the ds_config) or "
-                          f"remove {src} from the ds_config")
+                          f"turns activation checkpointing on with its {src}; drop "
+                          f"train.activation_checkpointing (null follows the ds_config) or take "
+                          f"the {src.split('=')[0]} out of the ds_config")
     on = bool(asked) or src is not None
     return replace(t, activation_checkpointing=on) if on != t.activation_checkpointing else t
 
@@ -321,7 +321,10 @@ def activation_checkpointing_note(cfg: RunConfig) -> str | None:
 
 
 def _ds_file(ds: DeepSpeedSection) -> str:
-    return f" ({ds.config_file})" if ds.config_file else ""
+    """Where the ds_config came from, for messages (inline ``deepspeed.config`` fields are
+    merged over the file)."""
+    return f" (deepspeed.config_file={ds.config_file} and deepspeed.config)" \
+        if ds.config_file else ""
 
 
 def _parallel(p: Mapping[str, Any], world: int, model: ModelConfig,

@@ -294,7 +294,8 @@ _ACT_KEYS = (*_ACT_REFUSED, "number_checkpoints")
 
 
 def activation_checkpointing_source(user_cfg: Mapping[str, Any]) -> str | None:
-    """The ds_config field that turns activation checkpointing on, or None when none does
+    """What in the ds_config turns activation checkpointing on (``"activation_checkpointing
+    section"`` or ``"pipeline.activation_checkpoint_interval=1"``), or None when nothing does
     (pure: the same answer and the same error on every rank).
 
     DeepSpeed has no ``enabled`` flag: a model calls ``deepspeed.checkpointing.checkpoint`` and
@@ -316,7 +317,7 @@ def activation_checkpointing_source(user_cfg: Mapping[str, Any]) -> str | None:
                              f"are supported; the memory model counts one layer's "
                              f"activations at a time")
         if iv == 1:
-            out = "pipeline.activation_checkpoint_interval"
+            out = "pipeline.activation_checkpoint_interval=1"
     if "activation_checkpointing" not in user_cfg:
         return out
     sec = user_cfg["activation_checkpointing"]
@@ -342,7 +343,7 @@ def activation_checkpointing_source(user_cfg: Mapping[str, Any]) -> str | None:
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ValueError(f"ds_config.activation_checkpointing.number_checkpoints={n!r} must be "
                          f"an integer >= 1 or null")
-    return "activation_checkpointing"
+    return "activation_checkpointing section"
 
 
 def check_unsupported(user_cfg: dict) -> None:

@@ -34,10 +34,11 @@ def test_off_by_default_and_on_when_asked():
 
 
 @pytest.mark.parametrize("ds,src", [
-    ({"activation_checkpointing": {}}, "activation_checkpointing"),
+    ({"activation_checkpointing": {}}, "activation_checkpointing section"),
     ({"activation_checkpointing": {"partition_activations": False, "number_checkpoints": 4}},
-     "activation_checkpointing"),
-    ({"pipeline": {"activation_checkpoint_interval": 1}}, "pipeline.activation_checkpoint_interval"),
+     "activation_checkpointing section"),
+    ({"pipeline": {"activation_checkpoint_interval": 1}},
+     "pipeline.activation_checkpoint_interval=1"),
 ])
 def test_a_ds_config_that_enables_deepspeed_checkpointing_turns_it_on(ds, src):
     for asked in (None, True):
@@ -53,9 +54,17 @@ def test_interval_zero_or_null_section_is_off():
 
 def test_false_against_a_ds_config_that_turns_it_on_is_an_error():
     with pytest.raises(ConfigError, match=r"train.activation_checkpointing=false, but the "
-                                          r"ds_config turns activation checkpointing on "
-                                          r"\(activation_checkpointing\); drop"):
+                                          r"ds_config turns activation checkpointing on with "
+                                          r"its activation_checkpointing section; drop "
+                                          r"train.activation_checkpointing \(null follows the "
+                                          r"ds_config\) or take the activation_checkpointing "
+                                          r"section out"):
         cfg({"activation_checkpointing": False}, ds={"activation_checkpointing": {}})
+    with pytest.raises(ConfigError, match=r"on with its pipeline.activation_checkpoint_interval"
+                                          r"=1; .* take the pipeline.activation_checkpoint_"
+                                          r"interval out of the ds_config"):
+        cfg({"activation_checkpointing": False},
+            ds={"pipeline": {"activation_checkpoint_interval": 1}})
 
 
 @pytest.mark.parametrize("train,ds,match", [

@@ -26,8 +26,8 @@ steps both ran (each engine runs the same step indices on the same batches).
 ``--recompute``: activation checkpointing instead, each engine with and without it
 (``train.activation_checkpointing``: stock DeepSpeed with ``torch.utils.checkpoint`` per layer
 under ZeRO, the runner's ``PipelineModule(activation_checkpoint_interval=1)`` for pp2;
-MalleusEngine with the ds_config's ``activation_checkpointing`` section), four engines timed in
-alternating rounds. Reported per engine: median step time off / on, and the peak tensor memory
+MalleusEngine with the ds_config's ``activation_checkpointing`` section), four engines taking
+one step each in turn (``rounds x steps`` timed steps each, after ``warmup``). Reported per engine: median step time off / on, and the peak tensor memory
 of one step (the most over the ranks, above what the rank held before the step: activations,
 gradients, temporaries), measured once per engine outside the timed steps: on CUDA
 ``max_memory_allocated``, on CPU the allocator's events (``tests/peak_memory.py``). The losses
@@ -229,16 +229,15 @@ def _recompute_worker(rank, world, layout, model_name, seq, G, steps, rounds, wa
     keys = list(engines)
     times = {k: [] for k in keys}
     losses = {k: [] for k in keys}
-    for r in range(rounds):
-        for key in keys:
+    for k in range(warmup + rounds * steps):    # one step of each engine in turn: a busy
+        for key in keys:                        # spell on a shared machine hits all four
             groups.mpu = mpus[key]
-            for k in range(steps + (warmup if r == 0 else 0)):
-                dist.barrier()
-                t0 = time.perf_counter()
-                losses[key].append(run_step(key, len(losses[key])))
-                dist.barrier()
-                if r > 0 or k >= warmup:
-                    times[key].append(time.perf_counter() - t0)
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses[key].append(run_step(key, len(losses[key])))
+            dist.barrier()
+            if k >= warmup:
+                times[key].append(time.perf_counter() - t0)
     peaks = {}
     for key in keys:                    # one more step each, under the memory measurement
         groups.mpu = mpus[key]
@@ -260,7 +259,8 @@ def recompute_main(a) -> int:
     from tests.dist.harness import run_distributed
 
     print(f"model={a.model} seq={a.seq} G={a.global_batch} mbs=1, 2 CPU ranks (gloo), "
-          f"{a.rounds} alternating rounds x {a.steps} steps; activation checkpointing off / on")
+          f"{a.rounds * a.steps} timed steps per engine, one step of each engine in turn, "
+          f"median step time; activation checkpointing off / on")
     print(f"{'layout':7} {'engine':8} {'step s off':>10} {'on':>8} {'on/off':>7}   "
           f"{'peak MB off':>11} {'on':>8} {'on/off':>7}   max|dloss| off vs on")
     for layout in a.layouts.split(","):

@@ -14,11 +14,11 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from .engine.settings import ADAPTIVE_KEYS
+from .engine.settings import ADAPTIVE_KEYS, activation_checkpointing_source
 from .data.parse import parse_data
 from .data.tokens import DataError
 from .device import DeviceError, check_device
@@ -56,6 +56,8 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
     cluster = _cluster(d.get("cluster") or {}, world_size, local_world_size or world_size, parallel)
     straggler = _straggler(d.get("straggler") or {}, world_size)
     ds = _deepspeed(d.get("deepspeed") or {}, ds_search_dirs)
+    train = _activation_checkpointing(train, (d.get("train") or {}).get("activation_checkpointing"),
+                                      ds)
     if train.num_micro_batches < parallel.dp:
         raise ConfigError(f"train.global_batch_size={train.global_batch_size} / "
                           f"train.micro_batch_size={train.micro_batch_size} = "
@@ -267,6 +269,11 @@ def _train(t: Mapping[str, Any]) -> TrainConfig:
         t["betas"] = (_float(b[0], "train.betas[0]"), _float(b[1], "train.betas[1]"))
     if t.get("data_seed") is not None:
         t["data_seed"] = _int(t["data_seed"], "train.data_seed")
+    ac = t.pop("activation_checkpointing", None)     # resolved against the ds_config later
+    if ac is not None and not isinstance(ac, bool):
+        raise ConfigError(f"train.activation_checkpointing={ac!r} must be true, false or null "
+                          f"(null: on when the ds_config enables DeepSpeed's activation "
+                          f"checkpointing)")
     tc = TrainConfig(**t)
     if tc.steps < 1:
         raise ConfigError(f"train.steps={tc.steps} must be >= 1")
@@ -282,6 +289,42 @@ def _train(t: Mapping[str, Any]) -> TrainConfig:
         raise ConfigError(f"train.warmup_steps={tc.warmup_steps} must be >= 0 (steps left out of "
                           f"the throughput summary; 0 = count every step)")
     return tc
+
+
+def _activation_checkpointing(t: TrainConfig, asked: Any, ds: DeepSpeedSection) -> TrainConfig:
+    """``train.activation_checkpointing`` (true | false | null) resolved against the ds_config:
+    null follows the ds_config (on when it enables DeepSpeed's activation checkpointing:
+    ``engine.settings.activation_checkpointing_source``); true turns it on either way; false
+    with a ds_config that turns it on is a contradiction, refused naming both."""
+    try:
+        src = activation_checkpointing_source(ds.config)
+    except ValueError as e:
+        raise ConfigError(f"{e}{_ds_file(ds)}") from None
+    if asked is False and src is not None:
+        raise ConfigError(f"train.activation_checkpointing=false, but the ds_config{_ds_file(ds)} "
+                          f"turns activation checkpointing on with its {src}; drop "
+                          f"train.activation_checkpointing (null follows the ds_config) or take "
+                          f"the {src.split('=')[0]} out of the ds_config")
+    on = bool(asked) or src is not None
+    return replace(t, activation_checkpointing=on) if on != t.activation_checkpointing else t
+
+
+def activation_checkpointing_note(cfg: RunConfig) -> str | None:
+    """The start-up words for ``train.activation_checkpointing`` when it is on (None when off),
+    naming the ds_config field when that is what turned it on."""
+    if not cfg.train.activation_checkpointing:
+        return None
+    src = activation_checkpointing_source(cfg.deepspeed.config)
+    why = f"the ds_config's {src}" if src is not None else "train.activation_checkpointing=true"
+    return (f"activation checkpointing on ({why}): each decoder layer's activations are "
+            f"recomputed in backward")
+
+
+def _ds_file(ds: DeepSpeedSection) -> str:
+    """Where the ds_config came from, for messages (inline ``deepspeed.config`` fields are
+    merged over the file)."""
+    return f" (deepspeed.config_file={ds.config_file} and deepspeed.config)" \
+        if ds.config_file else ""
 
 
 def _parallel(p: Mapping[str, Any], world: int, model: ModelConfig,

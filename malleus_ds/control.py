@@ -31,6 +31,7 @@ from typing import Mapping
 
 import numpy as np
 
+from .cost import RECOMPUTE_FACTOR
 from .engine.settings import AdaptiveSettings
 from .models.base import head_layer_units
 from .plan import Plan, PlanError
@@ -71,7 +72,11 @@ class Controller:
         self.det = Detector(self.world, settings.detect) if self.rank == 0 else None
         # the last stage's output head, in layers: without it a healthy last stage reads slow
         self.head = head_layer_units(engine.param_table, engine.seq_len, engine.model_cfg.hidden_size)
-        self.units = cost_units(plan, self.world, self.tp, self.slowdown, self.head)
+        # a recomputed layer does 4/3 of a plain one's work, the head does not grow
+        self.recompute = bool(engine.settings.recompute)     # activation checkpointing
+        self.layer_cost = RECOMPUTE_FACTOR if self.recompute else 1.0
+        self.units = cost_units(plan, self.world, self.tp, self.slowdown, self.head,
+                                self.layer_cost)
         self.shape = tuple(cost_shape(plan, self.world).T)     # per-micro-batch terms, fitted
         self.held = held_ranks(self.units, None)     # working under a plan made for them as slow
         self._floor = np.zeros(self.world)           # ...and the rates it was made for
@@ -243,7 +248,8 @@ class Controller:
         if tp != self.tp:       # engine API without a nominal tp: the plans' TP sizes set it
             self.tp, self._problem = tp, None
             self.slowdown = self._slowdown(tp)
-        self.units = cost_units(plan, self.world, self.tp, self.slowdown, self.head)
+        self.units = cost_units(plan, self.world, self.tp, self.slowdown, self.head,
+                                self.layer_cost)
         self.shape = tuple(cost_shape(plan, self.world).T)
         self._hold(rates if rates is not None else as_list(self.measured))
         self.step_times.clear()
@@ -292,7 +298,8 @@ class Controller:
                 mem = memory_model(e.param_table, e.model_cfg, e.plan.micro_batch_size,
                                    e.seq_len, e.precision.mixed, dev,
                                    switch_buffer_mb=SWITCH_BUFFERS * e.settings.migrate_bucket_mb)
-                pr = job_problem(self._first_plan, e.job, self.slowdown, mem, self.head)
+                pr = job_problem(self._first_plan, e.job, self.slowdown, mem, self.head,
+                                 activation_checkpointing=self.recompute)
                 self._problem = fit_running_plan(pr, e.plan)
             except (PlanError, ValueError) as err:
                 self.disabled_reason = f"the running job cannot be planned for: {err}"

@@ -31,6 +31,17 @@ from .plan import Plan, PlanError, Stage, charged_layers
 from .problem import Memory, Problem, fmt_mb
 
 
+#: Compute of a recomputed layer relative to a plain one (``Problem.activation_checkpointing``):
+#: forward 1 + backward 2 + the forward again before its backward = 4 instead of 3.
+RECOMPUTE_FACTOR = 4.0 / 3.0
+
+
+def layer_cost(problem: Problem) -> float:
+    """One layer's compute per micro-batch in model units: :data:`RECOMPUTE_FACTOR` with
+    activation checkpointing, else 1.0 (the unit itself)."""
+    return RECOMPUTE_FACTOR if problem.activation_checkpointing else 1.0
+
+
 def group_rate(problem: Problem, ranks: Sequence[int]) -> float:
     """``y = slowdown[tp/g] * max_{d in group} x_d``: a group runs at its slowest member's pace."""
     return problem.slowdown(len(ranks)) * max(problem.rate(r) for r in ranks)
@@ -50,10 +61,11 @@ def head_layers(problem: Problem) -> float:
 
 
 def stage_time(problem: Problem, stage: Stage, last: bool = False) -> float:
-    """Compute time of ``stage`` (no communication): ``y * (l + head)``, the head on the last
-    stage of a pipeline only."""
+    """Compute time of ``stage`` (no communication): ``y * (c*l + head)``, the head on the last
+    stage of a pipeline only; ``c`` = :func:`layer_cost` (4/3 when layers are recomputed)."""
     head = head_layers(problem) if last else 0.0
-    return group_rate(problem, stage.ranks) * charged_layers(stage, last, head)
+    return group_rate(problem, stage.ranks) * charged_layers(stage, last, head,
+                                                            layer_cost(problem))
 
 
 @dataclass(frozen=True)
@@ -147,15 +159,26 @@ def step_time(problem: Problem, plan: Plan) -> float:
 
 
 def stage_memory_terms(memory: Memory, tp: int, group_size: int, stage_index: int,
-                       num_stages: int, micro_batches: int) -> tuple[float, float]:
+                       num_stages: int, micro_batches: int,
+                       recompute: bool = False) -> tuple[float, float]:
     """The memory model of one stage (DESIGN.md §3) as ``l * per_layer + fixed`` MB for ``l``
     layers: ``(l*(static + act*min(S-j, m)) + emb*[j=0] + emb*[j=S-1]) * tp/g + extra``.
+
+    ``recompute`` (activation checkpointing): a layer keeps only its input per micro-batch in
+    flight, ``input = layer_input_mb``, which every rank of a TP group holds whole (it is not
+    sharded, so not scaled by ``tp/g``), and the layer whose backward runs holds its recomputed
+    activations, one layer of one micro-batch at a time:
+    ``l*(static*tp/g + input*min(S-j, m)) + (emb*[j=0] + emb*[j=S-1] + act) * tp/g + extra``.
     The one place the formula lives: :func:`stage_memory_mb` evaluates it, the planner's
     ``partition.layer_cap`` inverts it."""
     mult = tp / group_size
     inflight = min(num_stages - stage_index, micro_batches)
-    per_layer = (memory.layer_static_mb + memory.layer_activation_mb * inflight) * mult
     ends = (stage_index == 0) + (stage_index == num_stages - 1)
+    if recompute:
+        per_layer = memory.layer_static_mb * mult + memory.layer_input_mb * inflight
+        return per_layer, ((memory.embedding_mb * ends + memory.layer_activation_mb) * mult
+                           + memory.extra_mb)
+    per_layer = (memory.layer_static_mb + memory.layer_activation_mb * inflight) * mult
     return per_layer, memory.embedding_mb * ends * mult + memory.extra_mb
 
 
@@ -166,7 +189,8 @@ def stage_memory_mb(problem: Problem, num_layers: int, stage_index: int, num_sta
     if problem.memory is None:
         return 0.0
     per_layer, fixed = stage_memory_terms(problem.memory, problem.tp, group_size, stage_index,
-                                          num_stages, micro_batches)
+                                          num_stages, micro_batches,
+                                          problem.activation_checkpointing)
     return num_layers * per_layer + fixed
 
 

@@ -209,11 +209,12 @@ class Plan(JsonFile):
 
 
 
-def charged_layers(stage: Stage, last: bool, head: float) -> float:
-    """Layers' worth of compute ``stage`` does per micro-batch: its layers, plus the output head
-    (``head`` layer units, ``cost.head_layers``) on a pipeline's last stage. The cost model and
-    the per-rank cost units both ask; the one place this is decided."""
-    return stage.num_layers + (head if last else 0.0)
+def charged_layers(stage: Stage, last: bool, head: float, layer_cost: float = 1.0) -> float:
+    """Layers' worth of compute ``stage`` does per micro-batch: its layers (each ``layer_cost``:
+    ``cost.RECOMPUTE_FACTOR`` when activation checkpointing recomputes them), plus the output
+    head (``head`` layer units, ``cost.head_layers``; never recomputed) on a pipeline's last
+    stage. The cost model and the per-rank cost units both ask; the one place this is decided."""
+    return stage.num_layers * layer_cost + (head if last else 0.0)
 
 
 def static_plan(num_layers: int, global_batch_size: int, micro_batch_size: int,

@@ -17,8 +17,9 @@ from .plan import (MAX_BATCH, MAX_LAYERS, MAX_RANKS, VERSION, JsonFile, Plan, Pl
 from .straggler import ideal_slowdown
 
 
-#: memory keys a problem file may leave out (0 when absent)
-_MEMORY_OPTIONAL = ("layer_grad_mb", "switch_buffer_mb")
+#: memory keys a problem file may leave out (0 when absent; ``layer_input_mb`` is required with
+#: ``training.activation_checkpointing``)
+_MEMORY_OPTIONAL = ("layer_grad_mb", "switch_buffer_mb", "layer_input_mb")
 
 
 
@@ -40,6 +41,10 @@ class Memory:
     # migration's staging buffers.
     layer_grad_mb: float = 0.0
     switch_buffer_mb: float = 0.0
+    # With activation checkpointing (``Problem.activation_checkpointing``): what a layer keeps
+    # per micro-batch in flight, its input alone (Megatron's full recompute: ``2·s·b·h`` bytes at
+    # 16 bits), in place of ``layer_activation_mb``; see ``cost.stage_memory_terms``.
+    layer_input_mb: float = 0.0
 
     @property
     def budget_mb(self) -> float:
@@ -64,6 +69,9 @@ class Problem(JsonFile):
     rates: Mapping[int, float]            # missing ranks are healthy (1.0)
     current_plan: Plan | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    # ``training.activation_checkpointing``: every decoder layer is recomputed in backward, so a
+    # layer keeps only its input (``Memory.layer_input_mb``) and costs ``cost.RECOMPUTE_FACTOR``
+    activation_checkpointing: bool = False
 
     @property
     def num_gpus(self) -> int:
@@ -115,7 +123,9 @@ class Problem(JsonFile):
             "model": {"num_layers": self.num_layers},
             "training": {"global_batch_size": self.global_batch_size,
                          "micro_batch_size": self.micro_batch_size,
-                         "tp": self.tp, "pp": self.pp, "dp": self.dp},
+                         "tp": self.tp, "pp": self.pp, "dp": self.dp,
+                         **({"activation_checkpointing": True}
+                            if self.activation_checkpointing else {})},
             "cost": {"tp_slowdown": {str(k): v for k, v in sorted(self.tp_slowdown.items())}},
             "rates": {str(k): v for k, v in sorted(self.rates.items())},
             "current_plan": self.current_plan.to_json() if self.current_plan else None,
@@ -164,6 +174,9 @@ class Problem(JsonFile):
             raise PlanError(f"training: {gbs // mbs} micro-batches cannot feed dp={dp} pipelines")
         if pp > L:
             raise PlanError(f"training.pp={pp} exceeds model.num_layers={L}")
+        ac = tr.get("activation_checkpointing", False)
+        if not isinstance(ac, bool):
+            raise PlanError(f"training.activation_checkpointing={ac!r} must be true or false")
         if not isinstance(co, Mapping):
             raise PlanError(f"problem.cost: expected an object, got {co!r}")
         raw_sd = co.get("tp_slowdown") or {str(k): v for k, v in ideal_slowdown(tp).items()}
@@ -203,6 +216,15 @@ class Problem(JsonFile):
                 raise PlanError(f"memory.layer_grad_mb={vals['layer_grad_mb']:g} is part of "
                                 f"memory.layer_static_mb={vals['layer_static_mb']:g} and cannot "
                                 f"exceed it")
+            if ac and "layer_input_mb" not in m:
+                raise PlanError("memory.layer_input_mb is missing: with "
+                                "training.activation_checkpointing=true a layer keeps only its "
+                                "input per micro-batch in flight (Megatron: 2*s*b*h bytes at 16 "
+                                "bits); give it in MB")
+            if vals["layer_input_mb"] > vals["layer_activation_mb"]:
+                raise PlanError(f"memory.layer_input_mb={vals['layer_input_mb']:g} is part of "
+                                f"memory.layer_activation_mb={vals['layer_activation_mb']:g} "
+                                f"and cannot exceed it")
             mem = Memory(**vals)
         rates: dict[int, float] = {}
         raw_rates = d.get("rates") or {}
@@ -221,7 +243,7 @@ class Problem(JsonFile):
             name=str(d.get("name", "problem")), nodes=nodes, gpus_per_node=gpn, num_layers=L,
             global_batch_size=gbs, micro_batch_size=mbs, tp=tp, pp=pp, dp=dp, tp_slowdown=sd,
             memory=mem, rates=rates, current_plan=current,
-            extra={k: v for k, v in d.items() if k not in known},
+            extra={k: v for k, v in d.items() if k not in known}, activation_checkpointing=ac,
         )
 
 

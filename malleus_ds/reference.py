@@ -14,7 +14,8 @@ import torch
 
 from .data import DataConfig, make_dataset
 from .models import ModelConfig, build_model, lm_loss
-from .models.base import global_named_parameters, global_state_dict, tied_params
+from .models.base import (enable_activation_checkpointing, global_named_parameters,
+                          global_state_dict, tied_params)
 from .optim import OptimConfig, make_optimizer
 from .samples import loss_share, micro_batches
 
@@ -22,7 +23,8 @@ from .samples import loss_share, micro_batches
 def reference_run(cfg: ModelConfig, *, seed: int, steps: int, global_batch_size: int,
                   micro_batch_size: int, optim: OptimConfig = OptimConfig(),
                   data_seed: int | None = None, grad_clip: float = 0.0,
-                  adam_out: dict | None = None, data: DataConfig | None = None):
+                  adam_out: dict | None = None, data: DataConfig | None = None,
+                  activation_checkpointing: bool = False):
     """Train ``steps`` steps on one process. Returns (per-step losses, final state_dict).
 
     ``grad_clip > 0`` clips the summed gradients' global norm before each step
@@ -30,9 +32,13 @@ def reference_run(cfg: ModelConfig, *, seed: int, steps: int, global_batch_size:
     DeepSpeed's ``gradient_clipping``. ``adam_out``: filled with ``{name: {"exp_avg": ...,
     "exp_avg_sq": ...}}`` after the last step (for checking migrated optimizer states).
     ``data``: what to train on (the app's ``data.*``; None = the shipped byte corpus at
-    ``cfg.max_seq_len``), built by the runners' own factory."""
+    ``cfg.max_seq_len``), built by the runners' own factory. ``activation_checkpointing``:
+    recompute each decoder layer in backward (``models.base.enable_activation_checkpointing``;
+    the same losses, less memory)."""
     torch.manual_seed(seed)
     model = build_model(cfg, seed)
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
     opt = make_optimizer(model.parameters(), optim)
     dataset = make_dataset(data or DataConfig(), cfg, seed if data_seed is None else data_seed)
     scale = loss_share(micro_batch_size, global_batch_size)

@@ -39,7 +39,9 @@ def memory_model(table, cfg, micro_batch_size: int, seq_len: int, mixed: bool,
     and Adam's two moments: ``2+2+4+4+8`` bytes with bf16/fp16, ``4+4+4+4+8`` in fp32; of those,
     the gradient buffers (4 B in the buckets + the parameter-dtype gradient) are freed before a
     plan switch allocates (``layer_grad_mb``). Activations: Megatron's estimate
-    ``s·b·h·(34 + 5·a·s/h)`` bytes at 16 bits (×2 in fp32). ``switch_buffer_mb``: the
+    ``s·b·h·(34 + 5·a·s/h)`` bytes at 16 bits (×2 in fp32); with activation checkpointing a
+    layer keeps only its input, ``2·s·b·h`` bytes at 16 bits (×2 in fp32: ``layer_input_mb``,
+    used when the problem says ``activation_checkpointing``). ``switch_buffer_mb``: the
     migration's staging buffers."""
     pb = 2 if mixed else 4
     per_param = pb + pb + 4 + 4 + 8
@@ -49,11 +51,13 @@ def memory_model(table, cfg, micro_batch_size: int, seq_len: int, mixed: bool,
     emb = max(ends, default=0)          # the larger of embedding and head, charged to each end
     h, a = cfg.hidden_size, cfg.num_heads
     act = seq_len * micro_batch_size * h * (34 + 5 * a * seq_len / h) * (1 if mixed else 2)
+    kept = seq_len * micro_batch_size * h * pb          # the layer input, in the activation dtype
     mb = 2.0 ** 20
     return Memory(device_mb=device_mb, reserved_mb=0.1 * device_mb,
                   layer_static_mb=layer * per_param / mb, layer_activation_mb=act / mb,
                   embedding_mb=emb * per_param / mb, extra_mb=0.0,
-                  layer_grad_mb=layer * grads / mb, switch_buffer_mb=switch_buffer_mb)
+                  layer_grad_mb=layer * grads / mb, switch_buffer_mb=switch_buffer_mb,
+                  layer_input_mb=kept / mb)
 
 
 def device_memory_mb(device, ranks_on_host: int) -> float:
@@ -84,15 +88,19 @@ def fit_running_plan(problem: Problem, plan: Plan) -> Problem:
 
 
 def job_problem(plan: Plan, job: JobLayout, tp_slowdown: Mapping[int, float],
-                memory: Memory | None, head_layers: float = 0.0) -> Problem:
+                memory: Memory | None, head_layers: float = 0.0,
+                activation_checkpointing: bool = False) -> Problem:
     """The planning problem of a running job of shape ``job`` (rates are filled in per re-plan);
-    ``head_layers``: the output head's compute in layer units (``models.base.head_layer_units``)."""
+    ``head_layers``: the output head's compute in layer units (``models.base.head_layer_units``);
+    ``activation_checkpointing``: the job recomputes its layers (memory and compute terms of
+    ``cost.py``)."""
     pp, dp = nominal_shape(plan, job.world, job.tp)
     return Problem(name="running-job", nodes=job.nodes, gpus_per_node=job.gpus_per_node,
                    num_layers=plan.num_layers, global_batch_size=plan.global_batch_size,
                    micro_batch_size=plan.micro_batch_size, tp=job.tp, pp=pp, dp=dp,
                    tp_slowdown=dict(tp_slowdown), memory=memory, rates={},
-                   extra={"head_layers": head_layers} if head_layers else {})
+                   extra={"head_layers": head_layers} if head_layers else {},
+                   activation_checkpointing=activation_checkpointing)
 
 
 @dataclass(frozen=True)

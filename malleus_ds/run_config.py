@@ -35,6 +35,9 @@ class TrainConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     warmup_steps: int = 1               # steps left out of throughput summaries (not of training)
+    # recompute each decoder layer's activations in backward (resolved against the ds_config by
+    # config._activation_checkpointing: True/False here, never None)
+    activation_checkpointing: bool = False
 
     @property
     def num_micro_batches(self) -> int:

@@ -7,8 +7,9 @@ forward of ``k`` on ``j-1``; a backward waits for the backward on ``j+1`` (plus 
 point-to-point time ``cost.boundary_times`` when the problem has a ``comm`` section: here it
 delays the message, where the cost model charges it to the sending stage's time). A stage's
 time per micro-batch ``t = y*l`` (the head added on the last stage: ``cost.stage_time``) splits
-into forward ``t/3`` and backward ``2t/3``. Pipelines run independently; the step ends when the
-last one does.
+into forward ``t/3`` and backward ``2t/3``; with activation checkpointing the forward stays what it
+was without and the backward takes the rest (it runs each layer's forward again first: 3/4 of a
+layer's ``4/3``). Pipelines run independently; the step ends when the last one does.
 
 The reference cost model (``sum t + (m-1) max t``) is the planner's objective; the simulated
 step time is an event-level check of it: without a ``comm`` section equal when ``m = 1`` or each
@@ -18,7 +19,7 @@ not charged to the sender).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .cost import (boundary_times, capacity_fraction, eta, evaluate, healthy_step_time,
                    stage_time)
@@ -64,21 +65,24 @@ class Timeline:
 
 def build_timeline(problem: Problem, plan: Plan) -> Timeline:
     """Run every pipeline's 1F1B streams (``schedule.one_f_one_b``, what the engine runs) through
-    the event simulator ``schedule.run_streams``: a forward lasts ``t/3``, a backward ``2t/3``,
-    sends and receives take no stage time, and a message arrives the boundary's point-to-point
+    the event simulator ``schedule.run_streams``: a forward lasts ``t/3``, a backward ``2t/3``
+    (with activation checkpointing: the forward of the same stage without it, the backward the
+    rest), sends and receives take no stage time, and a message arrives the boundary's point-to-point
     time after it is sent."""
     ops: list[Op] = []
     ptimes, busy, ranks = [], [], []
+    plain = replace(problem, activation_checkpointing=False)    # the forward is not recomputed
     for i, p in enumerate(plan.pipelines):
         S, m = len(p.stages), p.micro_batches
         t = [stage_time(problem, s, last=j == S - 1) for j, s in enumerate(p.stages)]
+        fwd = [stage_time(plain, s, last=j == S - 1) * FWD_SHARE for j, s in enumerate(p.stages)]
         link = boundary_times(problem, p.stages)
 
-        def duration(ins: Instr, t=t) -> float:
+        def duration(ins: Instr, t=t, fwd=fwd) -> float:
             if isinstance(ins, Forward):
-                return t[ins.stage] * FWD_SHARE
+                return fwd[ins.stage]
             if isinstance(ins, Backward):
-                return t[ins.stage] * (1 - FWD_SHARE)
+                return t[ins.stage] - fwd[ins.stage]
             return 0.0
 
         def latency(ins: Instr, link=link) -> float:      # sends only: j -> j+1 or j -> j-1

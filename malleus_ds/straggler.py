@@ -42,10 +42,12 @@ def ideal_slowdown(tp: int) -> dict[int, float]:
 
 
 def cost_units(plan: Plan, world: int, tp: int, tp_slowdown: Mapping[int, float],
-               head: float = 0.0) -> np.ndarray:
+               head: float = 0.0, layer_cost: float = 1.0) -> np.ndarray:
     """Per-rank work under ``plan`` (length ``world``, float64), in "one layer × one micro-batch
     on a healthy full TP group": ``layers held × micro-batches × tp_slowdown[tp // g]``; a
     pipeline's last stage holds ``head`` more layers' worth (the output head, ``cost.head_layers``).
+    ``layer_cost``: a layer's work in those units (``cost.RECOMPUTE_FACTOR`` when activation
+    checkpointing recomputes layers but not the head).
 
     0.0 for a rank the plan does not use (suspended or absent). Raises ``ValueError`` for a rank
     outside the world, a group size that does not divide ``tp``, or a missing slowdown key.
@@ -60,7 +62,7 @@ def cost_units(plan: Plan, world: int, tp: int, tp_slowdown: Mapping[int, float]
             if key not in tp_slowdown:
                 raise ValueError(f"{where}: tp_slowdown has no entry for key {key} (= tp {tp} / "
                                  f"group size {stage.tp}); keys: {sorted(tp_slowdown)}")
-            layers = charged_layers(stage, j == len(pipe.stages) - 1, head)
+            layers = charged_layers(stage, j == len(pipe.stages) - 1, head, layer_cost)
             u = layers * pipe.micro_batches * float(tp_slowdown[key])
             for r in stage.ranks:
                 if not 0 <= r < world:

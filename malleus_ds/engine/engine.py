@@ -73,8 +73,8 @@ from .runtime import PlanRuntime, RunningPlan, StageSpec, build_runtime, build_s
 from .precision import Precision
 from .state import EngineState
 from .step_reduce import StepReduction
-from .settings import (MalleusSettings, as_plan, base_ds_config, check_unsupported,
-                       load_config, optimizer_settings)
+from .settings import (MalleusSettings, activation_checkpointing_source, as_plan,
+                       base_ds_config, check_unsupported, load_config, optimizer_settings)
 from ..schedule import Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad
 from .model_input import model_builder
 from .wire import wire_calls
@@ -100,7 +100,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         rank, world = tdist.get_rank(), tdist.get_world_size()
         user_cfg = load_config(config)
         settings = self.build_settings(user_cfg)
-        cfg, make_stage = model_builder(model, settings.seed)
+        cfg, make_stage = model_builder(model, settings.seed, settings.recompute)
         plan = self.build_plan(as_plan(plan) or settings.plan, cfg, world, settings, user_cfg)
         for sw in settings.switch:      # every scripted switch is checked before any collective
             try:
@@ -131,11 +131,14 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
 
     @staticmethod
     def build_settings(user_cfg: dict) -> MalleusSettings:
-        """The ``malleus`` section plus the precision from ``fp16`` / ``bf16`` / ``data_types``;
-        pure, so a bad config raises the same error on every rank before any collective."""
+        """The ``malleus`` section plus the precision from ``fp16`` / ``bf16`` / ``data_types``
+        and activation checkpointing from ``activation_checkpointing`` /
+        ``pipeline.activation_checkpoint_interval``; pure, so a bad config raises the same
+        error on every rank before any collective."""
         check_unsupported(user_cfg)
         s = MalleusSettings.from_config(user_cfg.get("malleus"))
-        return replace(s, precision=Precision.from_config(user_cfg))
+        return replace(s, precision=Precision.from_config(user_cfg),
+                       recompute=activation_checkpointing_source(user_cfg) is not None)
 
     @staticmethod
     def build_plan(plan: Plan | None, cfg, world: int, s: MalleusSettings,

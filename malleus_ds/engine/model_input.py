@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..models.base import StageModule
+from ..models.base import StageModule, enable_activation_checkpointing
 
 
 def is_model(obj) -> bool:
@@ -18,8 +18,18 @@ def is_model(obj) -> bool:
     return all(hasattr(obj, a) for a in ("build_layer", "run_block", "tp_plan", "num_layers"))
 
 
-def model_builder(model, seed: int) -> tuple[object, Callable[..., nn.Module]]:
-    """(model config, ``make_stage(start, end, init=True)``)."""
+def model_builder(model, seed: int,
+                  recompute: bool = False) -> tuple[object, Callable[..., nn.Module]]:
+    """(model config, ``make_stage(start, end, init=True)``). ``recompute``: every stage it
+    makes recomputes its decoder layers in backward (activation checkpointing), so a plan
+    switch's stages do too."""
+    cfg, make = _builder(model, seed)
+    if not recompute:
+        return cfg, make
+    return cfg, lambda s, e, init=True: enable_activation_checkpointing(make(s, e, init))
+
+
+def _builder(model, seed: int) -> tuple[object, Callable[..., nn.Module]]:
     if isinstance(model, StageModule):
         full = model
 

@@ -135,6 +135,9 @@ class MalleusSettings:
     migrate_bucket_mb: float = 256.0    # packed bytes in flight per rank during a migration (MB)
     migrate_timeout_s: float = 300.0    # a migration transfer not done by then fails the job (s)
     adaptive: AdaptiveSettings = AdaptiveSettings()   # the adaptive loop (control.py)
+    #: recompute each decoder layer in backward (build_settings: the ds_config turns it on,
+    #: :func:`activation_checkpointing_source`)
+    recompute: bool = False
 
     @staticmethod
     def from_config(sec: Mapping[str, Any] | None) -> "MalleusSettings":
@@ -271,6 +274,76 @@ def optimizer_settings(user_cfg: dict):
         raise ValueError(f"ds_config.optimizer.params: unsupported keys {sorted(unknown)}")
     oc = OptimConfig(**{k: (tuple(v) if k == "betas" else v) for k, v in params.items()})
     return zero, lambda ps: make_optimizer(ps, oc, fused=fused)
+
+
+#: DeepSpeed's ``activation_checkpointing`` keys
+#: (``deepspeed/runtime/activation_checkpointing/config.py``) and why each one that changes
+#: where a checkpoint lives is refused: every engine here keeps each decoder layer's input whole
+#: on the device and recomputes the layer from it, which is what the planner's memory model
+#: counts (``cost.stage_memory_terms``).
+_ACT_REFUSED = {
+    "partition_activations": "it splits the kept inputs across model-parallel ranks",
+    "cpu_checkpointing": "it moves the kept inputs to host memory",
+    "contiguous_memory_optimization": "it copies the kept inputs into DeepSpeed's own buffers",
+    "synchronize_checkpoint_boundary": "a diagnostic of DeepSpeed's configured checkpoint "
+                                       "function, which no engine here configures",
+    "profile": "a diagnostic of DeepSpeed's configured checkpoint function, which no engine "
+               "here configures",
+}
+_ACT_KEYS = (*_ACT_REFUSED, "number_checkpoints")
+
+
+def activation_checkpointing_source(user_cfg: Mapping[str, Any]) -> str | None:
+    """What in the ds_config turns activation checkpointing on (``"activation_checkpointing
+    section"`` or ``"pipeline.activation_checkpoint_interval=1"``), or None when nothing does
+    (pure: the same answer and the same error on every rank).
+
+    DeepSpeed has no ``enabled`` flag: a model calls ``deepspeed.checkpointing.checkpoint`` and
+    the ``activation_checkpointing`` section configures it, so a ds_config that has the section
+    asks for checkpointing. ``pipeline.activation_checkpoint_interval`` >= 1 makes
+    ``PipelineEngine`` checkpoint by itself. Both count as on here, for every engine. Refused
+    (ValueError naming the key): section keys that move or split the kept layer inputs
+    (:data:`_ACT_REFUSED`), unknown keys, and an interval other than 1 (a chunk of several
+    layers recomputed at once keeps fewer inputs but more activations at a time than the memory
+    model counts). ``number_checkpoints`` only sizes DeepSpeed's contiguous buffers: any
+    positive integer is accepted; every decoder layer is a checkpoint."""
+    out = None
+    pipe = user_cfg.get("pipeline")
+    iv = pipe.get("activation_checkpoint_interval") if isinstance(pipe, Mapping) else None
+    if iv is not None:
+        if isinstance(iv, bool) or not isinstance(iv, int) or iv not in (0, 1):
+            raise ValueError(f"ds_config.pipeline.activation_checkpoint_interval={iv!r}: only 0 "
+                             f"(off) or 1 (every decoder layer recomputed from its own input) "
+                             f"are supported; the memory model counts one layer's "
+                             f"activations at a time")
+        if iv == 1:
+            out = "pipeline.activation_checkpoint_interval=1"
+    if "activation_checkpointing" not in user_cfg:
+        return out
+    sec = user_cfg["activation_checkpointing"]
+    if sec is None:
+        return out
+    if not isinstance(sec, Mapping):
+        raise ValueError(f"ds_config.activation_checkpointing must be an object (DeepSpeed's "
+                         f"section, e.g. {{}}), got {sec!r}")
+    unknown = sorted(set(sec) - set(_ACT_KEYS))
+    if unknown:
+        raise ValueError(f"ds_config.activation_checkpointing: unknown keys {unknown}; "
+                         f"DeepSpeed's are {sorted(_ACT_KEYS)}")
+    for k, why in _ACT_REFUSED.items():
+        v = sec.get(k, False)
+        if not isinstance(v, bool):
+            raise ValueError(f"ds_config.activation_checkpointing.{k}={v!r} must be true or "
+                             f"false")
+        if v:
+            raise ValueError(f"ds_config.activation_checkpointing.{k}=true is not supported "
+                             f"({why}); every engine keeps each decoder layer's input on the "
+                             f"device and recomputes the layer from it; set it false or drop it")
+    n = sec.get("number_checkpoints")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"ds_config.activation_checkpointing.number_checkpoints={n!r} must be "
+                         f"an integer >= 1 or null")
+    return "activation_checkpointing section"
 
 
 def check_unsupported(user_cfg: dict) -> None:

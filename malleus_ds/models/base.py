@@ -27,6 +27,8 @@ the slice map never needs a model's parameter names.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,16 +71,58 @@ class StageModule(nn.Module):
                                      for l in range(start, end)})
         self.head = cfg.build_layer(HEAD, seed, init) if last else None
 
+    #: activation checkpointing (:func:`enable_activation_checkpointing`): a function
+    #: ``(fn, x) -> fn(x)`` that keeps only ``x`` and recomputes ``fn`` in backward; None = off
+    recompute: Callable | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) on the first stage, else hidden (B, T, H) -> hidden, or logits if last."""
         if self.embed is not None:
             x = self.embed(x)
         ctx = self.cfg.block_context(x)
+        run, ckpt = self.cfg.run_block, self.recompute
         for blk in self.blocks.values():
-            x = self.cfg.run_block(blk, x, ctx)
+            if ckpt is not None and torch.is_grad_enabled():
+                x = ckpt(lambda h, blk=blk: run(blk, h, ctx), x)
+            else:
+                x = run(blk, x, ctx)
         if self.head is not None:
             x = self.head(x)
         return x
+
+
+def torch_checkpoint(fn: Callable, x: torch.Tensor) -> torch.Tensor:
+    """``torch.utils.checkpoint`` without re-entrance: autograd keeps ``x`` only and re-runs
+    ``fn`` when backward first needs one of its tensors. Non-reentrant because a first stage's
+    input (the embedding output) and a later stage's received activation both work, any
+    ``backward(out, grad)`` works, and parameter gradients reach their hooks (ZeRO, the engine's
+    buckets) as in a plain backward; the RNG state is restored for the recompute (the models
+    have no dropout, so the recompute is bitwise the forward either way)."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(fn, x, use_reentrant=False)
+
+
+def enable_activation_checkpointing(model: nn.Module, fn: Callable | None = None) -> nn.Module:
+    """Recompute every decoder layer's activations in backward (``train.activation_checkpointing``):
+    a layer keeps only its input through the forward, and its backward runs its forward again
+    first. The losses and gradients are those of the plain run; memory per layer and micro-batch
+    in flight drops from its whole activations to its input, at the cost of one more forward
+    (``cost.RECOMPUTE_FACTOR``).
+
+    ``model``: a :class:`StageModule` (our decoder, or a Hugging Face model's pieces; ``fn``
+    defaults to :func:`torch_checkpoint`, e.g. DeepSpeed's ``non_reentrant_checkpoint``
+    instead), or a reference model with its own switch (``enable_activation_checkpointing()``:
+    transformers' ``gradient_checkpointing_enable``). Returns ``model``."""
+    if isinstance(model, StageModule):
+        model.recompute = fn or torch_checkpoint
+        return model
+    own = getattr(model, "enable_activation_checkpointing", None)
+    if own is None or fn is not None:
+        raise TypeError(f"activation checkpointing: {type(model).__name__} is neither a "
+                        f"StageModule nor a model with its own enable_activation_checkpointing()")
+    own()
+    return model
 
 
 def param_table(cfg):

@@ -126,6 +126,13 @@ class HFCausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=tokens, use_cache=False).logits
 
+    def enable_activation_checkpointing(self) -> None:
+        """transformers' own switch (``models.base.enable_activation_checkpointing``): each
+        decoder layer through ``torch.utils.checkpoint`` without re-entrance, as our stages do.
+        It acts in training mode only, which a reference model is in (``nn.Module``'s default)."""
+        self.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+
     def global_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights by our global names (both names of a tied pair)."""
         sd = self.model.state_dict()

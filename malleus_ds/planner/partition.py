@@ -25,17 +25,19 @@ from typing import Sequence
 
 import numpy as np
 
-from ..cost import stage_memory_terms
+from ..cost import RECOMPUTE_FACTOR, stage_memory_terms
 from ..problem import Memory
 
 _EPS = 1e-9
 
 
-def layer_cap(memory: Memory | None, tp: int, g: int, j: int, S: int, m: int, L: int) -> int:
-    """Most layers stage ``j`` of ``S`` (group size ``g``) can hold under the memory model."""
+def layer_cap(memory: Memory | None, tp: int, g: int, j: int, S: int, m: int, L: int,
+              recompute: bool = False) -> int:
+    """Most layers stage ``j`` of ``S`` (group size ``g``) can hold under the memory model
+    (``recompute``: with activation checkpointing)."""
     if memory is None:
         return L
-    per_layer, fixed = stage_memory_terms(memory, tp, g, j, S, m)
+    per_layer, fixed = stage_memory_terms(memory, tp, g, j, S, m, recompute)
     room = memory.budget_mb - fixed
     if per_layer <= 0:
         return L if room >= -_EPS else 0
@@ -143,6 +145,8 @@ class PipelineModel:
     """Exact ``T(m)`` of one pipeline composition (multiset of groups), memory-aware.
 
     ``groups`` is a sequence of ``(y, g)``. Frontier entries combine all tried stage orders.
+    ``recompute`` (activation checkpointing): each layer costs ``RECOMPUTE_FACTOR`` and keeps
+    only its input (``cost.stage_memory_terms``); the head and the links are not recomputed.
     """
 
     groups: tuple[tuple[float, int], ...]
@@ -151,6 +155,7 @@ class PipelineModel:
     memory: Memory | None
     link: float = 0.0            # per-boundary point-to-point cost (model units), 0 = none
     head: float = 0.0            # the output head, in layers, paid by the last stage
+    recompute: bool = False      # activation checkpointing
     sig: np.ndarray = field(init=False)
     cm: np.ndarray = field(init=False)
     _lay: np.ndarray = field(init=False, repr=False)
@@ -168,15 +173,16 @@ class PipelineModel:
         ``memory=False``: without memory caps (a bound)."""
         sigs, cms, lays, ords = [], [], [], []
         # order matters for memory, and for time when the last stage also runs the head
+        per = RECOMPUTE_FACTOR if self.recompute else 1.0    # one layer's compute, rate 1
         for o in (self._orders if memory or self.head else self._orders[:1]):
-            ys = [self.groups[i][0] for i in o]
+            ys = [self.groups[i][0] * per for i in o]        # time of one layer on each stage
             caps = [layer_cap(self.memory if memory else None, self.tp, self.groups[i][1], j,
-                              self.S, m, self.L) for j, i in enumerate(o)]
+                              self.S, m, self.L, self.recompute) for j, i in enumerate(o)]
             const = None
             if (self.link and self.S > 1) or self.head:
                 # each boundary charges both of its stages; the last stage runs the head
                 const = [self.link * ((j > 0) + (j < self.S - 1)) for j in range(self.S)]
-                const[-1] += ys[-1] * self.head
+                const[-1] += self.groups[o[-1]][0] * self.head
             s, c, l = frontier(ys, caps, self.L, const)
             if len(s):
                 sigs.append(s), cms.append(c), lays.append(l)

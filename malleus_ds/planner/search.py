@@ -187,19 +187,33 @@ def _memory_floor(problem: Problem, budget: float) -> tuple[float, str]:
     bounds, simplest first: ``extra_mb`` alone; the first stage (embedding + one layer with one
     micro-batch in flight, full TP group); the whole model spread evenly over every GPU of the
     cluster as one pipeline (each pipeline holds every layer and both embeddings). Returns the
-    first one over ``budget`` (the root cause), else the largest."""
+    first one over ``budget`` (the root cause), else the largest. With activation checkpointing
+    a layer keeps ``layer_input_mb`` per micro-batch instead of ``layer_activation_mb``, which
+    each GPU holds once for the layer it recomputes (``cost.stage_memory_terms``)."""
     m, tp, L, n = problem.memory, problem.tp, problem.num_layers, problem.num_gpus
-    per = m.layer_static_mb + m.layer_activation_mb
+    static = f"layer_static_mb {fmt_mb(m.layer_static_mb)}"
+    act = f"layer_activation_mb {fmt_mb(m.layer_activation_mb)}"
+    extra = f"extra_mb {fmt_mb(m.extra_mb)}"
+    emb = f"embedding_mb {fmt_mb(m.embedding_mb)}"
+    if problem.activation_checkpointing:
+        inp = f"layer_input_mb {fmt_mb(m.layer_input_mb)}"
+        one = m.layer_static_mb + m.layer_input_mb + m.layer_activation_mb
+        spread = ((L * m.layer_static_mb + 2 * m.embedding_mb) * tp + L * m.layer_input_mb) / n \
+            + m.layer_activation_mb + m.extra_mb
+        spread_what = (f"({L} layers x {static} + 2 x {emb}) x tp {tp} / {n} GPUs + {L} x "
+                       f"{inp} / {n} GPUs + one recomputed layer's {act} + {extra}")
+        one_what = f"{static} + {inp} + its recomputed {act}"
+    else:
+        one = m.layer_static_mb + m.layer_activation_mb
+        spread = (L * one + 2 * m.embedding_mb) * tp / n + m.extra_mb
+        spread_what = (f"{L} layers x ({static} + {act}) + 2 x {emb}, x tp {tp} / {n} GPUs, "
+                       f"+ {extra}")
+        one_what = f"{static} + {act}"
     terms = [
-        (m.extra_mb, f"extra_mb {fmt_mb(m.extra_mb)} alone"),
-        (m.embedding_mb + per + m.extra_mb,
-         f"the first stage: embedding_mb {fmt_mb(m.embedding_mb)} + one layer (layer_static_mb "
-         f"{fmt_mb(m.layer_static_mb)} + layer_activation_mb {fmt_mb(m.layer_activation_mb)}) + extra_mb "
-         f"{fmt_mb(m.extra_mb)}"),
-        ((L * per + 2 * m.embedding_mb) * tp / n + m.extra_mb,
-         f"{L} layers x (layer_static_mb {fmt_mb(m.layer_static_mb)} + layer_activation_mb "
-         f"{fmt_mb(m.layer_activation_mb)}) + 2 x embedding_mb {fmt_mb(m.embedding_mb)}, x tp {tp} / "
-         f"{n} GPUs, + extra_mb {fmt_mb(m.extra_mb)}"),
+        (m.extra_mb, f"{extra} alone"),
+        (m.embedding_mb + one + m.extra_mb,
+         f"the first stage: {emb} + one layer ({one_what}) + {extra}"),
+        (spread, spread_what),
     ]
     over = [t for t in terms if t[0] > budget + 1e-9]
     return over[0] if over else max(terms, key=lambda t: t[0])

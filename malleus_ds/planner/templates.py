@@ -103,7 +103,8 @@ class SearchSpace:
     def model(self, key: tuple) -> PipelineModel:
         md = self._models.get(key)
         if md is None:
-            md = PipelineModel(key, self.L, self.tp, self.problem.memory, self.link, self.head)
+            md = PipelineModel(key, self.L, self.tp, self.problem.memory, self.link, self.head,
+                               self.problem.activation_checkpointing)
             self._models[key] = md
         return md
 

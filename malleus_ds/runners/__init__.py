@@ -113,9 +113,12 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
 
     init_process_group(env, cfg.comm_timeout_s)
     if env.is_rank0:        # a big model takes a while to build or load: say what is going on
-        note = getattr(cfg.model, "seq_len_note", None)
+        from ..config import activation_checkpointing_note
+
+        notes = [n for n in (getattr(cfg.model, "seq_len_note", None),
+                             activation_checkpointing_note(cfg)) if n]
         print(f"[malleus_ds] building engine={cfg.engine} model={cfg.model.name} on "
-              f"{env.world_size} rank(s)" + (f"; {note}" if note else ""), flush=True)
+              f"{env.world_size} rank(s)" + "".join(f"; {n}" for n in notes), flush=True)
         line = start_line(cfg, saved)
         if line:
             print(line, flush=True)

@@ -7,6 +7,10 @@
   ``TiedLayerSpec``), partitioned exactly like :func:`malleus_ds.plan.static_plan` (earlier
   stages take the remainder). ZeRO stage <= 1.
 - ``tp > 1`` is refused: stock DeepSpeed has no tensor parallelism for this model.
+- ``train.activation_checkpointing``: ``PipelineModule(activation_checkpoint_interval=1)`` over
+  the decoder layers (DeepSpeed's non-reentrant checkpoint function) for ``pp > 1``;
+  ``torch.utils.checkpoint`` per decoder layer (transformers' own switch for a Hugging Face
+  model) under ZeRO without a pipeline.
 
 Same math as ``engine=torch``: DeepSpeed scales each micro-batch loss by ``1/GAS`` and averages
 gradients over the ``dp`` replicas, i.e. ``Σ_mb loss_mb / (GAS·dp) = Σ_mb loss_mb · mbs / G``, the
@@ -31,7 +35,7 @@ from ..config import check_even_batch
 from ..run_config import ConfigError, RunConfig
 from ..ds_compat import batch_keys
 from ..models.base import EMBED, HEAD, lm_loss
-from ..models.base import tied_params
+from ..models.base import enable_activation_checkpointing, tied_params
 from ..plan import even_split
 from .base import DistEnv, RunSummary
 from ..agreement import raise_if_any_failed
@@ -89,6 +93,11 @@ class PipeLayer(nn.Module):
         return self.layer(x)
 
 
+class PipeBlock(PipeLayer):
+    """A decoder layer's piece: the class ``PipelineModule(checkpointable_layers=...)`` names,
+    so activation checkpointing recomputes decoder layers and never the embedding or head."""
+
+
 class PipeFinalNorm(nn.Module):
     """The head piece's final norm alone (a tied model's head is the embedding's weight)."""
 
@@ -117,7 +126,7 @@ def _build_pipeline_module(cfg: RunConfig):
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
     m, seed = cfg.model, cfg.train.seed
-    blocks = [LayerSpec(PipeLayer, m, i, seed) for i in range(m.num_layers)]
+    blocks = [LayerSpec(PipeBlock, m, i, seed) for i in range(m.num_layers)]
     if tied_params(m):
         # DeepSpeed's own tied-embedding support: one module under key "embed" on the first and
         # last stages, gradients all-reduced between them (PipelineEngine._exec_reduce_tied_grads)
@@ -139,8 +148,18 @@ def _build_pipeline_module(cfg: RunConfig):
             self.parts = static_parts(m.num_layers, self.num_stages, tail)
             self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
 
+    # activation checkpointing: DeepSpeed's own, one decoder layer per checkpoint, through its
+    # non-reentrant function (what ds_config pipeline.use_reentrant=false selects): the same
+    # kind of checkpoint as engine=torch and engine=malleus (torch.utils.checkpoint without
+    # re-entrance)
+    from deepspeed.runtime.activation_checkpointing.checkpointing import non_reentrant_checkpoint
+
+    ac = cfg.train.activation_checkpointing
     return StaticPlanPipelineModule(layers=specs, num_stages=cfg.parallel.pp, loss_fn=lm_loss,
-                                    partition_method="static_plan", activation_checkpoint_interval=0)
+                                    partition_method="static_plan",
+                                    activation_checkpoint_interval=1 if ac else 0,
+                                    activation_checkpoint_func=non_reentrant_checkpoint,
+                                    checkpointable_layers=[PipeBlock.__name__])
 
 
 def _time_pipeline_compute(engine, clock: ComputeClock) -> None:
@@ -182,6 +201,8 @@ def build_engine(cfg: RunConfig, env: DistEnv):
             model = _build_pipeline_module(cfg)
     else:
         model = build_model(cfg.model, cfg.train.seed)
+        if cfg.train.activation_checkpointing:      # torch.utils.checkpoint, as engine=torch
+            enable_activation_checkpointing(model)
     params = [p for p in model.parameters() if p.requires_grad]
     client_opt = None if "optimizer" in ds_cfg else make_optimizer(params, cfg.train.optim)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client_opt,

@@ -3,7 +3,8 @@
 A job that restarts after losing a node has fewer ranks than the layout it was planned for, and
 a layout of fewer ranks holds more of the model on each. Before the engine allocates anything,
 every rank asks the planner's memory model (``replan.memory_model``: the model's real sizes, the
-micro-batch's activations, the migration's staging buffers) whether the starting plan fits the
+micro-batch's activations, or only each layer's input under activation checkpointing, the
+migration's staging buffers) whether the starting plan fits the
 memory of one device (``malleus.device_mb``, else detected: ``replan.device_memory_mb``):
 
 - it fits: the run starts under it, unchanged;
@@ -39,7 +40,7 @@ def start_problem(cfg: RunConfig, plan: Plan, ds_config: dict, device: str | Non
     """The planning problem of this job at start-up (rates all 1.0), with its memory model."""
     from ..control import SWITCH_BUFFERS
     from ..engine.precision import Precision
-    from ..engine.settings import MalleusSettings
+    from ..engine.settings import MalleusSettings, activation_checkpointing_source
     from ..models.base import head_layer_units, param_table
     from ..replan import device_memory_mb, job_problem, memory_model
     from ..straggler import ideal_slowdown
@@ -48,6 +49,7 @@ def start_problem(cfg: RunConfig, plan: Plan, ds_config: dict, device: str | Non
     try:
         s = MalleusSettings.from_config(ds_config.get("malleus"))
         mixed = Precision.name_of(ds_config) != "fp32"
+        recompute = activation_checkpointing_source(ds_config) is not None
     except ValueError as e:
         raise ConfigError(str(e)) from None
     job = job_layout(cfg, plan)
@@ -60,7 +62,7 @@ def start_problem(cfg: RunConfig, plan: Plan, ds_config: dict, device: str | Non
     sd = s.adaptive.tp_slowdown
     slowdown = {k: float(sd.get(k, v)) for k, v in ideal_slowdown(job.tp).items()} \
         if isinstance(sd, Mapping) else ideal_slowdown(job.tp)
-    pr = job_problem(plan, job, slowdown, mem, head)
+    pr = job_problem(plan, job, slowdown, mem, head, activation_checkpointing=recompute)
     return pr.with_rates({r: 1.0 for r in range(job.world)}), s.adaptive.planner_time_limit_s
 
 

@@ -82,6 +82,8 @@ def check_ds_straggler(raw, world_size: int) -> None:
 
 
 def build_ds_config(cfg: RunConfig, plan: Plan) -> dict:
+    from ..engine.settings import activation_checkpointing_source
+
     c = copy.deepcopy(dict(cfg.deepspeed.config))
     for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         c.pop(k, None)                                  # the plan's batch sizes win
@@ -97,6 +99,8 @@ def build_ds_config(cfg: RunConfig, plan: Plan) -> dict:
     for k, v in cfg.malleus.items():                    # the app's malleus.* win
         if k != "switch" or v:
             c["malleus"][k] = [dict(e) for e in v] if k == "switch" else v
+    if cfg.train.activation_checkpointing and activation_checkpointing_source(c) is None:
+        c["activation_checkpointing"] = {}     # how a ds_config turns it on for MalleusEngine
     monitors_to_run_dir(c, cfg.run_dir)
     return c
 

@@ -38,11 +38,14 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
 
     from ..data import build_dataset
     from ..models import build_model
+    from ..models.base import enable_activation_checkpointing
     from ..optim import make_optimizer
     from ..reference import torch_step
 
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, cfg.train.seed).to(env.device)
+    if cfg.train.activation_checkpointing:
+        enable_activation_checkpointing(model)
     opt = make_optimizer(model.parameters(), cfg.train.optim)
     data = build_dataset(cfg)
     scale = loss_share(cfg.train.micro_batch_size, cfg.train.global_batch_size)

@@ -98,25 +98,38 @@ def test_malleus_engine_on_hf_models_equals_transformers_reference():
         np.testing.assert_array_equal(t, held[0])
 
 
-def _deepspeed(rank, world, preset, pp):
+def _deepspeed(rank, world, preset, pp, ac=False):
     from pathlib import Path
+
+    import torch
 
     from malleus_ds import runners
     from malleus_ds.config import build_run_config
 
+    calls = [0]         # transformers' decoder layers run here (a pre-hook: recomputes stop early)
+    torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda mod, _: calls.__setitem__(0, calls[0] + type(mod).__name__.endswith("DecoderLayer")))
     conf = Path(__file__).resolve().parents[2] / "conf" / "deepspeed"
     d = {"engine": "deepspeed", "progress": False,
          "model": {"name": "hf", "hf_config": preset, "max_seq_len": SEQ},
          "train": {"steps": STEPS, "global_batch_size": G, "micro_batch_size": 1, "seed": 0,
-                   "lr": LR, "eps": EPS},
+                   "lr": LR, "eps": EPS, "activation_checkpointing": ac},
          "parallel": {"tp": 1, "pp": pp, "dp": None}, "deepspeed": {"config_file": "zero1.json"}}
     cfg = build_run_config(d, world_size=world, ds_search_dirs=(conf,))
-    return list(runners.run(cfg, runners.DistEnv.from_environ("cpu")).losses)
+    return list(runners.run(cfg, runners.DistEnv.from_environ("cpu")).losses), calls[0]
 
 
-@pytest.mark.parametrize("preset,pp", [("tiny-qwen2-tied", 2), ("tiny-qwen2", 1)],
-                         ids=["tied-pipeline-pp2", "gqa-zero1-dp2"])
-def test_stock_deepspeed_on_hf_models_equals_reference(preset, pp):
+@pytest.mark.parametrize("preset,pp,ac", [("tiny-qwen2-tied", 2, False), ("tiny-qwen2", 1, False),
+                                          ("tiny-qwen2-tied", 2, True), ("tiny-qwen2", 1, True)],
+                         ids=["tied-pipeline-pp2", "gqa-zero1-dp2", "tied-pipeline-pp2-recompute",
+                              "gqa-zero1-dp2-recompute"])
+def test_stock_deepspeed_on_hf_models_equals_reference(preset, pp, ac):
+    """With activation checkpointing (DeepSpeed's over the generated layer list; transformers'
+    gradient_checkpointing_enable on its own model under ZeRO) the losses stay the plain
+    reference's and every decoder layer runs twice."""
     ref, _ = _reference(preset)
-    for r, losses in enumerate(run_distributed(_deepspeed, 2, preset, pp, timeout=240)):
+    plain = _model(preset).num_layers // pp * G // (2 // pp) * STEPS
+    for r, (losses, calls) in enumerate(run_distributed(_deepspeed, 2, preset, pp, ac,
+                                                        timeout=240)):
         np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=f"{preset} rank {r}")
+        assert calls == plain * (2 if ac else 1), (preset, r, calls, plain)

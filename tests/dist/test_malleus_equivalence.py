@@ -58,3 +58,55 @@ def test_random_valid_plans(world, seed):
     res = run_distributed(train_cases, world, cases, timeout=300)
     for k, (pj, _z, steps, eps) in enumerate(cases):
         check(pj, [r[k] for r in res], steps=steps, eps=eps)
+
+
+SWITCH_AT = 5
+
+
+def _recompute(rank, world):
+    """HETERO with activation checkpointing (the ds_config's section, as the app passes it),
+    switched live to SUSPENDED at step 5: (losses, shards, decoder layer calls on this rank)."""
+    import malleus_ds
+    from malleus_ds.plan import Plan
+    from tests.dist.test_malleus_cases import CFG, ds_config
+
+    calls = [0]
+
+    def count(eng):             # every stage the engine builds, the switch's too
+        for blk in getattr(eng.module, "blocks", {}).values():
+            blk.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+
+    cfg = dict(ds_config(1), activation_checkpointing={})
+    eng, *_ = malleus_ds.initialize(model=CFG, config=cfg, plan=Plan.from_json(HETERO))
+    assert eng.settings.recompute
+    count(eng)
+    losses = []
+    for step in range(STEPS):
+        if step == SWITCH_AT:
+            eng.switch_plan(Plan.from_json(SUSPENDED))
+            count(eng)
+        losses.append(eng.train_batch())
+    shards = {n: (t.numpy(), d, a, b) for n, (t, d, a, b) in eng.local_shards().items()}
+    return (losses, shards), calls[0]
+
+
+def _layer_calls(pj, rank, steps):
+    """Decoder layer forwards rank ``rank`` runs under plan ``pj`` in ``steps`` steps."""
+    for pipe in pj["pipelines"]:
+        for st in pipe["stages"]:
+            if rank in st["ranks"]:
+                a, b = st["layers"]
+                return (b - a) * pipe["micro_batches"] * steps
+    return 0
+
+
+def test_activation_checkpointing_keeps_the_math_across_tp2_and_a_switch():
+    """MalleusEngine with recompute (a TP=2 stage, whose recompute repeats its all-reduces in
+    the same order on both ranks; a live switch that builds new stages) gives the losses and
+    parameters of the plain single-process reference, and every layer runs twice."""
+    res = run_distributed(_recompute, 4, timeout=300)
+    check(HETERO, [r[0] for r in res])
+    for rank, (_, calls) in enumerate(res):
+        plain = _layer_calls(HETERO, rank, SWITCH_AT) + \
+            _layer_calls(SUSPENDED, rank, STEPS - SWITCH_AT)
+        assert calls == 2 * plain, (rank, calls, plain)

@@ -162,7 +162,7 @@ def _engine(plan, rank=0, world=4):
 
     cfg = PRESETS["tiny"]
     return _FakeEngine(global_rank=rank, world_size=world, plan=plan, located=plan.locate(rank),
-                       settings=SimpleNamespace(migrate_bucket_mb=64.0),
+                       settings=SimpleNamespace(migrate_bucket_mb=64.0, recompute=False),
                        job=JobLayout.one_node(world),
                        param_table=param_table(cfg), model_cfg=cfg, seq_len=cfg.max_seq_len,
                        precision=Precision(), zero_stage=1, device="cpu", migrations=[])

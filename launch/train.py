@@ -114,6 +114,7 @@ def _launch_ranks(nproc: int, task_overrides: list[str], run_dir: str,
     env["MALLEUS_DS_WRAPPED"] = "1"
     from malleus_ds.runners.elastic import FATAL_FILE_ENV
     env[FATAL_FILE_ENV] = str(Path(run_dir).absolute() / FATAL_NAME)
+    Path(env[FATAL_FILE_ENV]).unlink(missing_ok=True)   # a reused run folder's old reason
     env["MALLEUS_DS_WRAPPER_PID"] = str(os.getpid())  # ranks stop when this process is gone
     print(f"[malleus_ds] launching {nproc} ranks: {' '.join(cmd)}", flush=True)
     from malleus_ds.procs import descendants

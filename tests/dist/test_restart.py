@@ -87,9 +87,12 @@ def test_a_rank_killed_mid_run_restarts_from_the_latest_checkpoint(tmp_path):
     after = rows[at:]
     carried = [r for r in after if r.get("event") == "replan"][0]
     assert (carried["trigger"], carried["step"]) == ("carried", ev["from_step"]), carried
-    assert carried["measured_rates"][1] > 2.0 and carried.get("adopted", True), carried
+    # rank 1 (emulated at 4x) is the slowest carried rate, well past healthy: how far past
+    # depends on the machine's load (1.9 with a CPU burner beside the 4 ranks on 2 cores)
+    rates = carried["measured_rates"]
+    assert rates[1] == max(rates) and rates[1] >= 1.5 and carried.get("adopted", True), carried
     said = re.search(r"rates measured before the restart: (\{[^}]*\})", out)
-    assert said and ast.literal_eval(said.group(1)).get(1, 0) > 2.0, out[-3000:]  # others: load
+    assert said and ast.literal_eval(said.group(1)).get(1, 0) >= 1.5, out[-3000:]
 
 
 def test_an_error_every_attempt_meets_ends_the_job_without_restarting(tmp_path):

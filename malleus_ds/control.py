@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Mapping
 
 import numpy as np
 
@@ -37,14 +36,9 @@ from .models.base import head_layer_units
 from .plan import Plan, PlanError
 from .probe import Probe
 from .problem import Problem
-from .replan import (Decision, decide, device_memory_mb, fit_running_plan, job_problem,
-                     memory_model)
-from .straggler import (Detector, RateEstimator, as_list, cost_shape, cost_units, held_ranks,
-                        ideal_slowdown, probe_reference)
-
-#: staging buffers of a switch, in units of ``malleus.migrate_bucket_mb``: a round's bytes in
-#: flight (sent + received, migrate/rounds.py) and the local copies that overlap the first round
-SWITCH_BUFFERS = 2
+from .replan import Decision, decide, fit_running_plan, job_memory, job_problem
+from .straggler import (Detector, RateEstimator, as_list, cost_shape, cost_units, given_slowdown,
+                        held_ranks, ideal_slowdown, probe_reference)
 
 # ------------------------------------------------------------------------------ the controller
 
@@ -104,10 +98,10 @@ class Controller:
     def _slowdown(self, tp: int) -> dict[int, float]:
         """tp/g -> slowdown: the user's ``tp_slowdown`` map where given, else the table measured
         at start-up (``engine/tp_cost.py``) for this ``tp``, else ideal (tp/g)."""
+        given = given_slowdown(self.s.tp_slowdown, tp)
+        if given is not None:
+            return given
         ideal = ideal_slowdown(tp)
-        sd = self.s.tp_slowdown
-        if isinstance(sd, Mapping):
-            return {k: float(sd.get(k, v)) for k, v in ideal.items()}
         if self.tp_measured is not None and set(self.tp_measured) == set(ideal) and tp == self.tp:
             return dict(self.tp_measured)
         return ideal
@@ -294,10 +288,9 @@ class Controller:
         if self._problem is None and self.disabled_reason is None:
             e = self.engine
             try:
-                dev = self.s.device_mb or device_memory_mb(e.device, e.job.gpus_per_node)
-                mem = memory_model(e.param_table, e.model_cfg, e.plan.micro_batch_size,
-                                   e.seq_len, e.precision.mixed, dev,
-                                   switch_buffer_mb=SWITCH_BUFFERS * e.settings.migrate_bucket_mb)
+                mem = job_memory(e.param_table, e.model_cfg, e.plan.micro_batch_size,
+                                 e.seq_len, e.precision.mixed, self.s.device_mb, e.device,
+                                 e.job.gpus_per_node, e.settings.migrate_bucket_mb)
                 pr = job_problem(self._first_plan, e.job, self.slowdown, mem, self.head,
                                  activation_checkpointing=self.recompute)
                 self._problem = fit_running_plan(pr, e.plan)

@@ -60,6 +60,23 @@ def memory_model(table, cfg, micro_batch_size: int, seq_len: int, mixed: bool,
                   layer_input_mb=kept / mb)
 
 
+#: staging buffers of a switch, in units of ``malleus.migrate_bucket_mb``: a round's bytes in
+#: flight (sent + received, migrate/rounds.py) and the local copies that overlap the first round
+SWITCH_BUFFERS = 2
+
+
+def job_memory(table, cfg, micro_batch_size: int, seq_len: int, mixed: bool,
+               device_mb: float | None, device, ranks_on_host: int,
+               migrate_bucket_mb: float) -> Memory:
+    """:func:`memory_model` of a job: ``device_mb`` (``malleus.device_mb``) or, when None, the
+    device's memory (:func:`device_memory_mb`), and the migration's staging buffers. The one
+    construction the adaptive loop (``control.py``) and the start-up check
+    (``runners/fit.py``) share."""
+    dev = device_mb or device_memory_mb(device, ranks_on_host)
+    return memory_model(table, cfg, micro_batch_size, seq_len, mixed, dev,
+                        switch_buffer_mb=SWITCH_BUFFERS * migrate_bucket_mb)
+
+
 def device_memory_mb(device, ranks_on_host: int) -> float:
     """Memory one rank may use: the GPU's, or on CPU this host's RAM shared by its ranks."""
     import os

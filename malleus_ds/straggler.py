@@ -41,6 +41,14 @@ def ideal_slowdown(tp: int) -> dict[int, float]:
     return {k: float(k) for k in range(1, tp + 1) if tp % k == 0}
 
 
+def given_slowdown(tp_slowdown, tp: int) -> dict[int, float] | None:
+    """The user's ``malleus.tp_slowdown`` map for ``tp`` (entries it lacks: ideal), or None
+    when it is not a map (``"measure"`` / ``"ideal"``: the caller's own table)."""
+    if not isinstance(tp_slowdown, Mapping):
+        return None
+    return {k: float(tp_slowdown.get(k, v)) for k, v in ideal_slowdown(tp).items()}
+
+
 def cost_units(plan: Plan, world: int, tp: int, tp_slowdown: Mapping[int, float],
                head: float = 0.0, layer_cost: float = 1.0) -> np.ndarray:
     """Per-rank work under ``plan`` (length ``world``, float64), in "one layer × one micro-batch

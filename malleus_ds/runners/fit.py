@@ -21,7 +21,6 @@ reached by every rank in the same order); everything else is pure and the same o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
 
 from ..plan import Plan, PlanError
 from ..run_config import ConfigError, RunConfig
@@ -38,12 +37,11 @@ class Fit:
 
 def start_problem(cfg: RunConfig, plan: Plan, ds_config: dict, device: str | None):
     """The planning problem of this job at start-up (rates all 1.0), with its memory model."""
-    from ..control import SWITCH_BUFFERS
     from ..engine.precision import Precision
     from ..engine.settings import MalleusSettings, activation_checkpointing_source
     from ..models.base import head_layer_units, param_table
-    from ..replan import device_memory_mb, job_problem, memory_model
-    from ..straggler import ideal_slowdown
+    from ..replan import job_memory, job_problem
+    from ..straggler import given_slowdown, ideal_slowdown
     from .job import job_layout
 
     try:
@@ -53,15 +51,12 @@ def start_problem(cfg: RunConfig, plan: Plan, ds_config: dict, device: str | Non
     except ValueError as e:
         raise ConfigError(str(e)) from None
     job = job_layout(cfg, plan)
-    dev = s.adaptive.device_mb or device_memory_mb(device, job.gpus_per_node)
     table = param_table(cfg.model)
     seq_len = cfg.data.resolved_seq_len(cfg.model)
-    mem = memory_model(table, cfg.model, plan.micro_batch_size, seq_len, mixed, dev,
-                       switch_buffer_mb=SWITCH_BUFFERS * s.migrate_bucket_mb)
+    mem = job_memory(table, cfg.model, plan.micro_batch_size, seq_len, mixed,
+                     s.adaptive.device_mb, device, job.gpus_per_node, s.migrate_bucket_mb)
     head = head_layer_units(table, seq_len, cfg.model.hidden_size)
-    sd = s.adaptive.tp_slowdown
-    slowdown = {k: float(sd.get(k, v)) for k, v in ideal_slowdown(job.tp).items()} \
-        if isinstance(sd, Mapping) else ideal_slowdown(job.tp)
+    slowdown = given_slowdown(s.adaptive.tp_slowdown, job.tp) or ideal_slowdown(job.tp)
     pr = job_problem(plan, job, slowdown, mem, head, activation_checkpointing=recompute)
     return pr.with_rates({r: 1.0 for r in range(job.world)}), s.adaptive.planner_time_limit_s
 

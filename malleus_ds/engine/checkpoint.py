@@ -92,9 +92,11 @@ def _held_slices(engine) -> dict[tuple[str, str, int, int], torch.Tensor]:
     rt, rank, table = engine.runtime, engine.global_rank, engine.param_table
     mixed = engine.precision.mixed
     sv = StateView(rt, table, rank, mixed)
-    mine: dict[tuple[str, str], list[tuple[int, int]]] = {}
-    for key, runs in one_copy(plan_holdings(engine.plan, table, rt.zero_stage, mixed)).items():
-        mine[key] = sorted((lo, hi) for lo, hi, r in runs if r == rank)
+    if rt.save_runs is None:     # the whole plan's holdings: once per plan, not per save
+        rt.save_runs = {key: sorted((lo, hi) for lo, hi, r in runs if r == rank) for key, runs
+                        in one_copy(plan_holdings(engine.plan, table, rt.zero_stage,
+                                                  mixed)).items()}
+    mine: dict[tuple[str, str], list[tuple[int, int]]] = rt.save_runs
     opt = rt.optimizer
     out = {}
     for h in sorted(sv.holds(), key=lambda h: (h.kind, h.name, h.lo)):

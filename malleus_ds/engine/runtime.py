@@ -122,6 +122,9 @@ class PlanRuntime:
     grad_dsts: list[int] = field(default_factory=list)
     hooks: list = field(default_factory=list)        # immediate accumulation into the buckets
     tied: TiedSync | None = None                       # tied embedding/head gradient sum
+    #: the runs of its holdings this rank writes in a checkpoint (``engine/checkpoint.py``;
+    #: a pure function of the plan, so computed at its first save, not at every one)
+    save_runs: dict | None = None
 
     @property
     def located(self):

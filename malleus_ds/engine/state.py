@@ -59,15 +59,15 @@ class EngineState:
         Adam's moments; nothing gathered) to ``save_dir/tag/malleus_rank{r:05d}.pt``; rank 0
         commits ``meta.json`` and ``save_dir/latest``. Loads under any plan, ZeRO stage,
         precision or world size. Collective. See ``engine/checkpoint.py``."""
-        from .checkpoint import save_checkpoint
+        from .checkpoint_save import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state, save_latest)
 
     def snapshot_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True):
         """The step-boundary half of :meth:`save_checkpoint`: this rank's state copied to host
-        memory and the tag folder prepared (collective). ``engine.checkpoint.write_snapshot``
+        memory and the tag folder prepared (collective). ``engine.checkpoint_save.write_snapshot``
         writes and commits the returned snapshot, also from a background thread while training
         goes on (``runners/checkpoint.py`` does, by default). See ``engine/checkpoint.py``."""
-        from .checkpoint import snapshot_checkpoint
+        from .checkpoint_save import snapshot_checkpoint
         return snapshot_checkpoint(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states=True,

@@ -43,7 +43,7 @@ class EngineWriter:
         return hasattr(self.engine, "snapshot_checkpoint")
 
     def snapshot(self, root: Path, tag: str, done: int) -> Persist:
-        from ..engine.checkpoint import write_snapshot
+        from ..engine.checkpoint_save import write_snapshot
 
         snap = self.engine.snapshot_checkpoint(str(root), tag=tag, client_state={"step": done},
                                                save_latest=False)

@@ -8,7 +8,13 @@ MalleusEngine's tag folder (``save_dir/tag/``; details in ``engine/checkpoint.py
 
 * ``malleus_rank{r:05d}.pt`` per rank of the saving world (:func:`rank_file`), checked by
   :func:`open_rank_file`: ``{"format": FORMAT, "save_id", "rank", "meta", "engine":
-  {ENGINE_FIELDS}, "slices": {(kind, name, lo, hi): 1-D tensor}}``, loaded as plain data only;
+  {ENGINE_FIELDS}, "slices": {(kind, name, lo, hi): 1-D tensor}}``, loaded as plain data only.
+  Written as a *raw rank file* (:data:`RAW_MAGIC`): the magic, the header's length (8 bytes,
+  little-endian), the header (a ``torch.save`` image of every field but ``slices``, plus
+  ``"index": {(kind, name, lo, hi): (dtype name, byte offset)}`` and ``"data_bytes"``), zeros up
+  to the next :data:`~malleus_ds.fileio.DIRECT_ALIGN` boundary (:func:`raw_data_start`), then the
+  slices' bytes, each at its offset from there; the slices are views of the memory-mapped file.
+  Files written before that are ``torch.save`` zip archives of the same dict; both load;
 * ``meta.json`` (:data:`META`, the commit record, written last), read by :func:`resolve`;
 * ``save_dir/latest`` (:data:`LATEST`): the newest tag.
 
@@ -18,11 +24,14 @@ engine's files; ``engine=torch`` writes :data:`TORCH_STATE_FILE` (format :data:`
 """
 from __future__ import annotations
 
+import mmap
+import os
 from pathlib import Path
 
 import torch
 
-from .safe_load import UnsafeFile, load_plain, read_json, read_small_text
+from .fileio import round_up
+from .safe_load import UnsafeFile, load_plain, load_plain_bytes, read_json, read_small_text
 
 # ------------------------------------------------------------------ the app's checkpoint folder
 
@@ -40,6 +49,19 @@ FORMAT = "malleus-checkpoint-v1"
 MAX_WORLD = 2**20
 META = "meta.json"
 LATEST = "latest"
+#: a raw rank file's first 8 bytes (a torch.save zip archive starts with "PK")
+RAW_MAGIC = b"MALLEUSr"
+#: the most a raw rank file's header may claim (ours: kilobytes; a damaged length must not be
+#: read into memory)
+MAX_HEADER_BYTES = 64 * 2**20
+#: the dtypes a raw rank file's slices may have, by the name its index gives
+RAW_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+              "float64": torch.float64}
+
+
+def raw_data_start(header_len: int) -> int:
+    """Where a raw rank file's slice bytes begin, after the magic, the length and the header."""
+    return round_up(len(RAW_MAGIC) + 8 + header_len)
 
 
 class CheckpointError(RuntimeError):
@@ -94,7 +116,7 @@ def open_rank_file(d: Path, r: int, meta: dict) -> dict:
     wrote it) and checked field by field against its format and meta.json."""
     f = rank_file(d, r)
     try:
-        ck = load_plain(f, "MalleusEngine checkpoint file")
+        ck = _open_raw(f) if _is_raw(f) else load_plain(f, "MalleusEngine checkpoint file")
     except UnsafeFile as e:
         raise CheckpointError(str(e)) from None
     if not isinstance(ck, dict) or ck.get("format") != FORMAT or ck.get("rank") != r:
@@ -123,3 +145,61 @@ def open_rank_file(d: Path, r: int, meta: dict) -> dict:
         raise CheckpointError(f"{f}: not a well-formed {FORMAT} file ({bad}); it was altered "
                               f"or written by something else: copy it again or use another tag")
     return ck
+
+
+def _is_raw(f: Path) -> bool:
+    try:
+        with open(f, "rb") as fh:
+            return fh.read(len(RAW_MAGIC)) == RAW_MAGIC
+    except OSError:
+        return False            # load_plain names what is wrong with it
+
+
+def _open_raw(f: Path) -> dict:
+    """A raw rank file (module docstring): the header as plain data (``weights_only``), its
+    ``index`` checked against the file's size, ``slices`` as views of the file mapped
+    copy-on-write (pages are read when a slice is). Raises :class:`UnsafeFile`."""
+    what = "MalleusEngine checkpoint file"
+    with open(f, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        head = fh.read(len(RAW_MAGIC) + 8)
+        n = int.from_bytes(head[len(RAW_MAGIC):], "little") if len(head) == len(RAW_MAGIC) + 8 \
+            else -1
+        if not 0 < n <= min(MAX_HEADER_BYTES, size - len(head)):
+            raise UnsafeFile(f"{f}: a raw rank file of {size} bytes claiming a {n}-byte header: "
+                             f"the {what} is truncated or corrupted (an interrupted copy?); copy "
+                             f"it again from its source, or use another checkpoint (tag)")
+        ck = load_plain_bytes(fh.read(n), f, what)
+        start = raw_data_start(n)
+        index, data_bytes = (ck.get("index"), ck.get("data_bytes")) if isinstance(ck, dict) \
+            else (None, None)
+        if not isinstance(index, dict) or type(data_bytes) is not int \
+                or not 0 <= data_bytes <= size - start:
+            got = (f"{data_bytes!r} data bytes after byte {start}" if isinstance(index, dict)
+                   else "no slice index")
+            raise UnsafeFile(f"{f}: a raw rank file of {size} bytes with {got}: the {what} is "
+                             f"truncated or corrupted; copy it again from its source, or use "
+                             f"another checkpoint (tag)")
+        mem = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if data_bytes else None
+    ck["slices"] = {key: _raw_slice(f, mem, start, data_bytes, key, entry)
+                    for key, entry in index.items()}
+    del ck["index"], ck["data_bytes"]
+    return ck
+
+
+def _raw_slice(f: Path, mem, start: int, data_bytes: int, key, entry) -> torch.Tensor:
+    ok = (isinstance(key, tuple) and len(key) == 4 and type(key[2]) is int
+          and type(key[3]) is int and key[2] <= key[3] and isinstance(entry, tuple)
+          and len(entry) == 2 and entry[0] in RAW_DTYPES and type(entry[1]) is int)
+    if ok:
+        dt, off, n = RAW_DTYPES[entry[0]], entry[1], key[3] - key[2]
+        size = torch.empty(0, dtype=dt).element_size()
+        ok = 0 <= off and off % size == 0 and off + n * size <= data_bytes
+    if not ok:
+        raise UnsafeFile(f"{f}: slice {key!r} at {entry!r} is not one of {sorted(RAW_DTYPES)} "
+                         f"at an offset within the file's {data_bytes} data bytes: the raw rank "
+                         f"file is corrupted; copy it again from its source, or use another "
+                         f"checkpoint (tag)")
+    if n == 0:
+        return torch.empty(0, dtype=dt)
+    return torch.frombuffer(mem, dtype=dt, count=n, offset=start + off)

@@ -76,10 +76,6 @@ def load_plain(path: str | Path, what: str = "checkpoint file", *, mmap: bool = 
                writer: str = "malleus_ds writes only plain data") -> Any:
     """``torch.load(path, weights_only=True)``, with every way it can fail turned into an
     :class:`UnsafeFile` that names the file, says what is wrong with it and what to do."""
-    import pickle
-
-    import torch
-
     p = Path(path)
     if not p.is_file():
         raise UnsafeFile(f"{p}: no such {what}")
@@ -89,8 +85,25 @@ def load_plain(path: str | Path, what: str = "checkpoint file", *, mmap: bool = 
             f"{p}: not a complete torch.save zip archive ({size} bytes): the {what} is truncated "
             f"or corrupted (an interrupted copy?), or it is another format such as a legacy "
             f"pickle; copy it again from its source, or use another checkpoint (tag)")
+    return _load(p, p, what, writer, map_location=map_location, mmap=mmap)
+
+
+def load_plain_bytes(data: bytes, path: str | Path, what: str,
+                     writer: str = "malleus_ds writes only plain data") -> Any:
+    """:func:`load_plain` for a ``torch.save`` image held in memory (a raw rank file's header);
+    ``path`` names the file it came from in the messages."""
+    import io
+
+    return _load(io.BytesIO(data), Path(path), what, writer, map_location="cpu", mmap=False)
+
+
+def _load(src, p: Path, what: str, writer: str, **kw) -> Any:
+    import pickle
+
+    import torch
+
     try:
-        return torch.load(p, map_location=map_location, mmap=mmap, weights_only=True)
+        return torch.load(src, weights_only=True, **kw)
     except pickle.UnpicklingError as e:
         names = sorted(set(_GLOBAL.findall(str(e))))
         if not names and "Unsupported" not in str(e) and "weights_only" not in str(e).lower():

@@ -5,8 +5,7 @@ or world size uses the same transfer plan, reading slices from files instead of 
 
 File format (one tag directory ``save_dir/tag/``):
 
-* ``malleus_rank{r:05d}.pt``, one per rank of the SAVING world (``torch.save``, zip format so it
-  loads with ``mmap=True``)::
+* ``malleus_rank{r:05d}.pt``, one per rank of the SAVING world, holding::
 
       {"format": FORMAT, "save_id": int, "rank": r,
        "meta": {... the same fields as meta.json ...},
@@ -14,6 +13,11 @@ File format (one tag directory ``save_dir/tag/``):
                   "loss_scaler", "lr_scheduler", "param_groups", "client_state"},
        "slices": {(kind, name, lo, hi): 1-D tensor}}
 
+  as a raw rank file (``ckpt_format.py``): a small ``torch.save`` header of everything but the
+  slices, with an index of where each slice's bytes are, then the bytes themselves, written
+  from the host memory a save copies them into, with ``O_DIRECT`` where the file system takes it
+  (``checkpoint_save.py``); loading maps the file and reads only the slices it needs. Files of
+  the older format (one ``torch.save`` zip of the same dict) load as well.
   ``slices`` is the rank's share of what it held (``malleus_ds.layout.holdings``), one flat
   tensor per run in canonical order (split dim first, flattened): its parameter shards in the
   parameter dtype (``param``) and, per bucket, the fp32 ``master`` (bf16/fp16 only), ``exp_avg``

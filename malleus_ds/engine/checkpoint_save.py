@@ -5,6 +5,12 @@
 agreed, the tag folder prepared, this rank's holdings copied to host memory);
 :func:`write_snapshot` writes the rank file and commits the save, on the training thread
 (:func:`save_checkpoint`) or on a background thread of its own (``runners/background_save.py``).
+
+What a save costs the CPU is kept to two copies of the rank's bytes: into a host buffer laid out
+once per plan and reused (:class:`SaveBuffer`: no page faults, no zeroing by the kernel), and
+from there to the disk (a raw rank file written with ``O_DIRECT``: no serialising, no page-cache
+copy, no writeback later). On CPU ranks, whose cores also train, that is what a background save
+takes from training (bench/RESULTS.md, "Raw rank files").
 """
 from __future__ import annotations
 
@@ -17,8 +23,9 @@ import torch
 import torch.distributed as tdist
 
 from ..agreement import raise_if_any_failed
-from ..ckpt_format import FORMAT, LATEST, META, CheckpointError, rank_file
-from ..fileio import atomic_write
+from ..ckpt_format import (FORMAT, LATEST, META, RAW_MAGIC, CheckpointError, rank_file,
+                           raw_data_start)
+from ..fileio import aligned_buffer, atomic_write, atomic_write_chunks, round_up
 from ..layout import STATE_KINDS, intersect, plan_holdings
 from ..migrate.apply import StateView, pack_parts
 from ..migrate.file_reads import ONE_COPY, one_copy
@@ -30,33 +37,81 @@ from .checkpoint import _agree_or_raise, _table_json
 # ----------------------------------------------------------------------------- save
 
 
-def _held_slices(engine) -> dict[tuple[str, str, int, int], torch.Tensor]:
-    """This rank's share of the save as CPU flat tensors in canonical order: of every holding,
-    the runs :func:`~malleus_ds.migrate.file_reads.one_copy` gives this rank (replicas split what
-    they share, so each element is written once)."""
+#: each slice's offset in a rank file's data is a multiple of this (any dtype, cache lines)
+_SLICE_ALIGN = 64
+
+
+class SaveBuffer:
+    """Page-aligned host memory holding one rank's share of a save (:func:`fill_buffer`), laid
+    out once per plan: ``entries`` are ``(holding, (kind, name, lo, hi), dtype, byte offset)``.
+    Every save of the plan reuses it: fresh memory costs the kernel's page faults and zeroing,
+    as much again as the copy (bench/RESULTS.md, "Raw rank files"). ``busy`` while a snapshot
+    that fills it is not yet written: a save made meanwhile gets a buffer of its own."""
+
+    def __init__(self, entries: list, data_bytes: int) -> None:
+        self.entries, self.data_bytes = entries, data_bytes
+        self.mem = aligned_buffer(data_bytes)
+        self.views = [torch.frombuffer(self.mem, dtype=dt, count=hi - lo, offset=off)
+                      if hi > lo else torch.empty(0, dtype=dt)
+                      for _, (_, _, lo, hi), dt, off in entries]
+        self.busy = False
+
+    def like(self) -> "SaveBuffer":
+        return SaveBuffer(self.entries, self.data_bytes)
+
+    @property
+    def index(self) -> dict:
+        """The raw rank file's slice index (``ckpt_format``)."""
+        return {key: (str(dt).removeprefix("torch."), off) for _, key, dt, off in self.entries}
+
+    def data(self) -> memoryview:
+        """The bytes to write: the data, padded to a whole number of blocks."""
+        return memoryview(self.mem)[:round_up(max(1, self.data_bytes))]
+
+
+def _save_buffer(engine) -> SaveBuffer:
+    """This rank's :class:`SaveBuffer`: of every holding, the runs
+    :func:`~malleus_ds.migrate.file_reads.one_copy` gives this rank (replicas split what they
+    share, so each element is written once), in canonical order; made at the plan's first save."""
     rt, rank, table = engine.runtime, engine.global_rank, engine.param_table
-    mixed = engine.precision.mixed
-    sv = StateView(rt, table, rank, mixed)
-    if rt.save_runs is None:     # the whole plan's holdings: once per plan, not per save
-        rt.save_runs = {key: sorted((lo, hi) for lo, hi, r in runs if r == rank) for key, runs
-                        in one_copy(plan_holdings(engine.plan, table, rt.zero_stage,
-                                                  mixed)).items()}
-    mine: dict[tuple[str, str], list[tuple[int, int]]] = rt.save_runs
-    opt = rt.optimizer
-    out = {}
-    for h in sorted(sv.holds(), key=lambda h: (h.kind, h.name, h.lo)):
-        for lo, hi in intersect([(h.lo, h.hi)], mine.get((h.kind, h.name), [])):
-            key = (h.kind, h.name, lo, hi)
-            if h.kind in STATE_KINDS and h.kind not in opt.optimizer.state[opt.masters[h.buf]]:
-                # before the first step Adam has no moments: they are zeros (StateView.buffer
-                # would insert them into the state without a step, which AdamW then trips over)
-                out[key] = torch.zeros(hi - lo, dtype=torch.float32)
-                continue
-            dt = rt.named[h.name].dtype if h.kind == "param" else torch.float32
-            buf = torch.empty(hi - lo, dtype=dt, device=engine.device)
-            pack_parts(sv, [Transfer(rank, rank, h.kind, h.name, lo, hi)], buf)
-            out[key] = buf.cpu()
-    return out
+    if rt.save_buffer is None:
+        sv = StateView(rt, table, rank, engine.precision.mixed)
+        mine = {key: sorted((lo, hi) for lo, hi, r in runs if r == rank) for key, runs
+                in one_copy(plan_holdings(engine.plan, table, rt.zero_stage,
+                                          engine.precision.mixed)).items()}
+        entries, off = [], 0
+        for h in sorted(sv.holds(), key=lambda h: (h.kind, h.name, h.lo)):
+            for lo, hi in intersect([(h.lo, h.hi)], mine.get((h.kind, h.name), [])):
+                dt = rt.named[h.name].dtype if h.kind == "param" else torch.float32
+                off = round_up(off, _SLICE_ALIGN)
+                entries.append((h, (h.kind, h.name, lo, hi), dt, off))
+                off += (hi - lo) * torch.empty(0, dtype=dt).element_size()
+        rt.save_buffer = SaveBuffer(entries, off)
+    buf = rt.save_buffer
+    return buf.like() if buf.busy else buf
+
+
+@torch.no_grad()
+def fill_buffer(engine) -> SaveBuffer:
+    """Copy this rank's share of the save into host memory (:func:`_save_buffer`), marked busy
+    until written."""
+    rt, rank = engine.runtime, engine.global_rank
+    sv = StateView(rt, engine.param_table, rank, engine.precision.mixed)
+    opt, buf = rt.optimizer, _save_buffer(engine)
+    on_host = engine.device.type == "cpu"
+    for (h, (kind, name, lo, hi), dt, _), view in zip(buf.entries, buf.views):
+        if kind in STATE_KINDS and kind not in opt.optimizer.state[opt.masters[h.buf]]:
+            # before the first step Adam has no moments: they are zeros (StateView.buffer
+            # would insert them into the state without a step, which AdamW then trips over)
+            view.zero_()
+            continue
+        part = [Transfer(rank, rank, kind, name, lo, hi)]
+        if on_host:
+            pack_parts(sv, part, view)
+        else:
+            view.copy_(pack_parts(sv, part, torch.empty(hi - lo, dtype=dt, device=engine.device)))
+    buf.busy = True
+    return buf
 
 
 def _engine_state(engine, meta: dict, client_state) -> dict:
@@ -83,7 +138,8 @@ class Snapshot:
     tag: str
     rank: int
     meta: dict
-    payload: dict               # the rank file (module docstring): host tensors, plain data
+    header: dict                # the rank file's fields but its slices: plain data
+    buffer: SaveBuffer | None   # the slices, in host memory (None once written)
     save_latest: bool
 
     @property
@@ -127,19 +183,27 @@ def snapshot_checkpoint(engine, save_dir, tag=None, client_state=None,
     except OSError as e:
         err = f"cannot prepare {d}: {e}"
     _agree_or_raise(engine, err, f"save_checkpoint({d})")
-    payload = {"format": FORMAT, "save_id": sid, "rank": rank, "meta": meta, "engine": state,
-               "slices": _held_slices(engine)}
-    return Snapshot(Path(save_dir), tag, rank, meta, payload, save_latest)
+    buf = fill_buffer(engine)
+    header = {"format": FORMAT, "save_id": sid, "rank": rank, "meta": meta, "engine": state,
+              "index": buf.index, "data_bytes": buf.data_bytes}
+    return Snapshot(Path(save_dir), tag, rank, meta, header, buf, save_latest)
 
 
-def _save(obj, f) -> None:
-    """``torch.save`` without the zip's CRC32: ``torch.load`` never checks it (a flipped byte in
-    a tensor loads silently either way, with or without ``mmap``), and computing it costs 0.23 s
-    of CPU per 384 MB (bench/RESULTS.md), taken from training while a background save writes."""
+def write_rank_file(path: Path, header: dict, buf: SaveBuffer) -> bool:
+    """A raw rank file (``ckpt_format``): the header (``torch.save``, plain data) and the
+    buffer's bytes, written from host memory straight to disk where the file system takes
+    ``O_DIRECT`` (``fileio.atomic_write_chunks``). Returns whether it did."""
+    import io
+
     from torch.utils.serialization import config
 
+    hb = io.BytesIO()
     with config.patch({"save.compute_crc32": False}):
-        torch.save(obj, f)
+        torch.save(header, hb)
+    hb = hb.getvalue()
+    head = aligned_buffer(raw_data_start(len(hb)))
+    head[:len(RAW_MAGIC) + 8 + len(hb)] = RAW_MAGIC + len(hb).to_bytes(8, "little") + hb
+    return atomic_write_chunks(path, [memoryview(head), buf.data()])
 
 
 def write_snapshot(snap: Snapshot, agree=None) -> None:
@@ -152,10 +216,10 @@ def write_snapshot(snap: Snapshot, agree=None) -> None:
                                                              CheckpointError))
     d, rank, err = snap.dir, snap.rank, None
     try:
-        atomic_write(rank_file(d, rank), lambda f: _save(snap.payload, f))
+        write_rank_file(rank_file(d, rank), snap.header, snap.buffer)
     except Exception as e:  # noqa: BLE001 - reported on every rank by agree
         err = f"rank {rank} could not write {rank_file(d, rank)}: {type(e).__name__}: {e}"
-    snap.payload = {}       # the host copies go as soon as they are on disk
+    snap.buffer.busy, snap.buffer = False, None     # the next save may fill it again
     agree(err, f"save_checkpoint({d})")        # every rank file is complete
     if rank == 0:
         try:

@@ -122,9 +122,10 @@ class PlanRuntime:
     grad_dsts: list[int] = field(default_factory=list)
     hooks: list = field(default_factory=list)        # immediate accumulation into the buckets
     tied: TiedSync | None = None                       # tied embedding/head gradient sum
-    #: the runs of its holdings this rank writes in a checkpoint (``engine/checkpoint.py``;
-    #: a pure function of the plan, so computed at its first save, not at every one)
-    save_runs: dict | None = None
+    #: the host memory this rank's checkpoint is copied into, laid out for the runs of its
+    #: holdings it writes (``engine/checkpoint_save.SaveBuffer``; a pure function of the plan,
+    #: so made at its first save and reused by every other)
+    save_buffer: object | None = None
 
     @property
     def located(self):

@@ -12,6 +12,7 @@ fresh engines on other plans load them. Checked:
 * across precisions: an fp32 checkpoint into a bf16 engine (its parameters become the masters),
   a bf16 checkpoint into an fp32 engine (its masters become the parameters), bit for bit;
 * ``load_optimizer_states=False``: weights loaded, moments zero, Adam step 0;
+* rank files in the older format (a ``torch.save`` zip each) load bit for bit;
 * errors (missing directory, no ``latest``, a missing rank file, an unfinished save, another
   model's layer count): the same message on every rank, engine not broken;
 * the checkpoint files are never modified by loading.
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist.harness import run_distributed
+from tests.rank_files import to_zip
 from tests.dist.test_malleus_cases import CFG, EPS, check, ds_config, plan_json
 from tests.dist.test_malleus_equivalence import HETERO
 from tests.dist.test_malleus_replan import gather_full_state
@@ -95,6 +97,7 @@ def _save_side(rank, world, root):
     losses = [a.train_batch() for _ in range(K1)]
     full32, _ = gather_full_state(a, world)
     a.save_checkpoint(root / "fp32", client_state={"rank": rank})
+    reuse = _buffer_reuse(a, root / "again")
     b = _engine(D, ds_config(2))
     path, client = b.load_checkpoint(root / "fp32")
     assert client == {"rank": rank}, client
@@ -113,7 +116,22 @@ def _save_side(rank, world, root):
     e.load_checkpoint(root / "bf16")
     after16 = gather_full_state(e, world)[0]
     return (res, diff32, _full_equal(full16, after16), _params_are_master_casts(e, after16),
-            (full32, full16) if rank == 0 else None)
+            (full32, full16) if rank == 0 else None, reuse)
+
+
+def _buffer_reuse(eng, root):
+    """Saves of one plan reuse its host buffer; a save made while another is unwritten gets a
+    buffer of its own (engine/checkpoint_save.SaveBuffer)."""
+    from malleus_ds.engine.checkpoint_save import write_snapshot
+
+    buf = eng.runtime.save_buffer
+    eng.save_checkpoint(root, tag="x")
+    first = eng.snapshot_checkpoint(root, tag="y")
+    second = eng.snapshot_checkpoint(root, tag="z")
+    got = (eng.runtime.save_buffer is buf, first.buffer is buf, second.buffer is not buf, buf.busy)
+    write_snapshot(first)
+    write_snapshot(second)
+    return got + (buf.busy,)
 
 
 def _digest(root: Path) -> dict[str, str]:
@@ -143,6 +161,7 @@ def test_bf16_load_under_other_plan_is_bit_identical(saved):
     _root, res, _ = saved
     assert all(r[2] == 0.0 for r in res), [r[2] for r in res]        # masters and moments
     assert all(r[3] for r in res)                                    # bf16 params = casts
+    assert all(r[5] == (True, True, True, True, False) for r in res), [r[5] for r in res]
 
 
 def _load_side(rank, world, root, full32, full16, first_losses):
@@ -191,7 +210,13 @@ def _load_side(rank, world, root, full32, full16, first_losses):
         (root / "broken" / "no_rank_file" / "malleus_rank00002.pt").unlink()
         shutil.copytree(src, root / "broken" / "unfinished")
         (root / "broken" / "unfinished" / "meta.json").unlink()
+        # the older rank-file format (one torch.save zip per rank) still loads
+        shutil.copytree(src, root / "zip" / "old")
+        for f in (root / "zip" / "old").glob("malleus_rank*.pt"):
+            to_zip(f)
     dist.barrier()
+    a.load_checkpoint(root / "zip", tag="old")
+    out["zip"] = _full_equal(full32, gather_full_state(a, world)[0])
     two = _engine(plan_json([(3, [([0], (0, 1)), ([1], (1, 2))]), (5, [([2], (0, 2))])], L=2),
                   ds_config(1), model_config("tiny", max_seq_len=16, num_layers=2))
     errors = {}
@@ -241,6 +266,7 @@ def test_load_on_three_ranks_across_precisions_and_errors(saved):
         assert o["weights_only"] == (0.0, 0.0, 0, K1)
         assert o["fp32_to_bf16"] == (0.0, True)
         assert o["bf16_to_fp32"] == (0.0, True)
+        assert o["zip"] == 0.0
         assert o["broken"] is None
         want, got, diff, (loss_f, loss_g) = o["fp16"]
         assert want[:4] == (2.0 ** 18, 2, 4, 2) and want[4] > 0, want    # 2 skipped steps

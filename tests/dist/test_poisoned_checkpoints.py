@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from malleus_ds.export.hf_folder import ExportError
+from malleus_ds.ckpt_format import RAW_MAGIC
 from malleus_ds.export.readers import read_malleus, read_torch
+from tests.rank_files import read_raw, to_zip, write_raw
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "launch" / "train.py")
@@ -56,7 +58,12 @@ def _digest(folder: Path) -> dict[str, str]:
 
 
 def _poison(f: Path, marker: Path) -> None:
-    """Our own file, plus one key holding an object that runs a command when unpickled."""
+    """Our own file, plus one key holding an object that runs a command when unpickled (in a
+    raw rank file: in its header)."""
+    if f.read_bytes()[:len(RAW_MAGIC)] == RAW_MAGIC:
+        header, data = read_raw(f)
+        write_raw(f, dict(header, extra=_Payload(marker)), data)
+        return
     ck = torch.load(f, weights_only=True)
     ck["extra"] = _Payload(marker)
     torch.save(ck, f)
@@ -137,16 +144,33 @@ def test_damaged_files_get_clear_errors(saved, tmp_path):
     d, meta = resolve(ck)
     f = d / "malleus_rank00000.pt"
     good = f.read_bytes()
+    header, data = read_raw(f)
+    to_zip(f)
+    good_zip = f.read_bytes()                           # the older format: still checked
     other = torch.load(f, weights_only=True)
     other["save_id"] += 1
     for name, write, expect in [
             ("truncated", lambda: f.write_bytes(good[: len(good) // 2]),
+             "a raw rank file of .* bytes with .* data bytes after byte .*truncated or corrupted"),
+            ("header cut", lambda: f.write_bytes(good[:100]),
+             "claiming a .*-byte header: the .* is truncated or corrupted"),
+            ("slice beyond the data", lambda: write_raw(f, dict(header, index={
+                k: (dt, off + len(data)) for k, (dt, off) in header["index"].items()}), data),
+             "at an offset within the file's .* data bytes"),
+            ("unknown dtype", lambda: write_raw(f, dict(header, index={
+                k: ("int8", off) for k, (dt, off) in header["index"].items()}), data),
+             "is not one of .*bfloat16.* at an offset"),
+            ("raw, other save", lambda: write_raw(f, dict(header, save_id=header["save_id"] + 1),
+                                                  data), "written by another save"),
+            ("raw, object in the engine state", lambda: write_raw(f, dict(header, engine=[1]),
+                                                                  data), "not a well-formed"),
+            ("zip truncated", lambda: f.write_bytes(good_zip[: len(good_zip) // 2]),
              "not a complete torch.save zip archive"),
-            ("other save", lambda: torch.save(other, f), "written by another save"),
+            ("zip, other save", lambda: torch.save(other, f), "written by another save"),
             ("not a checkpoint", lambda: torch.save({"weights": torch.zeros(3)}, f),
              "not a malleus-checkpoint-v1 file of rank 0"),
-            ("object in the engine state", lambda: torch.save(dict(other, save_id=meta["save_id"],
-                                                                   engine=[1]), f),
+            ("zip, object in the engine state",
+             lambda: torch.save(dict(other, save_id=meta["save_id"], engine=[1]), f),
              "not a well-formed")]:
         write()
         with pytest.raises(CheckpointError, match=expect) as e:
@@ -154,4 +178,7 @@ def test_damaged_files_get_clear_errors(saved, tmp_path):
         assert str(f) in str(e.value) and ("copy" in str(e.value) or "another" in str(e.value)), \
             (name, e.value)
         f.write_bytes(good)
+    f.write_bytes(good_zip)
+    open_rank_file(d, 0, meta)                                     # the older format loads
+    f.write_bytes(good)
     open_rank_file(d, 0, meta)                                     # the good file still loads

@@ -55,9 +55,34 @@ class SaveBuffer:
                       if hi > lo else torch.empty(0, dtype=dt)
                       for _, (_, _, lo, hi), dt, off in entries]
         self.busy = False
+        self._copies = None
 
     def like(self) -> "SaveBuffer":
         return SaveBuffer(self.entries, self.data_bytes)
+
+    def copies(self, sv: StateView, opt) -> tuple[list, list] | None:
+        """``(destinations, sources)``: views of this buffer and of the live state (CPU), one
+        pair per window of every entry, equal shapes; made at the first save that has every
+        state (None before Adam's first step) and kept while the state's tensors are the same
+        ones (checked at every save by their addresses: the views keep the old ones alive, so
+        a replaced tensor cannot reuse an address)."""
+        bases = [sv.buffer(kind, h.buf) if _has_state(opt, kind, h) else None
+                 for h, (kind, *_), _, _ in self.entries]
+        if any(b is None for b in bases):
+            return None
+        addrs = [b.data_ptr() for b in bases]
+        if self._copies is None or self._copies[0] != addrs:
+            dsts, srcs = [], []
+            for (h, (kind, name, lo, hi), _, _), view in zip(self.entries, self.views):
+                pos = 0
+                for _, v in sv.views(kind, name, lo, hi):
+                    n = v.numel()
+                    if n:
+                        dsts.append(view[pos:pos + n].view(v.shape))
+                        srcs.append(v)
+                    pos += n
+            self._copies = (addrs, dsts, srcs)
+        return self._copies[1], self._copies[2]
 
     @property
     def index(self) -> dict:
@@ -94,24 +119,42 @@ def _save_buffer(engine) -> SaveBuffer:
 @torch.no_grad()
 def fill_buffer(engine) -> SaveBuffer:
     """Copy this rank's share of the save into host memory (:func:`_save_buffer`), marked busy
-    until written."""
+    until written. On CPU ranks one batched copy from views of the live state cached with the
+    buffer (:meth:`SaveBuffer.copies`); on an accelerator each run is packed there and copied
+    over."""
     rt, rank = engine.runtime, engine.global_rank
     sv = StateView(rt, engine.param_table, rank, engine.precision.mixed)
     opt, buf = rt.optimizer, _save_buffer(engine)
-    on_host = engine.device.type == "cpu"
+    pairs = buf.copies(sv, opt) if engine.device.type == "cpu" else None
+    if pairs is not None:
+        _copy_all(*pairs)
+        buf.busy = True
+        return buf
     for (h, (kind, name, lo, hi), dt, _), view in zip(buf.entries, buf.views):
-        if kind in STATE_KINDS and kind not in opt.optimizer.state[opt.masters[h.buf]]:
+        if not _has_state(opt, kind, h):
             # before the first step Adam has no moments: they are zeros (StateView.buffer
             # would insert them into the state without a step, which AdamW then trips over)
             view.zero_()
             continue
         part = [Transfer(rank, rank, kind, name, lo, hi)]
-        if on_host:
+        if engine.device.type == "cpu":
             pack_parts(sv, part, view)
         else:
             view.copy_(pack_parts(sv, part, torch.empty(hi - lo, dtype=dt, device=engine.device)))
     buf.busy = True
     return buf
+
+
+def _has_state(opt, kind: str, h) -> bool:
+    return kind not in STATE_KINDS or kind in opt.optimizer.state[opt.masters[h.buf]]
+
+
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(dsts, srcs)
+    else:                   # pragma: no cover - older torch
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
 
 
 def _engine_state(engine, meta: dict, client_state) -> dict:

@@ -12,7 +12,6 @@ save would otherwise take from training (bench/RESULTS.md, "Raw rank files").
 """
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 from pathlib import Path
@@ -117,11 +116,13 @@ def atomic_write_chunks(path, chunks: list[memoryview], direct: bool = True) -> 
 
 
 def _write_fd(tmp: Path, chunks: list[memoryview], flag: int) -> bool:
-    """Write and fsync ``tmp``; False (nothing raised) when ``flag`` (O_DIRECT) is refused."""
+    """Write and fsync ``tmp``; False (nothing raised) when ``flag`` (O_DIRECT) is set and any
+    step fails: the caller writes it again buffered, which raises a real error (a full disk, no
+    permission) itself."""
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
-    except OSError as e:
-        if flag and e.errno == errno.EINVAL:
+    except OSError:
+        if flag:            # EINVAL where O_DIRECT is refused; anything else fails buffered too
             return False
         raise
     try:
@@ -130,8 +131,8 @@ def _write_fd(tmp: Path, chunks: list[memoryview], flag: int) -> bool:
             while o < len(c):
                 o += os.write(fd, c[o:o + _CHUNK])
         os.fsync(fd)
-    except OSError as e:
-        if flag and e.errno == errno.EINVAL:   # opened, but this file system cannot write it
+    except OSError:
+        if flag:            # opened, but this file system cannot write it so: try buffered
             return False
         raise
     finally:

@@ -150,6 +150,8 @@ def _has_state(opt, kind: str, h) -> bool:
 
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    if not dsts:            # a rank that writes nothing (suspended; replicas write its share)
+        return
     if hasattr(torch, "_foreach_copy_"):
         torch._foreach_copy_(dsts, srcs)
     else:                   # pragma: no cover - older torch

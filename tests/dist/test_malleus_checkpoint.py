@@ -34,6 +34,8 @@ from tests.dist.test_malleus_switch import B, D, _check_adam, _full_equal
 # 3 ranks: a TP2 pipeline next to a TP1 one (replica sets mix TP sizes)
 THREE = plan_json([(5, [([2, 0], (0, 4))]), (3, [([1], (0, 4))])])
 # 3 ranks, one 3-stage pipeline
+# 3 ranks, rank 2 suspended (it holds nothing)
+SUSPENDED = plan_json([(8, [([0], (0, 2)), ([1], (2, 4))])], suspended=[2])
 THREE_PP = plan_json([(8, [([0], (0, 1)), ([1], (1, 3)), ([2], (3, 4))])])
 K1, K2 = 3, 3            # steps before the save, after the load
 BF16 = {"bf16": {"enabled": True}}
@@ -232,6 +234,13 @@ def _load_side(rank, world, root, full32, full16, first_losses):
     dist.barrier()
     a.load_checkpoint(root / "zip", tag="old")
     out["zip"] = _full_equal(full32, gather_full_state(a, world)[0])
+    # a suspended rank holds nothing: it writes a rank file without slices, after a step too
+    s = _engine(SUSPENDED, ds_config(1))
+    s.train_batch()
+    s.save_checkpoint(root / "suspended")
+    want = gather_full_state(s, world)[0]
+    a.load_checkpoint(root / "suspended")
+    out["suspended"] = _full_equal(want, gather_full_state(a, world)[0])
     two = _engine(plan_json([(3, [([0], (0, 1)), ([1], (1, 2))]), (5, [([2], (0, 2))])], L=2),
                   ds_config(1), model_config("tiny", max_seq_len=16, num_layers=2))
     errors = {}
@@ -282,6 +291,7 @@ def test_load_on_three_ranks_across_precisions_and_errors(saved):
         assert o["fp32_to_bf16"] == (0.0, True)
         assert o["bf16_to_fp32"] == (0.0, True)
         assert o["zip"] == 0.0
+        assert o["suspended"] == 0.0
         assert o["broken"] is None
         want, got, diff, (loss_f, loss_g) = o["fp16"]
         assert want[:4] == (2.0 ** 18, 2, 4, 2) and want[4] > 0, want    # 2 skipped steps

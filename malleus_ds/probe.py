@@ -32,6 +32,10 @@ class Probe:
     #: timing already measures it under load (and a probe would have no room)
     HELD_LOAD = 0.75
 
+    #: the calibrating rank (it works every step: warm) times this many runs, no warm-up after
+    #: its first probe: the same cost as one warm-up and one timed run, half the timer noise
+    REF_RUNS = 2
+
     def __init__(self, engine) -> None:
         self.engine = engine
         self.block = None
@@ -66,10 +70,12 @@ class Probe:
         device that idled, or ran only short bursts, reads as it works under full load, not as
         it wakes (a CPU-quota-throttled process runs the first milliseconds of each period at
         full speed; a GPU ramps its clocks), all within ``budget_s`` (:meth:`budget`), so the
-        probe never delays the next all-reduce. Without (the calibrating rank): one timed run."""
+        probe never delays the next all-reduce. Without (the calibrating rank): :attr:`REF_RUNS`
+        timed runs, warmed up only the first time."""
         import torch
 
         e = self.engine
+        fresh = self.block is None
         if self.block is None:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(0)
@@ -83,8 +89,9 @@ class Probe:
             x = self.x.detach().requires_grad_()
             cfg.run_block(blk, x, cfg.block_context(x)).float().sum().backward()
 
-        run()                                          # warm-up, untimed
-        reps = self._sustain(run, budget_s) if sustain else 1
+        if sustain or fresh:
+            run()                                      # warm-up, untimed
+        reps = self._sustain(run, budget_s) if sustain else self.REF_RUNS
 
         def timed():
             for _ in range(reps):

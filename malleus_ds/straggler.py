@@ -132,25 +132,47 @@ def _reference(t: np.ndarray, band: float) -> float:
     return float(np.median(t[t <= band * np.quantile(t, 0.25)]))
 
 
+def probe_reading(probes: np.ndarray) -> np.ndarray:
+    """Per rank (column), the reading of its probe rates over the window (rows, oldest first;
+    NaN = no probe): the slower of its last two probes. A rank comes back only when two probes
+    in a row agree that it is fit (one that ran in a lucky moment never lets a slow rank back:
+    the rate-10 rank of issue 31 probed once at 3.3), and a recovered rank waits at most one
+    more probe for an unlucky one to pass. NaN for a rank probed fewer than twice in the window
+    (it keeps the rate its plan was made for)."""
+    out = np.full(probes.shape[1], np.nan)
+    for d in range(probes.shape[1]):
+        v = probes[:, d]
+        v = v[np.isfinite(v)]
+        if v.size >= 2:
+            out[d] = float(max(v[-1], v[-2]))
+    return out
+
+
 class RateEstimator:
     """Per-rank straggling rates from per-step compute timings, median-smoothed.
 
-    Per-unit time ``t_d`` = compute seconds / cost units for a rank with work, else its probe's
-    per-unit seconds. Each step's times are divided by that step's median over active ranks (a
-    step that is slow for everyone, e.g. a busy host, moves nobody's rate) and kept for
-    ``window`` steps. Smoothing comes first: :meth:`rates` takes each rank's median over the
-    window (for a rank without work, its fastest probe in the window: a short probe under
-    interference reads up to several times slow, never fast), then divides by the reference = the median of the smoothed values of the active
-    ranks within ``band`` × their lower quartile, so up to half the ranks may straggle without
-    moving it. (Taking the reference per step instead would let one lucky-fast step of one rank
-    make every other rank look slow: on shared CPUs per-step compute varies by 2-3×.)
+    Per-unit time ``t_d`` = compute seconds / cost units for a rank with work. Each step's times
+    are divided by that step's median over active ranks (a step that is slow for everyone, e.g.
+    a busy host, moves nobody's rate) and kept for ``window`` steps. Smoothing comes first:
+    :meth:`rates` takes each rank's median over the window, then divides by the reference = the
+    median of the smoothed values of the active ranks within ``band`` × their lower quartile, so
+    up to half the ranks may straggle without moving it. (Taking the reference per step instead
+    would let one lucky-fast step of one rank make every other rank look slow: on shared CPUs
+    per-step compute varies by 2-3×.)
+
+    A rank without work, or a held one, is read by its probe: the probe's seconds divided by
+    the reference rank's probe of the same step (:func:`probe_reference`: the same block, timed
+    at the same moment, under the same load), over the window by :func:`probe_reading` (the
+    probes must agree). Where no reference probed in a step, the probe is calibrated to training
+    units by earlier reference probes instead (:meth:`_calibration`).
     """
 
-    def __init__(self, world: int, window: int = 5, band: float = 1.5):
+    def __init__(self, world: int, window: int = 5, band: float = 1.5,
+                 healthy: float = HEALTHY):
         if world < 1 or window < 1 or not band >= 1.0:
             raise ValueError(f"RateEstimator: need world >= 1, window >= 1, band >= 1.0; got "
                              f"world={world}, window={window}, band={band}")
-        self.world, self.window, self.band = world, window, band
+        self.world, self.window, self.band, self.healthy = world, window, band, healthy
         self._rows: deque[np.ndarray] = deque(maxlen=window)
         self._active = np.ones(world, dtype=bool)     # ranks with work in the latest step
         self._held = np.zeros(world, dtype=bool)      # ...of them, planned as slow
@@ -216,36 +238,52 @@ class RateEstimator:
             t[active] = c[active] / u[active]
         t[~(np.isfinite(t) & (t > 0))] = np.nan   # a zero/negative/inf time is no measurement
         tp = np.full(self.world, np.nan)          # calibrated probes of idle and held ranks
+        pr = np.full(self.world, np.nan)          # ...as rates against the reference's probe
+        pref = None                               # (the rank that probed to calibrate)
         if probe_s is not None:
             p = _vector(probe_s, self.world, "probe_s")
             use = (~active | hold) & np.isfinite(p) & (p > 0)
             tp[use] = p[use] * self._calibration(t, p, active & ~hold)
+            refs = np.flatnonzero(active & ~hold & np.isfinite(p) & (p > 0))
+            if refs.size:
+                # the same block, timed at the same moment under the same load: their ratio is
+                # the rate, with nothing of training's shape or the step's noise in it
+                pref = int(refs[np.argmin(u[refs])])
+                pr[use] = p[use] / p[pref]
         t[~active] = tp[~active]
         valid = active & ~np.isnan(t)
         if not valid.any():
             return np.full(self.world, np.nan)
         ref = _reference(t[valid], self.band)
+        if pref is None:                  # no reference probe this step: the calibration
+            pr = tp / ref
         # kept raw, so rates() re-reads the window with the latest work model
-        self._rows.append((tp, c.copy(), base.copy(), B, C, active))
+        self._rows.append((pr, pref, c.copy(), base.copy(), B, C, active))
         self._active, self._held = active, hold
+        out = t / ref
+        if pref is not None and out[pref] >= self.healthy:
+            pr = pr * out[pref]           # a slow reference: the probes read relative to it
         with np.errstate(invalid="ignore"):
-            t[hold] = np.fmax(t[hold], tp[hold])
-        return t / ref
+            out[~active] = pr[~active]
+            out[hold] = np.fmax(out[hold], pr[hold])
+        return out
 
-    def _normalised_rows(self) -> tuple[np.ndarray, np.ndarray]:
+    def _normalised_rows(self) -> tuple[np.ndarray, np.ndarray, list]:
         """The kept steps' per-unit times under the current work model (training for ranks with
-        work, NaN for the others) and their calibrated probes (idle and held ranks, else NaN),
-        each divided by its step's median over ranks with work."""
-        out, probes = [], []
-        for tp, c, u, B, C, active in self._rows:
+        work, NaN for the others), each divided by its step's median over ranks with work; their
+        probe rates (idle and held ranks, else NaN: against the same step's reference probe,
+        or calibrated where none was timed); and each step's reference rank (None: none)."""
+        out, probes, prefs = [], [], []
+        for pr, pref, c, u, B, C, active in self._rows:
             ue = u + self.beta * B + self.gamma * C
             with np.errstate(divide="ignore", invalid="ignore"):
                 t = np.where(active, c / ue, np.nan)
             t[~(np.isfinite(t) & (t > 0))] = np.nan
             med = float(np.median(t[active & ~np.isnan(t)]))
             out.append(t / med)
-            probes.append(tp / med)
-        return np.stack(out), np.stack(probes)
+            probes.append(pr)
+            prefs.append(pref)
+        return np.stack(out), np.stack(probes), prefs
 
     def fit(self) -> None:
         """Fit ``beta`` and ``gamma`` in ``[0, MAX_TERM]`` on the kept history (any plans): the
@@ -316,24 +354,26 @@ class RateEstimator:
         window (right after a switch its light load alone would read it healthy)."""
         if not self._rows:
             return np.full(self.world, np.nan)
-        rows, probes = self._normalised_rows()
+        rows, probes, prefs = self._normalised_rows()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # all-NaN columns -> NaN
             sm = np.nanmedian(rows, axis=0)
-            # a probe is short, and interference only ever makes it slower: the fastest recent
-            # probe is the better estimate (a slow rank's probes are all slow)
-            fastest = np.nanmin(probes, axis=0)
-            idle = ~self._active
-            sm[idle] = fastest[idle]
-            # a held rank is as slow as its sustained probe says, whatever its light load reads
-            sm[self._held] = np.fmax(sm[self._held], fastest[self._held])
         act = sm[self._active & ~np.isnan(sm)]
         if not act.size:
             return np.full(self.world, np.nan)
         out = sm / _reference(act, self.band)
+        # a probe rate is relative to its step's reference rank: a healthy one is 1.0 (as the
+        # detector reads it), a slow one (every working rank slow) scales it
+        scale = np.array([1.0 if r is None or not out[r] >= self.healthy else out[r]
+                          for r in prefs])
+        probe = probe_reading(probes * scale[:, None])
+        idle = ~self._active
+        out[idle] = probe[idle]
+        # a held rank is as slow as its sustained probe says, whatever its light load reads
+        out[self._held] = np.fmax(out[self._held], probe[self._held])
         if floor is not None:
             f = _vector(floor, self.world, "floor")
-            unprobed = self._held & np.isnan(fastest)
+            unprobed = self._held & np.isnan(probe)
             out[unprobed] = np.fmax(out[unprobed], f[unprobed])
         return out
 

@@ -12,6 +12,7 @@ from malleus_ds.job_layout import JobLayout
 from malleus_ds.control import Controller
 from malleus_ds.engine.settings import AdaptiveSettings
 from malleus_ds.engine.step_reduce import StepSums
+from malleus_ds.probe import Probe
 from malleus_ds.planner.client import PlannerClient
 from malleus_ds.replan import decide, job_problem, memory_model, nominal_shape
 from malleus_ds.cost import step_time
@@ -261,8 +262,8 @@ def _probing_engine(plan, rank, block_s):
 
 def test_a_rank_without_work_sustains_its_probe_and_reports_one_run():
     """Rank 3 (no work) keeps the device busy for Probe.SUSTAIN_S, then times repeats over
-    Probe.TIMED_S (probe.py), and reports seconds per run; the calibrating rank (working) runs once untimed
-    and once timed. The budget (half a step) bounds a probe on short steps."""
+    Probe.TIMED_S (probe.py), and reports seconds per run; the calibrating rank (working) times
+    Probe.REF_RUNS runs, with a warm-up only the first time. The budget (half a step) bounds a probe on short steps."""
     plan = static_plan(4, 8, 1, 1, 1, 3)          # 3 pipelines on ranks 0-2; rank 3 is spare
     idle = Controller(_probing_engine(plan, 3, 0.01), AdaptiveSettings())
     try:
@@ -279,8 +280,10 @@ def test_a_rank_without_work_sustains_its_probe_and_reports_one_run():
     ref = Controller(_probing_engine(plan, 0, 0.01), AdaptiveSettings())
     try:
         assert ref.engine.located is not None
-        per_run = ref.probe(2)
-        assert ref.engine.runs[0] == 2 and 0.01 <= per_run < 0.1
+        per_run = ref.probe(2)      # first probe: a warm-up, then Probe.REF_RUNS timed
+        assert ref.engine.runs[0] == 1 + Probe.REF_RUNS and 0.01 <= per_run < 0.1
+        ref.probe(4)                # later ones: warm already (it works every step)
+        assert ref.engine.runs[0] == 1 + 2 * Probe.REF_RUNS
     finally:
         ref.close()
     short = Controller(_probing_engine(plan, 3, 0.01), AdaptiveSettings())

@@ -12,7 +12,8 @@ import pytest
 from malleus_ds.job_layout import JobLayout
 from malleus_ds.plan import Pipeline, Plan, Stage, static_plan, validate_plan
 from malleus_ds.straggler import (DetectConfig, Detector, RateEstimator, Trigger, as_list,
-                                  cost_units, held_ranks, ideal_slowdown, probe_reference)
+                                  cost_units, held_ranks, ideal_slowdown, probe_reading,
+                                  probe_reference)
 
 BASE = 0.01     # seconds per unit on a healthy rank
 CFG = DetectConfig()
@@ -150,9 +151,11 @@ def test_suspended_rank_probe_is_measured():
     assert units.tolist() == [4.0, 4.0, 8.0, 0.0]
     row = est.add(units * BASE, units, [np.nan, np.nan, np.nan, 5 * BASE])   # uncalibrated
     assert row == pytest.approx([1, 1, 1, 5])
+    assert math.isnan(est.rates()[3])            # one probe is no agreement: not read yet
     row = est.add(units * BASE, units, [np.nan, 0, -1, 0.0])
     assert row[:3] == pytest.approx([1, 1, 1]) and math.isnan(row[3])
-    assert est.rates() == pytest.approx([1, 1, 1, 5])   # NaN rows ignored by the median
+    est.add(units * BASE, units, [np.nan, np.nan, np.nan, 5 * BASE])
+    assert est.rates() == pytest.approx([1, 1, 1, 5])   # NaN rows ignored
 
 
 def test_probe_reference_is_the_least_loaded_rank_with_work():
@@ -243,11 +246,15 @@ def test_probes_are_calibrated_by_the_reference_rank():
             row = est.add(units * BASE * rate, units,
                           [1.6 * BASE * ref_rate, np.nan, np.nan, 1.6 * BASE * true])
             assert row[3] == pytest.approx(true), (ref_rate, true, row)
-    est = RateEstimator(4)      # one odd reference probe does not move the calibration
+    est = RateEstimator(4)      # one odd reference probe does not move the smoothed rate
     for _ in range(4):
         est.add(units * BASE, units, [1.6 * BASE, np.nan, np.nan, 1.6 * BASE])
     row = est.add(units * BASE, units, [0.3 * BASE, np.nan, np.nan, 1.6 * BASE])
-    assert row[3] == pytest.approx(1.0)
+    assert row[3] == pytest.approx(1.6 / 0.3)         # that step reads it slow...
+    for _ in range(2):      # ...as long as it is one of the last two probes
+        assert est.rates()[3] == pytest.approx(1.6 / 0.3)
+        est.add(units * BASE, units, [1.6 * BASE, np.nan, np.nan, 1.6 * BASE])
+    assert est.rates()[3] == pytest.approx(1.0)       # two agreeing probes: healthy again
     est = RateEstimator(4)      # without the reference's probe the bias shows
     assert est.add(units * BASE, units, [np.nan, np.nan, np.nan, 1.6 * BASE])[3] == \
         pytest.approx(1.6)
@@ -423,4 +430,54 @@ def test_a_held_rank_keeps_its_planned_rate_until_it_is_probed():
     assert est.rates() == pytest.approx([1, 1, 1, 1])
     assert est.rates(floor=floor) == pytest.approx([1, 1, 1, 3.5])
     est.add(units * BASE, units, [BASE, np.nan, np.nan, 1.1 * BASE], held=hold)   # probed
+    assert est.rates(floor=floor)[3] == pytest.approx(3.5)     # once: no agreement yet
+    est.add(units * BASE, units, [BASE, np.nan, np.nan, 1.05 * BASE], held=hold)  # twice
     assert est.rates(floor=floor)[3] == pytest.approx(1.1, rel=0.05)
+
+
+# -- probes that read the truth (issue 31) ---------------------------------------------------
+
+
+def test_probe_reading_needs_the_probes_to_agree():
+    nan = np.nan
+    probes = np.array([[nan, 9.0, 2.0, 3.3], [nan, 3.3, 1.1, nan], [nan, nan, 1.0, nan]])
+    out = probe_reading(probes)
+    assert np.isnan(out[0]) and np.isnan(out[3])      # never probed; probed once: no agreement
+    assert out[1] == 9.0              # a lucky 3.3 after a 9.0 lets nobody back
+    assert out[2] == 1.1              # the last two agree: an old unlucky 2.0 keeps nobody out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_rank_at_rate_10_never_reads_healthy_from_probes_under_changing_load(seed):
+    """The failure of issue 31: a suspended rank still 10x slow probed at 3.3 and was let back.
+    Per step, the host's load scales both probes of the moment alike (0.5-2x), the reference
+    probe is noisy by itself (±20%) and one probe in five of the idle rank runs in a lucky
+    moment (3x fast: the old fastest-probe reading took it, 3.3). Unless its last two probes
+    were both lucky, every smoothed reading stays within 30% of 10 (further would be a 'change'
+    the detector acts on); once the rank is healthy it reads healthy within two windows."""
+    rng = np.random.default_rng(seed)
+    units = cost_units(suspended_plan(), 4, 1, {1: 1.0})      # [4, 4, 8, 0]
+    ref = probe_reference(units)
+    est, det = RateEstimator(4), Detector(4, CFG)
+    det.planned_for([1, 1, 1, 10])
+    luck = []
+    for step in range(60):
+        true = 10.0 if step < 40 else 1.0
+        load = rng.uniform(0.5, 2.0)
+        compute = units * BASE * rng.uniform(0.9, 1.1, 4)
+        probe = np.full(4, np.nan)
+        if step % 2 == 0:
+            probe[ref] = 1.6 * BASE * load * rng.uniform(0.8, 1.2)
+            luck.append(rng.random() < 1 / 5)
+            probe[3] = 1.6 * BASE * load * true / (3.0 if luck[-1] else 1.0)
+        est.add(compute, units, probe)
+        r = est.rates()
+        trig = det.check(r, idle=units <= 0)
+        if step < 40 and not luck[-2:] == [True, True]:
+            assert np.isnan(r[3]) or r[3] > 7.0, (step, r)
+            assert trig is None, (step, trig)
+        elif step >= 40 and trig is not None:      # back: a recovery, or a change down
+            assert trig.rates[3] < 7.0 and step < 40 + 2 * CFG.window, (step, trig)
+            break
+    else:
+        raise AssertionError("the recovered rank was never read healthy")

@@ -33,6 +33,7 @@ import numpy as np
 from .cost import RECOMPUTE_FACTOR
 from .engine.settings import AdaptiveSettings
 from .models.base import head_layer_units
+from .pace_check import HealthyPace, PaceCheck
 from .plan import Plan, PlanError
 from .probe import Probe
 from .problem import Problem
@@ -86,10 +87,21 @@ class Controller:
         self._generation = 0              # bumped by every switch: older requests are stale
         self._problem: Problem | None = None
         self._first_plan = plan            # the user's layout: the problem's static baseline
+        self._running = plan
         self._probe = Probe(engine)       # probe.py: a block timed like training compute
         self._probe_s = 0.0               # timed after the last all-reduce, reported in the next
         self._skip, self._seen = 1, 0     # steps to leave out; steps measured so far
         self.disabled_reason: str | None = None
+        # rank 0: the running plan's promise against its measured steps (pace_check.py)
+        self.check = PaceCheck(settings.check) if self.rank == 0 else None
+        self.pace = HealthyPace()          # seconds per model unit, from the healthy first plan
+        self._scale: float | None = None   # ...else from the last re-plan's calibration
+        self._previous: tuple | None = None   # (plan, its measured step s, its planned rates)
+        self._judge_skip = 1               # steps after a switch the check leaves out
+        self._since_switch = 0             # steps measured under the running plan
+        self._missed: dict | None = None   # a missed promise the loop has yet to act on
+        self._last_step = 0                # the step observe() saw last
+        self._events: list[dict] = []      # rank 0: check events for metrics.jsonl
         self._client = None               # rank 0: planner/client.py's PlannerClient
         if self.rank == 0 and self.world > 1 and (settings.enabled or settings.replan_at):
             from .planner.client import PlannerClient
@@ -167,6 +179,7 @@ class Controller:
         """After the all-reduce (``sums``: its :class:`~malleus_ds.engine.step_reduce.StepSums`):
         rates (every rank), detection and a re-plan request (rank 0)."""
         self.ready = self.ready or sums.ready
+        self._last_step = step
         comp, probe = sums.compute_s, sums.probe_s
         if self._skip:          # the first step of a run or of a plan: allocation, first touch
             self._skip -= 1
@@ -174,6 +187,11 @@ class Controller:
         self.est.add(comp, self.units, probe, shape=self.shape, held=self.held)
         self.measured = self.est.rates(floor=self._floor)
         self._seen += 1
+        self._since_switch += 1
+        if (self._missed is not None and self._client is not None and self._pending is None
+                and self._result is None and not self.ready):
+            self._act_on_miss(step)
+            return
         if self._seen < self.s.detect.window:    # a full window before the first detection
             return
         if (self.det is None or not self.s.enabled or self._client is None
@@ -186,6 +204,22 @@ class Controller:
 
     def step_done(self, seconds: float) -> None:
         self.step_times.append(seconds)
+        if self.check is None or not self.s.enabled or self._client is None:
+            return
+        if self._judge_skip:                 # the first step of a plan: allocation, first touch
+            self._judge_skip -= 1
+            return
+        self._track_pace(seconds)
+        ev = self.check.observe(self._last_step, seconds)
+        if ev is not None:
+            self._events.append(ev)
+            if ev["outcome"] == "missed":
+                self._missed = ev
+
+    def take_events(self) -> list[dict]:
+        """``check`` events since the last call (rank 0; metrics.jsonl)."""
+        out, self._events = self._events, []
+        return out
 
     # -- at a step boundary (collective) ------------------------------------------------------
 
@@ -237,7 +271,14 @@ class Controller:
 
     def switched(self, plan: Plan, rates: list[float] | None) -> None:
         """After any switch (adaptive, forced or scripted): cost units of the new plan, the rates
-        it was made for, and results planned against the old one become stale."""
+        it was made for, and results planned against the old one become stale; rank 0 keeps
+        the old plan and its measured pace (to go back to if the new one breaks its promise)
+        and sets the new plan's promise."""
+        if self.det is not None and self.step_times:
+            self._previous = (self._running, float(np.median(self.step_times)),
+                              [round(float(x), 3) for x in self.det.planned])
+        self._running = plan
+        self._judge_skip, self._since_switch, self._missed = 1, 0, None
         tp = self.engine.job.tp
         if tp != self.tp:       # engine API without a nominal tp: the plans' TP sizes set it
             self.tp, self._problem = tp, None
@@ -257,6 +298,7 @@ class Controller:
             self._probe.block = None         # back at full work: free the probe's block
         if self.det is not None:
             self.det.planned_for(rates if rates is not None else self._normalised())
+            self._promise()
 
     def considered(self, rates: list[float] | None) -> None:
         """A planning attempt that kept the running plan: its rates are now the reference."""
@@ -264,6 +306,7 @@ class Controller:
             self._hold(rates)
         if self.det is not None:
             self.det.planned_for(rates if rates else self._normalised())
+            self._promise()
 
     def _hold(self, rates: list[float | None]) -> None:
         """The ranks the running plan treats as slow (:func:`~malleus_ds.straggler.held_ranks`,
@@ -277,6 +320,71 @@ class Controller:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+    # -- rank 0: the plan's promise (pace_check.py) ---------------------------------------------
+
+    def _model_s(self, plan: Plan, rates) -> float | None:
+        """The cost model's step time of ``plan`` under ``rates`` (model units), or None."""
+        from .cost import step_time
+
+        pr = self._job_problem()
+        if pr is None:
+            return None
+        r = {d: float(x) for d, x in enumerate(rates) if x is not None and x > 1.0}
+        try:
+            return step_time(pr.with_rates(r, current_plan=plan), plan)
+        except (PlanError, ValueError):
+            return None
+
+    def _promise(self) -> None:
+        """The running plan's expected step seconds under the rates it was planned for (its
+        promise), in seconds by the job's healthy pace, else by the last re-plan's calibration.
+        Only a plan the loop switched to is checked (the user's first plan promised nothing)."""
+        if self.check is None or self._running is self._first_plan and self._previous is None:
+            return
+        scale, why = self.pace.scale, "healthy pace"
+        if scale is None:
+            scale, why = self._scale, "re-plan calibration"
+        T = self._model_s(self._running, self.det.planned) if scale else None
+        self.check.expect(self._running.id, T * scale if T else None, why)
+
+    def _track_pace(self, seconds: float) -> None:
+        """A step of the first plan with every rank healthy: the job's healthy pace."""
+        if self._running.id != self._first_plan.id or not np.all(
+                self.det.normalise(self.measured) == 1.0) or np.isnan(self.measured).any():
+            return
+        if self.pace.model_s is None:
+            T = self._model_s(self._first_plan, [1.0] * self.world)
+            if T is None:
+                return
+            self.pace.model_s = T
+        self.pace.add(seconds, self.pace.model_s)
+
+    def _act_on_miss(self, step: int) -> None:
+        """The running plan broke its promise: re-measure (the steps since the switch only),
+        then re-plan at once, past the detector's hysteresis (``_collect`` decides; nothing
+        better found: back to the previous plan if it ran faster, ``_back_out``)."""
+        self._missed = None
+        fresh = self.est.rates(floor=self._floor, last=max(2, min(self._since_switch,
+                                                                 self.s.detect.window)))
+        if not np.isnan(fresh).all():
+            self.measured = fresh
+        self._request("missed", self._normalised(), step + 1)
+
+    def _back_out(self, res: Decision, cur: Plan, step_s: float | None) -> Decision:
+        """After a missed promise: the planner's better plan if it found one, else the plan that
+        ran before this one when it was measured faster than this one runs now."""
+        if res.plan is not None or self._previous is None or step_s is None:
+            return res
+        prev, prev_s, prev_rates = self._previous
+        if prev.id == cur.id or not prev_s < step_s:
+            return res
+        ev = dict(res.event, to=prev.id, adopted=True, rates_for=prev_rates,
+                  predicted_step_s=[round(step_s, 4), round(prev_s, 4)],
+                  reason=f"missed its promise and the planner found nothing better "
+                         f"({res.event['reason']}); back to {prev.id}, measured "
+                         f"{prev_s:.3f} s/step against {step_s:.3f} s now")
+        return Decision(ev, prev.to_json())
 
     # -- rank 0 internals ---------------------------------------------------------------------
 
@@ -329,9 +437,16 @@ class Controller:
         cur = self.engine.plan
         nbytes = self._bytes_for(new) if new.id != cur.id else 0
         step_s = float(np.median(self.step_times)) if self.step_times else None
-        self._result = decide(p["problem"], cur, new, p["trigger"], p["rates"], p["step"],
-                              time.perf_counter() - p["t0"], step_s, nbytes,
-                              self._migrate_s_for(nbytes), self.s.horizon_steps)
+        if step_s:
+            from .cost import step_time
+            self._scale = step_s / step_time(p["problem"], cur)
+        res = decide(p["problem"], cur, new, p["trigger"], p["rates"], p["step"],
+                     time.perf_counter() - p["t0"], step_s, nbytes,
+                     self._migrate_s_for(nbytes), self.s.horizon_steps)
+        if p["trigger"] == "missed":
+            res = self._back_out(res, cur, step_s)
+            self.check.acted(changed=res.plan is not None)
+        self._result = res
 
     def _forced(self, step: int, trigger: str = "forced") -> Decision:
         if self._client is None:

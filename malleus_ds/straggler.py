@@ -347,14 +347,17 @@ class RateEstimator:
         self._cal.extend((t[ref] / p[ref]).tolist())
         return float(np.median(self._cal)) if self._cal else 1.0
 
-    def rates(self, floor: Sequence[float] | None = None) -> np.ndarray:
+    def rates(self, floor: Sequence[float] | None = None, last: int | None = None) -> np.ndarray:
         """Smoothed rates: per rank the median over the kept rows, ignoring NaN; NaN where no
         row has a measurement. Not clamped (a rank may read 0.9). ``floor[d]``: the rate a
         held rank's plan was made for, which it keeps at least until a probe of it is in the
-        window (right after a switch its light load alone would read it healthy)."""
+        window (right after a switch its light load alone would read it healthy). ``last``: read
+        only the last that many steps (a re-measurement: the steps since a switch)."""
         if not self._rows:
             return np.full(self.world, np.nan)
         rows, probes, prefs = self._normalised_rows()
+        if last is not None:
+            rows, probes, prefs = rows[-last:], probes[-last:], prefs[-last:]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # all-NaN columns -> NaN
             sm = np.nanmedian(rows, axis=0)

@@ -390,7 +390,10 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
                 plan = None
             self.events.append(event)
             if plan is not None:
-                report = self.switch_plan(plan, rates=event.get("measured_rates"))
+                # a step back to an earlier plan (a missed promise) carries the rates that
+                # plan was made for
+                report = self.switch_plan(plan, rates=event.get("rates_for",
+                                                                event.get("measured_rates")))
             else:
                 self.control.considered(event.get("measured_rates"))
         while self._pending_switches and self._pending_switches[0].step < self.global_steps:
@@ -402,7 +405,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
 
     def take_events(self) -> list[dict]:
         """``replan`` and ``migrate`` events since the last call, in order (metrics.jsonl)."""
-        out, self.events = self.events, []
+        out, self.events = self.events + self.control.take_events(), []
         return out
 
     @property

@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..plan import Plan
+from ..pace_check import CheckConfig
 from ..straggler import DetectConfig
 from .precision import Precision
 
 # ------------------------------------------------------------------ the adaptive loop's keys
 
-ADAPTIVE_KEYS = ("adaptive", "detect", "horizon_steps", "replan_at", "planner_time_limit_s",
+ADAPTIVE_KEYS = ("adaptive", "detect", "check", "horizon_steps", "replan_at", "planner_time_limit_s",
                  "min_improvement", "migrate_gbps", "tp_slowdown", "device_mb")
 
 
@@ -47,6 +48,7 @@ class AdaptiveSettings:
     migrate_gbps: float = 1.0            # bandwidth assumed before the first migration is measured
     tp_slowdown: Mapping[int, float] | str = "measure"   # tp/g -> slowdown, "measure" or "ideal"
     device_mb: float | None = None       # memory per device for the planner; None: detected
+    check: CheckConfig = field(default_factory=CheckConfig)   # the plan's promise vs its steps
 
     @staticmethod
     def from_config(sec: Mapping[str, Any]) -> "AdaptiveSettings":
@@ -106,7 +108,36 @@ class AdaptiveSettings:
                                  f"numbers") from None
         dm = number(sec, "device_mb", None, lambda v: v > 0, "a number > 0 (or null: detected)",
                     optional=True)
-        return AdaptiveSettings(en, dc, hz, tuple(ra), tl, mi, bw, sd, dm)
+        return AdaptiveSettings(en, dc, hz, tuple(ra), tl, mi, bw, sd, dm,
+                                _check_config(sec.get("check")))
+
+
+_INT_CHECK = ("patience", "kept_after", "backoff")
+
+
+def _check_config(sec) -> CheckConfig:
+    """``malleus.check``: a mapping of :class:`~malleus_ds.pace_check.CheckConfig` fields."""
+    known = sorted(CheckConfig.__dataclass_fields__)
+    if sec is None:
+        return CheckConfig()
+    if not isinstance(sec, Mapping):
+        raise ValueError(f"ds_config.malleus.check must be a mapping of {known}, got {sec!r}")
+    unknown = sorted(set(sec) - set(known))
+    if unknown:
+        raise ValueError(f"ds_config.malleus.check: unknown keys {unknown}; allowed: {known}")
+    out = {}
+    for k, v in sec.items():
+        if k == "enabled":
+            if not isinstance(v, bool):
+                raise ValueError(f"malleus.check.enabled={v!r} must be true or false")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"malleus.check.{k}={v!r} must be a number")
+        elif k in _INT_CHECK and int(v) != v:
+            raise ValueError(f"malleus.check.{k}={v!r} must be an integer")
+        out[k] = v if k == "enabled" else (int(v) if k in _INT_CHECK else float(v))
+    cc = CheckConfig(**out)
+    cc.check()
+    return cc
 
 
 # ------------------------------------------------------------------ the whole malleus section

@@ -19,7 +19,7 @@ from malleus_ds.cost import step_time
 from malleus_ds.models.llama import PRESETS, param_table
 from malleus_ds.plan import Plan, PlanError, static_plan
 from malleus_ds.planner.worker import alternative_plan, answer
-from malleus_ds.straggler import DetectConfig
+from malleus_ds.straggler import DetectConfig, cost_units
 
 
 @pytest.mark.parametrize("sec, match", [
@@ -372,3 +372,77 @@ def test_carried_rates_follow_the_device_and_fall_back_to_ranks():
     assert carried_rates(same, ["h/0", "h/1", "h/0", "h/1"]) == [1.0, 4.0, None, 1.0]
     assert carried_rates(same, ["h/0", "h/1"]) is None
     assert carried_rates({"step": 3}, ["a/0"]) is None                # saved before rates existed
+
+
+# -- the loop checks its own predictions (issue 31) ------------------------------------------
+
+
+def _light_plan(slow: int) -> Plan:
+    """Four one-stage pipelines; rank ``slow`` runs 1 of the 8 micro-batches (a plan for it at
+    about rate 3)."""
+    from malleus_ds.plan import Pipeline, Stage
+
+    mbs = [3 if r != slow else 1 for r in range(4)]
+    mbs[(slow + 1) % 4] -= 1
+    return Plan(num_layers=4, global_batch_size=8, micro_batch_size=1,
+                pipelines=tuple(Pipeline(m, (Stage((r,), (0, 4)),)) for r, m in enumerate(mbs)))
+
+
+def test_a_readmitted_rank_still_slow_breaks_the_promise_and_the_loop_replans_at_once():
+    """Issue 31, failure 1: rank 3, still 10x slow, was let back into a plan made for it at rate
+    3. Its steps run far slower than that plan promised: the check misses within ``patience``
+    judged steps, the loop re-measures (the steps since the switch: rank 3 reads ~10) and
+    re-plans at once, past the detector's cooldown, and the new plan gives rank 3 less work."""
+    plan = static_plan(4, 8, 1, 1, 1, 4)
+    eng = _engine(plan)
+    ctl = Controller(eng, AdaptiveSettings())
+    rng = np.random.default_rng(1)
+    try:
+        for _ in _drive(ctl, plan, [1, 1, 1, 1], 12, rng):
+            pass
+        assert ctl.pace.seconds is not None                  # the healthy pace is known
+        light = _light_plan(3)
+        eng.plan = light
+        ctl.switched(light, [1.0, 1.0, 1.0, 3.0])
+        assert ctl.check.expected_s is not None and ctl.check.plan_id == light.id
+        missed_at = decided = None
+        for k in _drive(ctl, light, [1, 1, 1, 10], 60, rng):
+            evs = ctl.take_events()
+            if any(e["outcome"] == "missed" for e in evs) and missed_at is None:
+                missed_at = k
+            if ctl.ready:
+                decided = k
+                break
+            time.sleep(0.02)
+        assert missed_at is not None and missed_at <= 1 + ctl.s.check.patience + 1, missed_at
+        ev = ctl._result.event
+        assert ev["trigger"] == "missed" and ev["adopted"], ev
+        assert ev["measured_rates"][3] > 5.0, ev            # re-measured since the switch
+        new = Plan.from_json(ctl._result.plan)
+        work = lambda p: cost_units(p, 4, 1, {1: 1.0})[3]    # noqa: E731
+        assert work(new) < work(light), (new, light)
+    finally:
+        ctl.close()
+
+
+def test_a_missed_promise_with_nothing_better_goes_back_to_the_faster_previous_plan():
+    from malleus_ds.replan import Decision
+
+    plan = static_plan(4, 8, 1, 1, 1, 4)
+    light = _light_plan(1)
+    ctl = Controller(_engine(light), AdaptiveSettings())
+    try:
+        kept = Decision({"event": "replan", "trigger": "missed", "adopted": False,
+                         "from": light.id, "to": light.id, "reason": "the running plan is "
+                         "still the best", "measured_rates": [1.0, 1.8, 1.0, 1.0]}, None)
+        ctl._previous = (plan, 0.35, [1.0, 10.0, 1.0, 1.0])
+        back = ctl._back_out(kept, light, 0.57)          # the previous plan ran faster
+        assert back.plan is not None and Plan.from_json(back.plan).id == plan.id
+        assert back.event["adopted"] and back.event["to"] == plan.id
+        assert back.event["rates_for"] == [1.0, 10.0, 1.0, 1.0]
+        assert "back to" in back.event["reason"] and "0.350" in back.event["reason"]
+        assert ctl._back_out(kept, light, 0.30) is kept   # it ran slower: stay
+        ctl._previous = None
+        assert ctl._back_out(kept, light, 0.57) is kept   # nothing to go back to
+    finally:
+        ctl.close()

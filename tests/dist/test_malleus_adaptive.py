@@ -88,7 +88,10 @@ def test_adaptive_run_detects_replans_migrates_recovers_and_keeps_the_math():
     assert all(len(r[0][0]) == steps for r in res)
     check(STATIC, [r[0] for r in res], steps=steps, param_rtol=PARAM_RTOL)
     _check_adam([(r[0], None, None, r[3]) for r in res], steps, rtol=10 * PARAM_RTOL)
-    assert all(r[1] == events for r in res), "every rank saw the same events"
+    # every rank saw the same decisions (the plan checks are rank 0's: it decides)
+    decisions = lambda evs: [e for e in evs if e["event"] != "check"]  # noqa: E731
+    assert all(decisions(r[1]) == decisions(events) for r in res), \
+        "every rank saw the same events"
     replans = [e for e in events if e["event"] == "replan"]
     adopted = [e for e in replans if e["adopted"]]
     migrates = [e for e in events if e["event"] == "migrate"]
@@ -110,7 +113,8 @@ def test_adaptive_run_detects_replans_migrates_recovers_and_keeps_the_math():
     # above recovers on the same condition). Its reading is not compared with the onset's:
     # on 4 ranks over 2 cores a rate-3 straggler has read 5.6 and a rate-8 one 7.3 (CI)
     worse_at = res[0][5]
-    worse = next((e for e in replans if e["trigger"] == "change"
+    # (or a plan that missed its promise once the straggler worsened: re-planned at once)
+    worse = next((e for e in replans if e["trigger"] in ("change", "missed")
                   and e.get("detected", -1) > worse_at), None)
     assert worse is not None, f"the worsening was never planned for: {replans}"
     assert worse["measured_rates"][3] > MILD, worse
@@ -136,7 +140,7 @@ def test_adaptive_run_detects_replans_migrates_recovers_and_keeps_the_math():
     assert rec is not None, f"rank 3 never came back: {replans}"
     # it came back because its reading fell (a just-recovered rank's probe has read 3.1 on a
     # loaded machine: the fastest probe in the window still had slow neighbours)
-    assert rec["trigger"] in ("recovery", "change"), rec
+    assert rec["trigger"] in ("recovery", "change", "missed"), rec
     assert rec["measured_rates"][3] < worse["measured_rates"][3], (rec, worse)
     forced = [e for e in adopted if e["trigger"] == "forced"]
     assert len(forced) == 1 and forced[0]["from"] != forced[0]["to"]

@@ -36,8 +36,16 @@ class Probe:
     #: its first probe: the same cost as one warm-up and one timed run, half the timer noise
     REF_RUNS = 2
 
+    #: a sustained reading this many times its early one is a cap (a CPU quota, a power cap:
+    #: the first milliseconds after idling run at full speed), and is reported instead. Below
+    #: it the early reading stands: a process kept busy reads 1.3-1.7x slow next to processes
+    #: that wake from communication waits on an oversubscribed CPU (the scheduler favours the
+    #: sleepers), and the reference, which times at the same moment, is not kept busy
+    CAP_SIGNAL = 2.0
+
     def __init__(self, engine) -> None:
         self.engine = engine
+        self.last: tuple[float, float | None] | None = None   # (early, sustained) s per run
         self.block = None
         self.x = None
 
@@ -65,13 +73,17 @@ class Probe:
         """Seconds of one decoder block's forward + backward on a dummy micro-batch, timed like
         training compute (straggler emulation applies). The block is built once (fixed seed,
         the caller's RNG untouched) and kept. It runs once untimed first (allocation, cold
-        caches). With ``sustain`` (a rank without work, or a held one) it then keeps the device
-        busy for :attr:`SUSTAIN_S` and times the mean of repeats over :attr:`TIMED_S`: a
-        device that idled, or ran only short bursts, reads as it works under full load, not as
-        it wakes (a CPU-quota-throttled process runs the first milliseconds of each period at
-        full speed; a GPU ramps its clocks), all within ``budget_s`` (:meth:`budget`), so the
-        probe never delays the next all-reduce. Without (the calibrating rank): :attr:`REF_RUNS`
-        timed runs, warmed up only the first time."""
+        caches; the calibrating rank, which works every step, only on its first probe), then
+        times :attr:`REF_RUNS` runs: the *early* reading, the same work at the same moment as
+        the calibrating rank's probe, whose ratio to it is the rate
+        (``straggler.RateEstimator.add``). With ``sustain`` (a rank without work, or a held one)
+        it then keeps the device busy for :attr:`SUSTAIN_S` and times the mean of repeats over
+        :attr:`TIMED_S`, the *sustained* reading: a device that idled, or ran only short bursts,
+        read as it works under full load (a CPU-quota-throttled process runs the first
+        milliseconds of each period at full speed; a GPU ramps its clocks). The sustained
+        reading is returned when it is over :attr:`CAP_SIGNAL` times the early one (a cap),
+        else the early one. All within ``budget_s`` (:meth:`budget`), so the probe never delays
+        the next all-reduce. ``self.last``: (early, sustained or None)."""
         import torch
 
         e = self.engine
@@ -89,19 +101,25 @@ class Probe:
             x = self.x.detach().requires_grad_()
             cfg.run_block(blk, x, cfg.block_context(x)).float().sum().backward()
 
+        def timed(reps: int) -> float:
+            before = e.clock.compute_s
+            e._timed(lambda: [run() for _ in range(reps)])
+            return (e.clock.compute_s - before) / reps
+
+        t0 = time.perf_counter()
         if sustain or fresh:
             run()                                      # warm-up, untimed
-        reps = self._sustain(run, budget_s) if sustain else self.REF_RUNS
-
-        def timed():
-            for _ in range(reps):
-                run()
-
-        before = e.clock.compute_s
-        e._timed(timed)
+        early = timed(self.REF_RUNS)          # the reference's shape, at the reference's moment
+        sustained = None
+        if sustain:
+            left = max(0.0, budget_s - (time.perf_counter() - t0))
+            sustained = timed(self._sustain(run, left))
         for p in blk.parameters():
             p.grad = None
-        return (e.clock.compute_s - before) / reps
+        self.last = (early, sustained)
+        if sustained is not None and sustained > self.CAP_SIGNAL * early:
+            return sustained                  # throttled under load (a cap): that is its rate
+        return early
 
     def _sustain(self, run, budget: float) -> int:
         """Run ``run`` back to back for the sustain time (bounded by the probe's budget); return

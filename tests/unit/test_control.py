@@ -233,7 +233,7 @@ class _WallClock:
 
 def _probing_engine(plan, rank, block_s):
     """A fake engine whose probe block takes ``block_s`` seconds per run (a sleep inside
-    ``run_block``) and counts its runs."""
+    ``run_block``; a callable: of the run's number, from 1) and counts its runs."""
     import time as _time
 
     import torch
@@ -245,7 +245,7 @@ def _probing_engine(plan, rank, block_s):
     class Cfg(SimpleNamespace):
         def run_block(self, blk, x, ctx):
             e.runs[0] += 1
-            _time.sleep(block_s)
+            _time.sleep(block_s(e.runs[0]) if callable(block_s) else block_s)
             return cfg.run_block(blk, x, ctx)
 
     e.model_cfg = Cfg(build_layer=cfg.build_layer, block_context=cfg.block_context,
@@ -446,3 +446,21 @@ def test_a_missed_promise_with_nothing_better_goes_back_to_the_faster_previous_p
         assert ctl._back_out(kept, light, 0.57) is kept   # nothing to go back to
     finally:
         ctl.close()
+
+
+def test_a_probe_reads_early_unless_its_sustained_runs_show_a_cap():
+    """The early reading (the reference's shape and moment) is the rate; a sustained reading
+    1.5x slower (a busy process next to waking ones on an oversubscribed CPU) does not move it;
+    one 5x slower (a quota: full speed for the first milliseconds only) is a cap and is read."""
+    plan = static_plan(4, 8, 1, 1, 1, 3)
+    for late, capped in ((1.5, False), (5.0, True)):
+        # warm-up and the two early runs at 20 ms, every later run `late` x slower
+        block = lambda n, late=late: 0.02 if n <= 3 else 0.02 * late  # noqa: E731
+        idle = Controller(_probing_engine(plan, 3, block), AdaptiveSettings())
+        try:
+            got = idle.probe(2)
+            early, sustained = idle._probe.last
+            assert 1.2 < sustained / early < 1.1 * late, idle._probe.last
+            assert got == (sustained if capped else early), (late, got, idle._probe.last)
+        finally:
+            idle.close()

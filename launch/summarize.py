@@ -9,6 +9,10 @@ what they cost this run, the bound).
     python launch/train.py --multirun experiment=straggler_sweep hydra.sweep.dir=multirun/s \\
         'straggler.schedule=[],[{rank:1,rate:2.0}],[{rank:1,rate:4.0}]'
     python launch/summarize.py multirun/s
+
+Without an emulated schedule the straggler phases come from the measured rates read as the
+adaptive loop reads them (``malleus_ds/phases.py``: each rank's median over 5 steps, below 1.2
+healthy, at least 7 steps long), so a healthy run's noisy steps are no straggler.
 """
 from __future__ import annotations
 

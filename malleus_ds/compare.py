@@ -16,6 +16,10 @@ module reads their metrics.jsonl files and says what the straggler cost each eng
 * per engine, its what-if line (``whatif.py``): the share of its run the stragglers would have
   cost a static job, what they cost it, and the bound.
 
+Segments follow the emulated schedule (the same for every engine, exact onsets), never the
+measured rates, so measurement noise cannot make one; a run without a schedule is split by its
+measured rates only in the what-if lines, by ``phases.py``'s rule (the loop's smoothed reading).
+
 Everything here is pure (records in, numbers and text out) except :func:`report`, which reads the
 folders and draws the ``malleus-plot`` PNG.
 """

@@ -44,7 +44,8 @@ this rename call it ``rates``; readers accept both.)
 
 A *phase* is a run of steps with the same ``emulated_rates`` (and plan); the summary reports
 throughput per phase, so one run that turns a straggler on half-way, or switches plans, shows
-the regimes side by side.
+the regimes side by side. (A run's straggler phases by its *measured* rates, for a run without
+a schedule, are ``phases.py``'s: the adaptive loop's smoothed reading, never a single step.)
 
 **Reading.** :func:`read_metrics_file` is the one checked reader: it reads a metrics.jsonl (or
 the run folder holding one) once and returns its step lines and its event lines (every kind, the

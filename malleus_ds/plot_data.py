@@ -1,6 +1,10 @@
 """The data side of ``malleus-plot`` (``plot.py``): a run folder's metrics as per-step arrays,
 its straggler regions, events and labels. Pure (numpy, no matplotlib), so it is tested without
 looking at pixels.
+
+The shaded regions are the emulated schedule's (what the experiment configured); the what-if
+marks come from ``whatif.py``, which splits a run without a schedule by its measured rates as
+the adaptive loop reads them (``phases.rate_phases``), so one noisy step draws no phase.
 """
 from __future__ import annotations
 

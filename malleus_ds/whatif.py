@@ -11,9 +11,14 @@ files), else ``compute_s`` (each rank's compute seconds over the fastest rank's 
 DeepSpeed or torch run with a real, not emulated, straggler), else none (every step healthy).
 A rate below :data:`HEALTHY` (1.2, DESIGN.md §6) counts as 1.0.
 
-**Phases.** Maximal runs of consecutive steps with the same straggler condition: the emulated
-schedule when the run was emulated (its onset is exact), else the set of ranks at or above
-:data:`HEALTHY`. A straggler phase's rates are each rank's median over the phase (source above).
+**Phases.** When the run was emulated: maximal runs of consecutive steps with the same emulated
+schedule (ranks at or above :data:`HEALTHY`; its onset is exact, and measurement noise cannot
+split it). Else the per-step rates (source above) are read as the adaptive loop reads them
+(``phases.rate_phases``): each rank's median over 5 steps centred on the step, below
+:data:`HEALTHY` healthy, and a new straggler condition only when it lasts at least
+``phases.MIN_STEPS`` (7) steps; so one noisy step, or a run shorter than that, has no
+straggler phase. A straggler phase's rates are each rank's median over the phase (source
+above).
 
 **Per phase** ``p`` with ``S_p`` samples (all in samples/s, except the seconds):
 
@@ -64,6 +69,7 @@ from typing import Mapping, Sequence
 
 from .cost import capacity_of_rates
 from .metrics import MetricsError, emulated_rates, metrics_path, read_run
+from .phases import rate_phases
 from .straggler import HEALTHY  # a rate below this counts as healthy (DESIGN.md §6)
 
 
@@ -154,11 +160,6 @@ class Account:
 # rates and phases
 
 
-def _measured(r: Mapping) -> list[float] | None:
-    m = r.get("measured_rates")
-    return [1.0 if x is None else float(x) for x in m] if isinstance(m, list) else None
-
-
 def _compute_rates(r: Mapping) -> list[float] | None:
     c = r.get("compute_s")
     if not isinstance(c, list) or len(c) < 2 or any(x is None for x in c):
@@ -186,8 +187,8 @@ def rate_source(records: Sequence[Mapping]) -> str:
     return "none"
 
 
-def _rate_vector(r: Mapping, source: str, world: int) -> list[float | None]:
-    """Per rank this step's rate (None: not known this step)."""
+def _readings(r: Mapping, source: str, world: int) -> list[float | None]:
+    """Per rank this step's reading as recorded, not yet thresholded (None: not known)."""
     if source == "measured":
         m = r.get("measured_rates")
         v = list(m) if isinstance(m, list) else []
@@ -198,15 +199,19 @@ def _rate_vector(r: Mapping, source: str, world: int) -> list[float | None]:
         v = _compute_rates(r) or []
     else:
         v = []
-    v = (v + [None] * world)[:world]
-    return [None if x is None else (1.0 if float(x) < HEALTHY else float(x)) for x in v]
+    return [None if x is None else float(x) for x in (v + [None] * world)[:world]]
 
 
-def _condition(r: Mapping, source: str, emulated: bool, world: int) -> tuple:
-    if emulated:
-        return tuple(sorted((int(k), float(v)) for k, v in emulated_rates(r).items()
-                            if float(v) >= HEALTHY))
-    return tuple(d for d, x in enumerate(_rate_vector(r, source, world)) if x and x >= HEALTHY)
+def _rate_vector(r: Mapping, source: str, world: int) -> list[float | None]:
+    """Per rank this step's rate, a rate below HEALTHY read as 1.0 (None: not known)."""
+    return [None if x is None else (1.0 if x < HEALTHY else x)
+            for x in _readings(r, source, world)]
+
+
+def _schedule(r: Mapping) -> tuple:
+    """The emulated straggler condition of a step: ((rank, rate), ...) at or above HEALTHY."""
+    return tuple(sorted((int(k), float(v)) for k, v in emulated_rates(r).items()
+                        if float(v) >= HEALTHY))
 
 
 def _phase_rates(rs: Sequence[Mapping], source: str, world: int
@@ -323,17 +328,24 @@ def account(records: Sequence[Mapping], events: Sequence[Mapping] = (),
     source = rate_source(steps)
     emulated = any(emulated_rates(r) for r in steps)
     groups: list[list[Mapping]] = []
-    prev = None
-    for r in kept:
-        key = _condition(r, source, emulated, world)
-        if groups and key == prev:
-            groups[-1].append(r)
-        else:
-            groups.append([r])
-        prev = key
-    conds = [_condition(g[0], source, emulated, world) for g in groups]
-    # a straggler phase the measurement missed (it lags the onset) keeps its emulated rates
-    rates = [(_phase_rates(g, source, world) or c) if c else () for g, c in zip(groups, conds)]
+    if emulated:    # the known schedule: exact onsets, and no measurement noise in the split
+        prev = None
+        for r in kept:
+            key = _schedule(r)
+            if groups and key == prev:
+                groups[-1].append(r)
+            else:
+                groups.append([r])
+            prev = key
+        conds = [_schedule(g[0]) for g in groups]
+        # a straggler phase the measurement missed (it lags the onset) keeps its emulated rates
+        rates = [(_phase_rates(g, source, world) or c) if c else ()
+                 for g, c in zip(groups, conds)]
+    else:           # measured: read as the adaptive loop reads it (phases.py)
+        ph = rate_phases([int(r["step"]) for r in kept],
+                         [_readings(r, source, world) for r in kept], world=world)
+        groups = [kept[p.lo:p.hi] for p in ph]
+        rates = [p.rates for p in ph]
     mig = [sum(float(e.get("seconds") or 0.0) for e in events if e.get("event") == "migrate"
                and isinstance(e.get("step"), (int, float))
                and g[0]["step"] <= e["step"] <= g[-1]["step"]) for g in groups]

@@ -106,15 +106,23 @@ def test_bad_layout_fails_cleanly_on_every_rank(tmp_path):
 
 
 def test_multirun_launches_ranks_per_job(tmp_path):
+    """The README's sweep, then launch/summarize.py: job 0 is healthy, job 1 has rank 1 emulated
+    at rate 2 throughout. 8 steps (7 after the warm-up): enough for a measured straggler phase
+    (phases.MIN_STEPS), so the per-step noise of 2 ranks on a shared CPU host could invent one
+    in job 0's what-if account if a report read single steps (issue 31)."""
     sweep = tmp_path / "sweep"
     p = _run([sys.executable, TRAIN, "--multirun"] + TINY
-             + ["nproc_per_node=2", "train.steps=3", f"hydra.sweep.dir={sweep}",
+             + ["nproc_per_node=2", "train.steps=8", f"hydra.sweep.dir={sweep}",
                 "straggler.schedule=[],[{rank:1,rate:2.0}]"], cwd=tmp_path, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     a, b = _metrics(sweep / "0"), _metrics(sweep / "1")
-    assert len(a) == len(b) == 3 and len(a[0]["compute_s"]) == 2
+    assert len(a) == len(b) == 8 and len(a[0]["compute_s"]) == 2
     assert a[0]["emulated_rates"] == {} and b[0]["emulated_rates"] == {"1": 2.0}
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)
     q = _run([sys.executable, str(REPO / "launch" / "summarize.py"), str(sweep)], cwd=tmp_path)
     assert q.returncode == 0, q.stderr
     assert "straggler.schedule=[{rank:1,rate:2.0}]" in q.stdout and "1.00x" in q.stdout
+    healthy, slowed = q.stdout.split(f"\n{sweep / '0'}:\n")[1].split(f"\n{sweep / '1'}:\n")
+    ratios = [[round(x / min(r["compute_s"]), 2) for x in r["compute_s"]] for r in a]
+    assert "what-if: no straggler in this run" in healthy, (healthy, ratios)
+    assert "rank 1 at rate 2" in slowed and "stragglers would have cost a static job" in slowed

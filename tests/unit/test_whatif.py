@@ -135,11 +135,12 @@ def test_old_format_file():
 
 def test_deepspeed_run_emulated_and_real_straggler():
     # engine=deepspeed lines: compute_s / emulated_s per rank, emulated rates, no plan, no
-    # measured rates; dp=2, rank 1 at rate 4 from step 3: each step waits for it
+    # measured rates; dp=2, rank 1 at rate 4 in steps 3-11 (9 steps: a measured straggler phase
+    # must last phases.MIN_STEPS = 7): each step waits for it
     def ds(rates_of, compute_of):
         return [{"step": s, "loss": 1.0, "samples": 16, "step_time_s": 2.0 if s >= 3 else 0.5,
                  "compute_s": compute_of(s), "emulated_s": [0.0, 0.0],
-                 "emulated_rates": rates_of(s)} for s in range(8)]
+                 "emulated_rates": rates_of(s)} for s in range(12)]
 
     # healthy steps all compute (0.5 s): the static step is 0.5 + 3 * 0.5 = 2 s
     emu = ds(lambda s: {"1": 4.0} if s >= 3 else {}, lambda s: [0.5, 2.0 if s >= 3 else 0.5])
@@ -147,15 +148,21 @@ def test_deepspeed_run_emulated_and_real_straggler():
     a = account(emu, [], dp2, warmup=1)
     assert a.rate_source == "emulated" and not a.adaptive
     assert a.phases[1].static == pytest.approx(a.phases[1].achieved)   # the model fits DS
-    # healthy 32/s: 1 + 2.5 s; static = this run: 1 + 10 s; the bound (f = 0.625): 1 + 4 s
-    assert (a.x, a.y, a.z) == pytest.approx((7.5 / 11, 7.5 / 11, 1.5 / 5))
-    assert "this run (no plan switch) lost 68.2%" in closing_line(a)
+    # healthy 32/s: 1 + 4.5 s; static = this run: 1 + 18 s; the bound (f = 0.625, 0.8 s per
+    # step): 1 + 7.2 s
+    assert (a.x, a.y, a.z) == pytest.approx((13.5 / 19, 13.5 / 19, 2.7 / 8.2))
+    assert "this run (no plan switch) lost 71.1%" in closing_line(a)
     # no emulation: a real slow GPU shows in compute_s only, 4x the fastest rank's
     real = ds(lambda s: {}, lambda s: [0.5, 2.0 if s >= 3 else 0.5])
     b = account(real, [], dp2, warmup=1)
     assert b.rate_source == "compute_s"
-    assert [(p.first, p.last, p.rates) for p in b.phases] == [(1, 2, ()), (3, 7, ((1, 4.0),))]
+    assert [(p.first, p.last, p.rates) for p in b.phases] == [(1, 2, ()), (3, 11, ((1, 4.0),))]
     assert (b.x, b.y, b.z) == pytest.approx((a.x, a.y, a.z))
+    # the same straggler for 5 steps only (3-7): fewer than the loop needs to act on it, so no
+    # straggler phase by measurement (the emulated schedule, when there is one, still counts)
+    short = real[:8]
+    assert not account(short, [], dp2, warmup=1).stragglers
+    assert account(emu[:8], [], dp2, warmup=1).stragglers
 
 
 def test_no_healthy_phase_is_estimated():

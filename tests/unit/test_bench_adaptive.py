@@ -133,8 +133,8 @@ def test_each_onset_is_checked():
 
 
 def test_real_onsets_below_a_straggler_are_not_judged():
-    w = sch.SCHEDULES["worsens"]                  # rank 2: 2 -> 4 -> 8 at 6, 14, 22
-    true = {2.0: 1.05, 4.0: 2.0, 8.0: 4.0}        # quota targets on 2 shared cores
+    w = sch.SCHEDULES["worsens"]                  # rank 2: 4 -> 8 -> 16 at 6, 14, 22
+    true = {4.0: 1.05, 8.0: 2.0, 16.0: 4.0}       # quota targets on 2 shared cores (made up)
     os_ = sch.onsets(w, true)
     assert [o.judged for o in os_] == [False, True, True]
     r = sch.judge_adaptive(adaptive_rows(w, [17, 25]), events([17, 25]), w,

@@ -215,6 +215,8 @@ class Controller:
             self._events.append(ev)
             if ev["outcome"] == "missed":
                 self._missed = ev
+                if self._pending is None and self._result is None and not self.ready:
+                    self._act_on_miss(self._last_step)      # no step lost waiting
 
     def take_events(self) -> list[dict]:
         """``check`` events since the last call (rank 0; metrics.jsonl)."""
@@ -340,7 +342,13 @@ class Controller:
         """The running plan's expected step seconds under the rates it was planned for (its
         promise), in seconds by the job's healthy pace, else by the last re-plan's calibration.
         Only a plan the loop switched to is checked (the user's first plan promised nothing)."""
-        if self.check is None or self._running is self._first_plan and self._previous is None:
+        if self.check is None:
+            return
+        if self._running is self._first_plan and self._previous is None:
+            # the user's layout promised nothing; held to the job's healthy pace, severe rule
+            healthy = bool(np.all(self.det.planned == 1.0))
+            self.check.expect(self._running.id, self.pace.seconds if healthy else None,
+                              "healthy pace", severe_only=True)
             return
         scale, why = self.pace.scale, "healthy pace"
         if scale is None:
@@ -359,17 +367,34 @@ class Controller:
                 return
             self.pace.model_s = T
         self.pace.add(seconds, self.pace.model_s)
+        if self._previous is None:
+            self._promise()          # the first plan: its promise is the pace measured so far
 
     def _act_on_miss(self, step: int) -> None:
-        """The running plan broke its promise: re-measure (the steps since the switch only),
-        then re-plan at once, past the detector's hysteresis (``_collect`` decides; nothing
-        better found: back to the previous plan if it ran faster, ``_back_out``)."""
-        self._missed = None
-        fresh = self.est.rates(floor=self._floor, last=max(2, min(self._since_switch,
-                                                                 self.s.detect.window)))
+        """The running plan broke its promise: re-measure (the slow steps only, at most those
+        since the switch), then re-plan at once, past the detector's hysteresis (``_collect``
+        decides; nothing better found: back to the previous plan if it ran faster,
+        ``_back_out``). On the user's first plan (nothing to go back to) only when the fresh
+        rates moved from the planned ones by the detector's ``change``: a host slow for
+        everyone is no reason to plan, and a healthy run then never re-plans."""
+        ev, self._missed = self._missed, None
+        last = max(2, min(ev.get("steps", 2), max(self._since_switch, 2)))
+        fresh = self.est.rates(floor=self._floor, last=last)
         if not np.isnan(fresh).all():
             self.measured = fresh
-        self._request("missed", self._normalised(), step + 1)
+        r, p = self.det.normalise(self.measured), self.det.planned
+        why = (f"step {ev['measured_s']:.3f} s, {ev['ratio']:.2f}x the promised "
+               f"{ev['expected_s']:.3f} s for {ev.get('steps', 1)} step(s)")
+        if self._previous is None:
+            moved = np.abs(r - p) >= self.s.detect.change * p
+            if not moved.any():
+                self.check.acted(changed=False)
+                return
+            kind = ("recovery" if np.all(r == 1.0) else
+                    "onset" if np.all(p == 1.0) else "change")
+        else:
+            kind = "missed"
+        self._request(kind, self._normalised(), step + 1, why=why)
 
     def _back_out(self, res: Decision, cur: Plan, step_s: float | None) -> Decision:
         """After a missed promise: the planner's better plan if it found one, else the plan that
@@ -406,7 +431,8 @@ class Controller:
                 self.disabled_reason = f"the running job cannot be planned for: {err}"
         return self._problem
 
-    def _request(self, trigger: str, rates: list[float], step: int) -> None:
+    def _request(self, trigger: str, rates: list[float], step: int, why: str | None = None
+                 ) -> None:
         pr = self._job_problem()
         if pr is None:
             self._result = self._error(trigger, step, self.disabled_reason)
@@ -414,7 +440,7 @@ class Controller:
         pr = pr.with_rates({d: r for d, r in enumerate(rates) if r > 1.0},
                            current_plan=self.engine.plan)
         self._pending = {"trigger": trigger, "rates": rates, "step": step, "problem": pr,
-                         "gen": self._generation, "t0": time.perf_counter()}
+                         "gen": self._generation, "t0": time.perf_counter(), "check": why}
         self._client.request({"problem": pr.to_json(), "seed": step, "forced": trigger == "forced",
                               "time_limit": self.s.planner_time_limit_s,
                               "min_improvement": self.s.min_improvement})
@@ -443,8 +469,10 @@ class Controller:
         res = decide(p["problem"], cur, new, p["trigger"], p["rates"], p["step"],
                      time.perf_counter() - p["t0"], step_s, nbytes,
                      self._migrate_s_for(nbytes), self.s.horizon_steps)
-        if p["trigger"] == "missed":
-            res = self._back_out(res, cur, step_s)
+        if p.get("check"):           # acting on a missed promise (``_act_on_miss``)
+            if p["trigger"] == "missed":
+                res = self._back_out(res, cur, step_s)
+            res.event["reason"] = f"{p['check']}: re-planned at once; {res.event['reason']}"
             self.check.acted(changed=res.plan is not None)
         self._result = res
 

@@ -10,8 +10,11 @@ rates it was planned for; :class:`PaceCheck` holds the loop to that promise.
   the job's own healthy steps on its first plan, else from the last re-plan's calibration).
 * **The check**: every step after a switch (the first left out), the measured step time
   against the expectation. Worse by more than ``margin`` (relative) in ``patience`` steps in a
-  row is a ``missed`` verdict; ``kept_after`` judged steps without one is ``kept``. Each is a
-  ``check`` event in metrics.jsonl.
+  row, or ``severe`` times the promise in ``severe_patience`` steps in a row, is a ``missed``
+  verdict; ``kept_after`` judged steps without one is ``kept``. Each is a ``check`` event in
+  metrics.jsonl. The user's first plan promised the job's healthy pace once that is measured,
+  and is held to the severe rule only: a rate-10 straggler shows in two steps, well before the
+  detector's smoothed window confirms it, while a healthy run's noise never reaches it.
 * **What a miss does** (``control.py``): re-measure (rates from the steps since the switch
   only), re-plan at once without waiting for the detector's hysteresis, and if the planner finds
   nothing better, go back to the previous plan when that one was measured faster. A miss that
@@ -40,6 +43,8 @@ class CheckConfig:
     patience: int = 3        # ...in this many judged steps in a row
     kept_after: int = 6      # judged steps without a miss: the promise is kept
     backoff: int = 8         # judged steps after a miss before the next may count (doubles)
+    severe: float = 2.0      # a step this many times its promise...
+    severe_patience: int = 2  # ...in this many judged steps in a row is a miss at once
     enabled: bool = True
 
     def check(self) -> None:
@@ -47,7 +52,9 @@ class CheckConfig:
         rules = (("margin", self.margin > 0, "> 0 (relative, e.g. 0.3 = 30% slower)"),
                  ("patience", self.patience >= 1, ">= 1"),
                  ("kept_after", self.kept_after >= self.patience, ">= patience"),
-                 ("backoff", self.backoff >= 0, ">= 0"))
+                 ("backoff", self.backoff >= 0, ">= 0"),
+                 ("severe", self.severe > 1 + self.margin, "> 1 + margin"),
+                 ("severe_patience", self.severe_patience >= 1, ">= 1"))
         for name, ok, need in rules:
             if not ok:
                 raise ValueError(f"malleus.check.{name}={getattr(self, name)!r} must be {need}"
@@ -89,6 +96,7 @@ class PaceCheck:
         self.plan_id: str | None = None
         self.expected_s: float | None = None
         self.why = ""
+        self.severe_only = False
         self._reset()
         self._quiet = 0                 # judged steps still to wait after a miss
         self._backoff = cfg.backoff
@@ -96,16 +104,21 @@ class PaceCheck:
     def _reset(self) -> None:
         self._judged = 0
         self._streak: list[float] = []
+        self._severe: list[float] = []
         self._kept = False
 
-    def expect(self, plan_id: str, expected_s: float | None, why: str = "") -> None:
+    def expect(self, plan_id: str, expected_s: float | None, why: str = "",
+               severe_only: bool = False) -> None:
         """The running plan and its promised step seconds (None: nothing to check). A new plan
-        restarts the check; a new expectation for the same plan (re-planned, kept) keeps its
-        count of judged steps."""
+        restarts the check; a new expectation for the same plan (re-planned, kept, a healthy
+        pace measured further) keeps its count of judged steps and its streaks.
+        ``severe_only``: only the severe rule counts, and nothing is ever ``kept`` (the user's
+        first plan against the job's healthy pace: a sudden straggler is seen within
+        ``severe_patience`` steps, the noise of a healthy run never is)."""
         if plan_id != self.plan_id:
             self._reset()
         self.plan_id, self.expected_s, self.why = plan_id, expected_s, why
-        self._streak = []
+        self.severe_only = severe_only
 
     def observe(self, step: int, step_s: float) -> dict | None:
         """One judged step (the caller leaves out the first after a switch). Returns a ``check``
@@ -117,14 +130,18 @@ class PaceCheck:
         if self._quiet > 0:
             self._quiet -= 1
             return None
-        slow = step_s > exp * (1 + self.cfg.margin)
+        slow = step_s > exp * (1 + self.cfg.margin) and not self.severe_only
         self._streak = self._streak + [step_s] if slow else []
-        if len(self._streak) >= self.cfg.patience:
-            measured = float(np.median(self._streak))
-            self._streak = []
+        severe = step_s > exp * self.cfg.severe
+        self._severe = self._severe + [step_s] if severe else []
+        if (len(self._streak) >= self.cfg.patience
+                or len(self._severe) >= self.cfg.severe_patience):
+            slow = self._streak if len(self._streak) >= self.cfg.patience else self._severe
+            self._streak, self._severe = [], []
             self._quiet = self._backoff
-            return self._event(step, "missed", measured)
-        if not self._kept and self._judged >= self.cfg.kept_after and not self._streak:
+            return self._event(step, "missed", float(np.median(slow)), len(slow))
+        if (not self._kept and not self.severe_only and self._judged >= self.cfg.kept_after
+                and not self._streak):
             self._kept = True
             return self._event(step, "kept", step_s)
         return None
@@ -135,8 +152,9 @@ class PaceCheck:
         self._backoff = self.cfg.backoff if changed else max(1, 2 * self._backoff)
         self._quiet = self._backoff
 
-    def _event(self, step: int, outcome: str, measured: float) -> dict:
+    def _event(self, step: int, outcome: str, measured: float, steps: int = 1) -> dict:
         return {"event": "check", "step": step, "plan": self.plan_id, "outcome": outcome,
+                "steps": steps,
                 "expected_s": round(self.expected_s, 4), "measured_s": round(measured, 4),
                 "ratio": round(measured / self.expected_s, 3), "margin": self.cfg.margin,
                 "expected_from": self.why}

@@ -112,7 +112,7 @@ class AdaptiveSettings:
                                 _check_config(sec.get("check")))
 
 
-_INT_CHECK = ("patience", "kept_after", "backoff")
+_INT_CHECK = ("patience", "kept_after", "backoff", "severe_patience")
 
 
 def _check_config(sec) -> CheckConfig:

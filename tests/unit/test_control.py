@@ -406,7 +406,7 @@ def test_a_readmitted_rank_still_slow_breaks_the_promise_and_the_loop_replans_at
         ctl.switched(light, [1.0, 1.0, 1.0, 3.0])
         assert ctl.check.expected_s is not None and ctl.check.plan_id == light.id
         missed_at = decided = None
-        for k in _drive(ctl, light, [1, 1, 1, 10], 60, rng):
+        for k in _drive(ctl, light, [1, 1, 1, 10], 3000, rng):    # until decided (~60 s max)
             evs = ctl.take_events()
             if any(e["outcome"] == "missed" for e in evs) and missed_at is None:
                 missed_at = k
@@ -464,3 +464,42 @@ def test_a_probe_reads_early_unless_its_sustained_runs_show_a_cap():
             assert got == (sustained if capped else early), (late, got, idle._probe.last)
         finally:
             idle.close()
+
+
+def test_a_sudden_straggler_on_the_first_plan_is_planned_for_within_two_steps():
+    """The first plan is held to the job's healthy pace by the severe rule: two steps ~10x that
+    pace, and the loop re-plans (trigger onset) from those two steps' rates, before the
+    detector's window would confirm it."""
+    plan = static_plan(4, 8, 1, 1, 1, 4)
+    ctl = Controller(_engine(plan), AdaptiveSettings())
+    rng = np.random.default_rng(2)
+    try:
+        for _ in _drive(ctl, plan, [1, 1, 1, 1], 12, rng):
+            pass
+        assert ctl.check.expected_s == pytest.approx(ctl.pace.seconds) and ctl.check.severe_only
+        for k in _drive(ctl, plan, [1, 1, 1, 10], 2, rng):
+            pass
+        assert ctl._pending is not None and ctl._pending["trigger"] == "onset", ctl._pending
+        assert ctl._pending["rates"][3] > 5.0
+        assert ctl.det.streak == 0          # the detector had not confirmed anything yet
+    finally:
+        ctl.close()
+
+
+def test_a_host_slow_for_everyone_is_no_reason_to_plan():
+    """Every rank 2.5x slower for 6 steps (a busy host), then noise: the first plan misses its
+    pace, but no rank's rate moved, so nothing is planned (a healthy run never re-plans)."""
+    plan = static_plan(4, 8, 1, 1, 1, 4)
+    ctl = Controller(_engine(plan), AdaptiveSettings())
+    rng = np.random.default_rng(4)
+    try:
+        for _ in _drive(ctl, plan, [1, 1, 1, 1], 12, rng):
+            pass
+        missed = []
+        for rates in ([2.5] * 4,) * 6 + ([1, 1, 1, 1],) * 30:
+            for _ in _drive(ctl, plan, rates, 1, rng):
+                missed += [e for e in ctl.take_events() if e["outcome"] == "missed"]
+                assert ctl._pending is None and ctl._result is None
+        assert missed, "the slow host was seen"
+    finally:
+        ctl.close()

@@ -66,15 +66,16 @@ def test_a_new_plan_restarts_the_check_and_nothing_is_checked_without_a_promise(
     check.expect("p", None)
     assert _feed(check, [5.0] * 10) == []
     check.expect("p", 1.0)
-    assert _feed(check, [5.0, 5.0]) == []
+    assert _feed(check, [1.5, 1.5]) == []         # 1.5x: over the margin, under severe
     check.expect("q", 1.0)                        # a switch: the streak starts again
-    assert _feed(check, [5.0, 5.0]) == []
-    assert [e["outcome"] for e in _feed(check, [5.0])] == ["missed"]
+    assert _feed(check, [1.5, 1.5]) == []
+    assert [e["outcome"] for e in _feed(check, [1.5])] == ["missed"]
     assert _feed(PaceCheck(CheckConfig(enabled=False)), [5.0] * 10) == []
 
 
 @pytest.mark.parametrize("field,value", [("margin", 0.0), ("patience", 0), ("backoff", -1),
-                                         ("kept_after", 2)])
+                                         ("kept_after", 2), ("severe", 1.2),
+                                         ("severe_patience", 0)])
 def test_check_config_errors_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"malleus\.check\.{field}={value}"):
         CheckConfig(**{field: value}).check()
@@ -103,3 +104,20 @@ def test_settings_parse_the_check_section():
         AdaptiveSettings.from_config({"check": {"patience": 1.5}})
     with pytest.raises(ValueError, match=r"malleus\.check\.enabled='yes' must be true or false"):
         AdaptiveSettings.from_config({"check": {"enabled": "yes"}})
+
+
+def test_severe_steps_miss_in_two_and_the_first_plan_only_on_severe_ones():
+    """A rate-10 straggler on the user's first plan: steps jump ~10x the healthy pace; the
+    severe rule misses after two of them. A healthy run's noise (1.2-1.8x for many steps in a
+    row, one 2.5x spike) is no miss, and the first plan is never 'kept'."""
+    check = PaceCheck()
+    check.expect("first", 0.35, "healthy pace", severe_only=True)
+    rng = np.random.default_rng(3)
+    noise = list(0.35 * rng.uniform(1.2, 1.8, 30))
+    noise[12] = 0.35 * 2.5
+    assert _feed(check, noise) == []
+    evs = _feed(check, [3.5, 3.6, 3.4], start=50)
+    assert [(e["step"], e["outcome"]) for e in evs] == [(51, "missed")]
+    check = PaceCheck()                 # a checked plan: a severe miss comes before patience
+    check.expect("b", 0.43)
+    assert [e["step"] for e in _feed(check, [1.7, 0.9])] == [11]

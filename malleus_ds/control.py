@@ -385,25 +385,38 @@ class Controller:
         r, p = self.det.normalise(self.measured), self.det.planned
         why = (f"step {ev['measured_s']:.3f} s, {ev['ratio']:.2f}x the promised "
                f"{ev['expected_s']:.3f} s for {ev.get('steps', 1)} step(s)")
+        moved = bool(np.any(np.abs(r - p) >= self.s.detect.change * p))
+        if not moved and not self._can_go_back(r, ev["measured_s"]):
+            self.check.acted(changed=False)     # nothing to plan for, nothing to go back to
+            return
         if self._previous is None:
-            moved = np.abs(r - p) >= self.s.detect.change * p
-            if not moved.any():
-                self.check.acted(changed=False)
-                return
             kind = ("recovery" if np.all(r == 1.0) else
                     "onset" if np.all(p == 1.0) else "change")
         else:
             kind = "missed"
         self._request(kind, self._normalised(), step + 1, why=why)
 
+    def _can_go_back(self, rates, step_s: float | None) -> bool:
+        """Is the plan that ran before this one worth going back to: measured clearly faster
+        (by the check's margin) than this one runs now, and under ``rates`` (re-measured) not
+        predicted slower than this one by more than that margin? (A host that got slower for
+        everyone, or a straggler that has since left, makes the old measurement no reason to
+        return to a plan made for it.)"""
+        if self._previous is None or step_s is None:
+            return False
+        prev, prev_s, _ = self._previous
+        m = self.s.check.margin
+        if prev.id == self._running.id or not prev_s * (1 + m) < step_s:
+            return False
+        t_prev, t_cur = self._model_s(prev, rates), self._model_s(self._running, rates)
+        return t_prev is not None and t_cur is not None and t_prev <= t_cur * (1 + m)
+
     def _back_out(self, res: Decision, cur: Plan, step_s: float | None) -> Decision:
         """After a missed promise: the planner's better plan if it found one, else the plan that
-        ran before this one when it was measured faster than this one runs now."""
-        if res.plan is not None or self._previous is None or step_s is None:
+        ran before this one when it is worth going back to (:meth:`_can_go_back`)."""
+        if res.plan is not None or not self._can_go_back(res.event["measured_rates"], step_s):
             return res
         prev, prev_s, prev_rates = self._previous
-        if prev.id == cur.id or not prev_s < step_s:
-            return res
         ev = dict(res.event, to=prev.id, adopted=True, rates_for=prev_rates,
                   predicted_step_s=[round(step_s, 4), round(prev_s, 4)],
                   reason=f"missed its promise and the planner found nothing better "

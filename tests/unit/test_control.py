@@ -17,7 +17,7 @@ from malleus_ds.planner.client import PlannerClient
 from malleus_ds.replan import decide, job_problem, memory_model, nominal_shape
 from malleus_ds.cost import step_time
 from malleus_ds.models.llama import PRESETS, param_table
-from malleus_ds.plan import Plan, PlanError, static_plan
+from malleus_ds.plan import Plan, PlanError, static_plan, validate_plan
 from malleus_ds.planner.worker import alternative_plan, answer
 from malleus_ds.straggler import DetectConfig, cost_units
 
@@ -379,11 +379,11 @@ def test_carried_rates_follow_the_device_and_fall_back_to_ranks():
 
 def _light_plan(slow: int) -> Plan:
     """Four one-stage pipelines; rank ``slow`` runs 1 of the 8 micro-batches (a plan for it at
-    about rate 3)."""
+    about rate 2-3)."""
     from malleus_ds.plan import Pipeline, Stage
 
-    mbs = [3 if r != slow else 1 for r in range(4)]
-    mbs[(slow + 1) % 4] -= 1
+    mbs = [2] * 4
+    mbs[slow], mbs[(slow + 1) % 4] = 1, 3
     return Plan(num_layers=4, global_batch_size=8, micro_batch_size=1,
                 pipelines=tuple(Pipeline(m, (Stage((r,), (0, 4)),)) for r, m in enumerate(mbs)))
 
@@ -430,7 +430,9 @@ def test_a_missed_promise_with_nothing_better_goes_back_to_the_faster_previous_p
 
     plan = static_plan(4, 8, 1, 1, 1, 4)
     light = _light_plan(1)
+    validate_plan(light, JobLayout.one_node(4))
     ctl = Controller(_engine(light), AdaptiveSettings())
+    ctl._running = light
     try:
         kept = Decision({"event": "replan", "trigger": "missed", "adopted": False,
                          "from": light.id, "to": light.id, "reason": "the running plan is "
@@ -444,6 +446,14 @@ def test_a_missed_promise_with_nothing_better_goes_back_to_the_faster_previous_p
         assert ctl._back_out(kept, light, 0.30) is kept   # it ran slower: stay
         ctl._previous = None
         assert ctl._back_out(kept, light, 0.57) is kept   # nothing to go back to
+        # the host got slower for everyone on the healthy layout: the plan that suspended a
+        # straggler (gone now) ran faster back then, but the model says it is worse today
+        nominal, suspended = static_plan(4, 8, 1, 1, 1, 4), static_plan(4, 8, 1, 1, 1, 3)
+        ctl.close()
+        ctl = Controller(_engine(nominal), AdaptiveSettings())
+        ctl._running, ctl._previous = nominal, (suspended, 0.35, [1.0, 1.0, 1.0, 10.0])
+        healthy = Decision(dict(kept.event, measured_rates=[1.0] * 4), None)
+        assert ctl._back_out(healthy, nominal, 0.47) is healthy
     finally:
         ctl.close()
 

@@ -30,11 +30,14 @@ steps the failure lost are dropped, so each step appears once; ``MetricsWriter``
 and a checkpoint save is an event line too (``{"event": "checkpoint", "step", "path",
 "seconds"}``), as is the TP slowdown measured at start-up when a plan has TP groups
 (``engine/tp_cost.py``; ``{"event": "tp_slowdown", "step", "tp", "table": {"1": 1.0, "2": 1.6},
-"ideal": {"1": 1.0, "2": 2.0}}``). engine=malleus step lines carry ``"plan"``, the id of the plan that ran the step, and
-``"measured_rates"``, each rank's smoothed measured rate (``straggler.py``; null until measured).
+"ideal": {"1": 1.0, "2": 2.0}}``), as is each check of a plan against its promised step time
+(``pace_check.py``; ``{"event": "check", "step", "plan", "outcome": "kept"|"missed", ...}``,
+read back by ``check_events.py``). engine=malleus step lines carry ``"plan"``, the id of the
+plan that ran the step, and ``"measured_rates"``, each rank's smoothed measured rate
+(``straggler.py``; null until measured).
 
-:func:`format_event` turns a replan or migrate line into text: one line for the run summary and
-the progress bar, a short label for ``malleus-plot``.
+:func:`format_event` turns a replan, migrate, restart or check line into text: one line for the
+run summary and the progress bar, a short label for ``malleus-plot``.
 
 ``compute_s[d]`` is rank ``d``'s forward+backward seconds in that step *including* its emulated
 slowdown (what a real slow GPU would show); ``emulated_s[d]`` is the part of it that was the
@@ -63,6 +66,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
+
+from .check_events import caused_by_miss, format_check
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -199,7 +204,7 @@ def read_live(path: str | Path) -> list[dict]:
 #: keys every step line has (in the order a message lists the missing ones)
 STEP_KEYS = ("step", "step_time_s", "samples")
 #: event kinds anchored to a step: their line must carry a numeric ``"step"``
-STEP_EVENTS = ("replan", "migrate")
+STEP_EVENTS = ("replan", "migrate", "check")
 
 
 class MetricsError(ValueError):
@@ -335,18 +340,28 @@ def read_metrics(path: str | Path, events: bool = False) -> list[dict]:
 
 
 def format_event(ev: Mapping, short: bool = False) -> str:
-    """Text for a ``replan``, ``migrate`` or ``restart`` event line (any other: the line as it is).
+    """Text for a ``replan``, ``migrate``, ``restart`` or ``check`` event line (any other: the line
+    as it is; a ``check``: ``check_events.format_check``).
 
     One line (the run summary, the progress bar): what the loop measured, planned and chose, or
     what the switch moved. ``short``: the few words ``malleus-plot`` writes next to the event's
-    vertical line, one fact a line: the trigger, ``not adopted``, the planning seconds; or the
-    size moved and the seconds it took. A replan line without ``adopted`` counts as adopted."""
+    vertical line, one fact a line: the trigger (``after a missed check`` when a miss on the
+    first plan caused it), ``not adopted`` or ``back to previous plan``, the planning seconds;
+    or the size moved and the seconds it took. A replan line without ``adopted`` counts as
+    adopted."""
     kind = ev.get("event")
+    if kind == "check":
+        return format_check(ev, short)
     if kind == "replan":
         adopted = ev.get("adopted", True) is not False
         if short:
             ps = ev.get("planning_s")
-            return (f"replan ({ev.get('trigger') or '?'})" + ("" if adopted else "\nnot adopted")
+            back = adopted and "rates_for" in ev     # a missed promise: the previous plan
+            miss = ev.get("trigger") != "missed" and caused_by_miss(ev)   # on the first plan
+            return (f"replan ({ev.get('trigger') or '?'})"
+                    + ("\nafter a missed check" if miss else "")
+                    + ("" if adopted else "\nnot adopted")
+                    + ("\nback to previous plan" if back else "")
                     + (f"\n{ps:.1f} s plan" if _is_num(ps) else ""))
         rates = ", ".join(f"rank {d} {x:g}" for d, x in enumerate(ev.get("measured_rates") or ())
                           if x is not None and x > 1.0) or "all healthy"

@@ -59,6 +59,11 @@ job's own wall time over these steps that the stragglers cost it:
 ``X = (T_static - T_healthy) / T_static`` (a static job), ``Y = (T_job - T_healthy) / T_job``
 (this run), ``Z = (T_bound - T_healthy) / T_bound`` (the least loss any layout could achieve,
 so ``Z <= X``). A run without straggler phases says "no straggler in this run".
+
+**Plan checks.** The adaptive loop's ``check`` events (``pace_check.py``) ride along
+(``Account.checks``, ``check_events.checks_of``: each miss with what the re-plan after it did),
+and the account ends with their line: ``plan checks: 4 kept, 1 missed (step 14: 2.09x its
+promise of 0.430 s -> re-planned: back to plan-...)``; none for a run without them.
 """
 from __future__ import annotations
 
@@ -67,6 +72,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from .check_events import Check, checks_line, checks_of
 from .cost import capacity_of_rates
 from .metrics import MetricsError, emulated_rates, metrics_path, read_run
 from .phases import rate_phases
@@ -134,6 +140,7 @@ class Account:
     t_static: float
     t_bound: float
     t_job: float
+    checks: tuple[Check, ...] = ()    # the adaptive loop's plan checks (``check_events.py``)
 
     @property
     def stragglers(self) -> bool:
@@ -404,7 +411,7 @@ def account(records: Sequence[Mapping], events: Sequence[Mapping] = (),
                    t_healthy=sum(p.samples / p.healthy for p in out),
                    t_static=sum(p.samples / p.static for p in out),
                    t_bound=sum(p.samples / p.bound for p in out),
-                   t_job=sum(p.seconds for p in out))
+                   t_job=sum(p.seconds for p in out), checks=checks_of(events))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,10 +428,14 @@ def closing_line(a: Account) -> str:
 
 
 def format_account(a: Account, indent: str = "  ") -> str:
-    """A per-phase table (samples/s and seconds), where the numbers come from, and the line."""
+    """A per-phase table (samples/s and seconds), where the numbers come from, and the line;
+    then the plan checks' line when the run has ``check`` events (``check_events.checks_line``:
+    all of them, the warm-up's too)."""
+    checks = checks_line(a.checks)
+    tail = f"\n{indent}{checks}" if checks else ""
     if not a.stragglers:
         n = sum(p.steps for p in a.phases)
-        return f"{indent}what-if: {closing_line(a)} ({n} steps after the warm-up)"
+        return f"{indent}what-if: {closing_line(a)} ({n} steps after the warm-up)" + tail
     w = max([16] + [len(p.label) for p in a.phases])
     lines = [f"{indent}what-if (rates: {a.rate_source}; static: {a.static_source}; healthy: "
              f"{a.healthy_source}); samples/s, seconds:",
@@ -437,7 +448,7 @@ def format_account(a: Account, indent: str = "  ") -> str:
                      f"{p.static:8.2f} {p.bound:8.2f} {p.achieved:8.2f} {p.lost_s:8.2f} {det} "
                      f"{p.migrate_s:9.2f}")
     lines.append(f"{indent}{closing_line(a)}")
-    return "\n".join(lines)
+    return "\n".join(lines) + tail
 
 
 # ---------------------------------------------------------------------------------------------

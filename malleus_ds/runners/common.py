@@ -72,6 +72,13 @@ def exclude_calls(obj, names, clock: ComputeClock) -> None:
         setattr(obj, name, wrapped)
 
 
+def shown_live(ev: dict) -> bool:
+    """An event the progress bar prints when it happens: a re-plan, a migration, a missed plan
+    check (a kept one is only in metrics.jsonl and the summary)."""
+    kind = ev.get("event")
+    return kind in ("migrate", "replan") or (kind == "check" and ev.get("outcome") == "missed")
+
+
 class StepReporter:
     """Gathers per-rank compute seconds each step; rank 0 writes metrics.jsonl, a tqdm bar (a
     terminal), progress lines (stdout not a terminal) + train.log and events to the DeepSpeed
@@ -113,7 +120,7 @@ class StepReporter:
         """An event line in metrics.jsonl (rank 0 writes; every rank keeps it for the summary)."""
         self.events.append(dict(obj))
         self.writer.write_event(obj)
-        if self.bar is not None and obj.get("event") in ("migrate", "replan"):
+        if self.bar is not None and shown_live(obj):
             self.bar.write(f"[malleus_ds] {format_event(obj)}")
 
     def note(self, obj: dict) -> None:

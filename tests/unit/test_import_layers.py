@@ -23,7 +23,7 @@ PKG = Path(__file__).resolve().parents[2] / "malleus_ds"
 #: the bottom layer: pure contracts and models every other layer stands on
 BOTTOM = {"job_layout", "plan", "problem", "cost", "layout", "schedule", "ckpt_format", "views", "samples",
           "optim", "fileio", "safe_load", "straggler", "replan", "simulate", "metrics",
-          "run_folder", "phases"}
+          "run_folder", "phases", "check_events"}
 #: the core above it (packages or modules, relative to malleus_ds)
 CORE = BOTTOM | {"engine", "migrate", "planner", "models", "control", "clock", "probe", "agreement",
                  "emulation", "cpu_quota", "cpu_compete", "watchdog", "procs", "ds_compat",

@@ -139,3 +139,24 @@ def test_one_text_per_event():
     assert [e.label for e in plot_data.extract_events([rp, mg])] == [     # in step order
         format_event(mg, short=True), format_event(rp, short=True)]
     assert common.format_event is format_event
+
+
+def test_check_events_in_the_summary_and_live():
+    """A plan check is one line in the end-of-run summary; the progress bar prints a missed one
+    when it happens (a kept one only goes to metrics.jsonl and the summary)."""
+    from malleus_ds.runners.common import shown_live
+
+    missed = {"event": "check", "step": 14, "plan": "plan-f02193b9", "outcome": "missed",
+              "expected_s": 0.43, "measured_s": 0.9, "ratio": 2.093, "margin": 0.3,
+              "expected_from": "healthy pace"}
+    kept = dict(missed, step=30, outcome="kept", measured_s=0.42, ratio=0.977)
+    s = RunSummary(engine="malleus", losses=(5.5,), step_times_s=(0.2,), samples_per_step=8,
+                   extra={"events": [missed, kept]})
+    lines = format_summary(cfg(world=2), s).splitlines()
+    assert ("  check at step 14: plan-f02193b9 missed its promise: 0.900 s/step measured, "
+            "0.430 s promised (2.09x, margin 30%, promise from healthy pace)") in lines
+    assert any(x.startswith("  check at step 30: plan-f02193b9 kept its promise") for x in lines)
+    assert not any("{" in x for x in lines)                  # no event printed as a dict
+    assert shown_live(missed) and not shown_live(kept)
+    assert shown_live({"event": "replan"}) and shown_live({"event": "migrate"})
+    assert not shown_live({"event": "checkpoint", "step": 3})

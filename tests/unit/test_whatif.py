@@ -205,3 +205,41 @@ def test_bad_input_is_a_message(tmp_path):
                  {"step": 1, "samples": 8, "step_time_s": 1}], warmup=2)
     with pytest.raises(WhatIfError, match="healthy steps' step_time_s add up to 0"):
         account([{"step": 0, "samples": 8, "step_time_s": 0.0}])
+
+
+def test_plan_checks_line(tmp_path):
+    """The adaptive loop's check events: one line under the account, a miss with what the
+    re-plan after it did; no line for a run without them (DeepSpeed, static)."""
+    recs, ev = hand_case()
+    checks = [{"event": "check", "step": 15, "plan": "plan-b", "outcome": "kept",
+               "expected_s": 1.45, "measured_s": 1.5, "ratio": 1.034, "margin": 0.3,
+               "expected_from": "re-plan calibration"},
+              {"event": "check", "step": 17, "plan": "plan-b", "outcome": "missed",
+               "expected_s": 0.43, "measured_s": 0.9, "ratio": 2.093, "margin": 0.3,
+               "expected_from": "healthy pace"},
+              {"event": "replan", "step": 18, "trigger": "missed", "from": "plan-b",
+               "to": "plan-a", "adopted": True, "rates_for": [1.0, 1.0],
+               "reason": "missed its promise and the planner found nothing better (the running "
+                         "plan is still the best); back to plan-a, measured 1.000 s/step "
+                         "against 1.500 s now"}]
+    plain = account(recs, ev, PP2, warmup=1)
+    a = account(recs, ev + checks, PP2, warmup=1)
+    line = ("  plan checks: 1 kept, 1 missed (step 17: 2.09x its promise of 0.430 s -> "
+            "re-planned: back to plan-a)")
+    assert format_account(a).splitlines()[-1] == line
+    assert format_account(a).splitlines()[:-1] == format_account(plain).splitlines()
+    assert "plan checks" not in format_account(plain) and plain.checks == ()
+    assert (a.x, a.y, a.z) == pytest.approx((plain.x, plain.y, plain.z))    # numbers unchanged
+    # not adopted: the running plan stays; from a run folder (events read from the file)
+    checks[2] = {"event": "replan", "step": 18, "trigger": "missed", "from": "plan-b",
+                 "to": "plan-b", "adopted": False, "reason": "the running plan is still the best"}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n"
+                                                    for x in recs + ev + checks))
+    text = format_account(account_of_run(tmp_path, warmup=1, layout=PP2))
+    assert text.endswith("(step 17: 2.09x its promise of 0.430 s -> re-planned: kept plan-b)")
+    # a run without stragglers still says how its checks went
+    flat = [{"step": s, "samples": 8, "step_time_s": 1.0} for s in range(4)]
+    assert format_account(account(flat, checks[:2], None, warmup=1)).splitlines() == [
+        "  what-if: no straggler in this run: nothing for a re-layout to win back (3 steps after "
+        "the warm-up)", "  plan checks: 1 kept, 1 missed (step 17: 2.09x its promise of 0.430 s "
+        "-> not re-planned)"]

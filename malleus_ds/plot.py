@@ -1,4 +1,5 @@
-"""``malleus-plot``: throughput, straggler phases and re-plan/migrate events of a run, as one PNG.
+"""``malleus-plot``: throughput, straggler phases, re-plan/migrate events and plan checks of a run,
+as one PNG.
 
     malleus-plot RUN_DIR [-o FILE.png] [--window N]
 
@@ -55,6 +56,17 @@ def _draw_whatif(ax, run: RunData) -> None:
 REPLAN_COLOR = "tab:purple"
 MIGRATE_COLOR = "tab:green"
 STRAGGLER_COLOR = "tab:red"
+MISSED_COLOR = "crimson"       # a plan check that missed its promise (pace_check.py)
+KEPT_COLOR = "0.45"            # ... that kept it: a small hollow mark, no line, no label
+MISSED_LS = (0, (2, 2))
+
+
+def _event_color(ev: Event, color=None):
+    if color:
+        return color
+    if ev.kind == "check":
+        return MISSED_COLOR if ev.missed else KEPT_COLOR
+    return REPLAN_COLOR if ev.kind == "replan" else MIGRATE_COLOR
 
 
 def _rank_colors(n: int) -> list:
@@ -131,8 +143,15 @@ def _event_lines(ax, events: Sequence[Event], color=None, marker: bool = True) -
 
     trans = blended_transform_factory(ax.transData, ax.transAxes)
     for ev in events:
-        c = color or (REPLAN_COLOR if ev.kind == "replan" else MIGRATE_COLOR)
-        if ev.kind == "replan":
+        c = _event_color(ev, color)
+        if ev.kind == "check":      # missed: a dashed line and an x on top; kept: a small o
+            if ev.missed:
+                ax.axvline(ev.step, color=c, ls=MISSED_LS, lw=1.1, alpha=0.85, zorder=3)
+            if marker:
+                ax.plot([ev.step], [1.0], transform=trans, clip_on=False, zorder=6,
+                        **(dict(marker="X", ms=7, mec="white", mew=0.6, mfc=c) if ev.missed
+                           else dict(marker="o", ms=4.5, mec=c, mfc="white", mew=1.0)))
+        elif ev.kind == "replan":
             ax.axvline(ev.step, color=c, ls="--" if ev.adopted else ":", lw=1.2,
                        alpha=1.0 if ev.adopted else 0.7, zorder=3)
             if marker:
@@ -162,6 +181,14 @@ def _event_proxies(events: Sequence[Event], color=None) -> list:
                         mfc="white", label="replan, not adopted"))
     if any(e.kind == "migrate" for e in events):
         h.append(Line2D([], [], color=color or MIGRATE_COLOR, ls="-", label="migrate"))
+    missed = sum(e.missed for e in events)
+    kept = sum(e.kind == "check" and not e.missed for e in events)
+    if missed:
+        h.append(Line2D([], [], color=color or MISSED_COLOR, ls=MISSED_LS, marker="X", ms=7,
+                        mec="white", mew=0.6, label=f"plan check missed ({missed})"))
+    if kept:
+        h.append(Line2D([], [], color=color or KEPT_COLOR, ls="none", marker="o", ms=4.5,
+                        mfc="white", label=f"plan check kept ({kept})"))
     return h
 
 
@@ -273,9 +300,11 @@ def draw(runs: Sequence[RunData], out: str | Path, title: str, window: int = 5) 
         ev_color = None if single else job_colors[i]
         _event_lines(ax, run.events, color=ev_color)
         for ev in run.events:
-            c = ev_color or (REPLAN_COLOR if ev.kind == "replan" else MIGRATE_COLOR)
-            # replan text to the left of its line, migrate to the right: the usual replan ->
-            # migrate pair one step apart then spreads apart instead of colliding
+            if ev.kind == "check" and not ev.missed:
+                continue            # a kept promise: its mark and the legend's count only
+            c = _event_color(ev, ev_color)
+            # replan text to the left of its line, migrate (and a missed check) to the right:
+            # the usual replan -> migrate pair one step apart then spreads apart
             label_items.append((ev.step, ev.label, "right" if ev.kind == "replan" else "left", c))
     if single:
         _draw_whatif(ax, runs[0])
@@ -333,7 +362,9 @@ def _parser() -> argparse.ArgumentParser:
               rolling median; steps with an emulated straggler active shaded red and labelled
               ("rank 3 at rate 5"); re-plans as dashed vertical lines (a hollow marker: the new
               plan was not adopted), migrations as solid ones, each labelled with its trigger
-              and planning time, or bytes moved and seconds taken.
+              and planning time, or bytes moved and seconds taken; a plan check that missed
+              the cost model's promise as a red dashed line with an x ("missed ×2.09": measured
+              over promised step time), one that kept it as a small hollow circle on top.
             Bottom panel: each rank's measured rate (engine=malleus) with the emulated schedule
               of slowed ranks as thin dashed steps in the same colour and the healthy threshold
               (1.2) dotted; per-rank compute seconds when no rates were measured. Above 12

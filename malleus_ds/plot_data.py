@@ -20,7 +20,8 @@ from .metrics import METRICS_FILE, MetricsError, emulated_rates, format_event, m
 from .run_folder import find_runs, read_overrides
 
 
-EVENT_KINDS = ("replan", "migrate")       # the events drawn (others are ignored)
+EVENT_KINDS = ("replan", "migrate", "check")     # the events drawn (others are ignored)
+CHECK_OUTCOMES = ("kept", "missed")                # a check's verdicts (pace_check.py)
 
 
 class PlotError(Exception):
@@ -30,14 +31,20 @@ class PlotError(Exception):
 
 @dataclass(frozen=True)
 class Event:
-    """A ``replan`` or ``migrate`` line of metrics.jsonl, with the text drawn next to its line
-    (``metrics.format_event(..., short=True)``)."""
+    """A ``replan``, ``migrate`` or ``check`` line of metrics.jsonl, with the text drawn next to
+    its line (``metrics.format_event(..., short=True)``: ``missed ×2.09`` for a check)."""
 
-    kind: str              # "replan" | "migrate"
+    kind: str              # "replan" | "migrate" | "check"
     step: int
     label: str
     adopted: bool = True   # replan only: False = the planner's plan was not worth moving to
     trigger: str | None = None
+    outcome: str | None = None   # check only: "kept" | "missed" (pace_check.py)
+
+    @property
+    def missed(self) -> bool:
+        """A plan check that found the plan slower than its promise."""
+        return self.kind == "check" and self.outcome == "missed"
 
 
 @dataclass(frozen=True)
@@ -133,15 +140,18 @@ def _matrix(rows: Sequence[list[float] | None], width: int) -> np.ndarray:
 
 
 def extract_events(lines: Iterable[Mapping]) -> list[Event]:
-    """replan / migrate events (others are ignored), in step order."""
+    """replan / migrate / check events (others, and a check with an unknown outcome, are
+    ignored), in step order (at one step: replan, migrate, check)."""
     out = []
     for ev in lines:
         kind = ev.get("event")
-        if kind not in EVENT_KINDS:
+        if kind not in EVENT_KINDS or (kind == "check"
+                                       and ev.get("outcome") not in CHECK_OUTCOMES):
             continue
         out.append(Event(kind, int(ev["step"]), format_event(ev, short=True),
                          adopted=ev.get("adopted", True) is not False if kind == "replan" else True,
-                         trigger=ev.get("trigger") if kind == "replan" else None))
+                         trigger=ev.get("trigger") if kind == "replan" else None,
+                         outcome=ev.get("outcome") if kind == "check" else None))
     return sorted(out, key=lambda e: (e.step, EVENT_KINDS.index(e.kind)))
 
 

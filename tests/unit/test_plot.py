@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from malleus_ds.plot import DPI, FIGSIZE, main
+from malleus_ds.whatif import format_account
 from malleus_ds.plot_data import (Event, Region, job_labels, load_runs, read_run, rolling_median,
                                   straggler_regions)
 
@@ -267,3 +268,76 @@ def test_whatif_account_on_the_plot(tmp_path):
     # only warm-up steps: no account, the plot is drawn without it
     assert read_run(write_run(tmp_path / "one", flat[:1])).whatif is None
     assert main([str(tmp_path / "one")]) == 0
+
+
+def checked_lines() -> list[dict]:
+    """adaptive_lines with the loop's plan checks: plan-bbbb kept its promise (step 16); back on
+    plan-aaaa after the recovery, a miss at step 37 (2.09x) and the re-plan that went back to
+    plan-bbbb before step 38."""
+    extra = {16: [{"event": "check", "step": 16, "plan": "plan-bbbb", "outcome": "kept",
+                   "expected_s": 0.25, "measured_s": 0.26, "ratio": 1.04, "margin": 0.3,
+                   "expected_from": "re-plan calibration"}],
+             37: [{"event": "check", "step": 37, "plan": "plan-aaaa", "outcome": "missed",
+                   "expected_s": 0.1, "measured_s": 0.2093, "ratio": 2.093, "margin": 0.3,
+                   "expected_from": "healthy pace"},
+                  {"event": "replan", "step": 38, "trigger": "missed", "from": "plan-aaaa",
+                   "to": "plan-bbbb", "adopted": True, "planning_s": 0.5,
+                   "rates_for": [1.0, 1.0, 1.0, 5.0], "measured_rates": [1.0, 1.0, 1.0, 1.0],
+                   "reason": "missed its promise ...; back to plan-bbbb, measured 0.180 s/step "
+                             "against 0.209 s now"}]}
+    out = []
+    for x in adaptive_lines():
+        out.append(x)
+        if "event" not in x:
+            out += extra.get(x["step"], [])
+    return out
+
+
+def test_plan_checks_are_drawn(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from malleus_ds.plot import KEPT_COLOR, MISSED_COLOR
+
+    run = read_run(write_run(tmp_path / "run", checked_lines()))
+    checks = [e for e in run.events if e.kind == "check" or e.trigger == "missed"]
+    assert checks == [
+        Event("check", 16, "kept ×1.04", outcome="kept"),
+        Event("check", 37, "missed ×2.09", outcome="missed"),
+        Event("replan", 38, "replan (missed)\nback to previous plan\n0.5 s plan", True, "missed"),
+    ]
+    assert [e.missed for e in checks] == [False, True, False]
+    assert "plan checks: 1 kept, 1 missed (step 37: 2.09x its promise of 0.100 s -> "\
+           "re-planned: back to plan-bbbb)" in format_account(run.whatif)
+
+    figs = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (figs.append(self),
+                                                                 save(self, *a, **k))[1])
+
+    def drawn(d):
+        figs.clear()
+        assert main([str(d)]) == 0 and len(figs) == 1
+        ax = figs[0].axes[0]
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        return ax, legend
+
+    ax, legend = drawn(run.path)
+    assert "plan check missed (1)" in legend and "plan check kept (1)" in legend
+    assert "missed ×2.09" in [t.get_text() for t in ax.texts]      # labelled: the miss only
+    assert not any(t.get_text().startswith("kept") for t in ax.texts)
+    vlines = {(ln.get_xdata()[0], ln.get_color()) for ln in ax.get_lines()
+              if len(ln.get_xdata()) == 2 and ln.get_xdata()[0] == ln.get_xdata()[1]}
+    assert (37, MISSED_COLOR) in vlines and not any(x == 16 for x, _ in vlines)
+    marks = {(ln.get_xdata()[0], ln.get_marker(), ln.get_markerfacecolor())
+             for ln in ax.get_lines() if len(ln.get_xdata()) == 1}
+    assert (37, "X", MISSED_COLOR) in marks and (16, "o", "white") in marks
+    assert any(ln.get_marker() == "o" and ln.get_markeredgecolor() == KEPT_COLOR
+               for ln in ax.get_lines() if len(ln.get_xdata()) == 1)
+    # a run without checks: no legend entry for them
+    _, legend = drawn(write_run(tmp_path / "plain", adaptive_lines()))
+    assert not any("plan check" in x for x in legend)
+    # a multirun with checks in one job draws too
+    write_run(tmp_path / "multi" / "0", checked_lines(), ["engine=malleus"])
+    write_run(tmp_path / "multi" / "1", adaptive_lines(measured=False), ["engine=torch"])
+    _, legend = drawn(tmp_path / "multi")
+    assert "plan check missed (1)" in legend

@@ -56,7 +56,8 @@ def replan_outcome(ev: Mapping) -> str:
 
 def caused_by_miss(ev: Mapping) -> bool:
     """A ``replan`` event the loop made because a check missed (module doc)."""
-    return ev.get("event") == "replan" and (ev.get("trigger") == "missed"
+    return ev.get("event") == "replan" and (ev.get("check_step") is not None
+                                            or ev.get("trigger") == "missed"
                                             or ACTED_ON_MISS in str(ev.get("reason") or ""))
 
 
@@ -76,7 +77,9 @@ def checks_of(events: Iterable[Mapping]) -> tuple[Check, ...]:
             if ev["outcome"] == "missed":
                 waiting.append(len(out) - 1)
         elif caused_by_miss(ev):
-            i = next((i for i in waiting if out[i].step <= step), None)
+            at = _num(ev.get("check_step"))        # the check it acted on, where recorded
+            i = next((i for i in waiting if (out[i].step == at if at is not None
+                                             else out[i].step <= step)), None)
             if i is not None:
                 waiting.remove(i)
                 c = out[i]

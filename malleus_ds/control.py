@@ -394,7 +394,7 @@ class Controller:
                     "onset" if np.all(p == 1.0) else "change")
         else:
             kind = "missed"
-        self._request(kind, self._normalised(), step + 1, why=why)
+        self._request(kind, self._normalised(), step + 1, why=why, check_step=ev["step"])
 
     def _can_go_back(self, rates, step_s: float | None) -> bool:
         """Is the plan that ran before this one worth going back to: measured clearly faster
@@ -444,8 +444,8 @@ class Controller:
                 self.disabled_reason = f"the running job cannot be planned for: {err}"
         return self._problem
 
-    def _request(self, trigger: str, rates: list[float], step: int, why: str | None = None
-                 ) -> None:
+    def _request(self, trigger: str, rates: list[float], step: int, why: str | None = None,
+                 check_step: int | None = None) -> None:
         pr = self._job_problem()
         if pr is None:
             self._result = self._error(trigger, step, self.disabled_reason)
@@ -453,7 +453,8 @@ class Controller:
         pr = pr.with_rates({d: r for d, r in enumerate(rates) if r > 1.0},
                            current_plan=self.engine.plan)
         self._pending = {"trigger": trigger, "rates": rates, "step": step, "problem": pr,
-                         "gen": self._generation, "t0": time.perf_counter(), "check": why}
+                         "gen": self._generation, "t0": time.perf_counter(), "check": why,
+                         "check_step": check_step}
         self._client.request({"problem": pr.to_json(), "seed": step, "forced": trigger == "forced",
                               "time_limit": self.s.planner_time_limit_s,
                               "min_improvement": self.s.min_improvement})
@@ -486,6 +487,7 @@ class Controller:
             if p["trigger"] == "missed":
                 res = self._back_out(res, cur, step_s)
             res.event["reason"] = f"{p['check']}: re-planned at once; {res.event['reason']}"
+            res.event["check_step"] = p["check_step"]      # the check event that missed
             self.check.acted(changed=res.plan is not None)
         self._result = res
 

@@ -76,9 +76,10 @@ class Schedule:
 
 
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
-    Schedule("recover", 56, (Entry(1, 10.0, 4, 26),),
-             "a rate-10 straggler that recovers (the case of issue 31; 15 steps after the "
-             "recovery window)"),
+    Schedule("recover", 60, (Entry(1, 10.0, 8, 30),),
+             "a rate-10 straggler that recovers (the case of issue 31, 22 steps at rate 10, "
+             "from step 8 so the run's own healthy reference has 6 steps, not 2; 15 steps "
+             "after the recovery window)"),
     Schedule("returns", 70, (Entry(1, 10.0, 6, 16), Entry(1, 10.0, 38, 48)),
              "a rate-10 straggler that recovers and comes back"),
     # rates where 2.5x DeepSpeed is within the capacity bound: DeepSpeed runs at 1/max rate,

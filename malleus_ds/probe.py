@@ -82,7 +82,7 @@ class Probe:
         read as it works under full load (a CPU-quota-throttled process runs the first
         milliseconds of each period at full speed; a GPU ramps its clocks). The sustained
         reading is returned when it is over :attr:`CAP_SIGNAL` times the early one (a cap),
-        else the early one. All within ``budget_s`` (:meth:`budget`), so the probe never delays
+        else the faster of the two. All within ``budget_s`` (:meth:`budget`), so the probe never delays
         the next all-reduce. ``self.last``: (early, sustained or None)."""
         import torch
 
@@ -117,9 +117,14 @@ class Probe:
         for p in blk.parameters():
             p.grad = None
         self.last = (early, sustained)
-        if sustained is not None and sustained > self.CAP_SIGNAL * early:
+        if sustained is None:
+            return early
+        if sustained > self.CAP_SIGNAL * early:
             return sustained                  # throttled under load (a cap): that is its rate
-        return early
+        # else the faster of the two: each carries the device's slowdown, and each has a bias
+        # of its own on a shared host (early: caches and clocks cold after idling; sustained:
+        # the scheduler favours the processes that wake from communication waits)
+        return min(early, sustained)
 
     def _sustain(self, run, budget: float) -> int:
         """Run ``run`` back to back for the sustain time (bounded by the probe's budget); return

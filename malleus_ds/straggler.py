@@ -425,7 +425,10 @@ class Detector:
             self.cooldown -= 1
             return None
         r, p = self.normalise(rates), self.planned
-        moved = np.abs(r - p) >= self.cfg.change * p
+        # a move by `change` (relative), or a rank planned as slow that now reads healthy: a
+        # plan made for 1.2-1.43 could otherwise never see its rank recover (1.0 is the floor,
+        # and 1.0 is not 30% below 1.42: a spurious 1.43 once kept a healthy rank out for good)
+        moved = (np.abs(r - p) >= self.cfg.change * p) | ((p > 1.0) & (r == 1.0))
         if idle is not None:
             moved &= ~np.asarray(idle, dtype=bool) | (r < p)
         shifted = bool(np.any(moved))

@@ -481,3 +481,16 @@ def test_a_rank_at_rate_10_never_reads_healthy_from_probes_under_changing_load(s
             break
     else:
         raise AssertionError("the recovered rank was never read healthy")
+
+
+def test_a_rank_planned_just_above_healthy_is_seen_to_recover():
+    """Planned for 1.42 (a spurious reading, or a mild straggler), a rank that reads healthy
+    again is a move, although 1.0 is not 30% below 1.42 (issue 31: a bench run planned rank 0
+    at 1.427, the plan kept a recovered rank suspended, and nothing ever moved again)."""
+    det = Detector(4, DetectConfig(confirm=2, cooldown=0))
+    det.planned_for([1.427, 1.0, 1.0, 1.0])
+    assert det.check([1.05, 1.0, 1.0, 1.0]) is None              # confirm: one more
+    trig = det.check([0.97, 1.0, 1.0, 1.0])
+    assert trig is not None and trig.kind == "recovery" and trig.rates == (1.0,) * 4
+    det.planned_for([1.0, 1.0, 1.0, 1.0])                        # a healthy plan: 1.15 is noise
+    assert det.check([1.15, 1.0, 1.0, 1.0]) is None and det.check([1.15, 1, 1, 1]) is None

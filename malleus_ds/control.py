@@ -38,8 +38,8 @@ from .plan import Plan, PlanError
 from .probe import Probe
 from .problem import Problem
 from .replan import Decision, decide, fit_running_plan, job_memory, job_problem
-from .straggler import (Detector, RateEstimator, as_list, cost_shape, cost_units, given_slowdown,
-                        held_ranks, ideal_slowdown, probe_reference)
+from .straggler import (HOLD, Detector, RateEstimator, as_list, cost_shape, cost_units,
+                        given_slowdown, held_ranks, ideal_slowdown, probe_reference)
 
 # ------------------------------------------------------------------------------ the controller
 
@@ -314,7 +314,7 @@ class Controller:
         """The ranks the running plan treats as slow (:func:`~malleus_ds.straggler.held_ranks`,
         the same on every rank: from the broadcast event's rates, or the shared measurement)
         and the rank that calibrates their probes."""
-        self.held = held_ranks(self.units, rates, self.s.detect.healthy)
+        self.held = held_ranks(self.units, rates, max(HOLD, self.s.detect.healthy))
         self._floor = np.where(self.held, [0.0 if r is None else r for r in rates], 0.0)
         self.probe_ref = probe_reference(self.units, self.held)
 

@@ -451,12 +451,19 @@ class Detector:
         self.cooldown = self.cfg.cooldown
 
 
+#: a working rank planned at least this slow is held (:func:`held_ranks`): its share is light
+#: enough (2/3 of a full one or less) for a cap to hide in it. Below, its training reads it:
+#: probing a rank planned at 1.2-1.5 (often a noisy reading) cost a bench run ~25% of its
+#: steps on a shared CPU, for a share nearly full anyway
+HOLD = 1.5
+
+
 def held_ranks(units: Sequence[float], rates: Sequence[float] | None,
-               healthy: float = HEALTHY) -> np.ndarray:
-    """Ranks with work under a plan made for them as slow (planned rate >= ``healthy``): each
-    sustains a probe like a suspended rank (DESIGN.md §6, "Probes measure the device"), so a
-    light load that runs inside a throughput cap (a CPU quota, a power cap) does not read as a
-    recovery that full work would undo."""
+               healthy: float = HOLD) -> np.ndarray:
+    """Ranks with work under a plan made for them as slow (planned rate >= ``healthy``,
+    :data:`HOLD` by default): each sustains a probe like a suspended rank (DESIGN.md §6,
+    "Probes measure the device"), so a light load that runs inside a throughput cap (a CPU
+    quota, a power cap) does not read as a recovery that full work would undo."""
     u = np.asarray(units, dtype=float)
     if rates is None:
         return np.zeros(u.size, dtype=bool)

@@ -174,6 +174,8 @@ def test_held_ranks_are_the_working_ranks_planned_as_slow():
     units = [4.0, 4.0, 1.0, 0.0]
     assert held_ranks(units, None).tolist() == [False] * 4
     assert held_ranks(units, [1.0, 1.1, 3.5, 6.0]).tolist() == [False, False, True, False]
+    # planned at 1.2-1.5 its share is nearly full: its training reads it, no probe (HOLD)
+    assert held_ranks(units, [1.3, 1.45, 1.5, 1.0]).tolist() == [False, False, True, False]
     assert held_ranks(units, [1.3, None, 1.0, 1.0], healthy=1.25).tolist() == \
         [True, False, False, False]
     with pytest.raises(ValueError, match="3 rates for 4 ranks"):

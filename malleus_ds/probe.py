@@ -109,11 +109,16 @@ class Probe:
         t0 = time.perf_counter()
         if sustain or fresh:
             run()                                      # warm-up, untimed
-        early = timed(self.REF_RUNS)          # the reference's shape, at the reference's moment
+        runs = self.REF_RUNS
+        if sustain and self.last is not None:          # a slow rank: fewer, within its budget
+            runs = int(min(self.REF_RUNS, max(1, budget_s / 2 // max(self.last[0], 1e-6))))
+        # the reference's shape, at the reference's moment: each run timed on its own, the
+        # fastest kept (a block is a few ms on a small model: one preemption would double a run)
+        early = min(timed(1) for _ in range(runs))
         sustained = None
-        if sustain:
-            left = max(0.0, budget_s - (time.perf_counter() - t0))
-            sustained = timed(self._sustain(run, left))
+        left = budget_s - (time.perf_counter() - t0)
+        if sustain and left > 2 * early and self._can_be_capped():
+            sustained = timed(self._sustain(run, left, early))
         for p in blk.parameters():
             p.grad = None
         self.last = (early, sustained)
@@ -126,9 +131,19 @@ class Probe:
         # the scheduler favours the processes that wake from communication waits)
         return min(early, sustained)
 
-    def _sustain(self, run, budget: float) -> int:
+    def _can_be_capped(self) -> bool:
+        """Could this rank run under a throughput cap the sustained reading exists to see? Not
+        when the straggler emulation slows it by sleeping (``straggler.method=sleep``): that
+        slows every run alike, and on a shared CPU a sustained window then only adds noise (a
+        rate-10 rank's sustained reading varied 0.9-7x its early one, and read 52 as a 'cap')."""
+        st = getattr(getattr(self.engine, "clock", None), "straggler", None)
+        return st is None or not st.schedule or getattr(st.schedule, "method", "sleep") != "sleep"
+
+    def _sustain(self, run, budget: float, per_run: float = 0.0) -> int:
         """Run ``run`` back to back for the sustain time (bounded by the probe's budget); return
-        how many repeats fill the timed window at the pace of the last one."""
+        how many repeats fill the timed window at the pace of the last one, or of ``per_run``
+        seconds when slower (a timed run of a slowed rank: the straggler emulation sleeps in
+        proportion to it, which the untimed runs here do not show)."""
         import torch
 
         dev = torch.device(self.engine.device)
@@ -143,4 +158,4 @@ class Probe:
             if time.perf_counter() >= end:
                 break
         window = min(self.TIMED_S, budget / 2)
-        return int(min(64, max(1, round(window / max(last, 1e-6)))))
+        return int(min(64, max(1, round(window / max(last, per_run, 1e-6)))))

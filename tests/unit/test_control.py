@@ -516,3 +516,20 @@ def test_a_host_slow_for_everyone_is_no_reason_to_plan():
         assert missed, "the slow host was seen"
     finally:
         ctl.close()
+
+
+def test_a_rank_slowed_by_sleeping_has_no_cap_to_sustain_for():
+    """Under ``straggler.method=sleep`` every run is slowed alike: no sustained window (it only
+    added noise: a rate-10 rank read 52 as a 'cap'); under ``quota`` it stays."""
+    from malleus_ds.emulation import StragglerSchedule
+
+    plan = static_plan(4, 8, 1, 1, 1, 3)
+    for method, sustains in (("sleep", False), ("quota", True)):
+        idle = Controller(_probing_engine(plan, 3, 0.01), AdaptiveSettings())
+        try:
+            sched = StragglerSchedule.parse([{"rank": 3, "rate": 2.0}], method=method)
+            idle.engine.clock.straggler = SimpleNamespace(schedule=sched)
+            idle.probe(2)
+            assert (idle._probe.last[1] is not None) == sustains, (method, idle._probe.last)
+        finally:
+            idle.close()

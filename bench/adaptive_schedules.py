@@ -167,18 +167,27 @@ def adopted(e: Mapping) -> bool:
 def onset_latencies(events: Iterable[Mapping], s: Schedule,
                     true_rate: Mapping[float, float] | None = None) -> list[dict]:
     """Per onset: ``{"step", "rates", "judged", "latency"}``; latency = steps from the onset to
-    the first adopted replan in ``(onset, next onset]`` (None: none there)."""
+    the first adopted replan in ``(onset, next onset]`` (None: none there), 0 when the plan
+    running at the onset already leaves every rank that slowed without work."""
     os_ = onsets(s, true_rate)
+    events = list(events)
     rp = sorted((e for e in replans(events) if adopted(e)), key=lambda e: e["step"])
+    migrations = sorted((e for e in events if e.get("event") == "migrate"),
+                        key=lambda e: e["step"])
     out = []
     for i, o in enumerate(os_):
         hi = os_[i + 1].step if i + 1 < len(os_) else s.steps
         first = next((e for e in rp if o.step < e["step"] <= hi), None)
+        # a rank the running plan already leaves out (a straggler that worsens while
+        # suspended) needs no re-plan: latency 0 (the migrate event's ``idle`` ranks)
+        last = next((m for m in reversed(migrations) if m["step"] <= o.step), None)
+        out_already = last is not None and set(o.rates) <= {int(d) for d in last.get("idle", ())}
         out.append({"step": o.step, "rates": {str(d): x for d, x in o.rates.items()},
                     "true_rates": None if o.true_rates is None else
                     {str(d): round(x, 2) for d, x in o.true_rates.items()},
                     "judged": o.judged,
-                    "latency": None if first is None else first["step"] - o.step})
+                    "latency": 0 if out_already else
+                    None if first is None else first["step"] - o.step})
     return out
 
 

@@ -163,3 +163,13 @@ def test_spread_and_verdict():
     assert sch.verdict(runs, "onset") is False
     assert sch.verdict(runs[:1], "onset") is True
     assert sch.verdict([], "onset") is False
+
+
+def test_an_onset_of_a_rank_already_left_out_needs_no_replan():
+    w = sch.Schedule("w", 40, (sch.Entry(2, 4.0, 6, 14), sch.Entry(2, 16.0, 14, 22)))
+    ev = [{"event": "replan", "step": 9, "trigger": "onset", "adopted": True},
+          {"event": "migrate", "step": 9, "seconds": 0.1, "idle": [2]}]
+    lat = sch.onset_latencies(ev, w)
+    assert [o["latency"] for o in lat] == [3, 0]                 # out since step 9
+    ev[1]["idle"] = []                                           # still working: no re-plan
+    assert [o["latency"] for o in sch.onset_latencies(ev, w)] == [3, None]

@@ -206,11 +206,12 @@ class Controller:
         self.step_times.append(seconds)
         if self.check is None or not self.s.enabled or self._client is None:
             return
-        if self._judge_skip:                 # the first step of a plan: allocation, first touch
+        first = self._judge_skip > 0         # the first step of a plan: allocation, first
+        if first:                            # touch; it counts for the severe rule only
             self._judge_skip -= 1
-            return
-        self._track_pace(seconds)
-        ev = self.check.observe(self._last_step, seconds)
+        else:
+            self._track_pace(seconds)
+        ev = self.check.observe(self._last_step, seconds, first=first)
         if ev is not None:
             self._events.append(ev)
             if ev["outcome"] == "missed":

@@ -117,20 +117,23 @@ class PaceCheck:
         ``severe_patience`` steps, the noise of a healthy run never is)."""
         if plan_id != self.plan_id:
             self._reset()
+            self._quiet = 0              # a new plan is judged from its first step
         self.plan_id, self.expected_s, self.why = plan_id, expected_s, why
         self.severe_only = severe_only
 
-    def observe(self, step: int, step_s: float) -> dict | None:
-        """One judged step (the caller leaves out the first after a switch). Returns a ``check``
-        event when the check decides (``kept`` once per plan, ``missed`` at each miss)."""
+    def observe(self, step: int, step_s: float, first: bool = False) -> dict | None:
+        """One step. ``first``: the first after a switch (allocation, first touch: up to
+        ~1.5x slower), which counts for the severe rule only. Returns a ``check`` event when
+        the check decides (``kept`` once per plan, ``missed`` at each miss)."""
         exp = self.expected_s
         if not self.cfg.enabled or exp is None or not exp > 0 or not step_s > 0:
             return None
-        self._judged += 1
+        if not first:
+            self._judged += 1
         if self._quiet > 0:
             self._quiet -= 1
             return None
-        slow = step_s > exp * (1 + self.cfg.margin) and not self.severe_only
+        slow = step_s > exp * (1 + self.cfg.margin) and not (self.severe_only or first)
         self._streak = self._streak + [step_s] if slow else []
         severe = step_s > exp * self.cfg.severe
         self._severe = self._severe + [step_s] if severe else []
@@ -150,7 +153,7 @@ class PaceCheck:
         """What the loop did about the last miss: ``changed`` (a new plan or the previous one)
         resets the backoff; nothing changed doubles it."""
         self._backoff = self.cfg.backoff if changed else max(1, 2 * self._backoff)
-        self._quiet = self._backoff
+        self._quiet = 0 if changed else self._backoff
 
     def _event(self, step: int, outcome: str, measured: float, steps: int = 1) -> dict:
         return {"event": "check", "step": step, "plan": self.plan_id, "outcome": outcome,

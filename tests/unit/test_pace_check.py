@@ -55,9 +55,12 @@ def test_a_miss_that_changed_nothing_waits_twice_as_long_before_the_next():
     check.acted(changed=False)                    # quiet for 8 judged steps
     steps = [e["step"] for e in _feed(check, slow[:12], start=3)]
     assert steps == [3 + 8 + 2]                   # then three slow steps in a row again
-    check.acted(changed=True)                     # a plan change: back to the base backoff
+    check.acted(changed=True)                     # a plan change: judged at once, and...
     steps = [e["step"] for e in _feed(check, slow[:8], start=20)]
-    assert steps == [20 + 4 + 2]
+    assert steps == [20 + 2]
+    check.acted(changed=False)                    # ...the base backoff doubles from 4
+    steps = [e["step"] for e in _feed(check, slow[:8], start=30)]
+    assert steps == [30 + 8 + 2]
 
 
 def test_a_new_plan_restarts_the_check_and_nothing_is_checked_without_a_promise():
@@ -121,3 +124,24 @@ def test_severe_steps_miss_in_two_and_the_first_plan_only_on_severe_ones():
     check = PaceCheck()                 # a checked plan: a severe miss comes before patience
     check.expect("b", 0.43)
     assert [e["step"] for e in _feed(check, [1.7, 0.9])] == [11]
+
+
+def test_the_first_step_after_a_switch_counts_for_the_severe_rule_only():
+    check = PaceCheck()
+    check.expect("b", 0.4)
+    assert check.observe(5, 0.6, first=True) is None      # 1.5x: allocation, first touch
+    assert _feed(check, [0.6, 0.6], start=6) == []         # two more: the margin needs three
+    check = PaceCheck()
+    check.expect("b", 0.4)
+    assert check.observe(5, 2.5, first=True) is None      # a straggler on full work...
+    ev = check.observe(6, 2.4)                             # ...is a miss one step later
+    assert ev is not None and ev["outcome"] == "missed" and ev["steps"] == 2
+
+
+def test_a_new_plan_is_judged_at_once_after_a_miss_that_changed_it():
+    check = PaceCheck(CheckConfig(backoff=8))
+    check.expect("a", 0.4)
+    assert [e["outcome"] for e in _feed(check, [1.0, 1.0])] == ["missed"]
+    check.acted(changed=True)
+    check.expect("b", 0.4)                                 # the new plan
+    assert [e["outcome"] for e in _feed(check, [1.0, 1.0], start=20)] == ["missed"]

@@ -59,7 +59,7 @@ def test_a_miss_that_changed_nothing_waits_twice_as_long_before_the_next():
     steps = [e["step"] for e in _feed(check, slow[:8], start=20)]
     assert steps == [20 + 2]
     check.acted(changed=False)                    # ...the base backoff doubles from 4
-    steps = [e["step"] for e in _feed(check, slow[:8], start=30)]
+    steps = [e["step"] for e in _feed(check, slow[:12], start=30)]
     assert steps == [30 + 8 + 2]
 
 

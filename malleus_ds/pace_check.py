@@ -154,6 +154,7 @@ class PaceCheck:
         resets the backoff; nothing changed doubles it."""
         self._backoff = self.cfg.backoff if changed else max(1, 2 * self._backoff)
         self._quiet = 0 if changed else self._backoff
+        self._streak, self._severe = [], []
 
     def _event(self, step: int, outcome: str, measured: float, steps: int = 1) -> dict:
         return {"event": "check", "step": step, "plan": self.plan_id, "outcome": outcome,

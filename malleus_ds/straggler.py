@@ -193,6 +193,10 @@ class RateEstimator:
     MAX_TERM = 4.0
     #: a rank's log-distance from its step's median counts at most this much in the fit
     CAP = 0.15
+    #: ...and this much where it is *faster* than the median: nothing runs faster than healthy,
+    #: so terms that make a rank read fast explain a straggler away (issue 31 part 1: two light
+    #: first stages, one 3x slow, read 1.0 and 0.3 under terms that traded one for the other)
+    FAST_CAP = 2 * CAP
     #: per measurement and unit of beta + gamma: a pull to 0 where the plans cannot tell
     PULL = 1e-3
 
@@ -291,9 +295,11 @@ class RateEstimator:
         on its median over ranks (a host slower for everyone cancels), each rank's distance
         capped at ``CAP`` (a straggler costs the same whatever the terms, so it cannot pull
         them; a cost every stage of some shape pays is shared by several ranks and steps, which
-        is what the fit finds), plus a small pull to 0 (one uniform plan cannot tell the terms
-        apart: they stay near 0 and the rates are the plain ones). A coarse grid, then a finer
-        one around its best point."""
+        is what the fit finds) where it is slow and at ``FAST_CAP`` (twice that) where it is
+        fast (a healthy rank that shares a straggler's shape is not traded for it: terms that
+        make the straggler agree make its healthy twin read fast), plus a small pull to 0 (one
+        uniform plan cannot tell the terms apart: they stay near 0 and the rates are the plain
+        ones). A coarse grid, then a finer one around its best point."""
         if len(self._hist) < 2:
             return
         with np.errstate(divide="ignore", invalid="ignore"):   # ranks without work: log 0
@@ -311,7 +317,9 @@ class RateEstimator:
             with np.errstate(divide="ignore", invalid="ignore"):
                 r = np.where(ok, c - np.log(A + b * B + g * C), np.nan)
             r = r - np.nanmedian(r, axis=3, keepdims=True)
-            return np.nansum(np.minimum(np.abs(r), self.CAP), axis=2)      # (b, g, world)
+            # slower than the step's median: capped at CAP (a straggler); faster: at FAST_CAP
+            cost = np.where(r < 0, np.minimum(-r, self.FAST_CAP), np.minimum(r, self.CAP))
+            return np.nansum(cost, axis=2)      # (b, g, world)
 
         def loss(betas, gammas):
             b = np.asarray(betas)[:, None]

@@ -29,6 +29,10 @@ then the same with one factor taken out at a time:
     .venv/bin/python bench/bench_rates.py --out /tmp/rates --record tests/unit/data/rate_matrix.json
     .venv/bin/python bench/bench_rates.py --replay /tmp/rates/cells.json     # no processes
     .venv/bin/python bench/bench_rates.py --cells w4-pipe13-slow,w2-pipe13   # a few cells
+    .venv/bin/python bench/bench_rates.py --replay tests/unit/data/rate_matrix.json
+
+``--out``'s ``cells.json`` grows cell by cell (a rerun skips the cells it holds); a ``quota``
+cell first runs ``python -m malleus_ds.cpu_quota --calibrate`` for its true rate.
 
 The replay (:func:`replay`, :func:`steady`) is what ``tests/unit/test_rate_matrix.py`` runs on
 the recorded fixture. Results: bench/RESULTS.md; findings: docs/DESIGN.md §6.
@@ -55,8 +59,8 @@ if str(REPO) not in sys.path:
 warnings.filterwarnings("ignore", "All-NaN|Degrees of freedom|Mean of empty", RuntimeWarning)
 
 from malleus_ds.plan import Plan  # noqa: E402
-from malleus_ds.straggler import (HEALTHY, RateEstimator, as_list, cost_shape,  # noqa: E402
-                                  cost_units, held_ranks)
+from malleus_ds.straggler import (HEALTHY, HOLD, RateEstimator, as_list,  # noqa: E402
+                                  cost_shape, cost_units, held_ranks)
 
 LAYERS, HIDDEN, HEADS, SEQ, MBS = 4, 256, 4, 128, 2
 MODEL = ["model=tiny", f"model.num_layers={LAYERS}", f"model.hidden_size={HIDDEN}",
@@ -333,7 +337,7 @@ def replay(rec: dict, *, head: float | None = None, shape: bool = True, window: 
             shp = tuple(cost_shape(p, world).T)
             if cur is not None:             # Controller.switched(plan, rates=None)
                 rates = as_list(measured)
-                held = held_ranks(units, rates, HEALTHY)
+                held = held_ranks(units, rates, max(HOLD, HEALTHY))   # Controller._hold
                 floor = np.where(held, [0.0 if r is None else r for r in rates], 0.0)
             cur, skip = k, 1
         if skip:
@@ -535,7 +539,9 @@ def factors(recs: list[dict]) -> str:
                         if wk[st["rank"]] and st["worst"] is not None and \
                                 (st["true"] >= HEALTHY) == slow:
                             got.setdefault(v, []).append(st["worst"])
-            cols = "; ".join(f"{v} {np.median(e):.2f} / {np.max(e):.2f} ({sum(x > (0.15 if slow else 0.1) for x in e)} of {len(e)} over)"
+            bound = 0.15 if slow else 0.10
+            cols = "; ".join(f"{v} {np.median(e):.2f} / {np.max(e):.2f} "
+                             f"({sum(x > bound for x in e)} of {len(e)} over)"
                              for v, e in got.items())
             lines.append(f"  {world} ranks, {'slowed' if slow else 'healthy'}: {cols}")
     for world in (2, 4):

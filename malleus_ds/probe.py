@@ -23,6 +23,8 @@ class Probe:
     SUSTAIN_S = 0.06
     #: ...and then times repeats of the block over this long (spanning throttling periods)
     TIMED_S = 0.1
+    #: ...and at least this long when it sustains (one CPU-quota period)
+    MIN_TIMED_S = 0.05
     #: at most this share of a step goes to one probe (it runs while the others compute)
     BUDGET = 0.5
     #: a held rank (working under a plan made for it as slow) probes within this share of its
@@ -157,5 +159,7 @@ class Probe:
             last = time.perf_counter() - t0
             if time.perf_counter() >= end:
                 break
-        window = min(self.TIMED_S, budget / 2)
+        # at least one quota period (50 ms): a shorter window that starts in the throttled part
+        # of a period (the sustain drained its share) reads a cap ~2x too slow
+        window = max(self.MIN_TIMED_S, min(self.TIMED_S, budget / 2))
         return int(min(64, max(1, round(window / max(last, per_run, 1e-6)))))

@@ -381,7 +381,14 @@ class RateEstimator:
         idle = ~self._active
         out[idle] = probe[idle]
         # a held rank is as slow as its sustained probe says, whatever its light load reads
-        out[self._held] = np.fmax(out[self._held], probe[self._held])
+        # (inside a throughput cap a light load reads healthy); and healthy once two probes in a
+        # row say so, whatever its light load reads (on shared cores a light share computes only
+        # while every peer does, so its training reads 1.5-2x for a healthy rank: issue 31)
+        h = self._held
+        with np.errstate(invalid="ignore"):
+            fit = h & (probe < self.healthy)
+        out[h] = np.fmax(out[h], probe[h])
+        out[fit] = probe[fit]
         if floor is not None:
             f = _vector(floor, self.world, "floor")
             unprobed = self._held & np.isnan(probe)

@@ -496,3 +496,24 @@ def test_a_rank_planned_just_above_healthy_is_seen_to_recover():
     assert trig is not None and trig.kind == "recovery" and trig.rates == (1.0,) * 4
     det.planned_for([1.0, 1.0, 1.0, 1.0])                        # a healthy plan: 1.15 is noise
     assert det.check([1.15, 1.0, 1.0, 1.0]) is None and det.check([1.15, 1, 1, 1]) is None
+
+
+def test_a_held_rank_whose_probes_agree_it_is_fit_reads_them_not_its_light_share():
+    """On shared cores a light share computes only while every peer does: a healthy held rank's
+    training reads 1.5-2x (issue 31, 2 ranks + a busy process on 2 cores: 1.81-2.0 while its
+    probes read 1.01-1.16). Two probes in a row under the healthy threshold are its reading; one
+    is not (a lucky probe lets nobody back), and a slow probe still wins over a fast light load."""
+    units = np.array([4.0, 4.0, 4.0, 1.0])
+    hold = [False, False, False, True]
+    ref = [BASE, np.nan, np.nan]
+    est = RateEstimator(4)
+    est.add(units * BASE * [1, 1, 1, 1.9], units, ref + [1.05 * BASE], held=hold)
+    assert est.rates()[3] == pytest.approx(1.9)          # one probe: the training reading
+    est.add(units * BASE * [1, 1, 1, 1.9], units, ref + [1.1 * BASE], held=hold)
+    assert est.rates()[3] == pytest.approx(1.1)          # two agree: the slower of them
+    est.add(units * BASE * [1, 1, 1, 1.9], units, ref + [1.3 * BASE], held=hold)
+    assert est.rates()[3] == pytest.approx(1.9)          # the last two disagree: training
+    est = RateEstimator(4)
+    for p in (3.0, 3.2):                                 # a cap: the light load reads fit
+        est.add(units * BASE, units, ref + [p * BASE], held=hold)
+    assert est.rates()[3] == pytest.approx(3.2)

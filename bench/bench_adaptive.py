@@ -22,7 +22,7 @@ reports the median per run (these machines are noisy).
     python bench/bench_adaptive.py --real          # the straggler is a real CPU quota
 
 ``--real``: the slow rank is capped by a cgroup CPU quota (``straggler.method=quota``,
-``malleus_ds/cpu_quota.py``) instead of sleeping; on 4 ranks sharing 2 cores a quota of rate r
+``malleus_ds/emulation/cpu_quota.py``) instead of sleeping; on 4 ranks sharing 2 cores a quota of rate r
 slows a rank by about r/2 (its healthy share was half a core), so the oracle is told the
 calibrated slowdown (``cpu_quota.calibrate`` with 3 busy processes), not r. Every run also prints
 its what-if account (``malleus_ds/whatif.py``): what the stragglers would have cost a static job,
@@ -157,7 +157,7 @@ def repeat(a) -> int:
     scheds = [SCHEDULES[n] for n in names]
     true_rate = None
     if a.real:
-        from malleus_ds import cpu_quota
+        from malleus_ds.emulation import cpu_quota
         reason = cpu_quota.unavailable_reason()
         if reason:
             raise SystemExit(f"--real: no CPU quota on this machine: {reason}")
@@ -325,7 +325,7 @@ def main() -> int:
         return repeat(a)
     a.true_rate = a.rate
     if a.real:
-        from malleus_ds import cpu_quota
+        from malleus_ds.emulation import cpu_quota
         reason = cpu_quota.unavailable_reason()
         if reason:
             raise SystemExit(f"--real: no CPU quota on this machine: {reason}")

@@ -32,7 +32,7 @@ then the same with one factor taken out at a time:
     .venv/bin/python bench/bench_rates.py --replay tests/unit/data/rate_matrix.json
 
 ``--out``'s ``cells.json`` grows cell by cell (a rerun skips the cells it holds); a ``quota``
-cell first runs ``python -m malleus_ds.cpu_quota --calibrate`` for its true rate.
+cell first runs ``python -m malleus_ds.emulation.cpu_quota --calibrate`` for its true rate.
 
 The replay (:func:`replay`, :func:`steady`) is what ``tests/unit/test_rate_matrix.py`` runs on
 the recorded fixture. Results: bench/RESULTS.md; findings: docs/DESIGN.md §6.
@@ -564,9 +564,9 @@ def factors(recs: list[dict]) -> str:
 
 
 def calibrate_quota(rate: float, busy: int) -> float:
-    """``python -m malleus_ds.cpu_quota --calibrate``'s measured slowdown of ``rate`` with
+    """``python -m malleus_ds.emulation.cpu_quota --calibrate``'s measured slowdown of ``rate`` with
     ``busy`` spinning processes beside the workload (the true rate of a quota cell)."""
-    cmd = [sys.executable, "-m", "malleus_ds.cpu_quota", "--calibrate", "--rates", f"{rate:g}",
+    cmd = [sys.executable, "-m", "malleus_ds.emulation.cpu_quota", "--calibrate", "--rates", f"{rate:g}",
            "--busy", str(busy)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ,
                                                                      OMP_NUM_THREADS="1"))

@@ -1,5 +1,5 @@
 """This rank's compute clock: times forward/backward with communication left out, and applies
-the straggler emulation (``emulation.py``) after each timed piece.
+the straggler emulation (``emulation/straggler.py``) after each timed piece.
 
 The engine's measured rates (``straggler.py``) and the per-rank ``compute_s`` of metrics.jsonl
 come from here. A runner passes its own clock to the engine (``set_compute_clock``); an engine
@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-from .emulation import Straggler
+from .emulation.straggler import Straggler
 from .watchdog import HEARTBEAT, phase
 
 

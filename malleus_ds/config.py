@@ -22,7 +22,7 @@ from .engine.settings import ADAPTIVE_KEYS, activation_checkpointing_source
 from .data.parse import parse_data
 from .data.tokens import DataError
 from .device import DeviceError, check_device
-from .emulation import StragglerError, StragglerSchedule
+from .emulation.straggler import StragglerError, StragglerSchedule
 from .job_layout import JobLayout, JobLayoutError
 from .models.llama import ModelConfig
 from .models.parse import ModelError, check_layout, parse_model
@@ -162,7 +162,7 @@ def compare_engines(v: Any) -> tuple[str, ...]:
 
 
 def _straggler(s: Mapping[str, Any], world_size: int) -> StragglerSchedule:
-    """``straggler.schedule`` and ``straggler.method`` (sleep | quota | compete; emulation.py).
+    """``straggler.schedule`` and ``straggler.method`` (sleep | quota | compete; emulation/straggler.py).
     Whether this machine can apply ``quota`` or ``compete`` is checked at runner start-up
     (``runners/__init__.py``)."""
     if not isinstance(s, Mapping):

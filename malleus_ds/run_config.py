@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .data import DataConfig
-from .emulation import StragglerSchedule
+from .emulation.straggler import StragglerSchedule
 from .models.llama import ModelConfig
 from .optim import OptimConfig
 

@@ -189,7 +189,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         self.lr_scheduler = self._scheduler_from_config(self.optimizer.optimizer)
         self.straggler = None
         if settings.straggler:
-            from ..emulation import Straggler, StragglerSchedule
+            from ..emulation.straggler import Straggler, StragglerSchedule
             self.straggler = Straggler(StragglerSchedule.parse(settings.straggler,
                                                                self.world_size), self.global_rank)
         self.clock = None

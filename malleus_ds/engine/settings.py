@@ -191,7 +191,7 @@ def parse_straggler(strag) -> tuple:
     """``straggler``: a list of schedule entries, or ``{schedule: [...], method: sleep|quota}``
     -> the entries with their method (``emulation.RawSchedule``; the entries themselves are
     checked when the engine builds its ``StragglerSchedule``)."""
-    from ..emulation import RawSchedule, StragglerError, parse_method
+    from ..emulation.straggler import RawSchedule, StragglerError, parse_method
 
     method = None
     if isinstance(strag, Mapping):

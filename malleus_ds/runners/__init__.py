@@ -39,8 +39,8 @@ import importlib
 from types import ModuleType
 
 from ..run_config import ConfigError, RunConfig
-from ..cpu_compete import release as release_competitors
-from ..cpu_quota import release as release_quota
+from ..emulation.cpu_compete import release as release_competitors
+from ..emulation.cpu_quota import release as release_quota
 from .base import DistEnv, RunSummary, destroy_process_group, init_process_group
 from .resume import nothing_to_run, resume_point, start_line
 from .stream import check_monitor_packages
@@ -83,7 +83,7 @@ def validate(cfg: RunConfig) -> ModuleType:
 def check_straggler_method(schedule, where: str = "straggler") -> None:
     """``straggler.method=quota`` (``compete``) on a machine that cannot cap a process's CPU
     (pin it) is a ConfigError naming the reason (every rank, before any process group)."""
-    from ..emulation import StragglerError, check_method
+    from ..emulation.straggler import StragglerError, check_method
 
     try:
         check_method(schedule, where=where)

@@ -21,7 +21,7 @@ import time
 
 from ..clock import ComputeClock as _ComputeClock
 from ..run_config import RunConfig
-from ..emulation import Straggler
+from ..emulation.straggler import Straggler
 from ..metrics import MetricsWriter, StepRecord, format_event, format_phases, phases
 from ..plan import Plan, even_split
 from ..reference import micro_batches

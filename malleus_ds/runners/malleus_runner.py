@@ -71,7 +71,7 @@ def validate(cfg: RunConfig) -> None:
 def check_ds_straggler(raw, world_size: int) -> None:
     """The ds_config's own ``malleus.straggler`` (the engine's clock when no runner attaches
     one): its schedule, and its ``method=quota`` on a machine that cannot apply it."""
-    from ..emulation import StragglerError, StragglerSchedule
+    from ..emulation.straggler import StragglerError, StragglerSchedule
     from . import check_straggler_method
 
     try:

@@ -30,7 +30,7 @@ def _adaptive(rank, world, max_steps):
     phases follow the events (identical on every rank), so the test does not depend on how
     fast this machine detects; only on detecting at all within MAX_STEPS."""
     import malleus_ds
-    from malleus_ds.emulation import StragglerSchedule
+    from malleus_ds.emulation.straggler import StragglerSchedule
     from malleus_ds.plan import Plan
 
     cfg = ds_config(1)

@@ -1,8 +1,8 @@
 """Real slowdowns end to end (issue 18): the OS slows a rank, nothing is emulated.
 
-``straggler.method=quota`` caps the rank's CPU by a cgroup quota (malleus_ds/cpu_quota.py);
+``straggler.method=quota`` caps the rank's CPU by a cgroup quota (malleus_ds/emulation/cpu_quota.py);
 where the machine has no writable cgroup, ``method=compete`` pins busy processes beside it
-(malleus_ds/cpu_compete.py); where neither can run, the tests skip, naming why.
+(malleus_ds/emulation/cpu_compete.py); where neither can run, the tests skip, naming why.
 
 First the app (torchrun, 2 ranks, engine=torch) with rank 1 slowed at rate 3 from step 4 to
 the end, by each method. Rank 1's measured compute (metrics.jsonl ``compute_s``) rises: ~3x
@@ -20,8 +20,8 @@ import sys
 
 import pytest
 
-from malleus_ds import cpu_compete as cc
-from malleus_ds import cpu_quota as cq
+from malleus_ds.emulation import cpu_compete as cc
+from malleus_ds.emulation import cpu_quota as cq
 from tests.dist.test_train_cli import TRAIN, _env, _metrics
 
 ARGS = ["model=tiny", "model.hidden_size=128", "model.max_seq_len=64", "train.global_batch_size=8",

@@ -11,7 +11,7 @@ import pytest
 
 from malleus_ds import clock as clock_mod
 from malleus_ds.clock import ComputeClock
-from malleus_ds.emulation import Straggler, StragglerSchedule
+from malleus_ds.emulation.straggler import Straggler, StragglerSchedule
 
 
 class FakeGPU:
@@ -168,7 +168,7 @@ def test_a_quota_step_keeps_cuda_events(monkeypatch):
     """method=quota slows the process itself (no sleep): nothing to synchronise for."""
     import torch
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: pytest.fail("synchronised"))
-    from malleus_ds.emulation import RawSchedule
+    from malleus_ds.emulation.straggler import RawSchedule
 
     sched = StragglerSchedule.parse(RawSchedule([{"rank": 0, "rate": 3.0}], method="quota"), 1)
     st = Straggler.__new__(Straggler)

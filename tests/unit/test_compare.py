@@ -3,7 +3,7 @@ import pytest
 
 from malleus_ds.compare import (CompareError, compare, closing_line, format_comparison,
                                 no_straggler_note, segments)
-from malleus_ds.emulation import StragglerSchedule
+from malleus_ds.emulation.straggler import StragglerSchedule
 
 
 def _records(times, rates_of, samples=16, world=2):

@@ -7,7 +7,7 @@ import pytest
 
 from malleus_ds import runners
 from malleus_ds.config import ConfigError, build_run_config, load_ds_config
-from malleus_ds.emulation import StragglerSchedule
+from malleus_ds.emulation.straggler import StragglerSchedule
 
 
 def cfg(world=2, **sections):
@@ -175,7 +175,7 @@ def test_straggler_method_sleep_default_quota_and_unknown():
 
 
 def test_straggler_method_quota_refused_where_the_machine_cannot(monkeypatch):
-    import malleus_ds.cpu_quota as cq
+    import malleus_ds.emulation.cpu_quota as cq
 
     monkeypatch.setattr(cq, "unavailable_reason", lambda: NO_CGROUP)
     for engine in ("torch", "deepspeed", "malleus"):
@@ -190,9 +190,9 @@ def test_straggler_method_quota_refused_where_the_machine_cannot(monkeypatch):
 
 
 def test_ds_config_malleus_straggler_method(monkeypatch):
-    import malleus_ds.cpu_quota as cq
+    import malleus_ds.emulation.cpu_quota as cq
     from malleus_ds.engine.settings import MalleusSettings
-    from malleus_ds.emulation import StragglerSchedule as S
+    from malleus_ds.emulation.straggler import StragglerSchedule as S
 
     st = MalleusSettings.from_config({"straggler": {"schedule": SLOW1, "method": "quota"}}).straggler
     assert st == tuple(SLOW1) and st.method == "quota" and S.parse(st).method == "quota"

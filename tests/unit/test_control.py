@@ -521,7 +521,7 @@ def test_a_host_slow_for_everyone_is_no_reason_to_plan():
 def test_a_rank_slowed_by_sleeping_has_no_cap_to_sustain_for():
     """Under ``straggler.method=sleep`` every run is slowed alike: no sustained window (it only
     added noise: a rate-10 rank read 52 as a 'cap'); under ``quota`` it stays."""
-    from malleus_ds.emulation import StragglerSchedule
+    from malleus_ds.emulation.straggler import StragglerSchedule
 
     plan = static_plan(4, 8, 1, 1, 1, 3)
     for method, sustains in (("sleep", False), ("quota", True)):

@@ -1,4 +1,4 @@
-"""``straggler.method=compete`` (malleus_ds/cpu_compete.py): a real slowdown without cgroups,
+"""``straggler.method=compete`` (malleus_ds/emulation/cpu_compete.py): a real slowdown without cgroups,
 busy processes pinned beside the rank. The share model is checked without processes; one real
 competitor slows a workload on this machine, and competitors of a killed process exit."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from malleus_ds import cpu_compete as cc
-from malleus_ds.emulation import Straggler, StragglerSchedule
+from malleus_ds.emulation import cpu_compete as cc
+from malleus_ds.emulation.straggler import Straggler, StragglerSchedule
 
 
 @pytest.mark.parametrize("rate", [1.5, 2.0, 2.5, 3.0, 3.7, 5.0, 6.1, 8.0, 12.5, 17.0])
@@ -72,7 +72,7 @@ def test_competitors_of_a_killed_rank_exit_by_themselves(tmp_path):
     reason = cc.unavailable_reason()
     if reason:
         pytest.skip(f"no CPU affinity here: {reason}")
-    code = ("import sys, time; from malleus_ds.cpu_compete import CpuCompetitor as C; "
+    code = ("import sys, time; from malleus_ds.emulation.cpu_compete import CpuCompetitor as C; "
             "c = C(); c.set_rate(2.0); print(c.procs[0].pid, flush=True); time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                          env=dict(os.environ, PYTHONPATH=os.getcwd()))

@@ -1,4 +1,4 @@
-"""``malleus_ds/cpu_quota.py``: quota arithmetic, v1/v2 paths against a fake cgroup tree, stale
+"""``malleus_ds/emulation/cpu_quota.py``: quota arithmetic, v1/v2 paths against a fake cgroup tree, stale
 folder cleanup, error texts; and one real test (skipped, naming why, where no cpu controller can
 be written): a child process capped at rate 3 runs 2.4-3.6x slower than alone on a full core (its
 CPU time), is back within 1.3x of its uncapped time after ``set_rate(1.0)``, and ``close()``
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from malleus_ds import cpu_quota as cq
-from malleus_ds.cpu_quota import CpuQuota, CpuQuotaError, clean_stale, detect, quota_us
+from malleus_ds.emulation import cpu_quota as cq
+from malleus_ds.emulation.cpu_quota import CpuQuota, CpuQuotaError, clean_stale, detect, quota_us
 
 
 def test_quota_arithmetic():
@@ -152,7 +152,7 @@ def test_unavailable_reasons_name_the_cause(tmp_path, monkeypatch):
 
 _CHILD = r"""
 import json, time
-from malleus_ds.cpu_quota import CpuQuota
+from malleus_ds.emulation.cpu_quota import CpuQuota
 
 def work():
     t, c = time.perf_counter(), time.process_time()

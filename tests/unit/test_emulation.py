@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from malleus_ds.emulation import Straggler, StragglerError, StragglerSchedule
+from malleus_ds.emulation.straggler import Straggler, StragglerError, StragglerSchedule
 from malleus_ds.metrics import MetricsWriter, StepRecord, format_phases, phases, read_metrics
 
 
@@ -124,7 +124,7 @@ def test_quota_method_caps_the_cpu_at_rate_changes_and_never_sleeps():
 
 
 def test_quota_method_errors_name_the_reason():
-    from malleus_ds.emulation import RawSchedule, check_method
+    from malleus_ds.emulation.straggler import RawSchedule, check_method
 
     sched = StragglerSchedule.parse([{"rank": 1, "rate": 3.0}], method="quota")
     msg = (r"^straggler.method=quota: /sys/fs/cgroup/cpu is read-only; "

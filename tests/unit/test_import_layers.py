@@ -26,7 +26,7 @@ BOTTOM = {"job_layout", "plan", "problem", "cost", "layout", "schedule", "ckpt_f
           "run_folder", "phases", "check_events"}
 #: the core above it (packages or modules, relative to malleus_ds)
 CORE = BOTTOM | {"engine", "migrate", "planner", "models", "control", "clock", "probe", "agreement",
-                 "emulation", "cpu_quota", "cpu_compete", "watchdog", "procs", "ds_compat",
+                 "emulation", "watchdog", "procs", "ds_compat",
                  "device"}
 #: the app: what the core must never import
 APP = {"runners", "config", "run_config", "data", "reference", "export", "cli", "plot",

@@ -7,7 +7,7 @@ readings as the step's all-reduce carried them, under a scripted switch to each 
 (uniform; 2-stage pipelines of 1 + 3 layers; the head stage with 1 layer; one micro-batch vs
 three; five vs one; the planner's plan for rank 1 at 3.3; next to a suspended rank; just
 re-admitted), nobody slowed or rank 1 at rate 3 (sleep; three cells with a CPU quota, whose
-true rate is ``python -m malleus_ds.cpu_quota --calibrate``'s), on 4 ranks and on 2. Four-rank
+true rate is ``python -m malleus_ds.emulation.cpu_quota --calibrate``'s), on 4 ranks and on 2. Four-rank
 sleep cells also hold each rank's CPU seconds inside its compute spans (``cpu``: wall minus
 the time it waited for a core).
 

@@ -24,7 +24,7 @@ Contract:
   (measured here: period 10 ms, rate 6 -> 8-9x). 50 ms keeps the quota >= 5 ms up to rate 10.
   The kernel's smallest quota is 1 ms: the largest rate is ``period_us / 1000`` (50).
 
-``python -m malleus_ds.cpu_quota --calibrate [--rates 2,3,6] [--busy N]`` times a fixed
+``python -m malleus_ds.emulation.cpu_quota --calibrate [--rates 2,3,6] [--busy N]`` times a fixed
 single-threaded torch matmul loop alone and under each rate's quota and prints the measured
 slowdown ("the true slowdown is the same work timed alone under the same quota").
 
@@ -40,7 +40,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .procs import PerProcess
+from ..procs import PerProcess
 
 SYS_ROOT = "/sys/fs/cgroup"
 PROC_CGROUP = "/proc/self/cgroup"
@@ -356,7 +356,7 @@ def calibrate(rates=(2.0, 3.0, 6.0), repeats: int = 3, busy: int = 0, workload=_
 def main(argv=None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m malleus_ds.cpu_quota",
+    ap = argparse.ArgumentParser(prog="python -m malleus_ds.emulation.cpu_quota",
                                  description="CPU quotas for real straggler slowdowns.")
     ap.add_argument("--calibrate", action="store_true",
                     help="time a fixed workload alone and under each rate's quota")

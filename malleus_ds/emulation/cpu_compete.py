@@ -1,6 +1,6 @@
 """A real slowdown without cgroups: busy processes pinned to this process's core.
 
-``straggler.method=compete`` (``emulation.py``) slows a rank the way a noisy neighbour does: the
+``straggler.method=compete`` (``straggler.py``) slows a rank the way a noisy neighbour does: the
 rank is pinned to one core and ``n`` spinning processes are pinned beside it. The kernel's fair
 scheduler then gives the rank ``w0 / (w0 + n·w)`` of that core, where ``w0`` = 1024 is the
 weight of nice 0 and ``w`` the weight of the competitors' nice value (:data:`NICE_WEIGHTS`,
@@ -25,7 +25,7 @@ import os
 import subprocess
 import sys
 
-from .procs import PerProcess
+from ..procs import PerProcess
 
 #: CFS weight per nice value 0..19 (kernel/sched/core.c, ``sched_prio_to_weight``)
 NICE_WEIGHTS = (1024, 820, 655, 526, 423, 335, 272, 215, 172, 137,

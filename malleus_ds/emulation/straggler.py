@@ -11,11 +11,11 @@ Entries that overlap on one rank combine by ``max``. Off by default (empty sched
 * ``sleep`` (default): the emulation above; ``emulated_s`` holds the sleeps.
 * ``quota``: a real slowdown from the OS. At the start of each step (:meth:`Straggler.at_step`,
   called by ``ComputeClock.start_step``) the rank's CPU is capped to ``1/rate`` of one core by a
-  cgroup quota (``malleus_ds/cpu_quota.py``) whenever its rate changes; nothing sleeps and
+  cgroup quota (``malleus_ds/emulation/cpu_quota.py``) whenever its rate changes; nothing sleeps and
   ``emulated_s`` stays 0; ``emulated_rates`` in metrics.jsonl still records the schedule's rates,
   which are then the *target* slowdown. :func:`check_method` refuses ``quota`` where the machine
   cannot apply it, naming the reason.
-* ``compete``: a real slowdown without cgroups (``malleus_ds/cpu_compete.py``): the rank is
+* ``compete``: a real slowdown without cgroups (``malleus_ds/emulation/cpu_compete.py``): the rank is
   pinned to one core and competing busy processes beside it take ``1 - 1/rate`` of that core;
   as with ``quota`` nothing sleeps. Needs only CPU affinity (Linux).
 

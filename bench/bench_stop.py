@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from malleus_ds.procs import descendants, is_running as _running, rank_pid  # noqa: E402
+from malleus_ds.resilience.procs import descendants, is_running as _running, rank_pid  # noqa: E402
 
 TRAIN = str(REPO / "launch" / "train.py")
 

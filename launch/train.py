@@ -117,7 +117,7 @@ def _launch_ranks(nproc: int, task_overrides: list[str], run_dir: str,
     Path(env[FATAL_FILE_ENV]).unlink(missing_ok=True)   # a reused run folder's old reason
     env["MALLEUS_DS_WRAPPER_PID"] = str(os.getpid())  # ranks stop when this process is gone
     print(f"[malleus_ds] launching {nproc} ranks: {' '.join(cmd)}", flush=True)
-    from malleus_ds.procs import descendants
+    from malleus_ds.resilience.procs import descendants
 
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     got: list[int] = []
@@ -234,7 +234,7 @@ def main() -> None:
         from malleus_ds.runners.guard import Stopped
         from malleus_ds.runners.common import format_summary
         from malleus_ds.migrate.transport import MigrationError
-        from malleus_ds.watchdog import HANG_EXIT_CODE
+        from malleus_ds.resilience.watchdog import HANG_EXIT_CODE
 
         hc = HydraConfig.get()
         launched = any(k in os.environ for k in _LAUNCHED)

@@ -11,7 +11,7 @@ import time
 from contextlib import contextmanager
 
 from .emulation.straggler import Straggler
-from .watchdog import HEARTBEAT, phase
+from .resilience.watchdog import HEARTBEAT, phase
 
 
 class ComputeClock:

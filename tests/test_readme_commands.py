@@ -217,7 +217,7 @@ def _env(root: Path) -> dict[str, str]:
 def _run(cmd: str, root: Path, env: dict[str, str]) -> tuple[int, str]:
     """Run one README command in ``root``; (exit code, stdout + stderr). On timeout every process
     it started is killed (torchrun's workers run in sessions of their own, so by process tree)."""
-    from malleus_ds.procs import descendants
+    from malleus_ds.resilience.procs import descendants
 
     p = subprocess.Popen(["bash", "-c", _shell_line(cmd)], cwd=root, env=env,
                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

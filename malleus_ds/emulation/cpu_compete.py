@@ -25,7 +25,7 @@ import os
 import subprocess
 import sys
 
-from ..procs import PerProcess
+from ..resilience.procs import PerProcess
 
 #: CFS weight per nice value 0..19 (kernel/sched/core.c, ``sched_prio_to_weight``)
 NICE_WEIGHTS = (1024, 820, 655, 526, 423, 335, 272, 215, 172, 137,

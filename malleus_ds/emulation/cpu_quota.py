@@ -40,7 +40,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..procs import PerProcess
+from ..resilience.procs import PerProcess
 
 SYS_ROOT = "/sys/fs/cgroup"
 PROC_CGROUP = "/proc/self/cgroup"

@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from ..agreement import raise_if_any_failed
+from ..resilience.agreement import raise_if_any_failed
 from ..layout import STATE_KINDS, plan_holdings
 from ..ckpt_format import MAX_WORLD, META, CheckpointError, open_rank_file, rank_file, resolve
 from ..migrate.apply import StateView, params_from_masters, unpack_parts

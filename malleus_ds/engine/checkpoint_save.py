@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from ..agreement import raise_if_any_failed
+from ..resilience.agreement import raise_if_any_failed
 from ..ckpt_format import (FORMAT, LATEST, META, RAW_MAGIC, CheckpointError, rank_file,
                            raw_data_start)
 from ..fileio import aligned_buffer, atomic_write, atomic_write_chunks, round_up

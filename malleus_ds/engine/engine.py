@@ -64,7 +64,7 @@ from ..ds_compat import init_deepspeed_comm
 from ..models.base import param_table, tied_params
 from ..job_layout import JobLayout, JobLayoutError
 from ..plan import Plan, PlanError
-from ..watchdog import phase
+from ..resilience.watchdog import phase
 from .groups import GROUPS, plan_rank_sets
 from .mpu import PlanMPU
 from .p2p import PipelineP2P

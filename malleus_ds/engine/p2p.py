@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
-from ..watchdog import phase
+from ..resilience.watchdog import phase
 from ..schedule import RecvAct, SendAct
 
 

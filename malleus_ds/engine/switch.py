@@ -30,7 +30,7 @@ from functools import partial
 import torch
 import torch.distributed as tdist
 
-from ..agreement import AgreementError, Failure, agree
+from ..resilience.agreement import AgreementError, Failure, agree
 from ..layout import local_shards
 from ..migrate.apply import StateView, pack_parts, params_from_masters, unpack_parts
 from ..migrate.rounds import messages, rounds
@@ -232,7 +232,7 @@ def switch_plan(engine, new_plan) -> MigrationReport:
         failure = None
     # Agreement: every rank learns whether any rank failed, and the first failed rank's
     # message, through the job's store, not the communicator a failed transfer may have broken
-    # (malleus_ds/agreement.py); a rank that died or hangs counts as failed at the deadline.
+    # (malleus_ds/resilience/agreement.py); a rank that died or hangs counts as failed at the deadline.
     # Only if all succeeded is the new runtime adopted; otherwise every rank raises and the
     # engine refuses to train.
     deadline = 2 * engine.settings.migrate_timeout_s + 10
@@ -315,7 +315,7 @@ def _carry_schedule(engine, old_sched, old_groups) -> None:
 def _agree_failed(step: int, failure: BaseException | None, timeout_s: float
                   ) -> Failure | None:
     """The first failed rank and its message (None if every rank succeeded), the same on
-    every rank within ``timeout_s``, agreed through the job's store (malleus_ds/agreement.py):
+    every rank within ``timeout_s``, agreed through the job's store (malleus_ds/resilience/agreement.py):
     a communicator that the failure broke (NCCL aborts it on a timed-out wait, a dead peer
     breaks it) is not used. Raises AgreementError if the store itself is unreachable."""
     err = None if failure is None else f"{type(failure).__name__}: {failure}"

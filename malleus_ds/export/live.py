@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from ..agreement import raise_if_any_failed
+from ..resilience.agreement import raise_if_any_failed
 from .hf_folder import ExportError, _dtype, _hf_record, _summary, check_out_dir, write_folder
 from .readers import Assembler, _needed
 

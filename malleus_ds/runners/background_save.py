@@ -71,7 +71,7 @@ def _agreements():
     the first run's numbers and read its keys."""
     global _AGREEMENTS
     if _AGREEMENTS is None:
-        from ..agreement import Agreements
+        from ..resilience.agreement import Agreements
         _AGREEMENTS = Agreements("malleus_ckpt_bg")
     return _AGREEMENTS
 
@@ -100,7 +100,7 @@ class BackgroundSaves:
         return self._client
 
     def agree(self, err: str | None, what: str) -> None:
-        from ..agreement import raise_failure, store_timeout_s
+        from ..resilience.agreement import raise_failure, store_timeout_s
 
         try:
             store = self._store()

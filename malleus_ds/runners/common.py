@@ -25,7 +25,7 @@ from ..emulation.straggler import Straggler
 from ..metrics import MetricsWriter, StepRecord, format_event, format_phases, phases
 from ..plan import Plan, even_split
 from ..reference import micro_batches
-from ..watchdog import phase
+from ..resilience.watchdog import phase
 from .base import DistEnv, RunSummary
 from .stream import StepStream
 

@@ -38,7 +38,7 @@ from ..models.base import EMBED, HEAD, lm_loss
 from ..models.base import enable_activation_checkpointing, tied_params
 from ..plan import even_split
 from .base import DistEnv, RunSummary
-from ..agreement import raise_if_any_failed
+from ..resilience.agreement import raise_if_any_failed
 from .checkpoint import Checkpointer, engine_writer
 from .common import (ComputeClock, StepReporter, exclude_calls, monitors_to_run_dir,
                      replica_micro_batches)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from malleus_ds.metrics import read_live
-from malleus_ds.procs import descendants
+from malleus_ds.resilience.procs import descendants
 from tests.dist.test_checkpoint_cli import ARGS, TRAIN, _reference, _rows
 
 STEPS = 24

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from malleus_ds.procs import descendants, is_running, rank_pid
+from malleus_ds.resilience.procs import descendants, is_running, rank_pid
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "launch" / "train.py")

@@ -3,11 +3,11 @@ middle of the transfer), stops every surviving rank with a MigrationError naming
 the failed rank, within the agreement's deadline (``2 * migrate_timeout_s + 10``), without a
 hang; the engine then refuses to train and keeps the old plan's parameters.
 
-The ranks agree on the failure through the job's store (malleus_ds/agreement.py): to show that
+The ranks agree on the failure through the job's store (malleus_ds/resilience/agreement.py): to show that
 no collective is needed, every surviving rank breaks torch.distributed's collectives as the
 transfer starts (all_reduce, all_gather_object, ... raise), before the failure and the
 agreement. And the app turns the MigrationError into one line and exit status 3
-(launch/train.py, the watchdog's status in malleus_ds/watchdog.py)."""
+(launch/train.py, the watchdog's status in malleus_ds/resilience/watchdog.py)."""
 import os
 import subprocess
 import sys

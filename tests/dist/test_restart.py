@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from malleus_ds.metrics import read_live
-from malleus_ds.procs import descendants, rank_pid
+from malleus_ds.resilience.procs import descendants, rank_pid
 from tests.dist.test_checkpoint_cli import ARGS, TRAIN, _reference, _rows
 
 STEPS, EVERY = 20, 2

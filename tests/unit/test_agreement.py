@@ -1,4 +1,4 @@
-"""malleus_ds/agreement.py without processes: threads play the ranks over one store (HashStore,
+"""malleus_ds/resilience/agreement.py without processes: threads play the ranks over one store (HashStore,
 FileStore as in tests/dist/harness.py, TCPStore as under torchrun). Each thread has its own
 Agreements (its own counter), as each process has one."""
 import datetime
@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from malleus_ds.agreement import MAX_MESSAGE_BYTES, AgreementError, Agreements, Failure
+from malleus_ds.resilience.agreement import MAX_MESSAGE_BYTES, AgreementError, Agreements, Failure
 
 
 def _stores(kind, world, tmp_path):
@@ -146,7 +146,7 @@ def test_a_dead_store_raises_instead_of_hanging():
 def test_raise_if_any_failed_words_the_first_failure_the_same_everywhere():
     """The one helper every "did any rank fail?" site uses (checkpoint save and load, export,
     DeepSpeed resume): one process, no process group."""
-    from malleus_ds.agreement import raise_if_any_failed
+    from malleus_ds.resilience.agreement import raise_if_any_failed
 
     raise_if_any_failed("ok-check", None, "saving x")            # nobody failed: no error
     raise_if_any_failed("ok-check2", "", "saving x")              # an empty error is none

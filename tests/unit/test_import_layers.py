@@ -25,8 +25,8 @@ BOTTOM = {"job_layout", "plan", "problem", "cost", "layout", "schedule", "ckpt_f
           "optim", "fileio", "safe_load", "straggler", "replan", "simulate", "metrics",
           "run_folder", "phases", "check_events"}
 #: the core above it (packages or modules, relative to malleus_ds)
-CORE = BOTTOM | {"engine", "migrate", "planner", "models", "control", "clock", "probe", "agreement",
-                 "emulation", "watchdog", "procs", "ds_compat",
+CORE = BOTTOM | {"engine", "migrate", "planner", "models", "control", "clock", "probe", "resilience",
+                 "emulation", "ds_compat",
                  "device"}
 #: the app: what the core must never import
 APP = {"runners", "config", "run_config", "data", "reference", "export", "cli", "plot",

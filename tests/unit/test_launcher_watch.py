@@ -9,7 +9,7 @@ import time
 
 from malleus_ds.runners.guard import (LAUNCHER_GONE, Launcher, LauncherWatch, StopSignals,
                                       Stopped, launchers_above)
-from malleus_ds import procs
+from malleus_ds.resilience import procs
 
 # a process tree shaped like `deepspeed` -> `python -m deepspeed.launcher.launch` -> rank: the
 # middle process's argv names deepspeed.launcher.launch; the leaf prints its pid and sleeps

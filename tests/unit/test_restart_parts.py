@@ -146,13 +146,13 @@ def test_a_stop_signal_with_a_dead_peer_exits_at_once_and_one_with_live_peers_wa
 def test_gone_peers_sees_a_dead_process_on_this_host_and_a_silent_one_elsewhere():
     import torch.distributed as dist
 
-    from malleus_ds.watchdog import Watchdog, whoami
+    from malleus_ds.resilience.watchdog import Watchdog, whoami
 
     store = dist.HashStore()
     me = whoami()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    from malleus_ds.procs import start_time
+    from malleus_ds.resilience.procs import start_time
     recs = {1: dict(me, tick=1, done=False),                           # this process: alive
             2: {"host": me["host"], "pid": dead.pid, "started": 1, "tick": 1, "done": False},
             3: {"host": "elsewhere", "pid": 1, "started": 1, "tick": 5, "done": False},
@@ -172,7 +172,7 @@ def test_the_watchdog_reports_a_dead_rank_on_its_host_at_once():
     on its host in its next look, not after hang_timeout_s."""
     import torch.distributed as dist
 
-    from malleus_ds.watchdog import Watchdog, format_hang, whoami
+    from malleus_ds.resilience.watchdog import Watchdog, format_hang, whoami
 
     store = dist.HashStore()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

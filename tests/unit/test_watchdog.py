@@ -5,8 +5,15 @@ import time
 import pytest
 
 from malleus_ds.metrics import MetricsBusy, MetricsWriter
-from malleus_ds.watchdog import (HANG_EXIT_CODE, Heartbeat, RankView, Watchdog, find_stuck,
-                                 format_hang, phase, HEARTBEAT)
+from malleus_ds.resilience.watchdog import (
+    HANG_EXIT_CODE,
+    Heartbeat,
+    RankView,
+    Watchdog,
+    find_stuck,
+    format_hang,
+    phase,
+    HEARTBEAT)
 
 
 def view(step, ph, tick_age, progress_age, now=100.0, done=False):
@@ -150,8 +157,8 @@ def test_frozen_peers_on_this_host_are_killed_others_are_not():
     import subprocess
     import sys
 
-    from malleus_ds.procs import start_time
-    from malleus_ds.watchdog import end_frozen_peers
+    from malleus_ds.resilience.procs import start_time
+    from malleus_ds.resilience.watchdog import end_frozen_peers
 
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from malleus_ds.metrics import METRICS_FILE, MetricsError, read_run  # noqa: E402
-from malleus_ds.run_folder import find_runs, read_overrides  # noqa: E402
+from malleus_ds.files.run_folder import find_runs, read_overrides  # noqa: E402
 from malleus_ds.whatif import WhatIfError, account_of_run, format_account  # noqa: E402
 
 

@@ -395,7 +395,7 @@ def load_ds_config(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"deepspeed.config_file={str(path)!r}: file not found")
-    from .safe_load import MAX_JSON_BYTES
+    from .files.safe_load import MAX_JSON_BYTES
 
     if p.stat().st_size > MAX_JSON_BYTES:
         raise ConfigError(f"deepspeed.config_file={str(p)!r} is {p.stat().st_size / 2**20:.1f} "

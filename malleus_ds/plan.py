@@ -334,7 +334,7 @@ def _parse_json(text: str, what: str) -> Any:
 
 
 def _read_text(path: str | Path, what: str) -> str:
-    from .safe_load import UnsafeFile, read_text
+    from .files.safe_load import UnsafeFile, read_text
 
     p = Path(path)
     if not p.is_file():

@@ -1,11 +1,11 @@
-"""Tests' tools for MalleusEngine's rank files (``malleus_ds/ckpt_format.py``): read and write a
+"""Tests' tools for MalleusEngine's rank files (``malleus_ds/files/ckpt_format.py``): read and write a
 raw rank file's header and data, and rewrite one in the older ``torch.save`` zip format (which
 must still load)."""
 from pathlib import Path
 
 import torch
 
-from malleus_ds.ckpt_format import RAW_MAGIC, raw_data_start
+from malleus_ds.files.ckpt_format import RAW_MAGIC, raw_data_start
 
 
 def read_raw(f: Path) -> tuple[dict, bytes]:
@@ -33,7 +33,7 @@ def write_raw(f: Path, header: dict, data: bytes) -> None:
 def to_zip(f: Path) -> None:
     """Rewrite a raw rank file as the older format: one ``torch.save`` zip of the same dict
     with the slices as tensors."""
-    from malleus_ds.ckpt_format import RAW_DTYPES
+    from malleus_ds.files.ckpt_format import RAW_DTYPES
 
     header, data = read_raw(f)
     buf = bytearray(data)

@@ -33,7 +33,7 @@ from typing import BinaryIO, Callable
 
 import numpy as np
 
-from ..fileio import atomic_write, atomic_write_text
+from ..files.fileio import atomic_write, atomic_write_text
 from .tokens import DataError
 
 #: bytes per read when copying the built tokens under their .npy header

@@ -61,7 +61,13 @@ import torch
 
 from ..resilience.agreement import raise_if_any_failed
 from ..layout import STATE_KINDS, plan_holdings
-from ..ckpt_format import MAX_WORLD, META, CheckpointError, open_rank_file, rank_file, resolve
+from ..files.ckpt_format import (
+    MAX_WORLD,
+    META,
+    CheckpointError,
+    open_rank_file,
+    rank_file,
+    resolve)
 from ..migrate.apply import StateView, params_from_masters, unpack_parts
 from ..migrate.file_reads import ONE_COPY, Read, one_copy, plan_reads, wants
 from ..migrate.transfer import Transfer, chunked

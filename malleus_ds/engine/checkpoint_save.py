@@ -23,14 +23,20 @@ import torch
 import torch.distributed as tdist
 
 from ..resilience.agreement import raise_if_any_failed
-from ..ckpt_format import (FORMAT, LATEST, META, RAW_MAGIC, CheckpointError, rank_file,
-                           raw_data_start)
-from ..fileio import aligned_buffer, atomic_write, atomic_write_chunks, round_up
+from ..files.ckpt_format import (
+    FORMAT,
+    LATEST,
+    META,
+    RAW_MAGIC,
+    CheckpointError,
+    rank_file,
+    raw_data_start)
+from ..files.fileio import aligned_buffer, atomic_write, atomic_write_chunks, round_up
 from ..layout import STATE_KINDS, intersect, plan_holdings
 from ..migrate.apply import StateView, pack_parts
 from ..migrate.file_reads import ONE_COPY, one_copy
 from ..migrate.transfer import Transfer
-from ..safe_load import UnsafeFile, check_plain
+from ..files.safe_load import UnsafeFile, check_plain
 from .checkpoint import _agree_or_raise, _table_json
 
 

@@ -257,7 +257,7 @@ def load_config(config) -> dict:
         return {}
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config))
-    from ..safe_load import read_json
+    from ..files.safe_load import read_json
 
     path = Path(config)
     if not path.is_file():

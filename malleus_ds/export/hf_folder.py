@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..fileio import atomic_write_path
+from ..files.fileio import atomic_write_path
 
 
 PROG = "malleus-export"

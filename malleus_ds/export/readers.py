@@ -8,7 +8,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..safe_load import UnsafeFile, load_plain, read_json, read_small_text
+from ..files.safe_load import UnsafeFile, load_plain, read_json, read_small_text
 from .hf_folder import (ExportError, Exported, _dtype, _hf_record, build_config, check_out_dir,
                         is_tied, write_folder)
 
@@ -83,7 +83,7 @@ def _needed(names: Sequence[str], record: Mapping) -> list[str]:
 def read_malleus(tag_dir: Path, record: Mapping) -> dict[str, torch.Tensor]:
     """Full fp32 tensors (masters under bf16/fp16, else parameters) from MalleusEngine's per-rank
     slice files, whatever plan and world size saved them."""
-    from ..ckpt_format import CheckpointError, open_rank_file, rank_file, resolve
+    from ..files.ckpt_format import CheckpointError, open_rank_file, rank_file, resolve
 
     try:
         d, meta = resolve(tag_dir.parent, tag_dir.name)
@@ -139,7 +139,7 @@ def _state_by_global(sd: Mapping[str, torch.Tensor], f: Path, record: Mapping,
 
 
 def read_torch(tag_dir: Path, record: Mapping, step: int | None) -> dict[str, torch.Tensor]:
-    from ..ckpt_format import TORCH_FORMAT as FORMAT, TORCH_STATE_FILE as STATE_FILE
+    from ..files.ckpt_format import TORCH_FORMAT as FORMAT, TORCH_STATE_FILE as STATE_FILE
 
     f = tag_dir / STATE_FILE
     if not f.is_file():
@@ -188,7 +188,7 @@ def read_deepspeed(tag_dir: Path, record: Mapping, run: Mapping) -> dict[str, to
 
 def find_checkpoint(ckpt_dir) -> tuple[Path, dict]:
     """``(tag folder, run.json)`` of an app checkpoint root (``latest``) or tag folder."""
-    from ..ckpt_format import LATEST, RUN_FILE, RUN_FORMAT as FORMAT
+    from ..files.ckpt_format import LATEST, RUN_FILE, RUN_FORMAT as FORMAT
 
     p = Path(ckpt_dir)
     if not p.exists():

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from ..ckpt_format import CheckpointError
+from ..files.ckpt_format import CheckpointError
 from ..layout import STATE_KINDS, Hold, merge, subtract
 from .transfer import HolderIndex
 

@@ -328,7 +328,7 @@ class HFModel:
             d = Path(self.path)
             idx = d / "model.safetensors.index.json"
             if idx.is_file():
-                from ..safe_load import UnsafeFile, read_json
+                from ..files.safe_load import UnsafeFile, read_json
 
                 try:
                     wm = read_json(idx, "safetensors index")["weight_map"]
@@ -452,7 +452,7 @@ def load_hf_model(hf_config: str | None = None, hf_path: str | None = None,
         if not f.is_file():
             raise HFError(f"model.hf_config={hf_config!r} is neither a preset "
                           f"({sorted(HF_PRESETS)}) nor a config.json file")
-        from ..safe_load import UnsafeFile, read_json
+        from ..files.safe_load import UnsafeFile, read_json
 
         try:
             raw = read_json(f, "config.json")

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..ckpt_format import LATEST, RUN_FILE
+from ..files.ckpt_format import LATEST, RUN_FILE
 from ..run_config import ConfigError, RunConfig
-from ..fileio import atomic_write_text
+from ..files.fileio import atomic_write_text
 from ..resilience.watchdog import phase
 from .base import DistEnv
 from .resume import read_saved, resume_point, run_record, tag_of

@@ -256,7 +256,7 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     ck = Checkpointer(cfg, env)
     if ck.resumed is not None:
         from ..ds_compat import load_weights_only
-        from ..safe_load import UnsafeFile
+        from ..files.safe_load import UnsafeFile
 
         load_weights_only(engine)           # DeepSpeed's loader would unpickle anything
         err = path = client = None

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..ckpt_format import LATEST, RUN_FILE, RUN_FORMAT
+from ..files.ckpt_format import LATEST, RUN_FILE, RUN_FORMAT
 from ..run_config import ConfigError, RunConfig
 
 #: what every engine needs unchanged on resume (the data position and the model's tensors)
@@ -136,7 +136,7 @@ def read_saved(root: Path) -> Saved | None:
     latest = root / LATEST
     if not latest.is_file():
         return None
-    from ..safe_load import UnsafeFile, read_json, read_small_text
+    from ..files.safe_load import UnsafeFile, read_json, read_small_text
 
     try:
         tag = read_small_text(latest, "'latest' file").strip()

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import time
 
-from ..ckpt_format import TORCH_FORMAT, TORCH_STATE_FILE
+from ..files.ckpt_format import TORCH_FORMAT, TORCH_STATE_FILE
 from ..run_config import ConfigError, RunConfig
-from ..fileio import atomic_write
+from ..files.fileio import atomic_write
 from ..samples import loss_share
 from .base import DistEnv, RunSummary
 from .checkpoint import Checkpointer
@@ -52,7 +52,7 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     multi = dist.is_initialized() and env.world_size > 1
     ck = Checkpointer(cfg, env)
     if ck.resumed is not None:
-        from ..safe_load import UnsafeFile, load_plain
+        from ..files.safe_load import UnsafeFile, load_plain
 
         try:    # plain data only: a file that names any class or function is refused
             st = load_plain(ck.resumed.path / TORCH_STATE_FILE, "engine=torch checkpoint file",

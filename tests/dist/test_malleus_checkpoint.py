@@ -137,7 +137,7 @@ def _buffer_reuse(eng, root):
     # a state tensor replaced (not written in place): the cached copies follow the new one
     import torch
 
-    from malleus_ds.ckpt_format import open_rank_file, resolve
+    from malleus_ds.files.ckpt_format import open_rank_file, resolve
 
     opt = eng.runtime.optimizer
     st = opt.optimizer.state[next(m for m in opt.masters if m is not None)]

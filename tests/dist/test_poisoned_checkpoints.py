@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from malleus_ds.export.hf_folder import ExportError
-from malleus_ds.ckpt_format import RAW_MAGIC
+from malleus_ds.files.ckpt_format import RAW_MAGIC
 from malleus_ds.export.readers import read_malleus, read_torch
 from tests.rank_files import read_raw, to_zip, write_raw
 
@@ -138,7 +138,7 @@ def test_torch_and_deepspeed_files_are_refused_by_resume(saved, tmp_path):
 
 def test_damaged_files_get_clear_errors(saved, tmp_path):
     """Truncated, from another save, not a checkpoint at all: each named, with what to do."""
-    from malleus_ds.ckpt_format import CheckpointError, open_rank_file, resolve
+    from malleus_ds.files.ckpt_format import CheckpointError, open_rank_file, resolve
 
     ck = _copy(saved, "malleus", tmp_path)
     d, meta = resolve(ck)

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from malleus_ds.ckpt_format import CheckpointError
+from malleus_ds.files.ckpt_format import CheckpointError
 from malleus_ds.migrate.file_reads import one_copy, plan_reads, wants
 from malleus_ds.migrate.transfer import HolderIndex
 from malleus_ds.migrate.transfer import chunked

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from malleus_ds.ckpt_format import FORMAT, rank_file
+from malleus_ds.files.ckpt_format import FORMAT, rank_file
 from malleus_ds.export import ExportError, export_checkpoint, hf_tensors, build_config, main
 from malleus_ds.layout import plan_holdings
 from malleus_ds.models.base import param_table
 from malleus_ds.models.hf import hf_name, load_hf_model
 from malleus_ds.plan import Plan
-from malleus_ds.ckpt_format import RUN_FORMAT
+from malleus_ds.files.ckpt_format import RUN_FORMAT
 from tests.dist.test_malleus_cases import plan_json, random_plan
 
 # rank 0: embedding + layer 0; ranks 1-2: a TP2 stage with layers 1-3 + head; rank 3: all layers
@@ -184,7 +184,7 @@ def test_dtype_bf16_and_force(tmp_path):
 
 
 def test_torch_and_deepspeed_checkpoints(tmp_path):
-    from malleus_ds.ckpt_format import TORCH_FORMAT
+    from malleus_ds.files.ckpt_format import TORCH_FORMAT
 
     for preset in ("tiny-qwen2-tied", "tiny-llama"):
         model = _model(preset)

@@ -1,12 +1,12 @@
 """fileio: atomic writes, and rank files written from page-aligned memory through O_DIRECT with a
-buffered fallback where the file system refuses it (malleus_ds/fileio.py)."""
+buffered fallback where the file system refuses it (malleus_ds/files/fileio.py)."""
 import errno
 import os
 
 import pytest
 
-from malleus_ds import fileio
-from malleus_ds.fileio import DIRECT_ALIGN, aligned_buffer, atomic_write_chunks
+from malleus_ds.files import fileio
+from malleus_ds.files.fileio import DIRECT_ALIGN, aligned_buffer, atomic_write_chunks
 
 
 def _chunks():

@@ -1,4 +1,4 @@
-"""malleus_ds/safe_load.py and its users: files are data, never code; sizes and numbers are
+"""malleus_ds/files/safe_load.py and its users: files are data, never code; sizes and numbers are
 bounded before anything large is read or built."""
 import json
 import os
@@ -8,7 +8,7 @@ import torch
 
 from malleus_ds.plan import Plan, PlanError
 from malleus_ds.problem import Problem
-from malleus_ds.safe_load import UnsafeFile, check_plain, load_plain, read_json
+from malleus_ds.files.safe_load import UnsafeFile, check_plain, load_plain, read_json
 
 
 class _Payload:

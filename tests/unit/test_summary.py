@@ -71,7 +71,7 @@ def test_summarize_prints_the_overrides_hydra_wrote(tmp_path, capsys):
 
     from omegaconf import OmegaConf
 
-    from malleus_ds.run_folder import read_overrides
+    from malleus_ds.files.run_folder import read_overrides
 
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
@@ -96,7 +96,7 @@ def test_summarize_and_plot_find_the_same_runs(tmp_path, capsys):
     import json
 
     from malleus_ds.plot_data import load_runs
-    from malleus_ds.run_folder import find_runs
+    from malleus_ds.files.run_folder import find_runs
 
     sweep = tmp_path / "sweep"
     jobs = [sweep / j / e for j in ("0", "2", "10") for e in ("deepspeed", "malleus")]

@@ -12,7 +12,7 @@ MalleusEngine's tag folder (``save_dir/tag/``; details in ``engine/checkpoint.py
   Written as a *raw rank file* (:data:`RAW_MAGIC`): the magic, the header's length (8 bytes,
   little-endian), the header (a ``torch.save`` image of every field but ``slices``, plus
   ``"index": {(kind, name, lo, hi): (dtype name, byte offset)}`` and ``"data_bytes"``), zeros up
-  to the next :data:`~malleus_ds.fileio.DIRECT_ALIGN` boundary (:func:`raw_data_start`), then the
+  to the next :data:`~malleus_ds.files.fileio.DIRECT_ALIGN` boundary (:func:`raw_data_start`), then the
   slices' bytes, each at its offset from there; the slices are views of the memory-mapped file.
   Files written before that are ``torch.save`` zip archives of the same dict; both load;
 * ``meta.json`` (:data:`META`, the commit record, written last), read by :func:`resolve`;

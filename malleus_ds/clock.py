@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
+from .emulation.cpu_quota import own_cap
+
 from .emulation.straggler import Straggler
 from .resilience.watchdog import HEARTBEAT, phase
 
@@ -25,7 +27,14 @@ class ComputeClock:
 
     One clock, two time sources:
 
-    * CPU: ``time.perf_counter`` around each span (the host runs the work);
+    * CPU: ``time.perf_counter`` around each span (the host runs the work), less the time this
+      thread waited, runnable, for a core that another process held (``/proc/thread-self/
+      schedstat``), floored by its CPU seconds times its own cgroup's quota (``own_cap``): a
+      rank's device is the core it gets. Ranks that share cores (4 ranks on 2) otherwise count
+      their peers' compute as their own, by the plan's mix: a healthy rank on a light share
+      read 1.5-2x (issue 31; docs/DESIGN.md §6, "Where the rates' bias comes from"). A CPU
+      quota's throttling stays in (the floor), and so does the whole wait under
+      ``straggler.method=compete``, whose slowdown *is* that wait;
     * CUDA: a pair of CUDA events per span, recorded on the current stream, nothing synchronised
       while the step runs; the events are read once, when ``compute_s`` is first asked for in a
       step (the host waits there for the GPU: watchdog phase "waiting for the GPU"). An excluded
@@ -46,6 +55,11 @@ class ComputeClock:
         self._in_compute = 0
         self._events: list[tuple[object, object, float]] = []    # (start, end, +1 | -1)
         self._sync = cuda
+        method = getattr(getattr(straggler, "schedule", None), "method", "sleep")
+        #: CPU spans leave out the waits for a core held by another process (None: wall time)
+        self.waits = not cuda and method != "compete" and thread_times() is not None
+        self._cap = 1.0                  # this process's CPU quota (read at each step start)
+        self._ex_cpu = self._ex_wait = 0.0
 
     def start_step(self, step: int) -> None:
         self.step, self._compute_s, self.emulated_s = step, 0.0, 0.0
@@ -53,6 +67,8 @@ class ComputeClock:
         self._sync = self.cuda and self._emulating(step)
         if self.straggler is not None:
             self.straggler.at_step(step)    # method=quota|compete: the step's CPU cap
+        if self.waits:
+            self._cap = own_cap()
         HEARTBEAT.beat("step start", step)
 
     def _emulating(self, step: int) -> bool:
@@ -102,12 +118,19 @@ class ComputeClock:
             import torch
             torch.cuda.synchronize()
         t0, ex0 = time.perf_counter(), self._excluded
+        c0, w0 = thread_times() if self.waits else (0.0, 0.0)
+        cx0, wx0 = self._ex_cpu, self._ex_wait
         with phase("forward/backward"):
             yield
         if self.cuda:
             import torch
             torch.cuda.synchronize()
-        self.add(max(0.0, time.perf_counter() - t0 - (self._excluded - ex0)))
+        wall = time.perf_counter() - t0 - (self._excluded - ex0)
+        if self.waits:
+            c1, w1 = thread_times()
+            cpu = (c1 - c0) - (self._ex_cpu - cx0)
+            wall = max(wall - ((w1 - w0) - (self._ex_wait - wx0)), cpu * self._cap)
+        self.add(max(0.0, wall))
 
     @contextmanager
     def excluded(self):
@@ -116,6 +139,7 @@ class ComputeClock:
         outer = self._ex_depth == 1
         ev = self._event_pair() if outer and self.events and self._in_compute else None
         t0 = time.perf_counter()
+        c0, w0 = thread_times() if outer and self.waits else (0.0, 0.0)
         try:
             with phase("communication"):
                 yield
@@ -126,9 +150,36 @@ class ComputeClock:
                 self._events.append((ev[0], ev[1], -1.0))
             elif self._ex_depth == 0:
                 self._excluded += time.perf_counter() - t0
+                if self.waits:
+                    c1, w1 = thread_times()
+                    self._ex_cpu += c1 - c0
+                    self._ex_wait += w1 - w0
 
     def add(self, seconds: float) -> None:
-        """Account ``seconds`` of measured compute, then emulate (sleep) if slowed."""
-        slept = self.straggler.after_compute(self.step, seconds) if self.straggler else 0.0
+        """Account ``seconds`` of measured compute, then emulate (sleep) if slowed. A sleep's
+        wait for a core after it wakes is left out like any other (on shared cores a 9 ms sleep
+        could take 40: a rank at rate 10 probed at 40)."""
+        if self.straggler is None:
+            slept = 0.0
+        else:
+            w0 = thread_times()[1] if self.waits else 0.0
+            slept = self.straggler.after_compute(self.step, seconds)
+            if self.waits and slept > 0:
+                slept = max(0.0, slept - (thread_times()[1] - w0))
         self._compute_s += seconds + slept
         self.emulated_s += slept
+
+
+SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def thread_times(path: str = SCHEDSTAT) -> tuple[float, float] | None:
+    """(seconds this thread has run on a CPU, seconds it has waited runnable for one: a core held
+    by another process, or its cgroup's quota spent) from the kernel's schedstat; None where it
+    cannot be read (not Linux, no ``CONFIG_SCHED_INFO``)."""
+    try:
+        with open(path, "rb") as f:
+            run, wait = f.read().split()[:2]
+        return int(run) / 1e9, int(wait) / 1e9
+    except (OSError, ValueError):
+        return None

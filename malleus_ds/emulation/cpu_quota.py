@@ -116,6 +116,25 @@ def detect(sys_root: str = SYS_ROOT, proc_cgroup: str = PROC_CGROUP) -> Layout |
     return None
 
 
+def own_cap(sys_root: str = SYS_ROOT, proc_cgroup: str = PROC_CGROUP) -> float:
+    """How many times slower than one full core this process's own cpu cgroup lets it run
+    (``period / quota``; 1.0 without a quota, or where no cpu controller is readable). Read, not
+    assumed: a quota set by anyone (this module, a job scheduler) counts; a parent's does not."""
+    lay = detect(sys_root, proc_cgroup)
+    if lay is None:
+        return 1.0
+    try:
+        if lay.version == 1:
+            q = int(_read(lay.original / "cpu.cfs_quota_us") or -1)
+            per = int(_read(lay.original / "cpu.cfs_period_us") or 0)
+        else:
+            q_s, _, per_s = (_read(lay.original / "cpu.max") or "max").partition(" ")
+            q, per = (-1 if q_s == "max" else int(q_s)), int(per_s or 0)
+    except ValueError:
+        return 1.0
+    return per / q if q > 0 and per > 0 and per > q else 1.0
+
+
 def _read(p: Path) -> str:
     try:
         return p.read_text().strip()

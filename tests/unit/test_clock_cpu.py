@@ -1,0 +1,139 @@
+"""The compute clock on CPU: a rank's device is the core it gets (issue 31).
+
+Ranks that share cores count their peers' compute as their own when timed by the wall: a
+healthy rank on a light share read 1.5-2x. The clock leaves out the time the thread waited,
+runnable, for a core held by another process (``/proc/thread-self/schedstat``), keeps a CPU
+quota's throttling (its CPU seconds times the cgroup's cap), keeps the whole wait under
+``straggler.method=compete`` (that wait *is* its slowdown), and leaves a sleep's wake-up wait
+out of the emulation. Scripted time sources first, then one real competitor on the same core.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from malleus_ds import clock as clock_mod
+from malleus_ds.clock import ComputeClock, thread_times
+from malleus_ds.emulation.straggler import Straggler, StragglerSchedule
+
+
+class Host:
+    """Wall, CPU and run-queue wait seconds the test advances by hand."""
+
+    def __init__(self, monkeypatch, cap=1.0):
+        self.wall = self.cpu = self.wait = 0.0
+        monkeypatch.setattr(clock_mod.time, "perf_counter", lambda: self.wall)
+        monkeypatch.setattr(clock_mod, "thread_times", lambda path=None: (self.cpu, self.wait))
+        monkeypatch.setattr(clock_mod, "own_cap", lambda: cap)
+
+    def run(self, cpu=0.0, wait=0.0, blocked=0.0):
+        self.cpu += cpu
+        self.wait += wait
+        self.wall += cpu + wait + blocked
+
+
+def _clock(method="sleep", rate=None, sleep=None):
+    entries = [] if rate is None else [{"rank": 0, "rate": rate, "start_step": 0}]
+    sched = StragglerSchedule.parse(entries, 1, method=method)
+    return ComputeClock(Straggler(sched, 0, sleep=sleep or (lambda s: None)))
+
+
+def test_a_wait_for_a_core_is_not_compute(monkeypatch):
+    h = Host(monkeypatch)
+    c = _clock()
+    assert c.waits
+    c.start_step(0)
+    with c.compute():
+        h.run(cpu=0.18, wait=0.12, blocked=0.01)     # a page-in or a lock: still compute
+    assert c.compute_s == pytest.approx(0.19)
+
+
+def test_a_quota_keeps_its_throttling(monkeypatch):
+    """A quota's throttled time is a run-queue wait too: the CPU seconds times the cap stand."""
+    h = Host(monkeypatch, cap=3.0)
+    c = _clock()
+    c.start_step(0)
+    with c.compute():
+        h.run(cpu=0.2, wait=0.4)
+    assert c.compute_s == pytest.approx(0.6)
+    c.start_step(1)
+    with c.compute():                  # capped AND sharing a core: the cap is the floor
+        h.run(cpu=0.2, wait=0.55)
+    assert c.compute_s == pytest.approx(0.6)
+
+
+def test_compete_keeps_the_whole_wait(monkeypatch):
+    h = Host(monkeypatch)
+    c = _clock(method="compete")
+    assert not c.waits
+    c.start_step(0)
+    with c.compute():
+        h.run(cpu=0.1, wait=0.2)
+    assert c.compute_s == pytest.approx(0.3)
+
+
+def test_communication_inside_a_span_is_left_out_with_its_own_waits(monkeypatch):
+    h = Host(monkeypatch)
+    c = _clock()
+    c.start_step(0)
+    with c.compute():
+        h.run(cpu=0.1, wait=0.05)
+        with c.excluded():
+            h.run(cpu=0.02, wait=0.1, blocked=0.08)
+        h.run(cpu=0.15)
+    assert c.compute_s == pytest.approx(0.25)
+
+
+def test_a_sleeps_wake_up_wait_is_left_out_of_the_emulation(monkeypatch):
+    h = Host(monkeypatch)
+    fake = lambda s: h.run(wait=0.03, blocked=s)          # noqa: E731
+    monkeypatch.setattr(time, "sleep", fake)              # measured by the wall, as time.sleep is
+    c = _clock(rate=4.0, sleep=fake)
+    c.start_step(0)
+    with c.compute():
+        h.run(cpu=0.01, wait=0.01)
+    assert c.emulated_s == pytest.approx(0.03)           # (4 - 1) x 0.01, not 0.06
+    assert c.compute_s == pytest.approx(0.04)
+
+
+def test_thread_times_reads_schedstat_or_says_none(tmp_path):
+    f = tmp_path / "schedstat"
+    f.write_text("230891278 157450235 84\n")
+    assert thread_times(str(f)) == pytest.approx((0.230891278, 0.157450235))
+    assert thread_times(str(tmp_path / "missing")) is None
+    f.write_text("garbage\n")
+    assert thread_times(str(f)) is None
+
+
+_SPIN = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass\n"
+
+
+@pytest.mark.skipif(thread_times() is None or not hasattr(os, "sched_setaffinity"),
+                    reason="needs Linux schedstat and CPU affinity")
+def test_a_busy_neighbour_on_the_same_core_does_not_slow_the_clock():
+    """Real: this thread and a spinning process pinned to one core share it; the wall time of
+    a fixed CPU loop roughly doubles, the clock's reading stays near its CPU seconds."""
+    core = sorted(os.sched_getaffinity(0))[0]
+    before = os.sched_getaffinity(0)
+    spin = subprocess.Popen([sys.executable, "-c", _SPIN, str(core)])
+    try:
+        os.sched_setaffinity(0, {core})
+        time.sleep(0.2)                                  # the spinner is on its core
+        c = ComputeClock(None)
+        c.start_step(0)
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        with c.compute():
+            x = 0
+            while time.thread_time() - cpu0 < 0.3:
+                x += 1
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+    finally:
+        spin.kill()
+        spin.wait()
+        os.sched_setaffinity(0, before)
+    assert wall > 1.4 * cpu, (wall, cpu)                 # the neighbour did take the core
+    assert c.compute_s < 1.15 * cpu and c.compute_s > 0.9 * cpu, (c.compute_s, wall, cpu)

@@ -45,7 +45,7 @@ setup(
         "console_scripts": [
             "malleus-plan=malleus_ds.cli:plan_main",
             "malleus-sim=malleus_ds.cli:sim_main",
-            "malleus-plot=malleus_ds.plot:main",
+            "malleus-plot=malleus_ds.report.plot:main",
             "malleus-export=malleus_ds.export:main",
         ],
     },

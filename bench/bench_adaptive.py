@@ -25,7 +25,7 @@ reports the median per run (these machines are noisy).
 ``malleus_ds/emulation/cpu_quota.py``) instead of sleeping; on 4 ranks sharing 2 cores a quota of rate r
 slows a rank by about r/2 (its healthy share was half a core), so the oracle is told the
 calibrated slowdown (``cpu_quota.calibrate`` with 3 busy processes), not r. Every run also prints
-its what-if account (``malleus_ds/whatif.py``): what the stragglers would have cost a static job,
+its what-if account (``malleus_ds/report/whatif.py``): what the stragglers would have cost a static job,
 what this run lost, and the bound.
 
 ``--repeat N`` (issue 31, "the same decision, run after run"): a named schedule
@@ -56,7 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))          # adaptive_schedules.py, beside this file
 
-from malleus_ds.metrics import read_metrics  # noqa: E402
+from malleus_ds.report.metrics import read_metrics  # noqa: E402
 import adaptive_schedules as sch  # noqa: E402
 from adaptive_schedules import SCHEDULES  # noqa: E402
 
@@ -356,7 +356,7 @@ def main() -> int:
                 "dir": str(d)})
             print(f"round {k} {n:9s} done: {json.dumps(res[n][-1])}", flush=True)
             try:
-                from malleus_ds.whatif import account_of_run, closing_line
+                from malleus_ds.report.whatif import account_of_run, closing_line
                 print(f"  what-if, {n}: {closing_line(account_of_run(d, 2))}", flush=True)
             except Exception as e:      # noqa: BLE001 - the account is a report, not a check
                 print(f"  what-if, {n}: not available ({e})", flush=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from malleus_ds.metrics import emulated_rates, read_metrics  # noqa: E402
+from malleus_ds.report.metrics import emulated_rates, read_metrics  # noqa: E402
 
 
 def main() -> int:

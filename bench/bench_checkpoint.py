@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from malleus_ds.metrics import read_live  # noqa: E402
+from malleus_ds.report.metrics import read_live  # noqa: E402
 from malleus_ds.resilience.procs import descendants, rank_pid  # noqa: E402
 
 TRAIN = str(REPO / "launch" / "train.py")

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from bench_adaptive import launch  # noqa: E402
 
-from malleus_ds.metrics import read_metrics  # noqa: E402
+from malleus_ds.report.metrics import read_metrics  # noqa: E402
 
 ENGINES = ("deepspeed", "static", "adaptive")
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Summarise training runs side by side: one row per run folder (a folder of run folders, e.g. a
 ``--multirun`` sweep or a compare run, expands to them), with its overrides, median step time,
-throughput and ratio to the first; then each run's what-if account (``malleus_ds/whatif.py``:
+throughput and ratio to the first; then each run's what-if account (``malleus_ds/report/whatif.py``:
 per straggler phase the healthy, static-layout, bound and achieved throughput, the seconds lost
 to detection and migrations, and one line: what the stragglers would have cost a static job,
 what they cost this run, the bound).
@@ -11,7 +11,7 @@ what they cost this run, the bound).
     python launch/summarize.py multirun/s
 
 Without an emulated schedule the straggler phases come from the measured rates read as the
-adaptive loop reads them (``malleus_ds/phases.py``: each rank's median over 5 steps, below 1.2
+adaptive loop reads them (``malleus_ds/report/phases.py``: each rank's median over 5 steps, below 1.2
 healthy, at least 7 steps long), so a healthy run's noisy steps are no straggler.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from malleus_ds.metrics import METRICS_FILE, MetricsError, read_run  # noqa: E402
-from malleus_ds.files.run_folder import find_runs, read_overrides  # noqa: E402
-from malleus_ds.whatif import WhatIfError, account_of_run, format_account  # noqa: E402
+from malleus_ds.report.metrics import METRICS_FILE, MetricsError, read_run  # noqa: E402
+from malleus_ds.report.run_folder import find_runs, read_overrides  # noqa: E402
+from malleus_ds.report.whatif import WhatIfError, account_of_run, format_account  # noqa: E402
 
 
 class InputError(Exception):

@@ -183,9 +183,9 @@ def _gave_up(plain: dict, restarts: int, run_dir: str) -> None:
 def _run_compare(engines: tuple[str, ...], plain: dict, nproc: int, task_overrides: list[str],
                  run_dir: str) -> int:
     """``compare=[e1,e2,...]``: the whole config once per engine, each in ``run_dir/<engine>``,
-    then the side-by-side table (``malleus_ds/compare.py``) and the plot. Every engine's config
+    then the side-by-side table (``malleus_ds/report/compare.py``) and the plot. Every engine's config
     is checked before the first one starts."""
-    from malleus_ds.compare import no_straggler_note, report
+    from malleus_ds.report.compare import no_straggler_note, report
     from malleus_ds.config import ConfigError, build_run_config
     from malleus_ds.runners import validate
 

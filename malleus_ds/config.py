@@ -143,8 +143,8 @@ def _max_restarts(v: Any, ckpt: CheckpointConfig) -> int:
 
 def compare_engines(v: Any) -> tuple[str, ...]:
     """``compare``: engines that each run the whole config, one after the other, for a
-    side-by-side table (launch/train.py, malleus_ds/compare.py); empty = a normal run."""
-    from .compare import COMPARABLE
+    side-by-side table (launch/train.py, malleus_ds/report/compare.py); empty = a normal run."""
+    from .report.compare import COMPARABLE
 
     if v is None:
         return ()

@@ -22,7 +22,7 @@ import time
 from ..clock import ComputeClock as _ComputeClock
 from ..run_config import RunConfig
 from ..emulation.straggler import Straggler
-from ..metrics import MetricsWriter, StepRecord, format_event, format_phases, phases
+from ..report.metrics import MetricsWriter, StepRecord, format_event, format_phases, phases
 from ..plan import Plan, even_split
 from ..reference import micro_batches
 from ..resilience.watchdog import phase
@@ -233,7 +233,7 @@ def format_summary(cfg: RunConfig, s: RunSummary) -> str:
 
 def _whatif(cfg: RunConfig, metrics_path: str, gbs: int, mbs: int) -> str:
     """The run's what-if account (``whatif.py``) against the static layout of ``parallel.*``."""
-    from ..whatif import Layout, WhatIfError, account_of_run, format_account
+    from ..report.whatif import Layout, WhatIfError, account_of_run, format_account
 
     p, layers = cfg.parallel, getattr(cfg.model, "num_layers", None)
     layout = Layout(p.tp, p.pp, p.dp, layers, gbs, mbs) if layers else None

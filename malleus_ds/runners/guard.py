@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..metrics import METRICS_FILE
+from ..report.metrics import METRICS_FILE
 from ..resilience.watchdog import Watchdog, watchdog_store
 
 

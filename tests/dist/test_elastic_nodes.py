@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from malleus_ds.metrics import read_live
+from malleus_ds.report.metrics import read_live
 from malleus_ds.resilience.procs import descendants
 from tests.dist.test_checkpoint_cli import ARGS, TRAIN, _reference, _rows
 

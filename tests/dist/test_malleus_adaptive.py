@@ -193,6 +193,6 @@ def test_forced_replans_from_the_command_line_log_events_and_plot(tmp_path):
     ref, _ = reference_run(load_hf_model("tiny-llama", max_seq_len=16), seed=0, steps=8,
                            global_batch_size=8, micro_batch_size=1)
     np.testing.assert_allclose([r["loss"] for r in steps], ref, rtol=1e-5)
-    from malleus_ds.plot import main as plot_main
+    from malleus_ds.report.plot import main as plot_main
     assert plot_main([str(out), "-o", str(tmp_path / "t.png")]) == 0
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

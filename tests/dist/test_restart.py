@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from malleus_ds.metrics import read_live
+from malleus_ds.report.metrics import read_live
 from malleus_ds.resilience.procs import descendants, rank_pid
 from tests.dist.test_checkpoint_cli import ARGS, TRAIN, _reference, _rows
 

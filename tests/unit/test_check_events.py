@@ -1,8 +1,13 @@
-"""malleus_ds/check_events.py: plan checks read back from metrics.jsonl events, their lines."""
+"""malleus_ds/report/check_events.py: plan checks read back from metrics.jsonl events, their lines."""
 from __future__ import annotations
 
-from malleus_ds.check_events import Check, checks_line, checks_of, format_check, replan_outcome
-from malleus_ds.metrics import format_event
+from malleus_ds.report.check_events import (
+    Check,
+    checks_line,
+    checks_of,
+    format_check,
+    replan_outcome)
+from malleus_ds.report.metrics import format_event
 
 
 def check(step, outcome, ratio=2.093, expected=0.43, plan="plan-b"):

@@ -1,8 +1,13 @@
-"""malleus_ds/compare.py: one straggler schedule under several engines, side by side (pure)."""
+"""malleus_ds/report/compare.py: one straggler schedule under several engines, side by side (pure)."""
 import pytest
 
-from malleus_ds.compare import (CompareError, compare, closing_line, format_comparison,
-                                no_straggler_note, segments)
+from malleus_ds.report.compare import (
+    CompareError,
+    compare,
+    closing_line,
+    format_comparison,
+    no_straggler_note,
+    segments)
 from malleus_ds.emulation.straggler import StragglerSchedule
 
 

@@ -3,7 +3,12 @@ from __future__ import annotations
 import pytest
 
 from malleus_ds.emulation.straggler import Straggler, StragglerError, StragglerSchedule
-from malleus_ds.metrics import MetricsWriter, StepRecord, format_phases, phases, read_metrics
+from malleus_ds.report.metrics import (
+    MetricsWriter,
+    StepRecord,
+    format_phases,
+    phases,
+    read_metrics)
 
 
 def test_schedule_windows_and_overlap():

@@ -22,15 +22,13 @@ PKG = Path(__file__).resolve().parents[2] / "malleus_ds"
 
 #: the bottom layer: pure contracts and models every other layer stands on
 BOTTOM = {"job_layout", "plan", "problem", "cost", "layout", "schedule", "views", "samples",
-          "optim", "files", "straggler", "replan", "simulate", "metrics",
-          "phases", "check_events"}
+          "optim", "files", "straggler", "replan", "simulate"}
 #: the core above it (packages or modules, relative to malleus_ds)
 CORE = BOTTOM | {"engine", "migrate", "planner", "models", "control", "clock", "probe", "resilience",
                  "emulation", "ds_compat",
                  "device"}
 #: the app: what the core must never import
-APP = {"runners", "config", "run_config", "data", "reference", "export", "cli", "plot",
-       "plot_data", "compare", "api"}
+APP = {"runners", "config", "run_config", "data", "reference", "export", "cli", "report", "api"}
 THIRD_PARTY_APP = {"hydra", "omegaconf"}
 
 

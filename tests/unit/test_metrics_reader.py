@@ -10,9 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from malleus_ds import compare, plot, plot_data, whatif
-from malleus_ds.metrics import (METRICS_FILE, MetricsError, MetricsFile, MetricsWriter,
-                                StepRecord, read_metrics, read_metrics_file, read_run)
+from malleus_ds.report import compare, plot, plot_data, whatif
+from malleus_ds.report.metrics import (
+    METRICS_FILE,
+    MetricsError,
+    MetricsFile,
+    MetricsWriter,
+    StepRecord,
+    read_metrics,
+    read_metrics_file,
+    read_run)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -191,7 +198,7 @@ def test_the_four_callers_split_one_file_alike(tmp_path):
 
 
 def test_summarize_reads_a_run_once(tmp_path, monkeypatch, capsys):
-    import malleus_ds.metrics as m
+    import malleus_ds.report.metrics as m
 
     d = run_dir(tmp_path, lines_of(*OLD))
     real, read = m.read_metrics_file, []

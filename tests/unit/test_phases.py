@@ -1,4 +1,4 @@
-"""malleus_ds/phases.py: a run's straggler phases from its measured rates, read as the adaptive
+"""malleus_ds/report/phases.py: a run's straggler phases from its measured rates, read as the adaptive
 loop reads them, and every report that splits by measured rates (what-if account,
 launch/summarize.py, the compare report's what-if lines, malleus-plot's data) reading them so:
 per-step noise on a healthy run makes no straggler phase (issue 31)."""
@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from malleus_ds import compare, plot_data
-from malleus_ds.phases import HEALTHY, MIN_STEPS, WINDOW, centred_median, rate_phases
+from malleus_ds.report import compare, plot_data
+from malleus_ds.report.phases import HEALTHY, MIN_STEPS, WINDOW, centred_median, rate_phases
 from malleus_ds.straggler import DetectConfig
-from malleus_ds.whatif import Layout, account, closing_line, format_account
+from malleus_ds.report.whatif import Layout, account, closing_line, format_account
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,10 +7,16 @@ import math
 import numpy as np
 import pytest
 
-from malleus_ds.plot import DPI, FIGSIZE, main
-from malleus_ds.whatif import format_account
-from malleus_ds.plot_data import (Event, Region, job_labels, load_runs, read_run, rolling_median,
-                                  straggler_regions)
+from malleus_ds.report.plot import DPI, FIGSIZE, main
+from malleus_ds.report.whatif import format_account
+from malleus_ds.report.plot_data import (
+    Event,
+    Region,
+    job_labels,
+    load_runs,
+    read_run,
+    rolling_median,
+    straggler_regions)
 
 SAMPLES = 8
 STEPS = 40
@@ -191,7 +197,7 @@ def test_regions_edge_cases(tmp_path):
 
 
 def test_many_ranks_highlight_slowed_ones(tmp_path):
-    from malleus_ds.plot import _highlighted_ranks
+    from malleus_ds.report.plot import _highlighted_ranks
 
     w = 32
     lines = []
@@ -244,8 +250,8 @@ def test_errors(tmp_path, capsys):
 
 
 def test_whatif_account_on_the_plot(tmp_path):
-    from malleus_ds.plot import draw
-    from malleus_ds.whatif import closing_line
+    from malleus_ds.report.plot import draw
+    from malleus_ds.report.whatif import closing_line
 
     run = read_run(write_run(tmp_path / "run", adaptive_lines()))
     a = run.whatif
@@ -296,7 +302,7 @@ def checked_lines() -> list[dict]:
 def test_plan_checks_are_drawn(tmp_path, monkeypatch):
     from matplotlib.figure import Figure
 
-    from malleus_ds.plot import KEPT_COLOR, MISSED_COLOR
+    from malleus_ds.report.plot import KEPT_COLOR, MISSED_COLOR
 
     run = read_run(write_run(tmp_path / "run", checked_lines()))
     checks = [e for e in run.events if e.kind == "check" or e.trigger == "missed"]

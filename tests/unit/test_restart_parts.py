@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from malleus_ds.metrics import MetricsWriter, format_event, read_run
+from malleus_ds.report.metrics import MetricsWriter, format_event, read_run
 from malleus_ds.run_config import ConfigError
 from malleus_ds.runners.base import DistEnv, attempt_store
 from tests.unit.test_config import cfg
@@ -194,7 +194,7 @@ def test_the_watchdog_reports_a_dead_rank_on_its_host_at_once():
 
 
 def test_a_live_metrics_file_reads_up_to_its_last_complete_line(tmp_path):
-    from malleus_ds.metrics import read_live
+    from malleus_ds.report.metrics import read_live
 
     assert read_live(tmp_path) == []                             # not written yet
     (tmp_path / "metrics.jsonl").write_text(_lines(_step(0), {"event": "checkpoint",

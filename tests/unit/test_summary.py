@@ -71,7 +71,7 @@ def test_summarize_prints_the_overrides_hydra_wrote(tmp_path, capsys):
 
     from omegaconf import OmegaConf
 
-    from malleus_ds.files.run_folder import read_overrides
+    from malleus_ds.report.run_folder import read_overrides
 
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
@@ -95,8 +95,8 @@ def test_summarize_and_plot_find_the_same_runs(tmp_path, capsys):
     import importlib.util
     import json
 
-    from malleus_ds.plot_data import load_runs
-    from malleus_ds.files.run_folder import find_runs
+    from malleus_ds.report.plot_data import load_runs
+    from malleus_ds.report.run_folder import find_runs
 
     sweep = tmp_path / "sweep"
     jobs = [sweep / j / e for j in ("0", "2", "10") for e in ("deepspeed", "malleus")]
@@ -120,8 +120,8 @@ def test_summarize_and_plot_find_the_same_runs(tmp_path, capsys):
 def test_one_text_per_event():
     """``metrics.format_event``: the summary's and progress bar's line, and (short) the label
     malleus-plot draws; runners/common.py and plot.py both use it."""
-    from malleus_ds import plot_data
-    from malleus_ds.metrics import format_event
+    from malleus_ds.report import plot_data
+    from malleus_ds.report.metrics import format_event
     from malleus_ds.runners import common
 
     rp = {"event": "replan", "step": 20, "trigger": "change", "measured_rates": [1.0, 5.3],

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from malleus_ds.metrics import MetricsBusy, MetricsWriter
+from malleus_ds.report.metrics import MetricsBusy, MetricsWriter
 from malleus_ds.resilience.watchdog import (
     HANG_EXIT_CODE,
     Heartbeat,

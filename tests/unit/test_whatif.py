@@ -1,4 +1,4 @@
-"""malleus_ds/whatif.py: the what-if account of a run, checked against hand-computed numbers."""
+"""malleus_ds/report/whatif.py: the what-if account of a run, checked against hand-computed numbers."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,16 @@ import pytest
 
 from malleus_ds.cost import step_time
 from malleus_ds.problem import Problem
-from malleus_ds.whatif import (Layout, WhatIfError, account, account_of_run, closing_line,
-                               format_account, layout_from_config, static_keep, static_model)
+from malleus_ds.report.whatif import (
+    Layout,
+    WhatIfError,
+    account,
+    account_of_run,
+    closing_line,
+    format_account,
+    layout_from_config,
+    static_keep,
+    static_model)
 
 # 2 ranks as 2 pipeline stages of 2 layers each, 4 micro-batches of 2 samples
 PP2 = Layout(tp=1, pp=2, dp=1, num_layers=4, global_batch_size=8, micro_batch_size=2)

@@ -73,10 +73,10 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from .check_events import Check, checks_line, checks_of
-from .cost import capacity_of_rates
+from ..cost import capacity_of_rates
 from .metrics import MetricsError, emulated_rates, metrics_path, read_run
 from .phases import rate_phases
-from .straggler import HEALTHY  # a rate below this counts as healthy (DESIGN.md §6)
+from ..straggler import HEALTHY  # a rate below this counts as healthy (DESIGN.md §6)
 
 
 class WhatIfError(ValueError):
@@ -256,9 +256,9 @@ def static_model(layout: Layout | None, rates: Mapping[int, float], world: int) 
     if layout is None:
         return StaticModel(1.0, x, 1.0, "slowest rank's pace (layout not recorded: exact for "
                                         "pp=1)")
-    from .plan import PlanError
-    from .problem import Problem
-    from .simulate import build_timeline
+    from ..plan import PlanError
+    from ..problem import Problem
+    from ..simulate import build_timeline
 
     n = layout.tp * layout.pp * layout.dp
     if n != world:

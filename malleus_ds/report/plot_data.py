@@ -17,7 +17,7 @@ import numpy as np
 
 from . import metrics, whatif
 from .metrics import METRICS_FILE, MetricsError, emulated_rates, format_event, metrics_path
-from .files.run_folder import find_runs, read_overrides
+from .run_folder import find_runs, read_overrides
 
 
 EVENT_KINDS = ("replan", "migrate", "check")     # the events drawn (others are ignored)

@@ -25,9 +25,16 @@ from typing import Sequence
 import numpy as np
 
 from . import whatif
-from .plot_data import (Event, PlotError, Region, RunData, emulated_rate_series, load_runs,
-                        rolling_median, straggler_regions)
-from .straggler import HEALTHY
+from .plot_data import (
+    Event,
+    PlotError,
+    Region,
+    RunData,
+    emulated_rate_series,
+    load_runs,
+    rolling_median,
+    straggler_regions)
+from ..straggler import HEALTHY
 
 PROG = "malleus-plot"
 EXIT_BAD_INPUT = 2

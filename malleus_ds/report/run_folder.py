@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..metrics import METRICS_FILE
+from .metrics import METRICS_FILE
 
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .cost import capacity_of_rates
+from ..cost import capacity_of_rates
 from .metrics import MetricsError, emulated_rates, read_run
 
 #: engines ``compare`` accepts (each runs the whole config once)

@@ -69,7 +69,7 @@ def oracle_plan(a, out: Path) -> Path:
     from malleus_ds.models.base import head_layer_units, param_table
     from malleus_ds.models.llama import model_config
     from malleus_ds.job_layout import JobLayout
-    from malleus_ds.replan import job_problem
+    from malleus_ds.adaptive.replan import job_problem
     from malleus_ds.plan import static_plan
     from malleus_ds.planner import plan
 

@@ -11,7 +11,7 @@ estimator is fed: every rank's compute seconds and probe reading from the step's
 probing rank also holds its probe), each rank's CPU seconds inside its compute spans
 (``time.thread_time``: wall minus CPU is time the rank waited for a core yet counted as
 compute) and the live reading. It then replays the recordings through
-``malleus_ds.straggler.RateEstimator`` exactly as ``control.py`` feeds it (:func:`replay`:
+``malleus_ds.adaptive.straggler.RateEstimator`` exactly as ``control.py`` feeds it (:func:`replay`:
 ``cost_units`` with the model's head units, ``cost_shape``, window 5, the first step of the run
 and of each plan left out, held ranks from the reading at the switch) and reports per cell and
 rank the steady reading (median, worst |reading − true| once the window holds the plan's steps),
@@ -59,8 +59,14 @@ if str(REPO) not in sys.path:
 warnings.filterwarnings("ignore", "All-NaN|Degrees of freedom|Mean of empty", RuntimeWarning)
 
 from malleus_ds.plan import Plan  # noqa: E402
-from malleus_ds.straggler import (HEALTHY, HOLD, RateEstimator, as_list,  # noqa: E402
-                                  cost_shape, cost_units, held_ranks)
+from malleus_ds.adaptive.straggler import (
+    HEALTHY,
+    HOLD,
+    RateEstimator,
+    as_list,
+    cost_shape,
+    cost_units,
+    held_ranks)
 
 LAYERS, HIDDEN, HEADS, SEQ, MBS = 4, 256, 4, 128, 2
 MODEL = ["model=tiny", f"model.num_layers={LAYERS}", f"model.hidden_size={HIDDEN}",
@@ -180,7 +186,7 @@ def child(argv: list[str]) -> None:
     import runpy
 
     from malleus_ds import clock as clk
-    from malleus_ds import control
+    from malleus_ds.adaptive import control
 
     out = Path(os.environ["BENCH_RATES_OUT"])
     rank = int(os.environ.get("RANK", "0"))

@@ -459,7 +459,7 @@ def warm_up(device, dtypes) -> int:
     :func:`unpack` launch for tensors of ``dtypes`` on ``device``, on a tiny buffer, so no later
     call pays a compile. Call once at start-up, outside any timing: the adaptive loop
     calibrates migration cost from the first migration's seconds
-    (``malleus_ds/engine/switch.py``, ``malleus_ds/control.py``).
+    (``malleus_ds/engine/switch.py``, ``malleus_ds/adaptive/control.py``).
 
     A variant is fixed by the element size (the kernel copies bits: bf16 and fp16 share one),
     the direction, and the packed buffer's 16-byte alignment, on which Triton specialises

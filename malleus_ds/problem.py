@@ -14,12 +14,24 @@ from typing import Any, Mapping
 from .job_layout import JobLayout
 from .plan import (MAX_BATCH, MAX_LAYERS, MAX_RANKS, VERSION, JsonFile, Plan, PlanError,
                    _check_version, _int, static_plan)
-from .straggler import ideal_slowdown
 
 
 #: memory keys a problem file may leave out (0 when absent; ``layer_input_mb`` is required with
 #: ``training.activation_checkpointing``)
 _MEMORY_OPTIONAL = ("layer_grad_mb", "switch_buffer_mb", "layer_input_mb")
+
+
+def ideal_slowdown(tp: int) -> dict[int, float]:
+    """A TP-size slowdown table with perfect scaling: ``{tp/g: tp/g}`` for every divisor."""
+    return {k: float(k) for k in range(1, tp + 1) if tp % k == 0}
+
+
+def given_slowdown(tp_slowdown, tp: int) -> dict[int, float] | None:
+    """The user's ``malleus.tp_slowdown`` map for ``tp`` (entries it lacks: ideal), or None
+    when it is not a map (``"measure"`` / ``"ideal"``: the caller's own table)."""
+    if not isinstance(tp_slowdown, Mapping):
+        return None
+    return {k: float(tp_slowdown.get(k, v)) for k, v in ideal_slowdown(tp).items()}
 
 
 

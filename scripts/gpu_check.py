@@ -23,7 +23,7 @@ Parts (GPU / dry run):
 * ``bench``: ``bench/bench_pack.py``'s pack/copy bandwidth ratio (target >= 0.85) / its
   plumbing on CPU, reported as not measured;
 * ``malleus``: a 1-rank ``MalleusEngine`` in bf16 over NCCL: finite loss, peak memory against
-  the planner's memory model (``malleus_ds/replan.py`` memory_model, ``malleus_ds/cost.py``
+  the planner's memory model (``malleus_ds/adaptive/replan.py`` memory_model, ``malleus_ds/cost.py``
   stage_memory_terms), step time against a plain torch bf16 loop, and that engine start-up
   called ``warm_up`` / the same over gloo on CPU with the GPU numbers not measured;
 * ``multi`` (>= 2 GPUs, one rank each): the 3-stage plan (>= 3 GPUs), TP=2 with a slowed rank,
@@ -263,7 +263,7 @@ def part_malleus(gpu: bool) -> list[dict]:
     from malleus_ds.cost import stage_memory_terms
     from malleus_ds.models.llama import build_model, lm_loss, model_config
     from malleus_ds.plan import Plan
-    from malleus_ds.replan import device_memory_mb, memory_model
+    from malleus_ds.adaptive.replan import device_memory_mb, memory_model
 
     calls = []
     real = E.warm_up_pack

@@ -37,7 +37,7 @@ global-batch mean loss on every rank), ``local_shards()``, ``local_state()`` /
 ``switch_plan(plan)`` (live migration, ``switch.py``), ``save_checkpoint`` / ``load_checkpoint``
 (per-rank slices; load under any plan, ZeRO stage, precision or world size: ``checkpoint.py``;
 a Hugging Face folder is ``malleus_ds.export_engine(engine, out_dir)``),
-``set_compute_clock``, and the adaptive loop (``malleus_ds/control.py``, on unless
+``set_compute_clock``, and the adaptive loop (``malleus_ds/adaptive/control.py``, on unless
 ``ds_config.malleus.adaptive`` is false): ``measured_rates`` and ``take_events()`` (its
 ``replan`` / ``migrate`` events). bf16 and fp16 (with
 static or dynamic loss scaling) train with fp32 masters, fp32 gradient accumulation and reduction
@@ -122,7 +122,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         self.build_engine_state(plan, cfg, settings, zero_stage, data)
         self.migrations: list = []          # MigrationReport of every switch, in order
         self._pending_switches = list(settings.switch)
-        from ..control import Controller
+        from ..adaptive.control import Controller
         self.control = Controller(self, settings.adaptive)   # the adaptive loop (control.py)
         self.reduction = StepReduction(self.world_size, self.global_rank)   # step_reduce.py
         self.events: list[dict] = []        # replan / migrate events not yet taken (take_events)
@@ -411,7 +411,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
     @property
     def measured_rates(self) -> list[float | None]:
         """Each rank's smoothed measured straggling rate (None: not measured yet)."""
-        from ..straggler import as_list
+        from ..adaptive.straggler import as_list
         return as_list(self.control.measured)
 
     def switch_plan(self, new_plan, rates=None):

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..plan import Plan
-from ..pace_check import CheckConfig
-from ..straggler import DetectConfig
+from ..adaptive.pace_check import CheckConfig
+from ..adaptive.straggler import DetectConfig
 from .precision import Precision
 
 # ------------------------------------------------------------------ the adaptive loop's keys
@@ -116,7 +116,7 @@ _INT_CHECK = ("patience", "kept_after", "backoff", "severe_patience")
 
 
 def _check_config(sec) -> CheckConfig:
-    """``malleus.check``: a mapping of :class:`~malleus_ds.pace_check.CheckConfig` fields."""
+    """``malleus.check``: a mapping of :class:`~malleus_ds.adaptive.pace_check.CheckConfig` fields."""
     known = sorted(CheckConfig.__dataclass_fields__)
     if sec is None:
         return CheckConfig()

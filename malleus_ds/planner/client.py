@@ -1,6 +1,6 @@
 """Rank 0's side of the planner process (``planner/worker.py``): one JSON request per line on
 its stdin, one answer per line on its stdout, read by a thread so training never waits on the
-pipe. The adaptive loop (``malleus_ds/control.py``) owns one."""
+pipe. The adaptive loop (``malleus_ds/adaptive/control.py``) owns one."""
 from __future__ import annotations
 
 import threading

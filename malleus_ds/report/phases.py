@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..straggler import HEALTHY, DetectConfig
+from ..adaptive.straggler import HEALTHY, DetectConfig
 
 #: steps in the median that smooths a rank's readings (the adaptive loop's window)
 WINDOW = DetectConfig().window

@@ -40,8 +40,8 @@ def start_problem(cfg: RunConfig, plan: Plan, ds_config: dict, device: str | Non
     from ..engine.precision import Precision
     from ..engine.settings import MalleusSettings, activation_checkpointing_source
     from ..models.base import head_layer_units, param_table
-    from ..replan import job_memory, job_problem
-    from ..straggler import given_slowdown, ideal_slowdown
+    from ..adaptive.replan import job_memory, job_problem
+    from ..problem import given_slowdown, ideal_slowdown
     from .job import job_layout
 
     try:

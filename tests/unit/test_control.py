@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 
 from malleus_ds.job_layout import JobLayout
-from malleus_ds.control import Controller
+from malleus_ds.adaptive.control import Controller
 from malleus_ds.engine.settings import AdaptiveSettings
 from malleus_ds.engine.step_reduce import StepSums
-from malleus_ds.probe import Probe
+from malleus_ds.adaptive.probe import Probe
 from malleus_ds.planner.client import PlannerClient
-from malleus_ds.replan import decide, job_problem, memory_model, nominal_shape
+from malleus_ds.adaptive.replan import decide, job_problem, memory_model, nominal_shape
 from malleus_ds.cost import step_time
 from malleus_ds.models.llama import PRESETS, param_table
 from malleus_ds.plan import Plan, PlanError, static_plan, validate_plan
 from malleus_ds.planner.worker import alternative_plan, answer
-from malleus_ds.straggler import DetectConfig, cost_units
+from malleus_ds.adaptive.straggler import DetectConfig, cost_units
 
 
 @pytest.mark.parametrize("sec, match", [
@@ -171,7 +171,7 @@ def _engine(plan, rank=0, world=4):
 
 def _drive(ctl, plan, rates, steps, rng, base=0.01):
     """Feed ``steps`` steps of synthetic timings (± 10% noise) through slots/observe."""
-    from malleus_ds.straggler import cost_units
+    from malleus_ds.adaptive.straggler import cost_units
 
     units = cost_units(plan, 4, 1, {1: 1.0})
     for k in range(steps):
@@ -209,7 +209,7 @@ def test_controller_detects_plans_in_the_background_and_decides():
 
 
 def test_running_plan_always_fits_the_memory_model():
-    from malleus_ds.replan import fit_running_plan
+    from malleus_ds.adaptive.replan import fit_running_plan
     from malleus_ds.cost import validate_for_problem
 
     cfg = PRESETS["70b"]
@@ -426,7 +426,7 @@ def test_a_readmitted_rank_still_slow_breaks_the_promise_and_the_loop_replans_at
 
 
 def test_a_missed_promise_with_nothing_better_goes_back_to_the_faster_previous_plan():
-    from malleus_ds.replan import Decision
+    from malleus_ds.adaptive.replan import Decision
 
     plan = static_plan(4, 8, 1, 1, 1, 4)
     light = _light_plan(1)

@@ -22,9 +22,9 @@ from malleus_ds.planner import plan as plan_layout
 from malleus_ds.planner.config import PlannerConfig
 from malleus_ds.planner.partition import PipelineModel, layer_cap
 from malleus_ds.problem import Problem
-from malleus_ds.replan import job_problem, memory_model
+from malleus_ds.adaptive.replan import job_problem, memory_model
 from malleus_ds.simulate import build_timeline
-from malleus_ds.straggler import cost_units
+from malleus_ds.adaptive.straggler import cost_units
 
 QUICK = PlannerConfig(pop_size=8, max_generations=3, patience=2, polish_evals=50)
 
@@ -213,7 +213,7 @@ def test_the_start_up_memory_check_counts_recompute():
 
 
 def test_the_adaptive_loop_counts_recomputed_layers_in_its_units():
-    from malleus_ds.control import Controller
+    from malleus_ds.adaptive.control import Controller
     from malleus_ds.engine.precision import Precision
     from malleus_ds.engine.settings import AdaptiveSettings
 

@@ -22,9 +22,9 @@ PKG = Path(__file__).resolve().parents[2] / "malleus_ds"
 
 #: the bottom layer: pure contracts and models every other layer stands on
 BOTTOM = {"job_layout", "plan", "problem", "cost", "layout", "schedule", "views", "samples",
-          "optim", "files", "straggler", "replan", "simulate"}
+          "optim", "files", "simulate"}
 #: the core above it (packages or modules, relative to malleus_ds)
-CORE = BOTTOM | {"engine", "migrate", "planner", "models", "control", "clock", "probe", "resilience",
+CORE = BOTTOM | {"engine", "migrate", "planner", "models", "adaptive", "clock", "resilience",
                  "emulation", "ds_compat",
                  "device"}
 #: the app: what the core must never import

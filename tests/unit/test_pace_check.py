@@ -1,11 +1,11 @@
-"""The loop checks its own predictions (malleus_ds/pace_check.py): recorded step times in,
+"""The loop checks its own predictions (malleus_ds/adaptive/pace_check.py): recorded step times in,
 verdicts out. No processes."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from malleus_ds.pace_check import CheckConfig, HealthyPace, PaceCheck
+from malleus_ds.adaptive.pace_check import CheckConfig, HealthyPace, PaceCheck
 
 
 def _feed(check, times, start=10):

@@ -43,7 +43,7 @@ WAIT = ("4 ranks on 2 cores: waiting for a core counted as compute (wall / CPU s
         "reads within the bound)")
 PROBE = ("a held rank read by its probe on 4 ranks / 2 cores: probe over reference 2.5-5.8 "
          "for rate 3; without its probes it reads 3.10 / 3.14 / 2.95 in CPU seconds "
-         "(malleus_ds/probe.py)")
+         "(malleus_ds/adaptive/probe.py)")
 LIGHT = "a 35 ms share (1 layer + embedding x 2 micro-batches): one step at 1.11-1.12"
 PAIR = ("2 ranks: each step's median is the pair's mean, so the healthy rank moves against "
         "the other (in w2-pipe13-slow the fit explains held rank 1's training away, beta 2.6, "

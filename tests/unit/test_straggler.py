@@ -1,4 +1,4 @@
-"""Measured rates and re-plan detection (malleus_ds/straggler.py, DESIGN.md §6) on synthetic
+"""Measured rates and re-plan detection (malleus_ds/adaptive/straggler.py, DESIGN.md §6) on synthetic
 traces: no processes, numpy RNG with fixed seeds. The harness drives RateEstimator + Detector
 exactly as the engine does: ``add`` every step, ``check`` every ``cfg.every`` steps, and
 ``planned_for`` on every trigger."""
@@ -11,9 +11,17 @@ import pytest
 
 from malleus_ds.job_layout import JobLayout
 from malleus_ds.plan import Pipeline, Plan, Stage, static_plan, validate_plan
-from malleus_ds.straggler import (DetectConfig, Detector, RateEstimator, Trigger, as_list,
-                                  cost_units, held_ranks, ideal_slowdown, probe_reading,
-                                  probe_reference)
+from malleus_ds.adaptive.straggler import (
+    DetectConfig,
+    Detector,
+    RateEstimator,
+    Trigger,
+    as_list,
+    cost_units,
+    held_ranks,
+    probe_reading,
+    probe_reference)
+from malleus_ds.problem import ideal_slowdown
 
 BASE = 0.01     # seconds per unit on a healthy rank
 CFG = DetectConfig()

@@ -30,16 +30,24 @@ from collections import deque
 
 import numpy as np
 
-from .cost import RECOMPUTE_FACTOR
-from .engine.settings import AdaptiveSettings
-from .models.base import head_layer_units
+from ..cost import RECOMPUTE_FACTOR
+from ..engine.settings import AdaptiveSettings
+from ..models.base import head_layer_units
 from .pace_check import HealthyPace, PaceCheck
-from .plan import Plan, PlanError
+from ..plan import Plan, PlanError
 from .probe import Probe
-from .problem import Problem
+from ..problem import Problem
 from .replan import Decision, decide, fit_running_plan, job_memory, job_problem
-from .straggler import (HOLD, Detector, RateEstimator, as_list, cost_shape, cost_units,
-                        given_slowdown, held_ranks, ideal_slowdown, probe_reference)
+from .straggler import (
+    HOLD,
+    Detector,
+    RateEstimator,
+    as_list,
+    cost_shape,
+    cost_units,
+    held_ranks,
+    probe_reference)
+from ..problem import given_slowdown, ideal_slowdown
 
 # ------------------------------------------------------------------------------ the controller
 
@@ -59,7 +67,7 @@ class Controller:
         self.tp = engine.job.tp       # the TP degree self.slowdown is keyed by
         self.tp_measured: dict[int, float] | None = None    # tp_cost.measure at start-up
         if settings.tp_slowdown == "measure" and self.tp > 1:
-            from .engine.tp_cost import measure     # a collective: every rank builds a Controller
+            from .tp_cost import measure     # a collective: every rank builds a Controller
             self.tp_measured = measure(engine.model_cfg, self.tp, plan.micro_batch_size,
                                        engine.seq_len, engine.device, engine.act_dtype)
         self.slowdown = self._slowdown(self.tp)
@@ -104,7 +112,7 @@ class Controller:
         self._events: list[dict] = []      # rank 0: check events for metrics.jsonl
         self._client = None               # rank 0: planner/client.py's PlannerClient
         if self.rank == 0 and self.world > 1 and (settings.enabled or settings.replan_at):
-            from .planner.client import PlannerClient
+            from ..planner.client import PlannerClient
             self._client = PlannerClient()   # imports the planner while the engine warms up
 
     def _slowdown(self, tp: int) -> dict[int, float]:
@@ -312,7 +320,7 @@ class Controller:
             self._promise()
 
     def _hold(self, rates: list[float | None]) -> None:
-        """The ranks the running plan treats as slow (:func:`~malleus_ds.straggler.held_ranks`,
+        """The ranks the running plan treats as slow (:func:`~malleus_ds.adaptive.straggler.held_ranks`,
         the same on every rank: from the broadcast event's rates, or the shared measurement)
         and the rank that calibrates their probes."""
         self.held = held_ranks(self.units, rates, max(HOLD, self.s.detect.healthy))
@@ -328,7 +336,7 @@ class Controller:
 
     def _model_s(self, plan: Plan, rates) -> float | None:
         """The cost model's step time of ``plan`` under ``rates`` (model units), or None."""
-        from .cost import step_time
+        from ..cost import step_time
 
         pr = self._job_problem()
         if pr is None:
@@ -479,7 +487,7 @@ class Controller:
         nbytes = self._bytes_for(new) if new.id != cur.id else 0
         step_s = float(np.median(self.step_times)) if self.step_times else None
         if step_s:
-            from .cost import step_time
+            from ..cost import step_time
             self._scale = step_s / step_time(p["problem"], cur)
         res = decide(p["problem"], cur, new, p["trigger"], p["rates"], p["step"],
                      time.perf_counter() - p["t0"], step_s, nbytes,
@@ -509,7 +517,7 @@ class Controller:
                          "reason": why, "measured_rates": as_list(self.measured)}, None)
 
     def _bytes_for(self, new: Plan) -> int:
-        from .migrate.transfer import Layout, transfer_plan
+        from ..migrate.transfer import Layout, transfer_plan
 
         e = self.engine
         pb = e.precision.dtype.itemsize if e.precision.mixed else 4

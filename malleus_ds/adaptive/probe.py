@@ -3,7 +3,7 @@
 
 One decoder block's forward + backward on a dummy micro-batch, timed by the engine's compute
 clock like training compute (so straggler emulation applies). The adaptive loop
-(``malleus_ds/control.py``) runs it on ranks without work, on held ranks (working under a plan
+(``malleus_ds/adaptive/control.py``) runs it on ranks without work, on held ranks (working under a plan
 made for them as slow, with slack to spare) and on the calibrating rank, right after a step's
 all-reduce, and sends the reading in the next step's all-reduce.
 """

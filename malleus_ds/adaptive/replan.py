@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping
 
-from .job_layout import JobLayout
-from .plan import Plan, PlanError
-from .problem import Memory, Problem
+from ..job_layout import JobLayout
+from ..plan import Plan, PlanError
+from ..problem import Memory, Problem
 
 
 def nominal_shape(plan: Plan, world: int, tp: int) -> tuple[int, int]:
@@ -92,7 +92,7 @@ def fit_running_plan(problem: Problem, plan: Plan) -> Problem:
     """The memory model is an estimate; the running plan demonstrably fits. If the model says it
     does not, raise the device budget to the running plan's peak stage, so plans that need no
     more memory than today's stay allowed."""
-    from .cost import stage_memory_mb
+    from ..cost import stage_memory_mb
 
     m = problem.memory
     if m is None:
@@ -137,7 +137,7 @@ def decide(problem: Problem, current: Plan, new: Plan, trigger: str, rates: list
     running plan's prediction equals its measured ``step_s``. ``carried`` (rates a checkpoint
     carried across a restart, before any step is timed): adopted when the planner found a plan,
     which it does only ``min_improvement`` better than the running one."""
-    from .cost import step_time
+    from ..cost import step_time
 
     old_T, new_T = step_time(problem, current), step_time(problem, new)
     scale = step_s / old_T if step_s and old_T > 0 else None

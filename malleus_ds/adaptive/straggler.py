@@ -29,24 +29,11 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from .plan import Plan, charged_layers
+from ..plan import Plan, charged_layers
 
 #: a smoothed measured rate below this counts as healthy (1.0): DESIGN.md §6; the default of
 #: :attr:`DetectConfig.healthy`, and the threshold ``whatif.py`` and ``malleus-plot`` use
 HEALTHY = 1.2
-
-
-def ideal_slowdown(tp: int) -> dict[int, float]:
-    """A TP-size slowdown table with perfect scaling: ``{tp/g: tp/g}`` for every divisor."""
-    return {k: float(k) for k in range(1, tp + 1) if tp % k == 0}
-
-
-def given_slowdown(tp_slowdown, tp: int) -> dict[int, float] | None:
-    """The user's ``malleus.tp_slowdown`` map for ``tp`` (entries it lacks: ideal), or None
-    when it is not a map (``"measure"`` / ``"ideal"``: the caller's own table)."""
-    if not isinstance(tp_slowdown, Mapping):
-        return None
-    return {k: float(tp_slowdown.get(k, v)) for k, v in ideal_slowdown(tp).items()}
 
 
 def cost_units(plan: Plan, world: int, tp: int, tp_slowdown: Mapping[int, float],

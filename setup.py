@@ -43,8 +43,8 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "malleus-plan=malleus_ds.cli:plan_main",
-            "malleus-sim=malleus_ds.cli:sim_main",
+            "malleus-plan=malleus_ds.app.cli:plan_main",
+            "malleus-sim=malleus_ds.app.cli:sim_main",
             "malleus-plot=malleus_ds.report.plot:main",
             "malleus-export=malleus_ds.export:main",
         ],

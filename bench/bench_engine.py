@@ -69,7 +69,7 @@ def _hf_pipeline_module(cfg, seed, pp, ac=False):
     ``cfg.parallel.pp`` of a RunConfig)."""
     from types import SimpleNamespace
 
-    from malleus_ds.runners.deepspeed_runner import _build_pipeline_module
+    from malleus_ds.app.runners.deepspeed_runner import _build_pipeline_module
 
     run_cfg = SimpleNamespace(model=cfg, train=SimpleNamespace(seed=seed,
                                                                activation_checkpointing=ac),
@@ -87,7 +87,7 @@ def _stock_engine(layout, cfg, G, mbs, seed, ac=None):
     from malleus_ds.models import build_model
     from malleus_ds.models.llama import EMBED, HEAD, lm_loss
     from malleus_ds.optim import OptimConfig, make_optimizer
-    from malleus_ds.runners.deepspeed_runner import PipeLayer
+    from malleus_ds.app.runners.deepspeed_runner import PipeLayer
 
     ds = {"train_batch_size": G, "train_micro_batch_size_per_gpu": mbs,
           "gradient_accumulation_steps": G // mbs // (2 if layout == "dp2" else 1),
@@ -119,11 +119,11 @@ def _worker(rank, world, layout, model_name, seq, G, steps, rounds, warmup):
     from deepspeed.utils import groups
 
     from malleus_ds.data import ByteCorpus
-    from malleus_ds.ds_compat import init_deepspeed_comm
+    from malleus_ds.engine.ds_compat import init_deepspeed_comm
     from malleus_ds.engine.engine import MalleusEngine
     from malleus_ds.models.llama import lm_loss
     from malleus_ds.plan import static_plan
-    from malleus_ds.reference import micro_batches
+    from malleus_ds.app.reference import micro_batches
 
     cfg = _load_model(model_name, seq)
     mbs, seed = 1, 0
@@ -185,11 +185,11 @@ def _recompute_worker(rank, world, layout, model_name, seq, G, steps, rounds, wa
     from deepspeed.utils import groups
 
     from malleus_ds.data import ByteCorpus
-    from malleus_ds.ds_compat import init_deepspeed_comm
+    from malleus_ds.engine.ds_compat import init_deepspeed_comm
     from malleus_ds.engine.engine import MalleusEngine
     from malleus_ds.models.llama import lm_loss
     from malleus_ds.plan import static_plan
-    from malleus_ds.reference import micro_batches
+    from malleus_ds.app.reference import micro_batches
     from tests.peak_memory import peak_tensor_mb
 
     cfg = _load_model(model_name, seq)

@@ -185,7 +185,7 @@ def child(argv: list[str]) -> None:
     ``$BENCH_RATES_OUT/rank<d>.jsonl``. Nothing in the run changes (a few µs per span)."""
     import runpy
 
-    from malleus_ds import clock as clk
+    from malleus_ds.engine import clock as clk
     from malleus_ds.adaptive import control
 
     out = Path(os.environ["BENCH_RATES_OUT"])

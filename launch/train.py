@@ -8,8 +8,8 @@
     python launch/train.py --multirun experiment=straggler_sweep 'straggler.schedule=[],[{rank:1,rate:4.0}]'
 
 This file is only the edge: it makes Hydra behave under multi-process launchers, turns the
-DictConfig into a frozen :class:`malleus_ds.config.RunConfig` (validated on every rank before any
-process group exists) and hands it to the runner registry (:mod:`malleus_ds.runners`).
+DictConfig into a frozen :class:`malleus_ds.app.config.RunConfig` (validated on every rank before any
+process group exists) and hands it to the runner registry (:mod:`malleus_ds.app.runners`).
 
 Multi-process rules:
 - the ``--local_rank=K`` argument the deepspeed launcher appends is removed from ``sys.argv``
@@ -112,7 +112,7 @@ def _launch_ranks(nproc: int, task_overrides: list[str], run_dir: str,
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["MALLEUS_DS_WRAPPED"] = "1"
-    from malleus_ds.runners.elastic import FATAL_FILE_ENV
+    from malleus_ds.app.runners.elastic import FATAL_FILE_ENV
     env[FATAL_FILE_ENV] = str(Path(run_dir).absolute() / FATAL_NAME)
     Path(env[FATAL_FILE_ENV]).unlink(missing_ok=True)   # a reused run folder's old reason
     env["MALLEUS_DS_WRAPPER_PID"] = str(os.getpid())  # ranks stop when this process is gone
@@ -166,8 +166,8 @@ def _launch_ranks(nproc: int, task_overrides: list[str], run_dir: str,
 def _gave_up(plain: dict, restarts: int, run_dir: str) -> None:
     """The last word of a job torchrun stopped restarting: the checkpoint to resume from, and
     where torchrun's own report (above) names the failed rank; or, when a rank stopped the
-    restarts (``runners/elastic.py``), why."""
-    from malleus_ds.runners.resume import latest_note
+    restarts (``app/runners/elastic.py``), why."""
+    from malleus_ds.app.runners.resume import latest_note
 
     ck = (plain.get("checkpoint") or {}).get("dir")
     fatal = Path(run_dir) / FATAL_NAME
@@ -186,8 +186,8 @@ def _run_compare(engines: tuple[str, ...], plain: dict, nproc: int, task_overrid
     then the side-by-side table (``malleus_ds/report/compare.py``) and the plot. Every engine's config
     is checked before the first one starts."""
     from malleus_ds.report.compare import no_straggler_note, report
-    from malleus_ds.config import ConfigError, build_run_config
-    from malleus_ds.runners import validate
+    from malleus_ds.app.config import ConfigError, build_run_config
+    from malleus_ds.app.runners import validate
 
     cfgs = {}
     try:
@@ -229,10 +229,10 @@ def main() -> None:
 
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
     def app(cfg: DictConfig) -> None:
-        from malleus_ds.config import ConfigError, build_run_config
-        from malleus_ds.runners import DistEnv, execute, validate
-        from malleus_ds.runners.guard import Stopped
-        from malleus_ds.runners.common import format_summary
+        from malleus_ds.app.config import ConfigError, build_run_config
+        from malleus_ds.app.runners import DistEnv, execute, validate
+        from malleus_ds.app.runners.guard import Stopped
+        from malleus_ds.app.runners.common import format_summary
         from malleus_ds.migrate.transport import MigrationError
         from malleus_ds.resilience.watchdog import HANG_EXIT_CODE
 
@@ -246,7 +246,7 @@ def main() -> None:
         # in module globals, so two jobs in one process would share (destroyed) groups
         from hydra.types import RunMode
         plain = OmegaConf.to_container(cfg, resolve=True)
-        from malleus_ds.config import compare_engines
+        from malleus_ds.app.config import compare_engines
         try:
             engines = compare_engines(plain.get("compare"))
         except ConfigError as e:
@@ -292,7 +292,7 @@ def main() -> None:
             # keeps torchrun from printing a failure report for a stop that was asked for. When
             # the launcher died, whoever started it is gone too: a non-zero status would only
             # make a surviving deepspeed.launcher.launch SIGTERM the ranks still leaving
-            from malleus_ds.runners.guard import LAUNCHER_GONE
+            from malleus_ds.app.runners.guard import LAUNCHER_GONE
             quiet = os.environ.get("MALLEUS_DS_WRAPPED") or e.signum == LAUNCHER_GONE
             sys.exit(0 if quiet else e.exit_code)
         except ConfigError as e:
@@ -304,7 +304,7 @@ def main() -> None:
                 import time
                 time.sleep(_CONFIG_ERROR_GRACE_S)
             if env.restartable:         # every attempt would fail so: no restart loop
-                from malleus_ds.runners.elastic import end_restarts
+                from malleus_ds.app.runners.elastic import end_restarts
                 end_restarts(env, f"config error: {e}", _line)
                 if env.local_rank != 0:     # exiting first would start a restart: let the
                     import time             # node's first rank stop the agent, which ends us

@@ -4,7 +4,7 @@ Kept light: importing ``malleus_ds`` imports neither torch nor deepspeed. Names 
 first use:
 
 - ``malleus_ds.initialize(model=..., config=ds_config, plan=...)`` — MalleusEngine, shaped like
-  ``deepspeed.initialize`` (``malleus_ds.api``: the shipped byte corpus is the default data);
+  ``deepspeed.initialize`` (``malleus_ds.app.api``: the shipped byte corpus is the default data);
 - ``malleus_ds.export_engine(engine, out_dir)`` — a running engine as a Hugging Face folder
   (collective; ``malleus_ds/export/``);
 - ``malleus_ds.build_run_config`` / ``RunConfig`` — the app's validated run configuration;
@@ -17,11 +17,11 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "initialize": ("malleus_ds.api", "initialize"),
+    "initialize": ("malleus_ds.app.api", "initialize"),
     "export_engine": ("malleus_ds.export", "export_engine"),
-    "build_run_config": ("malleus_ds.config", "build_run_config"),
-    "RunConfig": ("malleus_ds.config", "RunConfig"),
-    "ConfigError": ("malleus_ds.config", "ConfigError"),
+    "build_run_config": ("malleus_ds.app.config", "build_run_config"),
+    "RunConfig": ("malleus_ds.app.config", "RunConfig"),
+    "ConfigError": ("malleus_ds.app.config", "ConfigError"),
     "Plan": ("malleus_ds.plan", "Plan"),
     "Problem": ("malleus_ds.problem", "Problem"),
     "static_plan": ("malleus_ds.plan", "static_plan"),

@@ -14,7 +14,7 @@ are decided in ``samples.py`` (they depend on the plan, not on the job's shape).
 
 Pure and at the bottom: it imports nothing from the package. ``plan.validate_plan``, the cost
 model, the planner's grouping, the migrator, the engine (``MalleusEngine.job``) and the runners
-(``runners/job.py``) ask it; none works these answers out again (tests/unit/test_job_layout.py).
+(``app/runners/job.py``) ask it; none works these answers out again (tests/unit/test_job_layout.py).
 """
 from __future__ import annotations
 

@@ -346,7 +346,7 @@ def _multi_worker(rank: int, world: int, gpu: bool, port: int, q) -> None:
         import malleus_ds
         from malleus_ds.models.llama import model_config
         from malleus_ds.plan import Plan
-        from malleus_ds.reference import OptimConfig, reference_run
+        from malleus_ds.app.reference import OptimConfig, reference_run
 
         cfg = model_config("tiny", max_seq_len=16)
         steps = 4

@@ -71,7 +71,7 @@ def job_memory(table, cfg, micro_batch_size: int, seq_len: int, mixed: bool,
     """:func:`memory_model` of a job: ``device_mb`` (``malleus.device_mb``) or, when None, the
     device's memory (:func:`device_memory_mb`), and the migration's staging buffers. The one
     construction the adaptive loop (``control.py``) and the start-up check
-    (``runners/fit.py``) share."""
+    (``app/runners/fit.py``) share."""
     dev = device_mb or device_memory_mb(device, ranks_on_host)
     return memory_model(table, cfg, micro_batch_size, seq_len, mixed, dev,
                         switch_buffer_mb=SWITCH_BUFFERS * migrate_bucket_mb)

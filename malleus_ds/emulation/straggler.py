@@ -171,7 +171,7 @@ def check_method(schedule: StragglerSchedule, reason=None, where: str = "straggl
 
 class Straggler:
     """Per-rank straggler. Call :meth:`at_step` when a step starts and :meth:`after_compute`
-    right after each timed micro-batch compute (``malleus_ds/clock.py`` does both).
+    right after each timed micro-batch compute (``malleus_ds/engine/clock.py`` does both).
 
     ``quota``: a callable returning this process's slowdown control, an object with
     ``set_rate`` (default ``cpu_quota.process_quota`` for ``method=quota``,

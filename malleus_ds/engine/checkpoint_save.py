@@ -4,7 +4,7 @@
 :func:`snapshot_checkpoint` is the collective, step-boundary part (Adam's step and the save id
 agreed, the tag folder prepared, this rank's holdings copied to host memory);
 :func:`write_snapshot` writes the rank file and commits the save, on the training thread
-(:func:`save_checkpoint`) or on a background thread of its own (``runners/background_save.py``).
+(:func:`save_checkpoint`) or on a background thread of its own (``app/runners/background_save.py``).
 
 What a save costs the CPU is kept to two copies of the rank's bytes: into a host buffer laid out
 once per plan and reused (:class:`SaveBuffer`: no page faults, no zeroing by the kernel), and

@@ -60,7 +60,7 @@ from deepspeed.utils import log_dist
 from malleus_ds_kernels.pack import warm_up as warm_up_pack
 
 from ..samples import loss_share, pipeline_micro_batches
-from ..ds_compat import init_deepspeed_comm
+from .ds_compat import init_deepspeed_comm
 from ..models.base import param_table, tied_params
 from ..job_layout import JobLayout, JobLayoutError
 from ..plan import Plan, PlanError
@@ -91,7 +91,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
     ``config["malleus"]["plan"]``. ``data``: an object with ``batch(ids) -> (inputs, targets)``
     and ``seq_len``, or a factory ``(seq_len, seed=) -> such an object`` (called with the model's
     ``max_seq_len`` and ``malleus.seed``), or None: then every ``train_batch`` needs a
-    ``data_iter``. ``malleus_ds.initialize`` (``malleus_ds/api.py``) passes the shipped byte
+    ``data_iter``. ``malleus_ds.initialize`` (``malleus_ds/app/api.py``) passes the shipped byte
     corpus as the default; the engine itself knows no dataset.
     """
 
@@ -431,13 +431,13 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         return report
 
     def set_compute_clock(self, clock) -> None:
-        """Time forward/backward with ``clock`` (a ``malleus_ds.clock.ComputeClock``, e.g. a
+        """Time forward/backward with ``clock`` (a ``malleus_ds.engine.clock.ComputeClock``, e.g. a
         runner's, which also applies its straggler emulation; the runner then calls
         ``clock.start_step``). ``None``: the engine's own clock, with the emulation of
         ``ds_config.malleus.straggler``, started by ``train_batch``. TP all-reduces inside
         forward/backward are left out of compute via ``clock.excluded()``, so a healthy rank
         waiting for a slow TP peer does not look slow itself."""
-        from ..clock import ComputeClock
+        from .clock import ComputeClock
         from . import tensor_parallel
 
         self._own_clock = clock is None

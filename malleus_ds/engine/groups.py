@@ -28,7 +28,7 @@ Lifetime rule (a group is destroyed at a switch boundary unless one of these use
   that set it; every engine of the process shares the same one. Each rank needs only its own,
   but there is no cheaper safe way to make it: ``new_group(..., use_local_synchronization=True)``
   lets non-members skip the call, and on NCCL with ``device_id`` bound at init (what
-  ``runners/base.py`` does) members then wait in ``ncclCommSplit`` for the non-members' no-color
+  ``app/runners/base.py`` does) members then wait in ``ncclCommSplit`` for the non-members' no-color
   split, which never comes; ``split_group`` needs a bound accelerator device and refuses gloo.
   So every rank calls ``new_group`` for all ``world_size`` singletons, once per process: a rank
   is a member of one of them, the others are ``NON_GROUP_MEMBER`` placeholders that hold nothing.

@@ -2,7 +2,7 @@
 
 MalleusEngine runs them on every rank before any collective (``MalleusEngine.build_plan``: the
 starting plan, scripted switches, every ``switch_plan``), and the app runs the same ones at
-start-up (``runners/malleus_runner.py``), so a bad plan file gives the same words either way.
+start-up (``app/runners/malleus_runner.py``), so a bad plan file gives the same words either way.
 """
 from __future__ import annotations
 

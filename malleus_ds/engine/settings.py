@@ -396,7 +396,7 @@ def base_ds_config(user_cfg: dict, plan: Plan, loc) -> dict:
     """The config the base engine gets: batch sizes of this rank's pipeline (DP world = 1), and
     no optimizer / ZeRO / precision section (this subclass builds those; see the module
     docstring)."""
-    from ..ds_compat import BATCH_KEYS, batch_keys
+    from .ds_compat import BATCH_KEYS, batch_keys
 
     base = {k: v for k, v in user_cfg.items()
             if k not in ("malleus", "optimizer", "zero_optimization", *BATCH_KEYS,

@@ -66,7 +66,7 @@ class EngineState:
         """The step-boundary half of :meth:`save_checkpoint`: this rank's state copied to host
         memory and the tag folder prepared (collective). ``engine.checkpoint_save.write_snapshot``
         writes and commits the returned snapshot, also from a background thread while training
-        goes on (``runners/checkpoint.py`` does, by default). See ``engine/checkpoint.py``."""
+        goes on (``app/runners/checkpoint.py`` does, by default). See ``engine/checkpoint.py``."""
         from .checkpoint_save import snapshot_checkpoint
         return snapshot_checkpoint(self, save_dir, tag, client_state, save_latest)
 

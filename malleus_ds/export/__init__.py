@@ -51,9 +51,13 @@ __all__ = ["DTYPES", "PROG", "ExportError", "Exported", "build_config", "check_o
 
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from ..cli import _fail
+def _fail(prog: str, msg: str) -> int:
+    """As ``malleus-plan`` / ``malleus-sim`` fail on bad input: one line, exit code 2."""
+    print(f"{prog}: error: {msg}", file=sys.stderr)
+    return 2
 
+
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog=PROG, description="Write a training checkpoint as a Hugging Face model folder "
                                "(config.json + model.safetensors).")

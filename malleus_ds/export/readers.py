@@ -172,7 +172,7 @@ def read_deepspeed(tag_dir: Path, record: Mapping, run: Mapping) -> dict[str, to
     f = tag_dir / "mp_rank_00_model_states.pt"
     if not f.is_file():
         raise ExportError(f"checkpoint {tag_dir} (engine=deepspeed) has no {f.name}")
-    from ..ds_compat import load_deepspeed_file
+    from ..engine.ds_compat import load_deepspeed_file
 
     try:    # DeepSpeed's own file: plain data and DeepSpeed's few value classes, nothing else
         st = load_deepspeed_file(f, "cpu")

@@ -1,6 +1,6 @@
 """The checkpoint file formats: names, format strings and the checked readers of the files.
 
-Bottom layer: the engine (``engine/checkpoint.py`` writes and loads), the app (``runners/``
+Bottom layer: the engine (``engine/checkpoint.py`` writes and loads), the app (``app/runners/``
 writes run records around it) and ``malleus-export`` (reads any of them) all take the formats
 from here; none reaches into another's files.
 
@@ -18,7 +18,7 @@ MalleusEngine's tag folder (``save_dir/tag/``; details in ``engine/checkpoint.py
 * ``meta.json`` (:data:`META`, the commit record, written last), read by :func:`resolve`;
 * ``save_dir/latest`` (:data:`LATEST`): the newest tag.
 
-The app's checkpoint folder (``checkpoint.dir``, ``runners/checkpoint.py``): ``latest`` and one
+The app's checkpoint folder (``checkpoint.dir``, ``app/runners/checkpoint.py``): ``latest`` and one
 folder per save holding ``run.json`` (:data:`RUN_FILE`, format :data:`RUN_FORMAT`) next to the
 engine's files; ``engine=torch`` writes :data:`TORCH_STATE_FILE` (format :data:`TORCH_FORMAT`).
 """
@@ -35,10 +35,10 @@ from .safe_load import UnsafeFile, load_plain, load_plain_bytes, read_json, read
 
 # ------------------------------------------------------------------ the app's checkpoint folder
 
-#: run.json's format string (runners/resume.py)
+#: run.json's format string (app/runners/resume.py)
 RUN_FORMAT = "malleus_ds-run-checkpoint-v1"
 RUN_FILE = "run.json"
-#: engine=torch's state file and its format string (runners/torch_runner.py)
+#: engine=torch's state file and its format string (app/runners/torch_runner.py)
 TORCH_STATE_FILE = "torch_state.pt"
 TORCH_FORMAT = "malleus_ds-torch-state-v1"
 

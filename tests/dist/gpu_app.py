@@ -27,7 +27,7 @@ def run_app_on_cuda(out: Path, nproc: int, overrides: list[str]) -> list[float]:
 def reference_losses() -> list[float]:
     """The app's defaults (model=tiny, global batch 8, micro-batch 1, seed 0) on one process."""
     from malleus_ds.models import model_config
-    from malleus_ds.reference import reference_run
+    from malleus_ds.app.reference import reference_run
     ref, _ = reference_run(model_config("tiny"), seed=0, steps=5, global_batch_size=8,
                            micro_batch_size=1)
     return ref

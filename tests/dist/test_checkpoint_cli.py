@@ -48,7 +48,7 @@ def _steps(run_dir: Path) -> list[dict]:
 
 def _reference(steps: int) -> list[float]:
     from malleus_ds.models import model_config
-    from malleus_ds.reference import reference_run
+    from malleus_ds.app.reference import reference_run
 
     ref, _ = reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=steps,
                            global_batch_size=8, micro_batch_size=1)

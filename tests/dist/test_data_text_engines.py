@@ -54,7 +54,7 @@ def test_raw_text_same_losses_on_every_engine(tmp_path):
 
     from malleus_ds.data import DataConfig
     from malleus_ds.models.hf import load_hf_model
-    from malleus_ds.reference import reference_run
+    from malleus_ds.app.reference import reference_run
 
     ref, _ = reference_run(load_hf_model(hf_path=str(model)), seed=0, data_seed=3, steps=STEPS,
                            global_batch_size=8, micro_batch_size=2,

@@ -57,7 +57,7 @@ def test_one_token_file_same_losses_on_every_engine(tmp_path):
                    tmp_path / "malleus", tmp_path)
     from malleus_ds.data import DataConfig
     from malleus_ds.models.hf import load_hf_model
-    from malleus_ds.reference import reference_run
+    from malleus_ds.app.reference import reference_run
 
     model = load_hf_model("tiny-qwen2")
     ref, _ = reference_run(model, seed=0, data_seed=3, steps=STEPS,
@@ -83,4 +83,4 @@ def test_ids_outside_the_vocabulary_stop_every_rank_at_start_up(tmp_path):
            f"model.vocab_size=256")
     for rank in (0, 1):
         assert f"config error (rank {rank}): {msg}" in p.stderr, p.stderr[-3000:]
-    assert "malleus_ds/config.py" not in p.stderr                  # a message, not a traceback
+    assert "malleus_ds/app/config.py" not in p.stderr                  # a message, not a traceback

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from malleus_ds.models import model_config
-from malleus_ds.reference import OptimConfig, reference_run
+from malleus_ds.app.reference import OptimConfig, reference_run
 from tests.dist.harness import run_distributed
 
 STEPS, G, MBS = 10, 8, 1
@@ -47,8 +47,8 @@ def count_block_calls():
 def _rank_fn(rank, world, pp, ds_file, model=None, ac=False):
     from pathlib import Path
 
-    from malleus_ds import runners
-    from malleus_ds.config import build_run_config
+    from malleus_ds.app import runners
+    from malleus_ds.app.config import build_run_config
 
     calls = count_block_calls()
     conf = Path(__file__).resolve().parents[2] / "conf" / "deepspeed"
@@ -90,8 +90,8 @@ def test_pipeline_with_data_parallel_and_uneven_layers_matches_reference():
 
 
 def _torch_rank_fn(rank, world, ac=False):
-    from malleus_ds import runners
-    from malleus_ds.config import build_run_config
+    from malleus_ds.app import runners
+    from malleus_ds.app.config import build_run_config
 
     calls = count_block_calls()
     d = {"engine": "torch", "model": MODEL, "progress": False,

@@ -187,7 +187,7 @@ def test_a_node_rejoins_and_the_job_grows_back(tmp_path):
     steps = [r for r in rows if "event" not in r]
     assert [r["step"] for r in steps] == list(range(GROW_STEPS)), [r.get("step") for r in rows]
     from malleus_ds.models import model_config
-    from malleus_ds.reference import reference_run
+    from malleus_ds.app.reference import reference_run
 
     ref, _ = reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=GROW_STEPS,
                            global_batch_size=32, micro_batch_size=1)

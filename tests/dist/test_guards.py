@@ -1,4 +1,4 @@
-"""A job never hangs silently and never loses its output (launch/train.py, runners/guard.py,
+"""A job never hangs silently and never loses its output (launch/train.py, app/runners/guard.py,
 watchdog.py): a frozen rank is named and stops the job; SIGTERM stops every rank cleanly, with
 a checkpoint that resumes to the same losses; concurrent runs get their own folders."""
 import json
@@ -136,7 +136,7 @@ def test_sigterm_to_the_wrapper_checkpoints_stops_every_rank_and_resumes(tmp_pat
                        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     from malleus_ds.models import model_config
-    from malleus_ds.reference import reference_run
+    from malleus_ds.app.reference import reference_run
 
     ref, _ = reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=n + 2,
                            global_batch_size=8, micro_batch_size=1)

@@ -63,7 +63,7 @@ def _malleus(rank, world):
 
 
 def _reference(preset, clip=0.0):
-    from malleus_ds.reference import OptimConfig, reference_run
+    from malleus_ds.app.reference import OptimConfig, reference_run
 
     return reference_run(_model(preset), seed=0, steps=STEPS, global_batch_size=G,
                          micro_batch_size=1, optim=OptimConfig(lr=LR, eps=EPS), grad_clip=clip)
@@ -103,8 +103,8 @@ def _deepspeed(rank, world, preset, pp, ac=False):
 
     import torch
 
-    from malleus_ds import runners
-    from malleus_ds.config import build_run_config
+    from malleus_ds.app import runners
+    from malleus_ds.app.config import build_run_config
 
     calls = [0]         # transformers' decoder layers run here (a pre-hook: recomputes stop early)
     torch.nn.modules.module.register_module_forward_pre_hook(

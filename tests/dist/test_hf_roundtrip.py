@@ -47,8 +47,9 @@ def _cases(tmp):
 
 def _train(rank, world, tmp):
     """Worker: each case through the app (checkpoint at the end), then as an engine exported live."""
-    from malleus_ds import export_engine, initialize, runners
-    from malleus_ds.config import build_run_config
+    from malleus_ds import export_engine, initialize
+    from malleus_ds.app import runners
+    from malleus_ds.app.config import build_run_config
     from malleus_ds.plan import static_plan
 
     for name, model, par in _cases(tmp):
@@ -72,8 +73,8 @@ def _train(rank, world, tmp):
 
 def _resume(rank, world, tmp):
     """Worker: the tied case's checkpoint (saved under PP=2) continues 2 steps under TP=2."""
-    from malleus_ds import runners
-    from malleus_ds.config import build_run_config
+    from malleus_ds.app import runners
+    from malleus_ds.app.config import build_run_config
 
     _, model, _ = _cases(tmp)[1]
     d = {"engine": "malleus", "progress": False, "model": model, "parallel": TP2,
@@ -87,7 +88,7 @@ def _resume(rank, world, tmp):
 
 
 def _reference(model, steps=STEPS):
-    from malleus_ds.reference import OptimConfig, reference_run
+    from malleus_ds.app.reference import OptimConfig, reference_run
 
     losses, sd = reference_run(model, seed=0, steps=steps, global_batch_size=G,
                                micro_batch_size=1, optim=OptimConfig(lr=LR, eps=EPS))
@@ -98,7 +99,7 @@ def test_train_export_from_pretrained_equals_reference(tmp_path, capsys):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from malleus_ds.config import build_run_config
+    from malleus_ds.app.config import build_run_config
     from malleus_ds.export import main
     from malleus_ds.models.hf import hf_name
 

@@ -189,7 +189,7 @@ def test_forced_replans_from_the_command_line_log_events_and_plot(tmp_path):
     assert len(steps[-1]["measured_rates"]) == 4 and steps[-1]["measured_rates"][2] > 1.3
     assert "replan before step 3 (forced" in p.stdout and "migrate before step 6" in p.stdout
     from malleus_ds.models.hf import load_hf_model
-    from malleus_ds.reference import reference_run
+    from malleus_ds.app.reference import reference_run
     ref, _ = reference_run(load_hf_model("tiny-llama", max_seq_len=16), seed=0, steps=8,
                            global_batch_size=8, micro_batch_size=1)
     np.testing.assert_allclose([r["loss"] for r in steps], ref, rtol=1e-5)

@@ -57,7 +57,7 @@ _REF: dict = {}
 
 
 def reference(G, mbs, steps, eps, clip=0.0):
-    from malleus_ds.reference import OptimConfig, reference_run
+    from malleus_ds.app.reference import OptimConfig, reference_run
 
     key = (G, mbs, steps, eps, clip)
     if key not in _REF:

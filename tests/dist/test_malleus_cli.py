@@ -44,7 +44,7 @@ def test_plan_file_runs_and_matches_reference(tmp_path):
     assert recs[1]["emulated_s"] == [0.0] * 4 and recs[3]["emulated_s"][1] > 0
     assert [e for r, e in enumerate(recs[3]["emulated_s"]) if r != 1] == [0.0] * 3
     from malleus_ds.models import model_config
-    from malleus_ds.reference import reference_run
+    from malleus_ds.app.reference import reference_run
     ref, _ = reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=4,
                            global_batch_size=8, micro_batch_size=1)
     np.testing.assert_allclose([r["loss"] for r in recs], ref, rtol=1e-5)
@@ -73,7 +73,7 @@ def test_static_plan_with_tp2_dp2(tmp_path):
     assert sd[0]["table"]["2"] >= 1.0
     assert "TP slowdown measured at start-up" in p.stdout, p.stdout[-2000:]
     from malleus_ds.models import model_config
-    from malleus_ds.reference import reference_run
+    from malleus_ds.app.reference import reference_run
     ref, _ = reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=3,
                            global_batch_size=8, micro_batch_size=1)
     np.testing.assert_allclose([r["loss"] for r in recs], ref, rtol=1e-5)
@@ -100,7 +100,7 @@ def test_scripted_switches_from_the_command_line(tmp_path):
     assert events[0]["to"] == events[1]["from"] == steps[2]["plan"] != steps[1]["plan"]
     assert steps[5]["plan"] == events[1]["to"]
     from malleus_ds.models import model_config
-    from malleus_ds.reference import reference_run
+    from malleus_ds.app.reference import reference_run
     ref, _ = reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=6,
                            global_batch_size=8, micro_batch_size=1)
     np.testing.assert_allclose([r["loss"] for r in steps], ref, rtol=1e-5)
@@ -120,8 +120,8 @@ def test_bad_switch_entries_fail_at_start_on_every_rank(tmp_path):
     }
     # every rank runs the same checks (config.py + the runner's validate) before any process
     # group: one real 2-rank job shows both ranks say it; the other entries are checked in-process
-    from malleus_ds.config import ConfigError, build_run_config
-    from malleus_ds.runners import validate
+    from malleus_ds.app.config import ConfigError, build_run_config
+    from malleus_ds.app.runners import validate
     for name, (arg, msg) in bad.items():
         if name == "world":
             p = _torchrun(2, ["plan=static", "train.steps=4", f"hydra.run.dir={tmp_path / name}",

@@ -63,7 +63,7 @@ def mp_reference(dtype_name: str, steps: int, G: int = 8, mbs: int = 1, fp16: di
 
     from malleus_ds.data import ByteCorpus
     from malleus_ds.models import build_model, lm_loss
-    from malleus_ds.reference import OptimConfig, make_optimizer, micro_batches
+    from malleus_ds.app.reference import OptimConfig, make_optimizer, micro_batches
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     model = build_model(CFG, 0)

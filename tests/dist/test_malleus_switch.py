@@ -53,7 +53,7 @@ def _switching(rank, world, start, seq, cfg, steps, exact):
 
 
 def _check_adam(results, steps, rtol=1e-4):
-    from malleus_ds.reference import OptimConfig, reference_run
+    from malleus_ds.app.reference import OptimConfig, reference_run
 
     ref = {}
     reference_run(CFG, seed=0, steps=steps, global_batch_size=8, micro_batch_size=1,
@@ -150,7 +150,7 @@ def _split(rank, world, cfg):
 def test_a_bucket_that_splits_and_merges_keeps_its_memory(zero):
     """Rank 1 holds the same optimizer elements under both plans, only regrouped: its masters
     and moments stay in the memory they were in (views), nothing is copied, the math holds."""
-    from malleus_ds.reference import OptimConfig, reference_run
+    from malleus_ds.app.reference import OptimConfig, reference_run
 
     res = run_distributed(_split, 4, ds_config(zero), timeout=240)
     ref = reference_run(CFG, seed=0, steps=6, global_batch_size=8, micro_batch_size=1,

@@ -121,7 +121,7 @@ def test_the_app_exits_3_with_one_line_when_a_switch_fails(tmp_path):
     repo = Path(__file__).resolve().parents[2]
     code = textwrap.dedent(f"""
         import runpy, sys
-        import malleus_ds.runners as runners
+        import malleus_ds.app.runners as runners
         from malleus_ds.migrate.transport import MigrationError
 
         def execute(cfg, env=None):

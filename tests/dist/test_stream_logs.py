@@ -1,4 +1,4 @@
-"""Logs that stream (runners/stream.py) from a real 2-rank job whose stdout is a pipe (no
+"""Logs that stream (app/runners/stream.py) from a real 2-rank job whose stdout is a pipe (no
 terminal): progress lines on stdout and in train.log as the run goes, throughput / step time /
 per-rank compute in the ds_config's DeepSpeed monitor; a monitor without its package is a config
 error at start-up."""

@@ -69,7 +69,7 @@ def test_torchrun_two_ranks_writes_metrics_with_straggler(tmp_path):
     assert len(ev.Scalars("Train/Samples/train_loss")) == 5
     # same losses as the single-process reference on the same global batches
     from malleus_ds.models import model_config
-    from malleus_ds.reference import reference_run
+    from malleus_ds.app.reference import reference_run
     ref, _ = reference_run(model_config("tiny", hidden_size=32, max_seq_len=32), seed=0, steps=5,
                            global_batch_size=8, micro_batch_size=1)
     np.testing.assert_allclose([r["loss"] for r in recs], ref, rtol=1e-5)
@@ -101,7 +101,7 @@ def test_bad_layout_fails_cleanly_on_every_rank(tmp_path):
     msg = "tp=1 x pp=1 x dp=3 = 3 ranks does not match the world size 2"
     assert f"config error (rank 0): parallel layout {msg}" in p.stderr
     assert f"config error (rank 1): parallel layout {msg}" in p.stderr
-    assert "malleus_ds/config.py" not in p.stderr       # a message, not our traceback
+    assert "malleus_ds/app/config.py" not in p.stderr       # a message, not our traceback
     assert "does not match the world size" not in p.stdout
 
 

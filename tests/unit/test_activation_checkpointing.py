@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from malleus_ds.config import ConfigError, activation_checkpointing_note, build_run_config
+from malleus_ds.app.config import ConfigError, activation_checkpointing_note, build_run_config
 from malleus_ds.models import build_model, lm_loss, model_config
 from malleus_ds.models.base import StageModule, enable_activation_checkpointing
 from tests.peak_memory import peak_tensor_mb
@@ -90,8 +90,8 @@ def test_bad_values_name_the_field(train, ds, match):
 
 def test_engine_malleus_hands_it_to_the_engine_through_the_ds_config():
     from malleus_ds.engine.engine import MalleusEngine
-    from malleus_ds.runners.job import load_plan
-    from malleus_ds.runners.malleus_runner import build_ds_config
+    from malleus_ds.app.runners.job import load_plan
+    from malleus_ds.app.runners.malleus_runner import build_ds_config
 
     for asked, on in ((None, False), (True, True)):
         c = cfg({"activation_checkpointing": asked}, engine="malleus", world=2)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from malleus_ds.config import TOP_LEVEL_KEYS, ConfigError, build_run_config
+from malleus_ds.app.config import TOP_LEVEL_KEYS, ConfigError, build_run_config
 from malleus_ds.emulation.straggler import StragglerError, StragglerSchedule
 from malleus_ds.plan import PlanError
 from malleus_ds.problem import Problem

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from malleus_ds import runners
-from malleus_ds.run_config import CheckpointConfig, ConfigError
-from malleus_ds.runners.base import DistEnv, RunSummary
-from malleus_ds.runners.checkpoint import RUN_FILE, Checkpointer, CheckpointSaveError
-from malleus_ds.runners.resume import resume_point, run_record
-from malleus_ds.runners.common import format_summary
+from malleus_ds.app import runners
+from malleus_ds.app.run_config import CheckpointConfig, ConfigError
+from malleus_ds.app.runners.base import DistEnv, RunSummary
+from malleus_ds.app.runners.checkpoint import RUN_FILE, Checkpointer, CheckpointSaveError
+from malleus_ds.app.runners.resume import resume_point, run_record
+from malleus_ds.app.runners.common import format_summary
 from tests.unit.test_config import cfg
 
 
@@ -131,7 +131,7 @@ def test_keep_leaves_the_newest_checkpoints_and_never_what_latest_names(tmp_path
 
 
 def test_prune_reports_what_it_could_not_delete(tmp_path, monkeypatch):
-    from malleus_ds.runners.checkpoint import prune
+    from malleus_ds.app.runners.checkpoint import prune
 
     for s in (1, 2, 3):
         (tmp_path / f"global_step{s}").mkdir()
@@ -176,7 +176,7 @@ def test_resume_without_a_checkpoint(tmp_path):
 
 
 def test_resume_auto_starts_fresh_on_an_empty_folder_and_continues_from_a_checkpoint(tmp_path):
-    from malleus_ds.runners.resume import start_line
+    from malleus_ds.app.runners.resume import start_line
 
     auto = cfg(checkpoint={"dir": str(tmp_path / "ck"), "resume": "AUTO"}, train={"steps": 6})
     assert auto.checkpoint.resume == "auto"

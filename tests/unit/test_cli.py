@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from malleus_ds.cli import plan_main, sim_main
+from malleus_ds.app.cli import plan_main, sim_main
 from malleus_ds.cost import validate_for_problem
 from malleus_ds.plan import Plan
 from malleus_ds.problem import Problem

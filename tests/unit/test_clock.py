@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from malleus_ds import clock as clock_mod
-from malleus_ds.clock import ComputeClock
+from malleus_ds.engine import clock as clock_mod
+from malleus_ds.engine.clock import ComputeClock
 from malleus_ds.emulation.straggler import Straggler, StragglerSchedule
 
 

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from malleus_ds import clock as clock_mod
-from malleus_ds.clock import ComputeClock, thread_times
+from malleus_ds.engine import clock as clock_mod
+from malleus_ds.engine.clock import ComputeClock, thread_times
 from malleus_ds.emulation.straggler import Straggler, StragglerSchedule
 
 

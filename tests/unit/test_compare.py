@@ -73,7 +73,7 @@ def test_runs_of_different_schedules_are_refused():
 
 
 def test_compare_field_is_checked():
-    from malleus_ds.config import ConfigError, compare_engines
+    from malleus_ds.app.config import ConfigError, compare_engines
 
     assert compare_engines([]) == () and compare_engines(None) == ()
     assert compare_engines(["deepspeed", "malleus"]) == ("deepspeed", "malleus")

@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from malleus_ds.config import build_run_config
+from malleus_ds.app.config import build_run_config
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 # groups owned by other parts of the project are composed by their own tests

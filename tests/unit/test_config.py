@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from malleus_ds import runners
-from malleus_ds.config import ConfigError, build_run_config, load_ds_config
+from malleus_ds.app import runners
+from malleus_ds.app.config import ConfigError, build_run_config, load_ds_config
 from malleus_ds.emulation.straggler import StragglerSchedule
 
 
@@ -110,7 +110,7 @@ def test_ds_config_batch_fields_must_agree(tmp_path):
 
 
 def test_user_ds_config_builds_engine_config(tmp_path):
-    from malleus_ds.runners.deepspeed_runner import build_ds_config
+    from malleus_ds.app.runners.deepspeed_runner import build_ds_config
 
     f = tmp_path / "ds.json"
     f.write_text(json.dumps({"zero_optimization": {"stage": 1},
@@ -222,6 +222,6 @@ def test_malleus_engine_resolves_to_its_module():
     try:
         mod = runners.get_runner("malleus")
     except ConfigError as e:  # until issue 4 lands
-        assert "malleus_ds.runners.malleus_runner does not exist yet" in str(e)
+        assert "malleus_ds.app.runners.malleus_runner does not exist yet" in str(e)
     else:
-        assert mod.__name__ == "malleus_ds.runners.malleus_runner" and hasattr(mod, "run")
+        assert mod.__name__ == "malleus_ds.app.runners.malleus_runner" and hasattr(mod, "run")

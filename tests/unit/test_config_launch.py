@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from malleus_ds.runners import DistEnv
+from malleus_ds.app.runners import DistEnv
 
 TRAIN = Path(__file__).resolve().parents[2] / "launch" / "train.py"
 

@@ -361,7 +361,7 @@ def test_carried_rates_schedule_a_replan_before_the_first_resumed_step():
 
 
 def test_carried_rates_follow_the_device_and_fall_back_to_ranks():
-    from malleus_ds.runners.resume import carried_rates
+    from malleus_ds.app.runners.resume import carried_rates
 
     meta = {"rates": [1.0, 4.0, None, 1.0], "devices": ["a/0", "a/1", "b/0", "b/1"]}
     # a restart renumbered the ranks: the slow device keeps its rate

@@ -190,10 +190,10 @@ def test_the_running_jobs_memory_model_and_problem_carry_it():
 
 
 def test_the_start_up_memory_check_counts_recompute():
-    from malleus_ds.config import build_run_config
-    from malleus_ds.runners.fit import start_problem
-    from malleus_ds.runners.job import load_plan
-    from malleus_ds.runners.malleus_runner import build_ds_config
+    from malleus_ds.app.config import build_run_config
+    from malleus_ds.app.runners.fit import start_problem
+    from malleus_ds.app.runners.job import load_plan
+    from malleus_ds.app.runners.malleus_runner import build_ds_config
 
     def job(ac):
         d = {"engine": "malleus", "model": {"name": "tiny", "max_seq_len": 64},

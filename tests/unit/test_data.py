@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import torch
 
-from malleus_ds.config import build_run_config
+from malleus_ds.app.config import build_run_config
 from malleus_ds.data import CORPUS_PATH, ByteCorpus
 from malleus_ds.samples import global_batch_ids
-from malleus_ds.runners.common import replica_micro_batches
+from malleus_ds.app.runners.common import replica_micro_batches
 
 
 def test_samples_are_deterministic_and_shifted():

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from malleus_ds.config import ConfigError
+from malleus_ds.app.config import ConfigError
 from malleus_ds.data import CORPUS_PATH, DataConfig, build_dataset, make_dataset
 from malleus_ds.data import text as text_mod
 from malleus_ds.data.text import prepare_text
 from malleus_ds.data.tokens import DataError, TokenDataset
-from malleus_ds.reference import reference_run
+from malleus_ds.app.reference import reference_run
 from tests.unit.test_config import cfg
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -454,8 +454,8 @@ def test_hydra_group_and_the_checkpoint_record(tmp_path, tok, monkeypatch):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from malleus_ds.config import build_run_config
-    from malleus_ds.runners.resume import data_record
+    from malleus_ds.app.config import build_run_config
+    from malleus_ds.app.runners.resume import data_record
 
     write_jsonl(tmp_path / "c.jsonl", docs(30))
     monkeypatch.chdir(tmp_path)                                    # relative paths: the CWD's

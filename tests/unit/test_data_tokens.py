@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from malleus_ds.config import ConfigError, build_run_config
+from malleus_ds.app.config import ConfigError, build_run_config
 from malleus_ds.data import CORPUS_PATH, ByteCorpus, DataConfig, build_dataset, make_dataset
 from malleus_ds.samples import global_batch_ids
 from malleus_ds.data.tokens import (DataError, TokenDataset, check_token_file, num_windows,
                                     tokens_needed)
 from malleus_ds.models import model_config
-from malleus_ds.reference import reference_run
-from malleus_ds.runners.base import DistEnv
-from malleus_ds.runners.checkpoint import RUN_FILE, Checkpointer
-from malleus_ds.runners.resume import resume_point, run_record
+from malleus_ds.app.reference import reference_run
+from malleus_ds.app.runners.base import DistEnv
+from malleus_ds.app.runners.checkpoint import RUN_FILE, Checkpointer
+from malleus_ds.app.runners.resume import resume_point, run_record
 from tests.unit.test_config import cfg
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

@@ -65,9 +65,9 @@ def test_metrics_writer_and_phases(tmp_path):
 def test_compute_clock_leaves_out_communication_and_emulates():
     import time
 
-    from malleus_ds.config import build_run_config
-    from malleus_ds.runners import DistEnv
-    from malleus_ds.runners.common import ComputeClock, exclude_calls
+    from malleus_ds.app.config import build_run_config
+    from malleus_ds.app.runners import DistEnv
+    from malleus_ds.app.runners.common import ComputeClock, exclude_calls
 
     cfg = build_run_config({"straggler": {"schedule": [{"rank": 0, "rate": 2.0, "start_step": 1}]}},
                            world_size=1)
@@ -157,7 +157,7 @@ def test_quota_method_errors_name_the_reason():
 
 
 def test_compute_clock_applies_the_quota_at_step_start_and_emulates_nothing():
-    from malleus_ds.clock import ComputeClock
+    from malleus_ds.engine.clock import ComputeClock
 
     q = FakeQuota()
     sched = StragglerSchedule.parse([{"rank": 0, "rate": 4.0, "start_step": 1}], method="quota")

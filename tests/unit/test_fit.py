@@ -1,16 +1,16 @@
-"""engine=malleus's start-up memory check (runners/fit.py) and the layout an elastic restart
+"""engine=malleus's start-up memory check (app/runners/fit.py) and the layout an elastic restart
 takes when ``parallel.pp`` does not tile its world (config._elastic_pp); no processes."""
 from __future__ import annotations
 
 import pytest
 
-from malleus_ds.config import _elastic_pp
+from malleus_ds.app.config import _elastic_pp
 from malleus_ds.cost import stage_memory_mb
-from malleus_ds.run_config import ConfigError
-from malleus_ds.runners.base import DistEnv
-from malleus_ds.runners.fit import _replan, check_fits, start_problem
-from malleus_ds.runners.job import load_plan
-from malleus_ds.runners.malleus_runner import build_ds_config
+from malleus_ds.app.run_config import ConfigError
+from malleus_ds.app.runners.base import DistEnv
+from malleus_ds.app.runners.fit import _replan, check_fits, start_problem
+from malleus_ds.app.runners.job import load_plan
+from malleus_ds.app.runners.malleus_runner import build_ds_config
 from tests.unit.test_config import cfg
 
 TINY = {"name": "tiny", "max_seq_len": 16}
@@ -20,7 +20,7 @@ def _job(world: int, pp: int, device_mb: float | None = None, elastic: bool = Fa
     mal = {"migrate_bucket_mb": 0.01}
     if device_mb is not None:
         mal["device_mb"] = device_mb
-    from malleus_ds.config import build_run_config
+    from malleus_ds.app.config import build_run_config
 
     d = {"engine": "malleus", "model": TINY,
          "train": {"steps": 2, "global_batch_size": 8, "micro_batch_size": 1},
@@ -55,7 +55,7 @@ def test_an_elastic_restart_retiles_the_pipeline_and_says_what_was_asked():
         _job(2, 4, elastic=False)         # a first start gets the plain error
     assert cfg(world=4, engine="malleus", parallel={"pp": 4}).parallel.asked_pp is None
     with pytest.raises(ConfigError, match="does not divide"):     # other engines: unchanged
-        from malleus_ds.config import build_run_config
+        from malleus_ds.app.config import build_run_config
         build_run_config({"engine": "deepspeed", "model": TINY, "parallel": {"pp": 4}},
                          world_size=2, elastic=True)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from malleus_ds.config import ConfigError, build_run_config
+from malleus_ds.app.config import ConfigError, build_run_config
 from malleus_ds.models.base import EMBED, HEAD, StageModule, param_table
 from malleus_ds.models.hf import HF_PRESETS, global_name, hf_name, load_hf_model
 

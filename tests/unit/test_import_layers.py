@@ -1,12 +1,14 @@
-"""The package's layers (docs/DESIGN.md §7, "Layers"): every import of ``malleus_ds/`` parsed,
-function-level and ``TYPE_CHECKING`` ones included, and checked against the rules:
+"""The package's layers (docs/DESIGN.md §7, "Layers"), derived from its folders: every import
+of ``malleus_ds/`` parsed, function-level and ``TYPE_CHECKING`` ones included, and checked:
 
 1. no import cycle between modules;
-2. the bottom layer imports only the bottom layer (and third-party packages);
-3. nothing in the core (bottom layer, ``engine/``, ``migrate/``, ``planner/``, ``models/`` and the
-   adaptive loop) imports the app (``runners/``, ``config``, ``data/``, ``reference``,
-   ``export/``, ``cli``, ``plot``, ``compare``, ``api``) or Hydra / OmegaConf;
-4. the planner and the simulator never import ``engine/``.
+2. every module sits in a layer: a module at the top of ``malleus_ds/`` is a contract (layer 0;
+   at most :data:`MAX_CONTRACTS` of them), a sub-package is in the layer :data:`LAYERS` names
+   for it; a package in none fails;
+3. a module imports only from its own layer and the layers below it;
+4. Hydra and OmegaConf are imported only by ``app/``;
+5. the planner and the simulator never import ``engine/``; ``engine/`` and ``adaptive/`` import
+   nothing from each other (the engine exposes step hooks, the app attaches the loop).
 
 A failure names the arrow (``a -> b``) or the cycle. The parser itself is checked on a small
 package written to a temporary folder, so a rule cannot pass by parsing nothing.
@@ -20,15 +22,18 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "malleus_ds"
 
-#: the bottom layer: pure contracts and models every other layer stands on
-BOTTOM = {"job_layout", "plan", "problem", "cost", "layout", "schedule", "views", "samples",
-          "optim", "files", "simulate"}
-#: the core above it (packages or modules, relative to malleus_ds)
-CORE = BOTTOM | {"engine", "migrate", "planner", "models", "adaptive", "clock", "resilience",
-                 "emulation", "ds_compat",
-                 "device"}
-#: the app: what the core must never import
-APP = {"runners", "config", "run_config", "data", "reference", "export", "cli", "report", "api"}
+#: sub-packages by layer, lowest first; the modules at the top of malleus_ds/ are layer 0
+LAYERS = (
+    {"files"},                                     # 0: contracts, and what they read and write
+    {"resilience", "emulation", "models"},         # 1: platform: processes, slowdowns, models
+    {"planner", "migrate", "engine", "adaptive"},  # 2: core
+    {"report", "data", "export"},                  # 3: reading runs, feeding and exporting data
+    {"app"},                                       # 4: the application at the edge
+)
+#: the contracts at the top of malleus_ds/ stay few (issue 32: "at most about 12")
+MAX_CONTRACTS = 12
+#: pairs of sub-packages that never import each other, in either direction
+APART = (("engine", "adaptive"),)
 THIRD_PARTY_APP = {"hydra", "omegaconf"}
 
 
@@ -122,23 +127,54 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def _in(m: str, group: set[str], pkg: str) -> bool:
-    rel = m[len(pkg) + 1:] if m.startswith(pkg + ".") else None
-    return rel is not None and rel.split(".")[0] in group
+def layer_of(m: str, pkg: str = "malleus_ds", packages: set[str] | None = None) -> int | None:
+    """The layer of module ``m`` (a dotted name under ``pkg``): 0 for a module at the top, the
+    index in :data:`LAYERS` of its sub-package, None for a sub-package in no layer."""
+    parts = m.split(".")
+    if parts[0] != pkg:
+        return None
+    if len(parts) == 1:
+        return 0                                  # the package's own __init__
+    top = parts[1]
+    if packages is not None and top not in packages:
+        return 0                                  # a module at the top: a contract
+    for k, group in enumerate(LAYERS):
+        if top in group:
+            return k
+    return 0 if packages is None and len(parts) == 2 else None
 
 
-def violations(edges: dict[str, set[str]], pkg: str = "malleus_ds") -> list[str]:
+def _top(m: str) -> str | None:
+    parts = m.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def violations(edges: dict[str, set[str]], pkg: str = "malleus_ds",
+               packages: set[str] | None = None) -> list[str]:
+    """Every forbidden arrow in ``edges``. ``packages``: the sub-package names (a dotted name's
+    second part that is not one is a module at the top)."""
     out = []
     for m, targets in sorted(edges.items()):
+        lm = layer_of(m, pkg, packages)
         for t in sorted(targets):
-            ours = t.startswith(pkg + ".")
-            if _in(m, BOTTOM, pkg) and ours and not _in(t, BOTTOM, pkg):
-                out.append(f"{m} -> {t} (the bottom layer imports only the bottom layer)")
-            if _in(m, CORE, pkg) and (_in(t, APP, pkg) or t in THIRD_PARTY_APP):
-                out.append(f"{m} -> {t} (the core imports no app code, Hydra or OmegaConf)")
-            if (_in(m, {"planner", "simulate"}, pkg)) and _in(t, {"engine"}, pkg):
+            if not t.startswith(pkg + ".") and t != pkg:
+                if t in THIRD_PARTY_APP and _top(m) != "app":
+                    out.append(f"{m} -> {t} (only app/ imports Hydra or OmegaConf)")
+                continue
+            lt = layer_of(t, pkg, packages)
+            if lm is not None and lt is not None and lt > lm:
+                out.append(f"{m} -> {t} (layer {lm} imports layer {lt}: only its own layer and "
+                           f"the ones below)")
+            if (_top(m) in ("planner", "simulate")) and _top(t) == "engine":
                 out.append(f"{m} -> {t} (the planner and the simulator never import engine/)")
+            for a, b in APART:
+                if {_top(m), _top(t)} == {a, b}:
+                    out.append(f"{m} -> {t} ({a}/ and {b}/ import nothing from each other)")
     return out
+
+
+def _packages(root: Path) -> set[str]:
+    return {p.name for p in root.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
 
 
 def test_the_package_has_no_import_cycle():
@@ -146,16 +182,34 @@ def test_the_package_has_no_import_cycle():
     assert found == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
+#: arrows between engine/ and adaptive/ still to remove (issue 32 part 1: the engine exposes step
+#: hooks and the app attaches the loop): the list may only shrink
+KNOWN_CROSSINGS = {
+    "malleus_ds.adaptive.control -> malleus_ds.engine.settings",
+    "malleus_ds.adaptive.tp_cost -> malleus_ds.engine.tensor_parallel",
+    "malleus_ds.engine.engine -> malleus_ds.adaptive.control",
+    "malleus_ds.engine.engine -> malleus_ds.adaptive.straggler",
+    "malleus_ds.engine.settings -> malleus_ds.adaptive.pace_check",
+    "malleus_ds.engine.settings -> malleus_ds.adaptive.straggler",
+}
+
+
 def test_no_import_crosses_a_layer():
-    bad = violations(imports(modules(PKG, "malleus_ds")))
-    assert bad == [], "forbidden imports:\n" + "\n".join(bad)
+    bad = violations(imports(modules(PKG, "malleus_ds")), packages=_packages(PKG))
+    arrows = {b.split(" (")[0] for b in bad}
+    new = [b for b in bad if b.split(" (")[0] not in KNOWN_CROSSINGS]
+    assert new == [], "forbidden imports:\n" + "\n".join(new)
+    gone = sorted(KNOWN_CROSSINGS - arrows)
+    assert gone == [], f"these crossings are gone: take them off KNOWN_CROSSINGS: {gone}"
 
 
-def test_every_layer_named_exists():
-    names = {p.stem if p.is_file() else p.name for p in PKG.iterdir()
-             if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))}
-    missing = sorted((BOTTOM | CORE | APP) - names)
-    assert missing == [], f"layer lists name modules that do not exist: {missing}"
+def test_every_package_is_in_a_layer_and_the_contracts_stay_few():
+    named = set().union(*LAYERS)
+    packages = _packages(PKG)
+    assert sorted(packages - named) == [], "sub-packages in no layer (add them to LAYERS)"
+    assert sorted(named - packages) == [], "LAYERS names packages that do not exist"
+    top = sorted(p.stem for p in PKG.glob("*.py") if p.stem != "__init__")
+    assert len(top) <= MAX_CONTRACTS, f"{len(top)} modules at the top of malleus_ds/: {top}"
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
@@ -167,39 +221,43 @@ def _write(root: Path, files: dict[str, str]) -> None:
 
 def test_the_checker_finds_cycles_and_forbidden_arrows(tmp_path):
     """A toy package: a cycle through a function-level import, a TYPE_CHECKING import from the
-    core into the app, the bottom importing the engine, and the planner importing engine/."""
+    core into the app, a contract importing the engine, the planner importing engine/, the
+    engine and the loop importing each other, OmegaConf outside app/, a package in no layer."""
     _write(tmp_path, {
         "malleus_ds/__init__.py": "",
         "malleus_ds/plan.py": "def f():\n    from .engine import run\n",
         "malleus_ds/engine/__init__.py": "from typing import TYPE_CHECKING\n"
-                                         "if TYPE_CHECKING:\n    from ..config import X\n",
-        "malleus_ds/engine/run.py": "from ..plan import f\nimport omegaconf\n",
-        "malleus_ds/config.py": "import malleus_ds.planner.search\n",
+                                         "if TYPE_CHECKING:\n    from ..app.config import X\n",
+        "malleus_ds/engine/run.py": "from ..plan import f\nimport omegaconf\n"
+                                    "from ..adaptive import loop\n",
+        "malleus_ds/adaptive/__init__.py": "",
+        "malleus_ds/adaptive/loop.py": "X = 1\n",
+        "malleus_ds/app/__init__.py": "",
+        "malleus_ds/app/config.py": "import malleus_ds.planner.search\nimport hydra\n",
         "malleus_ds/planner/__init__.py": "",
         "malleus_ds/planner/search.py": "from ..engine import run\nfrom . import genetic\n",
         "malleus_ds/planner/genetic.py": "def g():\n    from .search import x\n",
+        "malleus_ds/odd/__init__.py": "from ..plan import f\n",
     })
-    edges = imports(modules(tmp_path / "malleus_ds", "malleus_ds"))
+    root = tmp_path / "malleus_ds"
+    edges = imports(modules(root, "malleus_ds"))
     assert edges["malleus_ds.plan"] == {"malleus_ds.engine.run"}
-    assert edges["malleus_ds.engine"] == {"malleus_ds.config", "typing"}
-    assert edges["malleus_ds.engine.run"] == {"malleus_ds.plan", "omegaconf"}
+    assert edges["malleus_ds.engine"] == {"malleus_ds.app.config", "typing"}
+    assert edges["malleus_ds.engine.run"] == {"malleus_ds.plan", "omegaconf",
+                                              "malleus_ds.adaptive.loop"}
     found = cycles(edges)
     assert ["malleus_ds.engine.run", "malleus_ds.plan"] in found
     assert ["malleus_ds.planner.genetic", "malleus_ds.planner.search"] in found
-    bad = violations(edges)
-    assert any(b.startswith("malleus_ds.plan -> malleus_ds.engine.run (the bottom") for b in bad)
-    assert any(b.startswith("malleus_ds.engine -> malleus_ds.config (the core") for b in bad)
-    assert any(b.startswith("malleus_ds.engine.run -> omegaconf") for b in bad)
-    assert any(b.startswith("malleus_ds.planner.search -> malleus_ds.engine.run (the planner")
-               for b in bad)
-
-
-@pytest.mark.parametrize("layer", sorted(BOTTOM))
-def test_bottom_modules_parse(layer):
-    p = PKG / f"{layer}.py"
-    if not p.is_file():
-        p = PKG / layer / "__init__.py"
-    assert p.is_file(), f"bottom-layer module or package {layer} is missing"
+    bad = violations(edges, packages=_packages(root))
+    want = ["malleus_ds.plan -> malleus_ds.engine.run (layer 0 imports layer 2",
+            "malleus_ds.engine -> malleus_ds.app.config (layer 2 imports layer 4",
+            "malleus_ds.engine.run -> omegaconf (only app/",
+            "malleus_ds.engine.run -> malleus_ds.adaptive.loop (engine/ and adaptive/",
+            "malleus_ds.planner.search -> malleus_ds.engine.run (the planner"]
+    for w in want:
+        assert any(b.startswith(w) for b in bad), (w, bad)
+    assert not any(b.startswith("malleus_ds.app.config -> hydra") for b in bad)
+    assert layer_of("malleus_ds.odd", packages=_packages(root)) is None   # in no layer
 
 
 def _names_from_malleus(files):

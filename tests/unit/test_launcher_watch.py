@@ -1,4 +1,4 @@
-"""runners/guard.py: a rank notices when its launcher dies without signalling it (pure-ish: real
+"""app/runners/guard.py: a rank notices when its launcher dies without signalling it (pure-ish: real
 processes, no process groups)."""
 import os
 import signal
@@ -7,8 +7,13 @@ import sys
 import threading
 import time
 
-from malleus_ds.runners.guard import (LAUNCHER_GONE, Launcher, LauncherWatch, StopSignals,
-                                      Stopped, launchers_above)
+from malleus_ds.app.runners.guard import (
+    LAUNCHER_GONE,
+    Launcher,
+    LauncherWatch,
+    StopSignals,
+    Stopped,
+    launchers_above)
 from malleus_ds.resilience import procs
 
 # a process tree shaped like `deepspeed` -> `python -m deepspeed.launcher.launch` -> rank: the

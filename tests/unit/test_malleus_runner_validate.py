@@ -1,8 +1,8 @@
 """engine=malleus checks the precision sections of the ds_config before any process group."""
 import pytest
 
-from malleus_ds import runners
-from malleus_ds.run_config import ConfigError
+from malleus_ds.app import runners
+from malleus_ds.app.run_config import ConfigError
 from tests.unit.test_config import cfg
 
 
@@ -40,8 +40,8 @@ def test_bf16_passes_validation():
 
 
 def test_monitors_default_to_the_run_folder_for_every_stock_engine(tmp_path):
-    from malleus_ds.config import build_run_config
-    from malleus_ds.runners import deepspeed_runner, malleus_runner
+    from malleus_ds.app.config import build_run_config
+    from malleus_ds.app.runners import deepspeed_runner, malleus_runner
 
     mon = {"csv_monitor": {"enabled": True}, "tensorboard": {"enabled": True, "output_path": "/x"}}
     for engine, mod in (("malleus", malleus_runner), ("deepspeed", deepspeed_runner)):
@@ -81,7 +81,7 @@ def test_app_and_engine_reject_a_plan_with_the_same_words(tmp_path):
     at the app's start-up and by the engine's own check, naming the stage and the field."""
     import json
 
-    from malleus_ds.config import build_run_config
+    from malleus_ds.app.config import build_run_config
     from malleus_ds.engine.engine import MalleusEngine
     from malleus_ds.engine.settings import MalleusSettings
     from malleus_ds.models.hf import load_hf_model

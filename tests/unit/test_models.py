@@ -5,7 +5,7 @@ import torch
 
 from malleus_ds.models import (PRESETS, StageModule, build_layer, build_model, lm_loss,
                                model_config)
-from malleus_ds.runners.deepspeed_runner import static_parts
+from malleus_ds.app.runners.deepspeed_runner import static_parts
 from malleus_ds.plan import static_plan
 
 

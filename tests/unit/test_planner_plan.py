@@ -224,7 +224,7 @@ def test_planner_imports_neither_torch_nor_deepspeed_nor_omegaconf():
     code = ("import sys\n"
             "from malleus_ds.problem import Problem\n"
             "from malleus_ds.planner import plan\n"
-            "import malleus_ds.cost, malleus_ds.simulate, malleus_ds.cli\n"
+            "import malleus_ds.cost, malleus_ds.simulate, malleus_ds.app.cli\n"
             f"pr = Problem.from_json({EXAMPLES['problem_32gpu_two_slow']!r})\n"
             "plan(pr, time_limit=0.5)\n"
             "bad = [m for m in ('torch', 'deepspeed', 'omegaconf') if m in sys.modules]\n"

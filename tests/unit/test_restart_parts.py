@@ -12,8 +12,8 @@ import time
 import pytest
 
 from malleus_ds.report.metrics import MetricsWriter, format_event, read_run
-from malleus_ds.run_config import ConfigError
-from malleus_ds.runners.base import DistEnv, attempt_store
+from malleus_ds.app.run_config import ConfigError
+from malleus_ds.app.runners.base import DistEnv, attempt_store
 from tests.unit.test_config import cfg
 
 
@@ -129,7 +129,7 @@ class _Dog:
 
 
 def test_a_stop_signal_with_a_dead_peer_exits_at_once_and_one_with_live_peers_waits():
-    from malleus_ds.runners.guard import leave_when_a_peer_is_gone
+    from malleus_ds.app.runners.guard import leave_when_a_peer_is_gone
 
     exits = []
     t = leave_when_a_peer_is_gone(_Dog([[], [], [2]]), 0, int(signal.SIGTERM), grace_s=5,

@@ -71,7 +71,7 @@ def test_huge_json_files_are_refused_unread(tmp_path):
         Plan.load(big)
     with pytest.raises(PlanError, match="refused unread"):
         Problem.load(big)
-    from malleus_ds.config import ConfigError, load_ds_config
+    from malleus_ds.app.config import ConfigError, load_ds_config
 
     with pytest.raises(ConfigError, match="refused unread"):
         load_ds_config(big)
@@ -121,7 +121,7 @@ def test_deepspeed_loader_is_weights_only_with_its_four_value_classes(tmp_path):
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
 
-    from malleus_ds.ds_compat import load_weights_only
+    from malleus_ds.engine.ds_compat import load_weights_only
 
     class Eng:
         checkpoint_engine = TorchCheckpointEngine()

@@ -1,14 +1,19 @@
-"""Streamed logs (runners/stream.py): progress lines, train.log, monitor events, monitor packages."""
+"""Streamed logs (app/runners/stream.py): progress lines, train.log, monitor events, monitor packages."""
 import io
 import logging
 
 import pytest
 
-from malleus_ds import runners
-from malleus_ds.run_config import ConfigError
-from malleus_ds.runners.stream import (StepStream, TrainLog, check_monitor_packages,
-                                       format_progress, format_startup, monitor_events,
-                                       should_log)
+from malleus_ds.app import runners
+from malleus_ds.app.run_config import ConfigError
+from malleus_ds.app.runners.stream import (
+    StepStream,
+    TrainLog,
+    check_monitor_packages,
+    format_progress,
+    format_startup,
+    monitor_events,
+    should_log)
 from tests.unit.test_config import cfg
 
 

@@ -1,7 +1,7 @@
 """The end-of-run summary describes what actually ran: a plan's layout and batch sizes win."""
 from malleus_ds.plan import Plan
-from malleus_ds.runners.base import RunSummary
-from malleus_ds.runners.common import format_summary
+from malleus_ds.app.runners.base import RunSummary
+from malleus_ds.app.runners.common import format_summary
 from tests.unit.test_config import cfg
 
 HETERO = {"version": 1, "num_layers": 4, "global_batch_size": 8, "micro_batch_size": 1,
@@ -119,10 +119,10 @@ def test_summarize_and_plot_find_the_same_runs(tmp_path, capsys):
 
 def test_one_text_per_event():
     """``metrics.format_event``: the summary's and progress bar's line, and (short) the label
-    malleus-plot draws; runners/common.py and plot.py both use it."""
+    malleus-plot draws; app/runners/common.py and plot.py both use it."""
     from malleus_ds.report import plot_data
     from malleus_ds.report.metrics import format_event
-    from malleus_ds.runners import common
+    from malleus_ds.app.runners import common
 
     rp = {"event": "replan", "step": 20, "trigger": "change", "measured_rates": [1.0, 5.3],
           "from": "plan-b", "to": "plan-c", "planning_s": 0.7, "predicted_step_s": [0.26, 0.25],
@@ -144,7 +144,7 @@ def test_one_text_per_event():
 def test_check_events_in_the_summary_and_live():
     """A plan check is one line in the end-of-run summary; the progress bar prints a missed one
     when it happens (a kept one only goes to metrics.jsonl and the summary)."""
-    from malleus_ds.runners.common import shown_live
+    from malleus_ds.app.runners.common import shown_live
 
     missed = {"event": "check", "step": 14, "plan": "plan-f02193b9", "outcome": "missed",
               "expected_s": 0.43, "measured_s": 0.9, "ratio": 2.093, "margin": 0.3,

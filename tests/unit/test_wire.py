@@ -78,7 +78,7 @@ def test_the_checkers_can_fail():
 def test_nccl_process_group_setup_is_eager_and_traced():
     import torch
 
-    from malleus_ds.runners.base import DistEnv, init_kwargs, nccl_env_defaults
+    from malleus_ds.app.runners.base import DistEnv, init_kwargs, nccl_env_defaults
 
     gpu = DistEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, device="cuda:1",
                   backend="nccl")

@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-from .emulation.cpu_quota import own_cap
+from ..emulation.cpu_quota import own_cap
 
-from .emulation.straggler import Straggler
-from .resilience.watchdog import HEARTBEAT, phase
+from ..emulation.straggler import Straggler
+from ..resilience.watchdog import HEARTBEAT, phase
 
 
 class ComputeClock:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..plan import Plan, PlanError
+from ...plan import Plan, PlanError
 from ..run_config import ConfigError, RunConfig
 from .base import DistEnv
 
@@ -37,11 +37,11 @@ class Fit:
 
 def start_problem(cfg: RunConfig, plan: Plan, ds_config: dict, device: str | None):
     """The planning problem of this job at start-up (rates all 1.0), with its memory model."""
-    from ..engine.precision import Precision
-    from ..engine.settings import MalleusSettings, activation_checkpointing_source
-    from ..models.base import head_layer_units, param_table
-    from ..adaptive.replan import job_memory, job_problem
-    from ..problem import given_slowdown, ideal_slowdown
+    from ...engine.precision import Precision
+    from ...engine.settings import MalleusSettings, activation_checkpointing_source
+    from ...models.base import head_layer_units, param_table
+    from ...adaptive.replan import job_memory, job_problem
+    from ...problem import given_slowdown, ideal_slowdown
     from .job import job_layout
 
     try:
@@ -64,7 +64,7 @@ def start_problem(cfg: RunConfig, plan: Plan, ds_config: dict, device: str | Non
 def check_fits(cfg: RunConfig, plan: Plan, ds_config: dict, env: DistEnv) -> Fit:
     """:class:`Fit` for ``plan`` on this job (module docstring); ConfigError on every rank when
     no layout of these ranks holds the model."""
-    from ..cost import check_memory
+    from ...cost import check_memory
 
     try:
         problem, limit = start_problem(cfg, plan, ds_config, env.device)
@@ -92,7 +92,7 @@ def check_fits(cfg: RunConfig, plan: Plan, ds_config: dict, env: DistEnv) -> Fit
 
 def _replan(problem, limit: float | None, why: str, world: int) -> tuple[str, str]:
     """Rank 0: ("plan", its JSON) of a layout that fits, or ("error", the message)."""
-    from ..planner import plan as plan_layout
+    from ...planner import plan as plan_layout
 
     try:
         res = plan_layout(problem, seed=0, time_limit=limit)

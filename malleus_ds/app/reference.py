@@ -12,12 +12,15 @@ from typing import Callable, Iterable
 
 import torch
 
-from .data import DataConfig, make_dataset
-from .models import ModelConfig, build_model, lm_loss
-from .models.base import (enable_activation_checkpointing, global_named_parameters,
-                          global_state_dict, tied_params)
-from .optim import OptimConfig, make_optimizer
-from .samples import loss_share, micro_batches
+from ..data import DataConfig, make_dataset
+from ..models import ModelConfig, build_model, lm_loss
+from ..models.base import (
+    enable_activation_checkpointing,
+    global_named_parameters,
+    global_state_dict,
+    tied_params)
+from ..optim import OptimConfig, make_optimizer
+from ..samples import loss_share, micro_batches
 
 
 def reference_run(cfg: ModelConfig, *, seed: int, steps: int, global_batch_size: int,
@@ -59,7 +62,7 @@ def torch_step(model, opt, fetch: Callable, ids_list: Iterable, scale: float, *,
                compute: Callable = nullcontext, reduce: Callable[[float], float] | None = None,
                grad_clip: float = 0.0) -> float:
     """One plain-PyTorch step, the single-process loop ``reference_run`` and ``engine=torch``
-    (``runners/torch_runner.py``) share: for each micro-batch in ``ids_list``, ``fetch(ids) ->
+    (``app/runners/torch_runner.py``) share: for each micro-batch in ``ids_list``, ``fetch(ids) ->
     (inputs, targets)``, its mean loss × ``scale`` (its share of the global mean), backward
     (gradients sum), all inside ``compute()`` (a timing context); then ``reduce(loss) -> loss``
     (data parallel: sum the gradients and the loss over the replicas; None on one process),

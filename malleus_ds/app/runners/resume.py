@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..files.ckpt_format import LATEST, RUN_FILE, RUN_FORMAT
+from ...files.ckpt_format import LATEST, RUN_FILE, RUN_FORMAT
 from ..run_config import ConfigError, RunConfig
 
 #: what every engine needs unchanged on resume (the data position and the model's tensors)
@@ -81,7 +81,7 @@ def _batch(cfg: RunConfig) -> tuple[int, int]:
 def _precision(cfg: RunConfig) -> str:
     if cfg.engine == "torch":
         return "fp32"
-    from ..engine.precision import Precision
+    from ...engine.precision import Precision
 
     return Precision.name_of(cfg.deepspeed.config)
 
@@ -95,12 +95,12 @@ def data_record(cfg: RunConfig) -> dict:
     rec = {"kind": d.kind, "path": None, "dtype": None, "tokens": None,
            "seq_len": d.resolved_seq_len(cfg.model)}
     if d.kind == "tokens":
-        from ..data.tokens import inspect_token_file
+        from ...data.tokens import inspect_token_file
 
         tf = inspect_token_file(d.path, d.dtype)    # header and size only
         rec.update(path=str(tf.path), dtype=tf.dtype.name, tokens=tf.num_tokens)
     elif d.kind == "text":
-        from ..data.tokens import inspect_token_file
+        from ...data.tokens import inspect_token_file
 
         tf = inspect_token_file(d.token_file)       # the cache file: named by the content key
         rec.update(path=d.path, dtype=tf.dtype.name, tokens=tf.num_tokens,
@@ -136,7 +136,7 @@ def read_saved(root: Path) -> Saved | None:
     latest = root / LATEST
     if not latest.is_file():
         return None
-    from ..files.safe_load import UnsafeFile, read_json, read_small_text
+    from ...files.safe_load import UnsafeFile, read_json, read_small_text
 
     try:
         tag = read_small_text(latest, "'latest' file").strip()

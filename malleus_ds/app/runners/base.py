@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..device import resolve_device
-from ..report.metrics import Phase
+from ...report.metrics import Phase
 
 
 @dataclass(frozen=True)

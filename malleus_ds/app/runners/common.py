@@ -19,13 +19,13 @@ from __future__ import annotations
 import sys
 import time
 
-from ..clock import ComputeClock as _ComputeClock
+from ...engine.clock import ComputeClock as _ComputeClock
 from ..run_config import RunConfig
-from ..emulation.straggler import Straggler
-from ..report.metrics import MetricsWriter, StepRecord, format_event, format_phases, phases
-from ..plan import Plan, even_split
+from ...emulation.straggler import Straggler
+from ...report.metrics import MetricsWriter, StepRecord, format_event, format_phases, phases
+from ...plan import Plan, even_split
 from ..reference import micro_batches
-from ..resilience.watchdog import phase
+from ...resilience.watchdog import phase
 from .base import DistEnv, RunSummary
 from .stream import StepStream
 
@@ -50,7 +50,7 @@ def monitors_to_run_dir(ds_config: dict, run_dir: str | None) -> None:
 
 
 class ComputeClock(_ComputeClock):
-    """The run's compute clock (``malleus_ds/clock.py``) with this rank's straggler emulation
+    """The run's compute clock (``malleus_ds/engine/clock.py``) with this rank's straggler emulation
     from ``straggler.schedule``."""
 
     def __init__(self, cfg: RunConfig, env: DistEnv) -> None:
@@ -82,7 +82,7 @@ def shown_live(ev: dict) -> bool:
 class StepReporter:
     """Gathers per-rank compute seconds each step; rank 0 writes metrics.jsonl, a tqdm bar (a
     terminal), progress lines (stdout not a terminal) + train.log and events to the DeepSpeed
-    ``monitor`` the runner passes (``runners/stream.py``)."""
+    ``monitor`` the runner passes (``app/runners/stream.py``)."""
 
     def __init__(self, cfg: RunConfig, env: DistEnv, group=None, first_step: int = 0,
                  monitor=None) -> None:
@@ -233,7 +233,7 @@ def format_summary(cfg: RunConfig, s: RunSummary) -> str:
 
 def _whatif(cfg: RunConfig, metrics_path: str, gbs: int, mbs: int) -> str:
     """The run's what-if account (``whatif.py``) against the static layout of ``parallel.*``."""
-    from ..report.whatif import Layout, WhatIfError, account_of_run, format_account
+    from ...report.whatif import Layout, WhatIfError, account_of_run, format_account
 
     p, layers = cfg.parallel, getattr(cfg.model, "num_layers", None)
     layout = Layout(p.tp, p.pp, p.dp, layers, gbs, mbs) if layers else None

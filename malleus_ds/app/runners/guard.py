@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..report.metrics import METRICS_FILE
-from ..resilience.watchdog import Watchdog, watchdog_store
+from ...report.metrics import METRICS_FILE
+from ...resilience.watchdog import Watchdog, watchdog_store
 
 
 #: the stop code a rank raises when its launcher is gone (SIGHUP: "the controlling side hung
@@ -109,7 +109,7 @@ def launchers_above(pid: int | None = None, environ=None) -> list[Launcher]:
 
     A bare process (no launcher) watches nothing: its parent is a shell, and a run under
     ``nohup`` must outlive the terminal."""
-    from ..resilience import procs
+    from ...resilience import procs
 
     env = os.environ if environ is None else environ
     me = os.getpid() if pid is None else pid
@@ -163,7 +163,7 @@ class LauncherWatch:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        from ..resilience import procs
+        from ...resilience import procs
 
         while not self._done.wait(self.interval_s):
             gone = next((x for x in self.launchers if not procs.is_alive(x.pid, x.started)), None)

@@ -19,7 +19,7 @@ import copy
 import dataclasses
 import time
 from ..run_config import ConfigError, RunConfig
-from ..plan import Plan, PlanError
+from ...plan import Plan, PlanError
 from .base import DistEnv, RunSummary
 from .checkpoint import Checkpointer, engine_writer
 from .fit import check_fits
@@ -30,7 +30,7 @@ from .job import job_layout, load_plan
 
 def check_plan(cfg: RunConfig, plan: Plan, where: str) -> None:
     """The start-up checks of a plan against this job (world, layers, node shape, TP sizes)."""
-    from ..engine.plan_check import check_job_plan
+    from ...engine.plan_check import check_job_plan
 
     try:
         check_job_plan(plan, cfg.model, job_layout(cfg, plan), "plan ")
@@ -41,8 +41,8 @@ def check_plan(cfg: RunConfig, plan: Plan, where: str) -> None:
 def validate(cfg: RunConfig) -> None:
     plan = load_plan(cfg)
     check_plan(cfg, plan, f"plan={cfg.plan}")
-    from ..engine.engine import MalleusEngine
-    from ..engine.settings import check_zero_stage
+    from ...engine.engine import MalleusEngine
+    from ...engine.settings import check_zero_stage
 
     try:    # the ZeRO stage, the malleus section and fp16/bf16, as the engine will read them
         check_zero_stage(cfg.deepspeed.zero_stage)
@@ -71,7 +71,7 @@ def validate(cfg: RunConfig) -> None:
 def check_ds_straggler(raw, world_size: int) -> None:
     """The ds_config's own ``malleus.straggler`` (the engine's clock when no runner attaches
     one): its schedule, and its ``method=quota`` on a machine that cannot apply it."""
-    from ..emulation.straggler import StragglerError, StragglerSchedule
+    from ...emulation.straggler import StragglerError, StragglerSchedule
     from . import check_straggler_method
 
     try:
@@ -82,7 +82,7 @@ def check_ds_straggler(raw, world_size: int) -> None:
 
 
 def build_ds_config(cfg: RunConfig, plan: Plan) -> dict:
-    from ..engine.settings import activation_checkpointing_source
+    from ...engine.settings import activation_checkpointing_source
 
     c = copy.deepcopy(dict(cfg.deepspeed.config))
     for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
@@ -121,8 +121,8 @@ def device_names(env: DistEnv) -> list[str]:
 
 
 def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
-    from ..data import build_dataset
-    from ..engine.engine import MalleusEngine
+    from ...data import build_dataset
+    from ...engine.engine import MalleusEngine
 
     plan = load_plan(cfg)
     par = cfg.parallel
@@ -143,7 +143,7 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     engine = MalleusEngine(cfg.model, ds_config, plan, data=data)
     ck = Checkpointer(cfg, env)
     if ck.resumed is not None:
-        from ..engine.checkpoint import CheckpointError
+        from ...engine.checkpoint import CheckpointError
 
         try:    # its checks read shared files only: the same error on every rank
             _, client = engine.load_checkpoint(str(ck.resumed.root), tag=ck.resumed.tag)

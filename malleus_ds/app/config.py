@@ -5,7 +5,7 @@
 every rank with only ``world_size`` known, so a bad input fails everywhere with the same message
 instead of hanging a collective. Messages name the field and the numbers and say what to do.
 
-The schema (``RunConfig`` and its sections, ``ConfigError``) is :mod:`malleus_ds.run_config`,
+The schema (``RunConfig`` and its sections, ``ConfigError``) is :mod:`malleus_ds.app.run_config`,
 re-exported here; the model and data sections are checked by ``models/parse.py`` and
 ``data/parse.py``, the device setting by ``device.py``.
 """
@@ -18,16 +18,23 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from .engine.settings import ADAPTIVE_KEYS, activation_checkpointing_source
-from .data.parse import parse_data
-from .data.tokens import DataError
+from ..engine.settings import ADAPTIVE_KEYS, activation_checkpointing_source
+from ..data.parse import parse_data
+from ..data.tokens import DataError
 from .device import DeviceError, check_device
-from .emulation.straggler import StragglerError, StragglerSchedule
-from .job_layout import JobLayout, JobLayoutError
-from .models.llama import ModelConfig
-from .models.parse import ModelError, check_layout, parse_model
-from .run_config import (ENGINES, CheckpointConfig, ClusterConfig, ConfigError,
-                         DeepSpeedSection, ParallelConfig, RunConfig, TrainConfig)
+from ..emulation.straggler import StragglerError, StragglerSchedule
+from ..job_layout import JobLayout, JobLayoutError
+from ..models.llama import ModelConfig
+from ..models.parse import ModelError, check_layout, parse_model
+from .run_config import (
+    ENGINES,
+    CheckpointConfig,
+    ClusterConfig,
+    ConfigError,
+    DeepSpeedSection,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig)
 
 
 def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size: int | None = None,
@@ -144,7 +151,7 @@ def _max_restarts(v: Any, ckpt: CheckpointConfig) -> int:
 def compare_engines(v: Any) -> tuple[str, ...]:
     """``compare``: engines that each run the whole config, one after the other, for a
     side-by-side table (launch/train.py, malleus_ds/report/compare.py); empty = a normal run."""
-    from .report.compare import COMPARABLE
+    from ..report.compare import COMPARABLE
 
     if v is None:
         return ()
@@ -164,7 +171,7 @@ def compare_engines(v: Any) -> tuple[str, ...]:
 def _straggler(s: Mapping[str, Any], world_size: int) -> StragglerSchedule:
     """``straggler.schedule`` and ``straggler.method`` (sleep | quota | compete; emulation/straggler.py).
     Whether this machine can apply ``quota`` or ``compete`` is checked at runner start-up
-    (``runners/__init__.py``)."""
+    (``app/runners/__init__.py``)."""
     if not isinstance(s, Mapping):
         raise ConfigError(f"straggler must be a mapping with key 'schedule', got {s!r} "
                           f"(allowed keys: ['schedule', 'method'])")
@@ -364,7 +371,7 @@ def _elastic_pp(groups: int, pp: int, num_layers: int) -> int:
     """Stages for a world of ``groups`` TP groups that ``pp`` does not tile (an elastic restart
     after a node left or joined): the fewest stages >= ``pp`` that tile it (no more layers per
     rank than the layout was written for), else the most that do (more layers per rank: the
-    start-up memory check, ``runners/fit.py``, says whether they still fit)."""
+    start-up memory check, ``app/runners/fit.py``, says whether they still fit)."""
     tiles = [s for s in range(1, min(groups, num_layers) + 1) if groups % s == 0]
     return min((s for s in tiles if s >= pp), default=max(tiles))
 
@@ -395,7 +402,7 @@ def load_ds_config(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"deepspeed.config_file={str(path)!r}: file not found")
-    from .files.safe_load import MAX_JSON_BYTES
+    from ..files.safe_load import MAX_JSON_BYTES
 
     if p.stat().st_size > MAX_JSON_BYTES:
         raise ConfigError(f"deepspeed.config_file={str(p)!r} is {p.stat().st_size / 2**20:.1f} "
@@ -453,7 +460,7 @@ def check_even_batch(t: TrainConfig, p: ParallelConfig, ds: DeepSpeedSection) ->
                           f"not split evenly over parallel.dp={p.dp} replicas; use a global batch "
                           f"that is a multiple of {t.micro_batch_size * p.dp}")
     c = ds.config
-    from .ds_compat import batch_keys
+    from ..engine.ds_compat import batch_keys
 
     want = batch_keys(t.micro_batch_size, n // p.dp, p.dp)
     for k, v in want.items():

@@ -1,7 +1,7 @@
 """``engine=torch``: plain PyTorch AdamW — the reference every other engine is checked against.
 
-On one process this is exactly :func:`malleus_ds.reference.reference_run` (both run
-:func:`malleus_ds.reference.torch_step`). With several ranks
+On one process this is exactly :func:`malleus_ds.app.reference.reference_run` (both run
+:func:`malleus_ds.app.reference.torch_step`). With several ranks
 it is plain data parallelism with the same math: each rank runs its share of the micro-batches
 (static plan order), each micro-batch loss is scaled by ``micro_batch_size / global_batch_size``,
 and gradients are *summed* across ranks (all-reduce SUM) before the identical optimizer step.
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import time
 
-from ..files.ckpt_format import TORCH_FORMAT, TORCH_STATE_FILE
+from ...files.ckpt_format import TORCH_FORMAT, TORCH_STATE_FILE
 from ..run_config import ConfigError, RunConfig
-from ..files.fileio import atomic_write
-from ..samples import loss_share
+from ...files.fileio import atomic_write
+from ...samples import loss_share
 from .base import DistEnv, RunSummary
 from .checkpoint import Checkpointer
 from .common import ComputeClock, StepReporter, replica_micro_batches
@@ -36,10 +36,10 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     import torch
     import torch.distributed as dist
 
-    from ..data import build_dataset
-    from ..models import build_model
-    from ..models.base import enable_activation_checkpointing
-    from ..optim import make_optimizer
+    from ...data import build_dataset
+    from ...models import build_model
+    from ...models.base import enable_activation_checkpointing
+    from ...optim import make_optimizer
     from ..reference import torch_step
 
     torch.manual_seed(cfg.train.seed)
@@ -52,7 +52,7 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     multi = dist.is_initialized() and env.world_size > 1
     ck = Checkpointer(cfg, env)
     if ck.resumed is not None:
-        from ..files.safe_load import UnsafeFile, load_plain
+        from ...files.safe_load import UnsafeFile, load_plain
 
         try:    # plain data only: a file that names any class or function is refused
             st = load_plain(ck.resumed.path / TORCH_STATE_FILE, "engine=torch checkpoint file",

@@ -1,6 +1,6 @@
 """The run configuration's schema: :class:`RunConfig` and its sections, as frozen dataclasses.
 
-Built only by :func:`malleus_ds.config.build_run_config` (which re-exports these names), and read
+Built only by :func:`malleus_ds.app.config.build_run_config` (which re-exports these names), and read
 by the runners. ``ConfigError`` is here too, so every app module can raise it without importing
 the parser.
 """
@@ -9,17 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .data import DataConfig
-from .emulation.straggler import StragglerSchedule
-from .models.llama import ModelConfig
-from .optim import OptimConfig
+from ..data import DataConfig
+from ..emulation.straggler import StragglerSchedule
+from ..models.llama import ModelConfig
+from ..optim import OptimConfig
 
 
 class ConfigError(ValueError):
     """A run configuration is invalid. The message names the field and the numbers."""
 
 
-#: Engines the app knows (the runner registry in ``malleus_ds.runners`` maps them to code).
+#: Engines the app knows (the runner registry in ``malleus_ds.app.runners`` maps them to code).
 ENGINES = ("torch", "deepspeed", "malleus")
 
 

@@ -10,7 +10,7 @@ folder being written has no ``run.json`` yet.
 "Did every rank's write succeed?" is agreed through the job's store by the writing threads,
 with an agreement sequence of their own (``Agreements`` under ``malleus_ckpt_bg``), so they never
 interleave with the training thread's; a failure reaches every rank, which raises it at its
-next wait (:class:`~malleus_ds.runners.checkpoint.CheckpointSaveError`).
+next wait (:class:`~malleus_ds.app.runners.checkpoint.CheckpointSaveError`).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class EngineWriter:
         return hasattr(self.engine, "snapshot_checkpoint")
 
     def snapshot(self, root: Path, tag: str, done: int) -> Persist:
-        from ..engine.checkpoint_save import write_snapshot
+        from ...engine.checkpoint_save import write_snapshot
 
         snap = self.engine.snapshot_checkpoint(str(root), tag=tag, client_state={"step": done},
                                                save_latest=False)
@@ -71,7 +71,7 @@ def _agreements():
     the first run's numbers and read its keys."""
     global _AGREEMENTS
     if _AGREEMENTS is None:
-        from ..resilience.agreement import Agreements
+        from ...resilience.agreement import Agreements
         _AGREEMENTS = Agreements("malleus_ckpt_bg")
     return _AGREEMENTS
 
@@ -100,7 +100,7 @@ class BackgroundSaves:
         return self._client
 
     def agree(self, err: str | None, what: str) -> None:
-        from ..resilience.agreement import raise_failure, store_timeout_s
+        from ...resilience.agreement import raise_failure, store_timeout_s
 
         try:
             store = self._store()

@@ -11,8 +11,8 @@ def initialize(model=None, config=None, plan=None, *, data=None, args=None):
     """``malleus_ds.engine.initialize`` (model, ds_config and plan as documented there) with
     ``data`` defaulting to the byte corpus; returns ``(engine, optimizer, None, lr_scheduler)``
     like ``deepspeed.initialize``."""
-    from .data import ByteCorpus
-    from .engine import initialize as engine_initialize
+    from ..data import ByteCorpus
+    from ..engine import initialize as engine_initialize
 
     return engine_initialize(model, config, plan, data=ByteCorpus if data is None else data,
                              args=args)

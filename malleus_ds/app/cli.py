@@ -12,8 +12,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from .plan import Plan, PlanError
-from .problem import Problem
+from ..plan import Plan, PlanError
+from ..problem import Problem
 
 EXIT_BAD_INPUT = 2
 
@@ -24,12 +24,12 @@ def _fail(prog: str, msg: str) -> int:
 
 
 def _load_problem(path: str) -> Problem:
-    from .cost import comm_spec
+    from ..cost import comm_spec
 
     pr = Problem.load(path)
     comm_spec(pr)  # validates the optional comm section
     if pr.current_plan is not None:
-        from .cost import validate_for_problem
+        from ..cost import validate_for_problem
 
         try:
             validate_for_problem(pr, pr.current_plan)
@@ -59,7 +59,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
         pr = _load_problem(args.problem)
     except PlanError as e:
         return _fail(prog, f"{args.problem}: {e}")
-    from .planner import plan
+    from ..planner import plan
 
     try:
         res = plan(pr, seed=args.seed, time_limit=args.time_limit,
@@ -110,9 +110,9 @@ def sim_main(argv: Sequence[str] | None = None) -> int:
         pr = _load_problem(args.problem)
     except PlanError as e:
         return _fail(prog, f"{args.problem}: {e}")
-    from .cost import validate_for_problem
-    from .planner import all_baselines
-    from .simulate import build_timeline, gantt, summarize
+    from ..cost import validate_for_problem
+    from ..planner import all_baselines
+    from ..simulate import build_timeline, gantt, summarize
 
     try:
         pl = Plan.load(args.plan) if args.plan else pr.static_plan()
@@ -124,7 +124,7 @@ def sim_main(argv: Sequence[str] | None = None) -> int:
     print(f"{pr.name}: plan {args.plan or '(static)'}: {len(pl.pipelines)} pipelines, "
           f"{sum(len(p.stages) for p in pl.pipelines)} stages")
     print(s.text())
-    from .cost import efficiency
+    from ..cost import efficiency
 
     parts = []
     for k, p in all_baselines(pr).items():

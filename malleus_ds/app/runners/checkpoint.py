@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..files.ckpt_format import LATEST, RUN_FILE
+from ...files.ckpt_format import LATEST, RUN_FILE
 from ..run_config import ConfigError, RunConfig
-from ..files.fileio import atomic_write_text
-from ..resilience.watchdog import phase
+from ...files.fileio import atomic_write_text
+from ...resilience.watchdog import phase
 from .base import DistEnv
 from .resume import read_saved, resume_point, run_record, tag_of
 
@@ -33,7 +33,7 @@ from .resume import read_saved, resume_point, run_record, tag_of
 def _raise_first_error(env: DistEnv, err: str | None, what: str) -> None:
     """Every rank learns every rank's error (so none carries on alone) and raises the first
     (``agreement.raise_if_any_failed``)."""
-    from ..resilience.agreement import raise_if_any_failed
+    from ...resilience.agreement import raise_if_any_failed
 
     raise_if_any_failed("app-checkpoint", err, what, CheckpointSaveError)
 

@@ -21,7 +21,7 @@ names its own ``optimizer`` (then DeepSpeed builds it and ``train.lr`` etc. are 
 Checkpoints (``checkpoint.dir``) are DeepSpeed's own (``engine.save_checkpoint`` /
 ``load_checkpoint``: module, ZeRO partitions, LR scheduler, counters). Stock DeepSpeed loads them
 only under the layout that saved them, so resuming with another world size, tp/pp/dp, ZeRO stage
-or precision is a ConfigError before any process group (``runners/resume.py``).
+or precision is a ConfigError before any process group (``app/runners/resume.py``).
 """
 from __future__ import annotations
 
@@ -33,15 +33,19 @@ from torch import nn
 
 from ..config import check_even_batch
 from ..run_config import ConfigError, RunConfig
-from ..ds_compat import batch_keys
-from ..models.base import EMBED, HEAD, lm_loss
-from ..models.base import enable_activation_checkpointing, tied_params
-from ..plan import even_split
+from ...engine.ds_compat import batch_keys
+from ...models.base import EMBED, HEAD, lm_loss
+from ...models.base import enable_activation_checkpointing, tied_params
+from ...plan import even_split
 from .base import DistEnv, RunSummary
-from ..resilience.agreement import raise_if_any_failed
+from ...resilience.agreement import raise_if_any_failed
 from .checkpoint import Checkpointer, engine_writer
-from .common import (ComputeClock, StepReporter, exclude_calls, monitors_to_run_dir,
-                     replica_micro_batches)
+from .common import (
+    ComputeClock,
+    StepReporter,
+    exclude_calls,
+    monitors_to_run_dir,
+    replica_micro_batches)
 
 
 def validate(cfg: RunConfig) -> None:
@@ -184,13 +188,13 @@ def build_engine(cfg: RunConfig, env: DistEnv):
     """``deepspeed.initialize`` on our model: DeepSpeedEngine (pp=1) or PipelineEngine (pp>1)."""
     import warnings
 
-    from ..ds_compat import skip_shm_comm_build
+    from ...engine.ds_compat import skip_shm_comm_build
 
     skip_shm_comm_build()
     import deepspeed
 
-    from ..models import build_model
-    from ..optim import make_optimizer
+    from ...models import build_model
+    from ...optim import make_optimizer
 
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
     deepspeed.init_distributed(dist_backend=env.backend)
@@ -250,13 +254,13 @@ def pipeline_step(engine, data, mbs: list[list[int]]) -> float:
 
 
 def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
-    from ..data import build_dataset
+    from ...data import build_dataset
 
     engine = build_engine(cfg, env)
     ck = Checkpointer(cfg, env)
     if ck.resumed is not None:
-        from ..ds_compat import load_weights_only
-        from ..files.safe_load import UnsafeFile
+        from ...engine.ds_compat import load_weights_only
+        from ...files.safe_load import UnsafeFile
 
         load_weights_only(engine)           # DeepSpeed's loader would unpickle anything
         err = path = client = None

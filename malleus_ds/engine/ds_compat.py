@@ -66,7 +66,7 @@ def load_deepspeed_file(path, map_location=None):
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    from .files.safe_load import load_plain
+    from ..files.safe_load import load_plain
 
     with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum,
                                            fragment_address]):

@@ -1,21 +1,21 @@
 """Runner registry: ``engine=<name>`` -> a module with ``run(cfg, env) -> RunSummary``.
 
-The runner interface (what ``malleus_ds/runners/<name>_runner.py`` implements)::
+The runner interface (what ``malleus_ds/app/runners/<name>_runner.py`` implements)::
 
     def validate(cfg: RunConfig) -> None          # optional; engine-specific checks.
         # Called on every rank BEFORE any process group exists; raise
-        # malleus_ds.config.ConfigError with field names and numbers.
+        # malleus_ds.app.config.ConfigError with field names and numbers.
 
     def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
         # Called on every rank after torch.distributed's default group is up
         # (gloo on CPU, nccl on GPU; also for world_size 1). Train cfg.train.steps steps.
-        # Use the shared pieces in malleus_ds.runners.common:
+        # Use the shared pieces in malleus_ds.app.runners.common:
         #   replica_micro_batches(cfg, step, replica, replicas)  -> sample ids per micro-batch
         #   ComputeClock(cfg, env): clock.start_step(step); `with clock.compute(): fwd+bwd`
         #       (or clock.add(seconds)) -> measures compute and applies straggler emulation;
         #       communication inside a timed span goes in `with clock.excluded():` (or wrap
         #       methods with exclude_calls(obj, [names], clock)) so waiting is not compute
-        #   Checkpointer(cfg, env) (runners/checkpoint.py): ck.start (first step; > 0 when
+        #   Checkpointer(cfg, env) (app/runners/checkpoint.py): ck.start (first step; > 0 when
         #       resuming from ck.resumed), ck.after_step(done, write, reporter) each step,
         #       ck.finish(steps, write, reporter), reporter.finish(**ck.summary())
         #   StepReporter(cfg, env, first_step=ck.start): reporter.step_done(step,
@@ -24,7 +24,7 @@ The runner interface (what ``malleus_ds/runners/<name>_runner.py`` implements)::
         #       bar); return reporter.finish(**ck.summary()).
         # The loss passed to step_done is the global-batch mean (DESIGN.md §5), same on all ranks.
 
-``cfg`` is a frozen :class:`malleus_ds.config.RunConfig`: ``cfg.model`` (ModelConfig),
+``cfg`` is a frozen :class:`malleus_ds.app.config.RunConfig`: ``cfg.model`` (ModelConfig),
 ``cfg.train`` (steps, batch sizes, seed, ``.optim`` -> OptimConfig), ``cfg.parallel`` (tp/pp/dp),
 ``cfg.cluster`` (gpus_per_node, nodes), ``cfg.straggler`` (StragglerSchedule),
 ``cfg.deepspeed`` (the ds_config dict + its file), ``cfg.plan`` ("static" or a plan JSON path),
@@ -39,16 +39,16 @@ import importlib
 from types import ModuleType
 
 from ..run_config import ConfigError, RunConfig
-from ..emulation.cpu_compete import release as release_competitors
-from ..emulation.cpu_quota import release as release_quota
+from ...emulation.cpu_compete import release as release_competitors
+from ...emulation.cpu_quota import release as release_quota
 from .base import DistEnv, RunSummary, destroy_process_group, init_process_group
 from .resume import nothing_to_run, resume_point, start_line
 from .stream import check_monitor_packages
 
 RUNNERS: dict[str, str] = {
-    "torch": "malleus_ds.runners.torch_runner",
-    "deepspeed": "malleus_ds.runners.deepspeed_runner",
-    "malleus": "malleus_ds.runners.malleus_runner",
+    "torch": "malleus_ds.app.runners.torch_runner",
+    "deepspeed": "malleus_ds.app.runners.deepspeed_runner",
+    "malleus": "malleus_ds.app.runners.malleus_runner",
 }
 
 __all__ = ["RUNNERS", "DistEnv", "RunSummary", "get_runner", "validate", "run", "execute"]
@@ -83,7 +83,7 @@ def validate(cfg: RunConfig) -> ModuleType:
 def check_straggler_method(schedule, where: str = "straggler") -> None:
     """``straggler.method=quota`` (``compete``) on a machine that cannot cap a process's CPU
     (pin it) is a ConfigError naming the reason (every rank, before any process group)."""
-    from ..emulation.straggler import StragglerError, check_method
+    from ...emulation.straggler import StragglerError, check_method
 
     try:
         check_method(schedule, where=where)
@@ -108,8 +108,13 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
     saved = resume_point(cfg)
     if saved is not None and saved.step >= cfg.train.steps:
         return nothing_to_run(cfg, saved)       # no engine, no process group, no files
-    from .guard import (STOP, LauncherWatch, Stopped, launchers_above,
-                        leave_when_a_peer_is_gone, start_watchdog)
+    from .guard import (
+        STOP,
+        LauncherWatch,
+        Stopped,
+        launchers_above,
+        leave_when_a_peer_is_gone,
+        start_watchdog)
 
     init_process_group(env, cfg.comm_timeout_s)
     if env.is_rank0:        # a big model takes a while to build or load: say what is going on

@@ -2,7 +2,7 @@
 
 ``check_device`` runs in ``config.build_run_config`` on every rank (so ``device=cuda`` on a
 machine without a visible GPU fails at start-up, with the way out); ``resolve_device`` is what
-:meth:`malleus_ds.runners.base.DistEnv.from_environ` binds a rank to. torch is imported lazily:
+:meth:`malleus_ds.app.runners.base.DistEnv.from_environ` binds a rank to. torch is imported lazily:
 the check stays cheap for ``cpu`` and ``auto``.
 """
 from __future__ import annotations

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..run_config import ConfigError, RunConfig
-from ..job_layout import JobLayout, nominal_tp
-from ..plan import Plan, PlanError, static_plan
+from ...job_layout import JobLayout, nominal_tp
+from ...plan import Plan, PlanError, static_plan
 
 
 def load_plan(cfg: RunConfig) -> Plan:

@@ -22,7 +22,7 @@ class ComputeClock:
     ``compute_s`` (per step) includes the emulated sleep, as a slow GPU would show it;
     ``emulated_s`` is the sleep alone. Communication that happens *inside* a timed span
     (e.g. DeepSpeed reducing gradients in backward hooks, or a TP all-reduce) is left out: wrap it
-    in :meth:`excluded` (``runners/common.py:exclude_calls``), so a healthy rank waiting for a
+    in :meth:`excluded` (``app/runners/common.py:exclude_calls``), so a healthy rank waiting for a
     slow peer does not look slow itself.
 
     One clock, two time sources:
@@ -125,12 +125,13 @@ class ComputeClock:
         if self.cuda:
             import torch
             torch.cuda.synchronize()
-        wall = time.perf_counter() - t0 - (self._excluded - ex0)
+        wall = max(0.0, time.perf_counter() - t0 - (self._excluded - ex0))
+        dev = wall
         if self.waits:
             c1, w1 = thread_times()
             cpu = (c1 - c0) - (self._ex_cpu - cx0)
-            wall = max(wall - ((w1 - w0) - (self._ex_wait - wx0)), cpu * self._cap)
-        self.add(max(0.0, wall))
+            dev = max(0.0, wall - ((w1 - w0) - (self._ex_wait - wx0)), cpu * self._cap)
+        self.add(dev, wall)
 
     @contextmanager
     def excluded(self):
@@ -155,20 +156,23 @@ class ComputeClock:
                     self._ex_cpu += c1 - c0
                     self._ex_wait += w1 - w0
 
-    def add(self, seconds: float) -> None:
-        """Account ``seconds`` of measured compute, then emulate (sleep) if slowed. A sleep's
-        wait for a core after it wakes is left out like any other (on shared cores a 9 ms sleep
-        could take 40: a rank at rate 10 probed at 40)."""
-        if self.straggler is None:
-            slept = 0.0
-        else:
+    def add(self, seconds: float, wall: float | None = None) -> None:
+        """Account ``seconds`` of measured compute (device time: on CPU, net of waits for a core),
+        then emulate (sleep) if slowed. ``wall``: the same span by the wall (default
+        ``seconds``). The sleep is ``(rate - 1) x wall``, so a slowed rank takes ``rate`` times
+        as long as its peers do on shared cores too; it is accounted as ``(rate - 1) x
+        seconds``, the same device time (its own wait for a core after waking left out: on
+        shared cores a 9 ms sleep could take 40, and a rank at rate 10 probed at 40)."""
+        wall = seconds if wall is None else wall
+        slept = 0.0
+        if self.straggler is not None:
             w0 = thread_times()[1] if self.waits else 0.0
-            slept = self.straggler.after_compute(self.step, seconds)
+            slept = self.straggler.after_compute(self.step, wall)
             if self.waits and slept > 0:
                 slept = max(0.0, slept - (thread_times()[1] - w0))
+                slept *= seconds / wall if wall > 0 else 1.0
         self._compute_s += seconds + slept
         self.emulated_s += slept
-
 
 SCHEDSTAT = "/proc/thread-self/schedstat"
 

@@ -88,16 +88,24 @@ def test_communication_inside_a_span_is_left_out_with_its_own_waits(monkeypatch)
     assert c.compute_s == pytest.approx(0.25)
 
 
-def test_a_sleeps_wake_up_wait_is_left_out_of_the_emulation(monkeypatch):
+def test_the_emulation_sleeps_by_the_wall_and_is_accounted_in_device_time(monkeypatch):
+    """On shared cores a rank at rate 4 must take 4x as long as its peers by the wall (they wait
+    for cores too), so it sleeps 3x its wall time; its compute reads 4x its device time, and
+    its own wait for a core after the sleep is left out."""
     h = Host(monkeypatch)
-    fake = lambda s: h.run(wait=0.03, blocked=s)          # noqa: E731
+    asked = []
+
+    def fake(s):
+        asked.append(s)
+        h.run(wait=0.03, blocked=s)                       # woke up, then waited 30 ms for a core
     monkeypatch.setattr(time, "sleep", fake)              # measured by the wall, as time.sleep is
     c = _clock(rate=4.0, sleep=fake)
     c.start_step(0)
     with c.compute():
-        h.run(cpu=0.01, wait=0.01)
-    assert c.emulated_s == pytest.approx(0.03)           # (4 - 1) x 0.01, not 0.06
-    assert c.compute_s == pytest.approx(0.04)
+        h.run(cpu=0.01, wait=0.01)                        # device 0.01 s, wall 0.02 s
+    assert asked == [pytest.approx(0.06)]                 # (4 - 1) x the wall
+    assert c.emulated_s == pytest.approx(0.03)            # (4 - 1) x the device time
+    assert c.compute_s == pytest.approx(0.04)             # 4 x the device time
 
 
 def test_thread_times_reads_schedstat_or_says_none(tmp_path):

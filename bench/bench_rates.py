@@ -59,14 +59,10 @@ if str(REPO) not in sys.path:
 warnings.filterwarnings("ignore", "All-NaN|Degrees of freedom|Mean of empty", RuntimeWarning)
 
 from malleus_ds.plan import Plan  # noqa: E402
-from malleus_ds.adaptive.straggler import (
-    HEALTHY,
-    HOLD,
-    RateEstimator,
-    as_list,
-    cost_shape,
-    cost_units,
-    held_ranks)
+from malleus_ds.adaptive.detect import HEALTHY
+from malleus_ds.adaptive.held import HOLD, held_ranks
+from malleus_ds.adaptive.rates import RateEstimator, as_list
+from malleus_ds.adaptive.work import cost_shape, cost_units
 
 LAYERS, HIDDEN, HEADS, SEQ, MBS = 4, 256, 4, 128, 2
 MODEL = ["model=tiny", f"model.num_layers={LAYERS}", f"model.hidden_size={HIDDEN}",

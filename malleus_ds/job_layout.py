@@ -5,7 +5,7 @@ answers derived from them that every layer asks (torchtitan's ``ParallelDims`` p
   a pipeline boundary inside one node is cheaper than one across nodes, and a migration reads
   from a holder on the receiver's node when there is one.
 * ``tp``: the nominal TP degree. Every stage's TP size divides it; cost units and the TP slowdown
-  table are keyed by ``tp // group size`` (``straggler.py``). :func:`nominal_tp` decides it.
+  table are keyed by ``tp // group size`` (``adaptive/work.py``). :func:`nominal_tp` decides it.
 * :func:`finest_tp`: the TP degree of a layer's finest shards, the lcm of its holders' TP sizes
   (gradient-sync chunks, ``layout.py``).
 

@@ -5,9 +5,9 @@ Data flows one way:
 1. **Timings.** Every step, each rank's compute seconds (communication left out) and, on a
    suspended rank, a probe's seconds ride in the step's existing loss all-reduce: no extra
    collective, and every rank sees every rank's numbers.
-2. **Rates** (``straggler.RateEstimator``): per-unit compute time relative to the healthy
+2. **Rates** (``rates.RateEstimator``): per-unit compute time relative to the healthy
    reference, median-smoothed; identical on every rank.
-3. **Detection** (``straggler.Detector``), rank 0 only, every ``detect.every`` steps.
+3. **Detection** (``detect.Detector``), rank 0 only, every ``detect.every`` steps.
 4. **Planning problem** of the running job (``replan.job_problem``) with the measured rates and
    ``current_plan`` = the running plan; the planner runs in its own process on rank 0
    (``planner/client.py`` talks to ``planner/worker.py``) while training continues on the old plan.
@@ -38,15 +38,10 @@ from ..plan import Plan, PlanError
 from .probe import Probe
 from ..problem import Problem
 from .replan import Decision, decide, fit_running_plan, job_memory, job_problem
-from .straggler import (
-    HOLD,
-    Detector,
-    RateEstimator,
-    as_list,
-    cost_shape,
-    cost_units,
-    held_ranks,
-    probe_reference)
+from .held import HOLD, held_ranks, probe_reference
+from .detect import Detector
+from .rates import RateEstimator, as_list
+from .work import cost_shape, cost_units
 from ..problem import given_slowdown, ideal_slowdown
 
 # ------------------------------------------------------------------------------ the controller
@@ -320,7 +315,7 @@ class Controller:
             self._promise()
 
     def _hold(self, rates: list[float | None]) -> None:
-        """The ranks the running plan treats as slow (:func:`~malleus_ds.adaptive.straggler.held_ranks`,
+        """The ranks the running plan treats as slow (:func:`~malleus_ds.adaptive.held.held_ranks`,
         the same on every rank: from the broadcast event's rates, or the shared measurement)
         and the rank that calibrates their probes."""
         self.held = held_ranks(self.units, rates, max(HOLD, self.s.detect.healthy))

@@ -78,7 +78,7 @@ class Probe:
         caches; the calibrating rank, which works every step, only on its first probe), then
         times :attr:`REF_RUNS` runs: the *early* reading, the same work at the same moment as
         the calibrating rank's probe, whose ratio to it is the rate
-        (``straggler.RateEstimator.add``). With ``sustain`` (a rank without work, or a held one)
+        (``rates.RateEstimator.add``). With ``sustain`` (a rank without work, or a held one)
         it then keeps the device busy for :attr:`SUSTAIN_S` and times the mean of repeats over
         :attr:`TIMED_S`, the *sustained* reading: a device that idled, or ran only short bursts,
         read as it works under full load (a CPU-quota-throttled process runs the first

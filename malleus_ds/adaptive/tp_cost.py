@@ -1,7 +1,7 @@
 """The TP slowdown measured on the job's own device, not assumed (DESIGN.md §6).
 
 A rank in a TP group of ``g`` GPUs computes ``1/g`` of each layer. Cost units
-(``straggler.cost_units``) and the planner's stage times count that work as
+(``work.cost_units``) and the planner's stage times count that work as
 ``tp_slowdown[tp // g]`` layers of a full nominal-TP group: ideal scaling says ``tp/g``, but a
 narrow shard runs its matmuls at a different efficiency than a wide one (a GPU is under-filled
 by a thin shard; a CPU cache holds a small one), so an ideal table makes a rank moved to a

@@ -1,7 +1,7 @@
 """This rank's compute clock: times forward/backward with communication left out, and applies
 the straggler emulation (``emulation/straggler.py``) after each timed piece.
 
-The engine's measured rates (``straggler.py``) and the per-rank ``compute_s`` of metrics.jsonl
+The engine's measured rates (``adaptive/rates.py``) and the per-rank ``compute_s`` of metrics.jsonl
 come from here. A runner passes its own clock to the engine (``set_compute_clock``); an engine
 used on its own keeps one built from ``ds_config.malleus.straggler``.
 """

@@ -411,7 +411,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
     @property
     def measured_rates(self) -> list[float | None]:
         """Each rank's smoothed measured straggling rate (None: not measured yet)."""
-        from ..adaptive.straggler import as_list
+        from ..adaptive.rates import as_list
         return as_list(self.control.measured)
 
     def switch_plan(self, new_plan, rates=None):

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from ..plan import Plan
 from ..adaptive.pace_check import CheckConfig
-from ..adaptive.straggler import DetectConfig
+from ..adaptive.detect import DetectConfig
 from .precision import Precision
 
 # ------------------------------------------------------------------ the adaptive loop's keys

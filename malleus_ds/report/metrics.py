@@ -34,7 +34,7 @@ and a checkpoint save is an event line too (``{"event": "checkpoint", "step", "p
 (``pace_check.py``; ``{"event": "check", "step", "plan", "outcome": "kept"|"missed", ...}``,
 read back by ``check_events.py``). engine=malleus step lines carry ``"plan"``, the id of the
 plan that ran the step, and ``"measured_rates"``, each rank's smoothed measured rate
-(``straggler.py``; null until measured).
+(``adaptive/rates.py``; null until measured).
 
 :func:`format_event` turns a replan, migrate, restart or check line into text: one line for the
 run summary and the progress bar, a short label for ``malleus-plot``.

@@ -3,7 +3,7 @@
 The one rule every report uses where it splits a run by *measured* rates (``whatif.py``, and so
 ``launch/summarize.py``, the compare report's what-if lines and ``malleus-plot``'s what-if marks;
 DESIGN.md §6, "What-if account"). A single step's reading is noise on a shared host (a 2-rank
-CPU job reads 1.27, 1.57 or 1.91 for one step now and then); the loop (``straggler.py``) never
+CPU job reads 1.27, 1.57 or 1.91 for one step now and then); the loop (``adaptive/rates.py``, ``detect.py``) never
 acts on one, and neither does a report:
 
 1. **Smoothed.** Each rank's rate at a step is the median of its readings over
@@ -13,7 +13,7 @@ acts on one, and neither does a report:
    too, so it centres the window and its phases do not lag the onset by ``WINDOW // 2`` steps
    as the loop's reading does. A step change of the rate keeps its exact step; a spike of up
    to ``WINDOW // 2`` steps disappears (at the run's ends, rule 3 drops it).
-2. **Threshold.** A smoothed rate below :data:`HEALTHY` (``straggler.HEALTHY``, 1.2) counts as
+2. **Threshold.** A smoothed rate below :data:`HEALTHY` (``adaptive.detect.HEALTHY``, 1.2) counts as
    1.0. A step's *condition* is the set of ranks at or above it.
 3. **Minimum duration.** A change of condition counts only when the new condition lasts at
    least :data:`MIN_STEPS` (= ``WINDOW + DetectConfig.confirm`` = 7) consecutive steps, the
@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..adaptive.straggler import HEALTHY, DetectConfig
+from ..adaptive.detect import HEALTHY, DetectConfig
 
 #: steps in the median that smooths a rank's readings (the adaptive loop's window)
 WINDOW = DetectConfig().window

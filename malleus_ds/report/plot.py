@@ -34,7 +34,7 @@ from .plot_data import (
     load_runs,
     rolling_median,
     straggler_regions)
-from ..adaptive.straggler import HEALTHY
+from ..adaptive.detect import HEALTHY
 
 PROG = "malleus-plot"
 EXIT_BAD_INPUT = 2

@@ -76,7 +76,7 @@ from .check_events import Check, checks_line, checks_of
 from ..cost import capacity_of_rates
 from .metrics import MetricsError, emulated_rates, metrics_path, read_run
 from .phases import rate_phases
-from ..adaptive.straggler import HEALTHY  # a rate below this counts as healthy (DESIGN.md §6)
+from ..adaptive.detect import HEALTHY  # a rate below this counts as healthy (DESIGN.md §6)
 
 
 class WhatIfError(ValueError):

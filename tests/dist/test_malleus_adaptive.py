@@ -77,7 +77,7 @@ def _adaptive(rank, world, max_steps):
 
 def test_adaptive_run_detects_replans_migrates_recovers_and_keeps_the_math():
     from malleus_ds.plan import Plan
-    from malleus_ds.adaptive.straggler import cost_units
+    from malleus_ds.adaptive.work import cost_units
 
     res = run_distributed(_adaptive, 4, MAX_STEPS, timeout=400)
     steps = len(res[0][0][0])

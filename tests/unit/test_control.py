@@ -19,7 +19,8 @@ from malleus_ds.cost import step_time
 from malleus_ds.models.llama import PRESETS, param_table
 from malleus_ds.plan import Plan, PlanError, static_plan, validate_plan
 from malleus_ds.planner.worker import alternative_plan, answer
-from malleus_ds.adaptive.straggler import DetectConfig, cost_units
+from malleus_ds.adaptive.detect import DetectConfig
+from malleus_ds.adaptive.work import cost_units
 
 
 @pytest.mark.parametrize("sec, match", [
@@ -171,7 +172,7 @@ def _engine(plan, rank=0, world=4):
 
 def _drive(ctl, plan, rates, steps, rng, base=0.01):
     """Feed ``steps`` steps of synthetic timings (± 10% noise) through slots/observe."""
-    from malleus_ds.adaptive.straggler import cost_units
+    from malleus_ds.adaptive.work import cost_units
 
     units = cost_units(plan, 4, 1, {1: 1.0})
     for k in range(steps):

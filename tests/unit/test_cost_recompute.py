@@ -24,7 +24,7 @@ from malleus_ds.planner.partition import PipelineModel, layer_cap
 from malleus_ds.problem import Problem
 from malleus_ds.adaptive.replan import job_problem, memory_model
 from malleus_ds.simulate import build_timeline
-from malleus_ds.adaptive.straggler import cost_units
+from malleus_ds.adaptive.work import cost_units
 
 QUICK = PlannerConfig(pop_size=8, max_generations=3, patience=2, polish_evals=50)
 

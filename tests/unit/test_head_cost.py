@@ -17,7 +17,7 @@ from malleus_ds.problem import Problem
 from malleus_ds.planner.partition import PipelineModel
 from malleus_ds.adaptive.replan import job_problem
 from malleus_ds.simulate import build_timeline
-from malleus_ds.adaptive.straggler import cost_units
+from malleus_ds.adaptive.work import cost_units
 
 
 def problem(head=None, rates=None, pp=2) -> Problem:

@@ -188,9 +188,9 @@ KNOWN_CROSSINGS = {
     "malleus_ds.adaptive.control -> malleus_ds.engine.settings",
     "malleus_ds.adaptive.tp_cost -> malleus_ds.engine.tensor_parallel",
     "malleus_ds.engine.engine -> malleus_ds.adaptive.control",
-    "malleus_ds.engine.engine -> malleus_ds.adaptive.straggler",
+    "malleus_ds.engine.engine -> malleus_ds.adaptive.rates",
     "malleus_ds.engine.settings -> malleus_ds.adaptive.pace_check",
-    "malleus_ds.engine.settings -> malleus_ds.adaptive.straggler",
+    "malleus_ds.engine.settings -> malleus_ds.adaptive.detect",
 }
 
 

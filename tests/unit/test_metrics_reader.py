@@ -234,7 +234,8 @@ def test_each_caller_keeps_its_error_class_and_prefix(tmp_path, capsys):
 
 
 def test_one_healthy_threshold():
-    from malleus_ds.adaptive import straggler
+    from malleus_ds.adaptive import detect, rates
 
-    assert straggler.HEALTHY == 1.2 == straggler.DetectConfig().healthy
-    assert plot.HEALTHY is straggler.HEALTHY and whatif.HEALTHY is straggler.HEALTHY
+    assert detect.HEALTHY == 1.2 == detect.DetectConfig().healthy
+    assert plot.HEALTHY is detect.HEALTHY and whatif.HEALTHY is detect.HEALTHY
+    assert rates.HEALTHY is detect.HEALTHY

@@ -13,7 +13,7 @@ import pytest
 
 from malleus_ds.report import compare, plot_data
 from malleus_ds.report.phases import HEALTHY, MIN_STEPS, WINDOW, centred_median, rate_phases
-from malleus_ds.adaptive.straggler import DetectConfig
+from malleus_ds.adaptive.detect import DetectConfig
 from malleus_ds.report.whatif import Layout, account, closing_line, format_account
 
 REPO = Path(__file__).resolve().parents[2]

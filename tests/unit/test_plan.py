@@ -202,7 +202,7 @@ def test_random_plans_round_trip_and_validate():
 
 
 def test_a_problem_without_tp_slowdown_gets_the_engines_ideal_table():
-    """The default table was powers of two here and every divisor in straggler.py: a tp=6 problem
+    """The default table was powers of two here and every divisor in the adaptive loop: a tp=6 problem
     without ``cost.tp_slowdown`` was refused ("missing entry for tp/g=3") while the engine ran
     tp=6 with {1, 2, 3, 6}. Now both use problem.ideal_slowdown."""
     from malleus_ds.problem import ideal_slowdown

@@ -1,4 +1,4 @@
-"""Rates that do not depend on the plan (malleus_ds/adaptive/straggler.py), on synthetic traces.
+"""Rates that do not depend on the plan (malleus_ds/adaptive/rates.py), on synthetic traces.
 
 A rank's real compute per step is not ``layers x micro-batches`` alone: every micro-batch pays a
 fixed cost (launches, the activation hand-off, Python), the first stage pays the embedding and
@@ -19,7 +19,8 @@ import pytest
 
 from malleus_ds.adaptive.tp_cost import slowdown_table
 from malleus_ds.plan import Plan
-from malleus_ds.adaptive.straggler import RateEstimator, cost_shape, cost_units
+from malleus_ds.adaptive.rates import RateEstimator
+from malleus_ds.adaptive.work import cost_shape, cost_units
 from malleus_ds.problem import ideal_slowdown
 from tests.dist.test_malleus_cases import random_plan
 

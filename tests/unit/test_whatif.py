@@ -26,7 +26,7 @@ def hand_case(measured: bool = True) -> tuple[list[dict], list[dict]]:
     """Steps 0-9 healthy at 1 s, 0.8 s of it compute (the pipeline's busy share 8/10); steps
     10-19 rank 1 at rate 3: 2.9 s per step until the re-plan before step 13 (a 0.4 s
     migration), 1.5 s after it. 8 samples per step. The measured rates are null at first and
-    lag the onset by two steps, as straggler.py's smoothing does."""
+    lag the onset by two steps, as the loop's smoothing (adaptive/rates.py) does."""
     recs = []
     for s in range(20):
         slow = s >= 10

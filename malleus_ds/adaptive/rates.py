@@ -1,22 +1,16 @@
-"""Measured straggling rates and re-plan detection (DESIGN.md §2, §6).
+"""Per-rank straggling rates from per-step compute timings (DESIGN.md §6).
 
-The loop an engine runs, every step and every ``DetectConfig.every`` steps::
+:class:`RateEstimator`: per-step rates ``x_d`` = (compute seconds / work units) relative to a
+robust healthy reference, smoothed by a median over the last few steps. Ranks without work are
+measured by a probe, divided by the reference rank's probe of the same step
+(``held.probe_reference``); so are held ranks (``held.held_ranks``: working under a plan made for
+them as slow). :func:`probe_reading`: a rank is read at the slower of its last two probes.
 
-    units = cost_units(plan, world, tp, tp_slowdown)       # once per plan
+The loop an engine runs (``control.py``)::
+
+    units = cost_units(plan, world, tp, tp_slowdown)       # once per plan (work.py)
     est.add(compute_s, units, probe_s)                     # every step (gathered timings)
-    trig = det.check(est.rates())                          # every cfg.every steps
-    if trig: plan for trig.rates ...; det.planned_for(trig.rates); est.reset() on a switch
-
-* :func:`cost_units` — work a rank does under a plan: layers held × micro-batches of its
-  pipeline × the TP-size slowdown of its group (0 for a rank without work).
-* :class:`RateEstimator` — per-step rates ``x_d`` = (compute seconds / units) relative to a
-  robust healthy reference, smoothed by a median over the last few steps. Suspended ranks are
-  measured by a probe (per-unit seconds), calibrated by the same probe on the least-loaded
-  rank with work (:func:`probe_reference`); so are held ranks (:func:`held_ranks`: working
-  under a plan made for them as slow), read at the slower of their training and their probe.
-* :class:`Detector` — Malleus's rule: a rate below ``healthy`` counts as 1.0; a re-plan needs some
-  rate to differ from the one the current plan was made for by ``change`` (relative), in
-  ``confirm`` consecutive detections, and none is raised during a ``cooldown`` after planning.
+    trig = det.check(est.rates())                          # every DetectConfig.every steps
 
 numpy only: no torch, no torch.distributed, no deepspeed, no omegaconf.
 """
@@ -24,92 +18,12 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from ..plan import Plan, charged_layers
-
-#: a smoothed measured rate below this counts as healthy (1.0): DESIGN.md §6; the default of
-#: :attr:`DetectConfig.healthy`, and the threshold ``whatif.py`` and ``malleus-plot`` use
-HEALTHY = 1.2
-
-
-def cost_units(plan: Plan, world: int, tp: int, tp_slowdown: Mapping[int, float],
-               head: float = 0.0, layer_cost: float = 1.0) -> np.ndarray:
-    """Per-rank work under ``plan`` (length ``world``, float64), in "one layer × one micro-batch
-    on a healthy full TP group": ``layers held × micro-batches × tp_slowdown[tp // g]``; a
-    pipeline's last stage holds ``head`` more layers' worth (the output head, ``cost.head_layers``).
-    ``layer_cost``: a layer's work in those units (``cost.RECOMPUTE_FACTOR`` when activation
-    checkpointing recomputes layers but not the head).
-
-    0.0 for a rank the plan does not use (suspended or absent). Raises ``ValueError`` for a rank
-    outside the world, a group size that does not divide ``tp``, or a missing slowdown key.
-    """
-    out = np.zeros(world, dtype=np.float64)
-    for i, pipe in enumerate(plan.pipelines):
-        for j, stage in enumerate(pipe.stages):
-            where = f"pipelines[{i}].stages[{j}]"
-            if tp % stage.tp:
-                raise ValueError(f"{where}: TP group size {stage.tp} does not divide tp={tp}")
-            key = tp // stage.tp
-            if key not in tp_slowdown:
-                raise ValueError(f"{where}: tp_slowdown has no entry for key {key} (= tp {tp} / "
-                                 f"group size {stage.tp}); keys: {sorted(tp_slowdown)}")
-            layers = charged_layers(stage, j == len(pipe.stages) - 1, head, layer_cost)
-            u = layers * pipe.micro_batches * float(tp_slowdown[key])
-            for r in stage.ranks:
-                if not 0 <= r < world:
-                    raise ValueError(f"{where}: rank {r} is outside 0..{world - 1}")
-                out[r] = u
-    return out
-
-
-def cost_shape(plan: Plan, world: int) -> np.ndarray:
-    """Per rank ``(B, C)`` (shape ``(world, 2)``): the micro-batches it runs as a first stage
-    (the embedding's per-micro-batch cost) and the micro-batches it runs at all (the fixed cost
-    every micro-batch pays: launches, the activation hand-off, Python); zeros for a rank without
-    work. With :func:`cost_units` these are the features whose weights ``RateEstimator`` fits
-    (the work model beyond ``layers x micro-batches``)."""
-    out = np.zeros((world, 2), dtype=np.float64)
-    for pipe in plan.pipelines:
-        for j, stage in enumerate(pipe.stages):
-            for r in stage.ranks:
-                if 0 <= r < world:
-                    out[r] = (pipe.micro_batches if j == 0 else 0.0, pipe.micro_batches)
-    return out
-
-
-@dataclass(frozen=True)
-class DetectConfig:
-    """When a measured rate shift triggers re-planning (Malleus's defaults)."""
-
-    every: int = 1          # run detection every N steps (cheap: numpy on rank 0)
-    window: int = 5         # median over the last N per-step rates (smoothing)
-    healthy: float = HEALTHY  # a smoothed rate below this counts as healthy (1.0)
-    change: float = 0.3     # re-plan when |r - p| >= change * p for some rank (relative)...
-    confirm: int = 2        # ...in this many consecutive detections (hysteresis)
-    cooldown: int = 2       # detections skipped after a planning attempt
-    probe_every: int = 2    # a rank without work times its probe every N steps
-
-    def check(self) -> None:
-        """Raise ``ValueError`` naming ``malleus.detect.<field>=<value>`` for a bad field."""
-        rules = (("every", self.every >= 1, ">= 1"), ("window", self.window >= 1, ">= 1"),
-                 ("healthy", self.healthy >= 1.0, ">= 1.0 (1.0 = healthy)"),
-                 ("change", self.change > 0, "> 0 (relative, e.g. 0.3 = 30%)"),
-                 ("confirm", self.confirm >= 1, ">= 1"), ("cooldown", self.cooldown >= 0, ">= 0"),
-                 ("probe_every", self.probe_every >= 1, ">= 1"))
-        for name, ok, need in rules:
-            if not ok:  # NaN fails every comparison, so it is rejected too
-                raise ValueError(f"malleus.detect.{name}={getattr(self, name)!r} must be {need}")
-
-
-def _vector(x: Sequence[float], world: int, what: str) -> np.ndarray:
-    a = np.asarray(x, dtype=np.float64).reshape(-1)
-    if a.shape != (world,):
-        raise ValueError(f"{what}: expected {world} values (one per rank), got {a.size}")
-    return a
+from .detect import HEALTHY
+from .work import per_rank
 
 
 def _reference(t: np.ndarray, band: float) -> float:
@@ -205,15 +119,15 @@ class RateEstimator:
         has a positive finite time returns all-NaN and is not kept (it would only push real
         measurements out of the window).
         """
-        c = _vector(compute_s, self.world, "compute_s")
-        u = _vector(units, self.world, "units")
+        c = per_rank(compute_s, self.world, "compute_s")
+        u = per_rank(units, self.world, "units")
         active = u > 0
         hold = np.zeros(self.world, dtype=bool) if held is None else \
-            _vector(held, self.world, "held").astype(bool) & active
+            per_rank(held, self.world, "held").astype(bool) & active
         B = C = np.zeros(self.world)
         if shape is not None:
-            B = _vector(shape[0], self.world, "shape B")
-            C = _vector(shape[1], self.world, "shape C")
+            B = per_rank(shape[0], self.world, "shape B")
+            C = per_rank(shape[1], self.world, "shape C")
             ok = active & np.isfinite(c) & (c > 0)
             if ok.any():
                 self._hist.append((c.copy(), u.copy(), B, C, ok))
@@ -232,7 +146,7 @@ class RateEstimator:
         pr = np.full(self.world, np.nan)          # ...as rates against the reference's probe
         pref = None                               # (the rank that probed to calibrate)
         if probe_s is not None:
-            p = _vector(probe_s, self.world, "probe_s")
+            p = per_rank(probe_s, self.world, "probe_s")
             use = (~active | hold) & np.isfinite(p) & (p > 0)
             tp[use] = p[use] * self._calibration(t, p, active & ~hold)
             refs = np.flatnonzero(active & ~hold & np.isfinite(p) & (p > 0))
@@ -377,115 +291,10 @@ class RateEstimator:
         out[h] = np.fmax(out[h], probe[h])
         out[fit] = probe[fit]
         if floor is not None:
-            f = _vector(floor, self.world, "floor")
+            f = per_rank(floor, self.world, "floor")
             unprobed = self._held & np.isnan(probe)
             out[unprobed] = np.fmax(out[unprobed], f[unprobed])
         return out
-
-    def reset(self) -> None:
-        """Forget the history (after a plan switch, when units change). Never called here."""
-        self._rows.clear()
-
-
-@dataclass(frozen=True)
-class Trigger:
-    """A confirmed rate shift: plan for ``rates``."""
-
-    kind: str                   # "onset" | "change" | "recovery"
-    rates: tuple[float, ...]    # normalised smoothed rates (healthy ones = 1.0), per rank
-
-
-class Detector:
-    """Decides, from smoothed rates, when to re-plan (see :class:`DetectConfig`).
-
-    ``planned`` holds the normalised rates the current plan was made for (all 1.0 at start).
-    """
-
-    def __init__(self, world: int, cfg: DetectConfig = DetectConfig()):
-        cfg.check()
-        self.world, self.cfg = world, cfg
-        self.planned = np.ones(world, dtype=np.float64)
-        self.streak = 0       # consecutive detections with a shift
-        self.cooldown = 0     # detections still to skip
-
-    def normalise(self, rates: Sequence[float]) -> np.ndarray:
-        """A rate below ``healthy`` -> 1.0; NaN (no data) -> the planned value for that rank."""
-        r = _vector(rates, self.world, "rates").copy()
-        nan = np.isnan(r)
-        r[nan] = self.planned[nan]
-        r[r < self.cfg.healthy] = 1.0
-        return r
-
-    def check(self, rates: Sequence[float], idle: Sequence[bool] | None = None
-              ) -> Trigger | None:
-        """One detection (every ``cfg.every`` steps) on :meth:`RateEstimator.rates`.
-
-        ``idle[d]``: rank d has no work under the running plan (suspended). For such a rank only
-        a *decrease* counts: it may be fit to come back, while a rise changes nothing (it is
-        out already) and its probe readings are the noisiest."""
-        if self.cooldown > 0:
-            self.cooldown -= 1
-            return None
-        r, p = self.normalise(rates), self.planned
-        # a move by `change` (relative), or a rank planned as slow that now reads healthy: a
-        # plan made for 1.2-1.43 could otherwise never see its rank recover (1.0 is the floor,
-        # and 1.0 is not 30% below 1.42: a spurious 1.43 once kept a healthy rank out for good)
-        moved = (np.abs(r - p) >= self.cfg.change * p) | ((p > 1.0) & (r == 1.0))
-        if idle is not None:
-            moved &= ~np.asarray(idle, dtype=bool) | (r < p)
-        shifted = bool(np.any(moved))
-        self.streak = self.streak + 1 if shifted else 0
-        if self.streak < self.cfg.confirm:
-            return None
-        if np.all(r == 1.0) and np.any(p > 1.0):
-            kind = "recovery"
-        elif np.all(p == 1.0):
-            kind = "onset"
-        else:
-            kind = "change"
-        return Trigger(kind, tuple(round(float(x), 3) for x in r))
-
-    def planned_for(self, rates: Sequence[float]) -> None:
-        """After a planning attempt (adopted or not): remember ``rates``, restart hysteresis and
-        the cooldown."""
-        self.planned = self.normalise(rates)
-        self.streak = 0
-        self.cooldown = self.cfg.cooldown
-
-
-#: a working rank planned at least this slow is held (:func:`held_ranks`): its share is light
-#: enough (2/3 of a full one or less) for a cap to hide in it. Below, its training reads it:
-#: probing a rank planned at 1.2-1.5 (often a noisy reading) cost a bench run ~25% of its
-#: steps on a shared CPU, for a share nearly full anyway
-HOLD = 1.5
-
-
-def held_ranks(units: Sequence[float], rates: Sequence[float] | None,
-               healthy: float = HOLD) -> np.ndarray:
-    """Ranks with work under a plan made for them as slow (planned rate >= ``healthy``,
-    :data:`HOLD` by default): each sustains a probe like a suspended rank (DESIGN.md §6,
-    "Probes measure the device"), so a light load that runs inside a throughput cap (a CPU
-    quota, a power cap) does not read as a recovery that full work would undo."""
-    u = np.asarray(units, dtype=float)
-    if rates is None:
-        return np.zeros(u.size, dtype=bool)
-    r = np.array([np.nan if x is None else x for x in rates], dtype=float)
-    if r.size != u.size:
-        raise ValueError(f"held_ranks: {r.size} rates for {u.size} ranks")
-    with np.errstate(invalid="ignore"):
-        return (u > 0) & (r >= healthy)
-
-
-def probe_reference(units: Sequence[float], held: Sequence[bool] | None = None) -> int | None:
-    """The rank that times a probe alongside the ranks without work and the held ones, to
-    calibrate theirs: the least-loaded rank with work that is not held (lowest index on ties);
-    None when no rank needs calibrating (every rank works, none held) or none can."""
-    u = np.asarray(units, dtype=float)
-    h = np.zeros(u.size, dtype=bool) if held is None else np.asarray(held, dtype=bool)
-    ok = (u > 0) & ~h
-    if not ((u <= 0).any() or h.any()) or not ok.any():
-        return None
-    return int(np.flatnonzero(ok & (u == u[ok].min()))[0])
 
 
 def as_list(rates: Sequence[float]) -> list[float | None]:

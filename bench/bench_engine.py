@@ -136,6 +136,9 @@ def _worker(rank, world, layout, model_name, seq, G, steps, rounds, warmup):
     ds = {"zero_optimization": {"stage": 1}, "gradient_clipping": 0.0, "steps_per_print": 10**9}
     mal = MalleusEngine(cfg, ds, plan, data=data)
     mal_mpu = groups.mpu
+    from malleus_ds.adaptive.settings import AdaptiveSettings
+    from malleus_ds.app.loop import attach_loop
+    attach_loop(mal, AdaptiveSettings())        # as malleus_ds.initialize does: the loop's cost in
 
     def stock_step(step):
         mbl = micro_batches(step, G, mbs)

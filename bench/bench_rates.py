@@ -11,7 +11,7 @@ estimator is fed: every rank's compute seconds and probe reading from the step's
 probing rank also holds its probe), each rank's CPU seconds inside its compute spans
 (``time.thread_time``: wall minus CPU is time the rank waited for a core yet counted as
 compute) and the live reading. It then replays the recordings through
-``malleus_ds.adaptive.straggler.RateEstimator`` exactly as ``control.py`` feeds it (:func:`replay`:
+``malleus_ds.adaptive.rates.RateEstimator`` exactly as ``control.py`` feeds it (:func:`replay`:
 ``cost_units`` with the model's head units, ``cost_shape``, window 5, the first step of the run
 and of each plan left out, held ranks from the reading at the switch) and reports per cell and
 rank the steady reading (median, worst |reading − true| once the window holds the plan's steps),
@@ -214,7 +214,7 @@ def child(argv: list[str]) -> None:
     o_observe = control.Controller.observe
 
     def observe(self, step, sums):
-        ck = self.engine.clock
+        ck = self._probe.engine.clock      # the loop reads no engine; its probe block does
         rec = {"step": int(step), "skip": bool(self._skip), "cpu": getattr(ck, "_b_cpu", 0.0),
                "wall": float(ck.compute_s), "emu": float(ck.emulated_s)}
         if self.rank == 0:

@@ -16,12 +16,14 @@ Data flows one way:
    bandwidth measured by earlier migrations).
 6. **Broadcast and switch** at the first step boundary after rank 0's result is ready: rank 0
    raises a flag in a step's all-reduce, every rank then joins one ``broadcast_object_list``
-   before the next step and calls ``engine.switch_plan``.
+   before the next step; the engine switches.
 
-This module holds the loop's state (its settings: ``engine/settings.py``, ``AdaptiveSettings``;
-the probe: ``probe.py``); the engine (``engine/engine.py``) only calls
-:class:`Controller` hooks at fixed points of a step, so the whole loop is driven by
-``train_batch``.
+This module holds the loop's state (its settings: ``settings.py``; when a rank probes:
+``probe.py``). It reads no engine: it is built from a :class:`~malleus_ds.adaptive.job.JobSpec`
+(plain values), the plan the job starts under, and a probe block to time (the engine's,
+``engine/probe_block.py``, or none), and is driven through its step hooks (``engine/hooks.py``),
+which the engine calls at fixed points of ``train_batch`` once the app has attached it
+(``app/loop.py``). A test or a simulator drives the same hooks with synthetic timings.
 """
 from __future__ import annotations
 
@@ -31,11 +33,12 @@ from collections import deque
 import numpy as np
 
 from ..cost import RECOMPUTE_FACTOR
-from ..engine.settings import AdaptiveSettings
 from ..models.base import head_layer_units
 from .pace_check import HealthyPace, PaceCheck
 from ..plan import Plan, PlanError
-from .probe import Probe
+from . import probe as probing
+from .job import JobSpec
+from .settings import AdaptiveSettings
 from ..problem import Problem
 from .replan import Decision, decide, fit_running_plan, job_memory, job_problem
 from .held import HOLD, held_ranks, probe_reference
@@ -48,30 +51,34 @@ from ..problem import given_slowdown, ideal_slowdown
 
 
 class Controller:
-    """One per engine. Hooks, in step order: :meth:`slots` (values for the step's all-reduce),
-    :meth:`observe` (after it), :meth:`step_done` (wall time), :meth:`before_step` (collective, at
-    the next step boundary: ready decisions and forced re-plans → plans to switch to)."""
+    """One per rank. The step hooks (``engine/hooks.py``), in step order: :meth:`contribute`
+    (values for the step's all-reduce), :meth:`observe` (after it), :meth:`after_reduce` (the
+    probe), :meth:`step_done` (wall time), :meth:`before_step` (collective, at the next step
+    boundary: ready decisions and forced re-plans → plans to switch to), :meth:`switched` /
+    :meth:`considered` (what became of them), :meth:`take_events`, :meth:`measured_rates`."""
 
     #: seconds a forced re-plan waits for the planner worker
     FORCED_TIMEOUT_S = 120.0
 
-    def __init__(self, engine, settings: AdaptiveSettings) -> None:
-        self.engine, self.s = engine, settings
-        self.rank, self.world = engine.global_rank, engine.world_size
-        plan = engine.plan
-        self.tp = engine.job.tp       # the TP degree self.slowdown is keyed by
-        self.tp_measured: dict[int, float] | None = None    # tp_cost.measure at start-up
-        if settings.tp_slowdown == "measure" and self.tp > 1:
-            from .tp_cost import measure     # a collective: every rank builds a Controller
-            self.tp_measured = measure(engine.model_cfg, self.tp, plan.micro_batch_size,
-                                       engine.seq_len, engine.device, engine.act_dtype)
+    def __init__(self, job: JobSpec, settings: AdaptiveSettings, plan: Plan, prober=None,
+                 tp_measured: dict[int, float] | None = None) -> None:
+        """``job``: the job, frozen at start; ``plan``: the plan it starts under; ``prober``: the
+        block a rank times to stay measured without work (``measure(sustain, budget_s)`` ->
+        seconds per run, ``release()``; None: such a rank reads nothing); ``tp_measured``: the
+        TP slowdown table measured at start-up (``engine/tp_cost.py``), if any."""
+        self.spec, self.s = job, settings
+        self.rank, self.world = job.rank, job.world
+        self.job = job.job                # the job layout now (a switch may change TP sizes)
+        self.plan = plan                  # the plan running now
+        self.tp = job.job.tp              # the TP degree self.slowdown is keyed by
+        self.tp_measured = tp_measured
         self.slowdown = self._slowdown(self.tp)
         self.est = RateEstimator(self.world, settings.detect.window)
         self.det = Detector(self.world, settings.detect) if self.rank == 0 else None
         # the last stage's output head, in layers: without it a healthy last stage reads slow
-        self.head = head_layer_units(engine.param_table, engine.seq_len, engine.model_cfg.hidden_size)
+        self.head = head_layer_units(job.param_table, job.seq_len, job.model_cfg.hidden_size)
         # a recomputed layer does 4/3 of a plain one's work, the head does not grow
-        self.recompute = bool(engine.settings.recompute)     # activation checkpointing
+        self.recompute = bool(job.recompute)     # activation checkpointing
         self.layer_cost = RECOMPUTE_FACTOR if self.recompute else 1.0
         self.units = cost_units(plan, self.world, self.tp, self.slowdown, self.head,
                                 self.layer_cost)
@@ -91,7 +98,8 @@ class Controller:
         self._problem: Problem | None = None
         self._first_plan = plan            # the user's layout: the problem's static baseline
         self._running = plan
-        self._probe = Probe(engine)       # probe.py: a block timed like training compute
+        self._probe = prober              # the engine's probe block (None: no probes)
+        self.migrations: list = []         # every switch's migration (.bytes, .seconds)
         self._probe_s = 0.0               # timed after the last all-reduce, reported in the next
         self._skip, self._seen = 1, 0     # steps to leave out; steps measured so far
         self.disabled_reason: str | None = None
@@ -108,11 +116,11 @@ class Controller:
         self._client = None               # rank 0: planner/client.py's PlannerClient
         if self.rank == 0 and self.world > 1 and (settings.enabled or settings.replan_at):
             from ..planner.client import PlannerClient
-            self._client = PlannerClient()   # imports the planner while the engine warms up
+            self._client = PlannerClient()   # imports the planner while training warms up
 
     def _slowdown(self, tp: int) -> dict[int, float]:
         """tp/g -> slowdown: the user's ``tp_slowdown`` map where given, else the table measured
-        at start-up (``engine/tp_cost.py``) for this ``tp``, else ideal (tp/g)."""
+        at start-up (``tp_measured``) for this ``tp``, else ideal (tp/g)."""
         given = given_slowdown(self.s.tp_slowdown, tp)
         if given is not None:
             return given
@@ -121,11 +129,11 @@ class Controller:
             return dict(self.tp_measured)
         return ideal
 
-    def tp_cost_event(self) -> dict | None:
+    def tp_cost_event(self, step: int) -> dict | None:
         """The ``tp_slowdown`` metrics event (the table measured at start-up), or None."""
         if self.tp_measured is None:
             return None
-        return {"event": "tp_slowdown", "step": int(self.engine.global_steps), "tp": self.tp,
+        return {"event": "tp_slowdown", "step": int(step), "tp": self.tp,
                 "table": {str(k): round(v, 4) for k, v in sorted(self.tp_measured.items())},
                 "ideal": {str(k): float(v) for k, v in sorted(ideal_slowdown(self.tp).items())}}
 
@@ -138,43 +146,48 @@ class Controller:
         least-loaded rank with work not held, to calibrate them (``RateEstimator.add``)."""
         if step % self.s.detect.probe_every:
             return False
-        if self.engine.located is None or self.rank == self.probe_ref:
+        if self._probe is None:
+            return False
+        if not self.working or self.rank == self.probe_ref:
             return True
-        return bool(self.held[self.rank]) and Probe.light(self.step_times, self.compute_times)
+        return bool(self.held[self.rank]) and probing.light(self.step_times, self.compute_times)
 
-    def probe_after_reduce(self, step: int) -> None:
+    @property
+    def working(self) -> bool:
+        """Does this rank have work under the running plan?"""
+        return self.plan.locate(self.rank) is not None
+
+    def after_reduce(self, step: int) -> None:
         """Right after step ``step``'s all-reduce, when every rank leaves it at once: if a probe
-        is due, time it now; its reading rides in the next step's all-reduce (:meth:`slots`).
+        is due, time it now; its reading rides in the next step's all-reduce (:meth:`contribute`).
         The ranks without work and the calibrating rank thus probe at the same moment, under
         the same contention (probing at the end of each rank's own pipeline work, as before,
         put the idle rank's probe next to busy peers and the reference's next to idle ones: an
         idle rank read 2-4x slow for good after a real slowdown ended)."""
         self._probe_s = self.probe(step) if self.probe_due(step) else 0.0
 
-    def take_probe(self) -> float:
-        """The probe seconds measured after the previous step's all-reduce (0.0: none)."""
-        out, self._probe_s = self._probe_s, 0.0
-        return out
-
     def probe(self, step: int) -> float:
         """Seconds per run of the probe block (``probe.py``): sustained on a rank without work
         (within half a step) or a held one (within half its slack), one run on the calibrating
         rank."""
-        if self.engine.located is None:
-            return self._probe.measure(True, Probe.budget(self.step_times))
+        if not self.working:
+            return self._probe.measure(True, probing.budget(self.step_times))
         if self.held[self.rank]:
-            return self._probe.measure(True, Probe.budget(self.step_times, self.compute_times))
+            return self._probe.measure(True, probing.budget(self.step_times, self.compute_times))
         return self._probe.measure(False, 0.0)
 
-    def contribute(self, compute_s: float, probe_s: float) -> tuple[bool, float]:
+    def contribute(self, compute_s: float, probe_s: float | None = None) -> tuple[bool, float]:
         """This rank's adaptive-loop values for the step's all-reduce
         (``engine/step_reduce.py``): rank 0's "decision ready" flag, and the probe timed after
-        the last all-reduce in seconds per cost unit (0.0: none). Records this step's compute."""
+        the last all-reduce (``probe_s``: seconds given instead, e.g. synthetic) in seconds per
+        cost unit (0.0: none). Records this step's compute."""
+        if probe_s is None:
+            probe_s, self._probe_s = self._probe_s, 0.0
         ready = False
         if self.rank == 0:
             self._collect()
             ready = self._result is not None
-        if self.engine.located is not None:
+        if self.working:
             self.compute_times.append(compute_s)
         return ready, (probe_s / self.slowdown[self.tp] if probe_s > 0 else 0.0)
 
@@ -222,6 +235,10 @@ class Controller:
                 if self._pending is None and self._result is None and not self.ready:
                     self._act_on_miss(self._last_step)      # no step lost waiting
 
+    def measured_rates(self) -> list[float | None]:
+        """Each rank's smoothed measured rate (None: not measured yet), for logs and checkpoints."""
+        return as_list(self.measured)
+
     def take_events(self) -> list[dict]:
         """``check`` events since the last call (rank 0; metrics.jsonl)."""
         out, self._events = self._events, []
@@ -234,14 +251,12 @@ class Controller:
         result rank 0 flagged in an earlier all-reduce, then a forced re-plan due now. Each is
         (replan event, plan JSON or None). The engine skips one planned against a plan that is
         no longer running (``event["from"]``)."""
-        import torch.distributed as dist
-
         out = []
         if self.ready:
             obj = [None]
             if self.rank == 0:
                 obj[0], self._result = self._result, None
-            dist.broadcast_object_list(obj, src=0)
+            self._broadcast(obj)
             self.ready = False
             if obj[0] is not None:
                 ev = obj[0].event        # detected before step ev['step'], adopted now
@@ -254,9 +269,23 @@ class Controller:
             obj = [None]
             if self.rank == 0:
                 obj[0] = self._forced(step, trigger)
-            dist.broadcast_object_list(obj, src=0)
+            self._broadcast(obj)
             out.append((obj[0].event, obj[0].plan))
         return out
+
+    def _broadcast(self, obj: list) -> None:
+        """Rank 0's ``obj[0]`` to every rank (in place); with no process group (a single
+        process driving the loop: a test, a simulator) rank 0's value stands."""
+        import torch.distributed as dist
+
+        if self.world > 1 and dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(obj, src=0)
+
+    def wait_planner(self, timeout_s: float = FORCED_TIMEOUT_S) -> None:
+        """Rank 0: block until the re-plan in flight, if any, is decided (a simulator or a test
+        that counts planning in steps, not seconds; training never waits)."""
+        if self._pending is not None and self._client is not None:
+            self._collect(self._client.wait(timeout_s))
 
     def carry(self, rates, step: int) -> bool:
         """Rates measured before a restart (a checkpoint carried them; None: unknown): the
@@ -275,17 +304,23 @@ class Controller:
         self.forced = sorted({step, *self.forced})
         return True
 
-    def switched(self, plan: Plan, rates: list[float] | None) -> None:
-        """After any switch (adaptive, forced or scripted): cost units of the new plan, the rates
-        it was made for, and results planned against the old one become stale; rank 0 keeps
-        the old plan and its measured pace (to go back to if the new one breaks its promise)
-        and sets the new plan's promise."""
+    def switched(self, plan: Plan, rates: list[float] | None, job=None, migration=None) -> None:
+        """After any switch (adaptive, forced or scripted) to ``plan``, made for ``rates``
+        (None: today's measurement), with the job layout ``job`` it brought (None: unchanged)
+        and its ``migration`` (``.bytes``, ``.seconds``: the bandwidth the next decision
+        assumes): cost units of the new plan, the rates it was made for, and results planned
+        against the old one become stale; rank 0 keeps the old plan and its measured pace (to
+        go back to if the new one breaks its promise) and sets the new plan's promise."""
+        if migration is not None:
+            self.migrations.append(migration)
+        if job is not None:
+            self.job = job
         if self.det is not None and self.step_times:
             self._previous = (self._running, float(np.median(self.step_times)),
                               [round(float(x), 3) for x in self.det.planned])
-        self._running = plan
+        self._running = self.plan = plan
         self._judge_skip, self._since_switch, self._missed = 1, 0, None
-        tp = self.engine.job.tp
+        tp = self.job.tp
         if tp != self.tp:       # engine API without a nominal tp: the plans' TP sizes set it
             self.tp, self._problem = tp, None
             self.slowdown = self._slowdown(tp)
@@ -299,9 +334,9 @@ class Controller:
         self._probe_s = 0.0                  # timed under the old plan
         self._generation += 1
         self._result = None                  # planned against the old plan, never flagged
-        if (plan.locate(self.rank) is not None and self.rank != self.probe_ref
+        if (self._probe is not None and self.working and self.rank != self.probe_ref
                 and not self.held[self.rank]):
-            self._probe.block = None         # back at full work: free the probe's block
+            self._probe.release()            # back at full work: free the probe's block
         if self.det is not None:
             self.det.planned_for(rates if rates is not None else self._normalised())
             self._promise()
@@ -436,14 +471,14 @@ class Controller:
 
     def _job_problem(self) -> Problem | None:
         if self._problem is None and self.disabled_reason is None:
-            e = self.engine
+            j = self.spec
             try:
-                mem = job_memory(e.param_table, e.model_cfg, e.plan.micro_batch_size,
-                                 e.seq_len, e.precision.mixed, self.s.device_mb, e.device,
-                                 e.job.gpus_per_node, e.settings.migrate_bucket_mb)
-                pr = job_problem(self._first_plan, e.job, self.slowdown, mem, self.head,
+                mem = job_memory(j.param_table, j.model_cfg, j.micro_batch_size, j.seq_len,
+                                 j.mixed, self.s.device_mb, j.device, self.job.gpus_per_node,
+                                 j.migrate_bucket_mb)
+                pr = job_problem(self._first_plan, self.job, self.slowdown, mem, self.head,
                                  activation_checkpointing=self.recompute)
-                self._problem = fit_running_plan(pr, e.plan)
+                self._problem = fit_running_plan(pr, self.plan)
             except (PlanError, ValueError) as err:
                 self.disabled_reason = f"the running job cannot be planned for: {err}"
         return self._problem
@@ -455,7 +490,7 @@ class Controller:
             self._result = self._error(trigger, step, self.disabled_reason)
             return
         pr = pr.with_rates({d: r for d, r in enumerate(rates) if r > 1.0},
-                           current_plan=self.engine.plan)
+                           current_plan=self.plan)
         self._pending = {"trigger": trigger, "rates": rates, "step": step, "problem": pr,
                          "gen": self._generation, "t0": time.perf_counter(), "check": why,
                          "check_step": check_step}
@@ -478,7 +513,7 @@ class Controller:
             self._result = self._error(p["trigger"], p["step"], f"planning failed: {ans['error']}")
             return
         new = Plan.from_json(ans["plan"])
-        cur = self.engine.plan
+        cur = self.plan
         nbytes = self._bytes_for(new) if new.id != cur.id else 0
         step_s = float(np.median(self.step_times)) if self.step_times else None
         if step_s:
@@ -514,18 +549,17 @@ class Controller:
     def _bytes_for(self, new: Plan) -> int:
         from ..migrate.transfer import Layout, transfer_plan
 
-        e = self.engine
-        pb = e.precision.dtype.itemsize if e.precision.mixed else 4
-        return transfer_plan(Layout(e.plan, e.zero_stage), Layout(new, e.zero_stage),
-                             e.param_table, mixed=e.precision.mixed, param_bytes=pb,
-                             job=e.job).bytes
+        j = self.spec
+        return transfer_plan(Layout(self.plan, j.zero_stage), Layout(new, j.zero_stage),
+                             j.param_table, mixed=j.mixed, param_bytes=j.param_bytes,
+                             job=self.job).bytes
 
     def _migrate_s_for(self, nbytes: int) -> float:
         """Predicted switch seconds: bytes ÷ the effective bandwidth of earlier switches
         (``migrate_gbps`` until one was measured), plus the fixed part of a switch that moved
         nothing (0.05 s until one was measured)."""
-        done = [m for m in self.engine.migrations if m.bytes > 0 and m.seconds > 0]
+        done = [m for m in self.migrations if m.bytes > 0 and m.seconds > 0]
         bw = (sum(m.bytes for m in done) / sum(m.seconds for m in done)) if done \
             else self.s.migrate_gbps * 1e9
-        fixed = min((m.seconds for m in self.engine.migrations if m.bytes == 0), default=0.05)
+        fixed = min((m.seconds for m in self.migrations if m.bytes == 0), default=0.05)
         return fixed + nbytes / bw

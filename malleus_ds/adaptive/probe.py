@@ -1,165 +1,44 @@
-"""The probe: how a rank without work, or with only a light one, stays measured (DESIGN.md §6,
-"Probes measure the device").
+"""When a rank probes, and within what budget (DESIGN.md §6, "Probes measure the device").
 
-One decoder block's forward + backward on a dummy micro-batch, timed by the engine's compute
-clock like training compute (so straggler emulation applies). The adaptive loop
-(``malleus_ds/adaptive/control.py``) runs it on ranks without work, on held ranks (working under a plan
-made for them as slow, with slack to spare) and on the calibrating rank, right after a step's
-all-reduce, and sends the reading in the next step's all-reduce.
+A rank without work probes every ``detect.probe_every`` steps so it can come back; so does a held
+rank with slack (working under a plan made for it as slow: a light load that fits inside a
+throughput cap must not read as a recovery), and the calibrating rank (``held.probe_reference``).
+The probe itself is the engine's (``engine/probe_block.py``: one decoder block timed like
+training compute); the loop (``control.py``) is handed one and decides here when it runs.
+
+numpy only.
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
+#: at most this share of a step goes to one probe (it runs while the others compute)
+BUDGET = 0.5
+#: a held rank (working under a plan made for it as slow) probes within this share of its
+#: slack (step time minus its own compute), so the probe never makes it the step's laggard
+SLACK_SHARE = 0.5
+#: ...and only while its compute fills less than this share of a step: busier, its training
+#: timing already measures it under load (and a probe would have no room)
+HELD_LOAD = 0.75
+#: the budget before any step is timed: room for a full sustain and timed window
+#: (``ProbeBlock.SUSTAIN_S`` + ``TIMED_S``, twice)
+FIRST_BUDGET_S = 0.32
 
-class Probe:
-    """The block (built on first use, fixed seed, the caller's RNG untouched) and its timing."""
 
-    #: a rank without work keeps its probe busy this long before timing (seconds of wall): past
-    #: one CPU-quota period (50 ms; a throttled process runs its period's share at full speed,
-    #: so a short probe after idling reads healthy) and a GPU's clock ramp-up
-    SUSTAIN_S = 0.06
-    #: ...and then times repeats of the block over this long (spanning throttling periods)
-    TIMED_S = 0.1
-    #: ...and at least this long when it sustains (one CPU-quota period)
-    MIN_TIMED_S = 0.05
-    #: at most this share of a step goes to one probe (it runs while the others compute)
-    BUDGET = 0.5
-    #: a held rank (working under a plan made for it as slow) probes within this share of its
-    #: slack (step time minus its own compute), so the probe never makes it the step's laggard
-    SLACK_SHARE = 0.5
-    #: ...and only while its compute fills less than this share of a step: busier, its training
-    #: timing already measures it under load (and a probe would have no room)
-    HELD_LOAD = 0.75
+def budget(step_times, compute_times=None) -> float:
+    """Seconds one probe may take: :data:`BUDGET` of the median step (before any step is
+    timed: :data:`FIRST_BUDGET_S`); for a rank with work (``compute_times``: its own compute
+    seconds per step), also at most :data:`SLACK_SHARE` of its median slack."""
+    step = float(np.median(step_times)) if len(step_times) else None
+    out = BUDGET * step if step is not None else FIRST_BUDGET_S
+    if compute_times is not None and len(compute_times) and step is not None:
+        out = min(out, SLACK_SHARE * max(0.0, step - float(np.median(compute_times))))
+    return out
 
-    #: the calibrating rank (it works every step: warm) times this many runs, no warm-up after
-    #: its first probe: the same cost as one warm-up and one timed run, half the timer noise
-    REF_RUNS = 2
 
-    #: a sustained reading this many times its early one is a cap (a CPU quota, a power cap:
-    #: the first milliseconds after idling run at full speed), and is reported instead. Below
-    #: it the early reading stands: a process kept busy reads 1.3-1.7x slow next to processes
-    #: that wake from communication waits on an oversubscribed CPU (the scheduler favours the
-    #: sleepers), and the reference, which times at the same moment, is not kept busy
-    CAP_SIGNAL = 2.0
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.last: tuple[float, float | None] | None = None   # (early, sustained) s per run
-        self.block = None
-        self.x = None
-
-    @classmethod
-    def budget(cls, step_times, compute_times=None) -> float:
-        """Seconds one probe may take: :attr:`BUDGET` of the median step (before any step is
-        timed: room for the full sustain and timed window); for a rank with work
-        (``compute_times``: its own compute seconds per step), also at most
-        :attr:`SLACK_SHARE` of its median slack."""
-        step = float(np.median(step_times)) if len(step_times) else None
-        out = cls.BUDGET * step if step is not None else 2 * (cls.SUSTAIN_S + cls.TIMED_S)
-        if compute_times is not None and len(compute_times) and step is not None:
-            out = min(out, cls.SLACK_SHARE * max(0.0, step - float(np.median(compute_times))))
-        return out
-
-    @classmethod
-    def light(cls, step_times, compute_times) -> bool:
-        """Does a rank's own compute fill less than :attr:`HELD_LOAD` of its median step (True
-        before any step is timed)?"""
-        if not len(step_times) or not len(compute_times):
-            return True
-        return float(np.median(compute_times)) < cls.HELD_LOAD * float(np.median(step_times))
-
-    def measure(self, sustain: bool, budget_s: float) -> float:
-        """Seconds of one decoder block's forward + backward on a dummy micro-batch, timed like
-        training compute (straggler emulation applies). The block is built once (fixed seed,
-        the caller's RNG untouched) and kept. It runs once untimed first (allocation, cold
-        caches; the calibrating rank, which works every step, only on its first probe), then
-        times :attr:`REF_RUNS` runs: the *early* reading, the same work at the same moment as
-        the calibrating rank's probe, whose ratio to it is the rate
-        (``rates.RateEstimator.add``). With ``sustain`` (a rank without work, or a held one)
-        it then keeps the device busy for :attr:`SUSTAIN_S` and times the mean of repeats over
-        :attr:`TIMED_S`, the *sustained* reading: a device that idled, or ran only short bursts,
-        read as it works under full load (a CPU-quota-throttled process runs the first
-        milliseconds of each period at full speed; a GPU ramps its clocks). The sustained
-        reading is returned when it is over :attr:`CAP_SIGNAL` times the early one (a cap),
-        else the faster of the two. All within ``budget_s`` (:meth:`budget`), so the probe never delays
-        the next all-reduce. ``self.last``: (early, sustained or None)."""
-        import torch
-
-        e = self.engine
-        fresh = self.block is None
-        if self.block is None:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                blk = e.model_cfg.build_layer(0, 0).to(device=e.device, dtype=e.act_dtype)
-                x = torch.randn(e.plan.micro_batch_size, e.seq_len, e.model_cfg.hidden_size,
-                                device=e.device, dtype=e.act_dtype)
-            self.block, self.x = blk, x
-        blk, cfg = self.block, e.model_cfg
-
-        def run():
-            x = self.x.detach().requires_grad_()
-            cfg.run_block(blk, x, cfg.block_context(x)).float().sum().backward()
-
-        def timed(reps: int) -> float:
-            before = e.clock.compute_s
-            e._timed(lambda: [run() for _ in range(reps)])
-            return (e.clock.compute_s - before) / reps
-
-        t0 = time.perf_counter()
-        if sustain or fresh:
-            run()                                      # warm-up, untimed
-        runs = self.REF_RUNS
-        if sustain and self.last is not None:          # a slow rank: fewer, within its budget
-            runs = int(min(self.REF_RUNS, max(1, budget_s / 2 // max(self.last[0], 1e-6))))
-        # the reference's shape, at the reference's moment: each run timed on its own, the
-        # fastest kept (a block is a few ms on a small model: one preemption would double a run)
-        early = min(timed(1) for _ in range(runs))
-        sustained = None
-        left = budget_s - (time.perf_counter() - t0)
-        if sustain and left > 2 * early and self._can_be_capped():
-            sustained = timed(self._sustain(run, left, early))
-        for p in blk.parameters():
-            p.grad = None
-        self.last = (early, sustained)
-        if sustained is None:
-            return early
-        if sustained > self.CAP_SIGNAL * early:
-            return sustained                  # throttled under load (a cap): that is its rate
-        # else the faster of the two: each carries the device's slowdown, and each has a bias
-        # of its own on a shared host (early: caches and clocks cold after idling; sustained:
-        # the scheduler favours the processes that wake from communication waits)
-        return min(early, sustained)
-
-    def _can_be_capped(self) -> bool:
-        """Could this rank run under a throughput cap the sustained reading exists to see? Not
-        when the straggler emulation slows it by sleeping (``straggler.method=sleep``): that
-        slows every run alike, and on a shared CPU a sustained window then only adds noise (a
-        rate-10 rank's sustained reading varied 0.9-7x its early one, and read 52 as a 'cap')."""
-        st = getattr(getattr(self.engine, "clock", None), "straggler", None)
-        return st is None or not st.schedule or getattr(st.schedule, "method", "sleep") != "sleep"
-
-    def _sustain(self, run, budget: float, per_run: float = 0.0) -> int:
-        """Run ``run`` back to back for the sustain time (bounded by the probe's budget); return
-        how many repeats fill the timed window at the pace of the last one, or of ``per_run``
-        seconds when slower (a timed run of a slowed rank: the straggler emulation sleeps in
-        proportion to it, which the untimed runs here do not show)."""
-        import torch
-
-        dev = torch.device(self.engine.device)
-        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-        sustain = min(self.SUSTAIN_S, budget / 2)
-        end, last = time.perf_counter() + sustain, 0.0
-        while True:
-            t0 = time.perf_counter()
-            run()
-            sync()
-            last = time.perf_counter() - t0
-            if time.perf_counter() >= end:
-                break
-        # at least one quota period (50 ms): a shorter window that starts in the throttled part
-        # of a period (the sustain drained its share) reads a cap ~2x too slow
-        window = max(self.MIN_TIMED_S, min(self.TIMED_S, budget / 2))
-        return int(min(64, max(1, round(window / max(last, per_run, 1e-6)))))
+def light(step_times, compute_times) -> bool:
+    """Does a rank's own compute fill less than :data:`HELD_LOAD` of its median step (True
+    before any step is timed)?"""
+    if not len(step_times) or not len(compute_times):
+        return True
+    return float(np.median(compute_times)) < HELD_LOAD * float(np.median(step_times))

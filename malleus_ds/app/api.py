@@ -1,19 +1,28 @@
 """The user-facing entry point ``malleus_ds.initialize``: the engine plus the app's defaults.
 
-The engine (``malleus_ds/engine/``) knows no dataset; here, at the edge, a run built without
-``data=`` gets the shipped byte corpus (``malleus_ds/data``), seeded by ``malleus.seed``, so
-``malleus_ds.initialize(model=..., config=...)`` trains out of the box, as it always has.
+The engine (``malleus_ds/engine/``) knows no dataset and no loop; here, at the edge, a run built
+without ``data=`` gets the shipped byte corpus (``malleus_ds/data``), seeded by
+``malleus.seed``, so ``malleus_ds.initialize(model=..., config=...)`` trains out of the box, and
+the adaptive loop is attached (``app/loop.py``; its ``malleus.*`` settings are checked before
+the engine is built, so a bad one fails on every rank before any collective).
 """
 from __future__ import annotations
 
 
 def initialize(model=None, config=None, plan=None, *, data=None, args=None):
     """``malleus_ds.engine.initialize`` (model, ds_config and plan as documented there) with
-    ``data`` defaulting to the byte corpus; returns ``(engine, optimizer, None, lr_scheduler)``
-    like ``deepspeed.initialize``."""
+    ``data`` defaulting to the byte corpus and the adaptive loop attached; returns
+    ``(engine, optimizer, None, lr_scheduler)`` like ``deepspeed.initialize``."""
+    from ..adaptive.settings import AdaptiveSettings
     from ..data import ByteCorpus
     from ..engine import initialize as engine_initialize
+    from ..engine.settings import load_config
+    from .loop import attach_loop
 
-    return engine_initialize(model, config, plan, data=ByteCorpus if data is None else data,
-                             args=args)
-
+    cfg = load_config(config)
+    sec = cfg.get("malleus") if isinstance(cfg, dict) else None
+    settings = AdaptiveSettings.from_config(sec if isinstance(sec, dict) else {})
+    out = engine_initialize(model, cfg, plan, data=ByteCorpus if data is None else data,
+                            args=args)
+    attach_loop(out[0], settings)
+    return out

@@ -18,7 +18,8 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..engine.settings import ADAPTIVE_KEYS, activation_checkpointing_source
+from ..adaptive.settings import ADAPTIVE_KEYS
+from ..engine.settings import activation_checkpointing_source
 from ..data.parse import parse_data
 from ..data.tokens import DataError
 from .device import DeviceError, check_device

@@ -11,9 +11,10 @@ def initialize(model=None, config=None, plan=None, *, data=None, args=None):
 
     ``model``: a ``ModelConfig``, a whole ``StageModule`` or a stage builder (see MalleusEngine).
     ``config``: a ds_config dict or JSON path; its ``"malleus"`` section takes ``plan`` (path,
-    JSON object or Plan), ``tp``, ``gpus_per_node``, ``seed``, ``straggler``, ``switch``, and the
+    JSON object or Plan), ``tp``, ``gpus_per_node``, ``seed``, ``straggler``, ``switch``; the
     adaptive loop's keys (``adaptive``, ``detect``, ``horizon_steps``, ``replan_at``, ...;
-    README "The adaptive loop"). ``plan`` (a Plan or
+    README "The adaptive loop") are passed over to whoever attaches a loop
+    (``malleus_ds.initialize`` does: ``app/loop.py``; this engine alone runs none). ``plan`` (a Plan or
     path) overrides ``malleus.plan``. Stock fields honoured: ``optimizer`` (Adam/AdamW),
     ``scheduler``, ``zero_optimization.stage`` (0/1/2), ``gradient_clipping`` (DeepSpeed's default
     is 1.0), ``bf16`` / ``fp16`` (fp32 masters, fp32 gradient sync, loss scaling; see

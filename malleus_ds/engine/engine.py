@@ -37,9 +37,9 @@ global-batch mean loss on every rank), ``local_shards()``, ``local_state()`` /
 ``switch_plan(plan)`` (live migration, ``switch.py``), ``save_checkpoint`` / ``load_checkpoint``
 (per-rank slices; load under any plan, ZeRO stage, precision or world size: ``checkpoint.py``;
 a Hugging Face folder is ``malleus_ds.export_engine(engine, out_dir)``),
-``set_compute_clock``, and the adaptive loop (``malleus_ds/adaptive/control.py``, on unless
-``ds_config.malleus.adaptive`` is false): ``measured_rates`` and ``take_events()`` (its
-``replan`` / ``migrate`` events). bf16 and fp16 (with
+``set_compute_clock``, ``attach_loop`` (step hooks, ``hooks.py``: the app attaches the adaptive
+loop, ``malleus_ds/app/loop.py``; ``malleus_ds.initialize`` does), ``measured_rates`` and
+``take_events()`` (``replan`` / ``migrate`` events). bf16 and fp16 (with
 static or dynamic loss scaling) train with fp32 masters, fp32 gradient accumulation and reduction
 (``precision.py``). Not supported: ZeRO-3, DeepSpeed's ``forward/backward/step`` loop (use
 ``train_batch``), vocab-parallel embedding/head (they are replicated inside a TP group).
@@ -66,6 +66,7 @@ from ..job_layout import JobLayout, JobLayoutError
 from ..plan import Plan, PlanError
 from ..resilience.watchdog import phase
 from .groups import GROUPS, plan_rank_sets
+from .hooks import NoLoop
 from .mpu import PlanMPU
 from .p2p import PipelineP2P
 from .plan_check import check_job_plan
@@ -122,8 +123,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         self.build_engine_state(plan, cfg, settings, zero_stage, data)
         self.migrations: list = []          # MigrationReport of every switch, in order
         self._pending_switches = list(settings.switch)
-        from ..adaptive.control import Controller
-        self.control = Controller(self, settings.adaptive)   # the adaptive loop (control.py)
+        self.control = NoLoop(self.world_size)    # the step hooks (hooks.py): attach_loop
         self.reduction = StepReduction(self.world_size, self.global_rank)   # step_reduce.py
         self.events: list[dict] = []        # replan / migrate events not yet taken (take_events)
 
@@ -317,7 +317,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         # count of the summed gradients (fp16/bf16: every rank takes the same skip decision),
         # and the adaptive loop's per-rank timings and rank 0's "decision ready" flag.
         compute_s = self.clock.compute_s
-        ready, probe = self.control.contribute(compute_s, self.control.take_probe())
+        ready, probe = self.control.contribute(compute_s)
         red = self.reduction.vector(ready=ready, compute_s=compute_s, probe_per_unit=probe,
                                     device=self.device)
         if self.is_last_stage and self.tp_rank == 0:
@@ -329,7 +329,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
             sums = self.reduction.read(red)      # the step's one read of it (waits on GPU)
         loss, overflow = sums.loss, sums.overflow
         self.control.observe(step, sums)
-        self.control.probe_after_reduce(step)     # every prober at the same moment
+        self.control.after_reduce(step)     # every prober at the same moment
         self.optimizer.overflow = overflow
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)   # DeepSpeed's static/dynamic scaler
@@ -410,9 +410,14 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
 
     @property
     def measured_rates(self) -> list[float | None]:
-        """Each rank's smoothed measured straggling rate (None: not measured yet)."""
-        from ..adaptive.rates import as_list
-        return as_list(self.control.measured)
+        """Each rank's smoothed measured straggling rate (None: not measured yet, or no loop)."""
+        return self.control.measured_rates()
+
+    def attach_loop(self, loop) -> None:
+        """Drive ``loop`` through the step hooks (``hooks.py``) from now on (the app attaches
+        the adaptive loop: ``malleus_ds/app/loop.py``); every rank attaches one alike."""
+        self.control.close()
+        self.control = loop
 
     def switch_plan(self, new_plan, rates=None):
         """Move this running engine to ``new_plan`` (a Plan, path or plan JSON) in place:
@@ -427,7 +432,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         self.migrations.append(report)
         self.events.append(report.event())
         self.job = self.job.with_plans(self.plan)    # a switch may bring new TP sizes
-        self.control.switched(self.plan, rates)
+        self.control.switched(self.plan, rates, self.job, report)
         return report
 
     def set_compute_clock(self, clock) -> None:

@@ -67,7 +67,7 @@ def test_schedules_are_well_formed():
         assert s.hydra().startswith("[{rank:")
     assert [o.step for o in sch.onsets(S)] == [4] and sch.recoveries(S) == [26]
     assert sch.after_windows(S) == [(41, 56)]
-    assert [o.step for o in sch.onsets(sch.SCHEDULES["returns"])] == [6, 38]
+    assert [o.step for o in sch.onsets(sch.SCHEDULES["returns"])] == [6, 46]
     assert [o.step for o in sch.onsets(sch.SCHEDULES["two"])] == [6, 16]
     # a worsening rate is an onset each time it rises; the recovery of one of two is not
     assert [o.step for o in sch.onsets(sch.SCHEDULES["worsens"])] == [6, 14, 22]
@@ -127,10 +127,10 @@ def test_each_onset_is_checked():
     assert [o["latency"] for o in late["onsets"]] == [4, None]
     assert late["onset"] is None and late["pass"]["onset"] is False
     # a re-plan decided before the second onset's step counts for the first onset, not both
-    ret = sch.SCHEDULES["returns"]                # onsets 6 and 38
-    r = judge(ret, [10, 20, 43])
+    ret = sch.SCHEDULES["returns"]                # onsets 6 and 46
+    r = judge(ret, [10, 28, 51])
     assert [o["latency"] for o in r["onsets"]] == [4, 5] and r["pass"]["onset"]
-    assert [o["latency"] for o in judge(ret, [10, 20, 50])["onsets"]] == [4, 12]
+    assert [o["latency"] for o in judge(ret, [10, 28, 58])["onsets"]] == [4, 12]
 
 
 def test_real_onsets_below_a_straggler_are_not_judged():
@@ -173,3 +173,15 @@ def test_an_onset_of_a_rank_already_left_out_needs_no_replan():
     assert [o["latency"] for o in lat] == [3, 0]                 # out since step 9
     ev[1]["idle"] = []                                           # still working: no re-plan
     assert [o["latency"] for o in sch.onset_latencies(ev, w)] == [3, None]
+
+
+def test_the_healthy_reference_is_robust_to_one_odd_step():
+    """The two-straggler run 9 of 2026-12-05: its 4-step healthy window held one lucky step."""
+    steps = [0.363, 0.346, 0.375, 0.266]
+    rows_ = [{"step": 2 + k, "samples": 16, "step_time_s": t} for k, t in enumerate(steps)]
+    summed = sch.tput(rows_, [], range(2, 6))
+    robust = sch.healthy_tput(rows_, range(2, 6))
+    assert summed == pytest.approx(64 / sum(steps))
+    assert robust == pytest.approx((16 / 0.363 + 16 / 0.346) / 2)   # the median of 4
+    assert 42.2 / summed < 0.9 <= 42.2 / robust       # the same after pace: a miss, then not
+    assert sch.healthy_tput(rows_, range(10, 12)) is None

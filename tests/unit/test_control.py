@@ -10,9 +10,9 @@ import pytest
 
 from malleus_ds.job_layout import JobLayout
 from malleus_ds.adaptive.control import Controller
-from malleus_ds.engine.settings import AdaptiveSettings
+from malleus_ds.adaptive.settings import AdaptiveSettings
 from malleus_ds.engine.step_reduce import StepSums
-from malleus_ds.adaptive.probe import Probe
+from malleus_ds.engine.probe_block import ProbeBlock
 from malleus_ds.planner.client import PlannerClient
 from malleus_ds.adaptive.replan import decide, job_problem, memory_model, nominal_shape
 from malleus_ds.cost import step_time
@@ -156,7 +156,15 @@ def test_planner_client_round_trip_in_its_own_process():
 
 
 class _FakeEngine(SimpleNamespace):
-    """What Controller reads off a MalleusEngine."""
+    """What the app reads off a MalleusEngine to attach the loop (app/loop.py), and what the
+    probe block times."""
+
+
+def _loop(e, settings):
+    """The loop for fake engine ``e``, built as the app builds it (app/loop.py; no TP timing)."""
+    from malleus_ds.app.loop import job_spec
+
+    return Controller(job_spec(e), settings, e.plan, ProbeBlock(e))
 
 
 def _engine(plan, rank=0, world=4):
@@ -186,7 +194,7 @@ def _drive(ctl, plan, rates, steps, rng, base=0.01):
 
 def test_controller_detects_plans_in_the_background_and_decides():
     plan = static_plan(4, 8, 1, 1, 1, 4)
-    ctl = Controller(_engine(plan), AdaptiveSettings(detect=DetectConfig(every=1)))
+    ctl = _loop(_engine(plan), AdaptiveSettings(detect=DetectConfig(every=1)))
     rng = np.random.default_rng(0)
     try:
         for _ in _drive(ctl, plan, [1, 1, 1, 1], 30, rng):
@@ -262,36 +270,36 @@ def _probing_engine(plan, rank, block_s):
 
 
 def test_a_rank_without_work_sustains_its_probe_and_reports_one_run():
-    """Rank 3 (no work) keeps the device busy for Probe.SUSTAIN_S, then times repeats over
-    Probe.TIMED_S (probe.py), and reports seconds per run; the calibrating rank (working) times
-    Probe.REF_RUNS runs, with a warm-up only the first time. The budget (half a step) bounds a probe on short steps."""
+    """Rank 3 (no work) keeps the device busy for ProbeBlock.SUSTAIN_S, then times repeats over
+    ProbeBlock.TIMED_S (engine/probe_block.py), and reports seconds per run; the calibrating rank (working) times
+    ProbeBlock.REF_RUNS runs, with a warm-up only the first time. The budget (half a step) bounds a probe on short steps."""
     plan = static_plan(4, 8, 1, 1, 1, 3)          # 3 pipelines on ranks 0-2; rank 3 is spare
-    idle = Controller(_probing_engine(plan, 3, 0.01), AdaptiveSettings())
+    idle = _loop(_probing_engine(plan, 3, 0.01), AdaptiveSettings())
     try:
-        assert idle.engine.located is None
+        assert not idle.working
         t0 = time.perf_counter()
         per_run = idle.probe(2)
         wall = time.perf_counter() - t0
-        runs = idle.engine.runs[0]
+        runs = idle._probe.engine.runs[0]
         # warm-up + sustain (>= 60 ms) + timed repeats (~100 ms at the last run's pace)
         assert runs >= 1 + 2 + 2 and wall >= 0.12, (runs, wall)
         assert 0.01 <= per_run < 0.1
     finally:
         idle.close()
-    ref = Controller(_probing_engine(plan, 0, 0.01), AdaptiveSettings())
+    ref = _loop(_probing_engine(plan, 0, 0.01), AdaptiveSettings())
     try:
-        assert ref.engine.located is not None
-        per_run = ref.probe(2)      # first probe: a warm-up, then Probe.REF_RUNS timed
-        assert ref.engine.runs[0] == 1 + Probe.REF_RUNS and 0.01 <= per_run < 0.1
+        assert ref.working
+        per_run = ref.probe(2)      # first probe: a warm-up, then ProbeBlock.REF_RUNS timed
+        assert ref._probe.engine.runs[0] == 1 + ProbeBlock.REF_RUNS and 0.01 <= per_run < 0.1
         ref.probe(4)                # later ones: warm already (it works every step)
-        assert ref.engine.runs[0] == 1 + 2 * Probe.REF_RUNS
+        assert ref._probe.engine.runs[0] == 1 + 2 * ProbeBlock.REF_RUNS
     finally:
         ref.close()
-    short = Controller(_probing_engine(plan, 3, 0.01), AdaptiveSettings())
+    short = _loop(_probing_engine(plan, 3, 0.01), AdaptiveSettings())
     try:
         short.step_times.extend([0.04] * 5)        # 40 ms steps: a probe gets at most 20 ms
         short.probe(2)
-        assert short.engine.runs[0] <= 1 + 2 + 2, short.engine.runs[0]
+        assert short._probe.engine.runs[0] <= 1 + 2 + 2, short._probe.engine.runs[0]
     finally:
         short.close()
 
@@ -302,7 +310,7 @@ def test_a_held_rank_with_slack_sustains_its_probe_within_its_slack():
     reads the cap), within half its slack; busy, it does not probe (its training is measured
     under load); rank 0 calibrates; a plan made for it as healthy ends the hold."""
     plan = static_plan(4, 8, 1, 1, 1, 4)          # 4 pipelines, every rank works
-    c = Controller(_probing_engine(plan, 3, 0.01), AdaptiveSettings())
+    c = _loop(_probing_engine(plan, 3, 0.01), AdaptiveSettings())
     try:
         assert c.probe_ref is None and not c.probe_due(2)
         c.considered([1.0, 1.0, 1.0, 3.5])        # same on every rank: from the broadcast event
@@ -313,18 +321,18 @@ def test_a_held_rank_with_slack_sustains_its_probe_within_its_slack():
         t0 = time.perf_counter()
         per_run = c.probe(2)
         wall = time.perf_counter() - t0
-        assert c.engine.runs[0] >= 1 + 2 + 2 and wall >= 0.12, (c.engine.runs[0], wall)
+        assert c._probe.engine.runs[0] >= 1 + 2 + 2 and wall >= 0.12, (c._probe.engine.runs[0], wall)
         assert 0.01 <= per_run < 0.1
         c.compute_times.extend([0.9] * 5)         # busy: its training reads it under load
         assert not c.probe_due(2)
         c.step_times.extend([0.3] * 5)
         c.compute_times.extend([0.1] * 5)         # slack 0.2 s: the probe gets at most 0.1 s
-        c.engine.runs[0] = 0
+        c._probe.engine.runs[0] = 0
         assert c.probe_due(2)
         c.probe(2)
         # warm-up + sustain (<= 50 ms of >= 10 ms runs, and the one that crosses it) + timed
         # repeats (50 ms at the pace of the last run, >= 10 ms): counted, not timed (load-proof)
-        assert c.engine.runs[0] <= 1 + 6 + 5, c.engine.runs[0]
+        assert c._probe.engine.runs[0] <= 1 + 6 + 5, c._probe.engine.runs[0]
         c.switched(plan, [1.0, 1.0, 1.0, 1.0])
         assert not c.held.any() and c.probe_ref is None and not c.probe_due(2)
     finally:
@@ -346,16 +354,16 @@ def test_the_planner_worker_is_found_from_the_checkout():
 
 def test_carried_rates_schedule_a_replan_before_the_first_resumed_step():
     plan = static_plan(4, 8, 1, 1, 1, 4)
-    ctl = Controller(_engine(plan), AdaptiveSettings(replan_at=(9,)))
+    ctl = _loop(_engine(plan), AdaptiveSettings(replan_at=(9,)))
     try:
         assert ctl.carry([1.0, 4.2, None, 1.05], 6)
         assert ctl.forced == [6, 9] and ctl._carried_at == 6
         assert ctl.measured[1] == 4.2 and np.isnan(ctl.measured[2])
-        healthy = Controller(_engine(plan), AdaptiveSettings())
+        healthy = _loop(_engine(plan), AdaptiveSettings())
         assert not healthy.carry([1.0, 1.1, 1.0, None], 6) and healthy.forced == []
         assert healthy.measured[1] == 1.1                  # still the measurement to start from
         assert not healthy.carry([4.0, 1.0], 6)            # another world: not these ranks
-        off = Controller(_engine(plan), AdaptiveSettings(enabled=False))
+        off = _loop(_engine(plan), AdaptiveSettings(enabled=False))
         assert not off.carry([1.0, 4.0, 1.0, 1.0], 6) and off.forced == []
     finally:
         ctl.close()
@@ -396,7 +404,7 @@ def test_a_readmitted_rank_still_slow_breaks_the_promise_and_the_loop_replans_at
     re-plans at once, past the detector's cooldown, and the new plan gives rank 3 less work."""
     plan = static_plan(4, 8, 1, 1, 1, 4)
     eng = _engine(plan)
-    ctl = Controller(eng, AdaptiveSettings())
+    ctl = _loop(eng, AdaptiveSettings())
     rng = np.random.default_rng(1)
     try:
         for _ in _drive(ctl, plan, [1, 1, 1, 1], 12, rng):
@@ -432,7 +440,7 @@ def test_a_missed_promise_with_nothing_better_goes_back_to_the_faster_previous_p
     plan = static_plan(4, 8, 1, 1, 1, 4)
     light = _light_plan(1)
     validate_plan(light, JobLayout.one_node(4))
-    ctl = Controller(_engine(light), AdaptiveSettings())
+    ctl = _loop(_engine(light), AdaptiveSettings())
     ctl._running = light
     try:
         kept = Decision({"event": "replan", "trigger": "missed", "adopted": False,
@@ -451,7 +459,7 @@ def test_a_missed_promise_with_nothing_better_goes_back_to_the_faster_previous_p
         # straggler (gone now) ran faster back then, but the model says it is worse today
         nominal, suspended = static_plan(4, 8, 1, 1, 1, 4), static_plan(4, 8, 1, 1, 1, 3)
         ctl.close()
-        ctl = Controller(_engine(nominal), AdaptiveSettings())
+        ctl = _loop(_engine(nominal), AdaptiveSettings())
         ctl._running, ctl._previous = nominal, (suspended, 0.35, [1.0, 1.0, 1.0, 10.0])
         healthy = Decision(dict(kept.event, measured_rates=[1.0] * 4), None)
         assert ctl._back_out(healthy, nominal, 0.47) is healthy
@@ -469,7 +477,7 @@ def test_a_probe_reads_its_faster_reading_unless_its_sustained_runs_show_a_cap()
     for late, expect in ((1.5, "early"), (0.6, "sustained"), (5.0, "sustained")):
         # warm-up and the two early runs at 20 ms, every later run `late` x that
         block = lambda n, late=late: 0.02 if n <= 3 else 0.02 * late  # noqa: E731
-        idle = Controller(_probing_engine(plan, 3, block), AdaptiveSettings())
+        idle = _loop(_probing_engine(plan, 3, block), AdaptiveSettings())
         try:
             got = idle.probe(2)
             early, sustained = idle._probe.last
@@ -485,7 +493,7 @@ def test_a_sudden_straggler_on_the_first_plan_is_planned_for_within_two_steps():
     pace, and the loop re-plans (trigger onset) from those two steps' rates, before the
     detector's window would confirm it."""
     plan = static_plan(4, 8, 1, 1, 1, 4)
-    ctl = Controller(_engine(plan), AdaptiveSettings())
+    ctl = _loop(_engine(plan), AdaptiveSettings())
     rng = np.random.default_rng(2)
     try:
         for _ in _drive(ctl, plan, [1, 1, 1, 1], 12, rng):
@@ -504,7 +512,7 @@ def test_a_host_slow_for_everyone_is_no_reason_to_plan():
     """Every rank 2.5x slower for 6 steps (a busy host), then noise: the first plan misses its
     pace, but no rank's rate moved, so nothing is planned (a healthy run never re-plans)."""
     plan = static_plan(4, 8, 1, 1, 1, 4)
-    ctl = Controller(_engine(plan), AdaptiveSettings())
+    ctl = _loop(_engine(plan), AdaptiveSettings())
     rng = np.random.default_rng(4)
     try:
         for _ in _drive(ctl, plan, [1, 1, 1, 1], 12, rng):
@@ -526,10 +534,10 @@ def test_a_rank_slowed_by_sleeping_has_no_cap_to_sustain_for():
 
     plan = static_plan(4, 8, 1, 1, 1, 3)
     for method, sustains in (("sleep", False), ("quota", True)):
-        idle = Controller(_probing_engine(plan, 3, 0.01), AdaptiveSettings())
+        idle = _loop(_probing_engine(plan, 3, 0.01), AdaptiveSettings())
         try:
             sched = StragglerSchedule.parse([{"rank": 3, "rate": 2.0}], method=method)
-            idle.engine.clock.straggler = SimpleNamespace(schedule=sched)
+            idle._probe.engine.clock.straggler = SimpleNamespace(schedule=sched)
             idle.probe(2)
             assert (idle._probe.last[1] is not None) == sustains, (method, idle._probe.last)
         finally:

@@ -215,7 +215,8 @@ def test_the_start_up_memory_check_counts_recompute():
 def test_the_adaptive_loop_counts_recomputed_layers_in_its_units():
     from malleus_ds.adaptive.control import Controller
     from malleus_ds.engine.precision import Precision
-    from malleus_ds.engine.settings import AdaptiveSettings
+    from malleus_ds.adaptive.settings import AdaptiveSettings
+    from malleus_ds.app.loop import job_spec
 
     cfg = PRESETS["tiny"]
     plan = static_plan(4, 8, 1, 1, 2, 2)
@@ -226,7 +227,8 @@ def test_the_adaptive_loop_counts_recomputed_layers_in_its_units():
                               job=JobLayout.one_node(4), param_table=param_table(cfg),
                               model_cfg=cfg, seq_len=cfg.max_seq_len, precision=Precision(),
                               zero_stage=1, device="cpu", migrations=[])
-        ctl = Controller(eng, AdaptiveSettings(enabled=False, tp_slowdown="ideal"))
+        ctl = Controller(job_spec(eng), AdaptiveSettings(enabled=False, tp_slowdown="ideal"),
+                         plan)
         got[ac] = ctl
         assert ctl._job_problem().activation_checkpointing is ac
     head = got[True].head

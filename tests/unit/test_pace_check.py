@@ -96,7 +96,7 @@ def test_healthy_pace_is_the_median_of_healthy_steps_per_model_unit():
 
 
 def test_settings_parse_the_check_section():
-    from malleus_ds.engine.settings import AdaptiveSettings
+    from malleus_ds.adaptive.settings import AdaptiveSettings
 
     s = AdaptiveSettings.from_config({"check": {"margin": 0.5, "patience": 2}})
     assert s.check == CheckConfig(margin=0.5, patience=2)

@@ -17,7 +17,7 @@ import random
 import numpy as np
 import pytest
 
-from malleus_ds.adaptive.tp_cost import slowdown_table
+from malleus_ds.engine.tp_cost import slowdown_table
 from malleus_ds.plan import Plan
 from malleus_ds.adaptive.rates import RateEstimator
 from malleus_ds.adaptive.work import cost_shape, cost_units

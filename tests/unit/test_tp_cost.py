@@ -1,4 +1,4 @@
-"""The TP slowdown measured at start-up (malleus_ds/adaptive/tp_cost.py).
+"""The TP slowdown measured at start-up (malleus_ds/engine/tp_cost.py).
 
 * ``slowdown_table`` on hand-computed times: ratios to the full-TP shard, key 1 = 1.0, a wider
   shard never cheaper, a size that could not be timed falls back to ideal, bad times refused.
@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from malleus_ds.engine.settings import AdaptiveSettings
-from malleus_ds.adaptive.tp_cost import (
+from malleus_ds.adaptive.settings import AdaptiveSettings
+from malleus_ds.engine.tp_cost import (
     _sharded_layer,
     group_sizes,
     measure,

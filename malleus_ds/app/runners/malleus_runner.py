@@ -44,14 +44,18 @@ def validate(cfg: RunConfig) -> None:
     from ...engine.engine import MalleusEngine
     from ...engine.settings import check_zero_stage
 
+    from ...adaptive.settings import AdaptiveSettings
+
     try:    # the ZeRO stage, the malleus section and fp16/bf16, as the engine will read them
         check_zero_stage(cfg.deepspeed.zero_stage)
-        settings = MalleusEngine.build_settings(build_ds_config(cfg, plan))
+        ds_config = build_ds_config(cfg, plan)
+        settings = MalleusEngine.build_settings(ds_config)
+        loop = AdaptiveSettings.from_config(ds_config.get("malleus") or {})
     except ValueError as e:
         raise ConfigError(f"engine=malleus: {e}".replace("ds_config.malleus.", "malleus.")
                           ) from None
     check_ds_straggler(settings.straggler, cfg.world_size)
-    for i, k in enumerate(settings.adaptive.replan_at):
+    for i, k in enumerate(loop.replan_at):
         if k >= cfg.train.steps:
             raise ConfigError(f"malleus.replan_at[{i}]={k} is not before the run's end "
                               f"(train.steps={cfg.train.steps}); it would never happen")
@@ -121,8 +125,10 @@ def device_names(env: DistEnv) -> list[str]:
 
 
 def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
+    from ...adaptive.settings import AdaptiveSettings
     from ...data import build_dataset
     from ...engine.engine import MalleusEngine
+    from ..loop import attach_loop
 
     plan = load_plan(cfg)
     par = cfg.parallel
@@ -140,7 +146,9 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
         ds_config = build_ds_config(cfg, plan)
         if env.is_rank0:
             print(f"[malleus_ds] {fit.note}", flush=True)
+    loop_settings = AdaptiveSettings.from_config(ds_config.get("malleus") or {})  # validated
     engine = MalleusEngine(cfg.model, ds_config, plan, data=data)
+    loop = attach_loop(engine, loop_settings)       # the adaptive loop (app/loop.py)
     ck = Checkpointer(cfg, env)
     if ck.resumed is not None:
         from ...engine.checkpoint import CheckpointError
@@ -158,8 +166,8 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
         devices = device_names(env)     # collective: where each rank runs (host/local_rank)
         if ck.resumed is not None:
             rates = carried_rates(ck.resumed.meta, devices)
-            if rates is not None and engine.control.carry(rates, ck.start) and env.is_rank0:
-                h = engine.control.s.detect.healthy
+            if rates is not None and loop.carry(rates, ck.start) and env.is_rank0:
+                h = loop.s.detect.healthy
                 slow = {d: r for d, r in enumerate(rates) if r is not None and r >= h}
                 print(f"[malleus_ds] rates measured before the restart: {slow}; re-planning "
                       f"before step {ck.start}", flush=True)
@@ -170,7 +178,7 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     clock = ComputeClock(cfg, env)
     reporter = StepReporter(cfg, env, first_step=ck.start, monitor=engine.monitor)
     engine.set_compute_clock(clock)                     # timing + straggler emulation
-    tp_cost = engine.control.tp_cost_event()            # the TP slowdown measured at start-up
+    tp_cost = loop.tp_cost_event(engine.global_steps)   # the TP slowdown measured at start-up
     if tp_cost is not None and ck.start < cfg.train.steps:
         reporter.note(tp_cost)
     for step in range(ck.start, cfg.train.steps):
@@ -184,7 +192,7 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
                            measured_rates=engine.measured_rates)
         ck.after_step(step + 1, write, reporter)
     ck.finish(cfg.train.steps, write, reporter)
-    engine.control.close()
+    loop.close()
     skipped = [sw.step for sw in engine.settings.switch if sw.step < ck.start]  # and ds_config's
     extra = dict(ck.summary(), **({"skipped_switches": skipped} if skipped else {}),
                  **({"tp_slowdown": tp_cost["table"]} if tp_cost else {}))

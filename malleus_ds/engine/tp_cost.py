@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from ..engine.tensor_parallel import _shard_linear
+from .tensor_parallel import _shard_linear
 
 #: timed rounds per group size (each runs all sizes once); the fastest reading is kept
 REPEATS = 3

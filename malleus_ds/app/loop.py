@@ -1,0 +1,41 @@
+"""Attaching the adaptive loop to a running MalleusEngine (issue 32: the app does it, so the
+engine and the loop import nothing from each other).
+
+:func:`attach_loop` describes the engine's job in plain values (``adaptive.job.JobSpec``),
+measures the TP slowdown table on the job's own device when asked (``engine/tp_cost.py``: a
+collective, every rank calls it), hands the loop the engine's probe block
+(``engine/probe_block.py``), and attaches the loop to the engine's step hooks
+(``engine/hooks.py``). ``malleus_ds.initialize`` and the malleus runner call it right after they
+build the engine, with the settings they parsed before it (``adaptive/settings.py``).
+"""
+from __future__ import annotations
+
+
+def job_spec(engine):
+    """The engine's job as the loop plans for it: plain values, frozen now."""
+    from ..adaptive.job import JobSpec
+
+    p = engine.precision
+    return JobSpec(rank=engine.global_rank, world=engine.world_size, job=engine.job,
+                   param_table=engine.param_table, model_cfg=engine.model_cfg,
+                   seq_len=engine.seq_len, micro_batch_size=engine.plan.micro_batch_size,
+                   mixed=p.mixed, param_bytes=p.dtype.itemsize if p.mixed else 4,
+                   zero_stage=engine.zero_stage, device=str(engine.device),
+                   migrate_bucket_mb=engine.settings.migrate_bucket_mb,
+                   recompute=bool(engine.settings.recompute))
+
+
+def attach_loop(engine, settings):
+    """Build the adaptive loop for ``engine`` under ``settings`` (``AdaptiveSettings``) and
+    attach it; returns the loop. Collective when the TP slowdown is measured."""
+    from ..adaptive.control import Controller
+    from ..engine.probe_block import ProbeBlock
+
+    measured = None
+    if settings.tp_slowdown == "measure" and engine.job.tp > 1:
+        from ..engine.tp_cost import measure
+        measured = measure(engine.model_cfg, engine.job.tp, engine.plan.micro_batch_size,
+                           engine.seq_len, engine.device, engine.act_dtype)
+    loop = Controller(job_spec(engine), settings, engine.plan, ProbeBlock(engine), measured)
+    engine.attach_loop(loop)
+    return loop

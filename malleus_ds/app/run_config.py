@@ -119,5 +119,3 @@ class RunConfig:
     comm_timeout_s: float = 1800.0      # process-group timeout: a collective waiting longer fails
     hang_timeout_s: float = 300.0       # no progress on some rank this long stops the job; 0 = off
     log_every: int = 10                 # progress line every N steps when stdout is no terminal
-    # kept for callers that read it; always empty: unknown top-level keys are refused
-    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)

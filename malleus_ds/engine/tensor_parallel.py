@@ -12,7 +12,8 @@ conjugate ops:
 Column-parallel weights (out, in) are split along dim 0 (attention by whole heads), row-parallel
 weights along dim 1. Norms, embedding and head stay replicated inside the TP group (every TP rank
 computes the same values and gradients). Parameter names do not change (``blocks.5.attn.wq.weight``),
-so gradient sync and migration address slices by global layer index and :data:`SHARD_DIM`.
+so gradient sync and migration address slices by global layer index and the model's ``tp_plan``
+(read through ``param_table``).
 """
 from __future__ import annotations
 
@@ -21,11 +22,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.base import TPError
-from ..models.llama import TP_PLAN
-
-#: Our decoder's TP plan (block parameter name -> split dim); other models carry their own
-#: ``tp_plan`` (``malleus_ds/models/base.py``), and the slice map reads it through ``param_table``.
-SHARD_DIM: dict[str, int] = TP_PLAN
 
 
 def check_tp_size(cfg, tp_size: int, where: str = "") -> None:

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from malleus_ds.engine import tensor_parallel as tpmod
-from malleus_ds.engine.tensor_parallel import SHARD_DIM, TPError, apply_tp, check_tp_size, shard
+from malleus_ds.engine.tensor_parallel import TPError, apply_tp, check_tp_size, shard
+from malleus_ds.models.llama import TP_PLAN as SHARD_DIM
 from malleus_ds.models.llama import StageModule, model_config
 
 CFG = model_config("tiny", max_seq_len=16)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+
 from ..run_config import ConfigError, RunConfig
 from ...plan import Plan, PlanError
 from .base import DistEnv, RunSummary
@@ -41,10 +42,9 @@ def check_plan(cfg: RunConfig, plan: Plan, where: str) -> None:
 def validate(cfg: RunConfig) -> None:
     plan = load_plan(cfg)
     check_plan(cfg, plan, f"plan={cfg.plan}")
+    from ...adaptive.settings import AdaptiveSettings
     from ...engine.engine import MalleusEngine
     from ...engine.settings import check_zero_stage
-
-    from ...adaptive.settings import AdaptiveSettings
 
     try:    # the ZeRO stage, the malleus section and fp16/bf16, as the engine will read them
         check_zero_stage(cfg.deepspeed.zero_stage)

@@ -222,7 +222,7 @@ def child(argv: list[str]) -> None:
                        probe=[None if not np.isfinite(x) or x <= 0 else float(x)
                               for x in sums.probe_s],
                        units=[float(x) for x in self.units],
-                       held=[bool(x) for x in self.held], plan=self._running.id,
+                       held=[bool(x) for x in self.held], plan=self.plan.id,
                        beta_gamma=None)
         res = o_observe(self, step, sums)
         if self.rank == 0:

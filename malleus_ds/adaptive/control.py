@@ -97,7 +97,6 @@ class Controller:
         self._generation = 0              # bumped by every switch: older requests are stale
         self._problem: Problem | None = None
         self._first_plan = plan            # the user's layout: the problem's static baseline
-        self._running = plan
         self._probe = prober              # the engine's probe block (None: no probes)
         self.migrations: list = []         # every switch's migration (.bytes, .seconds)
         self._probe_s = 0.0               # timed after the last all-reduce, reported in the next
@@ -316,9 +315,9 @@ class Controller:
         if job is not None:
             self.job = job
         if self.det is not None and self.step_times:
-            self._previous = (self._running, float(np.median(self.step_times)),
+            self._previous = (self.plan, float(np.median(self.step_times)),
                               [round(float(x), 3) for x in self.det.planned])
-        self._running = self.plan = plan
+        self.plan = plan
         self._judge_skip, self._since_switch, self._missed = 1, 0, None
         tp = self.job.tp
         if tp != self.tp:       # engine API without a nominal tp: the plans' TP sizes set it
@@ -383,21 +382,21 @@ class Controller:
         Only a plan the loop switched to is checked (the user's first plan promised nothing)."""
         if self.check is None:
             return
-        if self._running is self._first_plan and self._previous is None:
+        if self.plan is self._first_plan and self._previous is None:
             # the user's layout promised nothing; held to the job's healthy pace, severe rule
             healthy = bool(np.all(self.det.planned == 1.0))
-            self.check.expect(self._running.id, self.pace.seconds if healthy else None,
+            self.check.expect(self.plan.id, self.pace.seconds if healthy else None,
                               "healthy pace", severe_only=True)
             return
         scale, why = self.pace.scale, "healthy pace"
         if scale is None:
             scale, why = self._scale, "re-plan calibration"
-        T = self._model_s(self._running, self.det.planned) if scale else None
-        self.check.expect(self._running.id, T * scale if T else None, why)
+        T = self._model_s(self.plan, self.det.planned) if scale else None
+        self.check.expect(self.plan.id, T * scale if T else None, why)
 
     def _track_pace(self, seconds: float) -> None:
         """A step of the first plan with every rank healthy: the job's healthy pace."""
-        if self._running.id != self._first_plan.id or not np.all(
+        if self.plan.id != self._first_plan.id or not np.all(
                 self.det.normalise(self.measured) == 1.0) or np.isnan(self.measured).any():
             return
         if self.pace.model_s is None:
@@ -445,9 +444,9 @@ class Controller:
             return False
         prev, prev_s, _ = self._previous
         m = self.s.check.margin
-        if prev.id == self._running.id or not prev_s * (1 + m) < step_s:
+        if prev.id == self.plan.id or not prev_s * (1 + m) < step_s:
             return False
-        t_prev, t_cur = self._model_s(prev, rates), self._model_s(self._running, rates)
+        t_prev, t_cur = self._model_s(prev, rates), self._model_s(self.plan, rates)
         return t_prev is not None and t_cur is not None and t_prev <= t_cur * (1 + m)
 
     def _back_out(self, res: Decision, cur: Plan, step_s: float | None) -> Decision:

@@ -441,7 +441,6 @@ def test_a_missed_promise_with_nothing_better_goes_back_to_the_faster_previous_p
     light = _light_plan(1)
     validate_plan(light, JobLayout.one_node(4))
     ctl = _loop(_engine(light), AdaptiveSettings())
-    ctl._running = light
     try:
         kept = Decision({"event": "replan", "trigger": "missed", "adopted": False,
                          "from": light.id, "to": light.id, "reason": "the running plan is "
@@ -460,7 +459,7 @@ def test_a_missed_promise_with_nothing_better_goes_back_to_the_faster_previous_p
         nominal, suspended = static_plan(4, 8, 1, 1, 1, 4), static_plan(4, 8, 1, 1, 1, 3)
         ctl.close()
         ctl = _loop(_engine(nominal), AdaptiveSettings())
-        ctl._running, ctl._previous = nominal, (suspended, 0.35, [1.0, 1.0, 1.0, 10.0])
+        ctl._previous = (suspended, 0.35, [1.0, 1.0, 1.0, 10.0])
         healthy = Decision(dict(kept.event, measured_rates=[1.0] * 4), None)
         assert ctl._back_out(healthy, nominal, 0.47) is healthy
     finally:

@@ -46,7 +46,7 @@ setup(
             "malleus-plan=malleus_ds.app.cli:plan_main",
             "malleus-sim=malleus_ds.app.cli:sim_main",
             "malleus-plot=malleus_ds.report.plot:main",
-            "malleus-export=malleus_ds.export:main",
+            "malleus-export=malleus_ds.app.cli:export_main",
         ],
     },
 )

@@ -1,7 +1,8 @@
-"""``malleus-plan`` and ``malleus-sim`` commands.
+"""``malleus-plan``, ``malleus-sim`` and ``malleus-export`` commands.
 
     malleus-plan PROBLEM.json [-o PLAN.json] [--seed S] [--time-limit SEC] [--multi-objective]
     malleus-sim  PROBLEM.json [PLAN.json] [--plot FILE.png]
+    malleus-export CHECKPOINT_DIR OUT_DIR [--dtype fp32|bf16|fp16] [--force]
 
 Bad input (missing file, invalid JSON, invalid problem or plan) prints ``<prog>: error: ...``
 on stderr and exits with code 2, like argparse's own usage errors.
@@ -136,6 +137,31 @@ def sim_main(argv: Sequence[str] | None = None) -> int:
         except OSError as e:
             return _fail(prog, f"cannot write {args.plot}: {e}")
         print(f"wrote {args.plot}")
+    return 0
+
+
+def export_main(argv: Sequence[str] | None = None) -> int:
+    """``malleus-export`` (``malleus_ds/export/``: what it writes and from which engines)."""
+    from ..export import DTYPES, PROG, ExportError, _export_checkpoint, _summary
+
+    ap = argparse.ArgumentParser(
+        prog=PROG, description="Write a training checkpoint as a Hugging Face model folder "
+                               "(config.json + model.safetensors).")
+    ap.add_argument("checkpoint", help="checkpoint.dir of a launch/train.py run (its 'latest' is "
+                                       "exported) or one of its global_step* folders")
+    ap.add_argument("out", help="output folder (created; must be empty unless --force)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                    help="dtype of the written weights (default fp32)")
+    ap.add_argument("--force", action="store_true",
+                    help="write into an existing non-empty output folder")
+    args = ap.parse_args(argv)
+    try:
+        res, d, run = _export_checkpoint(args.checkpoint, args.out, args.dtype, args.force)
+    except ExportError as e:
+        return _fail(PROG, str(e))
+    except OSError as e:
+        return _fail(PROG, f"cannot export {args.checkpoint} to {args.out}: {e}")
+    print(f"{_summary(res)} from {d} (engine={run.get('engine')}, step {run.get('step')})")
     return 0
 
 

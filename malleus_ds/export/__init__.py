@@ -29,13 +29,10 @@ refused unless ``--force``.
 running engine:
 collective; each TP slice of each parameter is sent to rank 0 by one of its holders, rank 0 writes.
 
-Bad input prints ``malleus-export: error: ...`` (one line naming the path) and exits with code 2.
+Bad input prints ``malleus-export: error: ...`` (one line naming the path) and exits with code 2
+(the command line: ``malleus_ds/app/cli.py``, ``export_main``).
 """
 from __future__ import annotations
-
-import argparse
-import sys
-from typing import Sequence
 
 
 from .hf_folder import (DTYPES, PROG, ExportError, Exported, _summary, build_config,
@@ -44,40 +41,4 @@ from .live import export_engine
 from .readers import _export_checkpoint, export_checkpoint, find_checkpoint
 
 __all__ = ["DTYPES", "PROG", "ExportError", "Exported", "build_config", "check_out_dir",
-           "export_checkpoint", "export_engine", "find_checkpoint", "hf_tensors", "main",
-           "write_folder"]
-
-# ----------------------------------------------------------------------------- CLI
-
-
-
-def _fail(prog: str, msg: str) -> int:
-    """As ``malleus-plan`` / ``malleus-sim`` fail on bad input: one line, exit code 2."""
-    print(f"{prog}: error: {msg}", file=sys.stderr)
-    return 2
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog=PROG, description="Write a training checkpoint as a Hugging Face model folder "
-                               "(config.json + model.safetensors).")
-    ap.add_argument("checkpoint", help="checkpoint.dir of a launch/train.py run (its 'latest' is "
-                                       "exported) or one of its global_step* folders")
-    ap.add_argument("out", help="output folder (created; must be empty unless --force)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
-                    help="dtype of the written weights (default fp32)")
-    ap.add_argument("--force", action="store_true",
-                    help="write into an existing non-empty output folder")
-    args = ap.parse_args(argv)
-    try:
-        res, d, run = _export_checkpoint(args.checkpoint, args.out, args.dtype, args.force)
-    except ExportError as e:
-        return _fail(PROG, str(e))
-    except OSError as e:
-        return _fail(PROG, f"cannot export {args.checkpoint} to {args.out}: {e}")
-    print(f"{_summary(res)} from {d} (engine={run.get('engine')}, step {run.get('step')})")
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+           "export_checkpoint", "export_engine", "find_checkpoint", "hf_tensors", "write_folder"]

@@ -100,7 +100,7 @@ def test_train_export_from_pretrained_equals_reference(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     from malleus_ds.app.config import build_run_config
-    from malleus_ds.export import main
+    from malleus_ds.app.cli import export_main as main
     from malleus_ds.models.hf import hf_name
 
     _hf_folder(tmp_path / "src")

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from malleus_ds.files.ckpt_format import FORMAT, rank_file
-from malleus_ds.export import ExportError, export_checkpoint, hf_tensors, build_config, main
+from malleus_ds.app.cli import export_main as main
+from malleus_ds.export import ExportError, export_checkpoint, hf_tensors, build_config
 from malleus_ds.layout import plan_holdings
 from malleus_ds.models.base import param_table
 from malleus_ds.models.hf import hf_name, load_hf_model

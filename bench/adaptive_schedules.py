@@ -72,6 +72,16 @@ class Schedule:
     def distinct_rates(self) -> tuple[float, ...]:
         return tuple(sorted({float(e.rate) for e in self.entries}))
 
+    def scaled(self, k: float) -> "Schedule":
+        """The same schedule with every rate times ``k`` (``--real`` on shared cores: a quota
+        of ``r * k`` of one core slows a rank ``r``-fold against peers that get ``1/k`` of a
+        core each)."""
+        if not k >= 1.0:
+            raise ValueError(f"scale k={k!r} must be >= 1")
+        return Schedule(self.name, self.steps,
+                        tuple(Entry(e.rank, e.rate * k, e.start, e.end) for e in self.entries),
+                        self.about)
+
     def text(self) -> str:
         return "; ".join(f"rank {e.rank} at rate {e.rate:g} in [{e.start}, {e.end})"
                          for e in self.entries) + f"; {self.steps} steps"
@@ -119,6 +129,27 @@ def onsets(s: Schedule, true_rate: Mapping[float, float] | None = None) -> list[
             out.append(Onset(k, rose, judged, tr))
         prev = cur
     return out
+
+
+def measured_slowdown(ds_rows: Iterable[Mapping], s: Schedule) -> dict[float, float]:
+    """The slowdown a job really had, per scheduled rate, from the stock DeepSpeed run of ``s``
+    (``--real``): the median step time over the steps whose largest rate is ``r``, over the
+    median healthy step time (steps ``[HEALTHY_FROM, first onset)``). Stock DeepSpeed runs at
+    the pace of its slowest rank, so this is that rank's slowdown against its peers on this
+    machine, whatever a quota of ``r`` means against one full core. Rates with no step or no
+    healthy step are left out."""
+    rows = list(ds_rows)
+    lo, hi = healthy_window(s)
+    healthy = [r["step_time_s"] for r in rows if lo <= r["step"] < hi]
+    if not healthy:
+        return {}
+    base = statistics.median(healthy)
+    by: dict[float, list[float]] = {}
+    for r in rows:
+        cur = s.rates(r["step"])
+        if cur:
+            by.setdefault(float(max(cur.values())), []).append(r["step_time_s"])
+    return {x: statistics.median(t) / base for x, t in sorted(by.items()) if base > 0}
 
 
 def recoveries(s: Schedule) -> list[int]:

@@ -36,8 +36,12 @@ deterministic enough run to run) and N adaptive runs, then N healthy runs of the
 PASS only when all N runs pass: an adopted re-plan within 8 steps of each onset; adaptive >= 2.5x
 DeepSpeed over the straggling steps; >= 0.9 of the run's own healthy samples/s (steps 2..onset)
 from recovery+15 on; 0 re-plans in a healthy run. ``--json OUT`` (default ``OUT_DIR/repeat.json``)
-holds every run's numbers; every run's folder stays under ``--out``. ``--real`` applies: the rates
-are then quota targets, and DeepSpeed runs under the same quotas.
+holds every run's numbers; every run's folder stays under ``--out``. ``--real`` applies: a
+scheduled rate r then runs as a quota of r x ``--quota-scale`` of one core (default 4 ranks /
+cores: on 2 cores a healthy rank gets half a core, and a quota of r/2 of one core slows it only
+about r/2-fold against its peers, which would leave 2.5x DeepSpeed outside the capacity bound of
+a rate-6 straggler), DeepSpeed runs under the same quotas, and the slowdown each rate really
+caused is read from the DeepSpeed run and printed.
 
     python bench/bench_adaptive.py --repeat 5 --schedule all --out /tmp/rep   # ~1 min a run
 """
@@ -155,22 +159,29 @@ def repeat(a) -> int:
     if a.only or a.rounds != 1:
         raise SystemExit("--repeat runs its own set of runs: --only and --rounds do not apply")
     scheds = [SCHEDULES[n] for n in names]
-    true_rate = None
+    true_rate, quota = None, None
     if a.real:
         from malleus_ds.emulation import cpu_quota
         reason = cpu_quota.unavailable_reason()
         if reason:
             raise SystemExit(f"--real: no CPU quota on this machine: {reason}")
-        rates = tuple(sorted({r for s in scheds for r in s.distinct_rates()}))
-        true_rate = cpu_quota.calibrate(rates=rates, busy=3, out=lambda *x: None)
-        print("--real: the schedules' rates are CPU-quota targets; measured slowdown with 3 busy "
-              "processes: " + ", ".join(f"quota {r:g} -> {true_rate[r]:.2f}x" for r in rates)
-              + f" (an onset below {sch.MIN_STRAGGLER}x is reported, not judged; DeepSpeed runs "
-              f"under the same quotas, so adaptive / deepspeed stays like for like)", flush=True)
+        k = a.quota_scale
+        rates = tuple(sorted({r for s in scheds for r in s.scaled(k).distinct_rates()}))
+        cal = cpu_quota.calibrate(rates=rates, busy=3, out=lambda *x: None)
+        print(f"--real: a scheduled rate r runs as a CPU quota of r x {k:g} of one core (4 ranks "
+              f"share {os.cpu_count()} cores: a healthy rank gets about 1/{k:g} of a core, so "
+              f"r x {k:g} slows it r-fold against its peers; --quota-scale); the quotas alone "
+              f"with 3 busy processes: " + ", ".join(f"{r:g} -> {cal[r]:.2f}x" for r in rates)
+              + f". What each rate really cost is read from the DeepSpeed run (its step time "
+              f"over its healthy one); an onset below {sch.MIN_STRAGGLER}x is reported, not "
+              f"judged; DeepSpeed runs under the same quotas, so adaptive / deepspeed stays like "
+              f"for like", flush=True)
+        true_rate, quota = {}, {"scale": k, "calibrated_alone_3_busy": {str(r): round(x, 2)
+                                                                        for r, x in cal.items()}}
     out = Path(a.out or tempfile.mkdtemp(prefix="bench_adaptive_repeat_"))
     out.mkdir(parents=True, exist_ok=True)
     jpath = Path(a.json) if a.json else out / "repeat.json"
-    res: dict = {"repeat": a.repeat, "real": a.real, "true_rate": true_rate, "out": str(out),
+    res: dict = {"repeat": a.repeat, "real": a.real, "quota": quota, "out": str(out),
                  "overrides": a.overrides,
                  "criteria": {k: v[0] for k, v in sch.CRITERIA.items()},
                  "note": "one stock DeepSpeed run per schedule is the reference of every "
@@ -195,15 +206,16 @@ def repeat(a) -> int:
           f"run), every adaptive run of that schedule is compared with it", flush=True)
     rc = 0
     for s in scheds:
+        run_s = s.scaled(a.quota_scale) if a.real else s      # what the ranks are given
         rec = res["schedules"][s.name] = {"schedule": s.text(), "about": s.about,
-                                          "entries": s.hydra(), "steps": s.steps,
+                                          "entries": run_s.hydra(), "steps": s.steps,
                                           "onsets": [o.step for o in sch.onsets(s)],
                                           "recoveries": sch.recoveries(s),
                                           "after_windows": sch.after_windows(s),
                                           "deepspeed": None, "runs": []}
         print(f"\n[{s.name}] {s.about}: {s.text()}", flush=True)
         d = out / s.name / "deepspeed"
-        ok, wall = one("deepspeed", d, s.hydra(), s.steps, f"[{s.name}] deepspeed")
+        ok, wall = one("deepspeed", d, run_s.hydra(), s.steps, f"[{s.name}] deepspeed")
         if not ok:
             rec["deepspeed"] = {"dir": str(d), "failed": True, "wall_s": wall}
             save()
@@ -218,11 +230,17 @@ def repeat(a) -> int:
         print(f"[{s.name}] deepspeed done ({wall:.0f} s): {rec['deepspeed']['straggling_tput']:.1f} "
               f"samples/s while straggling, {rec['deepspeed']['healthy_tput']:.1f} healthy "
               f"(steps {sch.HEALTHY_FROM}..{sch.healthy_window(s)[1]})", flush=True)
+        if a.real:
+            true_rate = sch.measured_slowdown(ds_rows, s)
+            rec["deepspeed"]["measured_slowdown"] = {str(r): round(x, 2)
+                                                     for r, x in true_rate.items()}
+            print(f"[{s.name}] deepspeed's measured slowdown per scheduled rate: " + ", ".join(
+                f"{r:g} -> {x:.2f}x" for r, x in true_rate.items()), flush=True)
         save()
         for i in range(a.repeat):
             d = out / s.name / f"adaptive{i}"
             tag = f"[{s.name}] adaptive {i + 1}/{a.repeat}"
-            ok, wall = one("adaptive", d, s.hydra(), s.steps, tag)
+            ok, wall = one("adaptive", d, run_s.hydra(), s.steps, tag)
             if ok:
                 r = sch.judge_adaptive(read_metrics(d), read_metrics(d, events=True), s,
                                        ds_rows, ds_ev, true_rate)
@@ -308,6 +326,10 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="folder for the runs (default: a temp dir)")
     ap.add_argument("--real", action="store_true",
                     help="slow the rank with a cgroup CPU quota instead of sleeping")
+    ap.add_argument("--quota-scale", type=float, default=None, metavar="K",
+                    help="with --repeat --real: run a scheduled rate r as a quota of r*K of one "
+                         "core (default: 4 ranks / cores, at least 1: the rank is then r-fold "
+                         "slow against peers that share the cores)")
     ap.add_argument("--repeat", type=int, default=None, metavar="N",
                     help="run a named schedule (--schedule) N times and judge each criterion "
                          "over the N runs: worst, median, best, PASS only when all N pass")
@@ -321,6 +343,10 @@ def main() -> int:
                          "OUT_DIR/repeat.json, rewritten after every run)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     a = ap.parse_args()
+    if a.quota_scale is None:
+        a.quota_scale = max(1.0, 4 / (os.cpu_count() or 1))
+    elif not a.quota_scale >= 1.0:
+        raise SystemExit(f"--quota-scale {a.quota_scale:g} must be >= 1")
     if a.repeat is not None:
         return repeat(a)
     a.true_rate = a.rate

@@ -185,3 +185,21 @@ def test_the_healthy_reference_is_robust_to_one_odd_step():
     assert robust == pytest.approx((16 / 0.363 + 16 / 0.346) / 2)   # the median of 4
     assert 42.2 / summed < 0.9 <= 42.2 / robust       # the same after pace: a miss, then not
     assert sch.healthy_tput(rows_, range(10, 12)) is None
+
+
+def test_scaled_schedule_and_the_slowdown_deepspeed_measured():
+    """``--real`` on shared cores: the quota is the rate times the cores' sharing, and what a
+    rate really cost is read from the DeepSpeed run, which runs at its slowest rank's pace."""
+    two = sch.SCHEDULES["two"]                    # rank 1 at 6 in [6, 26), rank 3 at 10 in [16, 34)
+    q = two.scaled(2.0)
+    assert q.hydra().startswith("[{rank:1,rate:12.0,start_step:6,end_step:26}")
+    assert [o.step for o in sch.onsets(q)] == [o.step for o in sch.onsets(two)]
+    assert sch.straggling_steps(q) == sch.straggling_steps(two)
+    with pytest.raises(ValueError, match="k=0.5"):
+        two.scaled(0.5)
+    # a job slowed 5.5x by the rate-6 rank alone, 9x once rank 3 is at 10 (max rate holds)
+    ds = rows(two, lambda k, r: 0.4 * {6.0: 5.5, 10.0: 9.0}.get(max(r.values(), default=1), 1.0))
+    ds[20]["step_time_s"] = 100.0                 # one odd step moves no median
+    got = sch.measured_slowdown(ds, two)
+    assert got == pytest.approx({6.0: 5.5, 10.0: 9.0})
+    assert sch.measured_slowdown([], two) == {}

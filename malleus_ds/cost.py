@@ -29,6 +29,7 @@ from typing import Mapping, Sequence
 from .job_layout import JobLayout
 from .plan import Plan, PlanError, Stage, charged_layers
 from .problem import Memory, Problem, fmt_mb
+from .schedule import in_flight
 
 
 #: Compute of a recomputed layer relative to a plain one (``Problem.activation_checkpointing``):
@@ -172,7 +173,7 @@ def stage_memory_terms(memory: Memory, tp: int, group_size: int, stage_index: in
     The one place the formula lives: :func:`stage_memory_mb` evaluates it, the planner's
     ``partition.layer_cap`` inverts it."""
     mult = tp / group_size
-    inflight = min(num_stages - stage_index, micro_batches)
+    inflight = in_flight(stage_index, num_stages, micro_batches)
     ends = (stage_index == 0) + (stage_index == num_stages - 1)
     if recompute:
         per_layer = memory.layer_static_mb * mult + memory.layer_input_mb * inflight

@@ -114,7 +114,7 @@ def one_f_one_b(stage: int, num_stages: int, micro_batches: int) -> list[Instr]:
         if not first:
             out.append(SendGrad(stage, k))
 
-    warmup = min(num_stages - stage - 1, micro_batches)
+    warmup = max(0, in_flight(stage, num_stages, micro_batches) - 1)   # forwards before 1F1B
     for k in range(warmup):
         fwd(k)
     for i in range(micro_batches - warmup):
@@ -135,6 +135,14 @@ def plan_schedules(plan: Plan) -> dict[int, list[Instr]]:
             for r in s.ranks:
                 out[r] = stream
     return out
+
+
+def in_flight(stage: int, num_stages: int, micro_batches: int) -> int:
+    """The 1F1B in-flight rule, its one home: stage ``stage`` of ``num_stages`` holds the
+    activations of at most ``min(S - j, m)`` micro-batches at once (its warm-up forwards and the
+    one before its first backward). :func:`one_f_one_b` runs it, the memory model charges it
+    (``cost.stage_memory_terms``), and a test holds :func:`max_in_flight` of every stream to it."""
+    return min(num_stages - stage, micro_batches)
 
 
 def max_in_flight(stream: Iterable[Instr]) -> int:

@@ -41,6 +41,18 @@ class TPError(ValueError):
     """A TP group size the model cannot be split by."""
 
 
+def check_tp_divides(tp_size: int, where: str, dims) -> None:
+    """The one TP-size check of every model's ``check_tp``: raise :class:`TPError` unless
+    ``tp_size >= 1`` divides each ``(name, value, why)`` of ``dims`` (``name``: the model's
+    field as the user knows it; ``why``: words before the advice, or ""), naming the first
+    that it does not divide."""
+    pre = f"{where}: " if where else ""
+    if tp_size < 1:
+        raise TPError(f"{pre}TP size {tp_size} must be >= 1")
+    for name, v, why in dims:
+        if v % tp_size:
+            raise TPError(f"{pre}TP group size {tp_size} does not divide the model's {name}={v}; "
+                          f"{why}use TP groups whose size divides {v}")
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import EMBED, HEAD, TPError, lm_loss
+from .base import EMBED, HEAD, TPError, check_tp_divides, lm_loss
 from .llama import _layer_seed        # the same per-layer seeding as our decoder
 
 #: model_type -> class-name prefix in transformers (``LlamaDecoderLayer`` ...).
@@ -242,16 +242,11 @@ class HFModel:
         return (block.self_attn, block.mlp)
 
     def check_tp(self, tp_size: int, where: str = "") -> None:
+        check_tp_divides(tp_size, where, (
+            ("num_attention_heads", self.num_heads, "TP splits whole num_attention_heads, "),
+            ("num_key_value_heads", self.num_kv_heads, "TP splits whole KV heads, "),
+            ("intermediate_size", self.ffn, "TP splits whole intermediate_size, ")))
         pre = f"{where}: " if where else ""
-        if tp_size < 1:
-            raise TPError(f"{pre}TP size {tp_size} must be >= 1")
-        for field, v in (("num_attention_heads", self.num_heads),
-                         ("num_key_value_heads", self.num_kv_heads),
-                         ("intermediate_size", self.ffn)):
-            if v % tp_size:
-                raise TPError(f"{pre}TP group size {tp_size} does not divide the model's {field}="
-                              f"{v}; TP splits whole {'KV heads' if 'key' in field else field}, "
-                              f"use TP groups whose size divides {v}")
         rowbias = sorted(self._biases & {"self_attn.o_proj.bias", "mlp.down_proj.bias"})
         if tp_size > 1 and rowbias:
             raise TPError(f"{pre}TP size {tp_size}: the model has biases on row-parallel "

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import EMBED, HEAD, StageModule, TPError, lm_loss, param_table
+from .base import EMBED, HEAD, StageModule, TPError, check_tp_divides, lm_loss, param_table
 
 __all__ = ["EMBED", "HEAD", "PRESETS", "TP_PLAN", "Block", "Embedding", "Head", "ModelConfig",
            "StageModule", "TPError", "build_layer", "build_model", "lm_loss", "model_config",
@@ -96,15 +96,8 @@ class ModelConfig:
 
     def check_tp(self, tp_size: int, where: str = "") -> None:
         """Raise ``TPError`` unless ``tp_size`` divides the heads and the FFN width."""
-        pre = f"{where}: " if where else ""
-        if tp_size < 1:
-            raise TPError(f"{pre}TP size {tp_size} must be >= 1")
-        if self.num_heads % tp_size:
-            raise TPError(f"{pre}TP group size {tp_size} does not divide the model's num_heads="
-                          f"{self.num_heads}; use TP groups whose size divides {self.num_heads}")
-        if self.ffn % tp_size:
-            raise TPError(f"{pre}TP group size {tp_size} does not divide the model's FFN width "
-                          f"{self.ffn}; use TP groups whose size divides {self.ffn}")
+        check_tp_divides(tp_size, where, (("num_heads", self.num_heads, ""),
+                                          ("FFN width ffn", self.ffn, "")))
 
     @staticmethod
     def tied_params() -> tuple:

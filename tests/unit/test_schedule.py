@@ -3,8 +3,9 @@ import random
 
 import pytest
 
-from malleus_ds.schedule import (Backward, Forward, ScheduleError, SendAct, max_in_flight,
-                                 one_f_one_b, parse, plan_schedules, replay_streams, run_streams)
+from malleus_ds.schedule import (Backward, Forward, ScheduleError, SendAct, in_flight,
+                                 max_in_flight, one_f_one_b, parse, plan_schedules,
+                                 replay_streams, run_streams)
 from malleus_ds.plan import Pipeline, Plan, Stage
 
 
@@ -29,7 +30,7 @@ def test_each_microbatch_once_and_bounded(S, m):
         fw = [i.micro_batch for i in st if isinstance(i, Forward)]
         bw = [i.micro_batch for i in st if isinstance(i, Backward)]
         assert fw == list(range(m)) and bw == list(range(m))
-        assert max_in_flight(st) == min(S - j, m)   # DESIGN.md §3 memory model
+        assert max_in_flight(st) == min(S - j, m) == in_flight(j, S, m)   # §3 memory model
 
 
 def test_random_heterogeneous_plans():

@@ -14,7 +14,7 @@ def test_check_tp_size_messages():
     check_tp_size(CFG, 4)
     with pytest.raises(TPError, match="TP group size 3 does not divide the model's num_heads=4"):
         check_tp_size(CFG, 3)
-    with pytest.raises(TPError, match="does not divide the model's FFN width 90"):
+    with pytest.raises(TPError, match="does not divide the model.s FFN width ffn=90"):
         check_tp_size(model_config("tiny", ffn_hidden_size=90), 4)
 
 

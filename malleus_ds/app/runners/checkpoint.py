@@ -30,7 +30,7 @@ from .base import DistEnv
 from .resume import read_saved, resume_point, run_record, tag_of
 
 
-def _raise_first_error(env: DistEnv, err: str | None, what: str) -> None:
+def _raise_first_error(err: str | None, what: str) -> None:
     """Every rank learns every rank's error (so none carries on alone) and raises the first
     (``agreement.raise_if_any_failed``)."""
     from ...resilience.agreement import raise_if_any_failed
@@ -173,7 +173,7 @@ class Checkpointer:
                 (root / tag / RUN_FILE).unlink(missing_ok=True)
             except OSError as e:
                 err = f"cannot prepare {root / tag}: {e}"
-        _raise_first_error(self.env, err, f"saving checkpoint {root / tag}")
+        _raise_first_error(err, f"saving checkpoint {root / tag}")
         # rank 0's record is taken now, at the step it describes (rates included)
         rec = dict(run_record(self.cfg, done), **(self.extra() if self.extra else {})) \
             if self.env.is_rank0 else None
@@ -208,10 +208,10 @@ class Checkpointer:
             write(root, tag, done)
         except Exception as e:  # noqa: BLE001 - reported on every rank by _agree
             err = f"{type(e).__name__}: {e}"
-        _raise_first_error(self.env, err, f"saving checkpoint {root / tag}")
+        _raise_first_error(err, f"saving checkpoint {root / tag}")
         if self.env.is_rank0:
             err = commit()
-        _raise_first_error(self.env, err, f"saving checkpoint {root / tag}")
+        _raise_first_error(err, f"saving checkpoint {root / tag}")
         self.tags.append(tag)
         if reporter is not None:
             reporter.note(dict(event, seconds=round(time.perf_counter() - t0, 6)))

@@ -42,7 +42,7 @@ class DetectConfig:
                  ("probe_every", self.probe_every >= 1, ">= 1"))
         for name, ok, need in rules:
             if not ok:  # NaN fails every comparison, so it is rejected too
-                raise ValueError(f"malleus.detect.{name}={getattr(self, name)!r} must be {need}")
+                raise ValueError(f"detect.{name}={getattr(self, name)!r} must be {need}")
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ class CheckConfig:
                  ("severe_patience", self.severe_patience >= 1, ">= 1"))
         for name, ok, need in rules:
             if not ok:
-                raise ValueError(f"malleus.check.{name}={getattr(self, name)!r} must be {need}"
+                raise ValueError(f"check.{name}={getattr(self, name)!r} must be {need}"
                                  + (f" ({self.patience})" if name == "kept_after" else ""))
 
 

@@ -21,14 +21,15 @@ ADAPTIVE_KEYS = ("adaptive", "detect", "check", "horizon_steps", "replan_at", "p
 _INT_DETECT = ("every", "window", "confirm", "cooldown", "probe_every")
 
 
-def number(sec: Mapping[str, Any], key: str, default, ok, need: str, optional: bool = False):
+def number(sec: Mapping[str, Any], key: str, default, ok, need: str, optional: bool = False,
+           where: str = "ds_config.malleus"):
     """``sec[key]`` (``default`` if absent) as a float that satisfies ``ok``, or None when
-    ``optional`` and null; else ValueError ``ds_config.malleus.<key>=<value> must be <need>``."""
+    ``optional`` and null; else ValueError ``<where>.<key>=<value> must be <need>``."""
     v = sec.get(key, default)
     if v is None and optional:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
-        raise ValueError(f"ds_config.malleus.{key}={v!r} must be {need}")
+        raise ValueError(f"{where}.{key}={v!r} must be {need}")
     return float(v)
 
 
@@ -48,9 +49,11 @@ class AdaptiveSettings:
     check: CheckConfig = field(default_factory=CheckConfig)   # the plan's promise vs its steps
 
     @staticmethod
-    def from_config(sec: Mapping[str, Any]) -> "AdaptiveSettings":
-        """Parse and check; ValueError naming ``ds_config.malleus.<key>`` and the value."""
-        p = "ds_config.malleus"
+    def from_config(sec: Mapping[str, Any], where: str = "ds_config.malleus") -> "AdaptiveSettings":
+        """Parse and check; ValueError naming ``<where>.<key>`` and the value (``where``: the
+        section as the user wrote it: ``ds_config.malleus`` for ``malleus_ds.initialize``,
+        ``malleus`` for the app's config)."""
+        p = where
         en = sec.get("adaptive", True)
         if not isinstance(en, bool):
             raise ValueError(f"{p}.adaptive={en!r} must be true or false")
@@ -64,11 +67,14 @@ class AdaptiveSettings:
             raise ValueError(f"{p}.detect: unknown keys {unknown}; allowed: {sorted(known)}")
         for k, v in det.items():
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"malleus.detect.{k}={v!r} must be a number")
+                raise ValueError(f"{p}.detect.{k}={v!r} must be a number")
             if k in _INT_DETECT and int(v) != v:
-                raise ValueError(f"malleus.detect.{k}={v!r} must be an integer")
+                raise ValueError(f"{p}.detect.{k}={v!r} must be an integer")
         dc = DetectConfig(**{k: (int(v) if k in _INT_DETECT else float(v)) for k, v in det.items()})
-        dc.check()
+        try:
+            dc.check()
+        except ValueError as e:
+            raise ValueError(f"{p}.{e}") from None
         hz = sec.get("horizon_steps", 100)
         if isinstance(hz, bool) or not isinstance(hz, int) or hz < 1:
             raise ValueError(f"{p}.horizon_steps={hz!r} must be an integer >= 1 (steps over "
@@ -84,9 +90,9 @@ class AdaptiveSettings:
                 raise ValueError(f"{p}.replan_at[{i}]={s} is not after replan_at[{i - 1}]="
                                  f"{ra[i - 1]}; list steps in increasing order")
         tl = number(sec, "planner_time_limit_s", None, lambda v: v > 0,
-                    "a number > 0 (or null: auto)", optional=True)
-        mi = number(sec, "min_improvement", 0.05, lambda v: 0 <= v < 1, "a number in [0, 1)")
-        bw = number(sec, "migrate_gbps", 1.0, lambda v: v > 0, "a number > 0 (GB/s)")
+                    "a number > 0 (or null: auto)", optional=True, where=p)
+        mi = number(sec, "min_improvement", 0.05, lambda v: 0 <= v < 1, "a number in [0, 1)", where=p)
+        bw = number(sec, "migrate_gbps", 1.0, lambda v: v > 0, "a number > 0 (GB/s)", where=p)
         sd = sec.get("tp_slowdown", "measure")
         if sd is None:
             sd = "measure"
@@ -104,34 +110,38 @@ class AdaptiveSettings:
                 raise ValueError(f"{p}.tp_slowdown={dict(sd)!r}: keys are integers tp/g, values "
                                  f"numbers") from None
         dm = number(sec, "device_mb", None, lambda v: v > 0, "a number > 0 (or null: detected)",
-                    optional=True)
+                    optional=True, where=p)
         return AdaptiveSettings(en, dc, hz, tuple(ra), tl, mi, bw, sd, dm,
-                                _check_config(sec.get("check")))
+                                _check_config(sec.get("check"), f"{p}.check"))
 
 
 _INT_CHECK = ("patience", "kept_after", "backoff", "severe_patience")
 
 
-def _check_config(sec) -> CheckConfig:
-    """``malleus.check``: a mapping of :class:`~malleus_ds.adaptive.pace_check.CheckConfig` fields."""
+def _check_config(sec, p: str) -> CheckConfig:
+    """``<p>`` (``malleus.check``): a mapping of
+    :class:`~malleus_ds.adaptive.pace_check.CheckConfig` fields."""
     known = sorted(CheckConfig.__dataclass_fields__)
     if sec is None:
         return CheckConfig()
     if not isinstance(sec, Mapping):
-        raise ValueError(f"ds_config.malleus.check must be a mapping of {known}, got {sec!r}")
+        raise ValueError(f"{p} must be a mapping of {known}, got {sec!r}")
     unknown = sorted(set(sec) - set(known))
     if unknown:
-        raise ValueError(f"ds_config.malleus.check: unknown keys {unknown}; allowed: {known}")
+        raise ValueError(f"{p}: unknown keys {unknown}; allowed: {known}")
     out = {}
     for k, v in sec.items():
         if k == "enabled":
             if not isinstance(v, bool):
-                raise ValueError(f"malleus.check.enabled={v!r} must be true or false")
+                raise ValueError(f"{p}.enabled={v!r} must be true or false")
         elif isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"malleus.check.{k}={v!r} must be a number")
+            raise ValueError(f"{p}.{k}={v!r} must be a number")
         elif k in _INT_CHECK and int(v) != v:
-            raise ValueError(f"malleus.check.{k}={v!r} must be an integer")
+            raise ValueError(f"{p}.{k}={v!r} must be an integer")
         out[k] = v if k == "enabled" else (int(v) if k in _INT_CHECK else float(v))
     cc = CheckConfig(**out)
-    cc.check()
+    try:
+        cc.check()
+    except ValueError as e:
+        raise ValueError(f"{p.rsplit('.', 1)[0]}.{e}") from None
     return cc

@@ -18,8 +18,9 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..adaptive.settings import ADAPTIVE_KEYS
-from ..engine.settings import activation_checkpointing_source
+from ..adaptive.settings import ADAPTIVE_KEYS, AdaptiveSettings
+from ..engine.settings import (MalleusSettings, activation_checkpointing_source, parse_switch,
+                               positive)
 from ..data.parse import parse_data
 from ..data.tokens import DataError
 from .device import DeviceError, check_device
@@ -33,6 +34,7 @@ from .run_config import (
     ClusterConfig,
     ConfigError,
     DeepSpeedSection,
+    MalleusConfig,
     ParallelConfig,
     RunConfig,
     TrainConfig)
@@ -84,15 +86,15 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
     ckpt = _checkpoint(d.get("checkpoint") or {})
     _max_restarts(d.get("max_restarts", 0), ckpt)
     compare_engines(d.get("compare"))
-    comm = _seconds(d.get("comm_timeout_s", 1800.0), "comm_timeout_s", zero_ok=False)
-    hang = _seconds(d.get("hang_timeout_s", 300.0), "hang_timeout_s", zero_ok=True)
-    log_every = d.get("log_every", 10)
+    comm = _seconds(d.get("comm_timeout_s", RunConfig.comm_timeout_s), "comm_timeout_s", zero_ok=False)
+    hang = _seconds(d.get("hang_timeout_s", RunConfig.hang_timeout_s), "hang_timeout_s", zero_ok=True)
+    log_every = d.get("log_every", RunConfig.log_every)
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
         raise ConfigError(f"log_every={log_every!r} must be an integer >= 1 (steps)")
     return RunConfig(engine=engine, model=model, train=train, parallel=parallel, cluster=cluster,
                      straggler=straggler, deepspeed=ds, world_size=world_size, plan=plan,
                      run_dir=run_dir, device=device, progress=bool(d.get("progress", True)),
-                     malleus=_malleus(d.get("malleus") or {}, engine),
+                     malleus=_malleus(d.get("malleus") or {}, engine, ds),
                      checkpoint=ckpt, data=data,
                      comm_timeout_s=comm,
                      hang_timeout_s=hang, log_every=log_every)
@@ -202,9 +204,11 @@ def _seconds(v: Any, name: str, zero_ok: bool) -> float:
 MALLEUS_KEYS = ("switch", "migrate_bucket_mb", "migrate_timeout_s", *ADAPTIVE_KEYS)
 
 
-def _malleus(m: Mapping[str, Any], engine: str) -> dict:
-    """``malleus.*``: kept as plain values (the engine's settings parser checks them in depth);
-    here only unknown keys and use with another engine are refused."""
+def _malleus(m: Mapping[str, Any], engine: str, ds: DeepSpeedSection) -> MalleusConfig:
+    """``malleus.*``, parsed once into :class:`MalleusConfig` (errors name ``malleus.<key>``).
+    The ds_config's own ``malleus`` section (``malleus_ds.initialize``'s way to set these)
+    supplies the keys the app leaves unset (null); the app's win. A switch or a forced re-plan
+    with another engine is refused."""
     if not isinstance(m, Mapping):
         raise ConfigError(f"malleus must be a mapping with keys {list(MALLEUS_KEYS)}, got {m!r}")
     unknown = sorted(set(m) - set(MALLEUS_KEYS))
@@ -215,7 +219,23 @@ def _malleus(m: Mapping[str, Any], engine: str) -> dict:
         if out.get(k) and engine != "malleus":
             raise ConfigError(f"malleus.{k} is set but engine={engine}: {what} need "
                               f"engine=malleus")
-    return out
+    if engine != "malleus":
+        return MalleusConfig()
+    sec = ds.config.get("malleus") or {}
+    if not isinstance(sec, Mapping):
+        raise ConfigError(f"ds_config{_ds_file(ds)} malleus must be an object, got {sec!r}")
+    merged = {**{k: v for k, v in sec.items() if k in MALLEUS_KEYS and v is not None}, **out}
+    try:
+        MalleusSettings.from_config(sec)       # the ds_config's own section, in its own words
+        return MalleusConfig(
+            switch=parse_switch(merged.get("switch"), "malleus.switch"),
+            migrate_bucket_mb=positive(merged, "migrate_bucket_mb",
+                                       MalleusConfig.migrate_bucket_mb, "malleus"),
+            migrate_timeout_s=positive(merged, "migrate_timeout_s",
+                                       MalleusConfig.migrate_timeout_s, "malleus"),
+            loop=AdaptiveSettings.from_config(merged, "malleus"))
+    except ValueError as e:
+        raise ConfigError(f"engine=malleus: {e}") from None
 
 
 def _checkpoint(c: Mapping[str, Any]) -> CheckpointConfig:

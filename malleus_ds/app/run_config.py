@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from ..adaptive.settings import AdaptiveSettings
 from ..data import DataConfig
 from ..emulation.straggler import StragglerSchedule
+from ..engine.settings import MalleusSettings, SwitchAt
 from ..models.llama import ModelConfig
 from ..optim import OptimConfig
 
@@ -100,6 +102,19 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class MalleusConfig:
+    """``malleus.*`` (engine=malleus), parsed once by ``config._malleus``: the scripted switches
+    with their plans read, the migration limits, and the adaptive loop's settings. Defaults are
+    the engine's and the loop's own (``MalleusSettings``, ``AdaptiveSettings``);
+    conf/config.yaml repeats them for ``--help`` and overrides, and a test holds the two equal."""
+
+    switch: tuple[SwitchAt, ...] = ()
+    migrate_bucket_mb: float = MalleusSettings.migrate_bucket_mb
+    migrate_timeout_s: float = MalleusSettings.migrate_timeout_s
+    loop: AdaptiveSettings = field(default_factory=AdaptiveSettings)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     engine: str
     model: ModelConfig              # or models.hf.HFModel (model=hf): the interface of models/base.py
@@ -113,7 +128,7 @@ class RunConfig:
     run_dir: str | None = None          # rank 0 writes metrics.jsonl here; None = no files
     device: str = "auto"                # auto | cpu | cuda
     progress: bool = True               # tqdm bar on rank 0
-    malleus: Mapping[str, Any] = field(default_factory=dict, hash=False)  # engine=malleus extras
+    malleus: MalleusConfig = field(default_factory=MalleusConfig, hash=False)  # engine=malleus
     checkpoint: CheckpointConfig = CheckpointConfig()
     data: DataConfig = DataConfig()     # what the run trains on (data=bytes | data=tokens)
     comm_timeout_s: float = 1800.0      # process-group timeout: a collective waiting longer fails

@@ -96,11 +96,12 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
     corpus as the default; the engine itself knows no dataset.
     """
 
-    def __init__(self, model, config=None, plan=None, *, data=None, args=None) -> None:
+    def __init__(self, model, config=None, plan=None, *, data=None, args=None,
+                 settings: MalleusSettings | None = None) -> None:
         init_deepspeed_comm()
         rank, world = tdist.get_rank(), tdist.get_world_size()
         user_cfg = load_config(config)
-        settings = self.build_settings(user_cfg)
+        settings = self.build_settings(user_cfg, settings)
         cfg, make_stage = model_builder(model, settings.seed, settings.recompute)
         plan = self.build_plan(as_plan(plan) or settings.plan, cfg, world, settings, user_cfg)
         for sw in settings.switch:      # every scripted switch is checked before any collective
@@ -130,12 +131,19 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
     # ------------------------------------------------------------------ build steps
 
     @staticmethod
-    def build_settings(user_cfg: dict) -> MalleusSettings:
+    def build_settings(user_cfg: dict, given: MalleusSettings | None = None) -> MalleusSettings:
         """The ``malleus`` section plus the precision from ``fp16`` / ``bf16`` / ``data_types``
         and activation checkpointing from ``activation_checkpointing`` /
         ``pipeline.activation_checkpoint_interval``; pure, so a bad config raises the same
-        error on every rank before any collective."""
+        error on every rank before any collective. ``given``: settings the caller parsed
+        itself (the app, from its typed run config): used instead of the ``malleus`` section
+        (which must then be absent), only the precision is read from the ds_config."""
         check_unsupported(user_cfg)
+        if given is not None:
+            if user_cfg.get("malleus"):
+                raise ValueError("MalleusEngine: settings were given, and the ds_config has a "
+                                 "malleus section too; pass one of the two")
+            return replace(given, precision=Precision.from_config(user_cfg))
         s = MalleusSettings.from_config(user_cfg.get("malleus"))
         return replace(s, precision=Precision.from_config(user_cfg),
                        recompute=activation_checkpointing_source(user_cfg) is not None)

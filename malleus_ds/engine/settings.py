@@ -55,24 +55,28 @@ class MalleusSettings:
     recompute: bool = False
 
     @staticmethod
-    def from_config(sec: Mapping[str, Any] | None) -> "MalleusSettings":
+    def from_config(sec: Mapping[str, Any] | None,
+                    where: str = "ds_config.malleus") -> "MalleusSettings":
+        """Parse and check ``sec``; errors name ``<where>.<key>`` and the value."""
         sec = dict(sec or {})
         known = {"plan", "tp", "gpus_per_node", "seed", "straggler", "switch",
                  "migrate_bucket_mb", "migrate_timeout_s", *LOOP_KEYS}
         unknown = sorted(set(sec) - known)
         if unknown:
-            raise ValueError(f"ds_config.malleus: unknown keys {unknown}; allowed: {sorted(known)}")
+            raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(known)}")
         return MalleusSettings(plan=as_plan(sec.get("plan")), tp=sec.get("tp"),
                                gpus_per_node=sec.get("gpus_per_node"), seed=int(sec.get("seed", 0)),
-                               straggler=parse_straggler(sec.get("straggler")),
-                               switch=parse_switch(sec.get("switch")),
-                               migrate_bucket_mb=_positive(sec, "migrate_bucket_mb", 256.0),
-                               migrate_timeout_s=_positive(sec, "migrate_timeout_s", 300.0),
+                               straggler=parse_straggler(sec.get("straggler"), f"{where}.straggler"),
+                               switch=parse_switch(sec.get("switch"), f"{where}.switch"),
+                               migrate_bucket_mb=positive(sec, "migrate_bucket_mb",
+                                                            MalleusSettings.migrate_bucket_mb, where),
+                               migrate_timeout_s=positive(sec, "migrate_timeout_s",
+                                                            MalleusSettings.migrate_timeout_s, where),
                                loop=MappingProxyType({k: copy.deepcopy(sec[k]) for k in LOOP_KEYS
                                                       if k in sec}))
 
 
-def parse_straggler(strag) -> tuple:
+def parse_straggler(strag, where: str = "ds_config.malleus.straggler") -> tuple:
     """``straggler``: a list of schedule entries, or ``{schedule: [...], method: sleep|quota}``
     -> the entries with their method (``emulation.RawSchedule``; the entries themselves are
     checked when the engine builds its ``StragglerSchedule``)."""
@@ -82,24 +86,27 @@ def parse_straggler(strag) -> tuple:
     if isinstance(strag, Mapping):
         unknown = sorted(set(strag) - {"schedule", "method"})
         if unknown:
-            raise ValueError(f"ds_config.malleus.straggler has unknown keys {unknown}; "
+            raise ValueError(f"{where} has unknown keys {unknown}; "
                              f"allowed: ['schedule', 'method']")
         method, strag = strag.get("method"), strag.get("schedule")
     try:
-        method = parse_method(method, "ds_config.malleus.straggler.method")
+        method = parse_method(method, f"{where}.method")
     except StragglerError as e:
         raise ValueError(str(e)) from None
     return RawSchedule(tuple(strag or ()), method)
 
 
-def _positive(sec: Mapping[str, Any], key: str, default: float) -> float:
+def positive(sec: Mapping[str, Any], key: str, default: float,
+             where: str = "ds_config.malleus") -> float:
+    """``sec[key]`` (``default`` if absent) as a float > 0; else ValueError naming
+    ``<where>.<key>`` and the value."""
     v = sec.get(key, default)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise ValueError(f"ds_config.malleus.{key}={v!r} must be a number > 0")
+        raise ValueError(f"{where}.{key}={v!r} must be a number > 0")
     return float(v)
 
 
-def parse_switch(entries) -> tuple[SwitchAt, ...]:
+def parse_switch(entries, where: str = "ds_config.malleus.switch") -> tuple[SwitchAt, ...]:
     """``[{"step": K, "plan": PATH | {plan JSON}}, ...]`` with steps >= 1 in increasing order;
     every plan file is read and parsed here (validated against the job by the engine at start-up).
     Errors name the entry."""
@@ -108,11 +115,12 @@ def parse_switch(entries) -> tuple[SwitchAt, ...]:
     if entries is None or entries == []:
         return ()
     if isinstance(entries, (str, bytes)) or not isinstance(entries, (list, tuple)):
-        raise ValueError(f"ds_config.malleus.switch must be a list of {{step, plan}} entries, "
+        raise ValueError(f"{where} must be a list of {{step, plan}} entries, "
                          f"got {entries!r}")
     out: list[SwitchAt] = []
+    at = where
     for i, e in enumerate(entries):
-        where = f"ds_config.malleus.switch[{i}]"
+        where = f"{at}[{i}]"
         if not isinstance(e, Mapping) or set(e) != {"step", "plan"}:
             raise ValueError(f"{where}: expected {{step: K, plan: PATH}}, got {e!r}")
         step = e["step"]

@@ -88,19 +88,26 @@ def test_bad_values_name_the_field(train, ds, match):
         cfg(train, ds)
 
 
-def test_engine_malleus_hands_it_to_the_engine_through_the_ds_config():
+def test_engine_malleus_hands_it_to_the_engine_in_its_settings():
+    """Resolved once (``config._activation_checkpointing``) and handed over in the engine's
+    settings, not written back into the ds_config."""
     from malleus_ds.engine.engine import MalleusEngine
     from malleus_ds.app.runners.job import load_plan
-    from malleus_ds.app.runners.malleus_runner import build_ds_config
+    from malleus_ds.app.runners.malleus_runner import build_ds_config, engine_settings
 
     for asked, on in ((None, False), (True, True)):
         c = cfg({"activation_checkpointing": asked}, engine="malleus", world=2)
         ds = build_ds_config(c, load_plan(c))
-        assert ("activation_checkpointing" in ds) is on
-        assert MalleusEngine.build_settings(ds).recompute is on
-    # the user's own section is kept as it is
+        assert "activation_checkpointing" not in ds and "malleus" not in ds
+        assert engine_settings(c, load_plan(c), ds).recompute is on
+    # the user's own section is kept as it is, and it turns recompute on (read once)
     c = cfg(ds={"activation_checkpointing": {"number_checkpoints": 4}}, engine="malleus", world=2)
-    assert build_ds_config(c, load_plan(c))["activation_checkpointing"] == {"number_checkpoints": 4}
+    ds = build_ds_config(c, load_plan(c))
+    assert ds["activation_checkpointing"] == {"number_checkpoints": 4}
+    assert c.train.activation_checkpointing and engine_settings(c, load_plan(c), ds).recompute
+    assert MalleusEngine.build_settings(ds).recompute         # the engine alone reads it alike
+    with pytest.raises(ValueError, match="settings were given, and the ds_config has a malleus"):
+        MalleusEngine.build_settings({"malleus": {"seed": 1}}, engine_settings(c, load_plan(c), ds))
 
 
 # ------------------------------------------------------------------------- one model

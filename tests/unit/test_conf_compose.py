@@ -65,3 +65,21 @@ def test_contract_overrides_exist():
     assert (rc.train.seed, rc.train.lr, rc.parallel.pp) == (7, 0.01, 2)
     assert rc.straggler.rate(1, 5) == 4.0 and rc.straggler.rate(1, 100) == 1.0
     assert rc.deepspeed.zero_stage == 2 and rc.cluster.gpus_per_node == 2
+
+
+def test_yaml_defaults_equal_the_dataclasses():
+    """Defaults live in the dataclasses (``run_config.py``, the loop's and the engine's settings);
+    conf/config.yaml repeats them for ``--help`` and overrides. Parsing the composed defaults
+    must give exactly the dataclasses' defaults, section by section."""
+    from malleus_ds.app.run_config import CheckpointConfig, MalleusConfig, TrainConfig
+
+    c = OmegaConf.to_container(_compose(["engine=malleus"]), resolve=True)
+    rc = build_run_config(c, world_size=1, ds_search_dirs=(CONF / "deepspeed",))
+    assert rc.malleus == MalleusConfig()
+    assert rc.train == TrainConfig()
+    assert rc.checkpoint == CheckpointConfig()
+    assert rc.comm_timeout_s == 1800.0 and rc.hang_timeout_s == 300.0 and rc.log_every == 10
+    # and a default that moves in the YAML alone is caught
+    c["malleus"]["detect"]["window"] += 1
+    assert build_run_config(c, world_size=1, ds_search_dirs=(CONF / "deepspeed",)).malleus \
+        != MalleusConfig()

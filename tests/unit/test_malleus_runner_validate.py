@@ -65,10 +65,25 @@ def test_monitors_default_to_the_run_folder_for_every_stock_engine(tmp_path):
     ({"adaptive": "on"}, r"malleus.adaptive='on' must be true or false"),
 ])
 def test_adaptive_settings_rejected_before_launch(m, pattern):
-    c = cfg(world=2, engine="malleus", plan="static", malleus=m, train={"steps": 10},
-            deepspeed={"config": {"zero_optimization": {"stage": 1}}})
-    with pytest.raises(ConfigError, match=pattern):
-        runners.validate(c)
+    """Parsed once, into the run config (``malleus.*`` in the user's words, not rewritten from
+    the engine's ``ds_config.malleus.*``); the run's end is checked by the runner."""
+    with pytest.raises(ConfigError, match=r"^(engine=malleus: )?" + pattern):
+        runners.validate(cfg(world=2, engine="malleus", plan="static", malleus=m,
+                             train={"steps": 10},
+                             deepspeed={"config": {"zero_optimization": {"stage": 1}}}))
+
+
+def test_the_ds_config_malleus_section_fills_what_the_app_leaves_unset():
+    ds = {"zero_optimization": {"stage": 1},
+          "malleus": {"horizon_steps": 7, "planner_time_limit_s": 0.5, "migrate_bucket_mb": 8}}
+    c = cfg(world=2, engine="malleus", plan="static", deepspeed={"config": ds},
+            malleus={"horizon_steps": 9})
+    assert c.malleus.loop.horizon_steps == 9                  # the app's wins
+    assert c.malleus.loop.planner_time_limit_s == 0.5 and c.malleus.migrate_bucket_mb == 8
+    with pytest.raises(ConfigError, match=r"ds_config.malleus: unknown keys \['horizon'\]"):
+        cfg(world=2, engine="malleus", deepspeed={"config": {"malleus": {"horizon": 3}}})
+    with pytest.raises(ConfigError, match=r"engine=malleus: malleus.migrate_timeout_s=0 must be"):
+        cfg(world=2, engine="malleus", malleus={"migrate_timeout_s": 0})
 
 
 def test_replan_at_needs_engine_malleus():

@@ -37,26 +37,22 @@ class Fit:
 
 def start_problem(cfg: RunConfig, plan: Plan, ds_config: dict, device: str | None):
     """The planning problem of this job at start-up (rates all 1.0), with its memory model."""
-    from ...adaptive.settings import AdaptiveSettings
     from ...engine.precision import Precision
-    from ...engine.settings import MalleusSettings, activation_checkpointing_source
     from ...models.base import head_layer_units, param_table
     from ...adaptive.replan import job_memory, job_problem
     from ...problem import given_slowdown, ideal_slowdown
     from .job import job_layout
 
     try:
-        s = MalleusSettings.from_config(ds_config.get("malleus"))
-        loop = AdaptiveSettings.from_config(ds_config.get("malleus") or {})
         mixed = Precision.name_of(ds_config) != "fp32"
-        recompute = activation_checkpointing_source(ds_config) is not None
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    loop, recompute = cfg.malleus.loop, cfg.train.activation_checkpointing
     job = job_layout(cfg, plan)
     table = param_table(cfg.model)
     seq_len = cfg.data.resolved_seq_len(cfg.model)
     mem = job_memory(table, cfg.model, plan.micro_batch_size, seq_len, mixed,
-                     loop.device_mb, device, job.gpus_per_node, s.migrate_bucket_mb)
+                     loop.device_mb, device, job.gpus_per_node, cfg.malleus.migrate_bucket_mb)
     head = head_layer_units(table, seq_len, cfg.model.hidden_size)
     slowdown = given_slowdown(loop.tp_slowdown, job.tp) or ideal_slowdown(job.tp)
     pr = job_problem(plan, job, slowdown, mem, head, activation_checkpointing=recompute)

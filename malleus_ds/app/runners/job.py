@@ -25,10 +25,5 @@ def job_layout(cfg: RunConfig, plan: Plan) -> JobLayout:
     switch plans (``malleus.switch``) divides it."""
     c = cfg.cluster
     gpn = c.gpus_per_node if c.nodes * c.gpus_per_node == cfg.world_size else cfg.world_size
-    plans = [plan]
-    for e in cfg.malleus.get("switch") or ():
-        try:    # unreadable entries are reported by the settings parser, naming the entry
-            plans.append(Plan.load(e["plan"]))
-        except (PlanError, TypeError, KeyError):
-            pass
+    plans = [plan, *(sw.plan for sw in cfg.malleus.switch)]
     return JobLayout(cfg.world_size, gpn, nominal_tp(*plans, at_least=cfg.parallel.tp))

@@ -42,42 +42,39 @@ def check_plan(cfg: RunConfig, plan: Plan, where: str) -> None:
 def validate(cfg: RunConfig) -> None:
     plan = load_plan(cfg)
     check_plan(cfg, plan, f"plan={cfg.plan}")
-    from ...adaptive.settings import AdaptiveSettings
-    from ...engine.engine import MalleusEngine
     from ...engine.settings import check_zero_stage
 
-    try:    # the ZeRO stage, the malleus section and fp16/bf16, as the engine will read them
+    try:    # the ZeRO stage and fp16/bf16, as the engine will read them
         check_zero_stage(cfg.deepspeed.zero_stage)
-        ds_config = build_ds_config(cfg, plan)
-        settings = MalleusEngine.build_settings(ds_config)
-        loop = AdaptiveSettings.from_config(ds_config.get("malleus") or {})
+        engine_settings(cfg, plan, build_ds_config(cfg, plan))
     except ValueError as e:
-        raise ConfigError(f"engine=malleus: {e}".replace("ds_config.malleus.", "malleus.")
-                          ) from None
-    check_ds_straggler(settings.straggler, cfg.world_size)
-    for i, k in enumerate(loop.replan_at):
+        raise ConfigError(f"engine=malleus: {e}") from None
+    check_ds_straggler(cfg.deepspeed.config.get("malleus"), cfg.world_size)
+    for i, k in enumerate(cfg.malleus.loop.replan_at):
         if k >= cfg.train.steps:
             raise ConfigError(f"malleus.replan_at[{i}]={k} is not before the run's end "
                               f"(train.steps={cfg.train.steps}); it would never happen")
-    for sw in settings.switch:
-        where = sw.where.replace("ds_config.", "")
+    for sw in cfg.malleus.switch:
         if sw.step >= cfg.train.steps:
-            raise ConfigError(f"{where}.step={sw.step} is not before the run's end "
+            raise ConfigError(f"{sw.where}.step={sw.step} is not before the run's end "
                               f"(train.steps={cfg.train.steps}); it would never happen")
         for f in ("global_batch_size", "micro_batch_size"):
             if getattr(sw.plan, f) != getattr(plan, f):
-                raise ConfigError(f"{where}.plan {f}={getattr(sw.plan, f)} differs from the "
+                raise ConfigError(f"{sw.where}.plan {f}={getattr(sw.plan, f)} differs from the "
                                   f"starting plan's {getattr(plan, f)}; the global batch never "
                                   f"changes within a run")
-        check_plan(cfg, sw.plan, f"{where}.plan")
+        check_plan(cfg, sw.plan, f"{sw.where}.plan")
 
 
-def check_ds_straggler(raw, world_size: int) -> None:
-    """The ds_config's own ``malleus.straggler`` (the engine's clock when no runner attaches
-    one): its schedule, and its ``method=quota`` on a machine that cannot apply it."""
+def check_ds_straggler(sec, world_size: int) -> None:
+    """The ds_config's own ``malleus.straggler`` (``malleus_ds.initialize``'s emulation; the app
+    runs ``straggler.*``): its schedule, and its ``method=quota`` on a machine that cannot
+    apply it, refused as they would be there."""
     from ...emulation.straggler import StragglerError, StragglerSchedule
+    from ...engine.settings import parse_straggler
     from . import check_straggler_method
 
+    raw = parse_straggler((sec or {}).get("straggler"))    # the section was parsed at config time
     try:
         sched = StragglerSchedule.parse(raw, world_size)
     except StragglerError as e:
@@ -86,10 +83,12 @@ def check_ds_straggler(raw, world_size: int) -> None:
 
 
 def build_ds_config(cfg: RunConfig, plan: Plan) -> dict:
-    from ...engine.settings import activation_checkpointing_source
-
+    """The stock sections MalleusEngine reads from a ds_config (optimizer, ZeRO stage,
+    precision, monitors ...), from the user's; the ``malleus`` section is not among them: the
+    engine gets :func:`engine_settings`, parsed from the typed run config."""
     c = copy.deepcopy(dict(cfg.deepspeed.config))
-    for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+    for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+              "malleus"):
         c.pop(k, None)                                  # the plan's batch sizes win
     c.setdefault("steps_per_print", 10**9)
     c.setdefault("gradient_clipping", 0.0)              # same math as engine=torch
@@ -97,16 +96,24 @@ def build_ds_config(cfg: RunConfig, plan: Plan) -> dict:
     c.setdefault("optimizer", {"type": "AdamW", "params": {
         "lr": t.lr, "betas": list(t.betas), "eps": t.eps, "weight_decay": t.weight_decay}})
     c.pop("zero_allow_untested_optimizer", None)
-    job = job_layout(cfg, plan)
-    c["malleus"] = dict(c.get("malleus") or {}, seed=t.seed, tp=job.tp,
-                        gpus_per_node=job.gpus_per_node)
-    for k, v in cfg.malleus.items():                    # the app's malleus.* win
-        if k != "switch" or v:
-            c["malleus"][k] = [dict(e) for e in v] if k == "switch" else v
-    if cfg.train.activation_checkpointing and activation_checkpointing_source(c) is None:
-        c["activation_checkpointing"] = {}     # how a ds_config turns it on for MalleusEngine
     monitors_to_run_dir(c, cfg.run_dir)
     return c
+
+
+def engine_settings(cfg: RunConfig, plan: Plan, ds_config: dict):
+    """MalleusEngine's settings for this run, from the typed run config: the job's shape, the
+    seed, the scripted switches, the migration limits, activation checkpointing as
+    ``config._activation_checkpointing`` resolved it; the precision from ``ds_config``
+    (``MalleusEngine.build_settings``, which also refuses what the engine cannot run)."""
+    from ...engine.engine import MalleusEngine
+    from ...engine.settings import MalleusSettings
+
+    job = job_layout(cfg, plan)
+    m = cfg.malleus
+    return MalleusEngine.build_settings(ds_config, MalleusSettings(
+        tp=job.tp, gpus_per_node=job.gpus_per_node, seed=cfg.train.seed, switch=m.switch,
+        migrate_bucket_mb=m.migrate_bucket_mb, migrate_timeout_s=m.migrate_timeout_s,
+        recompute=cfg.train.activation_checkpointing))
 
 
 def device_names(env: DistEnv) -> list[str]:
@@ -125,7 +132,6 @@ def device_names(env: DistEnv) -> list[str]:
 
 
 def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
-    from ...adaptive.settings import AdaptiveSettings
     from ...data import build_dataset
     from ...engine.engine import MalleusEngine
     from ..loop import attach_loop
@@ -146,9 +152,9 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
         ds_config = build_ds_config(cfg, plan)
         if env.is_rank0:
             print(f"[malleus_ds] {fit.note}", flush=True)
-    loop_settings = AdaptiveSettings.from_config(ds_config.get("malleus") or {})  # validated
-    engine = MalleusEngine(cfg.model, ds_config, plan, data=data)
-    loop = attach_loop(engine, loop_settings)       # the adaptive loop (app/loop.py)
+    engine = MalleusEngine(cfg.model, ds_config, plan, data=data,
+                           settings=engine_settings(cfg, plan, ds_config))
+    loop = attach_loop(engine, cfg.malleus.loop)    # the adaptive loop (app/loop.py)
     ck = Checkpointer(cfg, env)
     if ck.resumed is not None:
         from ...engine.checkpoint import CheckpointError

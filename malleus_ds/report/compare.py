@@ -19,6 +19,8 @@ module reads their metrics.jsonl files and says what the straggler cost each eng
 Segments follow the emulated schedule (the same for every engine, exact onsets), never the
 measured rates, so measurement noise cannot make one; a run without a schedule is split by its
 measured rates only in the what-if lines, by ``phases.py``'s rule (the loop's smoothed reading).
+The split, a segment's throughput and the ranks the bound spreads over (``run_model.world_of``)
+are ``run_model.py``'s, as in every report.
 
 Everything here is pure (records in, numbers and text out) except :func:`report`, which reads the
 folders and draws the ``malleus-plot`` PNG.
@@ -30,7 +32,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ..cost import capacity_of_rates
-from .metrics import MetricsError, emulated_rates, read_run
+from .metrics import MetricsError, read_run
+from .run_model import emulated_condition, events_in, step_lines, stretches, throughput, world_of
 
 #: engines ``compare`` accepts (each runs the whole config once)
 COMPARABLE = ("deepspeed", "malleus", "torch")
@@ -78,41 +81,24 @@ class Comparison:
     warmup: int
 
 
-def _rates_key(rec: Mapping) -> tuple[tuple[int, float], ...]:
-    return tuple(sorted((int(k), float(v)) for k, v in emulated_rates(rec).items()))
-
-
 def segments(records: Sequence[Mapping]) -> list[Segment]:
-    """Consecutive step lines with equal emulated rates, in order (event lines are skipped)."""
-    out: list[Segment] = []
-    for r in records:
-        if "event" in r:
-            continue
-        key, step = _rates_key(r), int(r["step"])
-        if out and out[-1].rates == key:
-            out[-1] = Segment(out[-1].first, step, key)
-        else:
-            out.append(Segment(step, step, key))
-    return out
+    """Consecutive step lines with equal emulated rates, in order (event lines are skipped):
+    the stretches of ``run_model.emulated_condition`` (every rate the line names)."""
+    steps = step_lines(records)
+    return [Segment(int(steps[st.lo]["step"]), int(steps[st.hi - 1]["step"]), st.key)
+            for st in stretches(emulated_condition(r) for r in steps)]
 
 
 def segment_stats(records: Sequence[Mapping], events: Sequence[Mapping], lo: int, hi: int
                   ) -> SegmentStats:
-    """Throughput of steps ``lo..hi`` (inclusive): every step line, plus the migrations and
-    re-plans whose ``step`` (the step they ran before) lies in the range."""
-    rs = [r for r in records if "event" not in r and lo <= r["step"] <= hi]
-    ev = [e for e in events if lo <= e.get("step", -1) <= hi]
-    mig = sum(float(e.get("seconds", 0.0)) for e in ev if e.get("event") == "migrate")
-    return SegmentStats(steps=len(rs), samples=float(sum(r["samples"] for r in rs)),
-                        seconds=float(sum(r["step_time_s"] for r in rs)) + mig,
-                        switches=sum(1 for e in ev if e.get("event") == "replan"
-                                    and e.get("adopted")),
-                        migrate_s=mig)
-
-
-def world_of(records: Sequence[Mapping]) -> int:
-    """Ranks in the run (the width of ``compute_s``)."""
-    return max((len(r.get("compute_s") or ()) for r in records if "event" not in r), default=1)
+    """Throughput of steps ``lo..hi`` (inclusive; ``run_model.throughput``): every step line,
+    plus the migrations whose ``step`` (the step they ran before) lies in the range; and the
+    adopted re-plans there."""
+    tp = throughput([r for r in step_lines(records) if lo <= r["step"] <= hi], events, lo, hi)
+    return SegmentStats(steps=tp.steps, samples=tp.samples, seconds=tp.seconds,
+                        switches=sum(1 for e in events_in(events, lo, hi, "replan")
+                                     if e.get("adopted")),
+                        migrate_s=tp.migrate_s)
 
 
 class CompareError(ValueError):
@@ -135,7 +121,7 @@ def compare(runs: Sequence[tuple[str, Sequence[Mapping], Sequence[Mapping]]], wa
         elif [(g.first, g.last, g.rates) for g in s] != [(g.first, g.last, g.rates) for g in segs]:
             raise CompareError(f"run {name} ran another straggler schedule than {runs[0][0]}: "
                                f"{[g.label for g in s]} vs {[g.label for g in segs]}")
-    world = max(world_of(r) for _, r, _ in runs)
+    world = max(world_of(r) for _, r, _ in runs)     # run_model.world_of: every rank named
     # warm-up steps count in no segment; a segment made only of warm-up steps is dropped
     segs = [Segment(max(g.first, warmup), g.last, g.rates) for g in segs if g.last >= warmup]
     stats = tuple(tuple(segment_stats(recs, evs, g.first, g.last) for g in segs)
@@ -270,7 +256,7 @@ def report(run_dir: str | Path, names: Sequence[str], warmup: int) -> tuple[str,
         raise CompareError(str(e)) from None
     text = format_comparison(compare(runs, warmup)) + "\n" + whatif_lines(root, names, warmup)
     try:
-        data = [plot_data.read_run(root / n, name=f"engine={n}") for n in names]
+        data = [plot_data.load_run_data(root / n, name=f"engine={n}") for n in names]
         png = plot.draw(data, root / plot.DEFAULT_OUTPUT,
                         f"{root.name}: {' vs '.join(names)}, one straggler schedule")
     except Exception as e:  # noqa: BLE001 - the numbers stand without the picture

@@ -47,8 +47,10 @@ this rename call it ``rates``; readers accept both.)
 
 A *phase* is a run of steps with the same ``emulated_rates`` (and plan); the summary reports
 throughput per phase, so one run that turns a straggler on half-way, or switches plans, shows
-the regimes side by side. (A run's straggler phases by its *measured* rates, for a run without
-a schedule, are ``phases.py``'s: the adaptive loop's smoothed reading, never a single step.)
+the regimes side by side. The split, the throughput and the rank count are ``run_model.py``'s,
+the one model of a run that compare, the what-if account and the plots read too. (A run's
+straggler phases by its *measured* rates, for a run without a schedule, are ``phases.py``'s:
+the adaptive loop's smoothed reading, never a single step.)
 
 **Reading.** :func:`read_metrics_file` is the one checked reader: it reads a metrics.jsonl (or
 the run folder holding one) once and returns its step lines and its event lines (every kind, the
@@ -68,6 +70,8 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from .check_events import caused_by_miss, format_check
+from .run_model import emulated_condition, step_lines, stretches, throughput
+from .run_model import emulated_rates  # noqa: F401 - read here by older callers (bench/)
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -407,33 +411,25 @@ class Phase:
         return f"{lab} | {self.plan}" if self.plan else lab
 
 
-def emulated_rates(rec: Mapping) -> Mapping[str, float]:
-    """A step line's emulated rates (``rates`` in files from before the rename)."""
-    return rec.get("emulated_rates", rec.get("rates")) or {}
-
-
 def phases(records: Iterable[Mapping], warmup_steps: int = 0) -> list[Phase]:
-    """Group steps by active rates (in order of first appearance); skip the first
-    ``warmup_steps`` steps of the run and the first step after each change of rates (it mixes
-    the two regimes)."""
+    """Group steps by active rates and plan (in order of first appearance): the stretches of
+    equal condition and plan (``run_model.stretches``), one phase per distinct pair, so the
+    healthy steps before and after a straggler are one phase. Skip the first ``warmup_steps``
+    steps of the run and the first step after each change (it mixes the two regimes); a
+    phase's samples/s is over its step times (``run_model.throughput``, no events: the
+    migrations are the switch's, not the regime's)."""
+    steps = step_lines(records)
+    keys = [(emulated_condition(r), r.get("plan")) for r in steps]
     groups: dict[tuple, list[Mapping]] = {}
-    prev = None
-    for r in records:
-        if "event" in r:
-            continue
-        key = (tuple(sorted((int(k), float(v)) for k, v in emulated_rates(r).items())),
-               r.get("plan"))
-        changed = prev is not None and key != prev
-        prev = key
-        if r["step"] < warmup_steps or changed:
-            continue
-        groups.setdefault(key, []).append(r)
+    for k, st in enumerate(stretches(keys)):
+        for r in steps[st.lo + (k > 0):st.hi]:
+            if r["step"] >= warmup_steps:
+                groups.setdefault(st.key, []).append(r)
     out = []
     for key, rs in groups.items():
-        t = sum(r["step_time_s"] for r in rs)
-        n = sum(r["samples"] for r in rs)
-        out.append(Phase(key[0], len(rs), rs[0]["step"], t / len(rs), n / t if t > 0 else 0.0,
-                         key[1]))
+        tp = throughput(rs)
+        out.append(Phase(key[0], tp.steps, rs[0]["step"], tp.step_s / tp.steps,
+                         tp.samples_per_s, key[1]))
     return out
 
 

@@ -35,6 +35,7 @@ from typing import Sequence
 import numpy as np
 
 from ..adaptive.detect import HEALTHY, DetectConfig
+from .run_model import stretches
 
 #: steps in the median that smooths a rank's readings (the adaptive loop's window)
 WINDOW = DetectConfig().window
@@ -96,17 +97,6 @@ def smoothed(rates: Sequence[Sequence[float | None] | None], window: int = WINDO
         if m.shape[1] else m
 
 
-def _runs(keys: Sequence) -> list[list]:
-    """[key, lo, hi] per maximal run of equal consecutive keys."""
-    out: list[list] = []
-    for i, k in enumerate(keys):
-        if out and out[-1][0] == k:
-            out[-1][2] = i + 1
-        else:
-            out.append([k, i, i + 1])
-    return out
-
-
 def rate_phases(steps: Sequence[int], rates: Sequence[Sequence[float | None] | None],
                 window: int = WINDOW, healthy: float = HEALTHY, min_steps: int = MIN_STEPS,
                 world: int | None = None) -> list[RatePhase]:
@@ -123,12 +113,13 @@ def rate_phases(steps: Sequence[int], rates: Sequence[Sequence[float | None] | N
         hot = sm >= healthy                      # NaN (no reading) is healthy
     keys = [tuple(int(d) for d in np.flatnonzero(row)) for row in hot]
     cur: tuple = ()                              # the loop starts healthy
-    for run in _runs(keys):                      # a stretch too short to confirm keeps the
-        if run[2] - run[1] >= min_steps:         # condition before it
-            cur = run[0]
-        keys[run[1]:run[2]] = [cur] * (run[2] - run[1])
+    for st in stretches(keys):                   # (run_model.stretches) a stretch too short to
+        if st.hi - st.lo >= min_steps:           # confirm keeps the condition before it
+            cur = st.key
+        keys[st.lo:st.hi] = [cur] * (st.hi - st.lo)
     out: list[RatePhase] = []
-    for key, lo, hi in _runs(keys):
+    for st in stretches(keys):
+        key, lo, hi = st.key, st.lo, st.hi
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # a rank never measured -> NaN
             med = [float(np.nanmedian(raw[lo:hi, d])) for d in key]

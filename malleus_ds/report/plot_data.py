@@ -4,7 +4,8 @@ looking at pixels.
 
 The shaded regions are the emulated schedule's (what the experiment configured); the what-if
 marks come from ``whatif.py``, which splits a run without a schedule by its measured rates as
-the adaptive loop reads them (``phases.rate_phases``), so one noisy step draws no phase.
+the adaptive loop reads them (``phases.rate_phases``), so one noisy step draws no phase. The
+regions' split and the rank count are ``run_model.py``'s, as in every report.
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from . import metrics, whatif
-from .metrics import METRICS_FILE, MetricsError, emulated_rates, format_event, metrics_path
+from .metrics import METRICS_FILE, MetricsError, format_event, metrics_path
 from .run_folder import find_runs, read_overrides
+from .run_model import emulated_rates, stretches, world_of
 
 
 EVENT_KINDS = ("replan", "migrate", "check")     # the events drawn (others are ignored)
@@ -71,6 +73,7 @@ class RunData:
     events: list[Event] = field(default_factory=list)
     overrides: list[str] | None = None          # <run>/.hydra/overrides.yaml, when present
     whatif: "whatif.Account | None" = None      # what-if account (None: the records hold none)
+    world_size: int = 0                         # ranks (run_model.world_of; 0: the file names none)
 
     @property
     def throughput(self) -> np.ndarray:
@@ -83,13 +86,6 @@ class RunData:
         """All samples over all step time (samples/s)."""
         t = float(np.sum(self.step_time_s))
         return float(np.sum(self.samples)) / t if t > 0 else float("nan")
-
-    @property
-    def world_size(self) -> int:
-        n = self.compute_s.shape[1]
-        if self.measured_rates is not None:
-            n = max(n, self.measured_rates.shape[1])
-        return max([n] + [r + 1 for er in self.emulated_rates for r in er])
 
 
 def _num(v, what: str) -> float:
@@ -122,7 +118,7 @@ def parse_metrics(path: str | Path) -> tuple[list[dict], list[dict]]:
     ``step``/``samples``/``step_time_s``, ...). A bad line or a file without step lines raises
     PlotError naming the file (and line: ``<file>:<line>: corrupt line: ...``)."""
     try:
-        steps, events = metrics.read_run(path)   # (plot.read_run below builds a RunData)
+        steps, events = metrics.read_run(path)   # (load_run_data below builds a RunData)
     except MetricsError as e:
         raise PlotError(f"{e.path}:{e.line}: corrupt line: {e.what}" if e.line is not None
                         else str(e)) from None
@@ -155,8 +151,9 @@ def extract_events(lines: Iterable[Mapping]) -> list[Event]:
     return sorted(out, key=lambda e: (e.step, EVENT_KINDS.index(e.kind)))
 
 
-def read_run(run_dir: str | Path, name: str | None = None) -> RunData:
-    """One run folder's metrics.jsonl (and overrides) as a RunData."""
+def load_run_data(run_dir: str | Path, name: str | None = None) -> RunData:
+    """One run folder's metrics.jsonl (and overrides) as a RunData (its lines read by
+    ``metrics.read_run``, through :func:`parse_metrics`)."""
     run_dir = Path(run_dir)
     lines, evs = parse_metrics(run_dir / METRICS_FILE)
     comp = [_num_list(r["compute_s"], "compute_s") if r.get("compute_s") is not None else None
@@ -179,6 +176,7 @@ def read_run(run_dir: str | Path, name: str | None = None) -> RunData:
         events=extract_events(evs),
         overrides=read_overrides(run_dir),
         whatif=_account(run_dir, lines, evs),
+        world_size=world_of(lines, least=0),
     )
 
 
@@ -224,7 +222,7 @@ def load_runs(root: str | Path) -> list[RunData]:
     dirs = find_runs(root)
     if not dirs:
         raise PlotError(f"{root}: no {METRICS_FILE} found in it or below it")
-    runs = [read_run(d) for d in dirs]
+    runs = [load_run_data(d) for d in dirs]
     if len(runs) > 1:
         for r, lab in zip(runs, job_labels(runs, root)):
             r.name = lab
@@ -245,8 +243,9 @@ def rates_label(rates: Mapping[int, float]) -> str:
 
 def straggler_regions(runs: Sequence[RunData]) -> list[Region]:
     """Contiguous stretches of recorded steps in which some emulated straggler was active, taken
-    over the union of ``runs`` (one run: its own). A region's label lists the distinct schedules
-    seen in it, in order (``" / "`` between them)."""
+    over the union of ``runs`` (one run: its own): the stretches (``run_model.stretches``) of
+    "some straggler active" over the recorded steps in order. A region's label lists the
+    distinct schedules seen in it, in order (``" / "`` between them)."""
     active: dict[int, list[str]] = {}
     all_steps: set[int] = set()
     for run in runs:
@@ -257,19 +256,16 @@ def straggler_regions(runs: Sequence[RunData]) -> list[Region]:
                 lab = rates_label(er)
                 if lab not in labs:
                     labs.append(lab)
+    steps = sorted(all_steps)
     out: list[Region] = []
-    start, labels, prev = None, [], None
-    for s in sorted(all_steps):
-        if s in active:
-            if start is None:
-                start, labels = s, []
+    for st in stretches(s in active for s in steps):
+        if not st.key:
+            continue
+        labels: list[str] = []
+        for s in steps[st.lo:st.hi]:
             labels += [x for x in active[s] if x not in labels]
-        elif start is not None:
-            out.append(Region(start, s, " / ".join(labels)))
-            start = None
-        prev = s
-    if start is not None:
-        out.append(Region(start, prev + 1, " / ".join(labels)))
+        end = steps[st.hi] if st.hi < len(steps) else steps[-1] + 1
+        out.append(Region(steps[st.lo], end, " / ".join(labels)))
     return out
 
 

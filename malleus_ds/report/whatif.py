@@ -13,17 +13,18 @@ A rate below :data:`HEALTHY` (1.2, DESIGN.md §6) counts as 1.0.
 
 **Phases.** When the run was emulated: maximal runs of consecutive steps with the same emulated
 schedule (ranks at or above :data:`HEALTHY`; its onset is exact, and measurement noise cannot
-split it). Else the per-step rates (source above) are read as the adaptive loop reads them
-(``phases.rate_phases``): each rank's median over 5 steps centred on the step, below
-:data:`HEALTHY` healthy, and a new straggler condition only when it lasts at least
-``phases.MIN_STEPS`` (7) steps; so one noisy step, or a run shorter than that, has no
+split it; ``run_model.stretches``). Else the per-step rates (source above) are read as the
+adaptive loop reads them (``phases.rate_phases``): each rank's median over 5 steps centred on
+the step, below :data:`HEALTHY` healthy, and a new straggler condition only when it lasts at
+least ``phases.MIN_STEPS`` (7) steps; so one noisy step, or a run shorter than that, has no
 straggler phase. A straggler phase's rates are each rank's median over the phase (source
 above).
 
 **Per phase** ``p`` with ``S_p`` samples (all in samples/s, except the seconds):
 
 * ``achieved = S_p / W_p``, ``W_p`` = its step times + the seconds of the ``migrate`` events
-  whose ``step`` lies in the phase (what the job did, migrations included);
+  whose ``step`` lies in the phase (what the job did, migrations included;
+  ``run_model.throughput``);
 * ``healthy = H``: samples over step seconds of all healthy phases (migrations left out: they
   are counted below); ``t_h`` = its seconds per step, ``C`` = the busiest rank's
   ``compute_s`` per healthy step (mean over those steps);
@@ -74,7 +75,9 @@ from typing import Mapping, Sequence
 
 from .check_events import Check, checks_line, checks_of
 from ..cost import capacity_of_rates
-from .metrics import MetricsError, emulated_rates, metrics_path, read_run
+from .metrics import MetricsError, metrics_path, read_run
+from .run_model import (emulated_condition, emulated_rates, events_in, stretches, throughput,
+                        world_of)
 from .phases import rate_phases
 from ..adaptive.detect import HEALTHY  # a rate below this counts as healthy (DESIGN.md §6)
 
@@ -175,13 +178,6 @@ def _compute_rates(r: Mapping) -> list[float] | None:
     return [float(x) / lo for x in c] if lo > 0 else None
 
 
-def world_of(steps: Sequence[Mapping]) -> int:
-    """Ranks in the run: the widest ``compute_s`` / ``measured_rates``, or the highest
-    emulated rank + 1."""
-    return max([len(r.get(k) or ()) for r in steps for k in ("compute_s", "measured_rates")]
-               + [int(k) + 1 for r in steps for k in emulated_rates(r)] + [1])
-
-
 def rate_source(records: Sequence[Mapping]) -> str:
     """Where this run's rates come from (see the module docstring)."""
     if any(any(x is not None for x in r.get("measured_rates") or ()) for r in records
@@ -213,12 +209,6 @@ def _rate_vector(r: Mapping, source: str, world: int) -> list[float | None]:
     """Per rank this step's rate, a rate below HEALTHY read as 1.0 (None: not known)."""
     return [None if x is None else (1.0 if x < HEALTHY else x)
             for x in _readings(r, source, world)]
-
-
-def _schedule(r: Mapping) -> tuple:
-    """The emulated straggler condition of a step: ((rank, rate), ...) at or above HEALTHY."""
-    return tuple(sorted((int(k), float(v)) for k, v in emulated_rates(r).items()
-                        if float(v) >= HEALTHY))
 
 
 def _phase_rates(rs: Sequence[Mapping], source: str, world: int
@@ -301,20 +291,19 @@ def _compute(rs: Sequence[Mapping], pick=max) -> float | None:
 
 
 def _switch_step(events: Sequence[Mapping], lo: int, hi: int) -> int | None:
-    def steps(kind, ok=lambda e: True):
-        return [int(e["step"]) for e in events if e.get("event") == kind and ok(e)
-                and isinstance(e.get("step"), (int, float)) and lo <= e["step"] <= hi]
-
-    s = steps("migrate") or steps("replan", lambda e: e.get("adopted", True) is not False)
+    s = [int(e["step"]) for e in events_in(events, lo, hi, "migrate")] or \
+        [int(e["step"]) for e in events_in(events, lo, hi, "replan")
+         if e.get("adopted", True) is not False]
     return min(s) if s else None
 
 
 def _seconds(rs: Sequence[Mapping]) -> float:
-    return float(sum(float(r["step_time_s"]) for r in rs))
+    """The step seconds of ``rs`` (``run_model.throughput``, migrations left out)."""
+    return throughput(rs).step_s
 
 
 def _samples(rs: Sequence[Mapping]) -> float:
-    return float(sum(float(r["samples"]) for r in rs))
+    return throughput(rs).samples
 
 
 def account(records: Sequence[Mapping], events: Sequence[Mapping] = (),
@@ -331,20 +320,14 @@ def account(records: Sequence[Mapping], events: Sequence[Mapping] = (),
     if not kept:
         raise WhatIfError(f"all {len(steps)} step lines are warm-up steps (warmup={warmup}): "
                           f"nothing left to account for")
-    world = world_of(steps)
+    world = world_of(steps)         # run_model.world_of
     source = rate_source(steps)
     emulated = any(emulated_rates(r) for r in steps)
-    groups: list[list[Mapping]] = []
+    groups: list[list[Mapping]]
     if emulated:    # the known schedule: exact onsets, and no measurement noise in the split
-        prev = None
-        for r in kept:
-            key = _schedule(r)
-            if groups and key == prev:
-                groups[-1].append(r)
-            else:
-                groups.append([r])
-            prev = key
-        conds = [_schedule(g[0]) for g in groups]
+        sts = stretches(emulated_condition(r, HEALTHY) for r in kept)
+        groups = [kept[st.lo:st.hi] for st in sts]
+        conds = [st.key for st in sts]
         # a straggler phase the measurement missed (it lags the onset) keeps its emulated rates
         rates = [(_phase_rates(g, source, world) or c) if c else ()
                  for g, c in zip(groups, conds)]
@@ -353,9 +336,7 @@ def account(records: Sequence[Mapping], events: Sequence[Mapping] = (),
                          [_readings(r, source, world) for r in kept], world=world)
         groups = [kept[p.lo:p.hi] for p in ph]
         rates = [p.rates for p in ph]
-    mig = [sum(float(e.get("seconds") or 0.0) for e in events if e.get("event") == "migrate"
-               and isinstance(e.get("step"), (int, float))
-               and g[0]["step"] <= e["step"] <= g[-1]["step"]) for g in groups]
+    tps = [throughput(g, events) for g in groups]      # W_p: step times + migrations
     models = [static_model(layout, dict(x), world) for x in rates]
     static_source = next((mo.how for mo, x in zip(models, rates) if x), models[0].how)
 
@@ -394,7 +375,7 @@ def account(records: Sequence[Mapping], events: Sequence[Mapping] = (),
     if comp is None:
         static_source += "; no compute_s: the whole step scales"
     out = []
-    for g, x, m, mo in zip(groups, rates, mig, models):
+    for g, x, tp, mo in zip(groups, rates, tps, models):
         k = static_keep(mo, step_h, comp)
         detect = None
         if x:
@@ -403,8 +384,8 @@ def account(records: Sequence[Mapping], events: Sequence[Mapping] = (),
                 detect = max(0.0, _seconds(pre) - _samples(pre) * _seconds(post) / _samples(post))
         f = capacity_of_rates(dict(x), world)
         b = step_h / (step_h + comp * (1 / f - 1)) if comp else f
-        out.append(PhaseAccount(int(g[0]["step"]), int(g[-1]["step"]), x, len(g), _samples(g),
-                                _seconds(g) + m, H, k * H, b * H, detect, m, f))
+        out.append(PhaseAccount(int(g[0]["step"]), int(g[-1]["step"]), x, tp.steps, tp.samples,
+                                tp.seconds, H, k * H, b * H, detect, tp.migrate_s, f))
     adaptive = any(e.get("event") == "migrate" for e in events) or \
         len({r.get("plan") for r in steps if r.get("plan")}) > 1
     return Account(tuple(out), world, source, static_source, healthy_source, adaptive,

@@ -173,7 +173,7 @@ def test_an_old_run_folder_reads_everywhere(tmp_path, recs, capsys):
     d = run_dir(tmp_path, lines_of(*recs))
     f = read_metrics_file(d)
     assert list(f.steps) == recs and f.events == ()
-    run = plot_data.read_run(d)
+    run = plot_data.load_run_data(d)
     assert run.steps.tolist() == [0, 1, 2, 3] and run.measured_rates is None
     a = whatif.account_of_run(d, warmup=1)
     assert a.rate_source == ("emulated" if recs is OLD else "none")
@@ -192,7 +192,7 @@ def test_the_four_callers_split_one_file_alike(tmp_path):
     assert read_run(d) == (steps, events)                    # summarize and compare read so
     assert whatif.read_lines(d) == (steps, events)
     assert whatif.read_lines(d / METRICS_FILE) == (steps, events)
-    run = plot_data.read_run(d)                                   # plot draws replan/migrate only
+    run = plot_data.load_run_data(d)                          # plot draws replan/migrate only
     assert run.steps.tolist() == [r["step"] for r in steps]
     assert [(e.kind, e.step) for e in run.events] == [("replan", 1), ("migrate", 2)]
 

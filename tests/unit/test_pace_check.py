@@ -80,8 +80,12 @@ def test_a_new_plan_restarts_the_check_and_nothing_is_checked_without_a_promise(
                                          ("kept_after", 2), ("severe", 1.2),
                                          ("severe_patience", 0)])
 def test_check_config_errors_name_the_field(field, value):
-    with pytest.raises(ValueError, match=rf"malleus\.check\.{field}={value}"):
+    with pytest.raises(ValueError, match=rf"^check\.{field}={value}"):
         CheckConfig(**{field: value}).check()
+    from malleus_ds.adaptive.settings import AdaptiveSettings     # named as the user wrote it
+    for where in ("malleus", "ds_config.malleus"):
+        with pytest.raises(ValueError, match=rf"^{where}\.check\.{field}={value}"):
+            AdaptiveSettings.from_config({"check": {field: value}}, where)
 
 
 def test_healthy_pace_is_the_median_of_healthy_steps_per_model_unit():

@@ -160,5 +160,5 @@ def test_every_reader_of_a_noisy_healthy_run_says_no_straggler(tmp_path, capsys)
     assert "stragglers would have cost" not in out and "rank 0 at rate" not in out
     lines = compare.whatif_lines(tmp_path / "s", ["0", "1"], 1)
     assert lines.count("no straggler in this run") == 2, lines
-    data = plot_data.read_run(run)
+    data = plot_data.load_run_data(run)
     assert data.whatif is not None and not data.whatif.stragglers

@@ -13,8 +13,8 @@ from malleus_ds.report.plot_data import (
     Event,
     Region,
     job_labels,
+    load_run_data,
     load_runs,
-    read_run,
     rolling_median,
     straggler_regions)
 
@@ -90,7 +90,7 @@ def write_run(d, lines, overrides=None):
 
 
 def test_single_run_extraction(tmp_path):
-    run = read_run(write_run(tmp_path / "run", adaptive_lines()))
+    run = load_run_data(write_run(tmp_path / "run", adaptive_lines()))
     assert run.steps.tolist() == list(range(STEPS))
     assert run.throughput[0] == pytest.approx(SAMPLES / 0.20)
     assert run.throughput[5] == pytest.approx(SAMPLES / 0.50)
@@ -133,7 +133,7 @@ def test_main_writes_png(tmp_path, capsys):
     o2 = tmp_path / "plots" / "t.png"
     assert main([str(d2), "-o", str(o2)]) == 0
     assert o2.read_bytes()[:4] == b"\x89PNG"
-    assert read_run(d2).measured_rates is None and read_run(d2).events == []
+    assert load_run_data(d2).measured_rates is None and load_run_data(d2).events == []
 
 
 def test_multirun_labels_and_union(tmp_path):
@@ -180,7 +180,7 @@ def test_multirun_label_fallbacks(tmp_path):
 def test_old_format_rates(tmp_path):
     lines = adaptive_lines(old_format=True, measured=False)
     assert all("emulated_rates" not in x for x in lines)
-    run = read_run(write_run(tmp_path / "old", lines))
+    run = load_run_data(write_run(tmp_path / "old", lines))
     assert run.emulated_rates[5] == {3: 5.0} and run.emulated_rates[0] == {}
     assert straggler_regions([run]) == [Region(4, 30, "rank 3 at rate 5")]
     assert main([str(tmp_path / "old")]) == 0
@@ -189,11 +189,11 @@ def test_old_format_rates(tmp_path):
 def test_regions_edge_cases(tmp_path):
     lines = [{"step": s, "samples": 4, "step_time_s": 0.1,
               "emulated_rates": ({"1": 2.0, "2": 2.0} if s < 3 else {"1": 4.0})} for s in range(5)]
-    run = read_run(write_run(tmp_path / "r", lines))
+    run = load_run_data(write_run(tmp_path / "r", lines))
     # active to the end: end = last step + 1; schedules that change inside one region are joined
     assert straggler_regions([run]) == [Region(0, 5, "ranks 1, 2 at rate 2 / rank 1 at rate 4")]
     lines[2]["step_time_s"] = 0
-    assert math.isnan(read_run(write_run(tmp_path / "r", lines)).throughput[2])
+    assert math.isnan(load_run_data(write_run(tmp_path / "r", lines)).throughput[2])
 
 
 def test_many_ranks_highlight_slowed_ones(tmp_path):
@@ -207,7 +207,7 @@ def test_many_ranks_highlight_slowed_ones(tmp_path):
         lines.append({"step": s, "samples": 4, "step_time_s": 0.1, "compute_s": [0.1] * w,
                       "emulated_rates": {"7": 4.0} if s >= 2 else {}, "measured_rates": mr})
     d = write_run(tmp_path / "big", lines)
-    run = read_run(d)
+    run = load_run_data(d)
     assert run.world_size == w
     assert _highlighted_ranks(run, run.measured_rates, 1.2) == [7, 20]
     assert main([str(d)]) == 0
@@ -253,7 +253,7 @@ def test_whatif_account_on_the_plot(tmp_path):
     from malleus_ds.report.plot import draw
     from malleus_ds.report.whatif import closing_line
 
-    run = read_run(write_run(tmp_path / "run", adaptive_lines()))
+    run = load_run_data(write_run(tmp_path / "run", adaptive_lines()))
     a = run.whatif
     assert a is not None and a.rate_source == "measured"
     slow = [p for p in a.phases if p.rates]
@@ -270,9 +270,9 @@ def test_whatif_account_on_the_plot(tmp_path):
     out = draw([run], tmp_path / "p.png", "t")
     assert out.read_bytes()[:4] == b"\x89PNG"
     flat = [{"step": s, "samples": 8, "step_time_s": 0.1} for s in range(3)]
-    assert not read_run(write_run(tmp_path / "flat", flat)).whatif.stragglers
+    assert not load_run_data(write_run(tmp_path / "flat", flat)).whatif.stragglers
     # only warm-up steps: no account, the plot is drawn without it
-    assert read_run(write_run(tmp_path / "one", flat[:1])).whatif is None
+    assert load_run_data(write_run(tmp_path / "one", flat[:1])).whatif is None
     assert main([str(tmp_path / "one")]) == 0
 
 
@@ -304,7 +304,7 @@ def test_plan_checks_are_drawn(tmp_path, monkeypatch):
 
     from malleus_ds.report.plot import KEPT_COLOR, MISSED_COLOR
 
-    run = read_run(write_run(tmp_path / "run", checked_lines()))
+    run = load_run_data(write_run(tmp_path / "run", checked_lines()))
     checks = [e for e in run.events if e.kind == "check" or e.trigger == "missed"]
     assert checks == [
         Event("check", 16, "kept ×1.04", outcome="kept"),

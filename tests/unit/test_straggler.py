@@ -402,9 +402,9 @@ def test_detector_confirm_cooldown_and_normalise():
                                           ("change", float("nan"))])
 def test_detect_config_errors_name_the_field(field, value):
     cfg = DetectConfig(**{field: value})
-    with pytest.raises(ValueError, match=rf"malleus\.detect\.{field}={value}"):
+    with pytest.raises(ValueError, match=rf"^detect\.{field}={value}"):
         cfg.check()
-    with pytest.raises(ValueError, match=rf"malleus\.detect\.{field}"):
+    with pytest.raises(ValueError, match=rf"^detect\.{field}"):
         Detector(4, cfg)
     DetectConfig().check()
 

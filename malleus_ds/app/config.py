@@ -86,8 +86,10 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
     ckpt = _checkpoint(d.get("checkpoint") or {})
     _max_restarts(d.get("max_restarts", 0), ckpt)
     compare_engines(d.get("compare"))
-    comm = _seconds(d.get("comm_timeout_s", RunConfig.comm_timeout_s), "comm_timeout_s", zero_ok=False)
-    hang = _seconds(d.get("hang_timeout_s", RunConfig.hang_timeout_s), "hang_timeout_s", zero_ok=True)
+    comm = _seconds(d.get("comm_timeout_s", RunConfig.comm_timeout_s), "comm_timeout_s",
+                    zero_ok=False)
+    hang = _seconds(d.get("hang_timeout_s", RunConfig.hang_timeout_s), "hang_timeout_s",
+                    zero_ok=True)
     log_every = d.get("log_every", RunConfig.log_every)
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
         raise ConfigError(f"log_every={log_every!r} must be an integer >= 1 (steps)")
@@ -224,7 +226,8 @@ def _malleus(m: Mapping[str, Any], engine: str, ds: DeepSpeedSection) -> Malleus
     sec = ds.config.get("malleus") or {}
     if not isinstance(sec, Mapping):
         raise ConfigError(f"ds_config{_ds_file(ds)} malleus must be an object, got {sec!r}")
-    merged = {**{k: v for k, v in sec.items() if k in MALLEUS_KEYS and v is not None}, **out}
+    mine = {k: v for k, v in out.items() if not (k == "switch" and not v)}   # [] = unset
+    merged = {**{k: v for k, v in sec.items() if k in MALLEUS_KEYS and v is not None}, **mine}
     try:
         MalleusSettings.from_config(sec)       # the ds_config's own section, in its own words
         return MalleusConfig(

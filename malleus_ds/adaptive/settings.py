@@ -49,7 +49,8 @@ class AdaptiveSettings:
     check: CheckConfig = field(default_factory=CheckConfig)   # the plan's promise vs its steps
 
     @staticmethod
-    def from_config(sec: Mapping[str, Any], where: str = "ds_config.malleus") -> "AdaptiveSettings":
+    def from_config(sec: Mapping[str, Any],
+                    where: str = "ds_config.malleus") -> "AdaptiveSettings":
         """Parse and check; ValueError naming ``<where>.<key>`` and the value (``where``: the
         section as the user wrote it: ``ds_config.malleus`` for ``malleus_ds.initialize``,
         ``malleus`` for the app's config)."""
@@ -91,7 +92,8 @@ class AdaptiveSettings:
                                  f"{ra[i - 1]}; list steps in increasing order")
         tl = number(sec, "planner_time_limit_s", None, lambda v: v > 0,
                     "a number > 0 (or null: auto)", optional=True, where=p)
-        mi = number(sec, "min_improvement", 0.05, lambda v: 0 <= v < 1, "a number in [0, 1)", where=p)
+        mi = number(sec, "min_improvement", 0.05, lambda v: 0 <= v < 1, "a number in [0, 1)",
+                    where=p)
         bw = number(sec, "migrate_gbps", 1.0, lambda v: v > 0, "a number > 0 (GB/s)", where=p)
         sd = sec.get("tp_slowdown", "measure")
         if sd is None:
@@ -112,15 +114,16 @@ class AdaptiveSettings:
         dm = number(sec, "device_mb", None, lambda v: v > 0, "a number > 0 (or null: detected)",
                     optional=True, where=p)
         return AdaptiveSettings(en, dc, hz, tuple(ra), tl, mi, bw, sd, dm,
-                                _check_config(sec.get("check"), f"{p}.check"))
+                                _check_config(sec.get("check"), p))
 
 
 _INT_CHECK = ("patience", "kept_after", "backoff", "severe_patience")
 
 
-def _check_config(sec, p: str) -> CheckConfig:
-    """``<p>`` (``malleus.check``): a mapping of
-    :class:`~malleus_ds.adaptive.pace_check.CheckConfig` fields."""
+def _check_config(sec, where: str) -> CheckConfig:
+    """``<where>.check``: a mapping of :class:`~malleus_ds.adaptive.pace_check.CheckConfig`
+    fields."""
+    p = f"{where}.check"
     known = sorted(CheckConfig.__dataclass_fields__)
     if sec is None:
         return CheckConfig()
@@ -143,5 +146,5 @@ def _check_config(sec, p: str) -> CheckConfig:
     try:
         cc.check()
     except ValueError as e:
-        raise ValueError(f"{p.rsplit('.', 1)[0]}.{e}") from None
+        raise ValueError(f"{where}.{e}") from None
     return cc

@@ -226,12 +226,12 @@ def _malleus(m: Mapping[str, Any], engine: str, ds: DeepSpeedSection) -> Malleus
     sec = ds.config.get("malleus") or {}
     if not isinstance(sec, Mapping):
         raise ConfigError(f"ds_config{_ds_file(ds)} malleus must be an object, got {sec!r}")
-    mine = {k: v for k, v in out.items() if not (k == "switch" and not v)}   # [] = unset
-    merged = {**{k: v for k, v in sec.items() if k in MALLEUS_KEYS and v is not None}, **mine}
+    merged = {**{k: v for k, v in sec.items() if k in MALLEUS_KEYS and v is not None}, **out}
     try:
-        MalleusSettings.from_config(sec)       # the ds_config's own section, in its own words
-        return MalleusConfig(
-            switch=parse_switch(merged.get("switch"), "malleus.switch"),
+        own = MalleusSettings.from_config(sec)  # the ds_config's own section, in its own words
+        return MalleusConfig(   # an empty malleus.switch (the YAML's []) keeps the ds_config's
+            switch=parse_switch(out["switch"], "malleus.switch") if out.get("switch")
+            else own.switch,
             migrate_bucket_mb=positive(merged, "migrate_bucket_mb",
                                        MalleusConfig.migrate_bucket_mb, "malleus"),
             migrate_timeout_s=positive(merged, "migrate_timeout_s",

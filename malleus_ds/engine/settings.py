@@ -66,12 +66,15 @@ class MalleusSettings:
             raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(known)}")
         return MalleusSettings(plan=as_plan(sec.get("plan")), tp=sec.get("tp"),
                                gpus_per_node=sec.get("gpus_per_node"), seed=int(sec.get("seed", 0)),
-                               straggler=parse_straggler(sec.get("straggler"), f"{where}.straggler"),
+                               straggler=parse_straggler(sec.get("straggler"),
+                                                         f"{where}.straggler"),
                                switch=parse_switch(sec.get("switch"), f"{where}.switch"),
                                migrate_bucket_mb=positive(sec, "migrate_bucket_mb",
-                                                            MalleusSettings.migrate_bucket_mb, where),
+                                                          MalleusSettings.migrate_bucket_mb,
+                                                          where),
                                migrate_timeout_s=positive(sec, "migrate_timeout_s",
-                                                            MalleusSettings.migrate_timeout_s, where),
+                                                          MalleusSettings.migrate_timeout_s,
+                                                          where),
                                loop=MappingProxyType({k: copy.deepcopy(sec[k]) for k in LOOP_KEYS
                                                       if k in sec}))
 
@@ -118,25 +121,24 @@ def parse_switch(entries, where: str = "ds_config.malleus.switch") -> tuple[Swit
         raise ValueError(f"{where} must be a list of {{step, plan}} entries, "
                          f"got {entries!r}")
     out: list[SwitchAt] = []
-    at = where
     for i, e in enumerate(entries):
-        where = f"{at}[{i}]"
+        entry = f"{where}[{i}]"
         if not isinstance(e, Mapping) or set(e) != {"step", "plan"}:
-            raise ValueError(f"{where}: expected {{step: K, plan: PATH}}, got {e!r}")
+            raise ValueError(f"{entry}: expected {{step: K, plan: PATH}}, got {e!r}")
         step = e["step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-            raise ValueError(f"{where}.step={step!r} must be an integer >= 1 (the switch happens "
+            raise ValueError(f"{entry}.step={step!r} must be an integer >= 1 (the switch happens "
                              f"before that training step)")
         if out and step <= out[-1].step:
-            raise ValueError(f"{where}.step={step} is not after the previous entry's step "
+            raise ValueError(f"{entry}.step={step} is not after the previous entry's step "
                              f"{out[-1].step}; list switches in increasing step order")
         try:
             plan = as_plan(e["plan"])
         except (PlanError, OSError) as err:
-            raise ValueError(f"{where}.plan: {err}") from None
+            raise ValueError(f"{entry}.plan: {err}") from None
         if plan is None:
-            raise ValueError(f"{where}.plan is missing")
-        out.append(SwitchAt(step, plan, where))
+            raise ValueError(f"{entry}.plan is missing")
+        out.append(SwitchAt(step, plan, entry))
     return tuple(out)
 
 

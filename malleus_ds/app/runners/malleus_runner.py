@@ -87,9 +87,9 @@ def build_ds_config(cfg: RunConfig, plan: Plan) -> dict:
     precision, monitors ...), from the user's; the ``malleus`` section is not among them: the
     engine gets :func:`engine_settings`, parsed from the typed run config."""
     c = copy.deepcopy(dict(cfg.deepspeed.config))
-    for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-              "malleus"):
+    for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         c.pop(k, None)                                  # the plan's batch sizes win
+    c.pop("malleus", None)                              # parsed into cfg.malleus: the settings
     c.setdefault("steps_per_print", 10**9)
     c.setdefault("gradient_clipping", 0.0)              # same math as engine=torch
     t = cfg.train

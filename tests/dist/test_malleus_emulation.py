@@ -32,6 +32,8 @@ def test_only_the_scheduled_rank_sleeps_in_its_steps():
     assert r1[0][1] == [] and r1[2][1] == []                 # outside [start_step, end_step)
     compute, sleeps, emulated = r1[1]
     assert len(sleeps) == 8                                  # 4 forwards + 4 backwards
-    # compute_seconds includes the emulated part, as a slow GPU would show it: 3x measured
-    assert abs(emulated - 2.0 / 3.0 * compute) <= 1e-6 * max(compute, 1e-9)
+    # compute_seconds includes the emulated part, as a slow GPU would show it: 3x measured, less
+    # any wait for a core around each (here instant) sleep, which is left out (exact with
+    # scripted time: tests/unit/test_clock_cpu.py)
+    assert 0.5 * 2.0 / 3.0 * compute < emulated <= 2.0 / 3.0 * compute * (1 + 1e-6)
     assert sum(sleeps) >= emulated * (1 - 1e-6)              # the wall is at least the device

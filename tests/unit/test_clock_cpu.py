@@ -66,6 +66,38 @@ def test_a_quota_keeps_its_throttling(monkeypatch):
     assert c.compute_s == pytest.approx(0.6)
 
 
+def test_device_time_never_exceeds_the_wall(monkeypatch):
+    """A span shorter than the quota's period runs in one burst (its CPU seconds times the cap
+    overshoot), and a CPU clock read late adds to the span: neither may read above the wall, or
+    the emulation accounts more slowdown than it slept."""
+    h = Host(monkeypatch, cap=3.0)
+    c = _clock()
+    c.start_step(0)
+    with c.compute():
+        h.run(cpu=0.004)                              # one unthrottled burst: wall 4 ms
+    assert c.compute_s == pytest.approx(0.004)
+    h = Host(monkeypatch)
+    c = _clock()
+    c.start_step(0)
+    with c.compute():
+        h.run(cpu=0.003)
+        h.cpu += 0.001                                # the CPU clock read 1 ms late
+    assert c.compute_s == pytest.approx(0.003)
+
+
+@pytest.mark.skipif(thread_times() is None, reason="no /proc/thread-self/schedstat here")
+def test_this_threads_cpu_seconds_are_current():
+    """schedstat's run time of a running thread lags by up to a tick; ``thread_times`` reads
+    this thread's own from ``time.thread_time``, so a span never reads more CPU than wall."""
+    worst = 0.0
+    for _ in range(300):
+        t0, (c0, _w) = time.perf_counter(), thread_times()
+        sum(range(2000))
+        c1, t1 = thread_times()[0], time.perf_counter()
+        worst = max(worst, (c1 - c0) - (t1 - t0))
+    assert worst <= 1e-4
+
+
 def test_compete_keeps_the_whole_wait(monkeypatch):
     h = Host(monkeypatch)
     c = _clock(method="compete")

@@ -483,7 +483,7 @@ class Controller:
         return self._problem
 
     def _request(self, trigger: str, rates: list[float], step: int, why: str | None = None,
-                 check_step: int | None = None) -> None:
+                 check_step: int | None = None, note: str | None = None) -> None:
         pr = self._job_problem()
         if pr is None:
             self._result = self._error(trigger, step, self.disabled_reason)
@@ -492,7 +492,7 @@ class Controller:
                            current_plan=self.plan)
         self._pending = {"trigger": trigger, "rates": rates, "step": step, "problem": pr,
                          "gen": self._generation, "t0": time.perf_counter(), "check": why,
-                         "check_step": check_step}
+                         "check_step": check_step, "note": note}
         self._client.request({"problem": pr.to_json(), "seed": step, "forced": trigger == "forced",
                               "time_limit": self.s.planner_time_limit_s,
                               "min_improvement": self.s.min_improvement})
@@ -506,7 +506,7 @@ class Controller:
         if ans is None:
             return
         self._pending = None
-        if p["gen"] != self._generation:
+        if p["gen"] != self._generation or self._overtaken(p):
             return
         if "error" in ans:
             self._result = self._error(p["trigger"], p["step"], f"planning failed: {ans['error']}")
@@ -527,7 +527,40 @@ class Controller:
             res.event["reason"] = f"{p['check']}: re-planned at once; {res.event['reason']}"
             res.event["check_step"] = p["check_step"]      # the check event that missed
             self.check.acted(changed=res.plan is not None)
+        if p.get("note"):
+            res.event["reason"] = f"{p['note']}; {res.event['reason']}"
         self._result = res
+
+    def _overtaken(self, p: dict) -> bool:
+        """Did the rates move while the planner worked (a straggler gone, or a new one)? Then
+        its answer is for rates that no longer hold: ask again, at once, for the rates of the
+        steps since it asked (once: the answer to that is taken as it comes; fewer than two
+        steps since: too few to say). Moved: by the detector's ``change``, or a rank planned
+        as slow that now reads healthy; a rise of a rank without work changes nothing (it is
+        out already); a rank without two fresh probes or timings has not moved
+        (``RateEstimator.read``). Issue 31: on a loaded host a missed promise sent the job
+        back to a plan that suspended a rank which had recovered while it was decided, and the
+        rank's probes then kept it out for 20 steps (DESIGN.md §6)."""
+        seen = self._last_step - p["step"] + 1       # steps measured since it was asked
+        if (p["trigger"] in ("forced", "carried") or p.get("note") or self.det is None
+                or seen < 2):
+            return False
+        was = np.asarray(p["rates"], dtype=np.float64)
+        now = self.det.normalise(self.est.rates(floor=self._floor, last=seen))
+        now = np.where(self.est.read(seen), now, was)   # no fresh reading: no evidence
+        moved = (np.abs(now - was) >= self.s.detect.change * was) | ((was > 1.0) & (now == 1.0))
+        moved &= (self.units > 0) | (now < was)
+        if not moved.any():
+            return False
+        p_now = self.det.planned
+        kind = ("missed" if p["trigger"] == "missed" else
+                "recovery" if np.all(now == 1.0) and np.any(p_now > 1.0) else
+                "onset" if np.all(p_now == 1.0) else "change")
+        note = (f"rates moved from {as_list(was)} to {as_list(now)} while it planned "
+                f"(detected before step {p['step']})")
+        self._request(kind, [round(float(x), 3) for x in now], self._last_step + 1,
+                      why=p["check"], check_step=p["check_step"], note=note)
+        return True
 
     def _forced(self, step: int, trigger: str = "forced") -> Decision:
         if self._client is None:

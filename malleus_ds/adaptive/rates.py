@@ -296,6 +296,19 @@ class RateEstimator:
             out[unprobed] = np.fmax(out[unprobed], f[unprobed])
         return out
 
+    def read(self, last: int | None = None) -> np.ndarray:
+        """Per rank: does :meth:`rates` over the last ``last`` steps read this rank from its
+        own timings (a working rank not held that computed in them, or a held or idle rank
+        probed at least twice in them)? False: it would read the rank's floor or nothing."""
+        if not self._rows:
+            return np.zeros(self.world, dtype=bool)
+        rows, probes, _ = self._normalised_rows()
+        if last is not None:
+            rows, probes = rows[-last:], probes[-last:]
+        probed = np.isfinite(probes).sum(axis=0) >= 2
+        timed = np.isfinite(rows).any(axis=0)
+        return np.where(self._held | ~self._active, probed, timed)
+
 
 def as_list(rates: Sequence[float]) -> list[float | None]:
     """Rates for logs/JSON: rounded to 3 decimals, NaN -> None."""

@@ -2,8 +2,10 @@
 
 Rank 1 is 10x slow (steps 2-15), then 3x (16-27), then healthy. While it is 10x slow it is
 probed (suspended, or held on a light share) and must not be let back in on a reading under 5;
-at 3x it may come back on a light share; once healthy it must get full work again within 15
-steps. The losses and parameters equal one single-process run throughout (every switch keeps
+at 3x it may come back on a light share; once healthy it must get full work again within 22
+steps: two re-admission stages (its probes let it back on a light share, then its training
+timings confirm it), each a window and a confirmation (5 steps) and planning (2-7 steps on a
+loaded host). The losses and parameters equal one single-process run throughout (every switch keeps
 the math)."""
 import numpy as np
 
@@ -11,7 +13,8 @@ from tests.dist.harness import run_distributed
 from tests.dist.test_malleus_cases import CFG, check, ds_config, plan_json
 
 STATIC = plan_json([(4, [([0], (0, 4))]), (4, [([1], (0, 4))])])      # dp=2, 4 micro-batches
-SLOW, MILD, HEALTHY_AT, STEPS = (2, 16), (16, 28), 28, 44
+SLOW, MILD, HEALTHY_AT, STEPS = (2, 16), (16, 28), 28, 54
+BACK_WITHIN = 22
 PARAM_RTOL = 5e-5            # as test_malleus_adaptive: Adam over many steps and layouts
 
 
@@ -68,8 +71,9 @@ def test_a_slow_rank_is_not_let_back_early_and_a_healthy_one_gets_its_work_back(
     for e in adopted:
         if first["step"] <= e["step"] <= SLOW[1]:
             assert e["measured_rates"][1] >= 5.0 or _work(plans[e["step"]], 1) == 0, e
-    # once healthy: full work again within 15 steps, and kept
+    # once healthy: full work again within BACK_WITHIN steps, and kept
     back = next((k for k in range(HEALTHY_AT, STEPS) if _work(plans[k], 1) >= full), None)
-    assert back is not None and back <= HEALTHY_AT + 15, (back, [_work(p, 1) for p in plans])
+    assert back is not None and back <= HEALTHY_AT + BACK_WITHIN, \
+        (back, [_work(p, 1) for p in plans])
     assert all(_work(p, 1) >= full for p in plans[back:]), [_work(p, 1) for p in plans]
     assert np.all([r[0][0] == res[0][0][0] for r in res])          # every rank, same losses

@@ -541,3 +541,61 @@ def test_a_rank_slowed_by_sleeping_has_no_cap_to_sustain_for():
             assert (idle._probe.last[1] is not None) == sustains, (method, idle._probe.last)
         finally:
             idle.close()
+
+
+class _HeldAnswers:
+    """A planner client that records requests and answers only when the test says."""
+
+    def __init__(self):
+        self.asked = []
+
+    def request(self, msg):
+        self.asked.append(msg)
+
+    def poll(self):
+        return None
+
+    def close(self):
+        pass
+
+
+def _healthy_steps(ctl, plan, rates, first, n, rng):
+    units = cost_units(plan, 4, 1, {1: 1.0})
+    for k in range(first, first + n):
+        comp = units * 0.01 * np.asarray(rates) * rng.uniform(0.95, 1.05, 4)
+        ctl.contribute(comp[0], 0.0)
+        ctl.observe(k, StepSums(loss=0.0, overflow=False, ready=False, compute_s=comp,
+                                probe_s=np.full(4, np.nan)))
+
+
+def test_a_decision_overtaken_by_the_rates_is_asked_again_for_todays():
+    """Issue 31: a re-plan for a straggler that left while the planner worked is not adopted;
+    the loop asks again at once for the rates of the steps since it asked (a recovery), and
+    takes that answer as it comes. Rates that held stay decided as planned."""
+    plan = static_plan(4, 8, 1, 1, 1, 4)
+    ctl = _loop(_engine(plan), AdaptiveSettings(detect=DetectConfig(every=1)))
+    ctl.close()
+    ctl._client = fake = _HeldAnswers()
+    rng = np.random.default_rng(3)
+    light = _light_plan(3)
+    try:
+        _healthy_steps(ctl, plan, [1, 1, 1, 5], 0, 6, rng)
+        ctl._request("onset", [1.0, 1.0, 1.0, 5.0], 6)
+        _healthy_steps(ctl, plan, [1, 1, 1, 5], 6, 1, rng)
+        ctl._collect({"plan": light.to_json()})             # one step since: too few to say
+        assert ctl._result is not None and ctl._result.event["trigger"] == "onset"
+        ctl._result = None
+        ctl._request("onset", [1.0, 1.0, 1.0, 5.0], 7)
+        _healthy_steps(ctl, plan, [1, 1, 1, 1], 7, 3, rng)  # rank 3 healthy again meanwhile
+        ctl._collect({"plan": light.to_json()})
+        assert ctl._result is None and len(fake.asked) == 3
+        p = ctl._pending
+        assert p["trigger"] == "onset"                     # nothing was planned for rank 3 yet
+        assert p["rates"] == [1.0, 1.0, 1.0, 1.0] and p["step"] == 10
+        _healthy_steps(ctl, plan, [1, 1, 1, 6], 10, 3, rng)  # moved again: taken as it comes
+        ctl._collect({"plan": plan.to_json()})
+        ev = ctl._result.event
+        assert "rates moved from [1.0, 1.0, 1.0, 5.0] to [1.0, 1.0, 1.0, 1.0]" in ev["reason"]
+        assert ev["measured_rates"] == [1.0, 1.0, 1.0, 1.0]
+    finally:
+        ctl._client = None

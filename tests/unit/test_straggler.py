@@ -517,3 +517,18 @@ def test_a_held_rank_whose_probes_agree_it_is_fit_reads_them_not_its_light_share
     for p in (3.0, 3.2):                                 # a cap: the light load reads fit
         est.add(units * BASE, units, ref + [p * BASE], held=hold)
     assert est.rates()[3] == pytest.approx(3.2)
+
+
+def test_read_says_which_ranks_the_last_steps_measure():
+    """A working rank is read by its timings; a held or idle one only by two probes in the
+    rows asked for (else rates() gives it its floor, or nothing)."""
+    est = RateEstimator(3, window=5)
+    units, held = [4.0, 4.0, 1.0], [False, False, True]
+    for k in range(4):
+        probe = [0.01, np.nan, 0.03 if k in (0, 3) else np.nan]
+        est.add([0.04, 0.04, 0.03], units, probe, held=held)
+    assert est.read(2).tolist() == [True, True, False]      # one probe of rank 2 in the last 2
+    assert est.read().tolist() == [True, True, True]        # two in the window
+    est.add([0.04, 0.04, 0.0], [4.0, 4.0, 0.0], [0.01, np.nan, np.nan])   # rank 2 now idle
+    assert est.read(1).tolist() == [True, True, False]
+    assert RateEstimator(2).read(3).tolist() == [False, False]

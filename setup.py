@@ -27,7 +27,7 @@ setup(
         "matplotlib>=3.7",
         "tqdm>=4.60",
         "tensorboard>=2.14",   # DeepSpeed's TensorBoard monitor (ds_config "tensorboard")
-        # Hugging Face models (malleus_ds/models/hf.py); tests/unit/test_transformers_import.py
+        # Hugging Face models (malleus_ds/models/hf.py); tests/integration/test_transformers_import.py
         # checks them beside HF's ``kernels`` package
         "transformers>=4.57,<6",
         "safetensors>=0.4",

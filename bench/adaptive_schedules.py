@@ -4,7 +4,7 @@ Pure: no processes, no torch, nothing from ``malleus_ds``. A run is judged from 
 (step lines of metrics.jsonl: ``step``, ``samples``, ``step_time_s``) and its events (event lines:
 ``{"event": "replan", "step", "adopted", ...}``, ``{"event": "migrate", "step", "seconds"}``), as
 ``malleus_ds.report.metrics.read_metrics(d)`` / ``read_metrics(d, events=True)`` give them, so the unit
-tests feed synthetic rows in (``tests/unit/test_bench_adaptive.py``).
+tests feed synthetic rows in (``tests/unit/bench/test_adaptive_schedules.py``).
 
 The criteria, per run (:func:`judge_adaptive`, :func:`judge_healthy`):
 

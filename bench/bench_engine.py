@@ -259,7 +259,7 @@ def _recompute_worker(rank, world, layout, model_name, seq, G, steps, rounds, wa
 
 
 def recompute_main(a) -> int:
-    from tests.dist.harness import run_distributed
+    from tests.integration.harness import run_distributed
 
     print(f"model={a.model} seq={a.seq} G={a.global_batch} mbs=1, 2 CPU ranks (gloo), "
           f"{a.rounds * a.steps} timed steps per engine, one step of each engine in turn, "
@@ -297,7 +297,7 @@ def main() -> int:
     a = ap.parse_args()
     if a.recompute:
         return recompute_main(a)
-    from tests.dist.harness import run_distributed
+    from tests.integration.harness import run_distributed
 
     cfg = _load_model(a.model, a.seq)
     print(f"model={a.model} ({cfg!r}) " if a.model.startswith("hf:") else f"model={a.model} ",

@@ -26,15 +26,15 @@ then the same with one factor taken out at a time:
   median CPU seconds: layers × micro-batches, head, first-stage and per-micro-batch terms), and
   each share's per-step noise against its compute seconds per step.
 
-    .venv/bin/python bench/bench_rates.py --out /tmp/rates --record tests/unit/data/rate_matrix.json
+    .venv/bin/python bench/bench_rates.py --out /tmp/rates --record tests/fixtures/rate_matrix.json
     .venv/bin/python bench/bench_rates.py --replay /tmp/rates/cells.json     # no processes
     .venv/bin/python bench/bench_rates.py --cells w4-pipe13-slow,w2-pipe13   # a few cells
-    .venv/bin/python bench/bench_rates.py --replay tests/unit/data/rate_matrix.json
+    .venv/bin/python bench/bench_rates.py --replay tests/fixtures/rate_matrix.json
 
 ``--out``'s ``cells.json`` grows cell by cell (a rerun skips the cells it holds); a ``quota``
 cell first runs ``python -m malleus_ds.emulation.cpu_quota --calibrate`` for its true rate.
 
-The replay (:func:`replay`, :func:`steady`) is what ``tests/unit/test_rate_matrix.py`` runs on
+The replay (:func:`replay`, :func:`steady`) is what ``tests/unit/adaptive/test_rate_matrix.py`` runs on
 the recorded fixture. Results: bench/RESULTS.md; findings: docs/DESIGN.md §6.
 """
 from __future__ import annotations

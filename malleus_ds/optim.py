@@ -28,7 +28,7 @@ FUSED_DEVICES = ("cuda", "cpu", "xpu", "mps")
 def make_optimizer(params, oc: OptimConfig, fused: bool = False) -> torch.optim.AdamW:
     """torch AdamW, multi-tensor (``foreach``) by default: one kernel per operation over all of
     the parameters instead of one per parameter, with per-element math identical to the
-    single-tensor loop (checked bit for bit in tests/unit/test_optimizer_math.py), so any subset
+    single-tensor loop (checked bit for bit in tests/unit/test_optim.py), so any subset
     of the parameters a rank holds gets the same numbers as one process. ``fused``: torch's fused
     kernel (the ds_config's ``optimizer.params.fused``), where torch has one for the parameters'
     device (CUDA, CPU); its rounding differs from the loop by about one ulp per step."""

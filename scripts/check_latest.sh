@@ -23,5 +23,5 @@ grep '^torch==' constraints-cpu.txt > "$V/torch-only-constraints.txt"
 echo "[latest] resolved without constraints:" \
   "$("$V/bin/python" -m pip list 2>/dev/null | grep -E '^(torch|transformers|kernels|huggingface.hub|tokenizers|safetensors|deepspeed) ' | tr -s ' ' | tr '\n' ';')"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
-exec "$V/bin/python" -m pytest -q -p no:cacheprovider tests/unit/test_transformers_import.py \
-  tests/unit/test_hf_model.py tests/unit/test_data_text.py "$@"
+exec "$V/bin/python" -m pytest -q -p no:cacheprovider tests/integration/test_transformers_import.py \
+  tests/unit/models/test_hf.py tests/unit/data/test_text.py "$@"

@@ -350,7 +350,7 @@ def _multi_worker(rank: int, world: int, gpu: bool, port: int, q) -> None:
 
         cfg = model_config("tiny", max_seq_len=16)
         steps = 4
-        # Adam's eps 1e-5 as in tests/dist/test_malleus_cases.py: fp32 re-ordering noise is
+        # Adam's eps 1e-5 as in tests/cases.py: fp32 re-ordering noise is
         # not amplified by lr/eps, so 1e-4 checks the engine's math
         ref, _ = reference_run(cfg, seed=0, steps=steps, global_batch_size=8,
                                micro_batch_size=1, optim=OptimConfig(lr=1e-3, eps=1e-5))

@@ -14,7 +14,7 @@
 # site-packages behind the venv's, then `pip install -e .` WITHOUT constraints-cpu.txt, from
 # the wheels in .whl/ (MALLEUS_WHEELS) with --no-index when that folder exists, else from the
 # package index. setup.sh's install stamp is then written, so sourcing it only activates.
-# The stamp formula is setup.sh's (tests/unit/test_gpu_check.py keeps the two in step).
+# The stamp formula is setup.sh's (tests/integration/test_gpu_check.py keeps the two in step).
 #
 # Time: scripts/gpu_check.py gives each part its own timeout and the whole run a budget
 # (--budget-s, default 420 s), so one hang cannot eat the device time.

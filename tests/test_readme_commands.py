@@ -49,23 +49,23 @@ SKIP: dict[str, str] = {
     "train.micro_batch_size=2 'straggler.schedule=[{rank:3,rate:5.0,start_step:10,end_step:70}]' "
     "hydra.run.dir=outputs/adaptive":
         "the adaptive-loop demo: 120 steps on 4 ranks with a straggler, about 95 s on 2 CPU "
-        "cores; the loop itself is tested in tests/dist/test_malleus_adaptive.py",
+        "cores; the loop itself is tested in tests/integration/test_malleus_adaptive.py",
     "malleus-plot outputs/adaptive":
         "plots the run folder of the skipped adaptive-loop demo just above it",
     "python launch/train.py nproc_per_node=4 max_restarts=2 engine=malleus train.steps=1000 "
     "checkpoint.dir=ck checkpoint.every=10 checkpoint.keep=2 checkpoint.resume=auto":
         "1000 steps on 4 ranks; the same flags, with a rank killed mid-run and the job "
-        "restarted, are tests/dist/test_restart.py",
+        "restarted, are tests/integration/test_restart.py",
     "torchrun --nproc_per_node 4 --max-restarts 2 launch/train.py engine=malleus "
     "train.steps=1000 checkpoint.dir=ck checkpoint.every=10 checkpoint.resume=auto":
-        "the torchrun form of the command above (tests/dist/test_restart.py runs torchrun "
+        "the torchrun form of the command above (tests/integration/test_restart.py runs torchrun "
         "--max-restarts through our launcher)",
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 2 "
     "--rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id job1 --max-restarts 3 "
     "launch/train.py engine=malleus train.steps=1000 checkpoint.dir=/shared/ck "
     "checkpoint.every=10 checkpoint.keep=2 checkpoint.resume=auto hydra.run.dir=/shared/run":
         "one agent per node of a multi-node job (HOST, /shared); two such agents on this "
-        "machine, one killed and started again, are tests/dist/test_elastic_nodes.py",
+        "machine, one killed and started again, are tests/integration/test_elastic_nodes.py",
 }
 
 #: Checks beyond exit code 0: a substring of a README command -> (files that must exist in the
@@ -286,6 +286,7 @@ def test_every_command_is_run_or_skipped():
     assert not unused, f"EXPECT keys that match no command run here: {unused}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("block", RUN_BLOCKS, ids=[f"README.md:{line}" for line, _ in RUN_BLOCKS])
 def test_readme_block_runs(block, tmp_path):
@@ -314,6 +315,7 @@ def test_readme_block_runs(block, tmp_path):
                                  f"this test; add it to SKIP with the reason")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_demo_twin_compares_deepspeed_and_malleus(tmp_path):
     """scripts/run.sh's command (``python launch/train.py experiment=demo``) with a shorter

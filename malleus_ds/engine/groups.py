@@ -11,7 +11,7 @@ sets, and every rank (suspended ones too) calls it with the same plan. It is cal
 engine start-up (``MalleusEngine.build_groups``) and at a switch boundary (``switch.py``), never
 during a step: nothing else in malleus_ds creates a group, and DeepSpeed's base engine, given
 ``mpu.PlanMPU``, takes its data-parallel group from it instead of creating one
-(tests/dist/test_group_lifetime.py checks torch's own group counter across build, steps and
+(tests/integration/test_group_lifetime.py checks torch's own group counter across build, steps and
 switches).
 
 Lifetime rule (a group is destroyed at a switch boundary unless one of these uses it):

@@ -14,8 +14,8 @@ Gloo matches by tag and forgives both, so the rules are checked here, for any pl
   them (each rank's calls in order on one stream; a call ends when each of its messages met its
   partner in the peer's *current* call), must all finish: no deadlock.
 
-``p2p.PipelineP2P`` executes exactly :func:`wire_calls`; tests/unit/test_wire.py checks
-:func:`nccl_problems` over random plans and tests/dist/test_p2p_order.py logs real calls.
+``p2p.PipelineP2P`` executes exactly :func:`wire_calls`; tests/unit/engine/test_wire.py checks
+:func:`nccl_problems` over random plans and tests/integration/test_p2p_order.py logs real calls.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ silent; only if every failure was peer-caused, the lowest failed rank.
 Why the store: on NCCL a timed-out ``Work.wait(timeout)`` aborts the communicator and a dead peer
 breaks it, so "did anyone fail?" must not ride on the communicator that may have just failed.
 The default group's store (``_get_default_store()``: a TCPStore under torchrun / deepspeed, a
-FileStore in tests/dist/harness.py) is a separate TCP (or file) channel that outlives both.
+FileStore in tests/integration/harness.py) is a separate TCP (or file) channel that outlives both.
 
 Protocol of agreement ``n`` (a per-process counter; keys live under ``malleus_agree/n/``):
 

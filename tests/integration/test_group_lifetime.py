@@ -1,0 +1,97 @@
+"""Process groups live only as long as a plan uses them (malleus_ds/engine/groups.py), on a real
+gloo world of 4 ranks with three engines in each process:
+
+* ``keep`` (never switches, trains once at the end: its groups must survive everything);
+* ``drop`` (dropped before a different switch on each rank, as garbage collection would);
+* ``eng``, which makes 50 live switches among five plans (TP 4, TP 2, a suspended rank,
+  different stage cuts), training once before and once under each of the other four plans.
+
+Checked on every rank: nothing but ``GroupCache.ensure`` creates a group, at build or at a switch
+(torch's own counter ``_world.group_count`` moves only with ours; DeepSpeed's base engine makes
+none), a step creates or destroys none, after each switch the cache holds exactly the sets of the
+live engines' plans plus the singletons and torch's registry ``_world.pg_map`` exactly this rank's
+share of them; ``drop``'s sets go once every rank has dropped it; and the math is intact: ``eng``'s
+losses and final shards equal one run without switches, ``keep``'s first step equals its own.
+"""
+from tests.integration.harness import run_distributed
+from tests.cases import CFG, EPS, check, ds_config
+from tests.cases import HETERO
+from tests.integration.test_malleus_switch import B, C, D, E
+
+PLANS = [B, C, E, D, HETERO]
+SWITCHES = 50
+EVERY = 11                      # a step after switches 10, 21, 32, 43: under B, C, E, D
+
+
+def _lifetime(rank, world, switches, every):
+    import gc
+    import math
+    import weakref
+
+    from torch.distributed import distributed_c10d as c10d
+
+    import malleus_ds
+    from malleus_ds.engine.groups import GROUPS, plan_rank_sets
+    from malleus_ds.plan import Plan
+
+    W = c10d._world
+
+    def snap():
+        return W.group_count, len(W.pg_map), GROUPS.created, GROUPS.destroyed
+
+    def build(pj):
+        s0 = snap()
+        e, *_ = malleus_ds.initialize(model=CFG, config=ds_config(1), plan=Plan.from_json(pj))
+        s1 = snap()
+        assert s1[0] - s0[0] == s1[2] - s0[2], f"build made groups outside GroupCache: {s0}->{s1}"
+        mine = [rs for rs in GROUPS.sets() if rank in rs]
+        assert len(W.pg_map) == 1 + len(mine), ("build", len(W.pg_map), mine)   # + world group
+        return e
+
+    def sets(pj):
+        return set(plan_rank_sets(Plan.from_json(pj), world))
+
+    def step(e):
+        s0 = snap()
+        loss = e.train_batch()
+        assert snap() == s0, f"a training step created or destroyed groups: {s0} -> {snap()}"
+        assert math.isfinite(loss)
+        return loss
+
+    keep, drop, eng = build(HETERO), build(D), build(HETERO)
+    drop_ref, drop_at = weakref.ref(drop), 10 + 5 * rank       # before switch 10, 15, 20, 25
+    last_drop = 10 + 5 * (world - 1)
+    losses, counts = [step(eng)], []
+    for i in range(switches):
+        if i == drop_at:
+            del drop
+            gc.collect()                # the engine holds reference cycles (its controller)
+            assert drop_ref() is None, "the dropped engine is still alive"
+        pj = PLANS[i % len(PLANS)]
+        s0 = snap()
+        eng.switch_plan(Plan.from_json(pj))
+        s1 = snap()
+        assert s1[0] - s0[0] == s1[2] - s0[2], f"switch made groups outside GroupCache: {s0}->{s1}"
+        live = sets(pj) | sets(HETERO) | (sets(D) if i < last_drop else set())
+        assert set(GROUPS.sets()) == live, (i, sorted(set(GROUPS.sets()) ^ live))
+        mine = [rs for rs in GROUPS.sets() if rank in rs]
+        assert len(W.pg_map) == 1 + len(mine), (i, len(W.pg_map), mine)     # + the world group
+        assert GROUPS.owners() == (3 if i < last_drop else 2), (i, GROUPS.owners())
+        counts.append((GROUPS.count(), len(W.pg_map)))
+        if i % every == every - 1:
+            losses.append(step(eng))
+    kept_loss = step(keep)          # its groups outlived 50 switches of another engine
+    shards = {n: (t.numpy(), d, a, b) for n, (t, d, a, b) in eng.local_shards().items()}
+    return (losses, shards), kept_loss, counts, GROUPS.created, GROUPS.destroyed
+
+
+def test_fifty_switches_keep_groups_bounded_and_the_math():
+    res = run_distributed(_lifetime, 4, SWITCHES, EVERY, timeout=180)
+    steps = 1 + SWITCHES // EVERY
+    assert {(i % len(PLANS)) for i in range(EVERY - 1, SWITCHES, EVERY)} == {0, 1, 2, 3}
+    check(PLANS[(SWITCHES - 1) % len(PLANS)], [r[0] for r in res], steps=steps, eps=EPS)
+    for rank, (run, kept_loss, counts, created, destroyed) in enumerate(res):
+        assert abs(kept_loss - run[0][0]) <= 1e-6 * abs(run[0][0]), (rank, kept_loss, run[0][0])
+        assert max(g for g, _ in counts) <= 4 + 3 * 16, counts     # singletons + 3 plans' sets
+        assert destroyed > 0 and created - destroyed == counts[-1][0], (created, destroyed)
+    assert len({r[3] for r in res}) == 1          # every rank created the same number of groups

@@ -38,89 +38,32 @@ _spec.loader.exec_module(br)
 
 CELLS = {r["name"]: r for r in br.load_fixture(FIXTURE)}
 
-WAIT = ("4 ranks on 2 cores: waiting for a core counted as compute (wall / CPU seconds 1.2-2.2 "
-        "by share, per-step log-sd 0.14-0.18 against 0.014 in CPU seconds, where this rank "
-        "reads within the bound)")
-PROBE = ("a held rank read by its probe on 4 ranks / 2 cores: probe over reference 2.5-5.8 "
-         "for rate 3; without its probes it reads 3.10 / 3.14 / 2.95 in CPU seconds "
-         "(malleus_ds/adaptive/probe.py)")
-LIGHT = "a 35 ms share (1 layer + embedding x 2 micro-batches): one step at 1.11-1.12"
-PAIR = ("2 ranks: each step's median is the pair's mean, so the healthy rank moves against "
-        "the other (in w2-pipe13-slow the fit explains held rank 1's training away, beta 2.6, "
-        "and only its floor keeps it at 3.20)")
-QPROBE = ("a CPU quota on a light share: training fits inside the quota (reads ~1), probes read "
-          "3.1-3.9 for 3.04 and twice in a row 1.11 (the cap not seen)")
-QTRUE = ("quota on 4 ranks / 2 cores: --calibrate's 2.81 is against a full core; against peers "
-         "that share the cores the rank is ~1.7x slow (wall 404 vs 221-237 ms for the same CPU "
-         "140 vs 134-136 ms), DESIGN's r*s rule")
+PROBE = ("a held rank at rate 3 read by its probes (the slower of its last two): within 7% "
+         "but for one pair of probes at 3.44-3.69 for 2-4 steps (4 ranks / 2 cores)")
+FIRST = ("the first windows after a switch to a light share hold its first steps: 1.08-1.14, "
+         "then 1.00-1.02")
+PAIR = ("2 ranks: each step's median is the pair's mean, so one rank's noise moves the other "
+        "(rank 1 at 2.54 for 2 steps; a healthy rank at 0.74-0.82 for 8 steps beside a quota)")
+QPROBE = ("a CPU quota on a light share: probes read 3.25-3.56 for --calibrate's 2.92, which "
+          "is against a full core")
 
 #: (variant, cell, rank) -> (median, lowest, highest, worst error, cause): the misses
-#: measured on the fixture with the estimator of this commit
+#: measured on the fixture with the estimator of this commit (recorded with the compute clock
+#: that leaves out waits for a core, and time.thread_time's CPU seconds: 7 misses of 127
+#: working ranks, against 44 recorded with the wall clock)
 KNOWN = {
-    ("wall", "w4-uniform", 1): (1.00, 0.79, 1.06, 0.21, WAIT),
-    ("wall", "w4-uniform", 2): (1.00, 0.67, 1.12, 0.33, WAIT),
-    ("wall", "w4-uniform-slow", 0): (1.00, 0.95, 1.11, 0.11, WAIT),
-    ("wall", "w4-uniform-slow", 1): (2.65, 2.28, 2.88, 0.24, WAIT),
-    ("wall", "w4-uniform-slow", 2): (0.99, 0.90, 1.16, 0.16, WAIT),
-    ("wall", "w4-uniform-slow", 3): (1.00, 0.90, 1.12, 0.12, WAIT),
-    ("wall", "w4-pipe13", 0): (1.00, 0.92, 1.29, 0.29, WAIT),
-    ("wall", "w4-pipe13", 1): (1.02, 0.91, 1.18, 0.18, WAIT),
-    ("wall", "w4-pipe13", 2): (0.98, 0.82, 1.21, 0.21, WAIT),
-    ("wall", "w4-pipe13", 3): (0.99, 0.90, 1.19, 0.19, WAIT),
-    ("wall", "w4-pipe13-slow", 0): (1.01, 0.95, 1.13, 0.13, WAIT),
-    ("wall", "w4-pipe13-slow", 1): (4.43, 2.34, 5.83, 0.94, PROBE),
-    ("wall", "w4-pipe13-slow", 2): (0.99, 0.89, 1.09, 0.11, WAIT),
-    ("wall", "w4-pipe13-slow", 3): (1.00, 0.82, 1.02, 0.18, WAIT),
-    ("wall", "w4-head", 1): (1.00, 0.90, 1.06, 0.10, WAIT),
-    ("wall", "w4-head", 3): (1.01, 0.89, 1.13, 0.13, WAIT),
-    ("wall", "w4-head-slow", 1): (2.92, 2.88, 4.51, 0.50, PROBE),
-    ("wall", "w4-head-slow", 3): (0.98, 0.85, 1.03, 0.15, WAIT),
-    ("wall", "w4-mb1", 0): (0.86, 0.74, 1.00, 0.26, WAIT),
-    ("wall", "w4-mb1", 1): (1.23, 1.10, 1.51, 0.51, WAIT),
-    ("wall", "w4-mb1", 2): (1.00, 0.92, 1.16, 0.16, WAIT),
-    ("wall", "w4-mb1", 3): (1.01, 0.92, 1.18, 0.18, WAIT),
-    ("wall", "w4-mb1-slow", 0): (1.00, 0.71, 1.00, 0.29, WAIT),
-    ("wall", "w4-mb1-slow", 1): (3.68, 3.17, 4.35, 0.45, WAIT),
-    ("wall", "w4-mb1-slow", 2): (1.00, 0.93, 1.28, 0.28, WAIT),
-    ("wall", "w4-mb1-slow", 3): (1.06, 0.98, 1.17, 0.17, WAIT),
-    ("wall", "w4-mb5", 0): (1.08, 0.96, 1.25, 0.25, WAIT),
-    ("wall", "w4-mb5", 1): (0.63, 0.57, 0.74, 0.43, WAIT),
-    ("wall", "w4-mb5", 2): (0.97, 0.87, 1.04, 0.13, WAIT),
-    ("wall", "w4-mb5", 3): (1.06, 0.96, 1.13, 0.13, WAIT),
-    ("wall", "w4-mb5-slow", 0): (1.00, 0.88, 1.00, 0.12, WAIT),
-    ("wall", "w4-mb5-slow", 2): (1.03, 0.85, 1.08, 0.15, WAIT),
-    ("wall", "w4-mb5-slow", 3): (0.97, 0.76, 1.18, 0.24, WAIT),
-    ("wall", "w4-planner", 0): (1.24, 1.05, 1.40, 0.40, WAIT),
-    ("wall", "w4-planner", 1): (1.04, 0.96, 1.11, 0.11, LIGHT),
-    ("wall", "w4-planner", 3): (0.92, 0.79, 0.98, 0.21, WAIT),
-    ("wall", "w4-planner-slow", 0): (1.09, 0.97, 1.31, 0.31, WAIT),
-    ("wall", "w4-planner-slow", 1): (3.72, 2.65, 5.05, 0.68, PROBE),
-    ("wall", "w4-planner-slow", 2): (0.96, 0.81, 1.05, 0.19, WAIT),
-    ("wall", "w4-planner-slow", 3): (1.00, 0.84, 1.11, 0.16, WAIT),
-    ("wall", "w4-suspended", 0): (1.00, 0.87, 1.03, 0.13, WAIT),
-    ("wall", "w4-suspended", 1): (1.00, 0.99, 1.57, 0.57, WAIT),
-    ("wall", "w4-suspended", 2): (1.00, 0.84, 1.07, 0.16, WAIT),
-    ("wall", "w4-suspended-slow", 0): (0.89, 0.85, 0.96, 0.15, WAIT),
-    ("wall", "w4-suspended-slow", 1): (3.49, 3.13, 3.86, 0.29, WAIT),
-    ("wall", "w4-suspended-slow", 2): (1.11, 1.04, 1.15, 0.15, WAIT),
-    ("wall", "w2-pipe13-slow", 0): (1.00, 0.87, 1.01, 0.13, PAIR),
-    ("wall", "w4-readmit", 0): (1.03, 0.94, 1.10, 0.10, WAIT),
-    ("wall", "w4-readmit", 1): (0.98, 0.77, 1.04, 0.23, WAIT),
-    ("wall", "w4-readmit", 2): (0.98, 0.94, 1.20, 0.20, WAIT),
-    ("wall", "w4-readmit", 3): (1.01, 0.90, 1.09, 0.10, WAIT),
-    ("wall", "w4-readmit-slow", 1): (3.64, 3.64, 3.64, 0.21, WAIT),
-    ("wall", "w4-readmit-slow", 2): (0.93, 0.81, 1.26, 0.26, WAIT),
-    ("wall", "w4-readmit-slow", 3): (1.01, 0.91, 1.12, 0.12, WAIT),
-    ("wall", "w2-pipe13-quota", 0): (0.99, 0.81, 1.18, 0.19, PAIR),
-    ("wall", "w2-pipe13-quota", 1): (3.64, 1.11, 3.86, 0.63, QPROBE),
-    ("wall", "w4-uniform-quota", 0): (1.00, 0.96, 1.10, 0.10, WAIT),
-    ("wall", "w4-uniform-quota", 1): (1.72, 1.54, 1.87, 0.45, QTRUE),
-    ("wall", "w4-uniform-quota", 2): (1.00, 0.85, 1.08, 0.15, WAIT),
-    ("wall", "w4-uniform-quota", 3): (0.95, 0.81, 1.14, 0.19, WAIT),
-    ("cpu", "w4-pipe13-slow", 1): (4.43, 3.08, 5.83, 0.94, PROBE),
-    ("cpu", "w4-head-slow", 1): (3.15, 3.09, 4.51, 0.50, PROBE),
-    ("cpu", "w4-planner", 1): (1.01, 1.00, 1.12, 0.12, LIGHT),
-    ("cpu", "w4-planner-slow", 1): (3.72, 2.91, 3.86, 0.29, PROBE),
+    ("wall", "w4-pipe13-slow", 1): (3.16, 3.00, 3.69, 0.23, PROBE),
+    ("wall", "w4-planner", 1): (1.00, 0.99, 1.13, 0.13, FIRST),
+    ("wall", "w2-uniform-slow", 1): (3.14, 2.54, 3.23, 0.15, PAIR),
+    ("wall", "w4-readmit-slow", 1): (3.06, 2.98, 3.61, 0.20, PROBE),
+    ("wall", "w4-readmit-slow", 3): (1.01, 1.00, 1.10, 0.10, FIRST),
+    ("wall", "w2-pipe13-quota", 0): (0.95, 0.74, 1.00, 0.26, PAIR),
+    ("wall", "w2-pipe13-quota", 1): (3.51, 3.25, 3.56, 0.22, QPROBE),
+    ("cpu", "w4-pipe13-slow", 1): (3.16, 3.05, 3.69, 0.23, PROBE),
+    ("cpu", "w4-planner", 1): (1.01, 1.00, 1.14, 0.14, FIRST),
+    ("cpu", "w4-planner-slow", 1): (3.19, 3.05, 3.55, 0.18, PROBE),
+    ("cpu", "w4-readmit-slow", 1): (3.08, 2.99, 3.61, 0.20, PROBE),
+    ("cpu", "w4-readmit-slow", 3): (1.01, 1.00, 1.10, 0.10, FIRST),
 }
 
 
@@ -161,7 +104,8 @@ def test_the_known_misses_are_cells_of_the_fixture():
 
 def test_without_waiting_every_healthy_rank_reads_within_the_bound():
     """The estimator itself, with the oversubscription taken out (CPU seconds, 4-rank sleep
-    cells): every healthy working rank within 1.0 +- 0.1 but one 35 ms share (0.12 once)."""
+    cells): every healthy working rank within 1.0 +- 0.1 but the first windows of two light
+    shares after their switch (0.14 at most)."""
     worst = {}
     for name, rec in CELLS.items():
         if "cpu_ms" not in rec:
@@ -171,18 +115,20 @@ def test_without_waiting_every_healthy_rank_reads_within_the_bound():
                 worst[(name, s["rank"])] = s["worst"]
     assert len(worst) >= 40
     over = {k: v for k, v in worst.items() if v > 0.10}
-    assert set(over) == {("w4-planner", 1)} and over[("w4-planner", 1)] <= 0.13
+    assert set(over) <= {("w4-planner", 1), ("w4-readmit-slow", 3)}
+    assert max(over.values(), default=0.0) <= 0.15
 
 
 def test_the_fitted_terms_and_the_head_are_what_holds_a_pipeline_stage_on_2_ranks():
     """Without oversubscription the per-micro-batch terms matter: without them the 1 + 3 layer
-    pipeline and the head stage read 0.93-1.07 (2 ranks, healthy), with them within 0.01; a
-    slowed head stage without head units reads 3.61 (+20%), with them 3.34."""
+    pipeline and the head stage read up to 0.11 and 0.06 off (2 ranks, healthy), with them
+    within 0.04 and 0.01; a slowed head stage without head units reads 3.59 (+20%), with
+    them 3.33."""
     for name in ("w2-pipe13", "w2-head"):
         rec = CELLS[name]
         fitted = [s["worst"] for s in br.steady(rec, br.replay(rec))]
         plain = [s["worst"] for s in br.steady(rec, br.replay(rec, shape=False))]
-        assert max(fitted) <= 0.02 < 0.05 <= max(plain)
+        assert max(fitted) <= 0.04 < 0.05 <= max(plain)
     rec = CELLS["w2-head-slow"]
     with_head = br.steady(rec, br.replay(rec))[1]["median"]
     without = br.steady(rec, br.replay(rec, head=0.0))[1]["median"]

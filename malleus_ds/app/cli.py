@@ -2,6 +2,8 @@
 
     malleus-plan PROBLEM.json [-o PLAN.json] [--seed S] [--time-limit SEC] [--multi-objective]
     malleus-sim  PROBLEM.json [PLAN.json] [--plot FILE.png]
+    malleus-sim  replay PROBLEM.json TRACE.csv --step-s SEC ... (``replay_cli.py``)
+    malleus-sim  trace --gpus N --hours H --regime R -o TRACE.csv (``replay_cli.py``)
     malleus-export CHECKPOINT_DIR OUT_DIR [--dtype fp32|bf16|fp16] [--force]
 
 Bad input (missing file, invalid JSON, invalid problem or plan) prints ``<prog>: error: ...``
@@ -14,7 +16,7 @@ import sys
 from typing import Sequence
 
 from ..plan import Plan, PlanError
-from ..problem import Problem
+from .problem_file import load_problem as _load_problem
 
 EXIT_BAD_INPUT = 2
 
@@ -22,21 +24,6 @@ EXIT_BAD_INPUT = 2
 def _fail(prog: str, msg: str) -> int:
     print(f"{prog}: error: {msg}", file=sys.stderr)
     return EXIT_BAD_INPUT
-
-
-def _load_problem(path: str) -> Problem:
-    from ..cost import comm_spec
-
-    pr = Problem.load(path)
-    comm_spec(pr)  # validates the optional comm section
-    if pr.current_plan is not None:
-        from ..cost import validate_for_problem
-
-        try:
-            validate_for_problem(pr, pr.current_plan)
-        except PlanError as e:
-            raise PlanError(f"problem.current_plan is invalid: {e}") from None
-    return pr
 
 
 def plan_main(argv: Sequence[str] | None = None) -> int:
@@ -99,6 +86,11 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 
 
 def sim_main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("replay", "trace"):
+        from . import replay_cli
+
+        return (replay_cli.replay_main if argv[0] == "replay" else replay_cli.trace_main)(argv[1:])
     prog = "malleus-sim"
     ap = argparse.ArgumentParser(prog=prog, description="Evaluate a plan under a problem's rates.")
     ap.add_argument("problem", help="problem JSON (format: docs/DESIGN.md §3; examples: "

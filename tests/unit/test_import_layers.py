@@ -27,7 +27,7 @@ LAYERS = (
     {"files"},                                     # 0: contracts, and what they read and write
     {"resilience", "emulation", "models"},         # 1: platform: processes, slowdowns, models
     {"planner", "migrate", "engine", "adaptive"},  # 2: core
-    {"report", "data", "export"},                  # 3: reading runs, feeding and exporting data
+    {"report", "data", "export", "replay"},        # 3: reading runs, data, exports, replays
     {"app"},                                       # 4: the application at the edge
 )
 #: the contracts at the top of malleus_ds/ stay few (issue 32: "at most about 12")

@@ -1,0 +1,102 @@
+"""``malleus-sim replay`` and ``malleus-sim trace`` (``malleus_ds/replay/``):
+
+    malleus-sim trace --gpus N --hours H --regime persistent|transient|mixed [--seed S]
+                      [--gpus-per-node 8] -o TRACE.csv
+    malleus-sim replay PROBLEM.json TRACE.csv --step-s SEC [--hours H] [--policies static,oracle]
+                       [--planner-time-limit SEC] [--seed S] [--json OUT] [--plot FILE.png]
+
+Bad input prints ``malleus-sim <sub>: error: ...`` naming the row or the field, exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from ..plan import PlanError
+
+EXIT_BAD_INPUT = 2
+
+
+def _fail(prog: str, msg: str) -> int:
+    print(f"{prog}: error: {msg}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def trace_main(argv: Sequence[str]) -> int:
+    from ..replay.regimes import REGIMES, generate
+    from ..replay.trace import write_csv
+
+    prog = "malleus-sim trace"
+    ap = argparse.ArgumentParser(prog=prog, description="Write a straggler trace CSV drawn from "
+                                 "published statistics (docs/TRACES.md).")
+    ap.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    ap.add_argument("--hours", type=float, required=True, help="length of the trace")
+    ap.add_argument("--regime", choices=REGIMES, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("-o", "--out", required=True, help="the CSV to write")
+    a = ap.parse_args(argv)
+    try:
+        events = generate(a.regime, a.gpus, a.hours, a.seed, a.gpus_per_node)
+    except ValueError as e:
+        return _fail(prog, str(e))
+    try:
+        n = write_csv(events, a.out)
+    except OSError as e:
+        return _fail(prog, f"cannot write {a.out}: {e.strerror or e}")
+    slow = len({e.gpu for e in events})
+    print(f"wrote {a.out}: {n} rows, {slow} of {a.gpus} GPUs slow at some point over "
+          f"{a.hours:g} h ({a.regime}, seed {a.seed})")
+    return 0
+
+
+def replay_main(argv: Sequence[str]) -> int:
+    from ..replay.output import plot, table
+    from ..replay.run import POLICIES, ReplayError, replay
+    from ..replay.trace import TraceError, read_csv
+    from .problem_file import load_problem
+
+    prog = "malleus-sim replay"
+    ap = argparse.ArgumentParser(prog=prog, description="Replay a training job under a "
+                                 "straggler trace, policy by policy (docs/DESIGN.md §10).")
+    ap.add_argument("problem", help="problem JSON (its nominal layout; its rates are ignored)")
+    ap.add_argument("trace", help="trace CSV: start_s,end_s,gpu,rate")
+    ap.add_argument("--step-s", type=float, required=True,
+                    help="seconds of one healthy step of the problem's static plan")
+    ap.add_argument("--hours", type=float, default=None,
+                    help="length of the replay (default: the trace's last row's end)")
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help=f"comma-separated (default: {','.join(POLICIES)})")
+    ap.add_argument("--planner-time-limit", type=float, default=None,
+                    help="seconds per planning (default: the planner's own by problem size)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the result here")
+    ap.add_argument("--plot", help="write a PNG of every policy's throughput over the trace")
+    a = ap.parse_args(argv)
+    try:
+        pr = load_problem(a.problem)
+    except PlanError as e:
+        return _fail(prog, f"{a.problem}: {e}")
+    try:
+        tr = read_csv(a.trace, pr.num_gpus, a.hours)
+        res = replay(pr, tr, a.step_s, a.policies.split(","), a.planner_time_limit, a.seed,
+                     progress=sys.stderr.isatty())
+    except (TraceError, ReplayError) as e:
+        return _fail(prog, str(e))
+    print(table(res))
+    if a.json:
+        try:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        except OSError as e:
+            return _fail(prog, f"cannot write {a.json}: {e.strerror or e}")
+        print(f"wrote {a.json}")
+    if a.plot:
+        try:
+            plot(res, a.plot)
+        except OSError as e:
+            return _fail(prog, f"cannot write {a.plot}: {e.strerror or e}")
+        print(f"wrote {a.plot}")
+    return 0

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..job_layout import JobLayout
 from .trace import Event
 
 REGIMES = ("persistent", "transient", "mixed")
@@ -68,7 +69,8 @@ def generate(regime: str, num_gpus: int, hours: float, seed: int = 0,
                              int(g), round(float(rng.uniform(*p.rate)), 3)))
     if regime in ("transient", "mixed"):
         t = transient
-        nodes = max(1, -(-num_gpus // gpus_per_node))
+        layout = JobLayout(num_gpus, gpus_per_node)     # says so when nodes do not tile the job
+        nodes = layout.nodes
         per_s = nodes * t.per_node_per_80min / (80 * 60.0)       # arrivals per second, job-wide
         now = float(rng.exponential(1.0 / per_s))
         while now < horizon:
@@ -77,7 +79,7 @@ def generate(regime: str, num_gpus: int, hours: float, seed: int = 0,
             rate = round(float(rng.uniform(*t.rate)), 3)
             start, end = round(now, 3), round(min(horizon, now + dur), 3)
             if end > start:
-                for g in range(node * gpus_per_node, min(num_gpus, (node + 1) * gpus_per_node)):
+                for g in layout.node_ranks(node):
                     out.append(Event(start, end, g, rate))
             now += float(rng.exponential(1.0 / per_s))
     return sorted(out, key=lambda e: (e.start_s, e.gpu))

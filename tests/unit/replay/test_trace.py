@@ -84,3 +84,8 @@ def test_regimes_are_reproducible_and_read_back(tmp_path):
     with pytest.raises(ValueError, match="regime='bursty'"):
         generate("bursty", 8, 1.0)
     assert make_trace([], 8, hours=1.0).segments()[0].rates == ()
+
+
+def test_nodes_that_do_not_tile_the_job_are_named():
+    with pytest.raises(ValueError, match="gpus_per_node=8 does not divide the world size 12"):
+        generate("transient", 12, 1.0)

@@ -9,7 +9,10 @@ constant rates (``trace.py``); each policy steps through them:
 * ``static``: the nominal plan throughout, as DeepSpeed and Megatron run;
 * ``oracle``: at each change of the true rates, at once and for free, the plan the planner
   finds for them (a ceiling on what any re-planning reaches; plans are cached by rate
-  vector, and the planner's wall time is reported per event, not charged).
+  vector, and the planner's wall time is reported per event, not charged);
+* ``rebalance-data``: the static layout with only its micro-batches per pipeline re-split for
+  the true rates, at once and for free (the planner's ``data-only`` baseline): the best live
+  policy of Greyhound (ATC'25), which moves no state.
 
 Within a segment a plan runs ``seconds / step`` steps (fractional: the segment's share of
 samples). Every policy is judged against the same clock: samples over the trace's seconds.
@@ -34,8 +37,8 @@ from ..problem import Problem
 from .trace import Segment, Trace
 
 #: the policies this replay has; the issue's others (``malleus``: the real adaptive loop,
-#: ``rebalance-data``, ``restart``) are refused by name until they are built
-POLICIES = ("static", "oracle")
+#: ``restart``) are refused by name until they are built
+POLICIES = ("static", "rebalance-data", "oracle")
 
 
 class ReplayError(ValueError):
@@ -114,6 +117,20 @@ class Replay:
                 self.plan_seconds[key] = time.perf_counter() - t0
         return self._plans[key]
 
+    def rebalanced(self, rates: dict[int, float]) -> Plan:
+        """The static layout with its micro-batches re-split for ``rates`` (the static plan
+        where no re-split is valid or better)."""
+        key = ("data", tuple(sorted(rates.items())))
+        if key not in self._plans:
+            from ..planner.baselines import data_only
+
+            p = data_only(self.problem.with_rates(rates)) if rates else None
+            if p is not None and self.step_seconds(p, rates) >= self.step_seconds(
+                    self.static, rates):
+                p = None
+            self._plans[key] = p or self.static
+        return self._plans[key]
+
 
 def capacity_bound(trace_segments: Sequence[Segment], num_gpus: int) -> float:
     """Time-weighted mean over the segments of the mean over GPUs of ``1 / rate``."""
@@ -156,7 +173,11 @@ def run_oracle(rp: Replay, segs: Sequence[Segment], progress=None) -> PolicyResu
     return _fixed(rp, segs, "oracle", rp.best_plan, progress)
 
 
-RUNNERS = {"static": run_static, "oracle": run_oracle}
+def run_rebalance(rp: Replay, segs: Sequence[Segment], progress=None) -> PolicyResult:
+    return _fixed(rp, segs, "rebalance-data", rp.rebalanced, progress)
+
+
+RUNNERS = {"static": run_static, "rebalance-data": run_rebalance, "oracle": run_oracle}
 
 
 def check_policies(names: Sequence[str]) -> list[str]:
@@ -164,7 +185,7 @@ def check_policies(names: Sequence[str]) -> list[str]:
     out = []
     for n in names:
         n = n.strip()
-        if n in ("malleus", "rebalance-data", "restart"):
+        if n in ("malleus", "restart"):
             raise ReplayError(f"--policies: {n!r} is not built yet (issue 33); this replay has "
                               f"{', '.join(POLICIES)}")
         if n not in POLICIES:
@@ -214,6 +235,8 @@ def replay(problem: Problem, trace: Trace, step_s: float, policies: Sequence[str
         ev = {"start_s": s.start_s, "end_s": s.end_s, "slow_gpus": len(rates),
               "worst_rate": max(rates.values(), default=1.0),
               "static_step_s": round(rp.step_seconds(rp.static, rates), 6)}
+        if "rebalance-data" in results:
+            ev["rebalance_step_s"] = round(rp.step_seconds(rp.rebalanced(rates), rates), 6)
         if "oracle" in results:
             ev["oracle_step_s"] = round(rp.step_seconds(rp.best_plan(rates), rates), 6)
             ev["planning_s"] = round(rp.plan_seconds.get(key, 0.0), 3)

@@ -25,7 +25,8 @@ def dp_problem(gpus=4, G=28) -> Problem:
 def test_one_gpu_at_rate_2_static_runs_at_half_and_oracle_reaches_the_bound():
     """4 GPUs of pure DP, 28 micro-batches (7 each). GPU 3 at rate 2 for the whole hour:
     static takes 7 x 2 = 14 units a step (1/2); the oracle gives it 4 and the others 8 (step
-    8: 7/8), which is the capacity bound (3 + 1/2) / 4."""
+    8: 7/8), which is the capacity bound (3 + 1/2) / 4. Re-splitting the micro-batches alone
+    (rebalance-data) does the same here: pure DP has nothing else to change."""
     tr = make_trace([Event(0.0, 3600.0, 3, 2.0)], 4, hours=1.0)
     res = replay(dp_problem(), tr, step_s=1.0, planner_time_limit_s=2.0)
     st, orc = res["policies"]["static"], res["policies"]["oracle"]
@@ -36,6 +37,8 @@ def test_one_gpu_at_rate_2_static_runs_at_half_and_oracle_reaches_the_bound():
     assert orc["vs_static"] == pytest.approx(1.75)
     assert st["gpu_hours_lost"] == pytest.approx(4 * 0.5)            # half of 4 GPU-hours
     assert orc["switches"] == 0 and st["switches"] == 0
+    assert res["policies"]["rebalance-data"]["vs_healthy"] == pytest.approx(0.875)
+    assert res["events"][0]["rebalance_step_s"] == pytest.approx(8 / 7)
 
 
 def test_an_event_in_part_of_the_trace_is_weighted_by_its_time():
@@ -89,10 +92,12 @@ def test_the_command_writes_a_trace_replays_it_and_writes_json_and_plot(tmp_path
     text = capsys.readouterr().out
     assert "capacity bound" in text and "oracle" in text and "static" in text
     res = json.loads(out_json.read_text())
-    assert set(res["policies"]) == {"static", "oracle"}
+    assert set(res["policies"]) == {"static", "rebalance-data", "oracle"}
     for p in res["policies"].values():
         assert p["samples_per_s"] <= res["capacity_samples_per_s"] + 1e-6
-    assert res["policies"]["oracle"]["vs_static"] >= 1.0 - 1e-9
+    pol = res["policies"]
+    assert pol["oracle"]["vs_static"] >= pol["rebalance-data"]["vs_static"] - 1e-9
+    assert pol["rebalance-data"]["vs_static"] >= 1.0 - 1e-9
     assert png.stat().st_size > 10_000
     # bad input: exit 2, one line naming the field
     assert sim_main(["replay", str(prob), str(csv), "--step-s", "2", "--hours", "1"]) == 2

@@ -10,35 +10,7 @@ from malleus_ds.app.runners.base import DistEnv
 from malleus_ds.app.runners.checkpoint import Checkpointer
 from malleus_ds.app.runners.resume import resume_point
 from tests.configs import cfg
-
-
-class _SlowWriter:
-    """A writer whose save splits like MalleusEngine's: the snapshot returns at once, the write
-    waits for the test to let it go (event-driven, no timing)."""
-
-    can_snapshot = True
-
-    def __init__(self, fail_at=None):
-        import threading
-        from collections import defaultdict
-
-        self.go, self.snaps, self.fail_at = defaultdict(threading.Event), [], fail_at
-
-    def __call__(self, root, tag, done):
-        raise AssertionError("the background path never saves on the training thread")
-
-    def snapshot(self, root, tag, done):
-        self.snaps.append(done)
-
-        def persist(agree):
-            assert self.go[done].wait(30)
-            err = None
-            if done == self.fail_at:
-                err = "rank 0 could not write: OSError: disk full"
-            else:
-                (root / tag / "engine.pt").write_text(str(done))
-            agree(err, f"save_checkpoint({root / tag})")
-        return persist
+from tests.unit.app.runners.test_checkpoint import _SlowWriter
 
 
 def _die_mid_write(tmp_path, background: bool) -> None:

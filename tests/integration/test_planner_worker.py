@@ -2,17 +2,9 @@
 from a checkout (adaptive/control.py starts it on rank 0)."""
 from pathlib import Path
 
-
-from malleus_ds.job_layout import JobLayout
 from malleus_ds.planner.client import PlannerClient
-from malleus_ds.adaptive.replan import job_problem
-from malleus_ds.plan import Plan, static_plan
-
-
-def _problem(rates=None, cur=None):
-    plan = static_plan(4, 8, 1, 1, 1, 4)
-    pr = job_problem(plan, JobLayout(4, 4, 1), {1: 1.0}, None)
-    return pr.with_rates(rates or {}, current_plan=cur or plan), plan
+from malleus_ds.plan import Plan
+from tests.unit.adaptive.test_control import _problem
 
 
 def test_planner_client_round_trip_in_its_own_process():

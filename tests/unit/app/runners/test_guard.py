@@ -1,20 +1,10 @@
-"""app/runners/guard.py: a rank notices when its launcher dies without signalling it (pure-ish: real
-processes, no process groups)."""
+"""app/runners/guard.py: a rank notices when its launcher dies without signalling it (a reused pid,
+the stop messages; with real launcher processes: tests/integration/test_launcher_watch.py)."""
 import os
 import signal
 
 from malleus_ds.app.runners.guard import LAUNCHER_GONE, StopSignals, Stopped
 from malleus_ds.resilience import procs
-
-# a process tree shaped like `deepspeed` -> `python -m deepspeed.launcher.launch` -> rank: the
-# middle process's argv names deepspeed.launcher.launch; the leaf prints its pid and sleeps
-TREE = r"""
-import subprocess, sys, time
-leaf = "import os, sys, time; print(os.getpid(), flush=True); time.sleep(60)"
-mid = ("import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', %r]); p.wait()" % leaf)
-p = subprocess.Popen([sys.executable, "-c", mid, "deepspeed." + "launcher.launch"])
-p.wait()
-"""
 
 
 def test_a_reused_pid_is_not_mistaken_for_the_launcher():

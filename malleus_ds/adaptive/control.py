@@ -42,7 +42,7 @@ from .settings import AdaptiveSettings
 from ..problem import Problem
 from .replan import Decision, decide, fit_running_plan, job_memory, job_problem
 from .held import HOLD, held_ranks, probe_reference
-from .detect import Detector
+from .detect import Detector, trigger_kind
 from .rates import RateEstimator, as_list
 from .work import cost_shape, cost_units
 from ..problem import given_slowdown, ideal_slowdown
@@ -552,10 +552,7 @@ class Controller:
         moved &= (self.units > 0) | (now < was)
         if not moved.any():
             return False
-        p_now = self.det.planned
-        kind = ("missed" if p["trigger"] == "missed" else
-                "recovery" if np.all(now == 1.0) and np.any(p_now > 1.0) else
-                "onset" if np.all(p_now == 1.0) else "change")
+        kind = "missed" if p["trigger"] == "missed" else trigger_kind(now, self.det.planned)
         note = (f"rates moved from {as_list(was)} to {as_list(now)} while it planned "
                 f"(detected before step {p['step']})")
         self._request(kind, [round(float(x), 3) for x in now], self._last_step + 1,

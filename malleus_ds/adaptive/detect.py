@@ -53,6 +53,14 @@ class Trigger:
     rates: tuple[float, ...]    # normalised smoothed rates (healthy ones = 1.0), per rank
 
 
+def trigger_kind(rates: np.ndarray, planned: np.ndarray) -> str:
+    """What a shift from the ``planned`` rates to ``rates`` (both normalised) is: "recovery"
+    (every rank healthy again), "onset" (from an all-healthy plan) or "change"."""
+    if np.all(rates == 1.0) and np.any(planned > 1.0):
+        return "recovery"
+    return "onset" if np.all(planned == 1.0) else "change"
+
+
 class Detector:
     """Decides, from smoothed rates, when to re-plan (see :class:`DetectConfig`).
 
@@ -95,13 +103,7 @@ class Detector:
         self.streak = self.streak + 1 if shifted else 0
         if self.streak < self.cfg.confirm:
             return None
-        if np.all(r == 1.0) and np.any(p > 1.0):
-            kind = "recovery"
-        elif np.all(p == 1.0):
-            kind = "onset"
-        else:
-            kind = "change"
-        return Trigger(kind, tuple(round(float(x), 3) for x in r))
+        return Trigger(trigger_kind(r, p), tuple(round(float(x), 3) for x in r))
 
     def planned_for(self, rates: Sequence[float]) -> None:
         """After a planning attempt (adopted or not): remember ``rates``, restart hysteresis and

@@ -16,14 +16,7 @@ import sys
 from typing import Sequence
 
 from ..plan import Plan, PlanError
-from .problem_file import load_problem as _load_problem
-
-EXIT_BAD_INPUT = 2
-
-
-def _fail(prog: str, msg: str) -> int:
-    print(f"{prog}: error: {msg}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+from .cli_common import fail as _fail, load_problem as _load_problem
 
 
 def plan_main(argv: Sequence[str] | None = None) -> int:

@@ -15,13 +15,7 @@ import sys
 from typing import Sequence
 
 from ..plan import PlanError
-
-EXIT_BAD_INPUT = 2
-
-
-def _fail(prog: str, msg: str) -> int:
-    print(f"{prog}: error: {msg}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+from .cli_common import fail as _fail, load_problem
 
 
 def trace_main(argv: Sequence[str]) -> int:
@@ -56,7 +50,6 @@ def replay_main(argv: Sequence[str]) -> int:
     from ..replay.output import plot, table
     from ..replay.run import POLICIES, ReplayError, replay
     from ..replay.trace import TraceError, read_csv
-    from .problem_file import load_problem
 
     prog = "malleus-sim replay"
     ap = argparse.ArgumentParser(prog=prog, description="Replay a training job under a "

@@ -228,24 +228,25 @@ def replay(problem: Problem, trace: Trace, step_s: float, policies: Sequence[str
                   "switches": r.switches, "migration_s": round(r.migration_s, 3),
                   "gpu_hours_lost": round(trace.num_gpus * hours
                                           * (1.0 - r.samples_per_s / healthy), 3)}
+    spp = rp.samples_per_step
     events = []
-    for k, s in enumerate(segs):
+    for k, s in enumerate(segs):        # each policy's step there, from its own timeline
         rates = s.rate_map()
-        key = tuple(sorted(rates.items()))
         ev = {"start_s": s.start_s, "end_s": s.end_s, "slow_gpus": len(rates),
               "worst_rate": max(rates.values(), default=1.0),
-              "static_step_s": round(rp.step_seconds(rp.static, rates), 6)}
+              "static_step_s": round(spp / base.timeline[k][2], 6)}
         if "rebalance-data" in results:
-            ev["rebalance_step_s"] = round(rp.step_seconds(rp.rebalanced(rates), rates), 6)
+            ev["rebalance_step_s"] = round(spp / results["rebalance-data"].timeline[k][2], 6)
         if "oracle" in results:
-            ev["oracle_step_s"] = round(rp.step_seconds(rp.best_plan(rates), rates), 6)
-            ev["planning_s"] = round(rp.plan_seconds.get(key, 0.0), 3)
+            ev["oracle_step_s"] = round(spp / results["oracle"].timeline[k][2], 6)
+            ev["planning_s"] = round(rp.plan_seconds.get(tuple(sorted(rates.items())), 0.0), 3)
         events.append(ev)
+    bound = capacity_bound(segs, trace.num_gpus)
     return {"problem": problem.name, "num_gpus": trace.num_gpus, "hours": round(hours, 6),
-            "step_s": step_s, "samples_per_step": rp.samples_per_step,
+            "step_s": step_s, "samples_per_step": spp,
             "healthy_samples_per_s": round(healthy, 6),
-            "capacity_bound": round(capacity_bound(segs, trace.num_gpus), 6),
-            "capacity_samples_per_s": round(healthy * capacity_bound(segs, trace.num_gpus), 6),
+            "capacity_bound": round(bound, 6),
+            "capacity_samples_per_s": round(healthy * bound, 6),
             "rows": len(trace.events), "segments": len(segs),
             "policies": pol, "events": events,
             "timelines": {n: r.timeline for n, r in results.items()}}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import heapq
+import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,7 +145,7 @@ def parse_rows(rows: Iterable[list[str]], num_gpus: int, where: str = "trace",
                 vals[name] = float(raw)
             except ValueError:
                 raise TraceError(f"{where}:{n}: {name}={raw.strip()!r} is not a number") from None
-            if vals[name] != vals[name] or vals[name] in (float("inf"), float("-inf")):
+            if not math.isfinite(vals[name]):
                 raise TraceError(f"{where}:{n}: {name}={raw.strip()} must be finite")
         g = vals["gpu"]
         if g != int(g) or not 0 <= g < num_gpus:

@@ -1,9 +1,20 @@
-"""Read a problem JSON as the commands do: the file, its optional ``comm`` section and its
-``current_plan`` checked, errors as ``PlanError`` naming what is wrong."""
+"""What the planning commands share (``cli.py``, ``replay_cli.py``): reading a problem JSON (the
+file, its optional ``comm`` section and its ``current_plan`` checked, errors as ``PlanError``
+naming what is wrong), and failing on bad input with one line and exit code 2."""
 from __future__ import annotations
+
+import sys
 
 from ..plan import PlanError
 from ..problem import Problem
+
+EXIT_BAD_INPUT = 2
+
+
+def fail(prog: str, msg: str) -> int:
+    """``<prog>: error: <msg>`` on stderr, like argparse's own usage errors; the exit code."""
+    print(f"{prog}: error: {msg}", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 def load_problem(path: str) -> Problem:

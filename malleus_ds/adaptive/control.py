@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 
-from ..cost import RECOMPUTE_FACTOR
+from ..cost import RECOMPUTE_FACTOR, head_layers
 from ..models.base import head_layer_units
 from .pace_check import HealthyPace, PaceCheck
 from ..plan import Plan, PlanError
@@ -61,11 +62,14 @@ class Controller:
     FORCED_TIMEOUT_S = 120.0
 
     def __init__(self, job: JobSpec, settings: AdaptiveSettings, plan: Plan, prober=None,
-                 tp_measured: dict[int, float] | None = None) -> None:
+                 tp_measured: dict[int, float] | None = None, planner=None) -> None:
         """``job``: the job, frozen at start; ``plan``: the plan it starts under; ``prober``: the
         block a rank times to stay measured without work (``measure(sustain, budget_s)`` ->
         seconds per run, ``release()``; None: such a rank reads nothing); ``tp_measured``: the
-        TP slowdown table measured at start-up (``engine/tp_cost.py``), if any."""
+        TP slowdown table measured at start-up (``engine/tp_cost.py``), if any; ``planner``:
+        rank 0's planner (``request`` / ``poll`` / ``wait`` / ``close``, as
+        :class:`~malleus_ds.planner.client.PlannerClient`; None: a planner process of its own,
+        started when the loop may plan; a replay passes one on its simulated clock)."""
         self.spec, self.s = job, settings
         self.rank, self.world = job.rank, job.world
         self.job = job.job                # the job layout now (a switch may change TP sizes)
@@ -76,7 +80,8 @@ class Controller:
         self.est = RateEstimator(self.world, settings.detect.window)
         self.det = Detector(self.world, settings.detect) if self.rank == 0 else None
         # the last stage's output head, in layers: without it a healthy last stage reads slow
-        self.head = head_layer_units(job.param_table, job.seq_len, job.model_cfg.hidden_size)
+        self.head = (head_layers(job.problem) if job.problem is not None else
+                     head_layer_units(job.param_table, job.seq_len, job.model_cfg.hidden_size))
         # a recomputed layer does 4/3 of a plain one's work, the head does not grow
         self.recompute = bool(job.recompute)     # activation checkpointing
         self.layer_cost = RECOMPUTE_FACTOR if self.recompute else 1.0
@@ -114,8 +119,10 @@ class Controller:
         self._events: list[dict] = []      # rank 0: check events for metrics.jsonl
         self._client = None               # rank 0: planner/client.py's PlannerClient
         if self.rank == 0 and self.world > 1 and (settings.enabled or settings.replan_at):
-            from ..planner.client import PlannerClient
-            self._client = PlannerClient()   # imports the planner while training warms up
+            if planner is None:
+                from ..planner.client import PlannerClient
+                planner = PlannerClient()    # imports the planner while training warms up
+            self._client = planner
 
     def _slowdown(self, tp: int) -> dict[int, float]:
         """tp/g -> slowdown: the user's ``tp_slowdown`` map where given, else the table measured
@@ -356,6 +363,45 @@ class Controller:
         self._floor = np.where(self.held, [0.0 if r is None else r for r in rates], 0.0)
         self.probe_ref = probe_reference(self.units, self.held)
 
+    # -- a simulator's fast-forward (replay/loop.py) ---------------------------------------------
+
+    def steady_key(self) -> tuple | None:
+        """Rank 0, between steps: None while anything is in flight or about to be decided (a
+        request, a result, a missed promise, a forced re-plan, the first steps of a plan, a
+        detection streak or cooldown, a promise not yet judged kept), else everything a further
+        identical step could change, as one value. A simulator that sees the same value one
+        period of identical steps apart (:meth:`period`) may :meth:`skip` whole periods: they
+        would change nothing but the step counters."""
+        c, d = self.check, self.det
+        if (self._pending is not None or self._result is not None or self.ready
+                or self._missed is not None or self.forced or self._skip or self._judge_skip
+                or d is None or d.streak or d.cooldown or self._seen < self.s.detect.window):
+            return None
+        if c is not None and not c.settled():
+            return None
+        return (self.plan.id, self.measured.tobytes(), self.est.beta, self.est.gamma,
+                self.held.tobytes(), self.probe_ref, d.planned.tobytes(), self._scale,
+                self.pace.seconds, None if c is None else c.state())
+
+    def period(self) -> int:
+        """Steps after which every periodic part of the loop (detection, probes, the work
+        model's refit) is back in phase."""
+        from math import lcm
+
+        return lcm(self.s.detect.every, self.s.detect.probe_every, self.est.FIT_EVERY)
+
+    def skip(self, steps: int) -> None:
+        """Account ``steps`` (a multiple of :meth:`period`) identical steps that a simulator
+        did not run, after :meth:`steady_key` held over a period: only the counters move."""
+        if steps % self.period():
+            raise ValueError(f"skip({steps}): not a multiple of the loop's period "
+                             f"{self.period()}")
+        self._seen += steps
+        self._since_switch += steps
+        self._last_step += steps
+        if self.check is not None:
+            self.check.skip(steps)
+
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
@@ -472,6 +518,10 @@ class Controller:
         if self._problem is None and self.disabled_reason is None:
             j = self.spec
             try:
+                if j.problem is not None:        # a problem-only job (a replay)
+                    self._problem = fit_running_plan(
+                        replace(j.problem, rates={}, current_plan=None), self.plan)
+                    return self._problem
                 mem = job_memory(j.param_table, j.model_cfg, j.micro_batch_size, j.seq_len,
                                  j.mixed, self.s.device_mb, j.device, self.job.gpus_per_node,
                                  j.migrate_bucket_mb)
@@ -493,9 +543,14 @@ class Controller:
         self._pending = {"trigger": trigger, "rates": rates, "step": step, "problem": pr,
                          "gen": self._generation, "t0": time.perf_counter(), "check": why,
                          "check_step": check_step, "note": note}
+        # every rank healthy: no margin, so the plan made for a straggler that has left goes
+        # when the user's layout is any faster (the cost rule still weighs the migration; the
+        # margin guards against noisy straggler rates, and there are none). A replay found the
+        # margin kept a plan 2.8% slower than the user's layout for the rest of a day.
+        margin = 0.0 if all(r <= 1.0 for r in rates) else self.s.min_improvement
         self._client.request({"problem": pr.to_json(), "seed": step, "forced": trigger == "forced",
                               "time_limit": self.s.planner_time_limit_s,
-                              "min_improvement": self.s.min_improvement})
+                              "min_improvement": margin})
 
     def _collect(self, answer: dict | None = None) -> None:
         """Turn the worker's answer (if any) into a decision (stale ones are dropped)."""

@@ -149,6 +149,22 @@ class PaceCheck:
             return self._event(step, "kept", step_s)
         return None
 
+    def settled(self) -> bool:
+        """Would more steps at this pace change nothing? (No streak, no backoff running, and
+        the promise judged kept, or one never judged kept.)"""
+        return (not self._streak and not self._severe and self._quiet == 0
+                and (self._kept or self.severe_only or self.expected_s is None
+                     or not self.cfg.enabled))
+
+    def state(self) -> tuple:
+        """What further steps could change, for a simulator's fast-forward (control.py)."""
+        return (self.plan_id, self.expected_s, self._kept, self._backoff, self.severe_only)
+
+    def skip(self, steps: int) -> None:
+        """``steps`` judged steps at a settled pace that a simulator did not run."""
+        if self.cfg.enabled and self.expected_s:
+            self._judged += steps
+
     def acted(self, changed: bool) -> None:
         """What the loop did about the last miss: ``changed`` (a new plan or the previous one)
         resets the backoff; nothing changed doubles it."""

@@ -4,6 +4,8 @@
                       [--gpus-per-node 8] -o TRACE.csv
     malleus-sim replay PROBLEM.json TRACE.csv --step-s SEC [--hours H] [--policies static,oracle]
                        [--planner-time-limit SEC] [--seed S] [--json OUT] [--plot FILE.png]
+                       [--loop-config MALLEUS.json] [--switch-costs k=v,..]
+                       [--restart-costs k=v,..] [--zero-stage 1]
 
 Bad input prints ``malleus-sim <sub>: error: ...`` naming the row or the field, exit code 2.
 """
@@ -48,7 +50,9 @@ def trace_main(argv: Sequence[str]) -> int:
 
 def replay_main(argv: Sequence[str]) -> int:
     from ..replay.output import plot, table
-    from ..replay.run import POLICIES, ReplayError, replay
+    from ..replay.costs import MigrationCost, RestartCost
+    from ..replay.run import ReplayError
+    from ..replay.summary import POLICIES, replay
     from ..replay.trace import TraceError, read_csv
 
     prog = "malleus-sim replay"
@@ -67,15 +71,33 @@ def replay_main(argv: Sequence[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--plot", help="write a PNG of every policy's throughput over the trace")
+    ap.add_argument("--loop-config", help="the malleus policy's loop settings: a JSON object "
+                    "of the ds_config malleus section's loop keys (detect, check, "
+                    "horizon_steps, min_improvement, migrate_gbps, ...); default: the loop's "
+                    "defaults")
+    ap.add_argument("--switch-costs", default="",
+                    help="a live switch's terms, k=v,...: network_gbps, nvlink_gbps (per GPU, "
+                         "one direction), communicators_s, warmup_steps (default: H100/H200, "
+                         "docs/TRACES.md)")
+    ap.add_argument("--restart-costs", default="",
+                    help="a restart's seconds, k=v,...: save_s, transform_s, init_s, load_s "
+                         "(default: docs/TRACES.md)")
+    ap.add_argument("--zero-stage", type=int, choices=(0, 1, 2), default=1,
+                    help="the job's ZeRO stage (what a switch moves of the optimizer state)")
     a = ap.parse_args(argv)
     try:
         pr = load_problem(a.problem)
     except PlanError as e:
         return _fail(prog, f"{a.problem}: {e}")
     try:
+        settings = _loop_settings(a.loop_config)
+        sw, rs = MigrationCost.parse(a.switch_costs), RestartCost.parse(a.restart_costs)
+    except ValueError as e:
+        return _fail(prog, str(e))
+    try:
         tr = read_csv(a.trace, pr.num_gpus, a.hours)
         res = replay(pr, tr, a.step_s, a.policies.split(","), a.planner_time_limit, a.seed,
-                     progress=sys.stderr.isatty())
+                     settings, sw, rs, a.zero_stage, progress=sys.stderr.isatty())
     except (TraceError, ReplayError) as e:
         return _fail(prog, str(e))
     print(table(res))
@@ -93,3 +115,22 @@ def replay_main(argv: Sequence[str]) -> int:
             return _fail(prog, f"cannot write {a.plot}: {e.strerror or e}")
         print(f"wrote {a.plot}")
     return 0
+
+
+def _loop_settings(path: str | None):
+    """The malleus policy's loop settings from ``--loop-config`` (None: the defaults)."""
+    from ..adaptive.settings import AdaptiveSettings
+
+    if path is None:
+        return AdaptiveSettings()
+    try:
+        with open(path) as f:
+            sec = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--loop-config: cannot read {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--loop-config: {path} is not JSON: {e}") from None
+    if not isinstance(sec, dict):
+        raise ValueError(f"--loop-config: {path} must hold a JSON object, got "
+                         f"{type(sec).__name__}")
+    return AdaptiveSettings.from_config(sec, where="--loop-config")

@@ -11,7 +11,8 @@ to it in JSON lines:
              or {"error": "PlanError: ..."}
 
 ``forced``: the answer is a valid plan *other* than ``current_plan`` (:func:`alternative_plan`),
-for ``malleus.replan_at``.
+for ``malleus.replan_at``. The same request (seed aside) is answered again from
+:class:`AnswerCache` at once, with ``"cached": true``.
 """
 from __future__ import annotations
 
@@ -69,7 +70,36 @@ def answer(req: dict) -> dict:
         return {"error": f"{type(e).__name__}: {str(e)[:500]}"}
 
 
+class AnswerCache:
+    """Answers by request, so a rate vector planned for once is answered again at once (a
+    straggler that comes and goes, a GPU that flaps between two rates). The key is the request
+    without its ``seed`` (the loop seeds each request by its step); errors are not kept. At
+    most ``size`` answers, the least recently used dropped first."""
+
+    def __init__(self, size: int = 64) -> None:
+        from collections import OrderedDict
+
+        self.size = size
+        self._d: "OrderedDict[str, dict]" = OrderedDict()
+        self.hits = 0
+
+    def answer(self, req: dict) -> dict:
+        key = json.dumps({k: v for k, v in req.items() if k != "seed"}, sort_keys=True)
+        hit = self._d.get(key)
+        if hit is not None:
+            self._d.move_to_end(key)
+            self.hits += 1
+            return dict(hit, planning_s=0.0, cached=True)
+        out = answer(req)
+        if "error" not in out:
+            self._d[key] = out
+            if len(self._d) > self.size:
+                self._d.popitem(last=False)
+        return out
+
+
 def main() -> int:
+    cache = AnswerCache()
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -78,7 +108,7 @@ def main() -> int:
         except json.JSONDecodeError as e:
             out = {"error": f"bad request: {e}"}
         else:
-            out = answer(req)
+            out = cache.answer(req)
         sys.stdout.write(json.dumps(out) + "\n")
         sys.stdout.flush()
     return 0

@@ -1,4 +1,4 @@
-"""Replay a training job under a straggler trace, policy by policy (``malleus-sim replay``).
+"""A replay's setting (:class:`Replay`) and its policies that only pick a plan per segment.
 
 The job is a planning problem (its nominal layout; its own ``rates`` are ignored) and the
 seconds of one healthy step of its static plan (``step_s``): the cost model's step time of a
@@ -13,6 +13,9 @@ constant rates (``trace.py``); each policy steps through them:
 * ``rebalance-data``: the static layout with only its micro-batches per pipeline re-split for
   the true rates, at once and for free (the planner's ``data-only`` baseline): the best live
   policy of Greyhound (ATC'25), which moves no state.
+
+The policies that step (``malleus``: the real adaptive loop, ``loop.py``; ``restart``,
+``restart.py``) and the whole replay's result (``summary.py``) build on this.
 
 Within a segment a plan runs ``seconds / step`` steps (fractional: the segment's share of
 samples). Every policy is judged against the same clock: samples over the trace's seconds.
@@ -35,11 +38,6 @@ from ..cost import step_time
 from ..plan import Plan, PlanError
 from ..problem import Problem
 from .trace import Segment, Trace
-
-#: the policies this replay has; the issue's others (``malleus``: the real adaptive loop,
-#: ``restart``) are refused by name until they are built
-POLICIES = ("static", "rebalance-data", "oracle")
-
 
 class ReplayError(ValueError):
     """A replay that cannot run (a policy unknown, a problem the planner cannot plan)."""
@@ -178,75 +176,3 @@ def run_rebalance(rp: Replay, segs: Sequence[Segment], progress=None) -> PolicyR
 
 
 RUNNERS = {"static": run_static, "rebalance-data": run_rebalance, "oracle": run_oracle}
-
-
-def check_policies(names: Sequence[str]) -> list[str]:
-    """The policies asked for, checked (``--policies``)."""
-    out = []
-    for n in names:
-        n = n.strip()
-        if n in ("malleus", "restart"):
-            raise ReplayError(f"--policies: {n!r} is not built yet (issue 33); this replay has "
-                              f"{', '.join(POLICIES)}")
-        if n not in POLICIES:
-            raise ReplayError(f"--policies: unknown policy {n!r}; one of {', '.join(POLICIES)}")
-        if n not in out:
-            out.append(n)
-    if not out:
-        raise ReplayError("--policies: name at least one policy")
-    return out
-
-
-def replay(problem: Problem, trace: Trace, step_s: float, policies: Sequence[str] = POLICIES,
-           planner_time_limit_s: float | None = None, seed: int = 0,
-           progress: bool = False) -> dict:
-    """Replay every policy over ``trace``; the result as the JSON ``--json`` writes."""
-    if trace.num_gpus != problem.num_gpus:
-        raise ReplayError(f"the trace is for {trace.num_gpus} GPUs, the problem has "
-                          f"{problem.num_gpus}")
-    names = check_policies(policies)
-    rp = Replay(problem, step_s, planner_time_limit_s, seed)
-    segs = trace.segments()
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(segs) * len(names), desc="replay", unit="segment", leave=False)
-    try:
-        results = {n: RUNNERS[n](rp, segs, bar.update if bar else None) for n in names}
-    finally:
-        if bar is not None:
-            bar.close()
-    healthy = rp.healthy_samples_per_s
-    base = results.get("static") or run_static(rp, segs)
-    hours = trace.horizon_s / 3600.0
-    pol = {}
-    for n, r in results.items():
-        pol[n] = {"samples_per_s": round(r.samples_per_s, 6),
-                  "vs_static": round(r.samples_per_s / base.samples_per_s, 6),
-                  "vs_healthy": round(r.samples_per_s / healthy, 6),
-                  "switches": r.switches, "migration_s": round(r.migration_s, 3),
-                  "gpu_hours_lost": round(trace.num_gpus * hours
-                                          * (1.0 - r.samples_per_s / healthy), 3)}
-    spp = rp.samples_per_step
-    events = []
-    for k, s in enumerate(segs):        # each policy's step there, from its own timeline
-        rates = s.rate_map()
-        ev = {"start_s": s.start_s, "end_s": s.end_s, "slow_gpus": len(rates),
-              "worst_rate": max(rates.values(), default=1.0),
-              "static_step_s": round(spp / base.timeline[k][2], 6)}
-        if "rebalance-data" in results:
-            ev["rebalance_step_s"] = round(spp / results["rebalance-data"].timeline[k][2], 6)
-        if "oracle" in results:
-            ev["oracle_step_s"] = round(spp / results["oracle"].timeline[k][2], 6)
-            ev["planning_s"] = round(rp.plan_seconds.get(tuple(sorted(rates.items())), 0.0), 3)
-        events.append(ev)
-    bound = capacity_bound(segs, trace.num_gpus)
-    return {"problem": problem.name, "num_gpus": trace.num_gpus, "hours": round(hours, 6),
-            "step_s": step_s, "samples_per_step": spp,
-            "healthy_samples_per_s": round(healthy, 6),
-            "capacity_bound": round(bound, 6),
-            "capacity_samples_per_s": round(healthy * bound, 6),
-            "rows": len(trace.events), "segments": len(segs),
-            "policies": pol, "events": events,
-            "timelines": {n: r.timeline for n, r in results.items()}}

@@ -8,18 +8,25 @@ import pytest
 
 from malleus_ds.app.cli import sim_main
 from malleus_ds.problem import Problem
-from malleus_ds.replay.run import ReplayError, capacity_bound, replay
+from malleus_ds.replay.run import ReplayError, capacity_bound
+from malleus_ds.replay.summary import replay
 from malleus_ds.replay.trace import Event, make_trace
 
 
-def dp_problem(gpus=4, G=28) -> Problem:
+#: a small model's memory terms (MB per GPU): the malleus policy sizes migrations from them
+MEMORY = {"device_mb": 80000, "reserved_mb": 4000, "layer_static_mb": 100,
+          "layer_activation_mb": 10, "embedding_mb": 50, "extra_mb": 0}
+
+
+def dp_problem(gpus=4, G=28, memory=True) -> Problem:
     """Pure data parallelism: one 4-layer stage per GPU, ``G`` micro-batches of 1."""
     return Problem.from_json({
         "version": 1, "name": f"dp{gpus}", "cluster": {"nodes": 1, "gpus_per_node": gpus},
         "model": {"num_layers": 4},
         "training": {"global_batch_size": G, "micro_batch_size": 1, "tp": 1, "pp": 1,
                      "dp": gpus},
-        "cost": {"tp_slowdown": {"1": 1.0}}, "rates": {}, "current_plan": None})
+        "cost": {"tp_slowdown": {"1": 1.0}}, "rates": {}, "current_plan": None,
+        **({"memory": MEMORY} if memory else {})})
 
 
 def test_one_gpu_at_rate_2_static_runs_at_half_and_oracle_reaches_the_bound():
@@ -28,7 +35,8 @@ def test_one_gpu_at_rate_2_static_runs_at_half_and_oracle_reaches_the_bound():
     8: 7/8), which is the capacity bound (3 + 1/2) / 4. Re-splitting the micro-batches alone
     (rebalance-data) does the same here: pure DP has nothing else to change."""
     tr = make_trace([Event(0.0, 3600.0, 3, 2.0)], 4, hours=1.0)
-    res = replay(dp_problem(), tr, step_s=1.0, planner_time_limit_s=2.0)
+    res = replay(dp_problem(), tr, step_s=1.0, planner_time_limit_s=2.0,
+                 policies=["static", "rebalance-data", "oracle"])
     st, orc = res["policies"]["static"], res["policies"]["oracle"]
     assert res["healthy_samples_per_s"] == pytest.approx(28.0)
     assert st["vs_healthy"] == pytest.approx(0.5)
@@ -38,7 +46,7 @@ def test_one_gpu_at_rate_2_static_runs_at_half_and_oracle_reaches_the_bound():
     assert st["gpu_hours_lost"] == pytest.approx(4 * 0.5)            # half of 4 GPU-hours
     assert orc["switches"] == 0 and st["switches"] == 0
     assert res["policies"]["rebalance-data"]["vs_healthy"] == pytest.approx(0.875)
-    assert res["events"][0]["rebalance_step_s"] == pytest.approx(8 / 7)
+    assert res["segment_steps"][0]["rebalance_step_s"] == pytest.approx(8 / 7)
 
 
 def test_an_event_in_part_of_the_trace_is_weighted_by_its_time():
@@ -47,16 +55,16 @@ def test_an_event_in_part_of_the_trace_is_weighted_by_its_time():
     res = replay(dp_problem(), tr, step_s=0.5, policies=["static"])
     assert res["policies"]["static"]["vs_healthy"] == pytest.approx(0.75 + 0.25 / 4)
     assert res["capacity_bound"] == pytest.approx(0.75 + 0.25 * (3 + 0.25) / 4)
-    assert [e["slow_gpus"] for e in res["events"]] == [0, 1, 0]
-    assert "oracle" not in res["policies"] and "oracle_step_s" not in res["events"][1]
+    assert [e["slow_gpus"] for e in res["segment_steps"]] == [0, 1, 0]
+    assert "oracle" not in res["policies"] and "oracle_step_s" not in res["segment_steps"][1]
 
 
 def test_the_oracle_switches_at_each_change_and_plans_once_per_rate_vector():
     ev = [Event(600.0, 1200.0, 1, 3.0), Event(1800.0, 2400.0, 1, 3.0)]
     res = replay(dp_problem(), make_trace(ev, 4, hours=1.0), step_s=1.0,
-                 planner_time_limit_s=2.0)
+                 planner_time_limit_s=2.0, policies=["static", "oracle"])
     assert res["policies"]["oracle"]["switches"] == 4       # in, out, in, out
-    slow = [e for e in res["events"] if e["slow_gpus"]]
+    slow = [e for e in res["segment_steps"] if e["slow_gpus"]]
     assert slow[0]["planning_s"] > 0 or slow[1]["planning_s"] > 0
     assert res["policies"]["oracle"]["vs_healthy"] <= res["capacity_bound"] + 1e-9
 
@@ -72,8 +80,8 @@ def test_bad_input_is_named():
     tr = make_trace([], 4, hours=1.0)
     with pytest.raises(ReplayError, match=r"--step-s=0 must be > 0"):
         replay(dp_problem(), tr, 0.0)
-    with pytest.raises(ReplayError, match=r"'malleus' is not built yet"):
-        replay(dp_problem(), tr, 1.0, policies=["static", "malleus"])
+    with pytest.raises(ReplayError, match=r"'dp4' has no memory section: the malleus policy"):
+        replay(dp_problem(memory=False), tr, 1.0, policies=["static", "malleus"])
     with pytest.raises(ReplayError, match=r"unknown policy 'fast'"):
         replay(dp_problem(), tr, 1.0, policies=["fast"])
 
@@ -92,7 +100,7 @@ def test_the_command_writes_a_trace_replays_it_and_writes_json_and_plot(tmp_path
     text = capsys.readouterr().out
     assert "capacity bound" in text and "oracle" in text and "static" in text
     res = json.loads(out_json.read_text())
-    assert set(res["policies"]) == {"static", "rebalance-data", "oracle"}
+    assert set(res["policies"]) == {"static", "rebalance-data", "oracle", "malleus", "restart"}
     for p in res["policies"].values():
         assert p["samples_per_s"] <= res["capacity_samples_per_s"] + 1e-6
     pol = res["policies"]

@@ -1,0 +1,290 @@
+"""The ``malleus`` policy of a replay: the real adaptive loop, stepped on a simulated clock.
+
+Nothing of the loop is re-implemented here. One rank-0 :class:`~malleus_ds.adaptive.control.
+Controller` is built from the problem alone (``replay/job.py``) with the loop's settings, and
+driven through the hooks an engine calls each step (``engine/hooks.py``), as the engine-less
+tests drive it (``tests/unit/adaptive/test_loop_synthetic.py``):
+
+* **Timings.** Each step, every rank's compute seconds are its cost units under the running
+  plan (``adaptive/work.cost_units``) x its true rate at that moment x the replay's seconds per
+  unit (``Replay.scale``); the step takes the plan's step time under the true rates
+  (``Replay.step_seconds``). A rank without work, a held one and the calibrating rank probe every
+  ``detect.probe_every`` steps, reading :data:`PROBE_S` x their true rate: suspended GPUs follow
+  the trace too.
+* **Planning.** The loop's planner is :class:`SimPlanner`: the real planner (the worker's own
+  ``answer``, with its cache), run in this process when the loop asks; its answer reaches the
+  loop once the simulated clock has passed the request's moment plus the planner's wall seconds
+  on this machine (a slow plan arrives late, while the job trains on under the old plan).
+* **Deciding** is the loop's own cost-aware rule, with the loop's own migration prediction.
+* **Switching** pauses the job for the seconds ``costs.MigrationCost`` gives the real transfer
+  plan of the switch; the loop is told the bytes and seconds, as the engine tells it.
+* **Fast-forward.** Once the loop has nothing in flight (``Controller.steady_key``) and a full
+  period of identical steps changed nothing, whole periods up to the next change of the trace
+  are skipped (``Controller.skip``): the same result as stepping them
+  (``tests/unit/replay/test_loop.py``).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..adaptive.control import Controller
+from ..adaptive.settings import AdaptiveSettings
+from ..adaptive.work import cost_units
+from ..plan import Plan
+from .costs import MigrationCost
+from .job import problem_job
+from .run import PolicyResult, Replay
+from .trace import Segment
+
+#: seconds of one run of the probe block on a healthy GPU (any value: probes read as ratios)
+PROBE_S = 0.02
+#: steps after a change of the plan or of the true rates before a fast-forward may start: the
+#: work model's history (``RateEstimator.FIT_STEPS``) must hold only steps like the next ones
+SETTLE = 48
+
+
+@dataclass
+class SimClock:
+    """The replay's clock: seconds since the job started."""
+
+    now: float = 0.0
+
+
+class SimPlanner:
+    """The loop's planner on the simulated clock (the interface of ``planner/client.py``).
+
+    ``request`` runs the planner here and now (``planner/worker.answer``, through the worker's
+    answer cache, as the training job's worker would) and holds the answer until the clock has
+    passed the request's moment plus ``charge(wall seconds)``; ``charge`` defaults to the wall
+    seconds themselves. The seconds charged per request are kept in :attr:`charged`."""
+
+    def __init__(self, clock: SimClock, charge: Callable[[float], float] | None = None,
+                 cache=None) -> None:
+        from ..planner.worker import AnswerCache
+
+        self.clock = clock
+        self.charge = charge or (lambda wall: wall)
+        self.cache = cache if cache is not None else AnswerCache()
+        self._held: list[tuple[float, dict]] = []
+        self.charged: list[float] = []          # seconds charged per request
+        self.requested: list[float] = []        # the clock at each request
+
+    def request(self, req: dict) -> None:
+        t0 = time.perf_counter()
+        ans = self.cache.answer(req)
+        s = float(self.charge(time.perf_counter() - t0))
+        self.charged.append(s)
+        self.requested.append(self.clock.now)
+        self._held.append((self.clock.now + s, ans))
+
+    def poll(self) -> dict | None:
+        if self._held and self.clock.now >= self._held[0][0]:
+            return self._held.pop(0)[1]
+        return None
+
+    def wait(self, timeout_s: float) -> dict:
+        """A forced re-plan's answer (the loop waits for it; the replay forces none)."""
+        if not self._held:
+            return {"error": "no request in flight"}
+        return self._held.pop(0)[1]
+
+    def close(self) -> None:
+        self._held.clear()
+
+
+@dataclass
+class Switch:
+    """One decision of the loop, for the per-event table."""
+
+    t: float                     # simulated seconds at the switch (or the decision kept)
+    step: int
+    trigger: str
+    adopted: bool
+    from_plan: str
+    to_plan: str
+    detected_step: int
+    planning_s: float
+    migration_s: float
+    bytes: int
+    terms: dict = field(default_factory=dict)
+    reason: str = ""
+    requested_t: float | None = None     # the clock when the loop asked the planner
+
+
+@dataclass
+class LoopResult(PolicyResult):
+    decisions: list[Switch] = field(default_factory=list)
+    steps: int = 0
+    stepped: int = 0             # steps run through the loop (the rest fast-forwarded)
+    planning_s: float = 0.0      # planner seconds charged to the clock
+    plans: dict = field(default_factory=dict)     # every plan it ran, by id
+
+
+def _sums(ready: bool, comp: np.ndarray, probes: np.ndarray):
+    from ..engine.step_reduce import StepSums
+
+    return StepSums(loss=0.0, overflow=False, ready=ready, compute_s=comp, probe_s=probes)
+
+
+def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings | None = None,
+                costs: MigrationCost | None = None, zero_stage: int = 1,
+                charge: Callable[[float], float] | None = None, fast_forward: bool = True,
+                progress=None) -> LoopResult:
+    """The loop over ``segs`` (module doc). ``charge``: planner wall seconds -> seconds on the
+    clock (None: as measured; a test fixes it to compare runs)."""
+    settings = settings or AdaptiveSettings()
+    costs = costs or MigrationCost()
+    pr, N = rp.problem, rp.problem.num_gpus
+    plan = rp.static
+    clock = SimClock()
+    planner = SimPlanner(clock, charge)
+    spec = problem_job(pr, plan, zero_stage)
+    ctl = Controller(spec, settings, plan, prober=None, tp_measured=dict(pr.tp_slowdown),
+                     planner=planner)
+    out = LoopResult("malleus")
+    out.plans[plan.id] = plan
+    horizon = segs[-1].end_s if segs else 0.0
+    gbs = rp.samples_per_step
+    every = settings.detect.probe_every
+    period = ctl.period()
+    si = 0                                   # the segment the clock is in
+    rate = np.ones(N)
+    rate_seg = -1
+    units = cost_units(plan, N, ctl.tp, ctl.slowdown, ctl.head, ctl.layer_cost)
+    steps_cache: dict[tuple[str, int], float] = {}
+    key_at: tuple[int, tuple | None] | None = None
+    since_change = 0
+    seg_sps: list[float] = []                # samples/s of the current stretch, for the timeline
+    stretch_t0, stretch_samples = 0.0, 0.0
+    step = 0
+    try:
+        while clock.now < horizon:
+            # -- at the step boundary: decisions ready now (the engine's before_step) -----------
+            for ev, pj in ctl.before_step(step):
+                d = Switch(clock.now, step, ev.get("trigger", ""), pj is not None,
+                           ev.get("from", plan.id), ev.get("to", plan.id),
+                           ev.get("detected", ev.get("step", step)),
+                           planner.charged[-1] if planner.charged else 0.0, 0.0,
+                           int(ev.get("bytes", 0)), reason=ev.get("reason", ""),
+                           requested_t=planner.requested[-1] if planner.requested else None)
+                if pj is not None:
+                    new = Plan.from_json(pj)
+                    first = rp.step_seconds(new, segs[si].rate_map())
+                    mig = costs.of_switch(spec, plan, new, first)
+                    d.migration_s, d.bytes, d.terms = mig.seconds, mig.bytes, mig.terms
+                    d.to_plan = new.id
+                    _close_stretch(out, stretch_t0, clock.now, stretch_samples)
+                    clock.now = min(horizon, clock.now + mig.seconds)     # the job waits
+                    out.timeline.append((d.t, clock.now, 0.0))
+                    stretch_t0, stretch_samples = clock.now, 0.0
+                    out.switches += 1
+                    out.migration_s += mig.seconds
+                    ctl.switched(new, ev.get("rates_for", ev.get("measured_rates")),
+                                 migration=SimpleNamespace(bytes=mig.bytes, seconds=mig.seconds))
+                    plan = new
+                    out.plans[plan.id] = plan
+                    units = ctl.units
+                    since_change = 0
+                else:
+                    ctl.considered(ev.get("measured_rates"))
+                out.decisions.append(d)
+            if clock.now >= horizon:
+                break
+            # -- the true rates now -------------------------------------------------------------
+            while si + 1 < len(segs) and clock.now >= segs[si].end_s:
+                si += 1
+            if si != rate_seg:
+                if rate_seg >= 0:
+                    _close_stretch(out, stretch_t0, clock.now, stretch_samples)
+                    stretch_t0, stretch_samples = clock.now, 0.0
+                rate = _vector(segs[si], N)
+                rate_seg, since_change = si, 0
+                if progress is not None:
+                    progress(1)
+            ks = (plan.id, si)
+            if ks not in steps_cache:
+                steps_cache[ks] = rp.step_seconds(plan, segs[si].rate_map())
+            step_s = steps_cache[ks]
+            # -- fast-forward a steady stretch -------------------------------------------------
+            if fast_forward and since_change >= SETTLE and step % period == 0:
+                key = ctl.steady_key()
+                if key is not None and key_at is not None and key_at == (step - period, key):
+                    room = int((segs[si].end_s - clock.now) / step_s) - 1
+                    n = (room // period) * period
+                    if n > 0:
+                        ctl.skip(n)
+                        clock.now += n * step_s
+                        stretch_samples += n * gbs
+                        out.steps += n
+                        step += n
+                        since_change += n
+                        key_at = (step, key)
+                        continue
+                key_at = (step, key) if key is not None else None
+            # -- one step through the loop's hooks ----------------------------------------------
+            eff = rate
+            if clock.now + step_s > segs[si].end_s and si + 1 < len(segs):
+                step_s, eff = _crossing(rp, plan, segs, si, clock.now, N)
+            comp = units * eff * rp.scale
+            probes = np.full(N, np.nan)
+            if step % every == 0 and ctl.probe_ref is not None:    # as Controller.probe_due
+                who = (units <= 0) | ctl.held
+                who[ctl.probe_ref] = True
+                probes[who] = PROBE_S * eff[who]
+            frac = min(1.0, (horizon - clock.now) / step_s)
+            clock.now += step_s              # the all-reduce ends the step: hooks run then
+            stretch_samples += gbs * frac
+            ready, _ = ctl.contribute(float(comp[0]), 0.0)
+            ctl.observe(step, _sums(ready, comp, probes))
+            ctl.step_done(step_s)
+            out.steps += 1
+            out.stepped += 1
+            step += 1
+            since_change += 1
+    finally:
+        ctl.close()
+    _close_stretch(out, stretch_t0, min(clock.now, horizon), stretch_samples)
+    out.seconds = horizon
+    out.planning_s = sum(planner.charged)
+    return out
+
+
+def _vector(seg: Segment, n: int) -> np.ndarray:
+    v = np.ones(n)
+    for g, r in seg.rates:
+        v[g] = r
+    return v
+
+
+def _crossing(rp: Replay, plan: Plan, segs: Sequence[Segment], si: int, t: float, n: int
+              ) -> tuple[float, np.ndarray]:
+    """A step of ``plan`` from ``t`` that runs into the next segments: its seconds (its work
+    done at each segment's pace in turn, as the fixed policies count a segment's share) and
+    each rank's time-weighted rate over it."""
+    left, k, acc, t0 = 1.0, si, np.zeros(n), t
+    while True:
+        seg = segs[k]
+        st = rp.step_seconds(plan, seg.rate_map())
+        room = seg.end_s - t
+        if left * st <= room or k + 1 == len(segs):
+            acc += left * st * _vector(seg, n)
+            t += left * st
+            break
+        acc += room * _vector(seg, n)
+        left -= room / st
+        t, k = seg.end_s, k + 1
+    return t - t0, acc / (t - t0)
+
+
+def _close_stretch(out: LoopResult, t0: float, t1: float, samples: float) -> None:
+    """A stretch of training with one plan under one rate vector: its samples and its place on
+    the timeline."""
+    out.samples += samples
+    if t1 > t0:
+        out.timeline.append((t0, t1, samples / (t1 - t0)))

@@ -1,0 +1,195 @@
+"""The replay's ``malleus`` policy (the real adaptive loop on a simulated clock, ``replay/loop.py``)
+and ``restart`` policy, their cost terms and the break-even duration, on hand-sized cases."""
+from __future__ import annotations
+
+import pytest
+
+from malleus_ds.replay.costs import MigrationCost, RestartCost
+from malleus_ds.replay.job import BYTES_PER_PARAM, problem_job, problem_params
+from malleus_ds.replay.loop import SimClock, SimPlanner, run_malleus
+from malleus_ds.replay.restart import run_restart
+from malleus_ds.replay.run import Replay
+from malleus_ds.replay.summary import break_even_s, replay
+from malleus_ds.replay.trace import Event, make_trace
+from malleus_ds.planner.worker import AnswerCache
+
+from .test_run import dp_problem
+
+FIXED = 0.25         # planner seconds charged per request: runs compare exactly
+
+
+def _charge(wall: float) -> float:
+    return FIXED
+
+
+def test_one_gpu_at_rate_2_the_loop_switches_in_and_back_out_between_static_and_oracle():
+    """Pure DP, 4 GPUs, GPU 3 at rate 2 from 600 s to 3000 s of an hour, 1 s steps. The loop
+    sees it within a few steps, re-splits the micro-batches (no state moves in pure DP: only
+    the fixed costs are paid), and goes back to the user's layout after it ends."""
+    tr = make_trace([Event(600.0, 3000.0, 3, 2.0)], 4, hours=1.0)
+    res = replay(dp_problem(), tr, step_s=1.0, planner_time_limit_s=2.0, charge=_charge)
+    pol = res["policies"]
+    m, st, orc = pol["malleus"], pol["static"], pol["oracle"]
+    assert st["vs_healthy"] < m["vs_healthy"] < orc["vs_healthy"]
+    assert m["switches"] == 2 and m["of_oracle_gain"] > 0.95
+    onset, back = [e for e in res["events"] if e["policy"] == "malleus"]
+    assert onset["trigger"] == "onset" and onset["adopted"] and onset["change_s"] == 600.0
+    assert 0 < onset["detection_s"] <= 5 * 2.0 and onset["planning_s"] == FIXED   # 5 slow steps
+    assert onset["bytes"] == 0 and onset["transfer_s"] == 0.0
+    assert onset["migration_s"] == pytest.approx(
+        MigrationCost().communicators_s + MigrationCost().warmup_steps * 8 / 7, abs=1e-3)
+    assert onset["won_s"] > 0 and back["trigger"] == "recovery" and back["adopted"]
+    assert m["planning_s"] == pytest.approx(2 * FIXED)
+    # every policy below the bound; restart pays its documented seconds twice
+    for p in pol.values():
+        assert p["vs_healthy"] <= res["capacity_bound"] + 1e-9
+    assert pol["restart"]["switches"] == 2
+    assert pol["restart"]["migration_s"] == pytest.approx(2 * RestartCost().seconds)
+
+
+def test_an_event_shorter_than_detection_gives_no_switch():
+    """GPU 1 at rate 3 for 1.5 steps: gone before the loop can confirm it; the loop runs the
+    static plan throughout, the same samples as static, and plans nothing."""
+    tr = make_trace([Event(100.0, 101.5, 1, 3.0)], 4, hours=0.25)
+    rp = Replay(dp_problem(), 1.0)
+    m = run_malleus(rp, tr.segments(), charge=_charge)
+    assert m.switches == 0 and not [d for d in m.decisions if d.adopted]
+    res = replay(dp_problem(), tr, 1.0, ["static", "malleus"], charge=_charge)
+    assert res["policies"]["malleus"]["vs_static"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_fast_forward_gives_the_same_result_as_stepping():
+    """Three stragglers, one overlapping another; with a fixed planner charge the loop run step
+    by step and the loop fast-forwarded through steady stretches agree on every decision, its
+    moment, and the samples."""
+    ev = [Event(300.0, 1500.0, 2, 3.0), Event(900.0, 1200.0, 0, 1.5),
+          Event(2400.0, 2600.0, 1, 2.5)]
+    tr = make_trace(ev, 4, hours=1.0)
+    rp = Replay(dp_problem(), 1.0)
+    a = run_malleus(rp, tr.segments(), charge=_charge, fast_forward=False)
+    b = run_malleus(rp, tr.segments(), charge=_charge, fast_forward=True)
+    assert b.stepped < a.stepped / 3 and a.steps == b.steps
+    assert [(d.step, d.trigger, d.adopted, d.to_plan) for d in a.decisions] == \
+        [(d.step, d.trigger, d.adopted, d.to_plan) for d in b.decisions]
+    assert [d.t for d in a.decisions] == pytest.approx([d.t for d in b.decisions], rel=1e-9)
+    assert b.samples == pytest.approx(a.samples, rel=1e-9)
+    assert a.switches >= 4
+
+
+def test_a_slow_planner_answers_late_on_the_simulated_clock():
+    """The planner's seconds are charged to the clock: at 40 s per plan the switch comes at
+    least 40 s after the loop asked, while the job trains on under the old plan."""
+    tr = make_trace([Event(300.0, 3000.0, 3, 2.0)], 4, hours=1.0)
+    rp = Replay(dp_problem(), 1.0)
+    fast = run_malleus(rp, tr.segments(), charge=lambda w: 0.0)
+    slow = run_malleus(rp, tr.segments(), charge=lambda w: 40.0)
+    f, s = fast.decisions[0], slow.decisions[0]
+    assert s.requested_t == pytest.approx(f.requested_t)
+    assert s.t - s.requested_t >= 40.0 > f.t - f.requested_t
+    assert slow.samples < fast.samples
+
+
+def test_sim_planner_and_the_answer_cache():
+    clock = SimClock()
+    calls = []
+    pl = SimPlanner(clock, charge=lambda w: 5.0, cache=_Counting(calls))
+    pl.request({"problem": {"x": 1}, "seed": 3})
+    assert pl.poll() is None
+    clock.now = 4.9
+    assert pl.poll() is None
+    clock.now = 5.0
+    assert pl.poll() == {"plan": 1}
+    assert pl.charged == [5.0] and pl.requested == [0.0]
+    cache = AnswerCache(size=2)
+    req = {"problem": dp_problem().with_rates({3: 2.0}).to_json(), "seed": 1,
+           "time_limit": 1.0, "min_improvement": 0.0}
+    first = cache.answer(req)
+    again = cache.answer(dict(req, seed=9))          # the seed is not part of the key
+    assert again["cached"] and again["plan"] == first["plan"] and again["planning_s"] == 0.0
+    assert "error" in cache.answer({"problem": {}, "seed": 0}) and cache.hits == 1
+    assert len(cache._d) == 1                          # errors are not kept
+
+
+class _Counting:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def answer(self, req):
+        self.calls.append(req)
+        return {"plan": len(self.calls)}
+
+
+def test_the_problem_stands_for_its_state_and_a_switch_moves_it_over_the_links():
+    """The table holds ``layer_static_mb`` per layer per GPU at 20 B a parameter; a switch
+    that moves a whole stage's state between nodes takes the transfer plan's bytes over the
+    network at the given bandwidth, plus the fixed terms."""
+    import json
+    from pathlib import Path
+
+    from malleus_ds.problem import Problem
+
+    pr = Problem.from_json(json.loads(
+        (Path(__file__).resolve().parents[3] / "examples/problem_64gpu_one_slow.json").read_text()))
+    table = problem_params(pr)
+    layer = sum(s.numel for s in table if s.owner == 0)
+    assert layer * BYTES_PER_PARAM / pr.tp / 2 ** 20 == pytest.approx(1200, rel=1e-6)
+    spec = problem_job(pr, pr.static_plan())
+    st = pr.static_plan()
+    from malleus_ds.planner import plan as run_planner
+
+    new = run_planner(pr, seed=0, time_limit=2.0).plan      # rank 9 at rate 4
+    c = MigrationCost(network_gbps=10.0, nvlink_gbps=100.0, communicators_s=1.0,
+                      warmup_steps=0.5)
+    mig = c.of_switch(spec, st, new, new_step_s=8.0)
+    assert mig.bytes > 0
+    assert mig.seconds == pytest.approx(mig.terms["transfer_s"] + 1.0 + 4.0, abs=1e-3)
+    faster = MigrationCost(network_gbps=20.0, nvlink_gbps=200.0, communicators_s=1.0,
+                           warmup_steps=0.5).of_switch(spec, st, new, 8.0)
+    assert faster.terms["transfer_s"] == pytest.approx(mig.terms["transfer_s"] / 2, rel=1e-3)
+    assert c.of_switch(spec, st, st, 8.0).bytes == 0
+
+
+def test_cost_flags_are_checked_by_name():
+    assert MigrationCost.parse("network_gbps=25,warmup_steps=1").network_gbps == 25.0
+    assert RestartCost.parse("init_s=10").seconds == 29 + 100 + 10 + 41
+    with pytest.raises(ValueError, match=r"--switch-costs: network_gbps=0.0 must be > 0"):
+        MigrationCost.parse("network_gbps=0")
+    with pytest.raises(ValueError, match=r"--switch-costs: 'speed=3' is not key=value with a key"):
+        MigrationCost.parse("speed=3")
+    with pytest.raises(ValueError, match=r"--restart-costs: load_s='x' is not a number"):
+        RestartCost.parse("load_s=x")
+    with pytest.raises(ValueError, match=r"--restart-costs: save_s=-1.0 must be >= 0"):
+        RestartCost.parse("save_s=-1")
+
+
+def test_restart_pays_its_seconds_at_each_detected_change():
+    tr = make_trace([Event(600.0, 3000.0, 3, 2.0)], 4, hours=1.0)
+    rp = Replay(dp_problem(), 1.0)
+    cost = RestartCost(save_s=10, transform_s=0, init_s=20, load_s=10)
+    r = run_restart(rp, tr.segments(), cost=cost)
+    assert r.switches == 2 and r.migration_s == 80.0
+    first, back = r.restarts
+    # the detector's window median and confirmation on the static plan's 2 s steps, then 1 s
+    assert 600 < first["t"] <= 600 + 6 * 2 and 3000 < back["t"] <= 3000 + 6 * 8 / 7
+    # by hand: 600 s healthy; detection at static's 1/2; 40 s stopped; 7/8 until 3000;
+    # detection of the recovery at 7/8; 40 s stopped; healthy to the end
+    d1 = first["t"] - 600
+    d2 = back["t"] - 3000
+    hand = (600 + d1 * 0.5 + (3000 - first["t"] - 40) * 7 / 8 + d2 * 7 / 8
+            + (3600 - back["t"] - 40)) / 3600
+    assert r.samples_per_s / rp.healthy_samples_per_s == pytest.approx(hand, abs=2e-3)
+
+
+def test_break_even_by_hand():
+    """Pure DP, GPU 3 at rate 2: static 14 units a step (2 samples/s of 28 per 1 s healthy step
+    scaled: 28/2 = 14), the plan 8 units (24.5). Only fixed costs (no state moves):
+    m1 = comm + warmup x 8/7 s, m2 = comm + warmup x 1 s. The duration where the net is 0."""
+    rp = Replay(dp_problem(), 1.0)
+    c = MigrationCost(communicators_s=2.0, warmup_steps=0.5)
+    d, terms = break_even_s(rp, {3: 2.0}, c, detect_s=3.0)
+    s0, s1, h, h1 = 14.0, 24.5, 28.0, 24.5
+    m1, m2 = 2.0 + 0.5 * 8 / 7, 2.0 + 0.5
+    p = rp.plan_seconds[((3, 2.0),)]
+    want = 3.0 + p + m1 + (m1 * s0 + 3.0 * (h - h1) + m2 * h) / (s1 - s0)
+    assert d == pytest.approx(want, rel=1e-6)
+    assert terms["migration_in_s"] == pytest.approx(m1, abs=1e-3)

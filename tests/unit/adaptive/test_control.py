@@ -9,6 +9,7 @@ import pytest
 
 from malleus_ds.job_layout import JobLayout
 from malleus_ds.adaptive.control import Controller
+from malleus_ds.adaptive.job import JobSpec
 from malleus_ds.adaptive.settings import AdaptiveSettings
 from malleus_ds.engine.step_reduce import StepSums
 from malleus_ds.engine.probe_block import ProbeBlock
@@ -121,6 +122,24 @@ def test_cost_rule():
     carried = decide(pr, cur, new, "carried", [1, 1, 1, 5], 6, 0.1, None, 1, 0.0, s)
     assert carried.plan is not None and "carried" in carried.event["reason"]
     assert decide(pr, cur, cur, "carried", [1, 1, 1, 5], 6, 0.1, None, 1, 0.0, s).plan is None
+
+
+def test_the_migration_prediction_fits_a_fixed_part_and_a_bandwidth():
+    """Switches of 0 B in 11 s and 1 TB in 31 s: 11 s fixed + 1 TB per 20 s, so 2 TB predicts
+    51 s (folding the fixed part into the bandwidth predicted 62 s). Before two sizes are
+    measured: the fixed part of a switch that moved nothing, the bandwidth of those that moved
+    bytes, else ``migrate_gbps``."""
+    from types import SimpleNamespace as NS
+
+    plan = static_plan(4, 8, 1, 1, 1, 4)
+    ctl = Controller(JobSpec.of_model(PRESETS["tiny"], plan), AdaptiveSettings(
+        enabled=False, migrate_gbps=2.0), plan)
+    assert ctl._migrate_s_for(4 * 10**9) == pytest.approx(0.05 + 2.0)
+    ctl.migrations.append(NS(bytes=0, seconds=11.0))
+    assert ctl._migrate_s_for(4 * 10**9) == pytest.approx(11.0 + 2.0)
+    ctl.migrations.append(NS(bytes=10**12, seconds=31.0))
+    assert ctl._migrate_s_for(2 * 10**12) == pytest.approx(51.0)
+    assert ctl._migrate_s_for(0) == pytest.approx(11.0)
 
 
 def test_worker_forced_gives_another_valid_plan_and_errors_are_answers():

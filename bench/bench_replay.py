@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from malleus_ds.problem import Problem  # noqa: E402
-from malleus_ds.replay.regimes import generate  # noqa: E402
+from malleus_ds.replay.regimes import Transient, generate  # noqa: E402
 from malleus_ds.replay.summary import POLICIES, replay  # noqa: E402
 from malleus_ds.replay.trace import make_trace  # noqa: E402
 
@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hours", type=float, default=24.0)
     ap.add_argument("--step-s", type=float, default=12.0)
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--transient-per-node", type=float, default=None,
+                    help="transient stragglers per node per 80 minutes (default: the regime's "
+                         "0.015); 0.05 draws about 100 over 24 h of 1,024 GPUs")
     ap.add_argument("--json", help="write every replay's result here")
     a = ap.parse_args(argv)
     rows, fails, out = [], [], {}
@@ -49,7 +52,10 @@ def main(argv=None) -> int:
         pr = Problem.from_json(json.loads(PROBLEMS[n].read_text()))
         for regime in a.regimes.split(","):
             for seed in [int(x) for x in a.seeds.split(",")]:
-                tr = make_trace(generate(regime, n, a.hours, seed), n, a.hours)
+                kw = {}
+                if a.transient_per_node is not None:
+                    kw["transient"] = Transient(per_node_per_80min=a.transient_per_node)
+                tr = make_trace(generate(regime, n, a.hours, seed, **kw), n, a.hours)
                 t0 = time.perf_counter()
                 res = replay(pr, tr, a.step_s, a.policies.split(","), seed=seed,
                              progress=sys.stderr.isatty())
@@ -57,7 +63,8 @@ def main(argv=None) -> int:
                 out[f"{n}-{regime}-{seed}"] = res
                 pol = res["policies"]
                 m = pol.get("malleus", {})
-                row = {"gpus": n, "regime": regime, "seed": seed, "rows": res["rows"],
+                events = len({(e.start_s, e.end_s, e.rate) for e in tr.events})
+                row = {"gpus": n, "regime": regime, "seed": seed, "events": events,
                        "bound": res["capacity_bound"], "wall_s": round(wall, 1),
                        **{k: p["vs_static"] for k, p in pol.items()},
                        "of_oracle": m.get("of_oracle_gain"), "switches": m.get("switches"),
@@ -75,7 +82,7 @@ def main(argv=None) -> int:
                     if regime == "persistent" and og is not None and og < 0.85:
                         fails.append(f"{n} {regime} {seed}: malleus {og} of the oracle's gain "
                                      f"< 0.85")
-                if n >= 1024 and a.hours >= 24 and wall > 600:
+                if n >= 1024 and a.hours >= 24 and wall > 600 and set(pol) == set(POLICIES):
                     fails.append(f"{n} {regime} {seed}: {wall:.0f} s > 600 s")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))

@@ -58,10 +58,15 @@ def replay_main(argv: Sequence[str]) -> int:
     prog = "malleus-sim replay"
     ap = argparse.ArgumentParser(prog=prog, description="Replay a training job under a "
                                  "straggler trace, policy by policy (docs/DESIGN.md §10).")
-    ap.add_argument("problem", help="problem JSON (its nominal layout; its rates are ignored)")
-    ap.add_argument("trace", help="trace CSV: start_s,end_s,gpu,rate")
-    ap.add_argument("--step-s", type=float, required=True,
+    ap.add_argument("problem", nargs="?",
+                    help="problem JSON (its nominal layout; its rates are ignored)")
+    ap.add_argument("trace", nargs="?", help="trace CSV: start_s,end_s,gpu,rate")
+    ap.add_argument("--step-s", type=float,
                     help="seconds of one healthy step of the problem's static plan")
+    ap.add_argument("--from-run", metavar="RUN_DIR",
+                    help="instead: predict a recorded engine=malleus run (its config, schedule, "
+                         "healthy step, switch costs) and set the prediction per phase against "
+                         "what it measured")
     ap.add_argument("--hours", type=float, default=None,
                     help="length of the replay (default: the trace's last row's end)")
     ap.add_argument("--policies", default=",".join(POLICIES),
@@ -85,6 +90,10 @@ def replay_main(argv: Sequence[str]) -> int:
     ap.add_argument("--zero-stage", type=int, choices=(0, 1, 2), default=1,
                     help="the job's ZeRO stage (what a switch moves of the optimizer state)")
     a = ap.parse_args(argv)
+    if a.from_run:
+        return _from_run(prog, a)
+    if a.problem is None or a.trace is None or a.step_s is None:
+        return _fail(prog, "give PROBLEM.json TRACE.csv --step-s SEC, or --from-run RUN_DIR")
     try:
         pr = load_problem(a.problem)
     except PlanError as e:
@@ -114,6 +123,27 @@ def replay_main(argv: Sequence[str]) -> int:
         except OSError as e:
             return _fail(prog, f"cannot write {a.plot}: {e.strerror or e}")
         print(f"wrote {a.plot}")
+    return 0
+
+
+def _from_run(prog: str, a) -> int:
+    from ..replay.from_run import FromRunError, build, compare, table
+
+    if a.problem or a.trace:
+        return _fail(prog, "--from-run builds the problem and the trace from the run; give "
+                           "no PROBLEM.json or TRACE.csv with it")
+    try:
+        res = compare(build(a.from_run))
+    except (FromRunError, ValueError) as e:
+        return _fail(prog, str(e))
+    print(table(res))
+    if a.json:
+        try:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        except OSError as e:
+            return _fail(prog, f"cannot write {a.json}: {e.strerror or e}")
+        print(f"wrote {a.json}")
     return 0
 
 

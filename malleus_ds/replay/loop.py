@@ -61,15 +61,15 @@ class SimPlanner:
 
     ``request`` runs the planner here and now (``planner/worker.answer``, through the worker's
     answer cache, as the training job's worker would) and holds the answer until the clock has
-    passed the request's moment plus ``charge(wall seconds)``; ``charge`` defaults to the wall
-    seconds themselves. The seconds charged per request are kept in :attr:`charged`."""
+    passed the request's moment plus ``charge(wall seconds, request)``; ``charge`` defaults to
+    the wall seconds themselves. The seconds charged per request are kept in :attr:`charged`."""
 
-    def __init__(self, clock: SimClock, charge: Callable[[float], float] | None = None,
+    def __init__(self, clock: SimClock, charge: Callable[[float, dict], float] | None = None,
                  cache=None) -> None:
         from ..planner.worker import AnswerCache
 
         self.clock = clock
-        self.charge = charge or (lambda wall: wall)
+        self.charge = charge or (lambda wall, req: wall)
         self.cache = cache if cache is not None else AnswerCache()
         self._held: list[tuple[float, dict]] = []
         self.charged: list[float] = []          # seconds charged per request
@@ -78,7 +78,7 @@ class SimPlanner:
     def request(self, req: dict) -> None:
         t0 = time.perf_counter()
         ans = self.cache.answer(req)
-        s = float(self.charge(time.perf_counter() - t0))
+        s = float(self.charge(time.perf_counter() - t0, req))
         self.charged.append(s)
         self.requested.append(self.clock.now)
         self._held.append((self.clock.now + s, ans))
@@ -134,17 +134,19 @@ def _sums(ready: bool, comp: np.ndarray, probes: np.ndarray):
 
 def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings | None = None,
                 costs: MigrationCost | None = None, zero_stage: int = 1,
-                charge: Callable[[float], float] | None = None, fast_forward: bool = True,
-                progress=None) -> LoopResult:
-    """The loop over ``segs`` (module doc). ``charge``: planner wall seconds -> seconds on the
-    clock (None: as measured; a test fixes it to compare runs)."""
+                charge: Callable[[float, dict], float] | None = None, fast_forward: bool = True,
+                progress=None, spec=None, plan: Plan | None = None) -> LoopResult:
+    """The loop over ``segs`` (module doc). ``charge``: (planner wall seconds, the request) ->
+    seconds on the clock (None: as measured; a test fixes it to compare runs). ``spec``, ``plan``: the loop's
+    job and first plan when known from a model (``from_run.py``; default: from the problem
+    alone, ``job.py``, and its static plan)."""
     settings = settings or AdaptiveSettings()
     costs = costs or MigrationCost()
     pr, N = rp.problem, rp.problem.num_gpus
-    plan = rp.static
+    plan = plan or rp.static
     clock = SimClock()
     planner = SimPlanner(clock, charge)
-    spec = problem_job(pr, plan, zero_stage)
+    spec = spec or problem_job(pr, plan, zero_stage)
     ctl = Controller(spec, settings, plan, prober=None, tp_measured=dict(pr.tp_slowdown),
                      planner=planner)
     out = LoopResult("malleus")

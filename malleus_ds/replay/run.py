@@ -3,7 +3,9 @@
 The job is a planning problem (its nominal layout; its own ``rates`` are ignored) and the
 seconds of one healthy step of its static plan (``step_s``): the cost model's step time of a
 plan under a rate vector, times ``step_s`` over the model's healthy step time of the static
-plan, is that plan's step in seconds under those rates. The trace is cut into segments of
+plan, is that plan's step in seconds under those rates. With ``compute_share`` f < 1 (a run
+whose steps are partly communication, ``from_run.py``) only ``f x step_s`` scales so, and
+``(1 - f) x step_s`` stays. The trace is cut into segments of
 constant rates (``trace.py``); each policy steps through them:
 
 * ``static``: the nominal plan throughout, as DeepSpeed and Megatron run;
@@ -68,6 +70,9 @@ class Replay:
     step_s: float
     planner_time_limit_s: float | None = None
     seed: int = 0
+    #: the share of a healthy step that is compute (slows with the rates); the rest
+    #: (communication, the optimizer, overheads) stays. 1.0: all of it
+    compute_share: float = 1.0
     static: Plan = field(init=False)
     scale: float = field(init=False)
     _plans: dict = field(default_factory=dict, init=False, repr=False)
@@ -77,9 +82,12 @@ class Replay:
         if not self.step_s > 0:
             raise ReplayError(f"--step-s={self.step_s:g} must be > 0 (seconds of one healthy "
                               f"step of the static plan)")
+        if not 0.0 < self.compute_share <= 1.0:
+            raise ReplayError(f"compute share {self.compute_share:g} must be in (0, 1]")
         healthy = self.problem.with_rates({})
         self.static = healthy.static_plan()
-        self.scale = self.step_s / step_time(healthy, self.static)
+        # seconds per model unit of compute
+        self.scale = self.compute_share * self.step_s / step_time(healthy, self.static)
 
     @property
     def samples_per_step(self) -> int:
@@ -90,8 +98,10 @@ class Replay:
         return self.samples_per_step / self.step_s
 
     def step_seconds(self, plan: Plan, rates: dict[int, float]) -> float:
-        """Seconds of one step of ``plan`` under ``rates``."""
-        return step_time(self.problem.with_rates(rates), plan) * self.scale
+        """Seconds of one step of ``plan`` under ``rates``: the part that is not compute, and
+        the cost model's step time in seconds."""
+        return ((1.0 - self.compute_share) * self.step_s
+                + step_time(self.problem.with_rates(rates), plan) * self.scale)
 
     def best_plan(self, rates: dict[int, float]) -> Plan:
         """The planner's plan for ``rates`` (cached by rate vector; the static plan when every

@@ -117,7 +117,8 @@ def replay(problem, trace: Trace, step_s: float, policies: Sequence[str] = POLIC
            break_even_max: int = 12, progress: bool = False, charge=None) -> dict:
     """Replay every policy over ``trace``; the result as the JSON ``--json`` writes.
     ``break_even_max``: stragglers (by how often the trace has them) whose break-even is
-    computed; ``charge``: the planner's wall seconds -> seconds on the malleus loop's clock
+    computed; ``charge``: (the planner's wall seconds, the request) -> seconds on the malleus
+    loop's clock
     (None: as measured)."""
     from .loop import run_malleus
     from .restart import run_restart

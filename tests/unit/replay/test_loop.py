@@ -18,7 +18,7 @@ from .test_run import dp_problem
 FIXED = 0.25         # planner seconds charged per request: runs compare exactly
 
 
-def _charge(wall: float) -> float:
+def _charge(wall: float, req: dict) -> float:
     return FIXED
 
 
@@ -81,8 +81,8 @@ def test_a_slow_planner_answers_late_on_the_simulated_clock():
     least 40 s after the loop asked, while the job trains on under the old plan."""
     tr = make_trace([Event(300.0, 3000.0, 3, 2.0)], 4, hours=1.0)
     rp = Replay(dp_problem(), 1.0)
-    fast = run_malleus(rp, tr.segments(), charge=lambda w: 0.0)
-    slow = run_malleus(rp, tr.segments(), charge=lambda w: 40.0)
+    fast = run_malleus(rp, tr.segments(), charge=lambda w, r: 0.0)
+    slow = run_malleus(rp, tr.segments(), charge=lambda w, r: 40.0)
     f, s = fast.decisions[0], slow.decisions[0]
     assert s.requested_t == pytest.approx(f.requested_t)
     assert s.t - s.requested_t >= 40.0 > f.t - f.requested_t
@@ -92,7 +92,7 @@ def test_a_slow_planner_answers_late_on_the_simulated_clock():
 def test_sim_planner_and_the_answer_cache():
     clock = SimClock()
     calls = []
-    pl = SimPlanner(clock, charge=lambda w: 5.0, cache=_Counting(calls))
+    pl = SimPlanner(clock, charge=lambda w, r: 5.0, cache=_Counting(calls))
     pl.request({"problem": {"x": 1}, "seed": 3})
     assert pl.poll() is None
     clock.now = 4.9

@@ -1,0 +1,259 @@
+"""``malleus-sim replay --from-run RUN_DIR``: the replay checked against a run it can predict.
+
+From a recorded engine=malleus run (its ``.hydra/config.yaml`` and ``metrics.jsonl``) this builds
+what a replay needs, each from the run's own files:
+
+* **the job**: the model (our Llama presets, with the run's overrides), the batch, the layout
+  the run started under (``plan=static``: ``parallel.*``), the world (the ranks the step lines
+  name) and the memory the loop would estimate (``replan.job_memory``), as the loop builds its
+  planning problem in training; the loop's settings (``malleus.*``);
+* **the step time**: the mean healthy step of its first plan (steps after
+  ``train.warmup_steps`` before the first straggler), and the share of it that is compute (the
+  busiest rank's ``compute_s`` over those steps, as the what-if account reads it,
+  ``report/whatif.py``): only that share slows with the rates;
+* **the trace**: its emulated schedule (``emulated_rates`` of each step line) on the run's own
+  clock: a straggler starts at the moment its first step started, counting step times and
+  migration seconds from the first step after warm-up;
+* **the switch costs**: a fixed part and a bandwidth fitted to its ``migrate`` events, the
+  first step after a switch against the steps that follow (warm-up), and the planner's seconds
+  its ``replan`` events took.
+
+:func:`compare` then replays the ``malleus`` policy and, per phase of the schedule, sets its
+samples/s against the run's (``run_model.throughput``: step times plus migrations).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..plan import Plan
+from ..problem import Problem
+from .costs import MigrationCost
+from .trace import Event, Trace, make_trace
+
+
+class FromRunError(ValueError):
+    """A run folder the replay cannot be built from; the message names the file and field."""
+
+
+@dataclass
+class RunReplay:
+    problem: Problem
+    plan: Plan
+    spec: object                   # the loop's JobSpec, built from the model
+    settings: object               # AdaptiveSettings of the run
+    trace: Trace
+    step_s: float
+    compute_share: float
+    costs: MigrationCost
+    planning_s: dict               # median seconds of the run's re-plans: "healthy" (every rank
+                                   # healthy: no search) and "search" (the others)
+    phases: list[dict]             # per phase of the schedule: its window and measured samples/s
+    samples_per_step: int
+
+
+def _config(run: Path) -> dict:
+    import yaml
+
+    p = run / ".hydra" / "config.yaml"
+    if not p.is_file():
+        raise FromRunError(f"{run}: no .hydra/config.yaml (a run folder of launch/train.py "
+                           f"holds one)")
+    try:
+        cfg = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise FromRunError(f"{p}: not YAML: {e}") from None
+    if not isinstance(cfg, dict):
+        raise FromRunError(f"{p}: not a mapping")
+    if cfg.get("engine") != "malleus":
+        raise FromRunError(f"{p}: engine={cfg.get('engine')!r}; --from-run replays an "
+                           f"engine=malleus run (its adaptive loop is what is predicted)")
+    return cfg
+
+
+def build(run_dir: str | Path) -> RunReplay:
+    from ..adaptive.job import JobSpec
+    from ..adaptive.replan import job_memory, job_problem
+    from ..adaptive.settings import AdaptiveSettings
+    from ..job_layout import JobLayout
+    from ..models.base import head_layer_units, param_table
+    from ..models.llama import model_config
+    from ..plan import static_plan
+    from ..problem import ideal_slowdown
+    from ..report.metrics import MetricsError, read_run
+    from ..report.run_model import emulated_condition
+
+    run = Path(run_dir)
+    cfg = _config(run)
+    try:
+        steps, events = read_run(run)
+    except MetricsError as e:
+        raise FromRunError(str(e)) from None
+    if not steps:
+        raise FromRunError(f"{run}/metrics.jsonl: no step lines")
+    world = max(len(s.get("compute_s") or ()) for s in steps)
+    if world < 2:
+        raise FromRunError(f"{run}/metrics.jsonl: compute_s names {world} rank(s); a replay "
+                           f"needs a run of at least 2")
+    m, tr, par = cfg.get("model") or {}, cfg.get("train") or {}, cfg.get("parallel") or {}
+    try:
+        mc = model_config(m.get("name", "tiny"), **{k: m.get(k) for k in (
+            "num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "max_seq_len",
+            "vocab_size")})
+    except (ValueError, TypeError) as e:
+        raise FromRunError(f"{run}: model: {e}") from None
+    if cfg.get("plan", "static") != "static":
+        raise FromRunError(f"{run}: plan={cfg.get('plan')!r}: --from-run replays runs that "
+                           f"start on plan=static")
+    tp, pp = int(par.get("tp") or 1), int(par.get("pp") or 1)
+    if world % (tp * pp):
+        raise FromRunError(f"{run}: parallel.tp={tp} x pp={pp} does not divide {world} ranks")
+    G, B = int(tr["global_batch_size"]), int(tr["micro_batch_size"])
+    plan = static_plan(mc.num_layers, G, B, tp, pp, world // (tp * pp))
+    nodes = int((cfg.get("cluster") or {}).get("nodes") or 1)
+    job = JobLayout(world, world // nodes, tp)
+    seq = int((cfg.get("data") or {}).get("seq_len") or mc.max_seq_len)
+    table = param_table(mc)
+    head = head_layer_units(table, seq, mc.hidden_size)
+    mem = job_memory(table, mc, B, seq, False, None, "cpu", world // nodes,
+                     float((cfg.get("malleus") or {}).get("migrate_bucket_mb", 256)))
+    problem = job_problem(plan, job, ideal_slowdown(tp), mem, head)
+    spec = JobSpec.of_model(mc, plan, world=world, job=job, seq_len=seq)
+    settings = AdaptiveSettings.from_config(cfg.get("malleus") or {}, where="malleus")
+
+    warm = int(tr.get("warmup_steps", 0) or 0)
+    steps = [s for s in steps if int(s["step"]) >= warm]
+    mig = {}
+    for e in events:
+        if e.get("event") == "migrate":
+            mig[int(e["step"])] = mig.get(int(e["step"]), 0.0) + float(e.get("seconds", 0.0))
+    # the run's clock: each step starts after the previous ones and the migrations before it
+    t, starts = 0.0, []
+    for s in steps:
+        t += mig.get(int(s["step"]), 0.0)
+        starts.append(t)
+        t += float(s["step_time_s"])
+    horizon = t
+    conds = [emulated_condition(s) for s in steps]
+    rows: list[Event] = []
+    phases: list[dict] = []
+    k = 0
+    while k < len(steps):
+        j = k
+        while j + 1 < len(steps) and conds[j + 1] == conds[k]:
+            j += 1
+        end = starts[j + 1] if j + 1 < len(steps) else horizon
+        for g, r in conds[k]:
+            rows.append(Event(round(starts[k], 6), round(end, 6), g, r))
+        secs = sum(float(s["step_time_s"]) for s in steps[k:j + 1]) + sum(
+            v for st, v in mig.items() if int(steps[k]["step"]) < st <= int(steps[j]["step"]))
+        samples = sum(int(s.get("samples", G)) for s in steps[k:j + 1])
+        phases.append({"steps": [int(steps[k]["step"]), int(steps[j]["step"])],
+                       "condition": {str(g): r for g, r in conds[k]},
+                       "start_s": starts[k], "end_s": end,
+                       "measured_samples_per_s": samples / secs if secs > 0 else 0.0})
+        k = j + 1
+    healthy = [s for s, c in zip(steps, conds) if not c and s.get("plan") == steps[0].get("plan")]
+    first_slow = next((i for i, c in enumerate(conds) if c), len(steps))
+    healthy = [s for s in steps[:first_slow] if s.get("plan") == steps[0].get("plan")] or healthy
+    if len(healthy) < 2:
+        raise FromRunError(f"{run}/metrics.jsonl: fewer than 2 healthy steps on the first plan "
+                           f"after warm-up (train.warmup_steps={warm}): no healthy step time")
+    step_s = statistics.mean(float(s["step_time_s"]) for s in healthy)   # as throughput counts
+    busiest = statistics.mean(max(s["compute_s"]) for s in healthy)
+    share = min(1.0, busiest / step_s)
+    costs = _switch_costs(steps, events)
+    plans: dict[str, list[float]] = {"healthy": [], "search": []}
+    for e in events:
+        if e.get("event") == "replan" and e.get("planning_s") is not None:
+            ok = all(r is not None and r <= 1.0 for r in e.get("measured_rates") or [None])
+            plans["healthy" if ok else "search"].append(float(e["planning_s"]))
+    trace = make_trace(rows, world, hours=horizon / 3600.0 + 1e-9, where=f"{run} schedule")
+    return RunReplay(problem, plan, spec, settings, trace, step_s, share, costs,
+                     {k: statistics.median(v) for k, v in plans.items() if v}, phases, G)
+
+
+def _switch_costs(steps, events) -> MigrationCost:
+    """A fixed part and a bandwidth fitted to the run's ``migrate`` events (least squares over
+    their sizes; a single size: its seconds as the fixed part), and the warm-up: the first step
+    after a switch over the median of the next five, less one (median over switches)."""
+    ms = [(float(e.get("bytes", 0)), float(e.get("seconds", 0.0))) for e in events
+          if e.get("event") == "migrate"]
+    fixed, gbps = 0.0, 1e3
+    if ms:
+        bs = [b for b, _ in ms]
+        if len(set(bs)) >= 2:
+            mb, mt = statistics.mean(bs), statistics.mean(t for _, t in ms)
+            var = statistics.mean((b - mb) ** 2 for b in bs)
+            slope = statistics.mean((b - mb) * (t - mt) for b, t in ms) / var
+            if slope > 0:
+                fixed, gbps = max(0.0, mt - slope * mb), 1.0 / slope / 1e9
+            else:
+                fixed = statistics.median(t for _, t in ms)
+        else:
+            fixed = statistics.median(t for _, t in ms)
+    by_step = {int(s["step"]): float(s["step_time_s"]) for s in steps}
+    warm = []
+    for e in events:
+        if e.get("event") == "migrate":
+            k = int(e["step"])
+            nxt = [by_step[i] for i in range(k + 1, k + 6) if i in by_step]
+            if k in by_step and len(nxt) >= 3:
+                warm.append(max(0.0, by_step[k] / statistics.median(nxt) - 1.0))
+    return MigrationCost(network_gbps=gbps, nvlink_gbps=gbps, communicators_s=fixed,
+                         warmup_steps=statistics.median(warm) if warm else 0.0)
+
+
+def _charge(planning: dict):
+    """Seconds charged per request: the run's own median for its kind (every rank healthy: the
+    planner answers without a search), else the planner's wall time here."""
+    def charge(wall: float, req: dict) -> float:
+        rates = (req.get("problem") or {}).get("rates") or {}
+        kind = "search" if any(float(v) > 1.0 for v in rates.values()) else "healthy"
+        return planning.get(kind, wall)
+    return charge
+
+
+def compare(rr: RunReplay) -> dict:
+    """Replay the run's own loop over its schedule; per phase, predicted against measured
+    samples/s."""
+    from .loop import run_malleus
+    from .run import Replay
+
+    rp = Replay(rr.problem, rr.step_s, compute_share=rr.compute_share)
+    charge = _charge(rr.planning_s)
+    res = run_malleus(rp, rr.trace.segments(), rr.settings, rr.costs, charge=charge,
+                      spec=rr.spec, plan=rr.plan)
+    out = []
+    for ph in rr.phases:
+        a, b = ph["start_s"], ph["end_s"]
+        samples = sum(sps * (min(e, b) - max(s, a)) for s, e, sps in res.timeline
+                      if e > a and s < b)
+        pred = samples / (b - a) if b > a else 0.0
+        meas = ph["measured_samples_per_s"]
+        out.append(dict(ph, predicted_samples_per_s=round(pred, 4),
+                        measured_samples_per_s=round(meas, 4),
+                        error=round(pred / meas - 1.0, 4) if meas > 0 else None))
+    return {"step_s": round(rr.step_s, 5), "compute_share": round(rr.compute_share, 4),
+            "switch_costs": vars(rr.costs), "planning_s": rr.planning_s,
+            "switches": res.switches, "phases": out,
+            "worst_error": max((abs(p["error"]) for p in out if p["error"] is not None),
+                               default=None)}
+
+
+def table(res: dict) -> str:
+    """Per phase of the run's schedule: measured and predicted samples/s and the error."""
+    lines = [f"healthy step {res['step_s']:.4g} s, compute {res['compute_share']:.0%} of it; "
+             f"planning charged {res['planning_s']}; switches {res['switches']}",
+             f"{'steps':>9}  {'straggler':<18}{'measured':>10}{'predicted':>11}{'error':>8}"]
+    for p in res["phases"]:
+        cond = ", ".join(f"rank {g} x{r:g}" for g, r in p["condition"].items()) or "healthy"
+        err = "" if p["error"] is None else f"{p['error']:+.1%}"
+        lines.append(f"{p['steps'][0]:>4}-{p['steps'][1]:<4}  {cond:<18}"
+                     f"{p['measured_samples_per_s']:>10.4g}{p['predicted_samples_per_s']:>11.4g}"
+                     f"{err:>8}")
+    if res["worst_error"] is not None:
+        lines.append(f"worst error {res['worst_error']:.1%} (samples/s per phase; the target is "
+                     f"15%)")
+    return "\n".join(lines)

@@ -1,0 +1,90 @@
+"""``malleus-sim replay --from-run``: the replay built from a recorded run's own files
+(``replay/from_run.py``), on a run folder written here by hand, where every number is known."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from malleus_ds.app.cli import sim_main
+from malleus_ds.replay.from_run import FromRunError, build, compare
+
+STEP, COMPUTE = 0.2, 0.1          # a healthy step and its busiest rank's compute (seconds)
+
+
+def _run(tmp_path, engine="malleus", migrations=True):
+    """4 ranks, the tiny model, 24 steps: healthy to step 8, rank 3 at rate 3 for 8 steps, then
+    healthy; the job switched before step 11 (0 B, 0.02 s) and back before step 19 (1 MB,
+    0.03 s); warm-up steps 0-1."""
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    cfg = {"engine": engine, "plan": "static",
+           "model": {"name": "tiny", "num_layers": 4, "hidden_size": 128, "max_seq_len": 128},
+           "train": {"global_batch_size": 16, "micro_batch_size": 1, "warmup_steps": 2},
+           "parallel": {"tp": 1, "pp": 1, "dp": None}, "cluster": {"nodes": None},
+           "malleus": {"detect": {"every": 1}}, "data": {"seq_len": None}}
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    lines = []
+    for k in range(24):
+        slow = 8 <= k < 16
+        comp = [COMPUTE] * 4
+        if slow:
+            comp[3] = 3 * COMPUTE
+        lines.append({"step": k, "samples": 16, "step_time_s": STEP + (2 * COMPUTE if slow else 0),
+                      "compute_s": comp, "emulated_rates": {"3": 3.0} if slow else {},
+                      "plan": "plan-a" if k < 11 or k >= 19 else "plan-b"})
+    if migrations:
+        lines.insert(11, {"event": "replan", "step": 11, "trigger": "onset", "planning_s": 0.5,
+                          "measured_rates": [1.0, 1.0, 1.0, 3.0], "adopted": True})
+        lines.insert(12, {"event": "migrate", "step": 11, "bytes": 0, "seconds": 0.02})
+        lines.append({"event": "replan", "step": 19, "trigger": "recovery", "planning_s": 0.1,
+                      "measured_rates": [1.0, 1.0, 1.0, 1.0], "adopted": True})
+        lines.append({"event": "migrate", "step": 19, "bytes": 10 ** 6, "seconds": 0.03})
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return run
+
+
+def test_the_replay_is_built_from_the_runs_own_files(tmp_path):
+    rr = build(_run(tmp_path))
+    assert rr.problem.num_gpus == 4 and rr.plan.global_batch_size == 16
+    assert rr.step_s == pytest.approx(STEP) and rr.compute_share == pytest.approx(COMPUTE / STEP)
+    # the straggler starts when step 8 started on the run's clock (steps 2-7 healthy)
+    (ev,) = rr.trace.events
+    assert ev.gpu == 3 and ev.rate == 3.0
+    assert ev.start_s == pytest.approx(6 * STEP)
+    assert ev.end_s == pytest.approx(6 * STEP + 8 * (STEP + 2 * COMPUTE) + 0.02)
+    # switch costs: 0 B in 0.02 s and 1 MB in 0.03 s: 0.02 s fixed + 1 MB per 0.01 s
+    assert rr.costs.communicators_s == pytest.approx(0.02)
+    assert rr.costs.network_gbps == pytest.approx(1e6 / 0.01 / 1e9)
+    assert rr.planning_s == {"search": 0.5, "healthy": 0.1}
+    assert [p["steps"] for p in rr.phases] == [[2, 7], [8, 15], [16, 23]]
+    assert rr.phases[0]["measured_samples_per_s"] == pytest.approx(16 / STEP)
+
+
+def test_compare_predicts_each_phase_and_names_its_error(tmp_path):
+    res = compare(build(_run(tmp_path)))
+    healthy, slow, after = res["phases"]
+    assert healthy["predicted_samples_per_s"] == pytest.approx(16 / STEP, rel=1e-3)
+    assert healthy["error"] == pytest.approx(0.0, abs=1e-3)
+    # the static step under rank 3 at rate 3: 0.1 s not compute + 0.3 s of rank 3's compute
+    assert slow["predicted_samples_per_s"] > 16 / (STEP + 2 * COMPUTE) * 0.99
+    assert res["switches"] >= 1 and res["worst_error"] == max(
+        abs(p["error"]) for p in res["phases"])
+
+
+def test_bad_run_folders_are_named(tmp_path, capsys):
+    with pytest.raises(FromRunError, match="no .hydra/config.yaml"):
+        build(tmp_path)
+    with pytest.raises(FromRunError, match="engine='deepspeed'; --from-run replays an "
+                                           "engine=malleus run"):
+        build(_run(tmp_path, engine="deepspeed"))
+    run = _run(tmp_path / "x")
+    assert sim_main(["replay", "--from-run", str(run), "--json", str(tmp_path / "o.json")]) == 0
+    out = capsys.readouterr().out
+    assert "measured" in out and "predicted" in out and "worst error" in out
+    assert json.loads((tmp_path / "o.json").read_text())["phases"]
+    assert sim_main(["replay", "--from-run", str(run), "p.json"]) == 2
+    assert "give no PROBLEM.json" in capsys.readouterr().err
+    assert sim_main(["replay"]) == 2
+    assert "or --from-run RUN_DIR" in capsys.readouterr().err

@@ -240,9 +240,8 @@ class RateEstimator:
         # ranks with the same history (timings, shape, work) weigh as one column with a count:
         # exact, and at 1,024 ranks of a replay (no noise) a few dozen columns instead of all
         K = c.shape[0]
-        cols, inv, w = np.unique(np.concatenate([np.nan_to_num(c, nan=-np.inf), A, B, C, ok]),
-                                 axis=1, return_inverse=True, return_counts=True)
-        inv = inv.reshape(-1)
+        cols, w = np.unique(np.concatenate([np.nan_to_num(c, nan=-np.inf), A, B, C, ok]),
+                            axis=1, return_counts=True)
         c, A, B, C = cols[:K], cols[K:2 * K], cols[2 * K:3 * K], cols[3 * K:4 * K]
         ok = cols[4 * K:].astype(bool)
         w = w.astype(np.float64)

@@ -17,7 +17,7 @@ import sys
 from typing import Sequence
 
 from ..plan import PlanError
-from .cli_common import fail as _fail, load_problem
+from .cli_common import EXIT_BAD_INPUT, fail as _fail, load_problem
 
 
 def trace_main(argv: Sequence[str]) -> int:
@@ -110,13 +110,8 @@ def replay_main(argv: Sequence[str]) -> int:
     except (TraceError, ReplayError) as e:
         return _fail(prog, str(e))
     print(table(res))
-    if a.json:
-        try:
-            with open(a.json, "w") as f:
-                json.dump(res, f, indent=1)
-        except OSError as e:
-            return _fail(prog, f"cannot write {a.json}: {e.strerror or e}")
-        print(f"wrote {a.json}")
+    if a.json and _write_json(prog, res, a.json):
+        return EXIT_BAD_INPUT
     if a.plot:
         try:
             plot(res, a.plot)
@@ -137,14 +132,22 @@ def _from_run(prog: str, a) -> int:
     except (FromRunError, ValueError) as e:
         return _fail(prog, str(e))
     print(table(res))
-    if a.json:
-        try:
-            with open(a.json, "w") as f:
-                json.dump(res, f, indent=1)
-        except OSError as e:
-            return _fail(prog, f"cannot write {a.json}: {e.strerror or e}")
-        print(f"wrote {a.json}")
+    if a.json and _write_json(prog, res, a.json):
+        return EXIT_BAD_INPUT
     return 0
+
+
+def _write_json(prog: str, res: dict, path: str) -> bool:
+    """Write ``res`` to ``path`` and say so; on failure print the one-line error and return
+    True."""
+    try:
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+    except OSError as e:
+        _fail(prog, f"cannot write {path}: {e.strerror or e}")
+        return True
+    print(f"wrote {path}")
+    return False
 
 
 def _loop_settings(path: str | None):

@@ -25,7 +25,6 @@ tests drive it (``tests/unit/adaptive/test_loop_synthetic.py``):
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -108,7 +107,6 @@ class Switch:
     adopted: bool
     from_plan: str
     to_plan: str
-    detected_step: int
     planning_s: float
     migration_s: float
     bytes: int
@@ -162,7 +160,6 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     steps_cache: dict[tuple[str, int], float] = {}
     key_at: tuple[int, tuple | None] | None = None
     since_change = 0
-    seg_sps: list[float] = []                # samples/s of the current stretch, for the timeline
     stretch_t0, stretch_samples = 0.0, 0.0
     step = 0
     try:
@@ -171,7 +168,6 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
             for ev, pj in ctl.before_step(step):
                 d = Switch(clock.now, step, ev.get("trigger", ""), pj is not None,
                            ev.get("from", plan.id), ev.get("to", plan.id),
-                           ev.get("detected", ev.get("step", step)),
                            planner.charged[-1] if planner.charged else 0.0, 0.0,
                            int(ev.get("bytes", 0)), reason=ev.get("reason", ""),
                            requested_t=planner.requested[-1] if planner.requested else None)

@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 from ..cost import step_time
 from ..plan import Plan, PlanError
 from ..problem import Problem
-from .trace import Segment, Trace
+from .trace import Segment
 
 class ReplayError(ValueError):
     """A replay that cannot run (a policy unknown, a problem the planner cannot plan)."""

@@ -386,9 +386,11 @@ class Controller:
     def period(self) -> int:
         """Steps after which every periodic part of the loop (detection, probes, the work
         model's refit) is back in phase."""
-        from math import lcm
-
-        return lcm(self.s.detect.every, self.s.detect.probe_every, self.est.FIT_EVERY)
+        d = self.s.detect
+        p = d.every                      # the least common multiple of the three
+        while p % d.probe_every or p % self.est.FIT_EVERY:
+            p += d.every
+        return p
 
     def skip(self, steps: int) -> None:
         """Account ``steps`` (a multiple of :meth:`period`) identical steps that a simulator

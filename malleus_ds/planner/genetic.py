@@ -74,7 +74,9 @@ def genetic_search(space: SearchSpace, cfg: "PlannerConfig", deadline: float | N
 
     # initial population: the best distinct heuristic seeds, then mutants of them
     rng = np.random.default_rng(cfg.seed)
-    seeds = space.seeds()
+    # warm start: the running plan itself among the seeds (a re-plan after a small change
+    # usually lies next to it)
+    seeds = (space.from_plan(old) if old is not None else []) + space.seeds()
     scored = []
     for x in seeds:
         if deadline is not None and time.perf_counter() > deadline and scored:

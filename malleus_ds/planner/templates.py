@@ -184,6 +184,27 @@ class SearchSpace:
                 x[self.slot_offset[i] + k] = -(-p * self.P_max // P)  # ceil: decodes back to p
         return np.clip(x, self.xl, self.xu)
 
+    def from_plan(self, plan) -> list[np.ndarray]:
+        """The running plan as genomes (both fill policies), to warm-start a re-plan from it:
+        its number of pipelines; per straggling node, the grouping option whose groups are
+        TP groups of the plan (and whose suspended ranks it suspends), else the first; each of
+        that option's groups in the pipeline the plan has it in. Empty when the plan's pipeline
+        count is outside this space."""
+        P = len(plan.pipelines)
+        if not int(self.xl[0]) <= P <= int(self.xu[0]):
+            return []
+        where = {tuple(sorted(st.ranks)): i for i, p in enumerate(plan.pipelines)
+                 for st in p.stages}
+        out_ranks = set(plan.suspended)
+        choice, assign = [], []
+        for opts in self.options:
+            c = next((j for j, o in enumerate(opts)
+                      if set(o.suspended) <= out_ranks
+                      and all(tuple(sorted(g.ranks)) in where for g in o.groups)), 0)
+            choice.append(c)
+            assign.append([where.get(tuple(sorted(g.ranks)), 0) for g in opts[c].groups])
+        return [self.encode(P, policy, choice, assign) for policy in (0, 1)]
+
     def min_healthy_depth(self) -> int:
         """Fewest healthy full groups one pipeline needs to hold the model in memory."""
         for S in range(1, self.L + 1):

@@ -52,3 +52,21 @@ def test_fixed_number_of_pipelines():
     validate_for_problem(pr, res.plan)
     if res.method == "search":
         assert len(res.plan.pipelines) <= 2
+
+
+def test_the_running_plan_warm_starts_the_search_as_a_genome():
+    """A plan the space built (a layout placed into ranks) encodes back into a genome of that
+    space whose layout is the plan's: the same step time; the running plan seeds a re-plan."""
+    pr = example("problem_64gpu_one_slow")
+    space = SearchSpace(pr)
+    for x in space.seeds()[:6]:
+        T, lay, ev = space.evaluate(x)
+        if ev is None:
+            continue
+        p = build_plan(space, lay, ev)
+        back = space.from_plan(p)
+        assert len(back) == 2 and all(int(g[0]) == len(p.pipelines) for g in back)
+        assert min(space.evaluate(g)[0] for g in back) == pytest.approx(T, rel=1e-9)
+    # a plan with more pipelines than the space allows does not encode
+    small = SearchSpace(pr, num_pipelines=1)
+    assert small.from_plan(build_plan(space, lay, ev)) == [] or len(ev.ms) == 1

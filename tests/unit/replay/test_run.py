@@ -112,3 +112,23 @@ def test_the_command_writes_a_trace_replays_it_and_writes_json_and_plot(tmp_path
     assert "after --hours=1" in capsys.readouterr().err
     assert sim_main(["trace", "--gpus", "0", "--hours", "1", "--regime", "mixed",
                      "-o", str(csv)]) == 2
+
+
+def test_the_commands_loop_and_cost_options_are_checked_by_name(tmp_path, capsys):
+    prob = tmp_path / "p.json"
+    prob.write_text(json.dumps(dp_problem().to_json()))
+    csv = tmp_path / "t.csv"
+    csv.write_text("start_s,end_s,gpu,rate\n60,600,3,2.0\n")
+    base = ["replay", str(prob), str(csv), "--step-s", "1", "--hours", "0.25"]
+    cfg = tmp_path / "loop.json"
+    cfg.write_text(json.dumps({"detect": {"window": 0}}))
+    assert sim_main(base + ["--loop-config", str(cfg)]) == 2
+    assert "--loop-config.detect.window=0 must be >= 1" in capsys.readouterr().err
+    assert sim_main(base + ["--loop-config", str(tmp_path / "none.json")]) == 2
+    assert "--loop-config: cannot read" in capsys.readouterr().err
+    assert sim_main(base + ["--switch-costs", "nvlink_gbps=-1"]) == 2
+    assert "--switch-costs: nvlink_gbps=-1.0 must be > 0" in capsys.readouterr().err
+    cfg.write_text(json.dumps({"horizon_steps": 500}))
+    assert sim_main(base + ["--loop-config", str(cfg), "--policies", "static,malleus",
+                            "--restart-costs", "init_s=10"]) == 0
+    assert "malleus" in capsys.readouterr().out

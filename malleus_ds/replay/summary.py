@@ -117,8 +117,8 @@ def replay(problem, trace: Trace, step_s: float, policies: Sequence[str] = POLIC
            break_even_max: int = 12, progress: bool = False, charge=None) -> dict:
     """Replay every policy over ``trace``; the result as the JSON ``--json`` writes.
     ``break_even_max``: stragglers (by how often the trace has them) whose break-even is
-    computed; ``charge``: (the planner's wall seconds, the request) -> seconds on the malleus
-    loop's clock
+    computed (none for a problem without a memory section: a switch's bytes are unknown);
+    ``charge``: (the planner's wall seconds, the request) -> seconds on the malleus loop's clock
     (None: as measured)."""
     from .loop import run_malleus
     from .restart import run_restart
@@ -196,7 +196,7 @@ def replay(problem, trace: Trace, step_s: float, policies: Sequence[str] = POLIC
         (settings.detect.window // 2 + settings.detect.confirm) * settings.detect.every * step_s
     be = []
     for rate, rates, count in sorted(stragglers(trace), key=lambda x: (-x[2], -x[0]))[
-            :break_even_max]:
+            :break_even_max if problem.memory is not None else 0]:
         d, terms = break_even_s(rp, rates, switch_costs, detect_s)
         be.append({"gpus": len(rates), "rate": rate, "count": count,
                    "break_even_s": None if d == float("inf") else round(d, 1), **terms})

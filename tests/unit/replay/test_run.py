@@ -82,6 +82,11 @@ def test_bad_input_is_named():
         replay(dp_problem(), tr, 0.0)
     with pytest.raises(ReplayError, match=r"'dp4' has no memory section: the malleus policy"):
         replay(dp_problem(memory=False), tr, 1.0, policies=["static", "malleus"])
+    # without memory the fixed policies still run; no break-even (a switch's bytes unknown)
+    slow = make_trace([Event(60.0, 600.0, 3, 2.0)], 4, hours=1.0)
+    res = replay(dp_problem(memory=False), slow, 1.0, policies=["static", "oracle"],
+                 planner_time_limit_s=1.0)
+    assert res["break_even"] == [] and res["policies"]["oracle"]["vs_static"] > 1.0
     with pytest.raises(ReplayError, match=r"unknown policy 'fast'"):
         replay(dp_problem(), tr, 1.0, policies=["fast"])
 

@@ -226,9 +226,9 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                         continue
                 key_at = (step, key) if key is not None else None
             # -- one step through the loop's hooks ----------------------------------------------
-            eff = rate
+            eff, before = rate, 1.0
             if clock.now + step_s > segs[si].end_s and si + 1 < len(segs):
-                step_s, eff = _crossing(rp, plan, segs, si, clock.now, N)
+                step_s, eff, before = _crossing(rp, plan, segs, si, clock.now, N)
             comp = units * eff * rp.scale
             probes = np.full(N, np.nan)
             if step % every == 0 and ctl.probe_ref is not None:    # as Controller.probe_due
@@ -237,7 +237,12 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 probes[who] = PROBE_S * eff[who]
             frac = min(1.0, (horizon - clock.now) / step_s)
             clock.now += step_s              # the all-reduce ends the step: hooks run then
-            stretch_samples += gbs * frac
+            if before < 1.0:                 # its work before the change counts before it
+                stretch_samples += gbs * before
+                _close_stretch(out, stretch_t0, segs[si].end_s, stretch_samples)
+                stretch_t0, stretch_samples = segs[si].end_s, gbs * max(0.0, frac - before)
+            else:
+                stretch_samples += gbs * frac
             ready, _ = ctl.contribute(float(comp[0]), 0.0)
             ctl.observe(step, _sums(ready, comp, probes))
             ctl.step_done(step_s)
@@ -261,11 +266,13 @@ def _vector(seg: Segment, n: int) -> np.ndarray:
 
 
 def _crossing(rp: Replay, plan: Plan, segs: Sequence[Segment], si: int, t: float, n: int
-              ) -> tuple[float, np.ndarray]:
+              ) -> tuple[float, np.ndarray, float]:
     """A step of ``plan`` from ``t`` that runs into the next segments: its seconds (its work
-    done at each segment's pace in turn, as the fixed policies count a segment's share) and
-    each rank's time-weighted rate over it."""
+    done at each segment's pace in turn, as the fixed policies count a segment's share), each
+    rank's time-weighted rate over it, and the share of its work done before the first
+    change (its samples there belong to the stretch before it)."""
     left, k, acc, t0 = 1.0, si, np.zeros(n), t
+    before = min(1.0, (segs[si].end_s - t) / rp.step_seconds(plan, segs[si].rate_map()))
     while True:
         seg = segs[k]
         st = rp.step_seconds(plan, seg.rate_map())
@@ -277,7 +284,7 @@ def _crossing(rp: Replay, plan: Plan, segs: Sequence[Segment], si: int, t: float
         acc += room * _vector(seg, n)
         left -= room / st
         t, k = seg.end_s, k + 1
-    return t - t0, acc / (t - t0)
+    return t - t0, acc / (t - t0), before
 
 
 def _close_stretch(out: LoopResult, t0: float, t1: float, samples: float) -> None:

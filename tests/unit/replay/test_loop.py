@@ -217,3 +217,15 @@ def test_at_256_gpus_the_loop_meets_the_issues_targets(regime, hours):
         assert m["of_oracle_gain"] >= 0.85
     for p in res["policies"].values():
         assert p["vs_healthy"] <= res["capacity_bound"] + 1e-9
+
+
+def test_a_step_across_a_change_counts_its_work_on_each_side_of_it():
+    """GPU 3 at rate 4 from 100.5 s, mid-step: the healthy stretch ends at 100.5 s at the
+    healthy pace (the step's first half), and the step's remaining work counts after it."""
+    tr = make_trace([Event(100.5, 3000.0, 3, 4.0)], 4, hours=1.0)
+    rp = Replay(dp_problem(), 1.0)
+    m = run_malleus(rp, tr.segments(), charge=_charge)
+    first = m.timeline[0]
+    assert first[0] == 0.0 and first[1] == pytest.approx(100.5)
+    assert first[2] == pytest.approx(28.0)            # 28 samples per 1 s healthy step
+    assert m.timeline[1][0] == pytest.approx(100.5)

@@ -41,7 +41,8 @@ from . import probe as probing
 from .job import JobSpec
 from .settings import AdaptiveSettings
 from ..problem import Problem
-from .replan import Decision, decide, fit_running_plan, job_memory, job_problem
+from .replan import (Decision, decide, fit_running_plan, fit_switch_seconds, job_memory,
+                     job_problem)
 from .held import HOLD, held_ranks, probe_reference
 from .detect import Detector, trigger_kind
 from .rates import RateEstimator, as_list
@@ -648,13 +649,9 @@ class Controller:
         until one was measured). Issue 33: folding a switch's fixed part (new communicators,
         the first step's warm-up: ~11 s at 1,024 GPUs) into its bandwidth overestimated a
         1 TB switch 3-6x, and a replay kept a plan 2.6% slower than the user's for hours."""
-        ms = [(float(m.bytes), float(m.seconds)) for m in self.migrations if m.seconds > 0]
-        if len({b for b, _ in ms}) >= 2:
-            b = np.array([x[0] for x in ms])
-            t = np.array([x[1] for x in ms])
-            slope = float(np.mean((b - b.mean()) * (t - t.mean())) / np.var(b))
-            if slope > 0:
-                return max(0.0, float(t.mean() - slope * b.mean())) + slope * nbytes
+        fit = fit_switch_seconds((m.bytes, m.seconds) for m in self.migrations if m.seconds > 0)
+        if fit is not None:
+            return fit[0] + fit[1] * nbytes
         done = [m for m in self.migrations if m.bytes > 0 and m.seconds > 0]
         bw = (sum(m.bytes for m in done) / sum(m.seconds for m in done)) if done \
             else self.s.migrate_gbps * 1e9

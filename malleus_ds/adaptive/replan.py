@@ -120,6 +120,25 @@ def job_problem(plan: Plan, job: JobLayout, tp_slowdown: Mapping[int, float],
                    activation_checkpointing=activation_checkpointing)
 
 
+def fit_switch_seconds(switches) -> tuple[float, float] | None:
+    """``(fixed seconds, seconds per byte)`` of ``seconds = fixed + bytes x per_byte``, least
+    squares over ``switches`` (``(bytes, seconds)`` pairs), the fixed part at least 0; None
+    until two different byte counts were measured, or when more bytes did not take longer.
+    The adaptive loop predicts its next switch with it (``control.py``); a replay fits a
+    recorded run's switches (``replay/from_run.py``)."""
+    import numpy as np
+
+    pts = [(float(b), float(t)) for b, t in switches]
+    if len({b for b, _ in pts}) < 2:
+        return None
+    b = np.array([x[0] for x in pts])
+    t = np.array([x[1] for x in pts])
+    slope = float(np.mean((b - b.mean()) * (t - t.mean())) / np.var(b))
+    if not slope > 0:
+        return None
+    return max(0.0, float(t.mean() - slope * b.mean())), slope
+
+
 @dataclass(frozen=True)
 class Decision:
     """Rank 0's answer to a trigger; broadcast to every rank."""

@@ -50,7 +50,6 @@ class RunReplay:
     planning_s: dict               # median seconds of the run's re-plans: "healthy" (every rank
                                    # healthy: no search) and "search" (the others)
     phases: list[dict]             # per phase of the schedule: its window and measured samples/s
-    samples_per_step: int
 
 
 def _config(run: Path) -> dict:
@@ -82,7 +81,7 @@ def build(run_dir: str | Path) -> RunReplay:
     from ..plan import static_plan
     from ..problem import ideal_slowdown
     from ..report.metrics import MetricsError, read_run
-    from ..report.run_model import emulated_condition
+    from ..report.run_model import emulated_condition, stretches, throughput
 
     run = Path(run_dir)
     cfg = _config(run)
@@ -138,25 +137,20 @@ def build(run_dir: str | Path) -> RunReplay:
     conds = [emulated_condition(s) for s in steps]
     rows: list[Event] = []
     phases: list[dict] = []
-    k = 0
-    while k < len(steps):
-        j = k
-        while j + 1 < len(steps) and conds[j + 1] == conds[k]:
-            j += 1
-        end = starts[j + 1] if j + 1 < len(steps) else horizon
-        for g, r in conds[k]:
-            rows.append(Event(round(starts[k], 6), round(end, 6), g, r))
-        secs = sum(float(s["step_time_s"]) for s in steps[k:j + 1]) + sum(
-            v for st, v in mig.items() if int(steps[k]["step"]) < st <= int(steps[j]["step"]))
-        samples = sum(int(s.get("samples", G)) for s in steps[k:j + 1])
-        phases.append({"steps": [int(steps[k]["step"]), int(steps[j]["step"])],
-                       "condition": {str(g): r for g, r in conds[k]},
-                       "start_s": starts[k], "end_s": end,
-                       "measured_samples_per_s": samples / secs if secs > 0 else 0.0})
-        k = j + 1
-    healthy = [s for s, c in zip(steps, conds) if not c and s.get("plan") == steps[0].get("plan")]
+    for ph in stretches(conds):
+        end = starts[ph.hi] if ph.hi < len(steps) else horizon
+        for g, r in ph.key:
+            rows.append(Event(round(starts[ph.lo], 6), round(end, 6), g, r))
+        first, last = int(steps[ph.lo]["step"]), int(steps[ph.hi - 1]["step"])
+        # a migration before the phase's first step ran before its window began
+        tput = throughput(steps[ph.lo:ph.hi], events, lo=first + 1, hi=last)
+        phases.append({"steps": [first, last], "condition": {str(g): r for g, r in ph.key},
+                       "start_s": starts[ph.lo], "end_s": end,
+                       "measured_samples_per_s": tput.samples_per_s})
+    plan0 = steps[0].get("plan")
     first_slow = next((i for i, c in enumerate(conds) if c), len(steps))
-    healthy = [s for s in steps[:first_slow] if s.get("plan") == steps[0].get("plan")] or healthy
+    healthy = [s for s in steps[:first_slow] if s.get("plan") == plan0] or \
+        [s for s, c in zip(steps, conds) if not c and s.get("plan") == plan0]
     if len(healthy) < 2:
         raise FromRunError(f"{run}/metrics.jsonl: fewer than 2 healthy steps on the first plan "
                            f"after warm-up (train.warmup_steps={warm}): no healthy step time")
@@ -171,28 +165,23 @@ def build(run_dir: str | Path) -> RunReplay:
             plans["healthy" if ok else "search"].append(float(e["planning_s"]))
     trace = make_trace(rows, world, hours=horizon / 3600.0 + 1e-9, where=f"{run} schedule")
     return RunReplay(problem, plan, spec, settings, trace, step_s, share, costs,
-                     {k: statistics.median(v) for k, v in plans.items() if v}, phases, G)
+                     {k: statistics.median(v) for k, v in plans.items() if v}, phases)
 
 
 def _switch_costs(steps, events) -> MigrationCost:
     """A fixed part and a bandwidth fitted to the run's ``migrate`` events (least squares over
     their sizes; a single size: its seconds as the fixed part), and the warm-up: the first step
     after a switch over the median of the next five, less one (median over switches)."""
+    from ..adaptive.replan import fit_switch_seconds
+
     ms = [(float(e.get("bytes", 0)), float(e.get("seconds", 0.0))) for e in events
           if e.get("event") == "migrate"]
     fixed, gbps = 0.0, 1e3
-    if ms:
-        bs = [b for b, _ in ms]
-        if len(set(bs)) >= 2:
-            mb, mt = statistics.mean(bs), statistics.mean(t for _, t in ms)
-            var = statistics.mean((b - mb) ** 2 for b in bs)
-            slope = statistics.mean((b - mb) * (t - mt) for b, t in ms) / var
-            if slope > 0:
-                fixed, gbps = max(0.0, mt - slope * mb), 1.0 / slope / 1e9
-            else:
-                fixed = statistics.median(t for _, t in ms)
-        else:
-            fixed = statistics.median(t for _, t in ms)
+    fit = fit_switch_seconds(ms)
+    if fit is not None:
+        fixed, gbps = fit[0], 1.0 / fit[1] / 1e9
+    elif ms:
+        fixed = statistics.median(t for _, t in ms)
     by_step = {int(s["step"]): float(s["step_time_s"]) for s in steps}
     warm = []
     for e in events:

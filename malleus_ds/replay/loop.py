@@ -38,7 +38,7 @@ from ..adaptive.work import cost_units
 from ..plan import Plan
 from .costs import MigrationCost
 from .job import problem_job
-from .run import PolicyResult, Replay
+from .run import PolicyResult, Replay, rate_vector
 from .trace import Segment
 
 #: seconds of one run of the probe block on a healthy GPU (any value: probes read as ratios)
@@ -201,7 +201,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 if rate_seg >= 0:
                     _close_stretch(out, stretch_t0, clock.now, stretch_samples)
                     stretch_t0, stretch_samples = clock.now, 0.0
-                rate = _vector(segs[si], N)
+                rate = rate_vector(segs[si], N)
                 rate_seg, since_change = si, 0
                 if progress is not None:
                     progress(1)
@@ -258,13 +258,6 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     return out
 
 
-def _vector(seg: Segment, n: int) -> np.ndarray:
-    v = np.ones(n)
-    for g, r in seg.rates:
-        v[g] = r
-    return v
-
-
 def _crossing(rp: Replay, plan: Plan, segs: Sequence[Segment], si: int, t: float, n: int
               ) -> tuple[float, np.ndarray, float]:
     """A step of ``plan`` from ``t`` that runs into the next segments: its seconds (its work
@@ -278,10 +271,10 @@ def _crossing(rp: Replay, plan: Plan, segs: Sequence[Segment], si: int, t: float
         st = rp.step_seconds(plan, seg.rate_map())
         room = seg.end_s - t
         if left * st <= room or k + 1 == len(segs):
-            acc += left * st * _vector(seg, n)
+            acc += left * st * rate_vector(seg, n)
             t += left * st
             break
-        acc += room * _vector(seg, n)
+        acc += room * rate_vector(seg, n)
         left -= room / st
         t, k = seg.end_s, k + 1
     return t - t0, acc / (t - t0), before

@@ -21,7 +21,7 @@ import numpy as np
 from ..adaptive.detect import Detector
 from ..adaptive.settings import AdaptiveSettings
 from .costs import RestartCost
-from .run import PolicyResult, Replay
+from .run import PolicyResult, Replay, rate_vector
 from .trace import Segment
 
 
@@ -46,14 +46,13 @@ def run_restart(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     pending: tuple | None = None       # (ready at, plan, rates, detection s, planning s)
     out.plans[plan.id] = plan
     horizon = segs[-1].end_s if segs else 0.0
+    # steps after a change (or a restart) by which the detector has triggered or never will
+    settle = 3 * cfg.window + cfg.every * (cfg.confirm + cfg.cooldown + 1)
     for si, s in enumerate(segs):
         rates = s.rate_map()
-        vec = np.ones(N)
-        for g, r in s.rates:
-            vec[g] = r
+        vec = rate_vector(s, N)
         t = max(t, s.start_s)
-        # step through the first steps of the segment until detection has settled
-        settle_until = step + 3 * cfg.window + cfg.every * (cfg.confirm + cfg.cooldown + 1)
+        settle_until = step + settle      # step until detection has settled, then jump
         t0, samples = t, 0.0
         while t < s.end_s:
             if pending is not None and t >= pending[0]:
@@ -74,7 +73,7 @@ def run_restart(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                     t0, samples = t, 0.0
                     # a restart starts a fresh window: the steps before it ran another plan
                     window.clear()
-                    settle_until = step + 3 * cfg.window + cfg.every * (cfg.confirm + cfg.cooldown + 1)
+                    settle_until = step + settle
                     if t >= s.end_s:
                         break
             step_s = rp.step_seconds(plan, rates)

@@ -140,6 +140,16 @@ class Replay:
         return self._plans[key]
 
 
+def rate_vector(seg: Segment, n: int):
+    """``seg``'s rates as one array over its ``n`` GPUs (1.0 where healthy)."""
+    import numpy as np
+
+    v = np.ones(n)
+    for g, r in seg.rates:
+        v[g] = r
+    return v
+
+
 def capacity_bound(trace_segments: Sequence[Segment], num_gpus: int) -> float:
     """Time-weighted mean over the segments of the mean over GPUs of ``1 / rate``."""
     total = sum(s.seconds for s in trace_segments)

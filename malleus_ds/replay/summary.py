@@ -236,7 +236,7 @@ def _events(rp: Replay, segs: Sequence[Segment], results: dict) -> list[dict]:
                    "change_s": at,
                    "detection_s": None if d.requested_t is None else round(d.requested_t - at, 3),
                    "planning_s": round(d.planning_s, 3), "migration_s": round(d.migration_s, 3),
-                   "bytes": d.bytes, **{k: v for k, v in d.terms.items()}}
+                   "bytes": d.bytes, **d.terms}
             if d.adopted:
                 won = switch_gain(rp, segs, plans[d.from_plan], plans[d.to_plan], d.t,
                                   d.migration_s, ends[id(d)])

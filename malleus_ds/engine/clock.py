@@ -50,6 +50,9 @@ class ComputeClock:
         self.step = 0
         self._compute_s = 0.0
         self.emulated_s = 0.0
+        #: this step's seconds inside compute spans that are not device time: waits for a core
+        #: another process held (CPU; 0 on CUDA), the host's contention (``wait_s`` of a step line)
+        self.wait_s = 0.0
         self._excluded = 0.0
         self._ex_depth = 0
         self._in_compute = 0
@@ -62,7 +65,7 @@ class ComputeClock:
         self._ex_cpu = self._ex_wait = 0.0
 
     def start_step(self, step: int) -> None:
-        self.step, self._compute_s, self.emulated_s = step, 0.0, 0.0
+        self.step, self._compute_s, self.emulated_s, self.wait_s = step, 0.0, 0.0, 0.0
         self._events = []
         self._sync = self.cuda and self._emulating(step)
         if self.straggler is not None:
@@ -134,6 +137,7 @@ class ComputeClock:
             # never above the wall: one thread's device time cannot exceed it (a quota's floor
             # overshoots a span shorter than the quota's period, which runs in one burst)
             dev = min(dev, wall)
+            self.wait_s += wall - dev
         self.add(dev, wall)
 
     @contextmanager
@@ -172,7 +176,9 @@ class ComputeClock:
             w0 = thread_times()[1] if self.waits else 0.0
             slept = self.straggler.after_compute(self.step, wall)
             if self.waits and slept > 0:
-                slept = max(0.0, slept - (thread_times()[1] - w0))
+                woke = thread_times()[1] - w0
+                self.wait_s += woke
+                slept = max(0.0, slept - woke)
                 slept *= seconds / wall if wall > 0 else 1.0
         self._compute_s += seconds + slept
         self.emulated_s += slept

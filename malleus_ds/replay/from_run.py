@@ -11,9 +11,13 @@ what a replay needs, each from the run's own files:
   ``train.warmup_steps`` before the first straggler), and the share of it that is compute (the
   busiest rank's ``compute_s`` over those steps, as the what-if account reads it,
   ``report/whatif.py``): only that share slows with the rates;
-* **the trace**: its emulated schedule (``emulated_rates`` of each step line) on the run's own
-  clock: a straggler starts at the moment its first step started, counting step times and
-  migration seconds from the first step after warm-up;
+* **the trace**: its emulated schedule on the run's own clock (a straggler starts at the moment
+  its first step started, counting step times and migration seconds from the first step after
+  warm-up), at the slowdown each rank really ran at: per stretch of a phase on one plan, the
+  loop's own measured rate (``measured_rates``; an emulated CPU straggler runs slower than
+  scheduled, more so on a light share);
+* **the planner's stall**: how much longer the steps ran while the planner searched on the
+  ranks' own cores (``run_malleus(planner_stall=)``);
 * **the switch costs**: a fixed part and a bandwidth fitted to its ``migrate`` events, the
   first step after a switch against the steps that follow (warm-up), and the planner's seconds
   its ``replan`` events took.
@@ -47,6 +51,7 @@ class RunReplay:
     step_s: float
     compute_share: float
     costs: MigrationCost
+    planner_stall: float           # how much longer a step ran while the planner searched
     planning_s: dict               # median seconds of the run's re-plans: "healthy" (every rank
                                    # healthy: no search) and "search" (the others)
     phases: list[dict]             # per phase of the schedule: its window and measured samples/s
@@ -139,12 +144,26 @@ def build(run_dir: str | Path) -> RunReplay:
     phases: list[dict] = []
     for ph in stretches(conds):
         end = starts[ph.hi] if ph.hi < len(steps) else horizon
-        for g, r in ph.key:
-            rows.append(Event(round(starts[ph.lo], 6), round(end, 6), g, r))
+        # the phase on each plan the run ran it on: a rank's real slowdown depends on its share
+        realized = []
+        for st in stretches([s.get("plan") for s in steps[ph.lo:ph.hi]]):
+            a, b = ph.lo + st.lo, ph.lo + st.hi
+            got = _realized(steps[a:b], settings.detect.window)
+            realized.append(got)
+            t_b = round(starts[b] if b < len(steps) else horizon, 6)
+            for g, r in ph.key:
+                r = got.get(g, r)
+                if rows and (rows[-1].gpu, rows[-1].rate, rows[-1].end_s) == (g, r, round(
+                        starts[a], 6)):
+                    rows[-1] = Event(rows[-1].start_s, t_b, g, r)    # one event while equal
+                else:
+                    rows.append(Event(round(starts[a], 6), t_b, g, r))
         first, last = int(steps[ph.lo]["step"]), int(steps[ph.hi - 1]["step"])
         # a migration before the phase's first step ran before its window began
         tput = throughput(steps[ph.lo:ph.hi], events, lo=first + 1, hi=last)
         phases.append({"steps": [first, last], "condition": {str(g): r for g, r in ph.key},
+                       "realized": [{str(g): round(got.get(g, r), 3) for g, r in ph.key}
+                                    for got in realized],
                        "start_s": starts[ph.lo], "end_s": end,
                        "measured_samples_per_s": tput.samples_per_s})
     plan0 = steps[0].get("plan")
@@ -161,11 +180,60 @@ def build(run_dir: str | Path) -> RunReplay:
     plans: dict[str, list[float]] = {"healthy": [], "search": []}
     for e in events:
         if e.get("event") == "replan" and e.get("planning_s") is not None:
-            ok = all(r is not None and r <= 1.0 for r in e.get("measured_rates") or [None])
-            plans["healthy" if ok else "search"].append(float(e["planning_s"]))
+            plans["healthy" if _healthy(e) else "search"].append(float(e["planning_s"]))
     trace = make_trace(rows, world, hours=horizon / 3600.0 + 1e-9, where=f"{run} schedule")
     return RunReplay(problem, plan, spec, settings, trace, step_s, share, costs,
+                     _planner_stall(steps, events),
                      {k: statistics.median(v) for k, v in plans.items() if v}, phases)
+
+
+def _healthy(replan: dict) -> bool:
+    """Was this re-plan asked with every rank healthy (the planner answers without a search)?"""
+    return all(r is not None and r <= 1.0 for r in replan.get("measured_rates") or [None])
+
+
+def _realized(steps, window: int) -> dict[int, float]:
+    """Per rank, the slowdown it really ran at over ``steps`` (a phase of the schedule on one
+    plan): the median of the loop's measured rates once its window holds only these steps (in
+    fewer steps than the window: the last one's). On CPU an emulated straggler runs slower than
+    its schedule says (its compute, between its sleeps, finds its caches cold: rank 1 scheduled
+    at 3 measured 3.2-3.7 in the demo, more on a light share), and the trace is what the job ran
+    through. Ranks never read: absent (their scheduled rate holds)."""
+    out: dict[int, float] = {}
+    rows = [s.get("measured_rates") for s in steps[min(window, len(steps) - 1):]]
+    for g in range(max((len(r) for r in rows if r), default=0)):
+        xs = [float(r[g]) for r in rows if r and g < len(r) and r[g] is not None]
+        if xs:
+            out[g] = max(1.0, statistics.median(xs))
+    return out
+
+
+def _planner_stall(steps, events) -> float:
+    """How much longer a step ran while the planner searched on the ranks' host (a CPU run:
+    the search takes a core): the median, over the steps from each searching re-plan's
+    detection to its answer, of the step time over the median of the steps of the same plan
+    and straggler condition that ran with no search in flight (nor first after a switch),
+    less one; 0 when no such pair exists."""
+    from ..report.run_model import emulated_condition
+
+    busy: set[int] = set()
+    for e in events:
+        if e.get("event") == "replan" and e.get("detected") is not None and not _healthy(e):
+            busy.update(range(int(e["detected"]), int(e["step"])))
+    first = {int(e["step"]) for e in events if e.get("event") == "migrate"}
+
+    def key(s):
+        return s.get("plan"), emulated_condition(s)
+
+    calm: dict = {}
+    for s in steps:
+        k = int(s["step"])
+        if k not in busy and k not in first:
+            calm.setdefault(key(s), []).append(float(s["step_time_s"]))
+    ratios = [float(s["step_time_s"]) / statistics.median(calm[key(s)]) for s in steps
+              if int(s["step"]) in busy and int(s["step"]) not in first
+              and len(calm.get(key(s), ())) >= 2]
+    return max(0.0, statistics.median(ratios) - 1.0) if ratios else 0.0
 
 
 def _switch_costs(steps, events) -> MigrationCost:
@@ -197,10 +265,10 @@ def _switch_costs(steps, events) -> MigrationCost:
 def _charge(planning: dict):
     """Seconds charged per request: the run's own median for its kind (every rank healthy: the
     planner answers without a search), else the planner's wall time here."""
+    from .loop import is_search
+
     def charge(wall: float, req: dict) -> float:
-        rates = (req.get("problem") or {}).get("rates") or {}
-        kind = "search" if any(float(v) > 1.0 for v in rates.values()) else "healthy"
-        return planning.get(kind, wall)
+        return planning.get("search" if is_search(req) else "healthy", wall)
     return charge
 
 
@@ -213,7 +281,7 @@ def compare(rr: RunReplay) -> dict:
     rp = Replay(rr.problem, rr.step_s, compute_share=rr.compute_share)
     charge = _charge(rr.planning_s)
     res = run_malleus(rp, rr.trace.segments(), rr.settings, rr.costs, charge=charge,
-                      spec=rr.spec, plan=rr.plan)
+                      spec=rr.spec, plan=rr.plan, planner_stall=rr.planner_stall)
     out = []
     for ph in rr.phases:
         a, b = ph["start_s"], ph["end_s"]
@@ -226,6 +294,7 @@ def compare(rr: RunReplay) -> dict:
                         error=round(pred / meas - 1.0, 4) if meas > 0 else None))
     return {"step_s": round(rr.step_s, 5), "compute_share": round(rr.compute_share, 4),
             "switch_costs": vars(rr.costs), "planning_s": rr.planning_s,
+            "planner_stall": round(rr.planner_stall, 4),
             "switches": res.switches, "phases": out,
             "worst_error": max((abs(p["error"]) for p in out if p["error"] is not None),
                                default=None)}
@@ -234,7 +303,8 @@ def compare(rr: RunReplay) -> dict:
 def table(res: dict) -> str:
     """Per phase of the run's schedule: measured and predicted samples/s and the error."""
     lines = [f"healthy step {res['step_s']:.4g} s, compute {res['compute_share']:.0%} of it; "
-             f"planning charged {res['planning_s']}; switches {res['switches']}",
+             f"planning charged {res['planning_s']}, steps {res['planner_stall']:.0%} longer "
+             f"while it searched; switches {res['switches']}",
              f"{'steps':>9}  {'straggler':<18}{'measured':>10}{'predicted':>11}{'error':>8}"]
     for p in res["phases"]:
         cond = ", ".join(f"rank {g} x{r:g}" for g, r in p["condition"].items()) or "healthy"

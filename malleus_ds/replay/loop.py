@@ -8,9 +8,12 @@ tests drive it (``tests/unit/adaptive/test_loop_synthetic.py``):
 * **Timings.** Each step, every rank's compute seconds are its cost units under the running
   plan (``adaptive/work.cost_units``) x its true rate at that moment x the replay's seconds per
   unit (``Replay.scale``); the step takes the plan's step time under the true rates
-  (``Replay.step_seconds``). A rank without work, a held one and the calibrating rank probe every
-  ``detect.probe_every`` steps, reading :data:`PROBE_S` x their true rate: suspended GPUs follow
-  the trace too.
+  (``Replay.step_seconds``). A rank without work, the calibrating rank and a held rank whose
+  compute leaves it slack (``probe.light``) probe every ``detect.probe_every`` steps, right
+  after the step's all-reduce, reading :data:`PROBE_S` x their true rate at that moment, in
+  the next step's reduce (as ``Controller.after_reduce``): suspended GPUs follow the trace too.
+  Where the planner shares the ranks' cores (a CPU run, ``from_run.py``), steps stretch by
+  ``planner_stall`` while it searches.
 * **Planning.** The loop's planner is :class:`SimPlanner`: the real planner (the worker's own
   ``answer``, with its cache), run in this process when the loop asks; its answer reaches the
   loop once the simulated clock has passed the request's moment plus the planner's wall seconds
@@ -26,6 +29,7 @@ tests drive it (``tests/unit/adaptive/test_loop_synthetic.py``):
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Callable, Sequence
@@ -33,6 +37,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..adaptive.control import Controller
+from ..adaptive.probe import HELD_LOAD
 from ..adaptive.settings import AdaptiveSettings
 from ..adaptive.work import cost_units
 from ..plan import Plan
@@ -70,7 +75,7 @@ class SimPlanner:
         self.clock = clock
         self.charge = charge or (lambda wall, req: wall)
         self.cache = cache if cache is not None else AnswerCache()
-        self._held: list[tuple[float, dict]] = []
+        self._held: list[tuple[float, dict, bool]] = []    # (ready at, answer, a search?)
         self.charged: list[float] = []          # seconds charged per request
         self.requested: list[float] = []        # the clock at each request
 
@@ -80,7 +85,12 @@ class SimPlanner:
         s = float(self.charge(time.perf_counter() - t0, req))
         self.charged.append(s)
         self.requested.append(self.clock.now)
-        self._held.append((self.clock.now + s, ans))
+        self._held.append((self.clock.now + s, ans, is_search(req)))
+
+    def searching(self) -> bool:
+        """Is the planner searching at the clock's moment (a request in flight with a rank
+        slower than healthy: a request with every rank healthy is answered without a search)?"""
+        return any(self.clock.now < t and search for t, _, search in self._held)
 
     def poll(self) -> dict | None:
         if self._held and self.clock.now >= self._held[0][0]:
@@ -95,6 +105,13 @@ class SimPlanner:
 
     def close(self) -> None:
         self._held.clear()
+
+
+def is_search(req: dict) -> bool:
+    """Does the planner search for this request (some rank slower than healthy)? One with every
+    rank healthy is answered by the user's layout, without a search."""
+    rates = (req.get("problem") or {}).get("rates") or {}
+    return any(float(v) > 1.0 for v in rates.values())
 
 
 @dataclass
@@ -133,11 +150,17 @@ def _sums(ready: bool, comp: np.ndarray, probes: np.ndarray):
 def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings | None = None,
                 costs: MigrationCost | None = None, zero_stage: int = 1,
                 charge: Callable[[float, dict], float] | None = None, fast_forward: bool = True,
-                progress=None, spec=None, plan: Plan | None = None) -> LoopResult:
+                progress=None, spec=None, plan: Plan | None = None,
+                planner_stall: float = 0.0) -> LoopResult:
     """The loop over ``segs`` (module doc). ``charge``: (planner wall seconds, the request) ->
-    seconds on the clock (None: as measured; a test fixes it to compare runs). ``spec``, ``plan``: the loop's
-    job and first plan when known from a model (``from_run.py``; default: from the problem
-    alone, ``job.py``, and its static plan)."""
+    seconds on the clock (None: as measured; a test fixes it to compare runs). ``spec``,
+    ``plan``: the loop's job and first plan when known from a model (``from_run.py``; default:
+    from the problem alone, ``job.py``, and its static plan). ``planner_stall``: how much longer
+    a step takes while the planner searches (0.18: 18%), where the planner shares the ranks'
+    cores (a CPU run, ``from_run.py``; 0 on a GPU cluster, whose planner uses a host core the
+    GPUs do not need)."""
+    if not planner_stall >= 0.0:
+        raise ValueError(f"planner_stall={planner_stall!r} must be >= 0")
     settings = settings or AdaptiveSettings()
     costs = costs or MigrationCost()
     pr, N = rp.problem, rp.problem.num_gpus
@@ -162,6 +185,8 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     since_change = 0
     stretch_t0, stretch_samples = 0.0, 0.0
     step = 0
+    timed = np.full(N, np.nan)               # the probes timed after the last step's reduce
+    own: deque = deque(maxlen=ctl.compute_times.maxlen)   # each rank's compute_times
     try:
         while clock.now < horizon:
             # -- at the step boundary: decisions ready now (the engine's before_step) -----------
@@ -186,6 +211,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                     ctl.switched(new, ev.get("rates_for", ev.get("measured_rates")),
                                  migration=SimpleNamespace(bytes=mig.bytes, seconds=mig.seconds))
                     plan = new
+                    own.clear()
                     out.plans[plan.id] = plan
                     units = ctl.units
                     since_change = 0
@@ -226,15 +252,23 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                         continue
                 key_at = (step, key) if key is not None else None
             # -- one step through the loop's hooks ----------------------------------------------
-            eff, before = rate, 1.0
+            eff, before, at_end = rate, 1.0, rate
             if clock.now + step_s > segs[si].end_s and si + 1 < len(segs):
-                step_s, eff, before = _crossing(rp, plan, segs, si, clock.now, N)
+                step_s, eff, before, at_end = _crossing(rp, plan, segs, si, clock.now, N)
+            if planner_stall and planner.searching():
+                step_s *= 1.0 + planner_stall
             comp = units * eff * rp.scale
-            probes = np.full(N, np.nan)
+            # a probe is timed right after a step's all-reduce and its reading rides in the
+            # next step's (Controller.after_reduce): the rate at that moment, read a step later
+            probes, timed = timed, np.full(N, np.nan)
+            own.append(comp)
             if step % every == 0 and ctl.probe_ref is not None:    # as Controller.probe_due
-                who = (units <= 0) | ctl.held
+                # a held rank probes while its own compute leaves it slack (probe.light)
+                light = (np.median(own, axis=0) < HELD_LOAD * np.median(ctl.step_times)
+                         if ctl.step_times else np.ones(N, dtype=bool))
+                who = (units <= 0) | (ctl.held & light)
                 who[ctl.probe_ref] = True
-                probes[who] = PROBE_S * eff[who]
+                timed[who] = PROBE_S * at_end[who]
             frac = min(1.0, (horizon - clock.now) / step_s)
             clock.now += step_s              # the all-reduce ends the step: hooks run then
             if before < 1.0:                 # its work before the change counts before it
@@ -259,11 +293,11 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
 
 
 def _crossing(rp: Replay, plan: Plan, segs: Sequence[Segment], si: int, t: float, n: int
-              ) -> tuple[float, np.ndarray, float]:
+              ) -> tuple[float, np.ndarray, float, np.ndarray]:
     """A step of ``plan`` from ``t`` that runs into the next segments: its seconds (its work
     done at each segment's pace in turn, as the fixed policies count a segment's share), each
-    rank's time-weighted rate over it, and the share of its work done before the first
-    change (its samples there belong to the stretch before it)."""
+    rank's time-weighted rate over it, the share of its work done before the first
+    change (its samples there belong to the stretch before it), and the rates at its end."""
     left, k, acc, t0 = 1.0, si, np.zeros(n), t
     before = min(1.0, (segs[si].end_s - t) / rp.step_seconds(plan, segs[si].rate_map()))
     while True:
@@ -271,13 +305,14 @@ def _crossing(rp: Replay, plan: Plan, segs: Sequence[Segment], si: int, t: float
         st = rp.step_seconds(plan, seg.rate_map())
         room = seg.end_s - t
         if left * st <= room or k + 1 == len(segs):
-            acc += left * st * rate_vector(seg, n)
+            end = rate_vector(seg, n)
+            acc += left * st * end
             t += left * st
             break
         acc += room * rate_vector(seg, n)
         left -= room / st
         t, k = seg.end_s, k + 1
-    return t - t0, acc / (t - t0), before
+    return t - t0, acc / (t - t0), before, end
 
 
 def _close_stretch(out: LoopResult, t0: float, t1: float, samples: float) -> None:

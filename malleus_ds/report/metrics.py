@@ -41,7 +41,10 @@ run summary and the progress bar, a short label for ``malleus-plot``.
 
 ``compute_s[d]`` is rank ``d``'s forward+backward seconds in that step *including* its emulated
 slowdown (what a real slow GPU would show); ``emulated_s[d]`` is the part of it that was the
-emulation's sleep. ``emulated_rates`` holds the emulation's schedule active in that step (slowed
+emulation's sleep. ``wait_s[d]`` (CPU hosts; 0 on CUDA) is the time rank ``d``'s compute spans
+waited, runnable, for a core another process held: left out of ``compute_s`` (it is not the
+device's), it is the host's contention, which a step's wall time holds (``replay/from_run.py``
+models it). ``emulated_rates`` holds the emulation's schedule active in that step (slowed
 ranks only): what the experiment configured, never seen by the planner. (Files written before
 this rename call it ``rates``; readers accept both.)
 
@@ -87,6 +90,7 @@ class StepRecord:
     emulated_rates: Mapping[str, float] = field(default_factory=dict)  # emulation schedule
     plan: str | None = None              # engine=malleus: id of the plan that ran the step
     measured_rates: tuple | None = None  # engine=malleus: smoothed measured rate per rank
+    wait_s: tuple[float, ...] = ()       # per rank, its compute's waits for a core (CPU hosts)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -96,6 +100,10 @@ class StepRecord:
         for k in ("plan", "measured_rates"):
             if d[k] is None:
                 d.pop(k)
+        if self.wait_s:
+            d["wait_s"] = list(self.wait_s)
+        else:
+            d.pop("wait_s")
         if self.measured_rates is not None:
             d["measured_rates"] = list(self.measured_rates)
         return d

@@ -40,6 +40,7 @@ def test_plan_file_runs_and_matches_reference(tmp_path):
     recs = [r for r in rows if "event" not in r]
     assert [r["event"] for r in rows if "event" in r] == ["tp_slowdown"]   # a TP=2 stage
     assert [r["samples"] for r in recs] == [8] * 4 and all(len(r["compute_s"]) == 4 for r in recs)
+    assert all(len(r["wait_s"]) == 4 and min(r["wait_s"]) >= 0 for r in recs)   # per rank
     # rank 1 (TP=2 stage with rank 2) is slowed from step 2 on; nobody else sleeps
     assert recs[1]["emulated_s"] == [0.0] * 4 and recs[3]["emulated_s"][1] > 0
     assert [e for r, e in enumerate(recs[3]["emulated_s"]) if r != 1] == [0.0] * 3

@@ -136,23 +136,26 @@ class StepReporter:
 
         comp = [clock.compute_s] * self.env.world_size
         emu = [clock.emulated_s] * self.env.world_size
+        wait = [clock.wait_s] * self.env.world_size
         self.stop_signal = STOP.signum
         if dist.is_initialized() and self.env.world_size > 1:
             # a signal any rank received rides along: every rank stops after the same step
-            mine = torch.tensor([clock.compute_s, clock.emulated_s, STOP.signum],
+            mine = torch.tensor([clock.compute_s, clock.emulated_s, clock.wait_s, STOP.signum],
                                 dtype=torch.float64, device=self.env.device)
             out = [torch.zeros_like(mine) for _ in range(self.env.world_size)]
             with phase("all-gather"):
                 dist.all_gather(out, mine, group=self.group)
             comp = [float(t[0]) for t in out]
             emu = [float(t[1]) for t in out]
-            self.stop_signal = int(max(float(t[2]) for t in out))
+            wait = [float(t[2]) for t in out]
+            self.stop_signal = int(max(float(t[3]) for t in out))
         self.losses.append(float(loss))
         self.times.append(float(step_time_s))
         rates = {str(r): x for r, x in self.cfg.straggler.rates(step, self.env.world_size).items()}
         rec = StepRecord(step, float(loss), self.cfg.train.global_batch_size, float(step_time_s),
                          tuple(comp), tuple(emu), rates, plan,
-                         None if measured_rates is None else tuple(measured_rates))
+                         None if measured_rates is None else tuple(measured_rates),
+                         tuple(round(w, 6) for w in wait))
         self.records.append(rec.to_json())
         self.writer.write(rec)
         if self.stream is not None:

@@ -48,6 +48,9 @@ def test_a_wait_for_a_core_is_not_compute(monkeypatch):
     with c.compute():
         h.run(cpu=0.18, wait=0.12, blocked=0.01)     # a page-in or a lock: still compute
     assert c.compute_s == pytest.approx(0.19)
+    assert c.wait_s == pytest.approx(0.12)           # the host's contention, kept apart
+    c.start_step(1)
+    assert c.wait_s == 0.0
 
 
 def test_a_quota_keeps_its_throttling(monkeypatch):
@@ -136,6 +139,7 @@ def test_the_emulation_sleeps_by_the_wall_and_is_accounted_in_device_time(monkey
     assert asked == [pytest.approx(0.06)]                 # (4 - 1) x the wall
     assert c.emulated_s == pytest.approx(0.03)            # (4 - 1) x the device time
     assert c.compute_s == pytest.approx(0.04)             # 4 x the device time
+    assert c.wait_s == pytest.approx(0.01 + 0.03)         # in the span, and after waking
 
 
 def test_thread_times_reads_schedstat_or_says_none(tmp_path):

@@ -88,3 +88,54 @@ def test_bad_run_folders_are_named(tmp_path, capsys):
     assert "give no PROBLEM.json" in capsys.readouterr().err
     assert sim_main(["replay"]) == 2
     assert "or --from-run RUN_DIR" in capsys.readouterr().err
+
+
+def _edit(run, fn):
+    """Rewrite the run's metrics.jsonl line by line (``fn(line) -> line``)."""
+    p = run / "metrics.jsonl"
+    rows = [fn(json.loads(x)) for x in p.read_text().splitlines()]
+    p.write_text("\n".join(json.dumps(x) for x in rows) + "\n")
+
+
+def test_the_trace_holds_the_slowdown_the_rank_really_ran_at_on_each_plan(tmp_path):
+    """Scheduled at 3, rank 3 measured 3.3 on the first plan and 3.6 on the light share of the
+    second (an emulated CPU straggler finds its caches cold after each sleep): the trace holds
+    the loop's measured rate of each stretch, read once its window holds only that stretch (or
+    its last step, in a stretch shorter than the window: ``malleus.detect.window`` 5)."""
+    run = _run(tmp_path)
+
+    def measured(x):
+        if "event" not in x:
+            k = x["step"]
+            x["measured_rates"] = [1.0, 1.0, 1.0, 3.3 if k < 11 else 3.6] if 8 <= k < 16 \
+                else [1.0] * 4
+        return x
+    _edit(run, measured)
+    rr = build(run)
+    a, b = rr.trace.events
+    assert (a.gpu, a.rate, b.gpu, b.rate) == (3, 3.3, 3, 3.6)
+    assert a.start_s == pytest.approx(6 * STEP) and a.end_s == b.start_s
+    assert rr.phases[1]["condition"] == {"3": 3.0}
+    assert rr.phases[1]["realized"] == [{"3": 3.3}, {"3": 3.6}]
+    # no measured rates (engine=malleus before they were written): the schedule's rate
+    (ev,) = build(_run(tmp_path / "plain")).trace.events
+    assert ev.rate == 3.0
+
+
+def test_a_search_on_the_ranks_cores_is_measured_as_a_stall(tmp_path):
+    """Step 10 ran while the planner searched (detected at 10, answered before 11): 25% longer
+    than steps 8-9 of the same plan and condition; a healthy re-plan (no search, before 19)
+    stalls nothing, however slow the steps before it."""
+    run = _run(tmp_path)
+
+    def searched(x):
+        if x.get("event") == "replan":
+            x["detected"] = 10 if x["step"] == 11 else 18
+        elif "event" not in x and x["step"] == 10:
+            x["step_time_s"] *= 1.25
+        elif "event" not in x and x["step"] == 18:     # against 16-17: would count 2x
+            x["step_time_s"] *= 2.0
+        return x
+    _edit(run, searched)
+    assert build(run).planner_stall == pytest.approx(0.25)
+    assert build(_run(tmp_path / "plain")).planner_stall == 0.0      # no detection recorded

@@ -229,3 +229,56 @@ def test_a_step_across_a_change_counts_its_work_on_each_side_of_it():
     assert first[0] == 0.0 and first[1] == pytest.approx(100.5)
     assert first[2] == pytest.approx(28.0)            # 28 samples per 1 s healthy step
     assert m.timeline[1][0] == pytest.approx(100.5)
+
+
+def test_a_search_on_the_ranks_host_slows_the_steps_it_overlaps():
+    """``planner_stall`` (a CPU run whose planner shares the ranks' cores, ``from_run.py``):
+    while a search is in flight the steps take that much longer; a request with every rank
+    healthy is answered without a search and stalls nothing."""
+    clock = SimClock()
+    pl = SimPlanner(clock, charge=lambda w, r: 5.0, cache=_Counting([]))
+    pl.request({"problem": {"rates": {"3": 2.0}}})
+    pl.request({"problem": {"rates": {}}})
+    assert pl.searching()
+    clock.now = 5.0
+    assert not pl.searching()                 # the search's answer is in; the healthy one
+    tr = make_trace([Event(300.0, 3000.0, 3, 2.0)], 4, hours=1.0)
+    rp = Replay(dp_problem(), 1.0)
+    calm = run_malleus(rp, tr.segments(), charge=lambda w, r: 40.0)
+    slow = run_malleus(rp, tr.segments(), charge=lambda w, r: 40.0, planner_stall=0.5)
+    onset = calm.decisions[0]
+    assert onset.trigger == "onset" and slow.decisions[0].trigger == "onset"
+    # the 40 s search under the static plan (2 s steps at rate 2, 28 samples each): 3 s steps,
+    # 13.3 steps instead of 20; a stalled step that starts inside the search runs whole, and
+    # the answer is taken at the next step boundary (up to 2 more steps at the old pace)
+    lost = calm.samples - slow.samples
+    assert (20 - 40 / 3) * 28 <= lost <= (20 - 40 / 3 + 2) * 28
+    with pytest.raises(ValueError, match="planner_stall=-1 must be >= 0"):
+        run_malleus(rp, tr.segments(), planner_stall=-1)
+
+
+def test_probes_are_timed_after_a_step_and_read_in_the_next(monkeypatch):
+    """As the engine does (``Controller.after_reduce``): a probe is timed right after an even
+    step's all-reduce, at the rate of that moment, and read in the next step's reduce; a held
+    rank probes only while its own compute leaves it slack (``probe.light``): GPU 3, held on
+    a share that fills its steps at rate 3, does not probe until it recovers."""
+    from malleus_ds.replay import loop as loop_mod
+
+    seen = []
+
+    class Recording(loop_mod.Controller):
+        def observe(self, step, sums):
+            seen.append((step, sums.probe_s.copy(), self.held.copy()))
+            return super().observe(step, sums)
+
+    monkeypatch.setattr(loop_mod, "Controller", Recording)
+    tr = make_trace([Event(300.0, 1200.0, 3, 3.0)], 4, hours=0.5)
+    res = run_malleus(Replay(dp_problem(), 1.0), tr.segments(), charge=_charge,
+                      fast_forward=False)
+    assert [d.trigger for d in res.decisions if d.adopted] == ["onset", "recovery"]
+    probed = [(k, p) for k, p, _ in seen if (p == p).any()]
+    assert probed and all(k % 2 == 1 for k, _ in probed)       # timed after an even step
+    readings = [p[3] / loop_mod.PROBE_S for _, p, h in seen if h[3] and p[3] == p[3]]
+    # busy while held at rate 3 (9 units of a 9-unit step): no probe; light once it
+    # recovered: it probes, healthy at once
+    assert readings and all(r == pytest.approx(1.0) for r in readings)

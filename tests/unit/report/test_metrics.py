@@ -85,11 +85,12 @@ def test_writer_output_reads_back(tmp_path):
     w = MetricsWriter(tmp_path)
     w.write(StepRecord(0, 5.0, 8, 0.2, (0.1, 0.1), (0.0, 0.0), {}))
     w.write(StepRecord(1, 4.9, 8, 0.3, (0.1, 0.2), (0.0, 0.1), {"1": 2.0}, "plan-x",
-                       (None, 2.0)))
+                       (None, 2.0), (0.01, 0.0)))
     w.write_event({"event": "checkpoint", "step": 1, "path": "/x", "seconds": 0.1})
     w.close()
     f = read_metrics_file(tmp_path)
     assert len(f.steps) == 2 and f.steps[1]["measured_rates"] == [None, 2.0]
+    assert "wait_s" not in f.steps[0] and f.steps[1]["wait_s"] == [0.01, 0.0]
     assert f.events[0]["event"] == "checkpoint"
 
 

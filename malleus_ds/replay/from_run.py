@@ -16,8 +16,10 @@ what a replay needs, each from the run's own files:
   warm-up), at the slowdown each rank really ran at: per stretch of a phase on one plan, the
   loop's own measured rate (``measured_rates``; an emulated CPU straggler runs slower than
   scheduled, more so on a light share);
-* **the planner's stall**: how much longer the steps ran while the planner searched on the
-  ranks' own cores (``run_malleus(planner_stall=)``);
+* **the host**: where the step lines carry ``wait_s``, the ranks' shared CPU cores
+  (``host.SharedHost.calibrate``): each step's seconds under fluid sharing of the cores by
+  the ranks' compute, their sustained probes and the planner's search; in older runs, how much
+  longer the steps ran while the planner searched (``run_malleus(planner_stall=)``);
 * **the switch costs**: a fixed part and a bandwidth fitted to its ``migrate`` events, the
   first step after a switch against the steps that follow (warm-up), and the planner's seconds
   its ``replan`` events took.
@@ -34,6 +36,7 @@ from pathlib import Path
 from ..plan import Plan
 from ..problem import Problem
 from .costs import MigrationCost
+from .host import SharedHost
 from .trace import Event, Trace, make_trace
 
 
@@ -52,6 +55,7 @@ class RunReplay:
     compute_share: float
     costs: MigrationCost
     planner_stall: float           # how much longer a step ran while the planner searched
+    host: object                   # SharedHost: the ranks' shared cores (None: no wait_s)
     planning_s: dict               # median seconds of the run's re-plans: "healthy" (every rank
                                    # healthy: no search) and "search" (the others)
     phases: list[dict]             # per phase of the schedule: its window and measured samples/s
@@ -184,6 +188,7 @@ def build(run_dir: str | Path) -> RunReplay:
     trace = make_trace(rows, world, hours=horizon / 3600.0 + 1e-9, where=f"{run} schedule")
     return RunReplay(problem, plan, spec, settings, trace, step_s, share, costs,
                      _planner_stall(steps, events),
+                     SharedHost.calibrate(healthy, world // nodes, step_s, busiest),
                      {k: statistics.median(v) for k, v in plans.items() if v}, phases)
 
 
@@ -281,7 +286,8 @@ def compare(rr: RunReplay) -> dict:
     rp = Replay(rr.problem, rr.step_s, compute_share=rr.compute_share)
     charge = _charge(rr.planning_s)
     res = run_malleus(rp, rr.trace.segments(), rr.settings, rr.costs, charge=charge,
-                      spec=rr.spec, plan=rr.plan, planner_stall=rr.planner_stall)
+                      spec=rr.spec, plan=rr.plan, planner_stall=rr.planner_stall,
+                      host=rr.host)
     out = []
     for ph in rr.phases:
         a, b = ph["start_s"], ph["end_s"]
@@ -295,6 +301,9 @@ def compare(rr: RunReplay) -> dict:
     return {"step_s": round(rr.step_s, 5), "compute_share": round(rr.compute_share, 4),
             "switch_costs": vars(rr.costs), "planning_s": rr.planning_s,
             "planner_stall": round(rr.planner_stall, 4),
+            "host": None if rr.host is None else {"cores": round(rr.host.cores, 3),
+                                                   "other_s": round(rr.host.other_s, 5),
+                                                   "ranks_per_host": rr.host.ranks_per_host},
             "switches": res.switches, "phases": out,
             "worst_error": max((abs(p["error"]) for p in out if p["error"] is not None),
                                default=None)}
@@ -302,9 +311,12 @@ def compare(rr: RunReplay) -> dict:
 
 def table(res: dict) -> str:
     """Per phase of the run's schedule: measured and predicted samples/s and the error."""
+    h = res.get("host")
+    where = (f"{h['ranks_per_host']} ranks sharing {h['cores']:.3g} cores (the planner's "
+             f"search and the probes take cores too)" if h else
+             f"steps {res['planner_stall']:.0%} longer while the planner searched")
     lines = [f"healthy step {res['step_s']:.4g} s, compute {res['compute_share']:.0%} of it; "
-             f"planning charged {res['planning_s']}, steps {res['planner_stall']:.0%} longer "
-             f"while it searched; switches {res['switches']}",
+             f"{where}; planning charged {res['planning_s']}; switches {res['switches']}",
              f"{'steps':>9}  {'straggler':<18}{'measured':>10}{'predicted':>11}{'error':>8}"]
     for p in res["phases"]:
         cond = ", ".join(f"rank {g} x{r:g}" for g, r in p["condition"].items()) or "healthy"

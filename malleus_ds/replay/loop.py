@@ -37,17 +37,21 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ..adaptive.control import Controller
-from ..adaptive.probe import HELD_LOAD
+from ..adaptive.probe import BUDGET, FIRST_BUDGET_S, HELD_LOAD
 from ..adaptive.settings import AdaptiveSettings
 from ..adaptive.work import cost_units
 from ..plan import Plan
 from .costs import MigrationCost
+from .host import SharedHost
 from .job import problem_job
 from .run import PolicyResult, Replay, rate_vector
 from .trace import Segment
 
 #: seconds of one run of the probe block on a healthy GPU (any value: probes read as ratios)
 PROBE_S = 0.02
+#: the wall of a sustained probe (``ProbeBlock.SUSTAIN_S + TIMED_S``; the first budget holds
+#: two), within ``probe.BUDGET`` of a step: what it takes of a shared host's cores
+PROBE_WALL_S = FIRST_BUDGET_S / 2
 #: steps after a change of the plan or of the true rates before a fast-forward may start: the
 #: work model's history (``RateEstimator.FIT_STEPS``) must hold only steps like the next ones
 SETTLE = 48
@@ -151,7 +155,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 costs: MigrationCost | None = None, zero_stage: int = 1,
                 charge: Callable[[float, dict], float] | None = None, fast_forward: bool = True,
                 progress=None, spec=None, plan: Plan | None = None,
-                planner_stall: float = 0.0) -> LoopResult:
+                planner_stall: float = 0.0, host: SharedHost | None = None) -> LoopResult:
     """The loop over ``segs`` (module doc). ``charge``: (planner wall seconds, the request) ->
     seconds on the clock (None: as measured; a test fixes it to compare runs). ``spec``,
     ``plan``: the loop's job and first plan when known from a model (``from_run.py``; default:
@@ -163,6 +167,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
         raise ValueError(f"planner_stall={planner_stall!r} must be >= 0")
     settings = settings or AdaptiveSettings()
     costs = costs or MigrationCost()
+    fast_forward = fast_forward and host is None     # a shared host's steps vary with probes
     pr, N = rp.problem, rp.problem.num_gpus
     plan = plan or rp.static
     clock = SimClock()
@@ -187,6 +192,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     step = 0
     timed = np.full(N, np.nan)               # the probes timed after the last step's reduce
     own: deque = deque(maxlen=ctl.compute_times.maxlen)   # each rank's compute_times
+    sustained = np.zeros(N, dtype=bool)      # ...of them, the sustained probes (idle, held)
     try:
         while clock.now < horizon:
             # -- at the step boundary: decisions ready now (the engine's before_step) -----------
@@ -231,10 +237,22 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 rate_seg, since_change = si, 0
                 if progress is not None:
                     progress(1)
-            ks = (plan.id, si)
-            if ks not in steps_cache:
-                steps_cache[ks] = rp.step_seconds(plan, segs[si].rate_map())
-            step_s = steps_cache[ks]
+            searching = planner.searching()
+
+            def seconds(seg: Segment) -> float:
+                """This step of the running plan, had it run wholly in ``seg``."""
+                key = (plan.id, seg.start_s, searching, sustained.tobytes())
+                if key not in steps_cache:
+                    if host is None:
+                        steps_cache[key] = rp.step_seconds(plan, seg.rate_map())
+                    else:
+                        steps_cache[key] = host.step_seconds(
+                            units * rp.scale, rate_vector(seg, N), sustained,
+                            min(PROBE_WALL_S, BUDGET * float(np.median(ctl.step_times))
+                                if ctl.step_times else PROBE_WALL_S), searching,
+                            rp.compute_seconds(plan, seg.rate_map()))
+                return steps_cache[key]
+            step_s = seconds(segs[si])
             # -- fast-forward a steady stretch -------------------------------------------------
             if fast_forward and since_change >= SETTLE and step % period == 0:
                 key = ctl.steady_key()
@@ -254,8 +272,8 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
             # -- one step through the loop's hooks ----------------------------------------------
             eff, before, at_end = rate, 1.0, rate
             if clock.now + step_s > segs[si].end_s and si + 1 < len(segs):
-                step_s, eff, before, at_end = _crossing(rp, plan, segs, si, clock.now, N)
-            if planner_stall and planner.searching():
+                step_s, eff, before, at_end = _crossing(seconds, segs, si, clock.now, N)
+            if planner_stall and searching and host is None:
                 step_s *= 1.0 + planner_stall
             comp = units * eff * rp.scale
             # a probe is timed right after a step's all-reduce and its reading rides in the
@@ -267,8 +285,11 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 light = (np.median(own, axis=0) < HELD_LOAD * np.median(ctl.step_times)
                          if ctl.step_times else np.ones(N, dtype=bool))
                 who = (units <= 0) | (ctl.held & light)
+                sustained = who.copy()         # the calibrating rank's probe is short
                 who[ctl.probe_ref] = True
                 timed[who] = PROBE_S * at_end[who]
+            else:
+                sustained = np.zeros(N, dtype=bool)
             frac = min(1.0, (horizon - clock.now) / step_s)
             clock.now += step_s              # the all-reduce ends the step: hooks run then
             if before < 1.0:                 # its work before the change counts before it
@@ -292,17 +313,17 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     return out
 
 
-def _crossing(rp: Replay, plan: Plan, segs: Sequence[Segment], si: int, t: float, n: int
-              ) -> tuple[float, np.ndarray, float, np.ndarray]:
+def _crossing(seconds: Callable[[Segment], float], segs: Sequence[Segment], si: int, t: float,
+              n: int) -> tuple[float, np.ndarray, float, np.ndarray]:
     """A step of ``plan`` from ``t`` that runs into the next segments: its seconds (its work
     done at each segment's pace in turn, as the fixed policies count a segment's share), each
     rank's time-weighted rate over it, the share of its work done before the first
     change (its samples there belong to the stretch before it), and the rates at its end."""
     left, k, acc, t0 = 1.0, si, np.zeros(n), t
-    before = min(1.0, (segs[si].end_s - t) / rp.step_seconds(plan, segs[si].rate_map()))
+    before = min(1.0, (segs[si].end_s - t) / seconds(segs[si]))
     while True:
         seg = segs[k]
-        st = rp.step_seconds(plan, seg.rate_map())
+        st = seconds(seg)
         room = seg.end_s - t
         if left * st <= room or k + 1 == len(segs):
             end = rate_vector(seg, n)

@@ -100,8 +100,11 @@ class Replay:
     def step_seconds(self, plan: Plan, rates: dict[int, float]) -> float:
         """Seconds of one step of ``plan`` under ``rates``: the part that is not compute, and
         the cost model's step time in seconds."""
-        return ((1.0 - self.compute_share) * self.step_s
-                + step_time(self.problem.with_rates(rates), plan) * self.scale)
+        return (1.0 - self.compute_share) * self.step_s + self.compute_seconds(plan, rates)
+
+    def compute_seconds(self, plan: Plan, rates: dict[int, float]) -> float:
+        """The compute part of :meth:`step_seconds` alone (the cost model's step in seconds)."""
+        return step_time(self.problem.with_rates(rates), plan) * self.scale
 
     def best_plan(self, rates: dict[int, float]) -> Plan:
         """The planner's plan for ``rates`` (cached by rate vector; the static plan when every

@@ -139,3 +139,18 @@ def test_a_search_on_the_ranks_cores_is_measured_as_a_stall(tmp_path):
     _edit(run, searched)
     assert build(run).planner_stall == pytest.approx(0.25)
     assert build(_run(tmp_path / "plain")).planner_stall == 0.0      # no detection recorded
+
+
+def test_a_run_with_waits_is_replayed_on_its_shared_cores(tmp_path):
+    """Step lines with ``wait_s`` (each rank waited as long as it computed: 4 ranks on 2
+    cores) give the replay a shared host (``replay/host.py``); its healthy phase is the run's
+    own, and the planner's stall is then the host's, not a factor."""
+    run = _run(tmp_path)
+    _edit(run, lambda x: x if "event" in x else dict(x, wait_s=[COMPUTE] * 4))
+    rr = build(run)
+    assert rr.host is not None and rr.host.cores == pytest.approx(2.0)
+    assert rr.host.other_s == pytest.approx(0.0) and rr.host.ranks_per_host == 4
+    res = compare(rr)
+    assert res["host"]["cores"] == pytest.approx(2.0)
+    assert res["phases"][0]["error"] == pytest.approx(0.0, abs=1e-3)
+    assert build(_run(tmp_path / "plain")).host is None

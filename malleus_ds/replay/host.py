@@ -1,0 +1,118 @@
+"""Ranks that share a host's CPU cores: the step time of a CPU run, for ``--from-run``.
+
+On a GPU cluster a rank's compute runs on its own device; the host's cores only feed it, and
+the replay's step is the cost model's (``run.Replay.step_seconds``). A CPU run is different:
+its ranks' compute *is* CPU work, and on a host with fewer cores than busy processes they take
+turns. 4 ranks on 2 cores each wait about as long as they compute (``wait_s`` of a step line);
+a rank that sleeps (an emulated straggler) or has no work hands its core to the others; the
+planner's search and a suspended rank's sustained probe take cores too. :class:`SharedHost`
+models that as fluid processor sharing:
+
+* each rank ``i`` has ``a_i`` CPU seconds of compute (its cost units x the replay's seconds per
+  unit, ``Replay.scale``, which ``compute_s`` measures without the waits); at rate
+  ``r_i`` (the emulation sleeps ``r - 1`` times each piece's wall after it) it wants a core
+  ``1/r_i`` of its time and gets through its work at ``sigma / r_i`` per second, where
+  ``sigma = min(1, cores / demand)`` and ``demand`` sums what every unfinished rank, every
+  running probe (``1/r`` for ``probe_s`` seconds from the step's start) and a searching planner
+  (a whole core) want;
+* the compute part ends when the last rank has finished (and no sooner than the cost model's
+  step, which holds the pipeline's order: ``floor_s``);
+* the rest of the step (optimizer, reduction, Python: ``other_s`` CPU seconds per working rank)
+  runs on every working rank at once, shared the same way.
+
+:func:`SharedHost.calibrate` reads ``cores`` and ``other_s`` from a run's healthy steps (every
+rank working on the user's layout): a rank's compute wall over its device time
+``(compute_s + wait_s) / compute_s`` is ``ranks / cores`` when they all compute at once, and
+what the healthy step (its mean) leaves is ``other_s``, shared by them all.
+
+numpy only.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SharedHost:
+    """``ranks`` ranks on one host of ``cores`` effective cores (a job's hosts alike)."""
+
+    cores: float
+    other_s: float         # CPU seconds of a step's non-compute part per working rank
+    ranks_per_host: int
+
+    def __post_init__(self) -> None:
+        if not (self.cores > 0 and self.other_s >= 0 and self.ranks_per_host >= 1):
+            raise ValueError(f"SharedHost: cores {self.cores!r}, other_s {self.other_s!r}, "
+                             f"ranks_per_host {self.ranks_per_host!r} out of range")
+
+    def step_seconds(self, work: Sequence[float], rates: Sequence[float],
+                     probing: Sequence[bool] | None = None, probe_s: float = 0.0,
+                     searching: bool = False, floor_s: float = 0.0) -> float:
+        """One step's seconds: each host's compute (fluid sharing, module doc; ``work``: each
+        rank's CPU seconds of it with a core to itself, 0 without work), at least ``floor_s``,
+        then the non-compute part; the job waits for its slowest host. The planner searches on
+        host 0 (rank 0's)."""
+        u = np.asarray(work, dtype=np.float64)
+        r = np.maximum(np.asarray(rates, dtype=np.float64), 1.0)
+        p = np.zeros(u.size, dtype=bool) if probing is None else np.asarray(probing, bool)
+        n = self.ranks_per_host
+        worst = 0.0
+        for h in range(0, u.size, n):
+            sl = slice(h, h + n)
+            busy = u[sl] > 0
+            compute = _shared(u[sl], 1.0 / r[sl], self.cores,
+                              [(1.0 / x, probe_s) for x in r[sl][p[sl]]]
+                              + ([(1.0, np.inf)] if searching and h == 0 else []))
+            want = int(busy.sum()) + (1 if searching and h == 0 else 0)
+            other = self.other_s / min(1.0, self.cores / want) if want else 0.0
+            worst = max(worst, max(compute, floor_s) + (other if busy.any() else 0.0))
+        return worst
+
+    @classmethod
+    def calibrate(cls, healthy: Sequence[dict], ranks_per_host: int, step_s: float,
+                  busiest_s: float) -> "SharedHost | None":
+        """From a run's healthy step lines on its first plan (every rank working at once), their
+        mean step ``step_s`` and busiest rank's mean ``compute_s`` ``busiest_s``: None where the
+        lines carry no ``wait_s`` (runs before it was written) or no compute. The non-compute
+        part is what the model's healthy step leaves of ``step_s`` (the healthy phase exact)."""
+        ratios = []
+        for s in healthy:
+            c, w = s.get("compute_s"), s.get("wait_s")
+            if not c or not w or len(c) != len(w):
+                continue
+            c, w = np.asarray(c, dtype=np.float64), np.asarray(w, dtype=np.float64)
+            ratios += list((c[c > 0] + w[c > 0]) / c[c > 0])
+        if not ratios:
+            return None
+        n = min(ranks_per_host, len(healthy[0]["compute_s"]))
+        k = max(1.0, statistics.median(ratios))
+        cores = n / k
+        other = max(0.0, step_s - busiest_s * k) * min(1.0, cores / n)
+        return cls(cores, other, ranks_per_host)
+
+
+def _shared(work: np.ndarray, duty: np.ndarray, cores: float,
+            fixed: list[tuple[float, float]]) -> float:
+    """Seconds until every rank with work is through it under fluid processor sharing:
+    rank ``i`` wants ``duty[i]`` of a core until its ``work[i]`` CPU seconds are done (it
+    progresses at ``sigma * duty[i]``); each ``(demand, until)`` of ``fixed`` wants ``demand``
+    until that second whatever it gets (a time-boxed probe, the planner)."""
+    left = np.where(work > 0, work, 0.0)
+    active = left > 0
+    t = 0.0
+    while active.any():
+        demand = float(duty[active].sum()) + sum(d for d, end in fixed if end > t)
+        sigma = min(1.0, cores / demand) if demand > 0 else 1.0
+        speed = sigma * duty
+        dt = float(np.min(left[active] / speed[active]))
+        ends = [end - t for _, end in fixed if t < end < np.inf]
+        if ends and min(ends) < dt:
+            dt = min(ends)
+        left[active] -= speed[active] * dt
+        t += dt
+        active &= left > 1e-12 * np.maximum(work, 1.0)
+    return t

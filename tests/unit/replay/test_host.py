@@ -1,0 +1,64 @@
+"""Ranks sharing a host's CPU cores (``replay/host.py``): fluid processor sharing, worked out on
+paper, and its calibration from a run's healthy step lines."""
+from __future__ import annotations
+
+import pytest
+
+from malleus_ds.replay.host import SharedHost
+
+
+def test_four_ranks_on_two_cores_take_turns():
+    """4 healthy ranks of 0.15 s each on 2 cores: each gets half a core, 0.3 s; the rest
+    (0.05 s per working rank) runs 4 on 2 too: 0.1 s."""
+    h = SharedHost(cores=2.0, other_s=0.05, ranks_per_host=4)
+    assert h.step_seconds([0.15] * 4, [1.0] * 4) == pytest.approx(0.3 + 0.1)
+    # two without work: the others have a core each, and so has the rest
+    assert h.step_seconds([0.15, 0.0, 0.15, 0.0], [1.0] * 4) == pytest.approx(0.15 + 0.05)
+    # the cost model's step (a pipeline's order) is a floor
+    assert h.step_seconds([0.15, 0.0, 0.15, 0.0], [1.0] * 4, floor_s=0.2) == \
+        pytest.approx(0.2 + 0.05)
+
+
+def test_a_sleeping_straggler_hands_its_core_to_the_others():
+    """Rank 1 at rate 6 wants a core 1/6 of its time: 3 + 1/6 wanting 2 cores, sigma = 2 /
+    (19/6) = 12/19; the three others finish at 0.15 * 19/12 = 0.2375 s, by when rank 1 has
+    done 0.2375 * (12/19) / 6 = 0.025 s of its 0.15; alone, the rest at 1/6 per second takes
+    0.75 s more: 0.9875 s, against 6 x 0.15 = 0.9 on an idle host."""
+    h = SharedHost(cores=2.0, other_s=0.0, ranks_per_host=4)
+    assert h.step_seconds([0.15] * 4, [1.0, 6.0, 1.0, 1.0]) == pytest.approx(0.9875)
+
+
+def test_probes_and_the_planner_take_cores_too():
+    """2 ranks on 2 cores (no contention) and a planner searching: 3 want 2, each rank at 2/3
+    of a core; a probe of an idle rank wants a core for its 0.1 s."""
+    h = SharedHost(cores=2.0, other_s=0.02, ranks_per_host=2)
+    assert h.step_seconds([0.1, 0.1], [1.0, 1.0]) == pytest.approx(0.12)
+    # the planner on host 0 wants a core throughout: 0.15 s, and the rest 0.02 * 3/2
+    assert h.step_seconds([0.1, 0.1], [1.0, 1.0], searching=True) == pytest.approx(0.15 + 0.03)
+    # rank 1 idle probing 0.1 s: 2 want 2, nothing slows
+    assert h.step_seconds([0.2, 0.0], [1.0, 1.0], probing=[False, True], probe_s=0.1) == \
+        pytest.approx(0.2 + 0.02)
+    # hosts of 2 ranks each: the job waits for its slowest; the planner only on host 0
+    h2 = SharedHost(cores=1.0, other_s=0.0, ranks_per_host=2)
+    assert h2.step_seconds([0.1, 0.1, 0.1, 0.0], [1.0] * 4) == pytest.approx(0.2)
+    assert h2.step_seconds([0.1, 0.0, 0.1, 0.0], [1.0] * 4, searching=True) == \
+        pytest.approx(0.2)
+
+
+def test_calibration_reads_cores_and_the_rest_from_healthy_steps():
+    """Each rank computed 0.15 s and waited 0.15 s for a core (4 on 2): 2 cores; the mean step
+    0.4 s less the compute wall 0.3 s leaves 0.1 s, 0.05 s of CPU per rank shared 4 on 2."""
+    lines = [{"step": k, "step_time_s": 0.4, "compute_s": [0.15] * 4, "wait_s": [0.15] * 4}
+             for k in range(5)]
+    h = SharedHost.calibrate(lines, 4, step_s=0.4, busiest_s=0.15)
+    assert h.cores == pytest.approx(2.0) and h.other_s == pytest.approx(0.05)
+    assert h.step_seconds([0.15] * 4, [1.0] * 4) == pytest.approx(0.4)   # the healthy step
+    # no waits: as many cores as ranks, the rest as measured
+    calm = [dict(x, wait_s=[0.0] * 4, step_time_s=0.2) for x in lines]
+    h = SharedHost.calibrate(calm, 4, step_s=0.2, busiest_s=0.15)
+    assert h.cores == pytest.approx(4.0) and h.other_s == pytest.approx(0.05)
+    # a run before wait_s was written: no host model
+    old = [{k: v for k, v in x.items() if k != "wait_s"} for x in lines]
+    assert SharedHost.calibrate(old, 4, step_s=0.4, busiest_s=0.15) is None
+    with pytest.raises(ValueError, match="SharedHost: cores 0"):
+        SharedHost(0, 0.1, 2)

@@ -59,6 +59,10 @@ class RunReplay:
     planning_s: dict               # median seconds of the run's re-plans: "healthy" (every rank
                                    # healthy: no search) and "search" (the others)
     phases: list[dict]             # per phase of the schedule: its window and measured samples/s
+    pieces: list                   # per phase and plan of the run: its steps, window and rates
+    where: str = ""                # the trace's name in errors
+    switch_steps: tuple = ()       # the run's steps that followed a switch
+    unit_s: float = 0.0            # healthy compute seconds per cost unit (Replay.scale)
 
 
 def _config(run: Path) -> dict:
@@ -144,30 +148,21 @@ def build(run_dir: str | Path) -> RunReplay:
         t += float(s["step_time_s"])
     horizon = t
     conds = [emulated_condition(s) for s in steps]
-    rows: list[Event] = []
     phases: list[dict] = []
-    for ph in stretches(conds):
+    pieces: list[Piece] = []
+    for k, ph in enumerate(stretches(conds)):
         end = starts[ph.hi] if ph.hi < len(steps) else horizon
         # the phase on each plan the run ran it on: a rank's real slowdown depends on its share
-        realized = []
         for st in stretches([s.get("plan") for s in steps[ph.lo:ph.hi]]):
             a, b = ph.lo + st.lo, ph.lo + st.hi
             got = _realized(steps[a:b], settings.detect.window)
-            realized.append(got)
-            t_b = round(starts[b] if b < len(steps) else horizon, 6)
-            for g, r in ph.key:
-                r = got.get(g, r)
-                if rows and (rows[-1].gpu, rows[-1].rate, rows[-1].end_s) == (g, r, round(
-                        starts[a], 6)):
-                    rows[-1] = Event(rows[-1].start_s, t_b, g, r)    # one event while equal
-                else:
-                    rows.append(Event(round(starts[a], 6), t_b, g, r))
+            pieces.append(Piece(k, st.key, tuple(steps[a:b]), starts[a],
+                                starts[b] if b < len(steps) else horizon,
+                                {g: got.get(g, r) for g, r in ph.key}))
         first, last = int(steps[ph.lo]["step"]), int(steps[ph.hi - 1]["step"])
         # a migration before the phase's first step ran before its window began
         tput = throughput(steps[ph.lo:ph.hi], events, lo=first + 1, hi=last)
         phases.append({"steps": [first, last], "condition": {str(g): r for g, r in ph.key},
-                       "realized": [{str(g): round(got.get(g, r), 3) for g, r in ph.key}
-                                    for got in realized],
                        "start_s": starts[ph.lo], "end_s": end,
                        "measured_samples_per_s": tput.samples_per_s})
     plan0 = steps[0].get("plan")
@@ -185,11 +180,80 @@ def build(run_dir: str | Path) -> RunReplay:
     for e in events:
         if e.get("event") == "replan" and e.get("planning_s") is not None:
             plans["healthy" if _healthy(e) else "search"].append(float(e["planning_s"]))
-    trace = make_trace(rows, world, hours=horizon / 3600.0 + 1e-9, where=f"{run} schedule")
-    return RunReplay(problem, plan, spec, settings, trace, step_s, share, costs,
-                     _planner_stall(steps, events),
-                     SharedHost.calibrate(healthy, world // nodes, step_s, busiest),
-                     {k: statistics.median(v) for k, v in plans.items() if v}, phases)
+    rr = RunReplay(problem, plan, spec, settings, None, step_s, share, costs,
+                   _planner_stall(steps, events),
+                   SharedHost.calibrate(healthy, world // nodes, step_s, busiest),
+                   {k: statistics.median(v) for k, v in plans.items() if v}, phases, pieces,
+                   f"{run} schedule", tuple(sorted(mig)))
+    rr.trace = _trace(rr)
+    return rr
+
+
+@dataclass
+class Piece:
+    """A phase of the schedule on one plan of the run: its step lines, its window on the run's
+    clock, and each slowed rank's rate there (the schedule's, refined from the run)."""
+
+    phase: int
+    plan: str | None
+    steps: tuple
+    start_s: float
+    end_s: float
+    rates: dict
+
+
+def _trace(rr: "RunReplay") -> Trace:
+    """The trace of the pieces' rates (one event per rank while its rate stays)."""
+    rows: list[Event] = []
+    for pc in rr.pieces:
+        a, b = round(pc.start_s, 6), round(pc.end_s, 6)
+        for g, r in pc.rates.items():
+            if rows and (rows[-1].gpu, rows[-1].rate, rows[-1].end_s) == (g, r, a):
+                rows[-1] = Event(rows[-1].start_s, b, g, r)
+            else:
+                rows.append(Event(a, b, g, r))
+    end = max((pc.end_s for pc in rr.pieces), default=0.0)
+    return make_trace(rows, rr.problem.num_gpus, hours=end / 3600.0 + 1e-9, where=rr.where)
+
+
+def _refine(rr: "RunReplay", units: dict) -> bool:
+    """Each piece whose plan the replay ran (``units``: that plan's cost units per rank, by
+    plan id) gets each slowed rank's rate from the run's own compute: per step, its
+    ``compute_s`` per unit over that of the step's healthy working ranks (else the healthy
+    steps' per-unit seconds), the median over the piece's steps that held no probe (a probe's
+    seconds ride in its step's ``compute_s``) and did not follow a switch. True if a rate
+    changed."""
+    import numpy as np
+
+    every = rr.settings.detect.probe_every
+    switched = {int(e) for e in rr.switch_steps}
+    changed = False
+    for pc in rr.pieces:
+        u = units.get(pc.plan)
+        if u is None:
+            continue
+        u = np.asarray(u, dtype=np.float64)
+        slow = np.zeros(u.size, dtype=bool)
+        slow[list(pc.rates)] = True
+        reads: dict[int, list[float]] = {g: [] for g in pc.rates}
+        for s in pc.steps:
+            k = int(s["step"])
+            if k % every == 0 or k in switched:
+                continue
+            c = np.asarray(s.get("compute_s") or (), dtype=np.float64)
+            if c.shape != u.shape:
+                continue
+            ok = (u > 0) & ~slow & (c > 0)
+            ref = float(np.median(c[ok] / u[ok])) if ok.any() else rr.unit_s
+            for g in pc.rates:
+                if u[g] > 0 and c[g] > 0 and ref > 0:
+                    reads[g].append(c[g] / u[g] / ref)
+        for g, xs in reads.items():
+            if xs:
+                r = round(max(1.0, statistics.median(xs)), 3)
+                changed |= r != pc.rates[g]
+                pc.rates[g] = r
+    return changed
 
 
 def _healthy(replan: dict) -> bool:
@@ -279,15 +343,23 @@ def _charge(planning: dict):
 
 def compare(rr: RunReplay) -> dict:
     """Replay the run's own loop over its schedule; per phase, predicted against measured
-    samples/s."""
+    samples/s. A first replay learns the plans the loop runs; where the run ran the same plans,
+    the trace takes each slowed rank's rate from the run's own compute on them
+    (:func:`_refine`) and the loop is replayed again."""
     from .loop import run_malleus
     from .run import Replay
 
     rp = Replay(rr.problem, rr.step_s, compute_share=rr.compute_share)
-    charge = _charge(rr.planning_s)
-    res = run_malleus(rp, rr.trace.segments(), rr.settings, rr.costs, charge=charge,
-                      spec=rr.spec, plan=rr.plan, planner_stall=rr.planner_stall,
-                      host=rr.host)
+    rr.unit_s = rp.scale
+
+    def replay():
+        return run_malleus(rp, rr.trace.segments(), rr.settings, rr.costs,
+                           charge=_charge(rr.planning_s), spec=rr.spec, plan=rr.plan,
+                           planner_stall=rr.planner_stall, host=rr.host)
+    res = replay()
+    if _refine(rr, res.units):
+        rr.trace = _trace(rr)
+        res = replay()
     out = []
     for ph in rr.phases:
         a, b = ph["start_s"], ph["end_s"]
@@ -295,6 +367,8 @@ def compare(rr: RunReplay) -> dict:
                       if e > a and s < b)
         pred = samples / (b - a) if b > a else 0.0
         meas = ph["measured_samples_per_s"]
+        ph = dict(ph, realized=[{str(g): r for g, r in pc.rates.items()} for pc in rr.pieces
+                                 if pc.phase == len(out)])
         out.append(dict(ph, predicted_samples_per_s=round(pred, 4),
                         measured_samples_per_s=round(meas, 4),
                         error=round(pred / meas - 1.0, 4) if meas > 0 else None))

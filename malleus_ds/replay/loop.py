@@ -12,8 +12,9 @@ tests drive it (``tests/unit/adaptive/test_loop_synthetic.py``):
   compute leaves it slack (``probe.light``) probe every ``detect.probe_every`` steps, right
   after the step's all-reduce, reading :data:`PROBE_S` x their true rate at that moment, in
   the next step's reduce (as ``Controller.after_reduce``): suspended GPUs follow the trace too.
-  Where the planner shares the ranks' cores (a CPU run, ``from_run.py``), steps stretch by
-  ``planner_stall`` while it searches.
+  On a CPU run's shared host (``from_run.py``, ``host.py``) a step's seconds are the host's:
+  its cores shared by the ranks' compute, the sustained probes and the planner's search (runs
+  without ``wait_s``: steps stretch by ``planner_stall`` while it searches).
 * **Planning.** The loop's planner is :class:`SimPlanner`: the real planner (the worker's own
   ``answer``, with its cache), run in this process when the loop asks; its answer reaches the
   loop once the simulated clock has passed the request's moment plus the planner's wall seconds
@@ -39,7 +40,6 @@ import numpy as np
 from ..adaptive.control import Controller
 from ..adaptive.probe import BUDGET, FIRST_BUDGET_S, HELD_LOAD
 from ..adaptive.settings import AdaptiveSettings
-from ..adaptive.work import cost_units
 from ..plan import Plan
 from .costs import MigrationCost
 from .host import SharedHost
@@ -143,6 +143,7 @@ class LoopResult(PolicyResult):
     stepped: int = 0             # steps run through the loop (the rest fast-forwarded)
     planning_s: float = 0.0      # planner seconds charged to the clock
     plans: dict = field(default_factory=dict)     # every plan it ran, by id
+    units: dict = field(default_factory=dict)     # ...and its cost units per rank (the loop's)
 
 
 def _sums(ready: bool, comp: np.ndarray, probes: np.ndarray):
@@ -162,7 +163,10 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     from the problem alone, ``job.py``, and its static plan). ``planner_stall``: how much longer
     a step takes while the planner searches (0.18: 18%), where the planner shares the ranks'
     cores (a CPU run, ``from_run.py``; 0 on a GPU cluster, whose planner uses a host core the
-    GPUs do not need)."""
+    GPUs do not need). ``host``: the ranks share a host's CPU cores (a CPU run with
+    ``wait_s``, ``host.py``): each step's seconds are the shared host's, the sustained probes
+    and the planner's search taking cores too (``planner_stall`` is then not used); steps are
+    not fast-forwarded (their seconds vary with the probes)."""
     if not planner_stall >= 0.0:
         raise ValueError(f"planner_stall={planner_stall!r} must be >= 0")
     settings = settings or AdaptiveSettings()
@@ -177,6 +181,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                      planner=planner)
     out = LoopResult("malleus")
     out.plans[plan.id] = plan
+    out.units[plan.id] = units = ctl.units
     horizon = segs[-1].end_s if segs else 0.0
     gbs = rp.samples_per_step
     every = settings.detect.probe_every
@@ -184,8 +189,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     si = 0                                   # the segment the clock is in
     rate = np.ones(N)
     rate_seg = -1
-    units = cost_units(plan, N, ctl.tp, ctl.slowdown, ctl.head, ctl.layer_cost)
-    steps_cache: dict[tuple[str, int], float] = {}
+    steps_cache: dict[tuple, float] = {}
     key_at: tuple[int, tuple | None] | None = None
     since_change = 0
     stretch_t0, stretch_samples = 0.0, 0.0
@@ -219,7 +223,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                     plan = new
                     own.clear()
                     out.plans[plan.id] = plan
-                    units = ctl.units
+                    out.units[plan.id] = units = ctl.units
                     since_change = 0
                 else:
                     ctl.considered(ev.get("measured_rates"))
@@ -238,19 +242,22 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 if progress is not None:
                     progress(1)
             searching = planner.searching()
+            probe_wall = round(min(PROBE_WALL_S, BUDGET * float(np.median(ctl.step_times)))
+                               if ctl.step_times else PROBE_WALL_S, 4)
 
             def seconds(seg: Segment) -> float:
                 """This step of the running plan, had it run wholly in ``seg``."""
-                key = (plan.id, seg.start_s, searching, sustained.tobytes())
-                if key not in steps_cache:
-                    if host is None:
+                if host is None:
+                    key = (plan.id, seg.start_s)
+                    if key not in steps_cache:
                         steps_cache[key] = rp.step_seconds(plan, seg.rate_map())
-                    else:
-                        steps_cache[key] = host.step_seconds(
-                            units * rp.scale, rate_vector(seg, N), sustained,
-                            min(PROBE_WALL_S, BUDGET * float(np.median(ctl.step_times))
-                                if ctl.step_times else PROBE_WALL_S), searching,
-                            rp.compute_seconds(plan, seg.rate_map()))
+                    return steps_cache[key]
+                key = (plan.id, seg.start_s, searching, sustained.tobytes(), probe_wall)
+                if key not in steps_cache:
+                    steps_cache[key] = host.step_seconds(
+                        units * rp.scale, rate_vector(seg, N), sustained, probe_wall,
+                        searching,
+                        rp.compute_seconds(plan, seg.rate_map()))
                 return steps_cache[key]
             step_s = seconds(segs[si])
             # -- fast-forward a steady stretch -------------------------------------------------

@@ -116,7 +116,8 @@ def test_the_trace_holds_the_slowdown_the_rank_really_ran_at_on_each_plan(tmp_pa
     assert (a.gpu, a.rate, b.gpu, b.rate) == (3, 3.3, 3, 3.6)
     assert a.start_s == pytest.approx(6 * STEP) and a.end_s == b.start_s
     assert rr.phases[1]["condition"] == {"3": 3.0}
-    assert rr.phases[1]["realized"] == [{"3": 3.3}, {"3": 3.6}]
+    assert [(pc.phase, pc.plan, pc.rates) for pc in rr.pieces[1:3]] == \
+        [(1, "plan-a", {3: 3.3}), (1, "plan-b", {3: 3.6})]
     # no measured rates (engine=malleus before they were written): the schedule's rate
     (ev,) = build(_run(tmp_path / "plain")).trace.events
     assert ev.rate == 3.0
@@ -154,3 +155,27 @@ def test_a_run_with_waits_is_replayed_on_its_shared_cores(tmp_path):
     assert res["host"]["cores"] == pytest.approx(2.0)
     assert res["phases"][0]["error"] == pytest.approx(0.0, abs=1e-3)
     assert build(_run(tmp_path / "plain")).host is None
+
+
+def test_on_a_plan_the_replay_ran_too_the_rate_comes_from_the_runs_own_compute(tmp_path):
+    """The run's first plan is the replay's (the static layout, by its id): on it, rank 3's
+    rate is its compute per unit over its healthy peers' in the run's own steps (3.0 here:
+    three times their compute on the same share), not the loop's lagging reading (3.3);
+    steps that held a probe (even) or followed a switch do not count."""
+    from malleus_ds.plan import static_plan
+
+    run = _run(tmp_path)
+    first = static_plan(4, 16, 1, 1, 1, 4).id
+
+    def named(x):
+        if "event" not in x:
+            x["plan"] = first if x["plan"] == "plan-a" else x["plan"]
+            k = x["step"]
+            x["measured_rates"] = [1.0, 1.0, 1.0, 3.3] if 8 <= k < 16 else [1.0] * 4
+        return x
+    _edit(run, named)
+    rr = build(run)
+    assert rr.pieces[1].plan == first and rr.pieces[1].rates == {3: 3.3}
+    res = compare(rr)
+    assert rr.pieces[1].rates == {3: 3.0}
+    assert res["phases"][1]["realized"][0] == {"3": 3.0}

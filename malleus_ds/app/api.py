@@ -20,6 +20,15 @@ def initialize(model=None, config=None, plan=None, *, data=None, args=None):
     from .loop import attach_loop
 
     cfg = load_config(config)
+    if isinstance(cfg, dict):
+        from .ds_auto import auto_paths
+
+        auto = auto_paths(cfg)
+        if auto:
+            raise ValueError(f"ds_config {', '.join(auto)}=\"auto\": malleus_ds.initialize "
+                             f"takes the values themselves (\"auto\" is filled by the Hugging "
+                             f"Face Trainer or accelerate from their arguments, and by "
+                             f"launch/train.py from train.*); set them")
     sec = cfg.get("malleus") if isinstance(cfg, dict) else None
     settings = AdaptiveSettings.from_config(sec if isinstance(sec, dict) else {})
     out = engine_initialize(model, cfg, plan, data=ByteCorpus if data is None else data,

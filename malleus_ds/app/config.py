@@ -68,6 +68,7 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
     ds = _deepspeed(d.get("deepspeed") or {}, ds_search_dirs)
     train = _activation_checkpointing(train, (d.get("train") or {}).get("activation_checkpointing"),
                                       ds)
+    ds = _auto(ds, train, model, parallel)
     if train.num_micro_batches < parallel.dp:
         raise ConfigError(f"train.global_batch_size={train.global_batch_size} / "
                           f"train.micro_batch_size={train.micro_batch_size} = "
@@ -472,6 +473,17 @@ def _deepspeed(s: Mapping[str, Any], search: tuple[str | Path, ...]) -> DeepSpee
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
         raise ConfigError(f"ds_config zero_optimization.stage={stage!r} must be 0, 1, 2 or 3")
     return DeepSpeedSection(config_file=path, config=cfg)
+
+
+def _auto(ds: DeepSpeedSection, train: TrainConfig, model, parallel: ParallelConfig
+          ) -> DeepSpeedSection:
+    """The ds_config with every ``"auto"`` filled from ``train.*`` and the model, as the Hugging
+    Face Trainer and accelerate fill it (``ds_auto.py``); one note per value."""
+    from .ds_auto import resolve_auto
+
+    cfg, notes = resolve_auto(ds.config, train, model.hidden_size, parallel.dp,
+                              error=ConfigError)
+    return DeepSpeedSection(ds.config_file, cfg, tuple(notes)) if notes else ds
 
 
 def check_even_batch(t: TrainConfig, p: ParallelConfig, ds: DeepSpeedSection) -> None:

@@ -79,6 +79,8 @@ class DeepSpeedSection:
 
     config_file: str | None = None      # absolute path of the JSON it was read from
     config: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    #: one line per value the app filled or key it left to MalleusEngine's own way (ds_auto.py)
+    notes: tuple[str, ...] = field(default=(), hash=False)
 
     @property
     def zero_stage(self) -> int:

@@ -5,6 +5,8 @@ collective, so bad input never hangs.
 """
 from __future__ import annotations
 
+import warnings
+
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,16 +194,27 @@ def optimizer_settings(user_cfg: dict):
     if typ.lower() not in ("adam", "adamw"):
         raise ValueError(f"ds_config.optimizer.type={typ!r}: MalleusEngine supports Adam/AdamW "
                          f"(torch.optim.AdamW, decoupled weight decay)")
-    if params.pop("adam_w_mode", True) is False:
-        raise ValueError("ds_config.optimizer.params.adam_w_mode=false is not supported (AdamW only)")
-    params.pop("torch_adam", None)          # we always run torch's AdamW
+    mode = params.pop("adam_w_mode", True)
+    if not isinstance(mode, bool):
+        raise ValueError(f"ds_config.optimizer.params.adam_w_mode={mode!r} must be true or false")
+    params.pop("torch_adam", None)          # we always run torch's Adam/AdamW
+    if "max_grad_norm" in params:           # DeepSpeed warns and ignores it too
+        warnings.warn(f"ds_config.optimizer.params.max_grad_norm={params.pop('max_grad_norm')!r} "
+                      f"is ignored, as DeepSpeed ignores it; gradient_clipping sets the clip")
+    for k in ("lr", "eps", "weight_decay"):
+        if k in params and (isinstance(params[k], bool)
+                            or not isinstance(params[k], (int, float))):
+            raise ValueError(f"ds_config.optimizer.params.{k}={params[k]!r} must be a number"
+                             + (" (\"auto\" is filled by launch/train.py from train.*, or by "
+                                "the Hugging Face Trainer)" if params[k] == "auto" else ""))
     fused = params.pop("fused", False)
     if not isinstance(fused, bool):
         raise ValueError(f"ds_config.optimizer.params.fused={fused!r} must be true or false")
     unknown = set(params) - {"lr", "betas", "eps", "weight_decay"}
     if unknown:
         raise ValueError(f"ds_config.optimizer.params: unsupported keys {sorted(unknown)}")
-    oc = OptimConfig(**{k: (tuple(v) if k == "betas" else v) for k, v in params.items()})
+    oc = OptimConfig(**{k: (tuple(v) if k == "betas" else v) for k, v in params.items()},
+                     decoupled=mode)
     return zero, lambda ps: make_optimizer(ps, oc, fused=fused)
 
 

@@ -345,7 +345,8 @@ def compare(rr: RunReplay) -> dict:
     """Replay the run's own loop over its schedule; per phase, predicted against measured
     samples/s. A first replay learns the plans the loop runs; where the run ran the same plans,
     the trace takes each slowed rank's rate from the run's own compute on them
-    (:func:`_refine`) and the loop is replayed again."""
+    (:func:`_refine`, in place: ``rr.pieces`` and ``rr.trace`` keep the refined rates) and the
+    loop is replayed again."""
     from .loop import run_malleus
     from .run import Replay
 

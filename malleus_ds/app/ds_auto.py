@@ -5,7 +5,7 @@ transformers' and accelerate's DeepSpeed configs leave values to ``"auto"``, whi
 accelerate (``Accelerator._prepare_deepspeed``) fill from their own arguments before DeepSpeed
 sees the config; stock DeepSpeed resolves none of them (a string learning rate reaches
 ``torch.optim.AdamW``: ``TypeError``). Here they are filled from the run's ``train.*`` and model,
-by the same rules (:data:`RULES`), for either engine, before any process group exists:
+by the same rules (:func:`_rules`), for either engine, before any process group exists:
 
 =============================================  ============================================
 path                                           value
@@ -39,6 +39,7 @@ No torch, no DeepSpeed.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Mapping
 
 AUTO = "auto"
@@ -80,47 +81,48 @@ def _rules(train, hidden: int, dp: int) -> dict[tuple[str, ...], tuple[Any, str]
 
 def resolve_auto(cfg: Mapping[str, Any], train, hidden: int, dp: int,
                  error: Callable[[str], Exception] = ValueError) -> tuple[dict, list[str]]:
-    """A copy of ``cfg`` with every ``"auto"`` filled by :data:`_rules` (``train``: the run's
+    """A copy of ``cfg`` with every ``"auto"`` filled by :func:`_rules` (``train``: the run's
     ``TrainConfig``; ``hidden``: the model's hidden size; ``dp``: its data-parallel replicas),
     and one line per value filled. ``"auto"`` that no rule fills raises ``error(message)``."""
     rules = _rules(train, hidden, dp)
-    notes: list[str] = []
-    left: list[str] = []
-
-    def walk(node: Any, path: tuple[str, ...]) -> Any:
-        if isinstance(node, Mapping):
-            return {k: walk(v, path + (str(k),)) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v, path + (str(i),)) for i, v in enumerate(node)]
-        if node == AUTO and isinstance(node, str) and path not in KEPT:
-            if path in rules:
-                value, why = rules[path]
-                notes.append(f"ds_config {'.'.join(path)}=\"auto\" -> {value!r} ({why})")
-                return value
-            left.append(".".join(path))
-        return node
-
-    out = walk(cfg, ())
+    found = _autos(cfg)
+    left = [_dotted(p) for p in found if _named(p) not in rules]
     if left:
         raise error(f"ds_config {', '.join(left)}=\"auto\": no rule fills "
                     f"{'it' if len(left) == 1 else 'them'} (the Hugging Face Trainer's and "
                     f"accelerate's \"auto\" keys are filled from train.*: "
                     f"{sorted('.'.join(p) for p in rules)}); set a value")
+    out = copy.deepcopy(dict(cfg))
+    notes = []
+    for path in found:
+        value, why = rules[_named(path)]
+        node = out
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = value
+        notes.append(f"ds_config {_dotted(path)}=\"auto\" -> {value!r} ({why})")
     return out, notes
 
 
 def auto_paths(cfg: Mapping[str, Any]) -> list[str]:
     """Every path in ``cfg`` that holds ``"auto"`` (``pipeline.stages`` excepted)."""
-    found: list[str] = []
+    return [_dotted(p) for p in _autos(cfg)]
 
-    def walk(node: Any, path: tuple[str, ...]) -> None:
-        if isinstance(node, Mapping):
-            for k, v in node.items():
-                walk(v, path + (str(k),))
-        elif isinstance(node, list):
-            for i, v in enumerate(node):
-                walk(v, path + (str(i),))
-        elif isinstance(node, str) and node == AUTO and path not in KEPT:
-            found.append(".".join(path))
-    walk(cfg, ())
-    return found
+
+def _autos(node: Any, path: tuple = ()) -> list[tuple]:
+    """The paths (key tuples; a list's items by their index) that hold ``"auto"``, in order,
+    :data:`KEPT` left out."""
+    if isinstance(node, Mapping):
+        return [p for k, v in node.items() for p in _autos(v, path + (k,))]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in _autos(v, path + (i,))]
+    auto = isinstance(node, str) and node == AUTO and _named(path) not in KEPT
+    return [path] if auto else []
+
+
+def _named(path: tuple) -> tuple[str, ...]:
+    return tuple(str(k) for k in path)
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(_named(path))

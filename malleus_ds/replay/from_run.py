@@ -62,7 +62,6 @@ class RunReplay:
     pieces: list                   # per phase and plan of the run: its steps, window and rates
     where: str = ""                # the trace's name in errors
     switch_steps: tuple = ()       # the run's steps that followed a switch
-    unit_s: float = 0.0            # healthy compute seconds per cost unit (Replay.scale)
 
 
 def _config(run: Path) -> dict:
@@ -216,11 +215,11 @@ def _trace(rr: "RunReplay") -> Trace:
     return make_trace(rows, rr.problem.num_gpus, hours=end / 3600.0 + 1e-9, where=rr.where)
 
 
-def _refine(rr: "RunReplay", units: dict) -> bool:
+def _refine(rr: "RunReplay", units: dict, unit_s: float) -> bool:
     """Each piece whose plan the replay ran (``units``: that plan's cost units per rank, by
     plan id) gets each slowed rank's rate from the run's own compute: per step, its
-    ``compute_s`` per unit over that of the step's healthy working ranks (else the healthy
-    steps' per-unit seconds), the median over the piece's steps that held no probe (a probe's
+    ``compute_s`` per unit over that of the step's healthy working ranks (else ``unit_s``, the
+    healthy steps' per-unit seconds, ``Replay.scale``), the median over the piece's steps that held no probe (a probe's
     seconds ride in its step's ``compute_s``) and did not follow a switch. True if a rate
     changed."""
     import numpy as np
@@ -244,7 +243,7 @@ def _refine(rr: "RunReplay", units: dict) -> bool:
             if c.shape != u.shape:
                 continue
             ok = (u > 0) & ~slow & (c > 0)
-            ref = float(np.median(c[ok] / u[ok])) if ok.any() else rr.unit_s
+            ref = float(np.median(c[ok] / u[ok])) if ok.any() else unit_s
             for g in pc.rates:
                 if u[g] > 0 and c[g] > 0 and ref > 0:
                     reads[g].append(c[g] / u[g] / ref)
@@ -351,14 +350,13 @@ def compare(rr: RunReplay) -> dict:
     from .run import Replay
 
     rp = Replay(rr.problem, rr.step_s, compute_share=rr.compute_share)
-    rr.unit_s = rp.scale
 
     def replay():
         return run_malleus(rp, rr.trace.segments(), rr.settings, rr.costs,
                            charge=_charge(rr.planning_s), spec=rr.spec, plan=rr.plan,
                            planner_stall=rr.planner_stall, host=rr.host)
     res = replay()
-    if _refine(rr, res.units):
+    if _refine(rr, res.units, rp.scale):
         rr.trace = _trace(rr)
         res = replay()
     out = []

@@ -242,8 +242,9 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 if progress is not None:
                     progress(1)
             searching = planner.searching()
-            probe_wall = round(min(PROBE_WALL_S, BUDGET * float(np.median(ctl.step_times)))
-                               if ctl.step_times else PROBE_WALL_S, 4)
+            if host is not None:             # a sustained probe's share of the shared cores
+                probe_wall = round(min(PROBE_WALL_S, BUDGET * float(np.median(ctl.step_times)))
+                                   if ctl.step_times else PROBE_WALL_S, 4)
 
             def seconds(seg: Segment) -> float:
                 """This step of the running plan, had it run wholly in ``seg``."""

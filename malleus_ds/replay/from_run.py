@@ -15,14 +15,14 @@ what a replay needs, each from the run's own files:
   its first step started, counting step times and migration seconds from the first step after
   warm-up), at the slowdown each rank really ran at: per stretch of a phase on one plan, the
   loop's own measured rate (``measured_rates``; an emulated CPU straggler runs slower than
-  scheduled, more so on a light share);
+  scheduled, more so on a light share), refined from its ``compute_s`` (``run_trace.py``);
 * **the host**: where the step lines carry ``wait_s``, the ranks' shared CPU cores
   (``host.SharedHost.calibrate``): each step's seconds under fluid sharing of the cores by
   the ranks' compute, their sustained probes and the planner's search; in older runs, how much
   longer the steps ran while the planner searched (``run_malleus(planner_stall=)``);
 * **the switch costs**: a fixed part and a bandwidth fitted to its ``migrate`` events, the
   first step after a switch against the steps that follow (warm-up), and the planner's seconds
-  its ``replan`` events took.
+  its ``replan`` events took (``run_costs.py``).
 
 :func:`compare` then replays the ``malleus`` policy and, per phase of the schedule, sets its
 samples/s against the run's (``run_model.throughput``: step times plus migrations).
@@ -37,7 +37,9 @@ from ..plan import Plan
 from ..problem import Problem
 from .costs import MigrationCost
 from .host import SharedHost
-from .trace import Event, Trace, make_trace
+from .run_costs import charge, healthy_replan, planner_stall, switch_costs
+from .run_trace import Piece, realized, refine, trace_of
+from .trace import Trace
 
 
 class FromRunError(ValueError):
@@ -154,7 +156,7 @@ def build(run_dir: str | Path) -> RunReplay:
         # the phase on each plan the run ran it on: a rank's real slowdown depends on its share
         for st in stretches([s.get("plan") for s in steps[ph.lo:ph.hi]]):
             a, b = ph.lo + st.lo, ph.lo + st.hi
-            got = _realized(steps[a:b], settings.detect.window)
+            got = realized(steps[a:b], settings.detect.window)
             pieces.append(Piece(k, st.key, tuple(steps[a:b]), starts[a],
                                 starts[b] if b < len(steps) else horizon,
                                 {g: got.get(g, r) for g, r in ph.key}))
@@ -174,178 +176,26 @@ def build(run_dir: str | Path) -> RunReplay:
     step_s = statistics.mean(float(s["step_time_s"]) for s in healthy)   # as throughput counts
     busiest = statistics.mean(max(s["compute_s"]) for s in healthy)
     share = min(1.0, busiest / step_s)
-    costs = _switch_costs(steps, events)
+    costs = switch_costs(steps, events)
     plans: dict[str, list[float]] = {"healthy": [], "search": []}
     for e in events:
         if e.get("event") == "replan" and e.get("planning_s") is not None:
-            plans["healthy" if _healthy(e) else "search"].append(float(e["planning_s"]))
+            plans["healthy" if healthy_replan(e) else "search"].append(float(e["planning_s"]))
     rr = RunReplay(problem, plan, spec, settings, None, step_s, share, costs,
-                   _planner_stall(steps, events),
+                   planner_stall(steps, events),
                    SharedHost.calibrate(healthy, world // nodes, step_s, busiest),
                    {k: statistics.median(v) for k, v in plans.items() if v}, phases, pieces,
                    f"{run} schedule", tuple(sorted(mig)))
-    rr.trace = _trace(rr)
+    rr.trace = trace_of(rr.pieces, problem.num_gpus, rr.where)
     return rr
-
-
-@dataclass
-class Piece:
-    """A phase of the schedule on one plan of the run: its step lines, its window on the run's
-    clock, and each slowed rank's rate there (the schedule's, refined from the run)."""
-
-    phase: int
-    plan: str | None
-    steps: tuple
-    start_s: float
-    end_s: float
-    rates: dict
-
-
-def _trace(rr: "RunReplay") -> Trace:
-    """The trace of the pieces' rates (one event per rank while its rate stays)."""
-    rows: list[Event] = []
-    for pc in rr.pieces:
-        a, b = round(pc.start_s, 6), round(pc.end_s, 6)
-        for g, r in pc.rates.items():
-            if rows and (rows[-1].gpu, rows[-1].rate, rows[-1].end_s) == (g, r, a):
-                rows[-1] = Event(rows[-1].start_s, b, g, r)
-            else:
-                rows.append(Event(a, b, g, r))
-    end = max((pc.end_s for pc in rr.pieces), default=0.0)
-    return make_trace(rows, rr.problem.num_gpus, hours=end / 3600.0 + 1e-9, where=rr.where)
-
-
-def _refine(rr: "RunReplay", units: dict, unit_s: float) -> bool:
-    """Each piece whose plan the replay ran (``units``: that plan's cost units per rank, by
-    plan id) gets each slowed rank's rate from the run's own compute: per step, its
-    ``compute_s`` per unit over that of the step's healthy working ranks (else ``unit_s``, the
-    healthy steps' per-unit seconds, ``Replay.scale``), the median over the piece's steps that held no probe (a probe's
-    seconds ride in its step's ``compute_s``) and did not follow a switch. True if a rate
-    changed."""
-    import numpy as np
-
-    every = rr.settings.detect.probe_every
-    switched = {int(e) for e in rr.switch_steps}
-    changed = False
-    for pc in rr.pieces:
-        u = units.get(pc.plan)
-        if u is None:
-            continue
-        u = np.asarray(u, dtype=np.float64)
-        slow = np.zeros(u.size, dtype=bool)
-        slow[list(pc.rates)] = True
-        reads: dict[int, list[float]] = {g: [] for g in pc.rates}
-        for s in pc.steps:
-            k = int(s["step"])
-            if k % every == 0 or k in switched:
-                continue
-            c = np.asarray(s.get("compute_s") or (), dtype=np.float64)
-            if c.shape != u.shape:
-                continue
-            ok = (u > 0) & ~slow & (c > 0)
-            ref = float(np.median(c[ok] / u[ok])) if ok.any() else unit_s
-            for g in pc.rates:
-                if u[g] > 0 and c[g] > 0 and ref > 0:
-                    reads[g].append(c[g] / u[g] / ref)
-        for g, xs in reads.items():
-            if xs:
-                r = round(max(1.0, statistics.median(xs)), 3)
-                changed |= r != pc.rates[g]
-                pc.rates[g] = r
-    return changed
-
-
-def _healthy(replan: dict) -> bool:
-    """Was this re-plan asked with every rank healthy (the planner answers without a search)?"""
-    return all(r is not None and r <= 1.0 for r in replan.get("measured_rates") or [None])
-
-
-def _realized(steps, window: int) -> dict[int, float]:
-    """Per rank, the slowdown it really ran at over ``steps`` (a phase of the schedule on one
-    plan): the median of the loop's measured rates once its window holds only these steps (in
-    fewer steps than the window: the last one's). On CPU an emulated straggler runs slower than
-    its schedule says (its compute, between its sleeps, finds its caches cold: rank 1 scheduled
-    at 3 measured 3.2-3.7 in the demo, more on a light share), and the trace is what the job ran
-    through. Ranks never read: absent (their scheduled rate holds)."""
-    out: dict[int, float] = {}
-    rows = [s.get("measured_rates") for s in steps[min(window, len(steps) - 1):]]
-    for g in range(max((len(r) for r in rows if r), default=0)):
-        xs = [float(r[g]) for r in rows if r and g < len(r) and r[g] is not None]
-        if xs:
-            out[g] = max(1.0, statistics.median(xs))
-    return out
-
-
-def _planner_stall(steps, events) -> float:
-    """How much longer a step ran while the planner searched on the ranks' host (a CPU run:
-    the search takes a core): the median, over the steps from each searching re-plan's
-    detection to its answer, of the step time over the median of the steps of the same plan
-    and straggler condition that ran with no search in flight (nor first after a switch),
-    less one; 0 when no such pair exists."""
-    from ..report.run_model import emulated_condition
-
-    busy: set[int] = set()
-    for e in events:
-        if e.get("event") == "replan" and e.get("detected") is not None and not _healthy(e):
-            busy.update(range(int(e["detected"]), int(e["step"])))
-    first = {int(e["step"]) for e in events if e.get("event") == "migrate"}
-
-    def key(s):
-        return s.get("plan"), emulated_condition(s)
-
-    calm: dict = {}
-    for s in steps:
-        k = int(s["step"])
-        if k not in busy and k not in first:
-            calm.setdefault(key(s), []).append(float(s["step_time_s"]))
-    ratios = [float(s["step_time_s"]) / statistics.median(calm[key(s)]) for s in steps
-              if int(s["step"]) in busy and int(s["step"]) not in first
-              and len(calm.get(key(s), ())) >= 2]
-    return max(0.0, statistics.median(ratios) - 1.0) if ratios else 0.0
-
-
-def _switch_costs(steps, events) -> MigrationCost:
-    """A fixed part and a bandwidth fitted to the run's ``migrate`` events (least squares over
-    their sizes; a single size: its seconds as the fixed part), and the warm-up: the first step
-    after a switch over the median of the next five, less one (median over switches)."""
-    from ..adaptive.replan import fit_switch_seconds
-
-    ms = [(float(e.get("bytes", 0)), float(e.get("seconds", 0.0))) for e in events
-          if e.get("event") == "migrate"]
-    fixed, gbps = 0.0, 1e3
-    fit = fit_switch_seconds(ms)
-    if fit is not None:
-        fixed, gbps = fit[0], 1.0 / fit[1] / 1e9
-    elif ms:
-        fixed = statistics.median(t for _, t in ms)
-    by_step = {int(s["step"]): float(s["step_time_s"]) for s in steps}
-    warm = []
-    for e in events:
-        if e.get("event") == "migrate":
-            k = int(e["step"])
-            nxt = [by_step[i] for i in range(k + 1, k + 6) if i in by_step]
-            if k in by_step and len(nxt) >= 3:
-                warm.append(max(0.0, by_step[k] / statistics.median(nxt) - 1.0))
-    return MigrationCost(network_gbps=gbps, nvlink_gbps=gbps, communicators_s=fixed,
-                         warmup_steps=statistics.median(warm) if warm else 0.0)
-
-
-def _charge(planning: dict):
-    """Seconds charged per request: the run's own median for its kind (every rank healthy: the
-    planner answers without a search), else the planner's wall time here."""
-    from .loop import is_search
-
-    def charge(wall: float, req: dict) -> float:
-        return planning.get("search" if is_search(req) else "healthy", wall)
-    return charge
 
 
 def compare(rr: RunReplay) -> dict:
     """Replay the run's own loop over its schedule; per phase, predicted against measured
     samples/s. A first replay learns the plans the loop runs; where the run ran the same plans,
     the trace takes each slowed rank's rate from the run's own compute on them
-    (:func:`_refine`, in place: ``rr.pieces`` and ``rr.trace`` keep the refined rates) and the
-    loop is replayed again."""
+    (``run_trace.refine``, in place: ``rr.pieces`` and ``rr.trace`` keep the refined rates) and
+    the loop is replayed again."""
     from .loop import run_malleus
     from .run import Replay
 
@@ -353,11 +203,11 @@ def compare(rr: RunReplay) -> dict:
 
     def replay():
         return run_malleus(rp, rr.trace.segments(), rr.settings, rr.costs,
-                           charge=_charge(rr.planning_s), spec=rr.spec, plan=rr.plan,
+                           charge=charge(rr.planning_s), spec=rr.spec, plan=rr.plan,
                            planner_stall=rr.planner_stall, host=rr.host)
     res = replay()
-    if _refine(rr, res.units, rp.scale):
-        rr.trace = _trace(rr)
+    if refine(rr.pieces, res.units, rp.scale, rr.settings.detect.probe_every, rr.switch_steps):
+        rr.trace = trace_of(rr.pieces, rr.problem.num_gpus, rr.where)
         res = replay()
     out = []
     for ph in rr.phases:

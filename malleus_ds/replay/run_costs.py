@@ -1,0 +1,79 @@
+"""The switch and planning terms of ``--from-run`` (``from_run.py``), fitted to a recorded
+run's ``migrate`` and ``replan`` events and its step lines: the migration's fixed part and
+bandwidth and the first step's warm-up (:func:`switch_costs`), the seconds charged per planner
+request (:func:`charge`), and, for runs without ``wait_s``, how much longer steps ran while the
+planner searched (:func:`planner_stall`)."""
+from __future__ import annotations
+
+import statistics
+
+from .costs import MigrationCost
+
+
+def healthy_replan(replan: dict) -> bool:
+    """Was this re-plan asked with every rank healthy (the planner answers without a search)?"""
+    return all(r is not None and r <= 1.0 for r in replan.get("measured_rates") or [None])
+
+
+def planner_stall(steps, events) -> float:
+    """How much longer a step ran while the planner searched on the ranks' host (a CPU run:
+    the search takes a core): the median, over the steps from each searching re-plan's
+    detection to its answer, of the step time over the median of the steps of the same plan
+    and straggler condition that ran with no search in flight (nor first after a switch),
+    less one; 0 when no such pair exists."""
+    from ..report.run_model import emulated_condition
+
+    busy: set[int] = set()
+    for e in events:
+        if e.get("event") == "replan" and e.get("detected") is not None and not healthy_replan(e):
+            busy.update(range(int(e["detected"]), int(e["step"])))
+    first = {int(e["step"]) for e in events if e.get("event") == "migrate"}
+
+    def key(s):
+        return s.get("plan"), emulated_condition(s)
+
+    calm: dict = {}
+    for s in steps:
+        k = int(s["step"])
+        if k not in busy and k not in first:
+            calm.setdefault(key(s), []).append(float(s["step_time_s"]))
+    ratios = [float(s["step_time_s"]) / statistics.median(calm[key(s)]) for s in steps
+              if int(s["step"]) in busy and int(s["step"]) not in first
+              and len(calm.get(key(s), ())) >= 2]
+    return max(0.0, statistics.median(ratios) - 1.0) if ratios else 0.0
+
+
+def switch_costs(steps, events) -> MigrationCost:
+    """A fixed part and a bandwidth fitted to the run's ``migrate`` events (least squares over
+    their sizes; a single size: its seconds as the fixed part), and the warm-up: the first step
+    after a switch over the median of the next five, less one (median over switches)."""
+    from ..adaptive.replan import fit_switch_seconds
+
+    ms = [(float(e.get("bytes", 0)), float(e.get("seconds", 0.0))) for e in events
+          if e.get("event") == "migrate"]
+    fixed, gbps = 0.0, 1e3
+    fit = fit_switch_seconds(ms)
+    if fit is not None:
+        fixed, gbps = fit[0], 1.0 / fit[1] / 1e9
+    elif ms:
+        fixed = statistics.median(t for _, t in ms)
+    by_step = {int(s["step"]): float(s["step_time_s"]) for s in steps}
+    warm = []
+    for e in events:
+        if e.get("event") == "migrate":
+            k = int(e["step"])
+            nxt = [by_step[i] for i in range(k + 1, k + 6) if i in by_step]
+            if k in by_step and len(nxt) >= 3:
+                warm.append(max(0.0, by_step[k] / statistics.median(nxt) - 1.0))
+    return MigrationCost(network_gbps=gbps, nvlink_gbps=gbps, communicators_s=fixed,
+                         warmup_steps=statistics.median(warm) if warm else 0.0)
+
+
+def charge(planning: dict):
+    """Seconds charged per request: the run's own median for its kind (every rank healthy: the
+    planner answers without a search), else the planner's wall time here."""
+    from .loop import is_search
+
+    def charged(wall: float, req: dict) -> float:
+        return planning.get("search" if is_search(req) else "healthy", wall)
+    return charged

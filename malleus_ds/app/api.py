@@ -29,9 +29,24 @@ def initialize(model=None, config=None, plan=None, *, data=None, args=None):
                              f"takes the values themselves (\"auto\" is filled by the Hugging "
                              f"Face Trainer or accelerate from their arguments, and by "
                              f"launch/train.py from train.*); set them")
+        _notes(cfg)
     sec = cfg.get("malleus") if isinstance(cfg, dict) else None
     settings = AdaptiveSettings.from_config(sec if isinstance(sec, dict) else {})
     out = engine_initialize(model, cfg, plan, data=ByteCorpus if data is None else data,
                             args=args)
     attach_loop(out[0], settings)
     return out
+
+
+def _notes(cfg: dict) -> None:
+    """What MalleusEngine does with the ds_config's keys (``engine/ds_keys.py``): a config it
+    cannot honour fails here, on every rank, before any collective; rank 0 (``RANK``) prints a
+    line per key it ignores."""
+    import os
+
+    from ..engine.ds_keys import review
+
+    notes = review(cfg)
+    if os.environ.get("RANK", "0") == "0":
+        for n in notes:
+            print(f"[malleus_ds] note: {n}", flush=True)

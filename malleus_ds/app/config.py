@@ -60,15 +60,19 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
         model = parse_model(d.get("model") or {})
     except ModelError as e:
         raise ConfigError(str(e)) from None
-    train = _train(d.get("train") or {})
     parallel = _parallel(d.get("parallel") or {}, world_size, model,
                          elastic=elastic and engine == "malleus")
+    ds = _deepspeed(d.get("deepspeed") or {}, ds_search_dirs)
+    train, batch_notes = _train(d.get("train") or {}, ds, parallel.dp)
     cluster = _cluster(d.get("cluster") or {}, world_size, local_world_size or world_size, parallel)
     straggler = _straggler(d.get("straggler") or {}, world_size)
-    ds = _deepspeed(d.get("deepspeed") or {}, ds_search_dirs)
     train = _activation_checkpointing(train, (d.get("train") or {}).get("activation_checkpointing"),
                                       ds)
     ds = _auto(ds, train, model, parallel)
+    if engine == "malleus":
+        batch_notes += _review(ds)
+    if batch_notes:
+        ds = replace(ds, notes=tuple(batch_notes) + ds.notes)
     if train.num_micro_batches < parallel.dp:
         raise ConfigError(f"train.global_batch_size={train.global_batch_size} / "
                           f"train.micro_batch_size={train.micro_batch_size} = "
@@ -282,13 +286,24 @@ def _checkpoint(c: Mapping[str, Any]) -> CheckpointConfig:
                             every=every, resume=resume, background=background, keep=keep)
 
 
-def _train(t: Mapping[str, Any]) -> TrainConfig:
+def _train(t: Mapping[str, Any], ds: DeepSpeedSection, dp: int) -> tuple[TrainConfig, list]:
+    """``train.*`` -> TrainConfig, and a note per batch field taken from the ds_config: a batch
+    field left out (or null) comes from the ds_config's batch keys where it has them
+    (``ds_batch.resolve_batch``; one that contradicts them is refused, naming both)."""
+    from .ds_batch import resolve_batch
+
     t = {k: v for k, v in t.items() if v is not None or k == "data_seed"}
     allowed = {f.name for f in fields(TrainConfig)}
     unknown = sorted(set(t) - allowed)
     if unknown:
         raise ConfigError(f"train has unknown fields {unknown}; allowed: {sorted(allowed)}")
-    for k in ("steps", "global_batch_size", "micro_batch_size", "seed", "warmup_steps"):
+    for k in ("global_batch_size", "micro_batch_size"):
+        if k in t:
+            t[k] = _int(t[k], f"train.{k}")
+    t["global_batch_size"], t["micro_batch_size"], notes = resolve_batch(
+        ds.config, t, dp, ConfigError,
+        (TrainConfig.global_batch_size, TrainConfig.micro_batch_size))
+    for k in ("steps", "seed", "warmup_steps"):
         if k in t:
             t[k] = _int(t[k], f"train.{k}")
     for k in ("lr", "eps", "weight_decay"):
@@ -320,7 +335,7 @@ def _train(t: Mapping[str, Any]) -> TrainConfig:
     if tc.warmup_steps < 0:
         raise ConfigError(f"train.warmup_steps={tc.warmup_steps} must be >= 0 (steps left out of "
                           f"the throughput summary; 0 = count every step)")
-    return tc
+    return tc, notes
 
 
 def _activation_checkpointing(t: TrainConfig, asked: Any, ds: DeepSpeedSection) -> TrainConfig:
@@ -484,6 +499,17 @@ def _auto(ds: DeepSpeedSection, train: TrainConfig, model, parallel: ParallelCon
     cfg, notes = resolve_auto(ds.config, train, model.hidden_size, parallel.dp,
                               error=ConfigError)
     return DeepSpeedSection(ds.config_file, cfg, tuple(notes)) if notes else ds
+
+
+def _review(ds: DeepSpeedSection) -> list[str]:
+    """What MalleusEngine does with each key of the ds_config (``engine/ds_keys.py``): a note
+    per key it ignores, a ConfigError for one it refuses."""
+    from ..engine.ds_keys import review
+
+    try:
+        return review(ds.config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_even_batch(t: TrainConfig, p: ParallelConfig, ds: DeepSpeedSection) -> None:

@@ -74,8 +74,10 @@ from .runtime import PlanRuntime, RunningPlan, StageSpec, build_runtime, build_s
 from .precision import Precision
 from .state import EngineState
 from .step_reduce import StepReduction
+from .ds_keys import review
 from .settings import (MalleusSettings, activation_checkpointing_source, as_plan,
-                       base_ds_config, check_unsupported, load_config, optimizer_settings)
+                       base_ds_config, check_scheduler, check_unsupported, load_config,
+                       optimizer_settings)
 from ..schedule import Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad
 from .model_input import model_builder
 from .wire import wire_calls
@@ -139,6 +141,9 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         itself (the app, from its typed run config): used instead of the ``malleus`` section
         (which must then be absent), only the precision is read from the ds_config."""
         check_unsupported(user_cfg)
+        review(user_cfg)                  # refuses what MalleusEngine cannot honour (ds_keys)
+        optimizer_settings(user_cfg)      # the optimizer and scheduler sections, checked now
+        check_scheduler(user_cfg)
         if given is not None:
             if user_cfg.get("malleus"):
                 raise ValueError("MalleusEngine: settings were given, and the ds_config has a "

@@ -218,21 +218,57 @@ def optimizer_settings(user_cfg: dict):
     return zero, lambda ps: make_optimizer(ps, oc, fused=fused)
 
 
+def check_scheduler(user_cfg: Mapping[str, Any]) -> None:
+    """The ``scheduler`` section, built as DeepSpeed builds it (``_scheduler_from_config``: a
+    class of ``deepspeed.runtime.lr_schedules`` or ``torch.optim.lr_scheduler``, with its
+    ``params``) over a throwaway optimizer: a bad type or params raise ValueError naming the
+    section, here, before any process group, rather than in the engine on every rank."""
+    sec = user_cfg.get("scheduler")
+    if sec is None:
+        return
+    if not isinstance(sec, Mapping) or not isinstance(sec.get("type"), str):
+        raise ValueError(f"ds_config.scheduler={sec!r} must be an object with a \"type\" "
+                         f"(WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, or "
+                         f"a torch.optim.lr_scheduler class) and its \"params\"")
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    typ, params = sec["type"], sec.get("params") or {}
+    cls = getattr(lr_schedules, typ, None) or getattr(torch.optim.lr_scheduler, typ, None)
+    if cls is None or not isinstance(cls, type):
+        raise ValueError(f"ds_config.scheduler.type={typ!r} is not a DeepSpeed scheduler "
+                         f"({', '.join(lr_schedules.VALID_LR_SCHEDULES)}) nor a "
+                         f"torch.optim.lr_scheduler class")
+    if not isinstance(params, Mapping):
+        raise ValueError(f"ds_config.scheduler.params={params!r} must be an object")
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    try:
+        cls(opt, **params)
+    except (TypeError, ValueError, AssertionError, KeyError) as e:
+        raise ValueError(f"ds_config.scheduler ({typ}) params {dict(params)!r}: {e}") from None
+
+
 #: DeepSpeed's ``activation_checkpointing`` keys
-#: (``deepspeed/runtime/activation_checkpointing/config.py``) and why each one that changes
-#: where a checkpoint lives is refused: every engine here keeps each decoder layer's input whole
-#: on the device and recomputes the layer from it, which is what the planner's memory model
-#: counts (``cost.stage_memory_terms``).
+#: (``deepspeed/runtime/activation_checkpointing/config.py``). Every engine here keeps each
+#: decoder layer's input whole on the device and recomputes the layer from it, which is what
+#: the planner's memory model counts (``cost.stage_memory_terms``). The key that would move the
+#: kept inputs off the device is refused (the memory model would not hold); the ones that only
+#: tune where on the device they sit, or are diagnostics, are ignored with a note
+#: (``ds_keys.review``): the math is the same.
 _ACT_REFUSED = {
-    "partition_activations": "it splits the kept inputs across model-parallel ranks",
     "cpu_checkpointing": "it moves the kept inputs to host memory",
-    "contiguous_memory_optimization": "it copies the kept inputs into DeepSpeed's own buffers",
-    "synchronize_checkpoint_boundary": "a diagnostic of DeepSpeed's configured checkpoint "
-                                       "function, which no engine here configures",
-    "profile": "a diagnostic of DeepSpeed's configured checkpoint function, which no engine "
-               "here configures",
 }
-_ACT_KEYS = (*_ACT_REFUSED, "number_checkpoints")
+#: ... and what is done instead of each ignored one
+ACT_IGNORED = {
+    "partition_activations": "each decoder layer's input is kept whole on its rank, not split "
+                             "across the TP group (the planner's memory model counts that)",
+    "contiguous_memory_optimization": "the kept inputs stay where autograd put them",
+    "synchronize_checkpoint_boundary": "a diagnostic of DeepSpeed's checkpoint function, "
+                                       "which no engine here configures",
+    "profile": "a diagnostic of DeepSpeed's checkpoint function, which no engine here "
+               "configures",
+}
+_ACT_KEYS = (*_ACT_REFUSED, *ACT_IGNORED, "number_checkpoints")
 
 
 def activation_checkpointing_source(user_cfg: Mapping[str, Any]) -> str | None:
@@ -244,11 +280,13 @@ def activation_checkpointing_source(user_cfg: Mapping[str, Any]) -> str | None:
     the ``activation_checkpointing`` section configures it, so a ds_config that has the section
     asks for checkpointing. ``pipeline.activation_checkpoint_interval`` >= 1 makes
     ``PipelineEngine`` checkpoint by itself. Both count as on here, for every engine. Refused
-    (ValueError naming the key): section keys that move or split the kept layer inputs
-    (:data:`_ACT_REFUSED`), unknown keys, and an interval other than 1 (a chunk of several
+    (ValueError naming the key): ``cpu_checkpointing`` (it moves the kept layer inputs off the
+    device, :data:`_ACT_REFUSED`), unknown keys, and an interval other than 1 (a chunk of several
     layers recomputed at once keeps fewer inputs but more activations at a time than the memory
-    model counts). ``number_checkpoints`` only sizes DeepSpeed's contiguous buffers: any
-    positive integer is accepted; every decoder layer is a checkpoint."""
+    model counts). The keys that only tune where the kept inputs sit, or are diagnostics
+    (:data:`ACT_IGNORED`), are accepted and ignored with a note (``ds_keys.review``).
+    ``number_checkpoints`` only sizes DeepSpeed's contiguous buffers: any positive integer is
+    accepted; every decoder layer is a checkpoint."""
     out = None
     pipe = user_cfg.get("pipeline")
     iv = pipe.get("activation_checkpoint_interval") if isinstance(pipe, Mapping) else None
@@ -272,12 +310,13 @@ def activation_checkpointing_source(user_cfg: Mapping[str, Any]) -> str | None:
     if unknown:
         raise ValueError(f"ds_config.activation_checkpointing: unknown keys {unknown}; "
                          f"DeepSpeed's are {sorted(_ACT_KEYS)}")
-    for k, why in _ACT_REFUSED.items():
+    for k in (*_ACT_REFUSED, *ACT_IGNORED):
         v = sec.get(k, False)
         if not isinstance(v, bool):
             raise ValueError(f"ds_config.activation_checkpointing.{k}={v!r} must be true or "
                              f"false")
-        if v:
+    for k, why in _ACT_REFUSED.items():
+        if sec.get(k, False):
             raise ValueError(f"ds_config.activation_checkpointing.{k}=true is not supported "
                              f"({why}); every engine keeps each decoder layer's input on the "
                              f"device and recomputes the layer from it; set it false or drop it")
@@ -311,7 +350,9 @@ def base_ds_config(user_cfg: dict, plan: Plan, loc) -> dict:
 
     base = {k: v for k, v in user_cfg.items()
             if k not in ("malleus", "optimizer", "zero_optimization", *BATCH_KEYS,
-                         "fp16", "bf16", "bfloat16", "data_types")}
+                         "fp16", "bf16", "bfloat16", "data_types",
+                         # ignored (ds_keys.py): the base engine would start them
+                         "flops_profiler", "comms_logger", "autotuning")}
     m = plan.pipelines[loc[0]].micro_batches if loc else 1
     base.update(batch_keys(plan.micro_batch_size, m, replicas=1))
     return base

@@ -94,9 +94,9 @@ def test_malformed_ds_config(tmp_path):
 def test_ds_config_batch_fields_must_agree(tmp_path):
     f = tmp_path / "ds.json"
     f.write_text(json.dumps({"train_batch_size": 16, "zero_optimization": {"stage": 1}}))
-    c = cfg(engine="deepspeed", deepspeed={"config_file": str(f)})
-    with pytest.raises(ConfigError, match=r"ds_config train_batch_size=16 contradicts the run"):
-        runners.validate(c)
+    with pytest.raises(ConfigError, match=r"ds_config train_batch_size=16 contradicts "
+                                          r"train.global_batch_size=8"):
+        cfg(engine="deepspeed", deepspeed={"config_file": str(f)})
     f.write_text(json.dumps({"train_batch_size": "auto", "zero_optimization": {"stage": 2}}))
     c = cfg(engine="deepspeed", deepspeed={"config_file": str(f)})
     runners.validate(c)

@@ -70,8 +70,8 @@ def test_false_against_a_ds_config_that_turns_it_on_is_an_error():
 @pytest.mark.parametrize("train,ds,match", [
     ({"activation_checkpointing": "yes"}, None,
      r"train.activation_checkpointing='yes' must be true, false or null"),
-    (None, {"activation_checkpointing": {"partition_activations": True}},
-     r"activation_checkpointing.partition_activations=true is not supported \(it splits"),
+    (None, {"activation_checkpointing": {"partition_activations": "yes"}},
+     r"activation_checkpointing.partition_activations='yes' must be true or false"),
     (None, {"activation_checkpointing": {"cpu_checkpointing": True}},
      r"cpu_checkpointing=true is not supported \(it moves the kept inputs to host memory\)"),
     (None, {"activation_checkpointing": {"partition_activation": False}},

@@ -13,7 +13,9 @@ a user who names both must not get one of them silently. So :func:`resolve_batch
 * refuses, naming both, a ds_config batch that the given ``train.*`` contradicts, and a
   ds_config whose three keys contradict each other (as DeepSpeed does);
 * falls back to :class:`~malleus_ds.app.run_config.TrainConfig`'s defaults (8 and 1) where
-  neither says.
+  neither says; where only ``gradient_accumulation_steps`` says (accelerate's configs leave
+  the batch sizes ``"auto"`` beside an accumulation of 1), the micro-batch is the default and
+  the batch is ``micro x accumulation x dp``.
 
 Pure: the same answer and the same error on every rank, before any process group exists.
 """
@@ -100,7 +102,13 @@ def resolve_batch(cfg: Mapping[str, Any], train: Mapping[str, Any], dp: int, err
                         f"\"auto\"")
         return G, B, []
     keys = dict(got, **mine)
-    G, B = ds_batch(keys, dp, error, {k: f"train.{TRAIN[k]}" for k in mine})
+    names = {k: f"train.{TRAIN[k]}" for k in mine}
+    if set(keys) == {"gradient_accumulation_steps"}:
+        # only the accumulation says (accelerate's configs: the batch sizes "auto", the
+        # accumulation 1): the micro-batch is train.*'s default, the batch follows from it
+        keys["train_micro_batch_size_per_gpu"] = defaults[1]
+        names["train_micro_batch_size_per_gpu"] = "train.micro_batch_size (default)"
+    G, B = ds_batch(keys, dp, error, names)
     notes = [f"train.{f}={v} from the ds_config's {', '.join(sorted(got))} at dp={dp}"
              for f, v in (("global_batch_size", G), ("micro_batch_size", B))
              if train.get(f) is None]

@@ -38,6 +38,20 @@ def test_train_fields_win_where_the_ds_config_does_not_say():
                    micro_batch_size=2) == (16, 2, [])
 
 
+def test_only_the_accumulation_given():
+    """accelerate's configs: batch sizes "auto", gradient_accumulation_steps 1: the default
+    micro-batch, the batch derived from it (a note each)."""
+    G, B, notes = resolve({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                           "gradient_accumulation_steps": 1})
+    assert (G, B) == (2, 1) and len(notes) == 2
+    assert resolve({"gradient_accumulation_steps": 4})[:2] == (8, 1)
+    assert resolve({"gradient_accumulation_steps": 4}, global_batch_size=16)[:2] == (16, 2)
+    with pytest.raises(ConfigError, match=r"train.global_batch_size=10, ds_config gradient_"
+                                          r"accumulation_steps=4: 10 is not a multiple of 4 x "
+                                          r"dp=2"):
+        resolve({"gradient_accumulation_steps": 4}, global_batch_size=10)
+
+
 def test_one_given_the_other_derived():
     # train.global_batch_size given, the micro-batch from the ds_config (accumulation derived)
     G, B, notes = resolve({"train_micro_batch_size_per_gpu": 2}, global_batch_size=32)
@@ -65,8 +79,6 @@ def test_one_given_the_other_derived():
     ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, {},
      r"30 is not a multiple of 4 x dp=2"),
     ({"train_batch_size": 15}, {}, r"train_batch_size=15: 15 is not a multiple of 1 x dp=2"),
-    ({"gradient_accumulation_steps": 4}, {},
-     r"gradient_accumulation_steps=4 alone does not give a batch"),
     ({"train_batch_size": 0}, {}, r"ds_config train_batch_size=0 must be an integer >= 1"),
     ({"train_batch_size": "16"}, {}, r"ds_config train_batch_size='16' must be an integer"),
 ])

@@ -6,6 +6,8 @@ engine: the engine imports no app code). A mixin: it reads the engine's ``named`
 ``param_table``, ``precision`` and TP coordinates."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .precision import load_scaler_state, scaler_state
@@ -74,8 +76,15 @@ class EngineState:
                         load_lr_scheduler_states=True, **_kw):
         """Load what :meth:`save_checkpoint` wrote, under this engine's plan, ZeRO stage,
         precision and world size (any of them may differ from the saving job's). Returns
-        ``(path, client_state)`` like DeepSpeed. Collective. See ``engine/checkpoint.py``."""
+        ``(path, client_state)`` like DeepSpeed. Collective. See ``engine/checkpoint.py``.
+        A folder stock DeepSpeed wrote (ZeRO 0/1/2, pp=1) is read too: converted once into
+        this format beside its files, then loaded the same way (``engine/ds_checkpoint.py``)."""
         from .checkpoint import load_checkpoint
+        from .ds_checkpoint import import_deepspeed, is_deepspeed_checkpoint
+
+        where = Path(load_dir) / str(tag) if tag is not None else Path(load_dir)
+        if is_deepspeed_checkpoint(where):
+            load_dir, tag = import_deepspeed(self, load_dir, tag)
         return load_checkpoint(self, load_dir, tag, load_optimizer_states,
                                load_lr_scheduler_states)
 

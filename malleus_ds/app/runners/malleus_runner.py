@@ -66,6 +66,18 @@ def validate(cfg: RunConfig) -> None:
         check_plan(cfg, sw.plan, f"{sw.where}.plan")
 
 
+def from_deepspeed(env: DistEnv, engine, saved) -> tuple[str, str]:
+    """A checkpoint engine=deepspeed saved (``saved``: resume.Saved), converted by rank 0 into
+    MalleusEngine's format beside DeepSpeed's files (``engine/ds_checkpoint.py``), which then
+    loads under this run's plan; every rank learns rank 0's error. Returns (root, tag)."""
+    from ...engine.ds_checkpoint import import_deepspeed
+
+    if env.is_rank0:
+        print(f"[malleus_ds] continuing engine=deepspeed's checkpoint {saved.path} under this "
+              f"run's plan", flush=True)
+    return import_deepspeed(engine, saved.path, client_state={"step": saved.step})
+
+
 def check_ds_straggler(sec, world_size: int) -> None:
     """The ds_config's own ``malleus.straggler`` (``malleus_ds.initialize``'s emulation; the app
     runs ``straggler.*``): its schedule, and its ``method=quota`` on a machine that cannot
@@ -159,8 +171,11 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     if ck.resumed is not None:
         from ...engine.checkpoint import CheckpointError
 
+        root, tag = str(ck.resumed.root), ck.resumed.tag
         try:    # its checks read shared files only: the same error on every rank
-            _, client = engine.load_checkpoint(str(ck.resumed.root), tag=ck.resumed.tag)
+            if ck.resumed.meta.get("engine") == "deepspeed":
+                root, tag = from_deepspeed(env, engine, ck.resumed)
+            _, client = engine.load_checkpoint(root, tag=tag)
         except CheckpointError as e:
             raise ConfigError(f"checkpoint.resume: {e}") from None
         if (client or {}).get("step") != ck.resumed.step or engine.global_steps != ck.start:

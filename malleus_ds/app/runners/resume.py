@@ -182,8 +182,12 @@ def resume_point(cfg: RunConfig) -> Saved | None:
         if was == is_:
             continue
         if k == "engine":
+            if (was, is_) == ("deepspeed", "malleus"):
+                continue            # MalleusEngine reads stock DeepSpeed's files (pp=1)
             raise ConfigError(f"checkpoint {saved.path} was saved by engine={was}, this run has "
-                              f"engine={is_}; resume with engine={was}")
+                              f"engine={is_}; resume with engine={was}"
+                              + (" (engine=malleus continues engine=deepspeed checkpoints, not "
+                                 "the other way)" if is_ == "deepspeed" else ""))
         if k == "model":
             diff = [f"model.{f}={(was or {}).get(f)!r} there, {v!r} here"
                     for f, v in is_.items() if (was or {}).get(f) != v]

@@ -1,0 +1,392 @@
+"""Continue from a checkpoint that stock DeepSpeed wrote, under any plan and world size.
+
+DeepSpeed's files (``deepspeed/runtime/engine.py``, ``_save_checkpoint`` and
+``_save_zero_checkpoint``) hold, in one tag folder:
+
+* ``mp_rank_00_model_states.pt``: the module's weights (``module``), the engine's counters
+  (``global_steps``, ``global_samples``, ``skipped_steps``), the LR scheduler's state, the
+  data-parallel degree, ``param_shapes`` (ZeRO: the parameters of each optimizer group in
+  order, the layout of its flat buffer) and, without ZeRO, the optimizer's own
+  ``state_dict`` (``optimizer``);
+* under ZeRO-1/2, one ``zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` per data-parallel rank:
+  its partition of each group's flat fp32 master (``single_partition_of_fp32_groups``, the
+  padding already cut off) and the base optimizer's state of the same partition (Adam's
+  ``exp_avg`` / ``exp_avg_sq``, padded like the partition: ``group_paddings``).
+
+:func:`read_state` puts each group's partitions back together and cuts them by
+``param_shapes`` (with ``param_alignment_paddings`` where DeepSpeed recorded them), as
+DeepSpeed's own ``zero_to_fp32`` does for the weights, here for the Adam moments too: full fp32
+tensors by DeepSpeed's parameter name. :func:`write_malleus` writes them as a MalleusEngine
+checkpoint of a one-rank plan (``engine/checkpoint.py``'s format), which the engine's loader
+then reads under whatever plan is running, as it reads its own: the weights, the moments,
+Adam's step, the counters, the LR schedule and the optimizer's hyper-parameters.
+
+Every file is read with ``torch.load(weights_only=True)`` plus DeepSpeed's four value classes
+(``ds_compat.load_deepspeed_file``): loading never runs code. A folder that is not a DeepSpeed
+checkpoint, a missing or truncated optimizer file, partitions that do not add up to the
+recorded shapes, and a model whose names or shapes differ are each refused with a
+:class:`~malleus_ds.files.ckpt_format.CheckpointError` naming the file and what to do.
+
+Read: ZeRO 0, 1 and 2 with data parallelism (``pp=1``), fp32 masters (the masters of a
+bf16/fp16 run are fp32 too). Not yet: PipelineEngine's per-layer files and DeepSpeed's
+universal checkpoint folders (refused by name).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from math import prod
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+
+from ..files.ckpt_format import CheckpointError
+
+MODEL_FILE = "mp_rank_00_model_states.pt"
+_ZERO_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+#: the optimizer hyper-parameters carried into the continued run
+_HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")
+
+
+@dataclass
+class DeepSpeedState:
+    """A DeepSpeed checkpoint as full fp32 tensors by DeepSpeed's parameter name."""
+
+    tag_dir: Path
+    zero_stage: int
+    dp: int
+    params: dict[str, torch.Tensor]
+    exp_avg: dict[str, torch.Tensor]
+    exp_avg_sq: dict[str, torch.Tensor]
+    adam_step: int
+    global_steps: int
+    global_samples: int
+    skipped_steps: int
+    lr_scheduler: dict | None
+    param_groups: list[dict] = field(default_factory=list)
+
+
+def is_deepspeed_checkpoint(path) -> bool:
+    """Is ``path`` a DeepSpeed checkpoint root (a ``latest`` naming a tag folder with
+    :data:`MODEL_FILE`) or tag folder?"""
+    p = Path(path)
+    if (p / MODEL_FILE).is_file() or any(p.glob("layer_*-model_states.pt")):
+        return True
+    latest = p / "latest"
+    if latest.is_file():
+        try:
+            tag = latest.read_text(errors="replace").strip()[:256]
+        except OSError:
+            return False
+        return (p / tag / MODEL_FILE).is_file() or any((p / tag).glob("layer_*-model_states.pt"))
+    return False
+
+
+def tag_folder(path, tag: str | None = None) -> Path:
+    """The tag folder of a DeepSpeed checkpoint root (``tag``, else its ``latest``) or the
+    folder itself when it is one."""
+    from ..files.safe_load import UnsafeFile, read_small_text
+
+    p = Path(path)
+    if tag is not None:
+        p = p / str(tag)
+    elif not (p / MODEL_FILE).is_file() and (p / "latest").is_file():
+        try:
+            p = p / read_small_text(p / "latest", "DeepSpeed 'latest' file").strip()
+        except UnsafeFile as e:
+            raise CheckpointError(str(e)) from None
+    if any(p.glob("layer_*-model_states.pt")) and not (p / MODEL_FILE).is_file():
+        raise CheckpointError(f"{p} is a DeepSpeed PipelineEngine checkpoint (per-layer "
+                              f"layer_*-model_states.pt files), which malleus_ds does not read "
+                              f"yet; continue it with engine=deepspeed")
+    if (p / "zero").is_dir() and not (p / MODEL_FILE).is_file():
+        raise CheckpointError(f"{p} is a DeepSpeed universal checkpoint folder, which "
+                              f"malleus_ds does not read yet; load the checkpoint it was made "
+                              f"from")
+    if not (p / MODEL_FILE).is_file():
+        raise CheckpointError(f"{p} is not a DeepSpeed checkpoint: it has no {MODEL_FILE} (a "
+                              f"folder deepspeed's save_checkpoint wrote, or its root with a "
+                              f"'latest' file)")
+    return p
+
+
+def _load(f: Path) -> dict:
+    from ..files.safe_load import UnsafeFile
+    from .ds_compat import load_deepspeed_file
+
+    try:
+        d = load_deepspeed_file(f, "cpu")
+    except UnsafeFile as e:
+        raise CheckpointError(str(e)) from None
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{f}: holds a {type(d).__name__}, not DeepSpeed's dict")
+    return d
+
+
+def _int(v, default: int = 0) -> int:
+    if isinstance(v, torch.Tensor):
+        return int(v.item())
+    return default if v is None else int(v)
+
+
+def read_state(path, tag: str | None = None) -> DeepSpeedState:
+    """A DeepSpeed checkpoint (root or tag folder) as full fp32 tensors (module doc)."""
+    d = tag_folder(path, tag)
+    ms = _load(d / MODEL_FILE)
+    module = ms.get("module")
+    if not isinstance(module, Mapping):
+        raise CheckpointError(f"{d / MODEL_FILE}: no 'module' state dict (not a DeepSpeed "
+                              f"model-states file)")
+    if int(ms.get("mp_world_size") or 1) != 1:
+        raise CheckpointError(f"{d / MODEL_FILE}: saved with model parallelism (mp_world_size="
+                              f"{ms.get('mp_world_size')}), which malleus_ds does not read yet")
+    zero_files = sorted((int(m.group(1)), d / m.group(0)) for m in
+                        (_ZERO_FILE.match(f.name) for f in d.iterdir()) if m)
+    cfg = ms.get("ds_config") if isinstance(ms.get("ds_config"), Mapping) else {}
+    stage = _int((cfg.get("zero_optimization") or {}).get("stage"), 1 if zero_files else 0)
+    dp = _int(ms.get("dp_world_size"), max(1, len(zero_files)))
+    buffers = set(ms.get("buffer_names") or ())
+    weights = {k: v for k, v in module.items() if k not in buffers}
+    common = dict(tag_dir=d, dp=dp, global_steps=_int(ms.get("global_steps")),
+                  global_samples=_int(ms.get("global_samples")),
+                  skipped_steps=_int(ms.get("skipped_steps")),
+                  lr_scheduler=ms.get("lr_scheduler") or None)
+    if stage == 0:
+        return _read_stage0(d, ms, weights, common)
+    if stage > 2:
+        raise CheckpointError(f"{d}: a ZeRO-{stage} checkpoint; malleus_ds reads ZeRO 0, 1 and "
+                              f"2 (ZeRO-3 shards the weights themselves)")
+    return _read_zero(d, ms, weights, zero_files, stage, common)
+
+
+def _read_stage0(d: Path, ms: dict, weights: Mapping, common: dict) -> DeepSpeedState:
+    """Without ZeRO: the weights from the module and Adam's state from the optimizer's own
+    ``state_dict``, whose parameter indices follow the module's parameters (a tied parameter
+    once)."""
+    opt = ms.get("optimizer")
+    if not isinstance(opt, Mapping) or not isinstance(opt.get("state"), Mapping):
+        raise CheckpointError(f"{d / MODEL_FILE}: no optimizer state (saved without it? DeepSpeed "
+                              f"writes it unless save_checkpoint(..., exclude_frozen_parameters) "
+                              f"or a client optimizer without state_dict); a checkpoint to "
+                              f"continue needs Adam's state")
+    names, seen = [], {}
+    for k, v in weights.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        if key not in seen:
+            seen[key] = k
+            names.append(k)
+    order = [i for g in opt.get("param_groups") or () for i in g.get("params", ())]
+    if len(order) != len(names):
+        raise CheckpointError(f"{d / MODEL_FILE}: the optimizer holds {len(order)} parameters, "
+                              f"the module {len(names)}: not one model's checkpoint")
+    exp_avg, exp_avg_sq, steps = {}, {}, set()
+    for i, name in zip(order, names):
+        st = opt["state"].get(i) or opt["state"].get(str(i)) or {}
+        if "exp_avg" not in st:
+            continue                             # never stepped (step 0): fresh moments
+        exp_avg[name] = st["exp_avg"].float().reshape(weights[name].shape)
+        exp_avg_sq[name] = st["exp_avg_sq"].float().reshape(weights[name].shape)
+        steps.add(_int(st.get("step")))
+    return DeepSpeedState(zero_stage=0, params={n: weights[n].float() for n in names},
+                          exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                          adam_step=max(steps) if steps else 0,
+                          param_groups=_hyper(opt.get("param_groups")), **common)
+
+
+def _hyper(groups) -> list[dict]:
+    return [{k: (tuple(v) if isinstance(v, list) else v) for k, v in g.items() if k in _HYPER}
+            for g in groups or ()]
+
+
+def _read_zero(d: Path, ms: dict, weights: Mapping, zero_files: list, stage: int,
+               common: dict) -> DeepSpeedState:
+    dp = common["dp"]
+    ranks = [r for r, _ in zero_files]
+    if ranks != list(range(dp)):
+        missing = sorted(set(range(dp)) - set(ranks))
+        raise CheckpointError(f"{d}: a ZeRO-{stage} checkpoint of {dp} data-parallel ranks lacks "
+                              f"the optimizer file(s) of rank(s) {missing or ranks}: a partial "
+                              f"save (copy the whole folder)")
+    shapes = ms.get("param_shapes")
+    if not isinstance(shapes, (list, tuple)) or not shapes:
+        raise CheckpointError(f"{d / MODEL_FILE}: no param_shapes: not a ZeRO checkpoint "
+                              f"DeepSpeed 0.9+ wrote")
+    parts = []
+    for r, f in zero_files:
+        osd = _load(f).get("optimizer_state_dict")
+        if not isinstance(osd, Mapping) or "single_partition_of_fp32_groups" not in osd:
+            raise CheckpointError(f"{f}: no optimizer_state_dict with fp32 partitions (not a "
+                                  f"ZeRO-1/2 optimizer file)")
+        parts.append(osd)
+    base = [p.get("base_optimizer_state") for p in parts]
+    if any(not isinstance(b, Mapping) or "state" not in b for b in base):
+        raise CheckpointError(f"{d}: an optimizer file has no base_optimizer_state (saved with "
+                              f"elastic_checkpoint, which malleus_ds does not read)")
+    params, exp_avg, exp_avg_sq, steps = {}, {}, {}, set()
+    for g, group_shapes in enumerate(shapes):
+        fp32, m1, m2 = [], [], []
+        for r, (osd, b) in enumerate(zip(parts, base)):
+            part = osd["single_partition_of_fp32_groups"][g]
+            st = b["state"].get(g) or b["state"].get(str(g)) or {}
+            n = part.numel()
+            fp32.append(part.float().reshape(-1))
+            if "exp_avg" in st:
+                m1.append(st["exp_avg"].float().reshape(-1)[:n])
+                m2.append(st["exp_avg_sq"].float().reshape(-1)[:n])
+                steps.add(_int(st.get("step")))
+        flat = torch.cat(fp32)
+        mom = (torch.cat(m1), torch.cat(m2)) if len(m1) == len(parts) else None
+        pads = (parts[0].get("param_alignment_paddings") or [None] * len(shapes))[g]
+        off = 0
+        for i, (name, shape) in enumerate(group_shapes.items()):
+            n = prod(shape)
+            if off + n > flat.numel():
+                raise CheckpointError(f"{d}: group {g}'s partitions hold {flat.numel()} elements, "
+                                      f"fewer than its parameters need (at {name}): a partial or "
+                                      f"mixed save")
+            params[name] = flat[off:off + n].view(tuple(shape)).clone()
+            if mom is not None:
+                exp_avg[name] = mom[0][off:off + n].view(tuple(shape)).clone()
+                exp_avg_sq[name] = mom[1][off:off + n].view(tuple(shape)).clone()
+            off += n + (int(pads[i]) if pads else 0)
+        if flat.numel() - off > 2 * dp:              # DeepSpeed pads to 2 x dp at most
+            raise CheckpointError(f"{d}: group {g}'s partitions hold {flat.numel()} elements, "
+                                  f"its parameters {off}: files of another save mixed in")
+    for name in params:
+        if name in weights and tuple(weights[name].shape) != tuple(params[name].shape):
+            raise CheckpointError(f"{d}: {name} is {tuple(params[name].shape)} in the optimizer "
+                                  f"files and {tuple(weights[name].shape)} in the module")
+    return DeepSpeedState(zero_stage=stage, params=params, exp_avg=exp_avg,
+                          exp_avg_sq=exp_avg_sq, adam_step=max(steps) if steps else 0,
+                          param_groups=_hyper(base[0].get("param_groups")), **common)
+
+
+def write_malleus(state: DeepSpeedState, out_dir, table, ties, num_layers: int,
+                  global_batch_size: int, micro_batch_size: int,
+                  name_of: Callable[[str], str | None], client_state: dict | None = None
+                  ) -> Path:
+    """``state`` as a MalleusEngine checkpoint of a one-rank plan in ``out_dir`` (the tag
+    folder): ``malleus_rank00000.pt`` and ``meta.json``, which ``load_checkpoint`` reads under
+    any plan. ``table``: the running model's parameter table; ``ties``: its tied pairs (a tied
+    copy takes its partner's tensors); ``name_of``: DeepSpeed's parameter name -> our global
+    name (None: not a weight of the model); ``client_state``: what ``load_checkpoint`` returns
+    as the saved client state. Returns ``out_dir``."""
+    from ..files.ckpt_format import FORMAT, META, rank_file
+    from ..files.fileio import atomic_write, atomic_write_text
+    from ..layout import holdings
+    from ..plan import static_plan
+    from .checkpoint import _table_json
+
+    by_global: dict[str, str] = {}
+    for n in state.params:
+        g = name_of(n)
+        if g is not None:
+            by_global[g] = n
+    for a, b in ties:
+        for x, y in ((a, b), (b, a)):
+            if x not in by_global and y in by_global:
+                by_global[x] = by_global[y]
+    missing = [s.name for s in table if s.name not in by_global]
+    if missing:
+        raise CheckpointError(f"{state.tag_dir}: holds no {missing[0]}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                              + f": a checkpoint of another model (it has "
+                              f"{sorted(state.params)[:3]} ...)")
+    for s in table:
+        got = tuple(state.params[by_global[s.name]].shape)
+        if got != tuple(s.shape):
+            raise CheckpointError(f"{state.tag_dir}: {s.name} is {got} there and "
+                                  f"{tuple(s.shape)} in this model: a checkpoint of another "
+                                  f"model shape")
+    plan = static_plan(num_layers, global_batch_size, micro_batch_size, 1, 1, 1)
+    spec = {s.name: s for s in table}
+    moments = bool(state.exp_avg)
+    src = {"param": state.params, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq}
+    slices = {}
+    for h in holdings(plan, table, 0, 0, False):
+        if h.kind != "param" and not moments:
+            t = torch.zeros(spec[h.name].numel)
+        else:
+            t = src[h.kind][by_global[h.name]]
+            d = spec[h.name].split_dim
+            t = (t.movedim(d, 0) if d is not None else t).reshape(-1)
+        slices[(h.kind, h.name, h.lo, h.hi)] = t[h.lo:h.hi].float().contiguous().clone()
+    sid = int.from_bytes(os.urandom(7), "little")
+    out = Path(out_dir)
+    meta = {"format": FORMAT, "save_id": sid, "tag": out.name, "plan": plan.to_json(),
+            "world_size": 1, "zero_stage": 0, "precision": {"name": "fp32", "mixed": False},
+            "num_layers": plan.num_layers, "global_batch_size": global_batch_size,
+            "micro_batch_size": micro_batch_size,
+            "adam_step": state.adam_step if moments else 0,
+            "global_steps": state.global_steps, "skipped_steps": state.skipped_steps,
+            "global_samples": state.global_samples, "params": _table_json(table),
+            "from": {"deepspeed": str(state.tag_dir), "zero_stage": state.zero_stage,
+                     "dp": state.dp}}
+    engine = {"adam_step": meta["adam_step"], "global_steps": state.global_steps,
+              "skipped_steps": state.skipped_steps, "global_samples": state.global_samples,
+              "loss_scaler": None, "lr_scheduler": state.lr_scheduler,
+              "param_groups": state.param_groups, "client_state": dict(client_state or {})}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / META).unlink(missing_ok=True)
+    data = {"format": FORMAT, "save_id": sid, "rank": 0, "meta": meta, "engine": engine,
+            "slices": slices}
+    atomic_write(rank_file(out, 0), lambda f: torch.save(data, f))
+    atomic_write_text(out / META, json.dumps(meta))       # last: the commit record
+    return out
+
+
+#: the folder, inside a DeepSpeed checkpoint's tag folder, that holds it converted
+CONVERTED = "malleus"
+
+
+def name_in(table_names) -> Callable[[str], str | None]:
+    """DeepSpeed's parameter name -> our global name in ``table_names``: the name itself (a
+    MalleusEngine model), a Hugging Face Llama name (``model.layers.0...``), or either under one
+    wrapper prefix (``model.``: engine=deepspeed's module; ``module.``)."""
+    from ..models.hf import global_name
+
+    names = set(table_names)
+
+    def name_of(n: str) -> str | None:
+        cands = [n]
+        for pre in ("model.", "module."):
+            if n.startswith(pre):
+                cands.append(n[len(pre):])
+        for c in list(cands):
+            try:
+                cands.append(global_name(c))
+            except KeyError:
+                pass
+        return next((c for c in cands if c in names), None)
+    return name_of
+
+
+def import_deepspeed(engine, load_dir, tag=None, client_state: dict | None = None
+                     ) -> tuple[str, str]:
+    """Collective: rank 0 converts the DeepSpeed checkpoint at ``load_dir`` (``tag``) into
+    MalleusEngine's format in the tag folder's :data:`CONVERTED` subfolder (read_state +
+    write_malleus, for the engine's model and batch); every rank learns rank 0's error (a
+    CheckpointError). Returns ``(root, tag)`` for ``load_checkpoint``."""
+    from ..models.base import tied_params
+    from ..resilience.agreement import raise_if_any_failed
+
+    err, d = None, None
+    try:
+        d = tag_folder(load_dir, tag)
+    except CheckpointError as e:
+        err = str(e)
+    if err is None and engine.global_rank == 0:
+        try:
+            st = read_state(d)
+            write_malleus(st, d / CONVERTED, engine.param_table, tied_params(engine.model_cfg),
+                          engine.plan.num_layers, engine.plan.global_batch_size,
+                          engine.plan.micro_batch_size,
+                          name_in(s.name for s in engine.param_table), client_state)
+        except Exception as e:  # noqa: BLE001 - every rank raises it (below)
+            err = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
+    raise_if_any_failed("import-deepspeed", err, f"reading DeepSpeed checkpoint {load_dir}",
+                        CheckpointError)
+    return str(d), CONVERTED

@@ -27,9 +27,11 @@ checkpoint, a missing or truncated optimizer file, partitions that do not add up
 recorded shapes, and a model whose names or shapes differ are each refused with a
 :class:`~malleus_ds.files.ckpt_format.CheckpointError` naming the file and what to do.
 
-Read: ZeRO 0, 1 and 2 with data parallelism (``pp=1``), fp32 masters (the masters of a
-bf16/fp16 run are fp32 too). Not yet: PipelineEngine's per-layer files and DeepSpeed's
-universal checkpoint folders (refused by name).
+Read: ZeRO 0, 1 and 2 with data parallelism, and PipelineEngine's folders of ZeRO-1 (each
+layer's weights in ``layer_{i:02d}-model_states.pt``, each stage's ``param_shapes`` in
+``mp_rank_{s:02d}_model_states.pt`` and its partitions in ``zero_pp_rank_{r}_mp_rank_{s:02d}``);
+fp32 and bf16 runs (DeepSpeed's masters are fp32 either way). Not yet: tensor-parallel saves
+and DeepSpeed's universal checkpoint folders (refused by name).
 """
 from __future__ import annotations
 
@@ -46,7 +48,6 @@ import torch
 from ..files.ckpt_format import CheckpointError
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
-_ZERO_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 #: the optimizer hyper-parameters carried into the continued run
 _HYPER = ("lr", "betas", "eps", "weight_decay", "initial_lr")
 
@@ -67,6 +68,7 @@ class DeepSpeedState:
     skipped_steps: int
     lr_scheduler: dict | None
     param_groups: list[dict] = field(default_factory=list)
+    pipeline_stages: int = 1         # PipelineEngine's stages (1: no pipeline)
 
 
 def is_deepspeed_checkpoint(path) -> bool:
@@ -98,10 +100,6 @@ def tag_folder(path, tag: str | None = None) -> Path:
             p = p / read_small_text(p / "latest", "DeepSpeed 'latest' file").strip()
         except UnsafeFile as e:
             raise CheckpointError(str(e)) from None
-    if any(p.glob("layer_*-model_states.pt")) and not (p / MODEL_FILE).is_file():
-        raise CheckpointError(f"{p} is a DeepSpeed PipelineEngine checkpoint (per-layer "
-                              f"layer_*-model_states.pt files), which malleus_ds does not read "
-                              f"yet; continue it with engine=deepspeed")
     if (p / "zero").is_dir() and not (p / MODEL_FILE).is_file():
         raise CheckpointError(f"{p} is a DeepSpeed universal checkpoint folder, which "
                               f"malleus_ds does not read yet; load the checkpoint it was made "
@@ -132,34 +130,75 @@ def _int(v, default: int = 0) -> int:
     return default if v is None else int(v)
 
 
+_LAYER_FILE = re.compile(r"^layer_(\d+)-model_states\.pt$")
+
+
+def _stage_file(s: int) -> str:
+    return f"mp_rank_{s:02d}_model_states.pt"
+
+
 def read_state(path, tag: str | None = None) -> DeepSpeedState:
     """A DeepSpeed checkpoint (root or tag folder) as full fp32 tensors (module doc)."""
     d = tag_folder(path, tag)
     ms = _load(d / MODEL_FILE)
-    module = ms.get("module")
-    if not isinstance(module, Mapping):
-        raise CheckpointError(f"{d / MODEL_FILE}: no 'module' state dict (not a DeepSpeed "
-                              f"model-states file)")
-    if int(ms.get("mp_world_size") or 1) != 1:
-        raise CheckpointError(f"{d / MODEL_FILE}: saved with model parallelism (mp_world_size="
-                              f"{ms.get('mp_world_size')}), which malleus_ds does not read yet")
-    zero_files = sorted((int(m.group(1)), d / m.group(0)) for m in
-                        (_ZERO_FILE.match(f.name) for f in d.iterdir()) if m)
+    layers = sorted((int(m.group(1)), d / m.group(0)) for m in
+                    (_LAYER_FILE.match(f.name) for f in d.iterdir()) if m)
+    mp = int(ms.get("mp_world_size") or 1)
+    dims = ms.get("checkpoint_parallel_dimensions") or {}
+    tp = int(dims.get("tensor_parallel", dims.get("tp", 1)) or 1) if layers else mp
+    if tp != 1:
+        raise CheckpointError(f"{d / MODEL_FILE}: saved with tensor parallelism ({tp}), which "
+                              f"malleus_ds does not read yet")
+    stages = mp if layers else 1
+    if layers:              # PipelineEngine: each layer's weights in a file of its own
+        weights = {}
+        for i, f in layers:
+            for k, v in _load(f).items():
+                weights[f"{i}.{k}"] = v
+    else:
+        module = ms.get("module")
+        if not isinstance(module, Mapping):
+            raise CheckpointError(f"{d / MODEL_FILE}: no 'module' state dict (not a DeepSpeed "
+                                  f"model-states file)")
+        buffers = set(ms.get("buffer_names") or ())
+        weights = {k: v for k, v in module.items() if k not in buffers}
     cfg = ms.get("ds_config") if isinstance(ms.get("ds_config"), Mapping) else {}
-    stage = _int((cfg.get("zero_optimization") or {}).get("stage"), 1 if zero_files else 0)
-    dp = _int(ms.get("dp_world_size"), max(1, len(zero_files)))
-    buffers = set(ms.get("buffer_names") or ())
-    weights = {k: v for k, v in module.items() if k not in buffers}
+    zero_files = {s_: sorted((int(m.group(1)), d / m.group(0)) for m in
+                             (re.match(rf"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_{s_:02d}_"
+                                       rf"optim_states\.pt$", f.name) for f in d.iterdir()) if m)
+                  for s_ in range(stages)}
+    stage = _int((cfg.get("zero_optimization") or {}).get("stage"),
+                 1 if zero_files[0] else 0)
+    dp = _int(ms.get("dp_world_size"), max(1, len(zero_files[0])))
     common = dict(tag_dir=d, dp=dp, global_steps=_int(ms.get("global_steps")),
                   global_samples=_int(ms.get("global_samples")),
                   skipped_steps=_int(ms.get("skipped_steps")),
                   lr_scheduler=ms.get("lr_scheduler") or None)
     if stage == 0:
+        if layers:
+            raise CheckpointError(f"{d}: a PipelineEngine checkpoint without ZeRO (its optimizer "
+                                  f"state per stage has no parameter names); malleus_ds reads "
+                                  f"PipelineEngine checkpoints of ZeRO-1")
         return _read_stage0(d, ms, weights, common)
     if stage > 2:
         raise CheckpointError(f"{d}: a ZeRO-{stage} checkpoint; malleus_ds reads ZeRO 0, 1 and "
                               f"2 (ZeRO-3 shards the weights themselves)")
-    return _read_zero(d, ms, weights, zero_files, stage, common)
+    out = None
+    for s_ in range(stages):
+        f = d / _stage_file(s_)
+        if not f.is_file():
+            raise CheckpointError(f"{d}: a checkpoint of {stages} pipeline stages lacks "
+                                  f"{f.name}: a partial save (copy the whole folder)")
+        part = _read_zero(d, ms if s_ == 0 else _load(f), weights, zero_files[s_], stage,
+                          common)
+        if out is None:
+            out = part
+        else:
+            out.params.update(part.params)
+            out.exp_avg.update(part.exp_avg)
+            out.exp_avg_sq.update(part.exp_avg_sq)
+    out.pipeline_stages = stages
+    return out
 
 
 def _read_stage0(d: Path, ms: dict, weights: Mapping, common: dict) -> DeepSpeedState:
@@ -324,7 +363,7 @@ def write_malleus(state: DeepSpeedState, out_dir, table, ties, num_layers: int,
             "global_steps": state.global_steps, "skipped_steps": state.skipped_steps,
             "global_samples": state.global_samples, "params": _table_json(table),
             "from": {"deepspeed": str(state.tag_dir), "zero_stage": state.zero_stage,
-                     "dp": state.dp}}
+                     "dp": state.dp, "pipeline_stages": state.pipeline_stages}}
     engine = {"adam_step": meta["adam_step"], "global_steps": state.global_steps,
               "skipped_steps": state.skipped_steps, "global_samples": state.global_samples,
               "loss_scaler": None, "lr_scheduler": state.lr_scheduler,
@@ -342,16 +381,24 @@ def write_malleus(state: DeepSpeedState, out_dir, table, ties, num_layers: int,
 CONVERTED = "malleus"
 
 
-def name_in(table_names) -> Callable[[str], str | None]:
+def name_in(table_names, num_layers: int | None = None) -> Callable[[str], str | None]:
     """DeepSpeed's parameter name -> our global name in ``table_names``: the name itself (a
-    MalleusEngine model), a Hugging Face Llama name (``model.layers.0...``), or either under one
-    wrapper prefix (``model.``: engine=deepspeed's module; ``module.``)."""
+    MalleusEngine model), a Hugging Face Llama name (``model.layers.0...``), either under one
+    wrapper prefix (``model.``: engine=deepspeed's module; ``module.``), or engine=deepspeed's
+    PipelineModule name ``{i}.layer.{name}`` (piece 0 the embedding, 1..``num_layers`` the
+    decoder layers, then the head)."""
     from ..models.hf import global_name
 
     names = set(table_names)
+    piece = re.compile(r"^(\d+)\.layer\.(.+)$")
 
     def name_of(n: str) -> str | None:
         cands = [n]
+        m = piece.match(n)
+        if m and num_layers:
+            i = int(m.group(1))
+            cands.append(("embed" if i == 0 else f"blocks.{i - 1}" if i <= num_layers
+                          else "head") + "." + m.group(2))
         for pre in ("model.", "module."):
             if n.startswith(pre):
                 cands.append(n[len(pre):])
@@ -384,7 +431,8 @@ def import_deepspeed(engine, load_dir, tag=None, client_state: dict | None = Non
             write_malleus(st, d / CONVERTED, engine.param_table, tied_params(engine.model_cfg),
                           engine.plan.num_layers, engine.plan.global_batch_size,
                           engine.plan.micro_batch_size,
-                          name_in(s.name for s in engine.param_table), client_state)
+                          name_in((s.name for s in engine.param_table), engine.plan.num_layers),
+                          client_state)
         except Exception as e:  # noqa: BLE001 - every rank raises it (below)
             err = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
     raise_if_any_failed("import-deepspeed", err, f"reading DeepSpeed checkpoint {load_dir}",

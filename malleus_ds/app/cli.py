@@ -139,7 +139,22 @@ def export_main(argv: Sequence[str] | None = None) -> int:
                     help="dtype of the written weights (default fp32)")
     ap.add_argument("--force", action="store_true",
                     help="write into an existing non-empty output folder")
+    ap.add_argument("--to", choices=("hf", "deepspeed-universal"), default="hf",
+                    help="hf: a Hugging Face model folder (default); deepspeed-universal: a "
+                         "DeepSpeed universal checkpoint (weights, Adam state, LR schedule) "
+                         "that stock DeepSpeed continues with checkpoint.load_universal")
     args = ap.parse_args(argv)
+    if args.to == "deepspeed-universal":
+        from ..export.ds_universal import summary, write_universal
+
+        try:
+            t, rec = write_universal(args.checkpoint, args.out, args.force)
+        except ExportError as e:
+            return _fail(PROG, str(e))
+        except OSError as e:
+            return _fail(PROG, f"cannot export {args.checkpoint} to {args.out}: {e}")
+        print(summary(t, rec))
+        return 0
     try:
         res, d, run = _export_checkpoint(args.checkpoint, args.out, args.dtype, args.force)
     except ExportError as e:

@@ -30,8 +30,9 @@ recorded shapes, and a model whose names or shapes differ are each refused with 
 Read: ZeRO 0, 1 and 2 with data parallelism, and PipelineEngine's folders of ZeRO-1 (each
 layer's weights in ``layer_{i:02d}-model_states.pt``, each stage's ``param_shapes`` in
 ``mp_rank_{s:02d}_model_states.pt`` and its partitions in ``zero_pp_rank_{r}_mp_rank_{s:02d}``);
-fp32 and bf16 runs (DeepSpeed's masters are fp32 either way). Not yet: tensor-parallel saves
-and DeepSpeed's universal checkpoint folders (refused by name).
+fp32 and bf16 runs (DeepSpeed's masters are fp32 either way); and universal checkpoint folders
+(``ds_to_universal``'s, ``zero/<name>/*.pt``). Not yet: tensor-parallel saves (refused by
+name).
 """
 from __future__ import annotations
 
@@ -77,13 +78,15 @@ def is_deepspeed_checkpoint(path) -> bool:
     p = Path(path)
     if (p / MODEL_FILE).is_file() or any(p.glob("layer_*-model_states.pt")):
         return True
-    latest = p / "latest"
-    if latest.is_file():
-        try:
-            tag = latest.read_text(errors="replace").strip()[:256]
-        except OSError:
-            return False
-        return (p / tag / MODEL_FILE).is_file() or any((p / tag).glob("layer_*-model_states.pt"))
+    for name in ("latest", "latest_universal"):
+        latest = p / name
+        if latest.is_file():
+            try:
+                tag = latest.read_text(errors="replace").strip()[:256]
+            except OSError:
+                return False
+            if (p / tag / MODEL_FILE).is_file() or any((p / tag).glob("layer_*-model_states.pt")):
+                return True
     return False
 
 
@@ -95,15 +98,14 @@ def tag_folder(path, tag: str | None = None) -> Path:
     p = Path(path)
     if tag is not None:
         p = p / str(tag)
-    elif not (p / MODEL_FILE).is_file() and (p / "latest").is_file():
-        try:
-            p = p / read_small_text(p / "latest", "DeepSpeed 'latest' file").strip()
-        except UnsafeFile as e:
-            raise CheckpointError(str(e)) from None
-    if (p / "zero").is_dir() and not (p / MODEL_FILE).is_file():
-        raise CheckpointError(f"{p} is a DeepSpeed universal checkpoint folder, which "
-                              f"malleus_ds does not read yet; load the checkpoint it was made "
-                              f"from")
+    elif not (p / MODEL_FILE).is_file():
+        for latest in ("latest", "latest_universal"):
+            if (p / latest).is_file():
+                try:
+                    p = p / read_small_text(p / latest, f"DeepSpeed '{latest}' file").strip()
+                except UnsafeFile as e:
+                    raise CheckpointError(str(e)) from None
+                break
     if not (p / MODEL_FILE).is_file():
         raise CheckpointError(f"{p} is not a DeepSpeed checkpoint: it has no {MODEL_FILE} (a "
                               f"folder deepspeed's save_checkpoint wrote, or its root with a "
@@ -141,6 +143,8 @@ def read_state(path, tag: str | None = None) -> DeepSpeedState:
     """A DeepSpeed checkpoint (root or tag folder) as full fp32 tensors (module doc)."""
     d = tag_folder(path, tag)
     ms = _load(d / MODEL_FILE)
+    if (d / "zero" / "optimizer_state.pt").is_file():
+        return _read_universal(d, ms)
     layers = sorted((int(m.group(1)), d / m.group(0)) for m in
                     (_LAYER_FILE.match(f.name) for f in d.iterdir()) if m)
     mp = int(ms.get("mp_world_size") or 1)
@@ -199,6 +203,55 @@ def read_state(path, tag: str | None = None) -> DeepSpeedState:
             out.exp_avg_sq.update(part.exp_avg_sq)
     out.pipeline_stages = stages
     return out
+
+
+def _read_universal(d: Path, ms: dict) -> DeepSpeedState:
+    """A universal checkpoint (``ds_to_universal``'s output, or ``malleus-export --to
+    deepspeed-universal``'s): each parameter's full fp32 weight and Adam moments in
+    ``zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt`` (``{"param": tensor}``) and its step in
+    ``step.pt``; the optimizer's hyper-parameters in ``zero/optimizer_state.pt``."""
+    z = d / "zero"
+    params, m1, m2, steps = {}, {}, {}, set()
+    for sub in sorted(x for x in z.iterdir() if x.is_dir()):
+        if not (sub / "fp32.pt").is_file():
+            raise CheckpointError(f"{sub}: no fp32.pt (a universal checkpoint's parameter "
+                                  f"folder holds fp32.pt, exp_avg.pt, exp_avg_sq.pt, step.pt)")
+        params[sub.name] = _param(sub / "fp32.pt")
+        if (sub / "exp_avg.pt").is_file() and (sub / "exp_avg_sq.pt").is_file():
+            m1[sub.name] = _param(sub / "exp_avg.pt").reshape(params[sub.name].shape)
+            m2[sub.name] = _param(sub / "exp_avg_sq.pt").reshape(params[sub.name].shape)
+        if (sub / "step.pt").is_file():
+            steps.add(_int(_load_any(sub / "step.pt")))
+    if not params:
+        raise CheckpointError(f"{z}: no parameter folders: not a universal checkpoint")
+    if m1 and len(m1) != len(params):
+        raise CheckpointError(f"{z}: Adam's moments for {len(m1)} of {len(params)} parameters: "
+                              f"a partial conversion")
+    opt = _load(z / "optimizer_state.pt")
+    return DeepSpeedState(tag_dir=d, zero_stage=_int((ms.get("ds_config") or {}).get(
+        "zero_optimization", {}).get("stage"), 1), dp=_int(ms.get("dp_world_size"), 1),
+        params=params, exp_avg=m1, exp_avg_sq=m2, adam_step=max(steps) if steps else 0,
+        global_steps=_int(ms.get("global_steps")), global_samples=_int(ms.get("global_samples")),
+        skipped_steps=_int(ms.get("skipped_steps")), lr_scheduler=ms.get("lr_scheduler") or None,
+        param_groups=_hyper(opt.get("param_groups")))
+
+
+def _load_any(f: Path):
+    from ..files.safe_load import UnsafeFile
+    from .ds_compat import load_deepspeed_file
+
+    try:
+        return load_deepspeed_file(f, "cpu")
+    except UnsafeFile as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _param(f: Path) -> torch.Tensor:
+    x = _load_any(f)
+    t = x.get("param") if isinstance(x, dict) else None
+    if not isinstance(t, torch.Tensor):
+        raise CheckpointError(f"{f}: no 'param' tensor (not a universal checkpoint file)")
+    return t.float()
 
 
 def _read_stage0(d: Path, ms: dict, weights: Mapping, common: dict) -> DeepSpeedState:

@@ -17,6 +17,7 @@ file names is refused (``safe_load.UnsafeFile``) before it is called.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -73,6 +74,32 @@ def load_deepspeed_file(path, map_location=None):
         return load_plain(path, "DeepSpeed checkpoint file", mmap=False,
                           map_location=map_location,
                           writer="DeepSpeed's own files name no other class")
+
+
+@contextlib.contextmanager
+def weights_only_loads():
+    """While it is open, ``torch.load`` anywhere reads as :func:`load_deepspeed_file` does
+    (plain data plus DeepSpeed's four value classes): DeepSpeed's universal-checkpoint loader
+    calls ``torch.load(..., weights_only=False)`` itself, past its checkpoint engine."""
+    import torch
+
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    orig = torch.load
+
+    def load(f, *args, **kw):
+        kw["weights_only"] = True
+        with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum,
+                                               fragment_address]):
+            return orig(f, *args, **kw)
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = orig
 
 
 @functools.lru_cache(maxsize=1)

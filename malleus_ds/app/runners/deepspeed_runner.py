@@ -26,6 +26,7 @@ or precision is a ConfigError before any process group (``app/runners/resume.py`
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 import time
 
 import torch
@@ -61,6 +62,19 @@ def validate(cfg: RunConfig) -> None:
     check_even_batch(cfg.train, p, cfg.deepspeed)
 
 
+def _resumes_universal(cfg: RunConfig) -> bool:
+    """Does this run continue a universal checkpoint (its run.json says so)?"""
+    if not cfg.checkpoint.resume or not cfg.checkpoint.dir:
+        return False
+    from .resume import read_saved
+
+    try:
+        saved = read_saved(Path(cfg.checkpoint.dir))
+    except ConfigError:
+        return False
+    return bool(saved is not None and saved.meta.get("universal"))
+
+
 def build_ds_config(cfg: RunConfig) -> dict:
     """The ds_config handed to ``deepspeed.initialize``: the user's/preset's, plus batch sizes."""
     c = copy.deepcopy(dict(cfg.deepspeed.config))
@@ -68,6 +82,8 @@ def build_ds_config(cfg: RunConfig) -> dict:
     c.update(batch_keys(t.micro_batch_size, t.num_micro_batches // p.dp, p.dp))
     c.setdefault("steps_per_print", 10**9)
     c.setdefault("gradient_clipping", 0.0)
+    if _resumes_universal(cfg):         # malleus-export --to deepspeed-universal wrote it
+        c["checkpoint"] = dict(c.get("checkpoint") or {}, load_universal=True)
     if "optimizer" not in c:
         c["zero_allow_untested_optimizer"] = True   # our client torch AdamW
     monitors_to_run_dir(c, cfg.run_dir)
@@ -259,13 +275,14 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     engine = build_engine(cfg, env)
     ck = Checkpointer(cfg, env)
     if ck.resumed is not None:
-        from ...engine.ds_compat import load_weights_only
+        from ...engine.ds_compat import load_weights_only, weights_only_loads
         from ...files.safe_load import UnsafeFile
 
         load_weights_only(engine)           # DeepSpeed's loader would unpickle anything
         err = path = client = None
         try:
-            path, client = engine.load_checkpoint(str(ck.resumed.root), tag=ck.resumed.tag)
+            with weights_only_loads():      # DeepSpeed's universal loader calls torch.load
+                path, client = engine.load_checkpoint(str(ck.resumed.root), tag=ck.resumed.tag)
         except UnsafeFile as e:
             err = str(e)
         # every rank stops, naming the file (agreement.py: through the store)

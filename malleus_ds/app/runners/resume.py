@@ -201,6 +201,8 @@ def resume_point(cfg: RunConfig) -> Saved | None:
                               f"{'; '.join(diff)}; the data position of step {saved.step} belongs "
                               f"to the saved data: resume with the same data=, data.path (the file "
                               f"unchanged) and data.seq_len")
+        if k in STRICT.get(cfg.engine, ()) and saved.meta.get("universal"):
+            continue                # a universal checkpoint loads under any DeepSpeed layout
         if k in STRICT.get(cfg.engine, ()):
             m = saved.meta
             raise ConfigError(

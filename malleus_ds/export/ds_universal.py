@@ -1,0 +1,146 @@
+"""``malleus-export --to deepspeed-universal``: one of our checkpoints, under any plan, as a
+DeepSpeed universal checkpoint that stock DeepSpeed continues from (issue 34: leave freely).
+
+DeepSpeed's universal format (``deepspeed/checkpoint/ds_to_universal.py`` writes it,
+``load_universal_checkpoint`` reads it with ``"checkpoint": {"load_universal": true}``), in
+``OUT/<tag>/``:
+
+* ``mp_rank_00_model_states.pt``: the module's weights, the LR scheduler's state and the step
+  counters (DeepSpeed's model-states file, as its engine loads it);
+* ``zero/<parameter name>/fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt``: ``{"param": the full
+  tensor}``, fp32; ``step.pt``: Adam's step. Each rank of the loading job cuts its own ZeRO
+  partition out of them, so the job may have any data-parallel degree;
+* ``zero/optimizer_state.pt``: the optimizer's hyper-parameters (``param_groups``) and
+  ``ds_version``;
+* ``OUT/latest_universal`` (and ``OUT/latest``): the tag.
+
+Our checkpoint's slices (any plan, world size, ZeRO stage, precision) are put together into full
+fp32 tensors by global name: the fp32 masters (the parameters of an fp32 run) and Adam's moments.
+Parameter names are our global names, which are engine=deepspeed's module names for the app's
+models. A ``run.json`` beside them (``"universal": true``) lets the app continue it with
+``engine=deepspeed checkpoint.resume=true`` under any data-parallel layout; the app's DeepSpeed
+runner then turns on ``load_universal`` itself.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from .hf_folder import ExportError
+from .readers import Assembler, find_checkpoint
+
+KINDS = ("exp_avg", "exp_avg_sq")
+
+
+def read_full(tag_dir: Path) -> tuple[dict, dict, dict]:
+    """Our checkpoint at ``tag_dir`` as ``({kind: {name: full fp32 tensor}}, meta, engine
+    state)``: kinds ``fp32`` (masters under bf16/fp16, else the parameters), ``exp_avg``,
+    ``exp_avg_sq``."""
+    from ..files.ckpt_format import CheckpointError, open_rank_file, rank_file, resolve
+
+    try:
+        d, meta = resolve(tag_dir.parent, tag_dir.name)
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
+    try:
+        world = int(meta["world_size"])
+        mixed = bool(meta["precision"]["mixed"])
+        specs = {n: (s, dim) for n, (s, dim) in meta["params"].items()}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ExportError(f"{d / 'meta.json'}: malformed ({type(e).__name__}: {e})") from None
+    src = {"master" if mixed else "param": "fp32", "exp_avg": "exp_avg",
+           "exp_avg_sq": "exp_avg_sq"}
+    asm = {k: Assembler(specs, f"{d} ({k})") for k in src.values()}
+    state = None
+    for r in range(world):
+        if not rank_file(d, r).is_file():
+            raise ExportError(f"checkpoint {d} was saved by {world} ranks but lacks "
+                              f"{rank_file(d, r).name}")
+        try:
+            ck = open_rank_file(d, r, meta)
+        except CheckpointError as e:
+            raise ExportError(str(e)) from None
+        if r == 0:
+            state = ck["engine"]
+        for key, t in ck.get("slices", {}).items():
+            k, name, lo, hi = key
+            if k in src:
+                asm[src[k]].add(name, int(lo), int(hi), t)
+        del ck
+    if int(meta.get("adam_step", 0)) == 0:           # never stepped: no moments saved
+        asm["exp_avg"].cover.clear()
+        asm["exp_avg_sq"].cover.clear()
+        full = {"fp32": asm["fp32"].finish()}
+        full.update({k: {n: torch.zeros_like(t) for n, t in full["fp32"].items()} for k in KINDS})
+    else:
+        full = {k: a.finish() for k, a in asm.items()}
+    return full, meta, state
+
+
+def write_universal(checkpoint, out, force: bool = False) -> tuple[Path, dict]:
+    """Write the app checkpoint ``checkpoint`` (its root or a tag folder) as a universal
+    checkpoint in ``out`` (module doc). Returns (the tag folder written, its run.json)."""
+    import deepspeed
+
+    from ..files.fileio import atomic_write, atomic_write_text
+    from .hf_folder import check_out_dir
+
+    d, run = find_checkpoint(checkpoint)
+    if run.get("engine") != "malleus":
+        raise ExportError(f"checkpoint {d} was saved by engine={run.get('engine')}: "
+                          f"--to deepspeed-universal writes engine=malleus checkpoints (stock "
+                          f"DeepSpeed's own files it loads already)")
+    full, meta, state = read_full(d)
+    out = Path(out)
+    check_out_dir(out, force)
+    tag = d.name
+    t = out / tag
+    (t / "zero").mkdir(parents=True, exist_ok=True)
+    step = float(meta.get("adam_step", 0))
+
+    def save(path: Path, obj) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda f: torch.save(obj, f))
+
+    names = list(full["fp32"])
+    for n in names:
+        for k in ("fp32", *KINDS):
+            save(t / "zero" / n / f"{k}.pt", {"param": full[k][n].contiguous()})
+        save(t / "zero" / n / "step.pt", torch.tensor(step))
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+              for g in (state or {}).get("param_groups") or [{}]]
+    save(t / "zero" / "optimizer_state.pt",
+         {"param_groups": groups, "ds_version": deepspeed.__version__,
+          "dynamic_loss_scale": False, "overflow": False})
+    from collections import OrderedDict
+
+    client = dict((state or {}).get("client_state") or {})
+    model_states = dict(client, **{
+        "module": OrderedDict((n, full["fp32"][n]) for n in names),
+        "buffer_names": [], "optimizer": None,
+        "param_shapes": [OrderedDict((n, full["fp32"][n].shape) for n in names)],
+        "frozen_param_shapes": None, "shared_params": {}, "frozen_param_fragments": None,
+        "lr_scheduler": (state or {}).get("lr_scheduler"), "data_sampler": None,
+        "random_ltd": None, "skipped_steps": int(meta.get("skipped_steps", 0)),
+        "global_steps": int(meta.get("global_steps", 0)),
+        "global_samples": int(meta.get("global_samples", 0)), "dp_world_size": 1,
+        "mp_world_size": 1, "ds_config": {}, "ds_version": deepspeed.__version__})
+    save(t / "mp_rank_00_model_states.pt", model_states)
+    rec = dict(run, engine="deepspeed", universal=True, world_size=None, parallel=None,
+               zero_stage=None, precision=None)
+    from ..files.ckpt_format import RUN_FILE
+
+    atomic_write_text(t / RUN_FILE, json.dumps(rec, indent=1))
+    for latest in ("latest_universal", "latest"):
+        atomic_write_text(out / latest, tag)
+    return t, rec
+
+
+def summary(t: Path, rec: Mapping) -> str:
+    return (f"wrote DeepSpeed universal checkpoint {t} (step {rec.get('step')}); stock "
+            f"DeepSpeed continues it with \"checkpoint\": {{\"load_universal\": true}} "
+            f"(launch/train.py engine=deepspeed checkpoint.dir={t.parent} "
+            f"checkpoint.resume=true sets that itself)")

@@ -70,6 +70,7 @@ class DeepSpeedState:
     lr_scheduler: dict | None
     param_groups: list[dict] = field(default_factory=list)
     pipeline_stages: int = 1         # PipelineEngine's stages (1: no pipeline)
+    loss_scaler: dict | None = None  # fp16: the scaler's state (precision.scaler_state's keys)
 
 
 def is_deepspeed_checkpoint(path) -> bool:
@@ -351,9 +352,14 @@ def _read_zero(d: Path, ms: dict, weights: Mapping, zero_files: list, stage: int
         if name in weights and tuple(weights[name].shape) != tuple(params[name].shape):
             raise CheckpointError(f"{d}: {name} is {tuple(params[name].shape)} in the optimizer "
                                   f"files and {tuple(weights[name].shape)} in the module")
+    from .precision import scaler_state
+
+    scaler = parts[0].get("loss_scaler")
     return DeepSpeedState(zero_stage=stage, params=params, exp_avg=exp_avg,
                           exp_avg_sq=exp_avg_sq, adam_step=max(steps) if steps else 0,
-                          param_groups=_hyper(base[0].get("param_groups")), **common)
+                          param_groups=_hyper(base[0].get("param_groups")),
+                          loss_scaler=scaler_state(scaler) if scaler is not None else None,
+                          **common)
 
 
 def write_malleus(state: DeepSpeedState, out_dir, table, ties, num_layers: int,
@@ -419,7 +425,7 @@ def write_malleus(state: DeepSpeedState, out_dir, table, ties, num_layers: int,
                      "dp": state.dp, "pipeline_stages": state.pipeline_stages}}
     engine = {"adam_step": meta["adam_step"], "global_steps": state.global_steps,
               "skipped_steps": state.skipped_steps, "global_samples": state.global_samples,
-              "loss_scaler": None, "lr_scheduler": state.lr_scheduler,
+              "loss_scaler": state.loss_scaler, "lr_scheduler": state.lr_scheduler,
               "param_groups": state.param_groups, "client_state": dict(client_state or {})}
     out.mkdir(parents=True, exist_ok=True)
     (out / META).unlink(missing_ok=True)

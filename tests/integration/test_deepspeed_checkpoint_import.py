@@ -75,6 +75,12 @@ def test_malleus_continues_a_deepspeed_checkpoint_under_another_plan(tmp_path, z
     meta = json.loads((ck / f"global_step{N}" / "malleus" / "meta.json").read_text())
     assert meta["from"]["zero_stage"] == zero and meta["from"]["dp"] == 2
     assert meta["adam_step"] == N and meta["global_steps"] == N
+    if zero and not bf16:           # ZeRO's files carry the (here static, 1.0) loss scaler
+        import torch
+
+        rank0 = torch.load(ck / f"global_step{N}" / "malleus" / "malleus_rank00000.pt",
+                           weights_only=True)
+        assert rank0["engine"]["loss_scaler"]["cur_scale"] == 1.0
 
 
 def test_malleus_continues_a_pipeline_engine_checkpoint(tmp_path):

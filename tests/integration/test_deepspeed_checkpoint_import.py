@@ -54,18 +54,41 @@ def _other_plan(tmp):
     return p
 
 
+@pytest.fixture(scope="session")
+def ds_zero1(tmp_path_factory):
+    """engine=deepspeed ZeRO-1 on 2 ranks: its losses over N+M steps, and the checkpoint
+    folder of its first N (shared by the tests here and test_deepspeed_universal_export.py;
+    a test that changes it works on a copy, :func:`zero1_copy`)."""
+    tmp = tmp_path_factory.mktemp("ds_zero1")
+    full = run_distributed(_run, 2, "deepspeed", 1, N + M, tmp / "full", False, timeout=300)[0]
+    first = run_distributed(_run, 2, "deepspeed", 1, N, tmp / "ck", False, timeout=300)[0]
+    np.testing.assert_allclose(first, full[:N], rtol=1e-6)
+    return tmp / "ck", full
+
+
+def zero1_copy(ds_zero1, tmp_path):
+    import shutil
+
+    shutil.copytree(ds_zero1[0], tmp_path / "ck")
+    return tmp_path / "ck"
+
+
 @pytest.mark.parametrize("zero,bf16", [(0, False), (1, False), (2, False), (1, True)],
                          ids=["zero0", "zero1", "zero2", "zero1-bf16"])
-def test_malleus_continues_a_deepspeed_checkpoint_under_another_plan(tmp_path, zero, bf16):
+def test_malleus_continues_a_deepspeed_checkpoint_under_another_plan(tmp_path, zero, bf16,
+                                                                    ds_zero1):
     """bf16: DeepSpeed's bf16 optimizer files (fp32 masters beside bf16 weights), continued in
     bf16 under TP=2, whose partial sums round differently: losses within bf16's rounding
     (observed 2e-5; test_malleus_precision.py's bound)."""
-    full = run_distributed(_run, 2, "deepspeed", zero, N + M, tmp_path / "full", False, None,
-                           bf16, timeout=300)[0]
-    ck = tmp_path / "ck"
-    first = run_distributed(_run, 2, "deepspeed", zero, N, ck, False, None, bf16,
-                            timeout=300)[0]
-    np.testing.assert_allclose(first, full[:N], rtol=1e-6)
+    if (zero, bf16) == (1, False):
+        ck, full = zero1_copy(ds_zero1, tmp_path), ds_zero1[1]
+    else:
+        full = run_distributed(_run, 2, "deepspeed", zero, N + M, tmp_path / "full", False,
+                               None, bf16, timeout=300)[0]
+        ck = tmp_path / "ck"
+        first = run_distributed(_run, 2, "deepspeed", zero, N, ck, False, None, bf16,
+                                timeout=300)[0]
+        np.testing.assert_allclose(first, full[:N], rtol=1e-6)
     got = run_distributed(_run, 4, "malleus", zero, N + M, ck, True, _other_plan(tmp_path), bf16,
                           timeout=300)
     for r, losses in enumerate(got):
@@ -101,7 +124,7 @@ def test_malleus_continues_a_pipeline_engine_checkpoint(tmp_path):
     assert meta["adam_step"] == N
 
 
-def test_bad_deepspeed_folders_are_refused(tmp_path):
+def test_bad_deepspeed_folders_are_refused(tmp_path, ds_zero1):
     """A partial save (an optimizer file missing), a truncated file, a poisoned pickle and a
     folder that is not a DeepSpeed checkpoint: each refused by name, nothing run."""
     import pickle
@@ -110,10 +133,9 @@ def test_bad_deepspeed_folders_are_refused(tmp_path):
     from malleus_ds.engine.ds_checkpoint import read_state
     from malleus_ds.files.ckpt_format import CheckpointError
 
-    ck = tmp_path / "ck"
-    run_distributed(_run, 2, "deepspeed", 1, 1, ck, False, timeout=300)
-    tag = ck / "global_step1"
-    assert read_state(ck).adam_step == 1 and read_state(tag).zero_stage == 1
+    ck = zero1_copy(ds_zero1, tmp_path)
+    tag = ck / f"global_step{N}"
+    assert read_state(ck).adam_step == N and read_state(tag).zero_stage == 1
     with pytest.raises(CheckpointError, match=r"is not a DeepSpeed checkpoint: it has no "
                                               r"mp_rank_00_model_states.pt"):
         read_state(tmp_path)
@@ -146,16 +168,14 @@ def test_bad_deepspeed_folders_are_refused(tmp_path):
         read_state(evil)
 
 
-def test_another_model_is_refused(tmp_path):
+def test_another_model_is_refused(tmp_path, ds_zero1):
     """A DeepSpeed checkpoint of another model shape: engine=malleus refuses it naming the
     parameter, before training."""
-    from malleus_ds.app.run_config import ConfigError  # noqa: F401 - raised in the worker
-
-    ck = tmp_path / "ck"
-    run_distributed(_run, 2, "deepspeed", 1, 1, ck, False, timeout=300)
-    meta = json.loads((ck / "global_step1" / "run.json").read_text())
+    ck = zero1_copy(ds_zero1, tmp_path)
+    rec = ck / f"global_step{N}" / "run.json"
+    meta = json.loads(rec.read_text())
     meta["model"]["hidden_size"] = 64                 # the run.json check would catch it:
-    (ck / "global_step1" / "run.json").write_text(json.dumps(meta))   # make it agree
+    rec.write_text(json.dumps(meta))                  # make it agree
     with pytest.raises(Exception, match=r"another model"):
         run_distributed(_big, 2, ck, timeout=300)
 
@@ -165,7 +185,7 @@ def _big(rank, world, ck):
     from malleus_ds.app.config import build_run_config
 
     d = {"engine": "malleus", "progress": False, "model": dict(MODEL, hidden_size=64),
-         "train": {"steps": 2, "global_batch_size": G, "micro_batch_size": 1, "seed": 3},
+         "train": {"steps": N + 1, "global_batch_size": G, "micro_batch_size": 1, "seed": 3},
          "deepspeed": {"config": _ds(1)}, "malleus": {"adaptive": False},
          "checkpoint": {"dir": str(ck), "resume": True}}
     return runners.run(build_run_config(d, world_size=world), runners.DistEnv.from_environ("cpu"))
@@ -189,11 +209,8 @@ def _initialize_and_load(rank, world, ck, plan):
     return eng.global_steps, [eng.train_batch(step=s) for s in range(N, N + M)]
 
 
-def test_initialize_users_load_a_deepspeed_folder(tmp_path):
-    full = run_distributed(_run, 2, "deepspeed", 1, N + M, tmp_path / "full", False,
-                           timeout=300)[0]
-    ck = tmp_path / "ck"
-    run_distributed(_run, 2, "deepspeed", 1, N, ck, False, timeout=300)
+def test_initialize_users_load_a_deepspeed_folder(tmp_path, ds_zero1):
+    ck, full = zero1_copy(ds_zero1, tmp_path), ds_zero1[1]
     got = run_distributed(_initialize_and_load, 4, ck, _other_plan(tmp_path), timeout=300)
     for steps, losses in got:
         assert steps == N

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from tests.integration.harness import run_distributed
-from tests.integration.test_deepspeed_checkpoint_import import G, M, N, _other_plan, _run
+from tests.integration.test_deepspeed_checkpoint_import import (  # noqa: F401 - a fixture
+    M, N, _other_plan, _run, ds_zero1)
 
 
 @pytest.fixture(scope="module")
@@ -41,15 +42,15 @@ def test_stock_deepspeed_continues_an_exported_malleus_checkpoint(saved, zero, c
         np.testing.assert_allclose(losses, ours[N:], rtol=2e-5, err_msg=f"rank {r}")
 
 
-def test_only_malleus_checkpoints_are_exported(tmp_path):
+def test_only_malleus_checkpoints_are_exported(tmp_path, ds_zero1, capsys):
     from malleus_ds.app.cli import export_main
 
-    run_distributed(_run, 2, "deepspeed", 1, 1, tmp_path / "ds", False, timeout=300)
-    assert export_main([str(tmp_path / "ds"), str(tmp_path / "u"), "--to",
+    assert export_main([str(ds_zero1[0]), str(tmp_path / "u"), "--to",
                         "deepspeed-universal"]) != 0
+    assert "was saved by engine=deepspeed" in capsys.readouterr().err
 
 
-def test_deepspeeds_own_universal_folders_load_under_any_plan(tmp_path):
+def test_deepspeeds_own_universal_folders_load_under_any_plan(tmp_path, ds_zero1):
     """DeepSpeed's ``ds_to_universal`` output of a ZeRO-1 run continues under engine=malleus
     (4 ranks, the non-uniform TP=2 plan) with stock DeepSpeed's losses."""
     import subprocess
@@ -57,12 +58,10 @@ def test_deepspeeds_own_universal_folders_load_under_any_plan(tmp_path):
 
     from tests.integration.test_deepspeed_checkpoint_import import _initialize_and_load
 
-    full = run_distributed(_run, 2, "deepspeed", 1, N + M, tmp_path / "full", False,
-                           timeout=300)[0]
-    run_distributed(_run, 2, "deepspeed", 1, N, tmp_path / "ck", False, timeout=300)
+    ck, full = ds_zero1
     tag = f"global_step{N}"
     subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                    "--input_folder", str(tmp_path / "ck" / tag), "--output_folder",
+                    "--input_folder", str(ck / tag), "--output_folder",
                     str(tmp_path / "uni" / tag), "--num_extract_workers", "1",
                     "--num_merge_workers", "1", "--inject_missing_state"], check=True,
                    capture_output=True, timeout=300)

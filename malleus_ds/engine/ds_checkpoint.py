@@ -16,10 +16,10 @@ DeepSpeed's files (``deepspeed/runtime/engine.py``, ``_save_checkpoint`` and
 :func:`read_state` puts each group's partitions back together and cuts them by
 ``param_shapes`` (with ``param_alignment_paddings`` where DeepSpeed recorded them), as
 DeepSpeed's own ``zero_to_fp32`` does for the weights, here for the Adam moments too: full fp32
-tensors by DeepSpeed's parameter name. :func:`write_malleus` writes them as a MalleusEngine
-checkpoint of a one-rank plan (``engine/checkpoint.py``'s format), which the engine's loader
-then reads under whatever plan is running, as it reads its own: the weights, the moments,
-Adam's step, the counters, the LR schedule and the optimizer's hyper-parameters.
+tensors by DeepSpeed's parameter name. :func:`ds_import.write_malleus` writes them as a
+MalleusEngine checkpoint of a one-rank plan (``engine/checkpoint.py``'s format), which the
+engine's loader then reads under whatever plan is running, as it reads its own: the weights,
+the moments, Adam's step, the counters, the LR schedule and the optimizer's hyper-parameters.
 
 Every file is read with ``torch.load(weights_only=True)`` plus DeepSpeed's four value classes
 (``ds_compat.load_deepspeed_file``): loading never runs code. A folder that is not a DeepSpeed
@@ -36,13 +36,11 @@ name).
 """
 from __future__ import annotations
 
-import json
-import os
 import re
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 
@@ -360,140 +358,3 @@ def _read_zero(d: Path, ms: dict, weights: Mapping, zero_files: list, stage: int
                           param_groups=_hyper(base[0].get("param_groups")),
                           loss_scaler=scaler_state(scaler) if scaler is not None else None,
                           **common)
-
-
-def write_malleus(state: DeepSpeedState, out_dir, table, ties, num_layers: int,
-                  global_batch_size: int, micro_batch_size: int,
-                  name_of: Callable[[str], str | None], client_state: dict | None = None
-                  ) -> Path:
-    """``state`` as a MalleusEngine checkpoint of a one-rank plan in ``out_dir`` (the tag
-    folder): ``malleus_rank00000.pt`` and ``meta.json``, which ``load_checkpoint`` reads under
-    any plan. ``table``: the running model's parameter table; ``ties``: its tied pairs (a tied
-    copy takes its partner's tensors); ``name_of``: DeepSpeed's parameter name -> our global
-    name (None: not a weight of the model); ``client_state``: what ``load_checkpoint`` returns
-    as the saved client state. Returns ``out_dir``."""
-    from ..files.ckpt_format import FORMAT, META, rank_file
-    from ..files.fileio import atomic_write, atomic_write_text
-    from ..layout import holdings
-    from ..plan import static_plan
-    from .checkpoint import _table_json
-
-    by_global: dict[str, str] = {}
-    for n in state.params:
-        g = name_of(n)
-        if g is not None:
-            by_global[g] = n
-    for a, b in ties:
-        for x, y in ((a, b), (b, a)):
-            if x not in by_global and y in by_global:
-                by_global[x] = by_global[y]
-    missing = [s.name for s in table if s.name not in by_global]
-    if missing:
-        raise CheckpointError(f"{state.tag_dir}: holds no {missing[0]}"
-                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                              + f": a checkpoint of another model (it has "
-                              f"{sorted(state.params)[:3]} ...)")
-    for s in table:
-        got = tuple(state.params[by_global[s.name]].shape)
-        if got != tuple(s.shape):
-            raise CheckpointError(f"{state.tag_dir}: {s.name} is {got} there and "
-                                  f"{tuple(s.shape)} in this model: a checkpoint of another "
-                                  f"model shape")
-    plan = static_plan(num_layers, global_batch_size, micro_batch_size, 1, 1, 1)
-    spec = {s.name: s for s in table}
-    moments = bool(state.exp_avg)
-    src = {"param": state.params, "exp_avg": state.exp_avg, "exp_avg_sq": state.exp_avg_sq}
-    slices = {}
-    for h in holdings(plan, table, 0, 0, False):
-        if h.kind != "param" and not moments:
-            t = torch.zeros(spec[h.name].numel)
-        else:
-            t = src[h.kind][by_global[h.name]]
-            d = spec[h.name].split_dim
-            t = (t.movedim(d, 0) if d is not None else t).reshape(-1)
-        slices[(h.kind, h.name, h.lo, h.hi)] = t[h.lo:h.hi].float().contiguous().clone()
-    sid = int.from_bytes(os.urandom(7), "little")
-    out = Path(out_dir)
-    meta = {"format": FORMAT, "save_id": sid, "tag": out.name, "plan": plan.to_json(),
-            "world_size": 1, "zero_stage": 0, "precision": {"name": "fp32", "mixed": False},
-            "num_layers": plan.num_layers, "global_batch_size": global_batch_size,
-            "micro_batch_size": micro_batch_size,
-            "adam_step": state.adam_step if moments else 0,
-            "global_steps": state.global_steps, "skipped_steps": state.skipped_steps,
-            "global_samples": state.global_samples, "params": _table_json(table),
-            "from": {"deepspeed": str(state.tag_dir), "zero_stage": state.zero_stage,
-                     "dp": state.dp, "pipeline_stages": state.pipeline_stages}}
-    engine = {"adam_step": meta["adam_step"], "global_steps": state.global_steps,
-              "skipped_steps": state.skipped_steps, "global_samples": state.global_samples,
-              "loss_scaler": state.loss_scaler, "lr_scheduler": state.lr_scheduler,
-              "param_groups": state.param_groups, "client_state": dict(client_state or {})}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / META).unlink(missing_ok=True)
-    data = {"format": FORMAT, "save_id": sid, "rank": 0, "meta": meta, "engine": engine,
-            "slices": slices}
-    atomic_write(rank_file(out, 0), lambda f: torch.save(data, f))
-    atomic_write_text(out / META, json.dumps(meta))       # last: the commit record
-    return out
-
-
-#: the folder, inside a DeepSpeed checkpoint's tag folder, that holds it converted
-CONVERTED = "malleus"
-
-
-def name_in(table_names, num_layers: int | None = None) -> Callable[[str], str | None]:
-    """DeepSpeed's parameter name -> our global name in ``table_names``: the name itself (a
-    MalleusEngine model), a Hugging Face Llama name (``model.layers.0...``), either under one
-    wrapper prefix (``model.``: engine=deepspeed's module; ``module.``), or engine=deepspeed's
-    PipelineModule name ``{i}.layer.{name}`` (piece 0 the embedding, 1..``num_layers`` the
-    decoder layers, then the head)."""
-    from ..models.hf import global_name
-
-    names = set(table_names)
-    piece = re.compile(r"^(\d+)\.layer\.(.+)$")
-
-    def name_of(n: str) -> str | None:
-        cands = [n]
-        m = piece.match(n)
-        if m and num_layers:
-            i = int(m.group(1))
-            cands.append(("embed" if i == 0 else f"blocks.{i - 1}" if i <= num_layers
-                          else "head") + "." + m.group(2))
-        for pre in ("model.", "module."):
-            if n.startswith(pre):
-                cands.append(n[len(pre):])
-        for c in list(cands):
-            try:
-                cands.append(global_name(c))
-            except KeyError:
-                pass
-        return next((c for c in cands if c in names), None)
-    return name_of
-
-
-def import_deepspeed(engine, load_dir, tag=None, client_state: dict | None = None
-                     ) -> tuple[str, str]:
-    """Collective: rank 0 converts the DeepSpeed checkpoint at ``load_dir`` (``tag``) into
-    MalleusEngine's format in the tag folder's :data:`CONVERTED` subfolder (read_state +
-    write_malleus, for the engine's model and batch); every rank learns rank 0's error (a
-    CheckpointError). Returns ``(root, tag)`` for ``load_checkpoint``."""
-    from ..models.base import tied_params
-    from ..resilience.agreement import raise_if_any_failed
-
-    err, d = None, None
-    try:
-        d = tag_folder(load_dir, tag)
-    except CheckpointError as e:
-        err = str(e)
-    if err is None and engine.global_rank == 0:
-        try:
-            st = read_state(d)
-            write_malleus(st, d / CONVERTED, engine.param_table, tied_params(engine.model_cfg),
-                          engine.plan.num_layers, engine.plan.global_batch_size,
-                          engine.plan.micro_batch_size,
-                          name_in((s.name for s in engine.param_table), engine.plan.num_layers),
-                          client_state)
-        except Exception as e:  # noqa: BLE001 - every rank raises it (below)
-            err = f"{type(e).__name__}: {e}" if not isinstance(e, CheckpointError) else str(e)
-    raise_if_any_failed("import-deepspeed", err, f"reading DeepSpeed checkpoint {load_dir}",
-                        CheckpointError)
-    return str(d), CONVERTED

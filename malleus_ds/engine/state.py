@@ -80,7 +80,8 @@ class EngineState:
         A folder stock DeepSpeed wrote (ZeRO 0/1/2, pp=1) is read too: converted once into
         this format beside its files, then loaded the same way (``engine/ds_checkpoint.py``)."""
         from .checkpoint import load_checkpoint
-        from .ds_checkpoint import import_deepspeed, is_deepspeed_checkpoint
+        from .ds_checkpoint import is_deepspeed_checkpoint
+        from .ds_import import import_deepspeed
 
         where = Path(load_dir) / str(tag) if tag is not None else Path(load_dir)
         if is_deepspeed_checkpoint(where):

@@ -30,7 +30,7 @@ from typing import Mapping
 import torch
 
 from .hf_folder import ExportError
-from .readers import Assembler, find_checkpoint
+from .readers import Assembler, find_checkpoint, open_meta
 
 KINDS = ("exp_avg", "exp_avg_sq")
 
@@ -39,18 +39,9 @@ def read_full(tag_dir: Path) -> tuple[dict, dict, dict]:
     """Our checkpoint at ``tag_dir`` as ``({kind: {name: full fp32 tensor}}, meta, engine
     state)``: kinds ``fp32`` (masters under bf16/fp16, else the parameters), ``exp_avg``,
     ``exp_avg_sq``."""
-    from ..files.ckpt_format import CheckpointError, open_rank_file, rank_file, resolve
+    from ..files.ckpt_format import CheckpointError, open_rank_file, rank_file
 
-    try:
-        d, meta = resolve(tag_dir.parent, tag_dir.name)
-    except CheckpointError as e:
-        raise ExportError(str(e)) from None
-    try:
-        world = int(meta["world_size"])
-        mixed = bool(meta["precision"]["mixed"])
-        specs = {n: (s, dim) for n, (s, dim) in meta["params"].items()}
-    except (KeyError, TypeError, ValueError) as e:
-        raise ExportError(f"{d / 'meta.json'}: malformed ({type(e).__name__}: {e})") from None
+    d, meta, world, mixed, specs = open_meta(tag_dir)
     src = {"master" if mixed else "param": "fp32", "exp_avg": "exp_avg",
            "exp_avg_sq": "exp_avg_sq"}
     asm = {k: Assembler(specs, f"{d} ({k})") for k in src.values()}

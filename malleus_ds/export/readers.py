@@ -80,10 +80,10 @@ def _needed(names: Sequence[str], record: Mapping) -> list[str]:
 # ----------------------------------------------------------------------------- readers
 
 
-def read_malleus(tag_dir: Path, record: Mapping) -> dict[str, torch.Tensor]:
-    """Full fp32 tensors (masters under bf16/fp16, else parameters) from MalleusEngine's per-rank
-    slice files, whatever plan and world size saved them."""
-    from ..files.ckpt_format import CheckpointError, open_rank_file, rank_file, resolve
+def open_meta(tag_dir: Path) -> tuple[Path, dict, int, bool, dict]:
+    """A MalleusEngine checkpoint's ``(tag folder, meta.json, world size, mixed precision?,
+    parameter specs name -> (shape, split dim))``; ExportError naming the file otherwise."""
+    from ..files.ckpt_format import CheckpointError, resolve
 
     try:
         d, meta = resolve(tag_dir.parent, tag_dir.name)
@@ -95,6 +95,15 @@ def read_malleus(tag_dir: Path, record: Mapping) -> dict[str, torch.Tensor]:
         specs = {n: (s, dim) for n, (s, dim) in meta["params"].items()}
     except (KeyError, TypeError, ValueError) as e:
         raise ExportError(f"{d / 'meta.json'}: malformed ({type(e).__name__}: {e})") from None
+    return d, meta, world, mixed, specs
+
+
+def read_malleus(tag_dir: Path, record: Mapping) -> dict[str, torch.Tensor]:
+    """Full fp32 tensors (masters under bf16/fp16, else parameters) from MalleusEngine's per-rank
+    slice files, whatever plan and world size saved them."""
+    from ..files.ckpt_format import CheckpointError, open_rank_file, rank_file
+
+    d, meta, world, mixed, specs = open_meta(tag_dir)
     kind = "master" if mixed else "param"
     asm = Assembler(specs, str(d), _needed(list(specs), record))
     missing = [r for r in range(world) if not rank_file(d, r).is_file()]

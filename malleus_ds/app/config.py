@@ -290,7 +290,7 @@ def _train(t: Mapping[str, Any], ds: DeepSpeedSection, dp: int) -> tuple[TrainCo
     """``train.*`` -> TrainConfig, and a note per batch field taken from the ds_config: a batch
     field left out (or null) comes from the ds_config's batch keys where it has them
     (``ds_batch.resolve_batch``; one that contradicts them is refused, naming both)."""
-    from .ds_batch import resolve_batch
+    from ..engine.ds_batch import resolve_batch
 
     t = {k: v for k, v in t.items() if v is not None or k == "data_seed"}
     allowed = {f.name for f in fields(TrainConfig)}

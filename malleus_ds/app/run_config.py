@@ -12,6 +12,7 @@ from typing import Any, Mapping
 from ..adaptive.settings import AdaptiveSettings
 from ..data import DataConfig
 from ..emulation.straggler import StragglerSchedule
+from ..engine.ds_batch import DEFAULT_BATCH
 from ..engine.settings import MalleusSettings, SwitchAt
 from ..models.llama import ModelConfig
 from ..optim import OptimConfig
@@ -28,8 +29,8 @@ ENGINES = ("torch", "deepspeed", "malleus")
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 10                     # optimizer steps to run
-    global_batch_size: int = 8          # samples per optimizer step (all ranks together)
-    micro_batch_size: int = 1           # samples per forward/backward
+    global_batch_size: int = DEFAULT_BATCH[0]   # samples per optimizer step (all ranks together)
+    micro_batch_size: int = DEFAULT_BATCH[1]    # samples per forward/backward
     seed: int = 0                       # model init seed (per global layer index)
     data_seed: int | None = None        # corpus order seed; None = ``seed``
     lr: float = 1e-3                    # AdamW learning rate

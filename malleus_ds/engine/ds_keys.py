@@ -39,7 +39,7 @@ _MEAN = ("MalleusEngine scales each micro-batch's loss by its share of the globa
 TOP: dict[str, tuple[str, str]] = {
     # -- the batch
     "train_batch_size": (SAME, "the global batch: train.global_batch_size where given, else "
-                               "this (DeepSpeed's derivation; app/ds_batch.py); a plan may "
+                               "this (DeepSpeed's derivation; engine/ds_batch.py); a plan may "
                                "then give its pipelines unequal micro-batch counts"),
     "train_micro_batch_size_per_gpu": (SAME, "the micro-batch size (as train_batch_size)"),
     "gradient_accumulation_steps": (SAME, "derives the batch as DeepSpeed does; the plan sets "

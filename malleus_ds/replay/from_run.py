@@ -85,6 +85,34 @@ def _config(run: Path) -> dict:
     return cfg
 
 
+def _batch(run: Path, cfg: dict, dp: int) -> tuple[int, int]:
+    """The run's global and micro batch: ``train.*``, or where the run left them null, what the
+    app took from its ds_config (``engine/ds_batch.py``; ``deepspeed.config_file`` as given, or
+    among the shipped ``conf/deepspeed`` presets, as launch/train.py looks it up, with
+    ``deepspeed.config`` over it)."""
+    from ..engine.ds_batch import DEFAULT_BATCH, resolve_batch
+    from ..engine.settings import load_config
+
+    tr = cfg.get("train") or {}
+    if tr.get("global_batch_size") is not None and tr.get("micro_batch_size") is not None:
+        return int(tr["global_batch_size"]), int(tr["micro_batch_size"])
+    sec = cfg.get("deepspeed") or {}
+    ds: dict = {}
+    try:
+        f = sec.get("config_file")
+        if f:
+            conf = Path(__file__).resolve().parents[2] / "conf" / "deepspeed"
+            hit = next((c for c in (Path(f), conf / f) if c.is_file()), None)
+            if hit is None:
+                raise ValueError(f"deepspeed.config_file={f!r} not found (nor in {conf})")
+            ds = load_config(hit)
+        ds.update(sec.get("config") or {})
+        G, B, _ = resolve_batch(ds, tr, dp, ValueError, DEFAULT_BATCH)
+    except ValueError as e:
+        raise FromRunError(f"{run}: the batch: {e}") from None
+    return G, B
+
+
 def build(run_dir: str | Path) -> RunReplay:
     from ..adaptive.job import JobSpec
     from ..adaptive.replan import job_memory, job_problem
@@ -122,7 +150,7 @@ def build(run_dir: str | Path) -> RunReplay:
     tp, pp = int(par.get("tp") or 1), int(par.get("pp") or 1)
     if world % (tp * pp):
         raise FromRunError(f"{run}: parallel.tp={tp} x pp={pp} does not divide {world} ranks")
-    G, B = int(tr["global_batch_size"]), int(tr["micro_batch_size"])
+    G, B = _batch(run, cfg, world // (tp * pp))
     plan = static_plan(mc.num_layers, G, B, tp, pp, world // (tp * pp))
     nodes = int((cfg.get("cluster") or {}).get("nodes") or 1)
     job = JobLayout(world, world // nodes, tp)

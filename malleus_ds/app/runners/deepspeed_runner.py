@@ -21,13 +21,17 @@ names its own ``optimizer`` (then DeepSpeed builds it and ``train.lr`` etc. are 
 Checkpoints (``checkpoint.dir``) are DeepSpeed's own (``engine.save_checkpoint`` /
 ``load_checkpoint``: module, ZeRO partitions, LR scheduler, counters). Stock DeepSpeed loads them
 only under the layout that saved them, so resuming with another world size, tp/pp/dp, ZeRO stage
-or precision is a ConfigError before any process group (``app/runners/resume.py``).
+or precision is a ConfigError before any process group (``app/runners/resume.py``). A universal
+checkpoint (``malleus-export --to deepspeed-universal`` wrote it: its run.json says so) loads
+under any data-parallel layout: the ds_config gets ``checkpoint.load_universal``, and DeepSpeed's
+own ``torch.load`` calls read weights-only while it loads. engine=malleus continues these
+checkpoints under any plan (``engine/ds_checkpoint.py``).
 """
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 import time
+from pathlib import Path
 
 import torch
 from torch import nn

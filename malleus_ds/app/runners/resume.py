@@ -183,7 +183,7 @@ def resume_point(cfg: RunConfig) -> Saved | None:
             continue
         if k == "engine":
             if (was, is_) == ("deepspeed", "malleus"):
-                continue            # MalleusEngine reads stock DeepSpeed's files (pp=1)
+                continue            # MalleusEngine reads stock DeepSpeed's files
             raise ConfigError(f"checkpoint {saved.path} was saved by engine={was}, this run has "
                               f"engine={is_}; resume with engine={was}"
                               + (" (engine=malleus continues engine=deepspeed checkpoints, not "

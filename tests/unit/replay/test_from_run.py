@@ -62,6 +62,23 @@ def test_the_replay_is_built_from_the_runs_own_files(tmp_path):
     assert rr.phases[0]["measured_samples_per_s"] == pytest.approx(16 / STEP)
 
 
+def test_a_batch_the_run_took_from_its_ds_config(tmp_path):
+    """train.global_batch_size / micro_batch_size null (the default now): the batch the app
+    took from the run's ds_config."""
+    run = _run(tmp_path)
+    cfg = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
+    cfg["train"].update(global_batch_size=None, micro_batch_size=None)
+    cfg["deepspeed"] = {"config": {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 1}}
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    rr = build(run)
+    assert (rr.plan.global_batch_size, rr.plan.micro_batch_size) == (16, 1)
+    cfg["deepspeed"] = {"config": {"train_batch_size": 15}}
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(FromRunError, match=r"the batch: ds_config train_batch_size=15: 15 is "
+                                           r"not a multiple of 1 x dp=4"):
+        build(run)
+
+
 def test_compare_predicts_each_phase_and_names_its_error(tmp_path):
     res = compare(build(_run(tmp_path)))
     healthy, slow, after = res["phases"]

@@ -12,7 +12,7 @@ a user who names both must not get one of them silently. So :func:`resolve_batch
   ds_config's batch where they were not (``"auto"`` or absent counts as not given there);
 * refuses, naming both, a ds_config batch that the given ``train.*`` contradicts, and a
   ds_config whose three keys contradict each other (as DeepSpeed does);
-* falls back to :class:`~malleus_ds.app.run_config.TrainConfig`'s defaults (8 and 1) where
+* falls back to :data:`DEFAULT_BATCH` (8 and 1, the app's ``TrainConfig`` defaults) where
   neither says; where only ``gradient_accumulation_steps`` says (accelerate's configs leave
   the batch sizes ``"auto"`` beside an accumulation of 1), the micro-batch is the default and
   the batch is ``micro x accumulation x dp``.
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+#: the batch where neither ``train.*`` nor the ds_config says (TrainConfig's defaults)
+DEFAULT_BATCH = (8, 1)
 #: DeepSpeed's batch keys, in the order its messages name them
 KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -80,7 +82,7 @@ TRAIN = {"train_batch_size": "global_batch_size",
 
 
 def resolve_batch(cfg: Mapping[str, Any], train: Mapping[str, Any], dp: int, error,
-                  defaults: tuple[int, int] = (8, 1)) -> tuple[int, int, list[str]]:
+                  defaults: tuple[int, int] = DEFAULT_BATCH) -> tuple[int, int, list[str]]:
     """(global batch, micro-batch, notes) of the run (module doc). ``train``: the
     ``global_batch_size`` / ``micro_batch_size`` given (None or absent: not given)."""
     got = _given(cfg, error)

@@ -179,6 +179,20 @@ def _engine_state(engine, meta: dict, client_state) -> dict:
             "client_state": client_state or {}}
 
 
+def meta_record(sid: int, tag: str, plan, world: int, zero_stage: int, precision: str,
+                mixed: bool, adam_step: int, counters: tuple[int, int, int], table) -> dict:
+    """A save's ``meta.json`` (module doc of ``checkpoint.py``); ``counters``: global steps,
+    skipped steps, global samples. The one record every writer of our format fills in (a save,
+    and ``ds_import.write_malleus``'s conversion of a DeepSpeed checkpoint)."""
+    return {"format": FORMAT, "save_id": sid, "tag": tag, "plan": plan.to_json(),
+            "world_size": world, "zero_stage": zero_stage,
+            "precision": {"name": precision, "mixed": mixed},
+            "num_layers": plan.num_layers, "global_batch_size": plan.global_batch_size,
+            "micro_batch_size": plan.micro_batch_size, "adam_step": adam_step,
+            "global_steps": counters[0], "skipped_steps": counters[1],
+            "global_samples": counters[2], "params": _table_json(table)}
+
+
 @dataclass
 class Snapshot:
     """One rank's part of a save, copied to host memory at a step boundary
@@ -212,14 +226,10 @@ def snapshot_checkpoint(engine, save_dir, tag=None, client_state=None,
     agree = torch.tensor([rt.optimizer.step_count(), sid], dtype=torch.int64, device=engine.device)
     tdist.all_reduce(agree, op=tdist.ReduceOp.MAX)
     adam_step, sid = (int(x) for x in agree.cpu())
-    meta = {"format": FORMAT, "save_id": sid, "tag": tag, "plan": plan.to_json(),
-            "world_size": world, "zero_stage": rt.zero_stage,
-            "precision": {"name": prec.name, "mixed": prec.mixed},
-            "num_layers": plan.num_layers, "global_batch_size": plan.global_batch_size,
-            "micro_batch_size": plan.micro_batch_size, "adam_step": adam_step,
-            "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
-            "global_samples": engine.global_samples, "params": _table_json(engine.param_table),
-            "stored": ONE_COPY}
+    meta = meta_record(sid, tag, plan, world, rt.zero_stage, prec.name, prec.mixed, adam_step,
+                       (engine.global_steps, engine.skipped_steps, engine.global_samples),
+                       engine.param_table)
+    meta["stored"] = ONE_COPY
     err = None
     state = _engine_state(engine, meta, client_state)
     try:    # before anything is touched: a file we write must load with weights_only=True

@@ -32,7 +32,8 @@ def write_malleus(state: DeepSpeedState, out_dir, table, ties, num_layers: int,
     from ..files.fileio import atomic_write, atomic_write_text
     from ..layout import holdings
     from ..plan import static_plan
-    from .checkpoint import _table_json
+    from ..files.safe_load import UnsafeFile, check_plain
+    from .checkpoint_save import meta_record
 
     by_global: dict[str, str] = {}
     for n in state.params:
@@ -70,21 +71,21 @@ def write_malleus(state: DeepSpeedState, out_dir, table, ties, num_layers: int,
         slices[(h.kind, h.name, h.lo, h.hi)] = t[h.lo:h.hi].float().contiguous().clone()
     sid = int.from_bytes(os.urandom(7), "little")
     out = Path(out_dir)
-    meta = {"format": FORMAT, "save_id": sid, "tag": out.name, "plan": plan.to_json(),
-            "world_size": 1, "zero_stage": 0, "precision": {"name": "fp32", "mixed": False},
-            "num_layers": plan.num_layers, "global_batch_size": global_batch_size,
-            "micro_batch_size": micro_batch_size,
-            "adam_step": state.adam_step if moments else 0,
-            "global_steps": state.global_steps, "skipped_steps": state.skipped_steps,
-            "global_samples": state.global_samples, "params": _table_json(table),
-            "from": {"deepspeed": str(state.tag_dir), "zero_stage": state.zero_stage,
-                     "dp": state.dp, "pipeline_stages": state.pipeline_stages}}
+    counters = (state.global_steps, state.skipped_steps, state.global_samples)
+    meta = meta_record(sid, out.name, plan, 1, 0, "fp32", False,
+                       state.adam_step if moments else 0, counters, table)
+    meta["from"] = {"deepspeed": str(state.tag_dir), "zero_stage": state.zero_stage,
+                    "dp": state.dp, "pipeline_stages": state.pipeline_stages}
     engine = {"adam_step": meta["adam_step"], "global_steps": state.global_steps,
               "skipped_steps": state.skipped_steps, "global_samples": state.global_samples,
               "loss_scaler": state.loss_scaler, "lr_scheduler": state.lr_scheduler,
               "param_groups": state.param_groups, "client_state": dict(client_state or {})}
     out.mkdir(parents=True, exist_ok=True)
     (out / META).unlink(missing_ok=True)
+    try:    # as a save checks: what we write must load with weights_only=True
+        check_plain(engine, f"{state.tag_dir}'s engine state")
+    except UnsafeFile as e:
+        raise CheckpointError(str(e)) from None
     data = {"format": FORMAT, "save_id": sid, "rank": 0, "meta": meta, "engine": engine,
             "slices": slices}
     atomic_write(rank_file(out, 0), lambda f: torch.save(data, f))

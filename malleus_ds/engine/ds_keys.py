@@ -13,9 +13,9 @@ Kinds:
 * ``same``: MalleusEngine does what stock DeepSpeed does (the text names where).
 * ``own``: it tunes or reports something MalleusEngine does its own way; ignored, with a note
   naming what happens instead.
-* ``refused``: a config error naming the key, its value and what to do instead.
 * ``if on``: refused when the section turns its feature on (``enabled: true``, or any value
-  for a key that has no ``enabled``), and nothing otherwise.
+  for a key that has no ``enabled``), and nothing otherwise: a config error naming the key, its
+  value and what to do instead.
 * ``removed``: DeepSpeed itself refuses it (a feature it removed); refused with its reason.
 
 Keys DeepSpeed does not know are ignored by DeepSpeed; MalleusEngine ignores them too, and says
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-SAME, OWN, REFUSED, IF_ON, REMOVED = "same", "own", "refused", "if on", "removed"
+SAME, OWN, IF_ON, REMOVED = "same", "own", "if on", "removed"
 
 _MEAN = ("MalleusEngine scales each micro-batch's loss by its share of the global batch and "
          "sums gradients in fp32, so the step's gradient is the global-batch mean under any "
@@ -193,8 +193,7 @@ def review(cfg: Mapping[str, Any], where: str = "ds_config") -> list[str]:
         if k in removed:
             raise ValueError(f"{where}.{k}: {removed[k]} (DeepSpeed refuses it too); drop it")
         if k not in TOP:
-            notes.append(f"{where}.{k} is not a DeepSpeed key: DeepSpeed ignores it, and so "
-                         f"does MalleusEngine")
+            notes.append(_unknown(f"{where}.{k}"))
             continue
         kind, text = TOP[k]
         if kind == IF_ON and _on(k, v):
@@ -218,6 +217,10 @@ def review(cfg: Mapping[str, Any], where: str = "ds_config") -> list[str]:
     return notes
 
 
+def _unknown(key: str) -> str:
+    return f"{key} is not a DeepSpeed key: DeepSpeed ignores it, and so does MalleusEngine"
+
+
 def _offload_device(v: Any) -> str | None:
     if isinstance(v, Mapping):
         return str(v.get("device", "none")).lower()
@@ -237,8 +240,7 @@ def _review_zero(zo: Mapping[str, Any], where: str) -> list[str]:
         if k == "stage":
             continue
         if k not in ZERO:
-            notes.append(f"{where}.{k} is not a DeepSpeed key: DeepSpeed ignores it, and so "
-                         f"does MalleusEngine")
+            notes.append(_unknown(f"{where}.{k}"))
             continue
         if k in ("offload_optimizer", "offload_param", "cpu_offload"):
             if _offload_device(v) in (None, "none"):
@@ -254,8 +256,8 @@ def _review_zero(zo: Mapping[str, Any], where: str) -> list[str]:
 def markdown() -> str:
     """The README's table: every top-level key and what MalleusEngine does with it."""
     rows = ["| key | under engine=malleus | what happens |", "|---|---|---|"]
-    label = {SAME: "as DeepSpeed", OWN: "ignored, with a note", REFUSED: "refused",
-             IF_ON: "refused when on", REMOVED: "refused (DeepSpeed too)"}
+    label = {SAME: "as DeepSpeed", OWN: "ignored, with a note", IF_ON: "refused when on",
+             REMOVED: "refused (DeepSpeed too)"}
     for k, (kind, text) in TOP.items():
         rows.append(f"| `{k}` | {label[kind]} | {text} |")
     for k in _REMOVED:

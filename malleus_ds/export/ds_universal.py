@@ -30,7 +30,7 @@ from typing import Mapping
 import torch
 
 from .hf_folder import ExportError
-from .readers import Assembler, find_checkpoint, open_meta
+from .readers import Assembler, find_checkpoint, open_meta, read_slices
 
 KINDS = ("exp_avg", "exp_avg_sq")
 
@@ -39,35 +39,16 @@ def read_full(tag_dir: Path) -> tuple[dict, dict, dict]:
     """Our checkpoint at ``tag_dir`` as ``({kind: {name: full fp32 tensor}}, meta, engine
     state)``: kinds ``fp32`` (masters under bf16/fp16, else the parameters), ``exp_avg``,
     ``exp_avg_sq``."""
-    from ..files.ckpt_format import CheckpointError, open_rank_file, rank_file
-
     d, meta, world, mixed, specs = open_meta(tag_dir)
-    src = {"master" if mixed else "param": "fp32", "exp_avg": "exp_avg",
-           "exp_avg_sq": "exp_avg_sq"}
-    asm = {k: Assembler(specs, f"{d} ({k})") for k in src.values()}
-    state = None
-    for r in range(world):
-        if not rank_file(d, r).is_file():
-            raise ExportError(f"checkpoint {d} was saved by {world} ranks but lacks "
-                              f"{rank_file(d, r).name}")
-        try:
-            ck = open_rank_file(d, r, meta)
-        except CheckpointError as e:
-            raise ExportError(str(e)) from None
-        if r == 0:
-            state = ck["engine"]
-        for key, t in ck.get("slices", {}).items():
-            k, name, lo, hi = key
-            if k in src:
-                asm[src[k]].add(name, int(lo), int(hi), t)
-        del ck
-    if int(meta.get("adam_step", 0)) == 0:           # never stepped: no moments saved
-        asm["exp_avg"].cover.clear()
-        asm["exp_avg_sq"].cover.clear()
-        full = {"fp32": asm["fp32"].finish()}
-        full.update({k: {n: torch.zeros_like(t) for n, t in full["fp32"].items()} for k in KINDS})
-    else:
-        full = {k: a.finish() for k, a in asm.items()}
+    fp32 = "master" if mixed else "param"
+    stepped = int(meta.get("adam_step", 0)) > 0      # never stepped: no moments saved
+    asms = {fp32: Assembler(specs, f"{d} (fp32)")}
+    if stepped:
+        asms.update({k: Assembler(specs, f"{d} ({k})") for k in KINDS})
+    state = read_slices(d, meta, world, asms)
+    full = {"fp32": asms[fp32].finish()}
+    full.update({k: asms[k].finish() if stepped else
+                 {n: torch.zeros_like(t) for n, t in full["fp32"].items()} for k in KINDS})
     return full, meta, state
 
 

@@ -98,33 +98,44 @@ def open_meta(tag_dir: Path) -> tuple[Path, dict, int, bool, dict]:
     return d, meta, world, mixed, specs
 
 
-def read_malleus(tag_dir: Path, record: Mapping) -> dict[str, torch.Tensor]:
-    """Full fp32 tensors (masters under bf16/fp16, else parameters) from MalleusEngine's per-rank
-    slice files, whatever plan and world size saved them."""
+def read_slices(d: Path, meta: dict, world: int, asms: Mapping[str, Assembler]) -> dict:
+    """Every rank file's slices of the kinds in ``asms`` (saved kind -> its Assembler) added to
+    their Assembler (the names it wants); returns rank 0's engine state."""
     from ..files.ckpt_format import CheckpointError, open_rank_file, rank_file
 
-    d, meta, world, mixed, specs = open_meta(tag_dir)
-    kind = "master" if mixed else "param"
-    asm = Assembler(specs, str(d), _needed(list(specs), record))
     missing = [r for r in range(world) if not rank_file(d, r).is_file()]
     if missing:
         raise ExportError(f"checkpoint {d} was saved by {world} ranks but lacks "
                           f"{rank_file(d, missing[0])}"
-                          + (f" (and {len(missing) - 1} more rank files)" if len(missing) > 1 else ""))
+                          + (f" (and {len(missing) - 1} more rank files)" if len(missing) > 1
+                             else ""))
+    state = {}
     for r in range(world):
         try:
             ck = open_rank_file(d, r, meta)
         except CheckpointError as e:
             raise ExportError(str(e)) from None
+        if r == 0:
+            state = ck.get("engine") or {}
         where = rank_file(d, r)
         for key, t in ck.get("slices", {}).items():
             try:
                 k, name, lo, hi = key
             except (TypeError, ValueError):
                 raise ExportError(f"{where}: malformed slice key {key!r}") from None
-            if k == kind and asm.wanted(name):
-                asm.add(name, int(lo), int(hi), t)
+            if k in asms and asms[k].wanted(name):
+                asms[k].add(name, int(lo), int(hi), t)
         del ck                                  # unmaps the file
+    return state
+
+
+def read_malleus(tag_dir: Path, record: Mapping) -> dict[str, torch.Tensor]:
+    """Full fp32 tensors (masters under bf16/fp16, else parameters) from MalleusEngine's per-rank
+    slice files, whatever plan and world size saved them."""
+    d, meta, world, mixed, specs = open_meta(tag_dir)
+    kind = "master" if mixed else "param"
+    asm = Assembler(specs, str(d), _needed(list(specs), record))
+    read_slices(d, meta, world, {kind: asm})
     return asm.finish()
 
 

@@ -25,7 +25,7 @@ or precision is a ConfigError before any process group (``app/runners/resume.py`
 checkpoint (``malleus-export --to deepspeed-universal`` wrote it: its run.json says so) loads
 under any data-parallel layout: the ds_config gets ``checkpoint.load_universal``, and DeepSpeed's
 own ``torch.load`` calls read weights-only while it loads. engine=malleus continues these
-checkpoints under any plan (``engine/ds_checkpoint.py``).
+checkpoints under any plan (``engine/ds_checkpoint.py`` and its ``ds_ckpt_*`` readers).
 """
 from __future__ import annotations
 

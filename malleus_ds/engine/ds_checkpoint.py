@@ -27,12 +27,14 @@ checkpoint, a missing or truncated optimizer file, partitions that do not add up
 recorded shapes, and a model whose names or shapes differ are each refused with a
 :class:`~malleus_ds.files.ckpt_format.CheckpointError` naming the file and what to do.
 
-Read: ZeRO 0, 1 and 2 with data parallelism, and PipelineEngine's folders of ZeRO-1 (each
-layer's weights in ``layer_{i:02d}-model_states.pt``, each stage's ``param_shapes`` in
-``mp_rank_{s:02d}_model_states.pt`` and its partitions in ``zero_pp_rank_{r}_mp_rank_{s:02d}``);
-fp32 and bf16 runs (DeepSpeed's masters are fp32 either way); and universal checkpoint folders
-(``ds_to_universal``'s, ``zero/<name>/*.pt``). Not yet: tensor-parallel saves (refused by
-name).
+Read: ZeRO 0, 1 and 2 with data parallelism, in fp32, fp16 and bf16 (``ds_ckpt_zero``: ZeRO's
+partitions; ``ds_ckpt_plain``: without ZeRO, the torch optimizer's state, FP16_UnfusedOptimizer's
+and FP16_Optimizer's masters, with DeepSpeed's fp16 gradient units undone); PipelineEngine's
+folders (each layer's weights in ``layer_{i:02d}-model_states.pt``; each stage's optimizer in
+``mp_rank_{s:02d}_model_states.pt``, or under ZeRO-1 its ``param_shapes`` there and its
+partitions in ``zero_pp_rank_{r}_mp_rank_{s:02d}``); and universal checkpoint folders
+(``ds_to_universal``'s, ``zero/<name>/*.pt``: ``ds_ckpt_universal``). Not yet: tensor-parallel
+(Megatron) saves, refused by name.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ from typing import Mapping
 from ..files.ckpt_format import CheckpointError
 from .ds_ckpt_files import (LAYER_FILE, MODEL_FILE, DeepSpeedState, as_int, load,
                             stage_file)
-from .ds_ckpt_plain import read_stage0
+from .ds_ckpt_plain import read_pipeline_stage0, read_stage0
 from .ds_ckpt_universal import read_universal
 from .ds_ckpt_zero import read_zero
 
@@ -126,18 +128,16 @@ def read_state(path, tag: str | None = None) -> DeepSpeedState:
                                        rf"optim_states\.pt$", f.name) for f in d.iterdir()) if m)
                   for s_ in range(stages)}
     stage = as_int((cfg.get("zero_optimization") or {}).get("stage"),
-                 1 if zero_files[0] else 0)
+                   1 if zero_files[0] else 0)
     dp = as_int(ms.get("dp_world_size"), max(1, len(zero_files[0])))
     common = dict(tag_dir=d, dp=dp, global_steps=as_int(ms.get("global_steps")),
                   global_samples=as_int(ms.get("global_samples")),
                   skipped_steps=as_int(ms.get("skipped_steps")),
                   lr_scheduler=ms.get("lr_scheduler") or None)
-    if stage == 0:
+    if stage == 0 and not zero_files[0]:
         if layers:
-            raise CheckpointError(f"{d}: a PipelineEngine checkpoint without ZeRO (its optimizer "
-                                  f"state per stage has no parameter names); malleus_ds reads "
-                                  f"PipelineEngine checkpoints of ZeRO-1")
-        return read_stage0(d, ms, weights, common)
+            return read_pipeline_stage0(d, ms, stages, weights, common)
+        return read_stage0(d, d / MODEL_FILE, ms, weights, common)
     if stage > 2:
         raise CheckpointError(f"{d}: a ZeRO-{stage} checkpoint; malleus_ds reads ZeRO 0, 1 and "
                               f"2 (ZeRO-3 shards the weights themselves)")
@@ -148,7 +148,7 @@ def read_state(path, tag: str | None = None) -> DeepSpeedState:
             raise CheckpointError(f"{d}: a checkpoint of {stages} pipeline stages lacks "
                                   f"{f.name}: a partial save (copy the whole folder)")
         part = read_zero(d, ms if s_ == 0 else load(f), weights, zero_files[s_], stage,
-                          common)
+                         common)
         if out is None:
             out = part
         else:

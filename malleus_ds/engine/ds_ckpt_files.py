@@ -34,6 +34,7 @@ class DeepSpeedState:
     param_groups: list[dict] = field(default_factory=list)
     pipeline_stages: int = 1         # PipelineEngine's stages (1: no pipeline)
     loss_scaler: dict | None = None  # fp16: the scaler's state (precision.scaler_state's keys)
+    notes: list[str] = field(default_factory=list)  # what the reader changed, for the user
 
 
 

@@ -75,7 +75,8 @@ def write_malleus(state: DeepSpeedState, out_dir, table, ties, num_layers: int,
     meta = meta_record(sid, out.name, plan, 1, 0, "fp32", False,
                        state.adam_step if moments else 0, counters, table)
     meta["from"] = {"deepspeed": str(state.tag_dir), "zero_stage": state.zero_stage,
-                    "dp": state.dp, "pipeline_stages": state.pipeline_stages}
+                    "dp": state.dp, "pipeline_stages": state.pipeline_stages,
+                    "notes": list(state.notes)}
     engine = {"adam_step": meta["adam_step"], "global_steps": state.global_steps,
               "skipped_steps": state.skipped_steps, "global_samples": state.global_samples,
               "loss_scaler": state.loss_scaler, "lr_scheduler": state.lr_scheduler,
@@ -144,6 +145,8 @@ def import_deepspeed(engine, load_dir, tag=None, client_state: dict | None = Non
     if err is None and engine.global_rank == 0:
         try:
             st = read_state(d)
+            for note in st.notes:
+                print(f"[malleus_ds] note: {note}", flush=True)
             write_malleus(st, d / CONVERTED, engine.param_table, tied_params(engine.model_cfg),
                           engine.plan.num_layers, engine.plan.global_batch_size,
                           engine.plan.micro_batch_size,

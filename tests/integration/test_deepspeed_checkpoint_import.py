@@ -1,11 +1,14 @@
 """engine=malleus continues a checkpoint that stock DeepSpeed wrote, under another plan
-(``engine/ds_checkpoint.py``): engine=deepspeed for N steps, then engine=malleus from its files
-under a non-uniform plan of another world size and TP, gives the per-step losses of stock
-DeepSpeed running N+M steps (weights, Adam moments and step, LR schedule, counters all carried).
-ZeRO-0, 1 and 2 saves, bf16, PipelineEngine; bad folders refused with a message."""
+(``engine/ds_checkpoint.py``): engine=deepspeed for N+M steps, saving at step N, then
+engine=malleus from the step-N files under a non-uniform plan of another world size and TP,
+gives stock DeepSpeed's losses of steps N+1..N+M (weights, Adam moments and step, LR schedule,
+counters, loss scaler all carried). ZeRO-0, 1 and 2 saves in fp32, fp16 and bf16 (each of
+DeepSpeed's three optimizer formats without ZeRO), PipelineEngine with and without ZeRO; bad
+folders refused with a message."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -19,28 +22,67 @@ MODEL = {"name": "tiny", "num_layers": 4, "hidden_size": 32, "num_heads": 4, "ma
 SCHED = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 3e-3,
                                              "warmup_num_steps": 2, "total_num_steps": 8,
                                              "warmup_type": "linear"}}
+#: losses within each precision's rounding under TP=2, whose partial sums round differently
+#: (observed: bf16 2e-5, test_malleus_precision.py's bound; fp16 4e-5, where importing
+#: DeepSpeed's fp16-without-ZeRO moments unrescaled is 3e-3 off)
+RTOL = {None: 2e-5, "bf16": 1e-3, "fp16": 5e-4, "fp16-fused": 5e-4}
+#: precision -> ds_config section; "fp16-fused" is fp16 under DeepSpeed's FusedAdam (the GPU
+#: default, FP16_Optimizer's flat format), which :func:`_cpu_fp16` lets a CPU run write
+PRECISION = {None: {}, "bf16": {"bf16": {"enabled": True}},
+             "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}},
+             "fp16-fused": {"fp16": {"enabled": True, "initial_scale_power": 8}}}
 
 
-def _ds(zero: int, bf16: bool = False) -> dict:
+def _ds(zero: int, precision: str | None = None) -> dict:
     return {"zero_optimization": {"stage": zero}, "gradient_clipping": 0.0, "scheduler": SCHED,
-            "steps_per_print": 10**9, **({"bf16": {"enabled": True}} if bf16 else {})}
+            "steps_per_print": 10**9, **PRECISION[precision]}
 
 
-def _run(rank, world, engine, zero, steps, ckpt, resume, plan=None, bf16=False, pp=1):
+def _cpu_fp16(fused: bool) -> None:
+    """Stock DeepSpeed runs fp16 on this CPU once told it may (its CPU accelerator asks oneDNN,
+    which says no here; torch's CPU half kernels serve); ``fused``: it treats our client AdamW
+    as its FusedAdam, so it wraps it in FP16_Optimizer as on a GPU."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    type(get_accelerator()).is_fp16_supported = lambda self: True
+    if fused:
+        import deepspeed.runtime.engine as ds_engine
+
+        ds_engine.FusedAdam = torch.optim.AdamW
+
+
+def _run(rank, world, engine, zero, steps, ckpt, resume, plan=None, precision=None, pp=1,
+         every=0):
     from malleus_ds.app import runners
     from malleus_ds.app.config import build_run_config
 
+    if engine == "deepspeed" and precision and precision.startswith("fp16"):
+        _cpu_fp16(precision == "fp16-fused")
     d = {"engine": engine, "progress": False, "model": MODEL,
          "train": {"steps": steps, "global_batch_size": G, "micro_batch_size": 1, "seed": 3,
                    "lr": 3e-3},
-         "deepspeed": {"config": _ds(zero, bf16)}, "malleus": {"adaptive": False},
-         "checkpoint": {"dir": str(ckpt), "resume": resume, "background": False}}
+         "deepspeed": {"config": _ds(zero, precision)}, "malleus": {"adaptive": False},
+         "checkpoint": {"dir": str(ckpt), "resume": resume, "background": False,
+                        "every": every}}
     if plan is not None:
         d["plan"] = str(plan)
     if pp > 1:
         d["parallel"] = {"tp": 1, "pp": pp, "dp": None}
     cfg = build_run_config(d, world_size=world)
     return list(runners.run(cfg, runners.DistEnv.from_environ("cpu")).losses)
+
+
+def deepspeed_run(tmp, zero: int, precision=None, pp: int = 1, world: int = 2):
+    """engine=deepspeed for N+M steps, saving at step N: its losses, and its folder with
+    ``latest`` at the step-N save (the step N+M save removed, as a user picks a tag)."""
+    ck = tmp / "ck"
+    full = run_distributed(_run, world, "deepspeed", zero, N + M, ck, False, None, precision, pp,
+                           N, timeout=300)[0]
+    assert (ck / f"global_step{N}").is_dir(), sorted(p.name for p in ck.iterdir())
+    shutil.rmtree(ck / f"global_step{N + M}")
+    (ck / "latest").write_text(f"global_step{N}")
+    return ck, full
 
 
 def _other_plan(tmp):
@@ -59,76 +101,93 @@ def ds_zero1(tmp_path_factory):
     """engine=deepspeed ZeRO-1 on 2 ranks: its losses over N+M steps, and the checkpoint
     folder of its first N (shared by the tests here and test_deepspeed_universal_export.py;
     a test that changes it works on a copy, :func:`zero1_copy`)."""
-    tmp = tmp_path_factory.mktemp("ds_zero1")
-    full = run_distributed(_run, 2, "deepspeed", 1, N + M, tmp / "full", False, timeout=300)[0]
-    first = run_distributed(_run, 2, "deepspeed", 1, N, tmp / "ck", False, timeout=300)[0]
-    np.testing.assert_allclose(first, full[:N], rtol=1e-6)
-    return tmp / "ck", full
+    return deepspeed_run(tmp_path_factory.mktemp("ds_zero1"), 1)
 
 
 def zero1_copy(ds_zero1, tmp_path):
-    import shutil
-
     shutil.copytree(ds_zero1[0], tmp_path / "ck")
     return tmp_path / "ck"
 
 
-@pytest.mark.parametrize("zero,bf16", [(0, False), (1, False), (2, False), (1, True)],
-                         ids=["zero0", "zero1", "zero2", "zero1-bf16"])
-def test_malleus_continues_a_deepspeed_checkpoint_under_another_plan(tmp_path, zero, bf16,
-                                                                    ds_zero1):
-    """bf16: DeepSpeed's bf16 optimizer files (fp32 masters beside bf16 weights), continued in
-    bf16 under TP=2, whose partial sums round differently: losses within bf16's rounding
-    (observed 2e-5; test_malleus_precision.py's bound)."""
-    if (zero, bf16) == (1, False):
-        ck, full = zero1_copy(ds_zero1, tmp_path), ds_zero1[1]
-    else:
-        full = run_distributed(_run, 2, "deepspeed", zero, N + M, tmp_path / "full", False,
-                               None, bf16, timeout=300)[0]
-        ck = tmp_path / "ck"
-        first = run_distributed(_run, 2, "deepspeed", zero, N, ck, False, None, bf16,
-                                timeout=300)[0]
-        np.testing.assert_allclose(first, full[:N], rtol=1e-6)
-    got = run_distributed(_run, 4, "malleus", zero, N + M, ck, True, _other_plan(tmp_path), bf16,
-                          timeout=300)
+def _continue(tmp_path, ck, full, precision=None, rtol=2e-5):
+    """engine=malleus from ``ck`` on 4 ranks under :func:`_other_plan`: DeepSpeed's losses of
+    steps N+1..N+M on every rank; returns the conversion's meta.json."""
+    got = run_distributed(_run, 4, "malleus", 0, N + M, ck, True, _other_plan(tmp_path),
+                          precision, timeout=300)
     for r, losses in enumerate(got):
         assert len(losses) == M, (r, losses)
-        np.testing.assert_allclose(losses, full[N:], rtol=1e-3 if bf16 else 2e-5,
-                                   err_msg=f"rank {r}")
-    meta = json.loads((ck / f"global_step{N}" / "malleus" / "meta.json").read_text())
+        np.testing.assert_allclose(losses, full[N:], rtol=rtol, err_msg=f"rank {r}")
+    return json.loads((ck / f"global_step{N}" / "malleus" / "meta.json").read_text())
+
+
+def _check_fp16_units(meta, zero, precision, stages=1):
+    """DeepSpeed's fp16 without ZeRO writes Adam's moments in 1/loss-scale units
+    (``ds_ckpt_plain``'s doc): the import multiplies them back and says so; nothing else is
+    touched (one note per stage's file)."""
+    notes = meta["from"]["notes"]
+    if zero == 0 and precision and precision.startswith("fp16"):
+        assert len(notes) == stages, notes
+        assert all("PR #8393" in n and "scale 256" in n for n in notes), notes
+    else:
+        assert notes == [], notes
+
+
+def _engine_state(ck):
+    import torch
+
+    return torch.load(ck / f"global_step{N}" / "malleus" / "malleus_rank00000.pt",
+                      weights_only=True)["engine"]
+
+
+@pytest.mark.parametrize("zero,precision", [(0, None), (1, None), (2, None), (1, "bf16"),
+                                            (0, "bf16"), (0, "fp16-fused"), (2, "fp16")],
+                         ids=["zero0", "zero1", "zero2", "zero1-bf16", "zero0-bf16",
+                              "zero0-fp16-fused", "zero2-fp16"])
+def test_malleus_continues_a_deepspeed_checkpoint_under_another_plan(tmp_path, zero, precision,
+                                                                    ds_zero1):
+    """Each of DeepSpeed's optimizer file formats: ZeRO's partitions (fp32, bf16's
+    ``bf16_zero_*`` files, fp16), the torch optimizer's own state without ZeRO (fp32),
+    FP16_UnfusedOptimizer's masters per parameter (bf16 without ZeRO) and FP16_Optimizer's flat
+    masters (fp16 with FusedAdam); bf16/fp16 losses within their rounding (:data:`RTOL`)."""
+    if (zero, precision) == (1, None):
+        ck, full = zero1_copy(ds_zero1, tmp_path), ds_zero1[1]
+    else:
+        ck, full = deepspeed_run(tmp_path, zero, precision)
+    meta = _continue(tmp_path, ck, full, precision, RTOL[precision])
     assert meta["from"]["zero_stage"] == zero and meta["from"]["dp"] == 2
-    assert meta["adam_step"] == N and meta["global_steps"] == N
-    if zero and not bf16:           # ZeRO's files carry the (here static, 1.0) loss scaler
-        import torch
+    _check_fp16_units(meta, zero, precision)
+    assert meta["global_steps"] == N
+    # FP16_(Unfused)Optimizer steps Adam once with zero gradients when it starts (its
+    # initialize_optimizer_states): its Adam step, which the continued run keeps, is N + 1
+    assert meta["adam_step"] == N + (zero == 0 and precision is not None)
+    scaler = _engine_state(ck)["loss_scaler"]
+    if precision and precision.startswith("fp16"):  # the dynamic scaler's state carries over
+        assert scaler["cur_scale"] == 2.0 ** 8 and scaler["cur_iter"] == N, scaler
+    elif zero and not precision:                    # ZeRO's static 1.0 scaler
+        assert scaler["cur_scale"] == 1.0
 
-        rank0 = torch.load(ck / f"global_step{N}" / "malleus" / "malleus_rank00000.pt",
-                           weights_only=True)
-        assert rank0["engine"]["loss_scaler"]["cur_scale"] == 1.0
 
-
-def test_malleus_continues_a_pipeline_engine_checkpoint(tmp_path):
-    """PipelineEngine (pp=2 x dp=2, ZeRO-1): each layer's weights in a file of its own, each
-    stage's ZeRO partitions in its own files; continued on 4 ranks under the non-uniform TP=2
-    plan with stock DeepSpeed's losses."""
-    full = run_distributed(_run, 4, "deepspeed", 1, N + M, tmp_path / "full", False, None,
-                           False, 2, timeout=300)[0]
-    ck = tmp_path / "ck"
-    run_distributed(_run, 4, "deepspeed", 1, N, ck, False, None, False, 2, timeout=300)
+@pytest.mark.parametrize("zero,precision", [(1, None), (0, None), (0, "fp16"),
+                                            (0, "fp16-fused")],
+                         ids=["zero1", "zero0", "zero0-fp16", "zero0-fp16-fused"])
+def test_malleus_continues_a_pipeline_engine_checkpoint(tmp_path, zero, precision):
+    """PipelineEngine (pp=2 x dp=2): each layer's weights in a file of its own; each stage's
+    ZeRO partitions in files of their own (ZeRO-1), or its optimizer's state in its
+    model-states file (no ZeRO: torch's AdamW in fp32, FP16_UnfusedOptimizer's masters or
+    FP16_Optimizer's flat ones in fp16). Continued on 4 ranks under the non-uniform TP=2 plan
+    with stock DeepSpeed's losses."""
+    ck, full = deepspeed_run(tmp_path, zero, precision, pp=2, world=4)
     assert (ck / f"global_step{N}" / "layer_01-model_states.pt").is_file()
-    got = run_distributed(_run, 4, "malleus", 1, N + M, ck, True, _other_plan(tmp_path),
-                          timeout=300)
-    for r, losses in enumerate(got):
-        np.testing.assert_allclose(losses, full[N:], rtol=2e-5, err_msg=f"rank {r}")
-    meta = json.loads((ck / f"global_step{N}" / "malleus" / "meta.json").read_text())
+    meta = _continue(tmp_path, ck, full, precision, RTOL[precision])
     assert meta["from"]["dp"] == 2 and meta["from"]["pipeline_stages"] == 2
-    assert meta["adam_step"] == N
+    _check_fp16_units(meta, zero, precision, stages=2)
+    assert meta["adam_step"] == N + (zero == 0 and precision is not None)
 
 
 def test_bad_deepspeed_folders_are_refused(tmp_path, ds_zero1):
     """A partial save (an optimizer file missing), a truncated file, a poisoned pickle and a
     folder that is not a DeepSpeed checkpoint: each refused by name, nothing run."""
     import pickle
-    import shutil
 
     from malleus_ds.engine.ds_checkpoint import read_state
     from malleus_ds.files.ckpt_format import CheckpointError

@@ -461,6 +461,10 @@ def load_ds_config(path: str | Path) -> dict:
     return d
 
 
+#: DeepSpeed's ``gradient_clipping`` when a ds_config leaves it out (its runtime/constants.py)
+DS_GRADIENT_CLIPPING = 1.0
+
+
 def _deepspeed(s: Mapping[str, Any], search: tuple[str | Path, ...]) -> DeepSpeedSection:
     unknown = sorted(set(s) - {"config_file", "config"})
     if unknown:
@@ -487,7 +491,14 @@ def _deepspeed(s: Mapping[str, Any], search: tuple[str | Path, ...]) -> DeepSpee
     stage = zo.get("stage", 0)
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
         raise ConfigError(f"ds_config zero_optimization.stage={stage!r} must be 0, 1, 2 or 3")
-    return DeepSpeedSection(config_file=path, config=cfg)
+    notes = ()
+    if path is not None and "gradient_clipping" not in cfg:
+        # a ds_config file means what it means to DeepSpeed, whose default clips at 1.0 (the
+        # runners' 0.0 default is for configs given inline; the presets say 0.0 themselves)
+        cfg = dict(cfg, gradient_clipping=DS_GRADIENT_CLIPPING)
+        notes = (f"gradient_clipping: not in {f}, so {DS_GRADIENT_CLIPPING}, DeepSpeed's default "
+                 f"(set it to 0.0 for no clipping)",)
+    return DeepSpeedSection(config_file=path, config=cfg, notes=notes)
 
 
 def _auto(ds: DeepSpeedSection, train: TrainConfig, model, parallel: ParallelConfig
@@ -498,7 +509,7 @@ def _auto(ds: DeepSpeedSection, train: TrainConfig, model, parallel: ParallelCon
 
     cfg, notes = resolve_auto(ds.config, train, model.hidden_size, parallel.dp,
                               error=ConfigError)
-    return DeepSpeedSection(ds.config_file, cfg, tuple(notes)) if notes else ds
+    return DeepSpeedSection(ds.config_file, cfg, ds.notes + tuple(notes)) if notes else ds
 
 
 def _review(ds: DeepSpeedSection) -> list[str]:

@@ -50,7 +50,7 @@ from .ds_ckpt_universal import read_universal
 from .ds_ckpt_zero import read_zero
 
 __all__ = ["DeepSpeedState", "MODEL_FILE", "is_deepspeed_checkpoint", "read_state",
-           "tag_folder"]
+           "read_steps", "tag_folder"]
 
 
 def is_deepspeed_checkpoint(path) -> bool:
@@ -93,6 +93,12 @@ def tag_folder(path, tag: str | None = None) -> Path:
                               f"'latest' file)")
     return p
 
+
+
+def read_steps(path, tag: str | None = None) -> int:
+    """The optimizer steps a DeepSpeed checkpoint (root or tag folder) was saved after."""
+    d = tag_folder(path, tag)
+    return as_int(load(d / MODEL_FILE).get("global_steps"))
 
 
 def read_state(path, tag: str | None = None) -> DeepSpeedState:

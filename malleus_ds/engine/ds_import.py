@@ -128,6 +128,22 @@ def name_in(table_names, num_layers: int | None = None) -> Callable[[str], str |
     return name_of
 
 
+def pipeline_name(name: str, num_layers: int) -> str | None:
+    """Our global name -> engine=deepspeed's PipelineModule name for an untied model
+    (``{piece}.layer.{name}``: piece 0 the embedding, 1..``num_layers`` the decoder layers,
+    ``num_layers + 1`` the head), the inverse of :func:`name_in`'s piece rule; None for a name
+    outside those pieces."""
+    first, _, rest = name.partition(".")
+    if first == "embed":
+        return f"0.layer.{rest}"
+    if first == "head":
+        return f"{num_layers + 1}.layer.{rest}"
+    if first == "blocks":
+        i, _, r = rest.partition(".")
+        return f"{int(i) + 1}.layer.{r}" if i.isdigit() else None
+    return None
+
+
 def import_deepspeed(engine, load_dir, tag=None, client_state: dict | None = None
                      ) -> tuple[str, str]:
     """Collective: rank 0 converts the DeepSpeed checkpoint at ``load_dir`` (``tag``) into

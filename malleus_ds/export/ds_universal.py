@@ -14,6 +14,18 @@ DeepSpeed's universal format (``deepspeed/checkpoint/ds_to_universal.py`` writes
   ``ds_version``;
 * ``OUT/latest_universal`` (and ``OUT/latest``): the tag.
 
+Beyond the universal format, so that every layout stock DeepSpeed trains can continue it:
+
+* **PipelineEngine** loads each parameter under its PipelineModule name
+  (``{piece}.layer.{name}``: ``ds_import.pipeline_name``): the parameter folders are there
+  under those names too (hard links to the same files). Its universal load takes the weights
+  from ``fp32.pt`` and every stage's counters and LR schedule from the one model-states file.
+  Tied models are left out (their PipelineModule names its tied piece otherwise);
+* **ZeRO-0**: DeepSpeed's universal load leaves the optimizer of a run without ZeRO to the
+  model-states file's ``optimizer``, and the weights to ``module``, as in a plain save: the file
+  holds torch AdamW's ``state_dict`` over the module's parameters in order, so ZeRO-0 fp32
+  continues it as a plain checkpoint (without ``load_universal``).
+
 Our checkpoint's slices (any plan, world size, ZeRO stage, precision) are put together into full
 fp32 tensors by global name: the fp32 masters (the parameters of an fp32 run) and Adam's moments.
 Parameter names are our global names, which are engine=deepspeed's module names for the app's
@@ -29,6 +41,8 @@ from typing import Mapping
 
 import torch
 
+from ..engine.ds_ckpt_files import stage_file
+from ..engine.ds_import import pipeline_name
 from .hf_folder import ExportError
 from .readers import Assembler, find_checkpoint, open_meta, read_slices
 
@@ -100,7 +114,13 @@ def write_universal(checkpoint, out, force: bool = False) -> tuple[Path, dict]:
         "global_steps": int(meta.get("global_steps", 0)),
         "global_samples": int(meta.get("global_samples", 0)), "dp_world_size": 1,
         "mp_world_size": 1, "ds_config": {}, "ds_version": deepspeed.__version__})
-    save(t / "mp_rank_00_model_states.pt", model_states)
+    model_states["optimizer"] = torch_adam_state(names, full, step, groups)
+    save(t / stage_file(0), model_states)
+    if not _is_tied(run.get("model") or {}):
+        for n in names:
+            pn = pipeline_name(n, int(meta.get("num_layers", 0)))
+            if pn is not None and pn != n:
+                _link_folder(t / "zero" / n, t / "zero" / pn)
     rec = dict(run, engine="deepspeed", universal=True, world_size=None, parallel=None,
                zero_stage=None, precision=None)
     from ..files.ckpt_format import RUN_FILE
@@ -109,6 +129,49 @@ def write_universal(checkpoint, out, force: bool = False) -> tuple[Path, dict]:
     for latest in ("latest_universal", "latest"):
         atomic_write_text(out / latest, tag)
     return t, rec
+
+
+def torch_adam_state(names, full: Mapping, step: float, groups: list[dict]) -> dict:
+    """torch AdamW's ``state_dict`` over ``names`` (the module's parameters in order, one
+    group, as engine=deepspeed's client optimizer has them), for DeepSpeed ZeRO-0."""
+    from ..optim import OptimConfig
+
+    g = dict(groups[0]) if groups else {}
+    oc = OptimConfig()
+    probe = torch.optim.AdamW([torch.zeros(1)], lr=g.get("lr", oc.lr),
+                              betas=tuple(g.get("betas", oc.betas)), eps=g.get("eps", oc.eps),
+                              weight_decay=g.get("weight_decay", oc.weight_decay), foreach=True)
+    group = dict(probe.state_dict()["param_groups"][0], **g, params=list(range(len(names))))
+    group.pop("decoupled_weight_decay", None)   # the loading optimizer's own: AdamW or Adam
+    state = {}
+    if step > 0:
+        state = {i: {"step": torch.tensor(step), "exp_avg": full["exp_avg"][n].contiguous(),
+                     "exp_avg_sq": full["exp_avg_sq"][n].contiguous()}
+                 for i, n in enumerate(names)}
+    return {"state": state, "param_groups": [group]}
+
+
+def _is_tied(record: Mapping) -> bool:
+    if record.get("family") != "hf":
+        return False                     # our own models tie nothing
+    from .readers import _tied
+
+    return _tied(record)
+
+
+def _link_folder(src: Path, dst: Path) -> None:
+    """``dst`` holding ``src``'s files as hard links (copies where the file system has none)."""
+    import os
+    import shutil
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        target = dst / f.name
+        target.unlink(missing_ok=True)
+        try:
+            os.link(f, target)
+        except OSError:
+            shutil.copy2(f, target)
 
 
 def summary(t: Path, rec: Mapping) -> str:

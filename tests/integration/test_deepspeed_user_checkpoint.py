@@ -4,8 +4,14 @@ ranks, its own loss and loop, and calls ``engine.save_checkpoint`` at step N; a
 ``malleus_ds.initialize`` engine over the same folder loads that DeepSpeed folder
 (``engine.load_checkpoint``) on 4 ranks under a non-uniform TP=2 plan, and its losses of steps
 N+1..N+M equal the user's DeepSpeed run going on (the Hugging Face names ``model.layers.0...``
-mapped to ours, the weights, Adam's moments and step, the LR schedule carried)."""
+mapped to ours, the weights, Adam's moments and step, the LR schedule carried). So do the app's
+(``launch/train.py engine=malleus checkpoint.dir=<their folder> checkpoint.resume=true``): the
+folder has no run.json, and the step comes from DeepSpeed's tag."""
 from __future__ import annotations
+
+import contextlib
+import io
+import json
 
 import numpy as np
 import torch
@@ -28,6 +34,13 @@ def _cfg(src, world):
                             world_size=world)
 
 
+#: the user's ds_config (no gradient_clipping: DeepSpeed clips at 1.0, and so does the app
+#: reading it from their file)
+DS_CONFIG = {"train_batch_size": G, "train_micro_batch_size_per_gpu": 1,
+             "zero_optimization": {"stage": 1}, "optimizer": OPT, "scheduler": SCHED,
+             "steps_per_print": 10**9}
+
+
 def _users_deepspeed_run(rank, world, src, ck):
     """The user's script: their model, their loss, their loop; a save at step N."""
     import deepspeed
@@ -41,10 +54,8 @@ def _users_deepspeed_run(rank, world, src, ck):
     cfg = _cfg(src, world)                      # the same samples in the same order
     data = build_dataset(cfg)
     model = LlamaForCausalLM.from_pretrained(str(src), torch_dtype=torch.float32)
-    eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
-        "train_batch_size": G, "train_micro_batch_size_per_gpu": 1,
-        "zero_optimization": {"stage": 1}, "optimizer": OPT, "scheduler": SCHED,
-        "steps_per_print": 10**9})
+    eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                   config=DS_CONFIG)
     losses = []
     for step in range(N + M):
         total = torch.zeros((), dtype=torch.float64)
@@ -68,15 +79,34 @@ def _malleus_continues(rank, world, src, ck, plan):
     from malleus_ds.plan import Plan
 
     cfg = _cfg(src, world)
+    config = {k: v for k, v in DS_CONFIG.items() if not k.startswith("train_")}
     eng, *_ = initialize(model=cfg.model, plan=Plan.load(plan), data=build_dataset(cfg),
-                         config={"optimizer": OPT, "scheduler": SCHED,
-                                 "zero_optimization": {"stage": 1},
-                                 "malleus": {"seed": 3, "adaptive": False}})
+                         config=dict(config, malleus={"seed": 3, "adaptive": False}))
     eng.load_checkpoint(str(ck))
     return eng.global_steps, [eng.train_batch(step=s) for s in range(N, N + M)]
 
 
+def _app_continues(rank, world, src, ck, plan, ds_file):
+    """``launch/train.py engine=malleus deepspeed.config_file=<theirs> checkpoint.dir=<theirs>
+    checkpoint.resume=true plan=...``: the batch from their ds_config too."""
+    from malleus_ds.app import runners
+    from malleus_ds.app.config import build_run_config
+
+    cfg = build_run_config({
+        "engine": "malleus", "progress": False, "plan": str(plan),
+        "model": {"name": "hf", "hf_path": str(src), "max_seq_len": SEQ},
+        "train": {"steps": N + M, "seed": 3},
+        "deepspeed": {"config_file": str(ds_file)}, "malleus": {"adaptive": False},
+        "checkpoint": {"dir": str(ck), "resume": True, "background": False}}, world_size=world)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        losses = list(runners.run(cfg, runners.DistEnv.from_environ("cpu")).losses)
+    return losses, out.getvalue()
+
+
 def test_a_users_hf_llama_deepspeed_checkpoint_continues_under_malleus(tmp_path):
+    import shutil
+
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from malleus_ds.models.hf import HF_PRESETS
@@ -89,7 +119,17 @@ def test_a_users_hf_llama_deepspeed_checkpoint_continues_under_malleus(tmp_path)
     ck = tmp_path / "ck"
     full = run_distributed(_users_deepspeed_run, 2, src, ck, timeout=300)[0]
     assert (ck / f"global_step{N}").is_dir()
+    assert not (ck / f"global_step{N}" / "run.json").exists()
+    app_ck = tmp_path / "app_ck"
+    shutil.copytree(ck, app_ck)
     got = run_distributed(_malleus_continues, 4, src, ck, _other_plan(tmp_path), timeout=300)
     for r, (steps, losses) in enumerate(got):
         assert steps == N
         np.testing.assert_allclose(losses, full[N:], rtol=2e-5, err_msg=f"rank {r}")
+    ds_file = tmp_path / "ds_config.json"
+    ds_file.write_text(json.dumps(DS_CONFIG))
+    got = run_distributed(_app_continues, 4, src, app_ck, _other_plan(tmp_path), ds_file,
+                          timeout=300)
+    for r, (losses, _) in enumerate(got):
+        np.testing.assert_allclose(losses, full[N:], rtol=2e-5, err_msg=f"rank {r}")
+    assert "has no run.json (your own script saved it)" in got[0][1]

@@ -64,6 +64,16 @@ def validate(cfg: RunConfig) -> None:
                           f"supports ZeRO stage 0 or 1, the ds_config has zero_optimization.stage="
                           f"{cfg.deepspeed.zero_stage}; use deepspeed=zero1 (or engine=malleus)")
     check_even_batch(cfg.train, p, cfg.deepspeed)
+    if cfg.deepspeed.zero_stage == 0 and _resumes_universal(cfg):
+        prec = [k for k in ("fp16", "bf16", "bfloat16")
+                if (cfg.deepspeed.config.get(k) or {}).get("enabled")]
+        if p.pp > 1 or prec:
+            what = f"parallel.pp={p.pp}" if p.pp > 1 else f"{prec[0]}"
+            raise ConfigError(f"engine=deepspeed: checkpoint {cfg.checkpoint.dir} is a universal "
+                              f"checkpoint (malleus-export --to deepspeed-universal), which "
+                              f"DeepSpeed continues with ZeRO-1/2, or with ZeRO-0 only in fp32 "
+                              f"without a pipeline; this run has ZeRO-0 with {what}: use "
+                              f"deepspeed=zero1")
 
 
 def _resumes_universal(cfg: RunConfig) -> bool:
@@ -86,7 +96,10 @@ def build_ds_config(cfg: RunConfig) -> dict:
     c.update(batch_keys(t.micro_batch_size, t.num_micro_batches // p.dp, p.dp))
     c.setdefault("steps_per_print", 10**9)
     c.setdefault("gradient_clipping", 0.0)
-    if _resumes_universal(cfg):         # malleus-export --to deepspeed-universal wrote it
+    if _resumes_universal(cfg) and cfg.deepspeed.zero_stage > 0:
+        # malleus-export --to deepspeed-universal wrote it; ZeRO-0 reads it as a plain save
+        # (DeepSpeed's universal load leaves a run without ZeRO its weights and optimizer from
+        # the model-states file, which the export writes as a plain ZeRO-0 save does)
         c["checkpoint"] = dict(c.get("checkpoint") or {}, load_universal=True)
     if "optimizer" not in c:
         c["zero_allow_untested_optimizer"] = True   # our client torch AdamW

@@ -75,6 +75,10 @@ def from_deepspeed(env: DistEnv, engine, saved) -> tuple[str, str]:
     if env.is_rank0:
         print(f"[malleus_ds] continuing engine=deepspeed's checkpoint {saved.path} under this "
               f"run's plan", flush=True)
+        if saved.meta.get("foreign"):
+            print(f"[malleus_ds] note: {saved.path} has no run.json (your own script saved "
+                  f"it): the data continues at step {saved.step} of this run's data and batch, "
+                  f"which nothing recorded there can check", flush=True)
     return import_deepspeed(engine, saved.path, client_state={"step": saved.step})
 
 

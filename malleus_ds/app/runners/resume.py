@@ -143,6 +143,10 @@ def read_saved(root: Path) -> Saved | None:
     except UnsafeFile as e:
         raise ConfigError(f"checkpoint.dir={root}: {e}") from None
     rf = root / tag / RUN_FILE
+    if tag and not rf.is_file():
+        foreign = _deepspeed_folder(root, tag)
+        if foreign is not None:
+            return foreign
     if not tag or not rf.is_file():
         raise ConfigError(f"checkpoint.dir={root}: '{LATEST}' names {tag!r} but {rf} does not "
                           f"exist: an unfinished save, or a checkpoint not written by "
@@ -154,6 +158,32 @@ def read_saved(root: Path) -> Saved | None:
     if not isinstance(meta, dict) or meta.get("format") != RUN_FORMAT or "step" not in meta:
         raise ConfigError(f"checkpoint {rf}: not a {RUN_FORMAT} record")
     return Saved(root, tag, meta)
+
+
+def _deepspeed_folder(root: Path, tag: str) -> Saved | None:
+    """A DeepSpeed checkpoint that a user's own script saved (``engine.save_checkpoint``: a tag
+    folder and ``latest``, no ``run.json``) as a record engine=malleus continues: its step from
+    the tag DeepSpeed names by default (``global_step{N}``), else from the folder's
+    ``global_steps``; ``foreign``: nothing else is recorded to check."""
+    import re
+
+    from ...engine.ds_checkpoint import is_deepspeed_checkpoint
+
+    if not is_deepspeed_checkpoint(root / tag):
+        return None
+    m = re.fullmatch(r"global_step(\d+)", tag)
+    if m is not None:
+        step = int(m.group(1))
+    else:
+        from ...engine.ds_checkpoint import read_steps
+        from ...files.ckpt_format import CheckpointError
+
+        try:
+            step = read_steps(root / tag)
+        except CheckpointError as e:
+            raise ConfigError(f"checkpoint.dir={root}: {e}") from None
+    return Saved(root, tag, {"format": RUN_FORMAT, "engine": "deepspeed", "step": step,
+                             "foreign": True})
 
 
 def resume_point(cfg: RunConfig) -> Saved | None:
@@ -174,6 +204,12 @@ def resume_point(cfg: RunConfig) -> Saved | None:
                           f"no checkpoint to continue from; run once with checkpoint.resume="
                           f"false to start from scratch, or point checkpoint.dir at the folder "
                           f"a run saved to")
+    if saved.meta.get("foreign"):
+        if cfg.engine != "malleus":
+            raise ConfigError(f"checkpoint {saved.path} is a DeepSpeed checkpoint your own script "
+                              f"saved (no run.json): engine=malleus continues it under any "
+                              f"plan; with engine={cfg.engine}, continue it in that script")
+        return saved
     now = run_record(cfg, saved.step)
     for k in COMMON + STRICT.get(cfg.engine, ()):
         was, is_ = saved.meta.get(k), now[k]

@@ -119,6 +119,39 @@ def test_user_ds_config_builds_engine_config(tmp_path):
     assert ds["csv_monitor"]["output_path"] == str(tmp_path)
 
 
+def test_a_ds_config_file_clips_as_deepspeed_does(tmp_path):
+    """A ds_config file without ``gradient_clipping`` clips at DeepSpeed's default (1.0), as the
+    user's own DeepSpeed runs did, with a note; one that says, and inline configs, keep theirs
+    (the runners' inline default is 0.0, engine=torch's math)."""
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    from malleus_ds.app.config import DS_GRADIENT_CLIPPING
+    from malleus_ds.app.runners import deepspeed_runner, malleus_runner
+
+    assert DS_GRADIENT_CLIPPING == GRADIENT_CLIPPING_DEFAULT
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    for engine in ("deepspeed", "malleus"):
+        c = build_run_config({"engine": engine, "deepspeed": {"config_file": str(f)},
+                              "train": {"global_batch_size": 8, "micro_batch_size": 1}},
+                             world_size=2)
+        assert c.deepspeed.config["gradient_clipping"] == 1.0
+        assert any("gradient_clipping: not in" in n and "DeepSpeed's default" in n
+                   for n in c.deepspeed.notes), c.deepspeed.notes
+        if engine == "deepspeed":
+            assert deepspeed_runner.build_ds_config(c)["gradient_clipping"] == 1.0
+        else:
+            plan = malleus_runner.load_plan(c)
+            assert malleus_runner.build_ds_config(c, plan)["gradient_clipping"] == 1.0
+    f.write_text(json.dumps({"zero_optimization": {"stage": 1}, "gradient_clipping": 0.0}))
+    for ds in ({"config_file": str(f)}, {"config": {"zero_optimization": {"stage": 1}}}):
+        c = build_run_config({"engine": "deepspeed", "deepspeed": ds,
+                              "train": {"global_batch_size": 8, "micro_batch_size": 1}},
+                             world_size=2)
+        assert deepspeed_runner.build_ds_config(c)["gradient_clipping"] == 0.0
+        assert not any("gradient_clipping" in n for n in c.deepspeed.notes)
+
+
 def test_deepspeed_engine_limits():
     with pytest.raises(ConfigError, match=r"engine=deepspeed: parallel.tp=2 is not supported.*"
                                           r"engine=malleus"):

@@ -235,6 +235,24 @@ def test_deepspeed_resume_needs_the_saving_layout(tmp_path):
         resume_point(_resume(tmp_path, engine="deepspeed", world=2, **ds, **pp))
 
 
+def test_a_deepspeed_folder_a_users_script_saved_resumes_under_malleus(tmp_path):
+    """No run.json (``engine.save_checkpoint`` in the user's own script): engine=malleus
+    continues at the step DeepSpeed's tag names (``global_step{N}``), else at the folder's
+    ``global_steps``; engine=deepspeed is told to continue it in that script."""
+    import torch
+
+    for tag, step in (("global_step5", 5), ("my_tag", 7)):
+        root = tmp_path / tag
+        (root / tag).mkdir(parents=True)
+        torch.save({"module": {}, "global_steps": 7}, root / tag / "mp_rank_00_model_states.pt")
+        (root / "latest").write_text(tag)
+        saved = resume_point(_resume(root, steps=9, engine="malleus"))
+        assert saved.step == step and saved.meta["foreign"] and saved.tag == tag
+        with pytest.raises(ConfigError, match=r"is a DeepSpeed checkpoint your own script saved "
+                                              r"\(no run.json\): engine=malleus continues it"):
+            resume_point(_resume(root, steps=9, engine="deepspeed"))
+
+
 def test_summary_lines():
     c = cfg()
     s = RunSummary(engine="torch", losses=(5.0, 4.9), step_times_s=(0.1, 0.1), samples_per_step=8,

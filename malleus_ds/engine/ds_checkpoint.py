@@ -32,7 +32,8 @@ partitions; ``ds_ckpt_plain``: without ZeRO, the torch optimizer's state, FP16_U
 and FP16_Optimizer's masters, with DeepSpeed's fp16 gradient units undone); PipelineEngine's
 folders (each layer's weights in ``layer_{i:02d}-model_states.pt``; each stage's optimizer in
 ``mp_rank_{s:02d}_model_states.pt``, or under ZeRO-1 its ``param_shapes`` there and its
-partitions in ``zero_pp_rank_{r}_mp_rank_{s:02d}``); and universal checkpoint folders
+partitions in ``zero_pp_rank_{r}_mp_rank_{s:02d}``, or in bf16 without ZeRO BF16_Optimizer's
+partitions, named by their ``param_slice_mappings``); and universal checkpoint folders
 (``ds_to_universal``'s, ``zero/<name>/*.pt``: ``ds_ckpt_universal``). Not yet: tensor-parallel
 (Megatron) saves, refused by name.
 """

@@ -21,10 +21,6 @@ def read_zero(d: Path, ms: dict, weights: Mapping, zero_files: list, stage: int,
         raise CheckpointError(f"{d}: a ZeRO-{stage} checkpoint of {dp} data-parallel ranks lacks "
                               f"the optimizer file(s) of rank(s) {missing or ranks}: a partial "
                               f"save (copy the whole folder)")
-    shapes = ms.get("param_shapes")
-    if not isinstance(shapes, (list, tuple)) or not shapes:
-        raise CheckpointError(f"{d / MODEL_FILE}: no param_shapes: not a ZeRO checkpoint "
-                              f"DeepSpeed 0.9+ wrote")
     parts = []
     for r, f in zero_files:
         osd = load(f).get("optimizer_state_dict")
@@ -36,6 +32,13 @@ def read_zero(d: Path, ms: dict, weights: Mapping, zero_files: list, stage: int,
     if any(not isinstance(b, Mapping) or "state" not in b for b in base):
         raise CheckpointError(f"{d}: an optimizer file has no base_optimizer_state (saved with "
                               f"elastic_checkpoint, which malleus_ds does not read)")
+    shapes = ms.get("param_shapes")
+    if (not isinstance(shapes, (list, tuple)) or not shapes) and all(
+            p.get("param_slice_mappings") for p in parts):
+        return _from_slice_mappings(d, parts, base, weights, stage, common)
+    if not isinstance(shapes, (list, tuple)) or not shapes:
+        raise CheckpointError(f"{d / MODEL_FILE}: no param_shapes: not a ZeRO checkpoint "
+                              f"DeepSpeed 0.9+ wrote")
     params, exp_avg, exp_avg_sq, steps = {}, {}, {}, set()
     for g, group_shapes in enumerate(shapes):
         fp32, m1, m2 = [], [], []
@@ -78,3 +81,49 @@ def read_zero(d: Path, ms: dict, weights: Mapping, zero_files: list, stage: int,
                           param_groups=hyper(base[0].get("param_groups")),
                           loss_scaler=scaler_state(scaler) if scaler is not None else None,
                           **common)
+
+
+def _from_slice_mappings(d: Path, parts: list, base: list, weights: Mapping, stage: int,
+                         common: dict) -> DeepSpeedState:
+    """BF16_Optimizer's files (bf16 without ZeRO, as PipelineEngine runs it): no
+    ``param_shapes``, but each rank's ``param_slice_mappings`` names the parameters whose
+    pieces its partition holds (``fragment_address(numel, start)`` within the partition); the
+    partitions, put back together, hold each parameter contiguously."""
+    params, m1, m2, steps = {}, {}, {}, set()
+    for g in range(len(parts[0]["single_partition_of_fp32_groups"])):
+        flat, mom, offs, at = [], ([], []), [], 0
+        for osd, b in zip(parts, base):
+            part = osd["single_partition_of_fp32_groups"][g].float().reshape(-1)
+            st = b["state"].get(g) or b["state"].get(str(g)) or {}
+            offs.append(at)
+            at += part.numel()
+            flat.append(part)
+            if "exp_avg" in st:
+                mom[0].append(st["exp_avg"].float().reshape(-1)[:part.numel()])
+                mom[1].append(st["exp_avg_sq"].float().reshape(-1)[:part.numel()])
+                steps.add(as_int(st.get("step")))
+        flat_t = torch.cat(flat)
+        moms = (torch.cat(mom[0]), torch.cat(mom[1])) if len(mom[0]) == len(parts) else None
+        frags: dict[str, list[tuple[int, int]]] = {}
+        for r, osd in enumerate(parts):
+            for name, fa in osd["param_slice_mappings"][g].items():
+                start, numel = (fa.start, fa.numel) if hasattr(fa, "start") else (fa[1], fa[0])
+                frags.setdefault(name, []).append((offs[r] + int(start), int(numel)))
+        for name, fr in frags.items():
+            fr.sort()
+            lo, n = fr[0][0], sum(k for _, k in fr)
+            if any(a + k != b for (a, k), (b, _) in zip(fr, fr[1:])) or lo + n > flat_t.numel():
+                raise CheckpointError(f"{d}: {name}'s pieces in the optimizer files do not join "
+                                      f"up: a partial save or files of another run mixed in")
+            if name not in weights or weights[name].numel() != n:
+                has = tuple(weights[name].shape) if name in weights else "no such parameter"
+                raise CheckpointError(f"{d}: {name} holds {n} elements in the optimizer files, "
+                                      f"{has} in the module: not one model's checkpoint")
+            shape = tuple(weights[name].shape)
+            params[name] = flat_t[lo:lo + n].view(shape).clone()
+            if moms is not None:
+                m1[name] = moms[0][lo:lo + n].view(shape).clone()
+                m2[name] = moms[1][lo:lo + n].view(shape).clone()
+    return DeepSpeedState(zero_stage=stage, params=params, exp_avg=m1, exp_avg_sq=m2,
+                          adam_step=max(steps) if steps else 0,
+                          param_groups=hyper(base[0].get("param_groups")), **common)

@@ -168,20 +168,22 @@ def test_malleus_continues_a_deepspeed_checkpoint_under_another_plan(tmp_path, z
 
 
 @pytest.mark.parametrize("zero,precision", [(1, None), (0, None), (0, "fp16"),
-                                            (0, "fp16-fused")],
-                         ids=["zero1", "zero0", "zero0-fp16", "zero0-fp16-fused"])
+                                            (0, "fp16-fused"), (0, "bf16")],
+                         ids=["zero1", "zero0", "zero0-fp16", "zero0-fp16-fused", "zero0-bf16"])
 def test_malleus_continues_a_pipeline_engine_checkpoint(tmp_path, zero, precision):
     """PipelineEngine (pp=2 x dp=2): each layer's weights in a file of its own; each stage's
     ZeRO partitions in files of their own (ZeRO-1), or its optimizer's state in its
     model-states file (no ZeRO: torch's AdamW in fp32, FP16_UnfusedOptimizer's masters or
-    FP16_Optimizer's flat ones in fp16). Continued on 4 ranks under the non-uniform TP=2 plan
+    FP16_Optimizer's flat ones in fp16), or BF16_Optimizer's partitions named by their
+    ``param_slice_mappings`` (bf16 without ZeRO). Continued on 4 ranks under the non-uniform TP=2 plan
     with stock DeepSpeed's losses."""
     ck, full = deepspeed_run(tmp_path, zero, precision, pp=2, world=4)
     assert (ck / f"global_step{N}" / "layer_01-model_states.pt").is_file()
     meta = _continue(tmp_path, ck, full, precision, RTOL[precision])
     assert meta["from"]["dp"] == 2 and meta["from"]["pipeline_stages"] == 2
     _check_fp16_units(meta, zero, precision, stages=2)
-    assert meta["adam_step"] == N + (zero == 0 and precision is not None)
+    # the FP16 optimizers' first zero-gradient step; BF16_Optimizer takes none
+    assert meta["adam_step"] == N + (zero == 0 and precision in ("fp16", "fp16-fused"))
 
 
 def test_bad_deepspeed_folders_are_refused(tmp_path, ds_zero1):

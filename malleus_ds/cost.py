@@ -20,13 +20,21 @@ the activation it sends to ``j+1`` and ``c`` for the gradient it sends to ``j-1`
 time becomes ``t_j = y_j l_j + c_(j,j+1) + c_(j-1,j)`` and the 1F1B formula is unchanged. The
 boundary uses the intra-node bandwidth when both stages' first ranks share a node
 (:func:`boundary_times`; ``_boundary_times`` is the one place that decides it).
+
+Slow links (``Problem.link_rates``, node pair -> slowdown): a boundary between nodes ``a`` and
+``b`` costs ``link_rate(a, b)`` times its healthy term. With ``comm.grad_mb`` (MB of one
+decoder layer's gradients) the step also pays the data-parallel reduction after the pipelines
+drain (:func:`reduce_time`): per layer, a ring all-reduce among the stages that hold it (one per
+pipeline), ``2 (k-1)/k`` of its gradients per rank over the slowest link the ring crosses
+(intra-node bandwidth within a node, the inter-node one over ``link_rate`` across nodes), the
+layers one after another. Without ``grad_mb`` the reduction is left out, as before.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .job_layout import JobLayout
 from .plan import Plan, PlanError, Stage, charged_layers
 from .problem import Memory, Problem, fmt_mb
 from .schedule import in_flight
@@ -77,10 +85,12 @@ class CommSpec:
     activation_mb: float
     intra_node_gbps: float
     inter_node_gbps: float
+    grad_mb: float = 0.0          # one decoder layer's gradients (0: no reduction term)
 
-    def boundary(self, same_node: bool) -> float:
-        """Model units one stage spends sending one micro-batch across one boundary."""
-        bw = self.intra_node_gbps if same_node else self.inter_node_gbps
+    def boundary(self, same_node: bool, link_rate: float = 1.0) -> float:
+        """Model units one stage spends sending one micro-batch across one boundary (across
+        nodes: over a link ``link_rate`` times slower than healthy)."""
+        bw = self.intra_node_gbps if same_node else self.inter_node_gbps / link_rate
         return self.activation_mb / bw / self.layer_ms
 
 
@@ -98,7 +108,11 @@ def comm_spec(problem: Problem) -> CommSpec | None:
             raise PlanError(f"comm.{k}={v!r} must be a number > 0 "
                             f"(fields: layer_ms, activation_mb, intra_node_gbps, inter_node_gbps)")
         vals[k] = float(v)
-    return CommSpec(**vals)
+    g = c.get("grad_mb", 0.0)
+    if not isinstance(g, (int, float)) or isinstance(g, bool) or not 0 <= g < float("inf"):
+        raise PlanError(f"comm.grad_mb={g!r} must be a finite number >= 0 (MB of one decoder "
+                        f"layer's gradients; 0 leaves the data-parallel reduction out)")
+    return CommSpec(**vals, grad_mb=float(g))
 
 
 def boundary_times(problem: Problem, stages: Sequence[Stage]) -> tuple[float, ...]:
@@ -108,14 +122,42 @@ def boundary_times(problem: Problem, stages: Sequence[Stage]) -> tuple[float, ..
     cs = comm_spec(problem)
     if cs is None:
         return (0.0,) * (len(stages) - 1)
-    return tuple(_boundary_times(cs, problem.job, stages))
+    return tuple(_boundary_times(cs, problem, stages))
 
 
-def _boundary_times(cs: CommSpec, job: JobLayout, stages: Sequence[Stage]) -> list[float]:
+def _boundary_times(cs: CommSpec, problem: Problem, stages: Sequence[Stage]) -> list[float]:
     """:func:`boundary_times` under ``cs``. The one place that decides whether a boundary stays
-    inside a node: when both stages' first ranks are on one node."""
-    return [cs.boundary(job.same_node(stages[j].ranks[0], stages[j + 1].ranks[0]))
-            for j in range(len(stages) - 1)]
+    inside a node (when both stages' first ranks are on one node) and which link it crosses."""
+    job = problem.job
+    out = []
+    for j in range(len(stages) - 1):
+        a, b = job.node_of(stages[j].ranks[0]), job.node_of(stages[j + 1].ranks[0])
+        out.append(cs.boundary(a == b, problem.link_rate(a, b)))
+    return out
+
+
+def reduce_time(problem: Problem, plan: Plan) -> float:
+    """Model units of the step's data-parallel gradient reduction (module doc); 0.0 without
+    ``comm.grad_mb``."""
+    cs = comm_spec(problem)
+    if cs is None or not cs.grad_mb:
+        return 0.0
+    job = problem.job
+    total = 0.0
+    for layer in range(problem.num_layers):
+        holders = [st for p in plan.pipelines for st in p.stages
+                   if st.layers[0] <= layer < st.layers[1]]
+        k = len(holders)
+        if k < 2:
+            continue
+        nodes = [job.node_of(st.ranks[0]) for st in holders]
+        bw = math.inf
+        for x, y in zip(nodes, nodes[1:] + nodes[:1]):       # the ring's hops
+            bw = min(bw, cs.intra_node_gbps if x == y
+                     else cs.inter_node_gbps / problem.link_rate(x, y))
+        per_rank = cs.grad_mb / min(len(st.ranks) for st in holders)   # a TP rank's share
+        total += 2.0 * (k - 1) / k * per_rank / bw / cs.layer_ms
+    return total
 
 
 def pipeline_stage_times(problem: Problem, stages: Sequence[Stage]) -> tuple[float, ...]:
@@ -124,7 +166,7 @@ def pipeline_stage_times(problem: Problem, stages: Sequence[Stage]) -> tuple[flo
     ts = [stage_time(problem, s, last=j == len(stages) - 1) for j, s in enumerate(stages)]
     cs = comm_spec(problem)
     if cs is not None:        # (without one every term is 0: the planner's hot path skips them)
-        for j, c in enumerate(_boundary_times(cs, problem.job, stages)):
+        for j, c in enumerate(_boundary_times(cs, problem, stages)):
             ts[j] += c        # activation j -> j+1
             ts[j + 1] += c    # gradient j+1 -> j
     return tuple(ts)
@@ -146,13 +188,16 @@ class PlanCost:
     step_time: float
     pipeline_times: tuple[float, ...]
     stage_times: tuple[tuple[float, ...], ...]
+    reduce_time: float = 0.0        # the data-parallel reduction after the pipelines
 
 
 def evaluate(problem: Problem, plan: Plan) -> PlanCost:
     stage_times = tuple(pipeline_stage_times(problem, p.stages) for p in plan.pipelines)
     pts = tuple(pipeline_time_from_stage_times(ts, p.micro_batches)
                 for ts, p in zip(stage_times, plan.pipelines))
-    return PlanCost(step_time=max(pts), pipeline_times=pts, stage_times=stage_times)
+    red = reduce_time(problem, plan)
+    return PlanCost(step_time=max(pts) + red, pipeline_times=pts, stage_times=stage_times,
+                    reduce_time=red)
 
 
 def step_time(problem: Problem, plan: Plan) -> float:
@@ -289,8 +334,8 @@ def capacity_of_rates(rates: Mapping[int, float], num_gpus: int) -> float:
 
 
 def healthy_step_time(problem: Problem) -> float:
-    """Step time of the static plan with every rate 1.0."""
-    return step_time(problem.with_rates({}), problem.static_plan())
+    """Step time of the static plan with every rate 1.0, every link's too."""
+    return step_time(problem.with_rates({}).with_link_rates({}), problem.static_plan())
 
 
 def eta(healthy_s: float, step_s: float, capacity: float) -> float:

@@ -84,6 +84,9 @@ class Problem(JsonFile):
     # ``training.activation_checkpointing``: every decoder layer is recomputed in backward, so a
     # layer keeps only its input (``Memory.layer_input_mb``) and costs ``cost.RECOMPUTE_FACTOR``
     activation_checkpointing: bool = False
+    # measured slowdown of the link between two nodes (``(a, b)``, a < b; missing: healthy 1.0):
+    # a message across it takes ``rate`` times its healthy time (``cost.py``'s comm terms)
+    link_rates: Mapping[tuple[int, int], float] = field(default_factory=dict)
 
     @property
     def num_gpus(self) -> int:
@@ -99,6 +102,18 @@ class Problem(JsonFile):
 
     def rate_list(self) -> list[float]:
         return [self.rate(r) for r in range(self.num_gpus)]
+
+    def link_rate(self, a: int, b: int) -> float:
+        """The slowdown of the link between nodes ``a`` and ``b`` (1.0 within one node)."""
+        if a == b:
+            return 1.0
+        return float(self.link_rates.get((min(a, b), max(a, b)), 1.0))
+
+    def with_link_rates(self, link_rates: Mapping) -> "Problem":
+        """A copy with new ``link_rates`` (``{(a, b) or "a-b": rate}``; checked as in JSON)."""
+        from dataclasses import replace
+
+        return replace(self, link_rates=parse_link_rates(link_rates, self.nodes))
 
     def slowdown(self, group_size: int) -> float:
         """Slowdown of a TP group of ``group_size`` GPUs relative to a full group of ``tp``."""
@@ -142,6 +157,8 @@ class Problem(JsonFile):
             "rates": {str(k): v for k, v in sorted(self.rates.items())},
             "current_plan": self.current_plan.to_json() if self.current_plan else None,
         })
+        if self.link_rates:
+            out["link_rates"] = {f"{a}-{b}": v for (a, b), v in sorted(self.link_rates.items())}
         if m is not None:
             out["memory"] = {"device_mb": m.device_mb, "reserved_mb": m.reserved_mb,
                              "layer_static_mb": m.layer_static_mb,
@@ -158,7 +175,7 @@ class Problem(JsonFile):
             raise PlanError(f"problem: expected a JSON object, got {type(d).__name__}")
         _check_version("problem", d)
         known = {"version", "name", "cluster", "model", "training", "cost", "memory", "rates",
-                 "current_plan"}
+                 "current_plan", "link_rates"}
         cl = _section(d, "cluster")
         mo = _section(d, "model")
         tr = _section(d, "training")
@@ -256,8 +273,37 @@ class Problem(JsonFile):
             global_batch_size=gbs, micro_batch_size=mbs, tp=tp, pp=pp, dp=dp, tp_slowdown=sd,
             memory=mem, rates=rates, current_plan=current,
             extra={k: v for k, v in d.items() if k not in known}, activation_checkpointing=ac,
+            link_rates=parse_link_rates(d.get("link_rates") or {}, nodes),
         )
 
+
+
+def parse_link_rates(raw, nodes: int) -> dict[tuple[int, int], float]:
+    """``{"a-b": rate}`` (or ``{(a, b): rate}``) -> ``{(min, max): rate}``; a PlanError names
+    the entry for a node outside ``0..nodes-1``, a link from a node to itself, or a rate that is
+    not a finite number >= 1.0 (1.0 = healthy)."""
+    if not isinstance(raw, Mapping):
+        raise PlanError(f"problem.link_rates: expected an object {{\"a-b\": rate}}, got {raw!r}")
+    out: dict[tuple[int, int], float] = {}
+    for k, v in raw.items():
+        if isinstance(k, tuple) and len(k) == 2:
+            a, b = (_int(x, "link_rates key") for x in k)
+        else:
+            parts = str(k).split("-")
+            if len(parts) != 2:
+                raise PlanError(f"link_rates key {k!r} must name two nodes as \"a-b\"")
+            a, b = (_int(x.strip(), f"link_rates key {k!r}") for x in parts)
+        for n in (a, b):
+            if not 0 <= n < nodes:
+                raise PlanError(f"link_rates['{k}']: node {n} is outside 0..{nodes - 1}")
+        if a == b:
+            raise PlanError(f"link_rates['{k}']: a link joins two nodes; node {a} to itself is "
+                            f"not one")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 1.0 <= v < float("inf"):
+            raise PlanError(f"link_rates['{k}']={v!r} must be a finite number >= 1.0 "
+                            f"(1.0 = healthy)")
+        out[(min(a, b), max(a, b))] = float(v)
+    return out
 
 
 def _section(d: Mapping[str, Any], name: str) -> Mapping[str, Any]:

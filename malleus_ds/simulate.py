@@ -9,7 +9,9 @@ delays the message, where the cost model charges it to the sending stage's time)
 time per micro-batch ``t = y*l`` (the head added on the last stage: ``cost.stage_time``) splits
 into forward ``t/3`` and backward ``2t/3``; with activation checkpointing the forward stays what it
 was without and the backward takes the rest (it runs each layer's forward again first: 3/4 of a
-layer's ``4/3``). Pipelines run independently; the step ends when the last one does.
+layer's ``4/3``). Pipelines run independently; the step ends when the last one does, plus the
+data-parallel reduction that follows (``cost.reduce_time``: with ``comm.grad_mb``, each layer's
+ring over the links its stages' nodes span).
 
 The reference cost model (``sum t + (m-1) max t``) is the planner's objective; the simulated
 step time is an event-level check of it: without a ``comm`` section equal when ``m = 1`` or each
@@ -22,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .cost import (boundary_times, capacity_fraction, eta, evaluate, healthy_step_time,
-                   stage_time)
+                   reduce_time, stage_time)
 from .plan import Plan
 from .problem import Problem
 from .schedule import Backward, Forward, Instr, SendAct, one_f_one_b, run_streams
@@ -94,7 +96,8 @@ def build_timeline(problem: Problem, plan: Plan) -> Timeline:
         ptimes.append(max(e.end for e in events))
         busy.append(tuple(tj * m for tj in t))
         ranks.append(tuple(s.ranks for s in p.stages))
-    return Timeline(tuple(ops), tuple(ptimes), max(ptimes), tuple(busy), tuple(ranks))
+    return Timeline(tuple(ops), tuple(ptimes), max(ptimes) + reduce_time(problem, plan),
+                    tuple(busy), tuple(ranks))
 
 
 @dataclass(frozen=True)

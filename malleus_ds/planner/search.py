@@ -24,6 +24,7 @@ from ..cost import eta as cost_eta
 from ..plan import Plan, PlanError
 from ..problem import Problem, fmt_mb
 from .baselines import all_baselines
+from .links import across_slow_links
 from .batch import FixedPipeline, split_batches
 from .config import PlannerConfig
 from .genetic import REL_TIE, ParetoPoint, genetic_search
@@ -37,7 +38,7 @@ class PlanResult:
     plan: Plan
     step_time: float
     efficiency: float
-    method: str                                  # search | static | data-only | drop | current
+    method: str                          # search | static | links | data-only | drop | current
     baselines: Mapping[str, float | None]        # η of each baseline (None: not applicable)
     baseline_plans: Mapping[str, Plan | None]
     seconds: float
@@ -82,7 +83,8 @@ def auto_time_limit(problem: Problem) -> float:
 
 
 def _is_healthy(problem: Problem) -> bool:
-    return all(problem.rate(r) == 1.0 for r in problem.rates)
+    return (all(problem.rate(r) == 1.0 for r in problem.rates)
+            and all(v == 1.0 for v in problem.link_rates.values()))
 
 
 def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None = None,
@@ -105,7 +107,7 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
         return cost_eta(T_h, T, f)
 
     cands: list[tuple[float, float, int, str, Plan]] = []   # (T, moved, priority, method, plan)
-    prio = {"current": 0, "static": 1, "search": 2, "data-only": 3, "drop": 4}
+    prio = {"current": 0, "static": 1, "search": 2, "links": 2, "data-only": 3, "drop": 4}
 
     def add(method: str, p: Plan | None) -> None:
         if p is None:
@@ -127,6 +129,7 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
     else:
         for k, p in bplans.items():
             add(k, p)
+        add("links", across_slow_links(problem))     # stage boundaries on the slow links
     evals = gens = 0
     search_T = None
     pareto: tuple[ParetoPoint, ...] = ()

@@ -1,0 +1,101 @@
+"""Slow links in the planning problem, the cost model, the simulator and the planner (issue:
+slow links): a boundary or a reduction crossing a link ``rate`` times slow costs ``rate`` times
+its healthy inter-node time, worked out on paper; the planner cuts the cluster at the slow links
+(pipelines across them, data-parallel groups on healthy links) where that wins, and the event
+simulator agrees; bad link entries are refused by name."""
+from __future__ import annotations
+
+import pytest
+
+from malleus_ds.cost import boundary_times, evaluate, reduce_time, step_time
+from malleus_ds.plan import PlanError
+from malleus_ds.planner.links import across_slow_links, segments
+from malleus_ds.planner.search import plan
+from malleus_ds.problem import Problem
+from malleus_ds.simulate import build_timeline
+
+COMM = {"layer_ms": 10.0, "activation_mb": 8.0, "intra_node_gbps": 100.0,
+        "inter_node_gbps": 12.5, "grad_mb": 200.0}
+
+
+def _problem(nodes=2, gpn=4, links=None, L=16, G=64, **comm) -> Problem:
+    d = {"version": 1, "name": f"{nodes}x{gpn}", "cluster": {"nodes": nodes, "gpus_per_node": gpn},
+         "model": {"num_layers": L},
+         "training": {"global_batch_size": G, "micro_batch_size": 1, "tp": 1, "pp": 1,
+                      "dp": nodes * gpn},
+         "rates": {}, "comm": dict(COMM, **comm)}
+    if links:
+        d["link_rates"] = links
+    return Problem.from_json(d)
+
+
+def test_link_rates_round_trip_and_bad_entries_are_named():
+    p = _problem(links={"1-0": 4.0})
+    assert p.link_rates == {(0, 1): 4.0} and p.link_rate(1, 0) == 4.0 and p.link_rate(1, 1) == 1.0
+    assert Problem.from_json(p.to_json()).link_rates == {(0, 1): 4.0}
+    assert "link_rates" not in _problem().to_json()
+    for bad, msg in (({"0-2": 2.0}, r"node 2 is outside 0..1"),
+                     ({"1-1": 2.0}, r"node 1 to itself is not one"),
+                     ({"0-1": 0.5}, r"link_rates\['0-1'\]=0.5 must be a finite number >= 1.0"),
+                     ({"01": 2.0}, r"key '01' must name two nodes")):
+        with pytest.raises(PlanError, match=msg):
+            _problem(links=bad)
+    with pytest.raises(PlanError, match=r"comm.grad_mb=-1 must be a finite number >= 0"):
+        reduce_time(_problem(grad_mb=-1), _problem().static_plan())
+
+
+def test_a_slow_link_slows_what_crosses_it_by_its_rate():
+    """On paper: the static plan (dp=8, one stage each) reduces each layer's 200 MB in a ring of
+    8 over the inter-node link: 2*7/8*200 MB / 12.5 GB/s = 28 ms = 2.8 units per layer, 44.8 for
+    16 layers; at rate 4, 179.2. A 2-stage pipeline across the link pays its boundary 8 MB /
+    12.5 GB/s / 10 ms = 0.064 units, 0.256 at rate 4; inside a node 8 / 100 / 10 = 0.008."""
+    healthy, slow = _problem(), _problem(links={"0-1": 4.0})
+    static = healthy.static_plan()
+    assert reduce_time(healthy, static) == pytest.approx(44.8)
+    assert reduce_time(slow, static) == pytest.approx(179.2)
+    assert step_time(slow, static) - step_time(healthy, static) == pytest.approx(179.2 - 44.8)
+    cross = across_slow_links(slow)
+    assert [tuple(s.ranks for s in p.stages) for p in cross.pipelines] == [
+        ((0,), (4,)), ((1,), (5,)), ((2,), (6,)), ((3,), (7,))]
+    assert boundary_times(slow, cross.pipelines[0].stages) == pytest.approx((0.256,))
+    assert boundary_times(healthy, cross.pipelines[0].stages) == pytest.approx((0.064,))
+    # each layer's ring: 4 stages on one node, the intra-node bandwidth: 2*3/4*200/100/10 each
+    assert reduce_time(slow, cross) == pytest.approx(16 * 0.3)
+    assert evaluate(slow, cross).reduce_time == pytest.approx(4.8)
+
+
+def test_the_planner_cuts_at_the_slow_link_and_the_simulator_agrees():
+    slow = _problem(links={"0-1": 4.0})
+    res = plan(slow, seed=0, time_limit=10)
+    assert res.method == "links", res.summary()
+    assert res.step_time < 0.5 * step_time(slow, slow.static_plan())
+    sim_static = build_timeline(slow, slow.static_plan()).step_time
+    sim_plan = build_timeline(slow, res.plan).step_time
+    assert sim_plan < 0.5 * sim_static
+    assert sim_plan <= res.step_time + 1e-9          # the closed form bounds the simulation
+    # healthy links: the user's layout stands
+    assert plan(_problem(), seed=0, time_limit=10).method == "static"
+
+
+def test_four_nodes_one_slow_cut_keeps_reductions_on_healthy_links():
+    """Nodes {0,1} and {2,3} joined by healthy links, every link between the halves 4x slow:
+    two segments, 2-stage pipelines across the cut, each layer's ring on nodes 0-1 or 2-3."""
+    slow = {f"{a}-{b}": 4.0 for a in (0, 1) for b in (2, 3)}
+    p = _problem(nodes=4, gpn=2, links=slow)
+    assert segments(p) == [[0, 1], [2, 3]]
+    cross = across_slow_links(p)
+    assert all(len(q.stages) == 2 for q in cross.pipelines) and len(cross.pipelines) == 4
+    for q in cross.pipelines:
+        assert {p.job.node_of(q.stages[0].ranks[0])} <= {0, 1}
+        assert {p.job.node_of(q.stages[1].ranks[0])} <= {2, 3}
+    res = plan(p, seed=0, time_limit=10)
+    assert res.step_time <= step_time(p, cross) + 1e-9
+    assert res.step_time < 0.6 * step_time(p, p.static_plan())
+
+
+def test_no_slow_link_no_cut():
+    assert across_slow_links(_problem()) is None
+    assert across_slow_links(_problem(links={"0-1": 1.0})) is None
+    # more segments than layers: no pipeline can take a stage in each
+    assert across_slow_links(_problem(nodes=4, gpn=2, L=3, links={
+        f"{a}-{b}": 2.0 for a in range(4) for b in range(a + 1, 4)})) is None

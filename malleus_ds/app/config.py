@@ -66,6 +66,11 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
     train, batch_notes = _train(d.get("train") or {}, ds, parallel.dp)
     cluster = _cluster(d.get("cluster") or {}, world_size, local_world_size or world_size, parallel)
     straggler = _straggler(d.get("straggler") or {}, world_size)
+    links = _links(d.get("straggler") or {}, world_size, cluster.gpus_per_node)
+    if links and engine != "malleus":
+        raise ConfigError(f"straggler.link_schedule slows links of engine=malleus's messages and "
+                          f"reductions; engine={engine} sends its own: use engine=malleus, or "
+                          f"leave straggler.link_schedule empty")
     train = _activation_checkpointing(train, (d.get("train") or {}).get("activation_checkpointing"),
                                       ds)
     ds = _auto(ds, train, model, parallel)
@@ -99,7 +104,8 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
         raise ConfigError(f"log_every={log_every!r} must be an integer >= 1 (steps)")
     return RunConfig(engine=engine, model=model, train=train, parallel=parallel, cluster=cluster,
-                     straggler=straggler, deepspeed=ds, world_size=world_size, plan=plan,
+                     straggler=straggler, links=links, deepspeed=ds, world_size=world_size,
+                     plan=plan,
                      run_dir=run_dir, device=device, progress=bool(d.get("progress", True)),
                      malleus=_malleus(d.get("malleus") or {}, engine, ds),
                      checkpoint=ckpt, data=data,
@@ -178,17 +184,32 @@ def compare_engines(v: Any) -> tuple[str, ...]:
     return out
 
 
+STRAGGLER_KEYS = ("schedule", "method", "link_schedule")
+
+
+def _links(s: Mapping[str, Any], world_size: int, gpus_per_node: int):
+    """``straggler.link_schedule``: emulated slow links (``emulation/links.py``), between the
+    job layout's nodes (``cluster.gpus_per_node`` ranks each) or two ranks of a node."""
+    from ..emulation.links import LinkSchedule
+
+    try:
+        return LinkSchedule.parse(s.get("link_schedule") if isinstance(s, Mapping) else None,
+                                  world_size, gpus_per_node)
+    except StragglerError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _straggler(s: Mapping[str, Any], world_size: int) -> StragglerSchedule:
     """``straggler.schedule`` and ``straggler.method`` (sleep | quota | compete; emulation/straggler.py).
     Whether this machine can apply ``quota`` or ``compete`` is checked at runner start-up
     (``app/runners/__init__.py``)."""
     if not isinstance(s, Mapping):
         raise ConfigError(f"straggler must be a mapping with key 'schedule', got {s!r} "
-                          f"(allowed keys: ['schedule', 'method'])")
-    unknown = sorted(set(s) - {"schedule", "method"})
+                          f"(allowed keys: {list(STRAGGLER_KEYS)})")
+    unknown = sorted(set(s) - set(STRAGGLER_KEYS))
     if unknown:
         raise ConfigError(f"straggler has unknown fields {unknown}; allowed: "
-                          f"['schedule', 'method']")
+                          f"{list(STRAGGLER_KEYS)}")
     try:
         return StragglerSchedule.parse(s.get("schedule"), world_size, s.get("method") or "sleep")
     except StragglerError as e:

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 from ..adaptive.settings import AdaptiveSettings
 from ..data import DataConfig
+from ..emulation.links import LinkSchedule
 from ..emulation.straggler import StragglerSchedule
 from ..engine.ds_batch import DEFAULT_BATCH
 from ..engine.settings import MalleusSettings, SwitchAt
@@ -137,3 +138,5 @@ class RunConfig:
     comm_timeout_s: float = 1800.0      # process-group timeout: a collective waiting longer fails
     hang_timeout_s: float = 300.0       # no progress on some rank this long stops the job; 0 = off
     log_every: int = 10                 # progress line every N steps when stdout is no terminal
+    #: ``straggler.link_schedule``: emulated slow links (emulation/links.py)
+    links: LinkSchedule = field(default_factory=LinkSchedule, hash=False)

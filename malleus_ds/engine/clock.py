@@ -44,9 +44,15 @@ class ComputeClock:
       the host in proportion to the compute it just measured.
     """
 
-    def __init__(self, straggler: Straggler | None = None, cuda: bool = False) -> None:
+    def __init__(self, straggler: Straggler | None = None, cuda: bool = False,
+                 links=None, sleep=time.sleep) -> None:
         self.straggler = straggler
         self.cuda = cuda
+        #: the slow-link emulation (``emulation/links.py``'s LinkSchedule; None: none)
+        self.links = links if links else None
+        self._sleep = sleep
+        #: this step's seconds slept by the link emulation after messages and collectives
+        self.link_emulated_s = 0.0
         self.step = 0
         self._compute_s = 0.0
         self.emulated_s = 0.0
@@ -66,6 +72,7 @@ class ComputeClock:
 
     def start_step(self, step: int) -> None:
         self.step, self._compute_s, self.emulated_s, self.wait_s = step, 0.0, 0.0, 0.0
+        self.link_emulated_s = 0.0
         self._events = []
         self._sync = self.cuda and self._emulating(step)
         if self.straggler is not None:
@@ -162,6 +169,31 @@ class ComputeClock:
                     c1, w1 = thread_times()
                     self._ex_cpu += c1 - c0
                     self._ex_wait += w1 - w0
+
+    def after_comm(self, ranks, seconds: float) -> float:
+        """A message or collective between ``ranks`` took ``seconds``: where the link
+        emulation slows a link it crosses this step, wait ``(rate - 1) x seconds`` more
+        (``emulation/links.py``). Returns the seconds slept."""
+        if self.links is None or seconds <= 0:
+            return 0.0
+        rate = self.links.rate(ranks, self.step)
+        if rate <= 1.0:
+            return 0.0
+        t = (rate - 1.0) * seconds
+        with phase("emulated slow link"):
+            self._sleep(t)
+        self.link_emulated_s += t
+        return t
+
+    @contextmanager
+    def comm(self, ranks):
+        """Time a blocking communication between ``ranks`` and apply :meth:`after_comm`."""
+        if self.links is None:
+            yield
+            return
+        t0 = time.perf_counter()
+        yield
+        self.after_comm(ranks, time.perf_counter() - t0)
 
     def add(self, seconds: float, wall: float | None = None) -> None:
         """Account ``seconds`` of measured compute (device time: on CPU, net of waits for a core),

@@ -323,7 +323,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
             self._sends = []
             with phase("all-reduce"):
                 self._sync_tied()               # tied embedding/head: one gradient (tied.py)
-                flats = self.grad_sync.reduce()     # fp32 buckets, summed over replicas
+                flats = self.grad_sync.reduce(self.clock)   # fp32, summed over replicas
         else:
             flats = []
         # One world all-reduce (engine/step_reduce.py): the global-batch loss, the non-finite

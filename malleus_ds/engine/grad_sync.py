@@ -16,6 +16,8 @@ For replicated weights every TP rank of a pipeline holds the same full gradient,
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 
@@ -101,18 +103,22 @@ class GradSync:
             for w, d in zip(part_views(t, pc, a, b), ds):
                 d.copy_(w)
 
-    def reduce(self) -> list[tuple[torch.Tensor, int]]:
+    def reduce(self, clock=None) -> list[tuple[torch.Tensor, int]]:
+        """Each bucket reduced over its replicas; ``clock``: a ``ComputeClock`` whose link
+        emulation (``ComputeClock.comm``) slows the reductions that cross a slow link."""
         if len(self.flats) != len(self.buckets):
             raise RuntimeError("GradSync.reduce before zero_(): no gradient buffers this step")
         out = []
+        timed = clock is not None and clock.links is not None
         for grp, flat, part, off in zip(self.groups, self.flats, self.parts, self.offsets):
-            if part is not None:
-                dist.reduce_scatter_tensor(part, flat, group=grp)
-                out.append((part, off))
-            else:
-                if grp is not None:
+            ctx = clock.comm(dist.get_process_group_ranks(grp)) if timed and grp is not None \
+                else nullcontext()
+            with ctx:
+                if part is not None:
+                    dist.reduce_scatter_tensor(part, flat, group=grp)
+                elif grp is not None:
                     dist.all_reduce(flat, group=grp)
-                out.append((flat, 0))
+            out.append((part, off) if part is not None else (flat, 0))
         return out
 
     def free(self) -> None:

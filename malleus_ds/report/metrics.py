@@ -91,6 +91,8 @@ class StepRecord:
     plan: str | None = None              # engine=malleus: id of the plan that ran the step
     measured_rates: tuple | None = None  # engine=malleus: smoothed measured rate per rank
     wait_s: tuple[float, ...] = ()       # per rank, its compute's waits for a core (CPU hosts)
+    #: per rank, the seconds the slow-link emulation waited (``straggler.link_schedule`` runs)
+    link_emulated_s: tuple[float, ...] = ()
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -104,6 +106,10 @@ class StepRecord:
             d["wait_s"] = list(self.wait_s)
         else:
             d.pop("wait_s")
+        if self.link_emulated_s:
+            d["link_emulated_s"] = list(self.link_emulated_s)
+        else:
+            d.pop("link_emulated_s")
         if self.measured_rates is not None:
             d["measured_rates"] = list(self.measured_rates)
         return d

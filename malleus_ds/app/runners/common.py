@@ -51,10 +51,11 @@ def monitors_to_run_dir(ds_config: dict, run_dir: str | None) -> None:
 
 class ComputeClock(_ComputeClock):
     """The run's compute clock (``malleus_ds/engine/clock.py``) with this rank's straggler emulation
-    from ``straggler.schedule``."""
+    from ``straggler.schedule`` and the slow links of ``straggler.link_schedule``."""
 
     def __init__(self, cfg: RunConfig, env: DistEnv) -> None:
-        super().__init__(Straggler(cfg.straggler, env.rank), env.device.startswith("cuda"))
+        super().__init__(Straggler(cfg.straggler, env.rank), env.device.startswith("cuda"),
+                         links=cfg.links)
 
 
 def exclude_calls(obj, names, clock: ComputeClock) -> None:
@@ -134,14 +135,16 @@ class StepReporter:
 
         from .guard import STOP
 
+        link_s = getattr(clock, "link_emulated_s", 0.0)
         comp = [clock.compute_s] * self.env.world_size
         emu = [clock.emulated_s] * self.env.world_size
         wait = [clock.wait_s] * self.env.world_size
+        links = [link_s] * self.env.world_size
         self.stop_signal = STOP.signum
         if dist.is_initialized() and self.env.world_size > 1:
             # a signal any rank received rides along: every rank stops after the same step
-            mine = torch.tensor([clock.compute_s, clock.emulated_s, clock.wait_s, STOP.signum],
-                                dtype=torch.float64, device=self.env.device)
+            mine = torch.tensor([clock.compute_s, clock.emulated_s, clock.wait_s, STOP.signum,
+                                 link_s], dtype=torch.float64, device=self.env.device)
             out = [torch.zeros_like(mine) for _ in range(self.env.world_size)]
             with phase("all-gather"):
                 dist.all_gather(out, mine, group=self.group)
@@ -149,13 +152,15 @@ class StepReporter:
             emu = [float(t[1]) for t in out]
             wait = [float(t[2]) for t in out]
             self.stop_signal = int(max(float(t[3]) for t in out))
+            links = [float(t[4]) for t in out]
         self.losses.append(float(loss))
         self.times.append(float(step_time_s))
         rates = {str(r): x for r, x in self.cfg.straggler.rates(step, self.env.world_size).items()}
         rec = StepRecord(step, float(loss), self.cfg.train.global_batch_size, float(step_time_s),
                          tuple(comp), tuple(emu), rates, plan,
                          None if measured_rates is None else tuple(measured_rates),
-                         tuple(round(w, 6) for w in wait))
+                         tuple(round(w, 6) for w in wait),
+                         tuple(round(x, 6) for x in links) if self.cfg.links else ())
         self.records.append(rec.to_json())
         self.writer.write(rec)
         if self.stream is not None:

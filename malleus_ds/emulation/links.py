@@ -1,0 +1,129 @@
+"""Slow-link emulation (issue 35): make chosen links look slow.
+
+``straggler.link_schedule`` is a list of entries, each naming one link and when it is slow::
+
+    [{nodes: [0, 1], rate: 4.0, start_step: 10, end_step: 40},   # between nodes 0 and 1
+     {ranks: [2, 3], rate: 2.0}]                                 # between two ranks of a node
+
+``nodes`` are the job layout's node indices (rank ``r`` is on node ``r // gpus_per_node``);
+``ranks`` name a pair of ranks (inside a node, where the link between two GPUs matters). While
+step ``k`` is in ``[start_step, end_step)`` (``end_step`` null: until the end), a message or
+collective crossing the link waits ``(rate - 1) ×`` the time it took (``ComputeClock.after_comm``),
+as the compute emulation sleeps ``(rate - 1) ×`` a rank's measured compute. A pipeline message
+between ranks ``a`` and ``b`` crosses the link between their nodes (or the pair itself); a
+collective over a group crosses a node link when the group has ranks on both nodes, a rank-pair
+link when it holds both ranks. Overlapping entries combine by ``max``.
+
+Bad entries are refused by name before any process group: an unknown node or rank, a link from a
+node (or rank) to itself, a rate below 1. Pure Python.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from .straggler import StragglerError, _int
+
+_KEYS = ("nodes", "ranks", "rate", "start_step", "end_step")
+
+
+@dataclass(frozen=True)
+class LinkEntry:
+    """The link between ``ends`` (two nodes, or two ranks when ``by_rank``) is ``rate``× slow
+    during steps ``[start_step, end_step)``."""
+
+    ends: tuple[int, int]
+    by_rank: bool
+    rate: float
+    start_step: int = 0
+    end_step: int | None = None
+
+    def active(self, step: int) -> bool:
+        return self.start_step <= step and (self.end_step is None or step < self.end_step)
+
+    def crossed_by(self, ranks: Sequence[int], gpus_per_node: int) -> bool:
+        """Does a message between ``ranks`` (two: a point-to-point; more: a group) cross it?"""
+        a, b = self.ends
+        if self.by_rank:
+            return a in ranks and b in ranks
+        nodes = {r // gpus_per_node for r in ranks}
+        return a in nodes and b in nodes
+
+
+@dataclass(frozen=True)
+class LinkSchedule:
+    entries: tuple[LinkEntry, ...] = ()
+    gpus_per_node: int = 1
+
+    @staticmethod
+    def parse(raw: Iterable[Mapping[str, Any]] | None, world_size: int,
+              gpus_per_node: int) -> "LinkSchedule":
+        """From plain dicts (module doc); a StragglerError names
+        ``straggler.link_schedule[i].field`` and the value."""
+        if raw is None:
+            return LinkSchedule((), gpus_per_node)
+        if not isinstance(raw, (list, tuple)):
+            raise StragglerError(f"straggler.link_schedule must be a list of {{nodes or ranks, "
+                                 f"rate, start_step, end_step}} entries (or empty for none), "
+                                 f"got {raw!r}")
+        nodes = max(1, world_size // gpus_per_node)
+        out = []
+        for i, e in enumerate(raw):
+            where = f"straggler.link_schedule[{i}]"
+            if not isinstance(e, Mapping):
+                raise StragglerError(f"{where} must be a mapping with keys {list(_KEYS)}, "
+                                     f"got {e!r}")
+            unknown = sorted(set(e) - set(_KEYS))
+            if unknown:
+                raise StragglerError(f"{where} has unknown keys {unknown}; allowed: {list(_KEYS)}")
+            given = [k for k in ("nodes", "ranks") if e.get(k) is not None]
+            if len(given) != 1:
+                raise StragglerError(f"{where} names its link by exactly one of 'nodes' (two "
+                                     f"node indices) or 'ranks' (two ranks), got {given or 'none'}")
+            key = given[0]
+            pair = e[key]
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise StragglerError(f"{where}.{key}={pair!r} must be a list of two")
+            a, b = (_int(x, f"{where}.{key}") for x in pair)
+            limit, what = (nodes, "node") if key == "nodes" else (world_size, "rank")
+            for x in (a, b):
+                if not 0 <= x < limit:
+                    raise StragglerError(f"{where}.{key}: {what} {x} does not exist: the job has "
+                                         f"{limit} {what}s (0..{limit - 1})"
+                                         + (f", {gpus_per_node} ranks per node"
+                                            if key == "nodes" else ""))
+            if a == b:
+                raise StragglerError(f"{where}.{key}=[{a}, {b}]: a link joins two {what}s; a "
+                                     f"{what} to itself is not one")
+            if key == "ranks" and a // gpus_per_node != b // gpus_per_node:
+                raise StragglerError(f"{where}.ranks=[{a}, {b}] are on nodes "
+                                     f"{a // gpus_per_node} and {b // gpus_per_node}: name a "
+                                     f"link between nodes by 'nodes'")
+            try:
+                rate = float(e.get("rate"))
+            except (TypeError, ValueError):
+                raise StragglerError(f"{where}.rate={e.get('rate')!r} is not a number") from None
+            if not rate >= 1.0 or rate == float("inf"):
+                raise StragglerError(f"{where}.rate={rate} must be a finite number >= 1.0 "
+                                     f"(1.0 = healthy; emulation can only slow a link down)")
+            start = _int(e.get("start_step", 0) or 0, f"{where}.start_step")
+            if start < 0:
+                raise StragglerError(f"{where}.start_step={start} must be >= 0")
+            end = e.get("end_step")
+            if end is not None:
+                end = _int(end, f"{where}.end_step")
+                if end <= start:
+                    raise StragglerError(f"{where}: end_step={end} must be > start_step={start}")
+            out.append(LinkEntry((min(a, b), max(a, b)), key == "ranks", rate, start, end))
+        return LinkSchedule(tuple(out), gpus_per_node)
+
+    def rate(self, ranks: Sequence[int], step: int) -> float:
+        """How much slower a message between ``ranks`` runs at ``step`` (1.0: no slow link)."""
+        r = 1.0
+        for e in self.entries:
+            if e.active(step) and e.crossed_by(ranks, self.gpus_per_node):
+                r = max(r, e.rate)
+        return r
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)

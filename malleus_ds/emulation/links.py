@@ -5,11 +5,12 @@
     [{nodes: [0, 1], rate: 4.0, start_step: 10, end_step: 40},   # between nodes 0 and 1
      {ranks: [2, 3], rate: 2.0}]                                 # between two ranks of a node
 
-``nodes`` are the job layout's node indices (rank ``r`` is on node ``r // gpus_per_node``);
-``ranks`` name a pair of ranks (inside a node, where the link between two GPUs matters). While
-step ``k`` is in ``[start_step, end_step)`` (``end_step`` null: until the end), a message or
-collective crossing the link waits ``(rate - 1) ×`` the time it took (``ComputeClock.after_comm``),
-as the compute emulation sleeps ``(rate - 1) ×`` a rank's measured compute. A pipeline message
+``nodes`` are the job layout's node indices (``JobLayout.node_of``: ``cluster.gpus_per_node``
+ranks each); ``ranks`` name a pair of ranks (inside a node, where the link between two GPUs
+matters). While step ``k`` is in ``[start_step, end_step)`` (``end_step`` null: until the end),
+a message or collective crossing the link waits ``(rate - 1) ×`` the time it took
+(``ComputeClock.after_comm``), as the compute emulation sleeps ``(rate - 1) ×`` a rank's
+measured compute. A pipeline message
 between ranks ``a`` and ``b`` crosses the link between their nodes (or the pair itself); a
 collective over a group crosses a node link when the group has ranks on both nodes, a rank-pair
 link when it holds both ranks. Overlapping entries combine by ``max``.
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from ..job_layout import JobLayout, JobLayoutError
 from .straggler import StragglerError, _int
 
 _KEYS = ("nodes", "ranks", "rate", "start_step", "end_step")
@@ -41,32 +43,36 @@ class LinkEntry:
     def active(self, step: int) -> bool:
         return self.start_step <= step and (self.end_step is None or step < self.end_step)
 
-    def crossed_by(self, ranks: Sequence[int], gpus_per_node: int) -> bool:
+    def crossed_by(self, ranks: Sequence[int], job: JobLayout) -> bool:
         """Does a message between ``ranks`` (two: a point-to-point; more: a group) cross it?"""
         a, b = self.ends
         if self.by_rank:
             return a in ranks and b in ranks
-        nodes = {r // gpus_per_node for r in ranks}
+        nodes = job.nodes_of(ranks)
         return a in nodes and b in nodes
 
 
 @dataclass(frozen=True)
 class LinkSchedule:
     entries: tuple[LinkEntry, ...] = ()
-    gpus_per_node: int = 1
+    job: JobLayout | None = None        # where the ranks sit (None: an empty schedule)
 
     @staticmethod
     def parse(raw: Iterable[Mapping[str, Any]] | None, world_size: int,
               gpus_per_node: int) -> "LinkSchedule":
         """From plain dicts (module doc); a StragglerError names
         ``straggler.link_schedule[i].field`` and the value."""
-        if raw is None:
-            return LinkSchedule((), gpus_per_node)
+        if raw is None or (isinstance(raw, (list, tuple)) and not raw):
+            return LinkSchedule()
         if not isinstance(raw, (list, tuple)):
             raise StragglerError(f"straggler.link_schedule must be a list of {{nodes or ranks, "
                                  f"rate, start_step, end_step}} entries (or empty for none), "
                                  f"got {raw!r}")
-        nodes = max(1, world_size // gpus_per_node)
+        try:
+            job = JobLayout(world_size, gpus_per_node)
+        except JobLayoutError as e:
+            raise StragglerError(f"straggler.link_schedule: the job's layout: {e}") from None
+        nodes = job.nodes
         out = []
         for i, e in enumerate(raw):
             where = f"straggler.link_schedule[{i}]"
@@ -95,9 +101,9 @@ class LinkSchedule:
             if a == b:
                 raise StragglerError(f"{where}.{key}=[{a}, {b}]: a link joins two {what}s; a "
                                      f"{what} to itself is not one")
-            if key == "ranks" and a // gpus_per_node != b // gpus_per_node:
+            if key == "ranks" and not job.same_node(a, b):
                 raise StragglerError(f"{where}.ranks=[{a}, {b}] are on nodes "
-                                     f"{a // gpus_per_node} and {b // gpus_per_node}: name a "
+                                     f"{job.node_of(a)} and {job.node_of(b)}: name a "
                                      f"link between nodes by 'nodes'")
             try:
                 rate = float(e.get("rate"))
@@ -115,13 +121,13 @@ class LinkSchedule:
                 if end <= start:
                     raise StragglerError(f"{where}: end_step={end} must be > start_step={start}")
             out.append(LinkEntry((min(a, b), max(a, b)), key == "ranks", rate, start, end))
-        return LinkSchedule(tuple(out), gpus_per_node)
+        return LinkSchedule(tuple(out), job)
 
     def rate(self, ranks: Sequence[int], step: int) -> float:
         """How much slower a message between ``ranks`` runs at ``step`` (1.0: no slow link)."""
         r = 1.0
         for e in self.entries:
-            if e.active(step) and e.crossed_by(ranks, self.gpus_per_node):
+            if e.active(step) and e.crossed_by(ranks, self.job):
                 r = max(r, e.rate)
         return r
 

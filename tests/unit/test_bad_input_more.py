@@ -75,7 +75,8 @@ def test_straggler_section_must_be_a_mapping_with_schedule():
                                           r"got 4"):
         build(straggler=4)
     with pytest.raises(ConfigError, match=r"straggler has unknown fields \['rank'\]; "
-                                          r"allowed: \['schedule', 'method'\]"):
+                                          r"allowed: \['schedule', 'method', "
+                                          r"'link_schedule'\]"):
         build(straggler={"schedule": [], "rank": 1})
 
 

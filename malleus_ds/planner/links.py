@@ -39,23 +39,36 @@ def segments(problem: Problem) -> list[list[int]]:
 
 
 def across_slow_links(problem: Problem) -> Plan | None:
-    """The layout the module doc describes, or None where it does not apply: no slow link, the
-    segments hold unequal numbers of TP groups, or more segments than layers."""
+    """The layout the module doc describes, or None where it does not apply
+    (:func:`cut_at_slow_links` says why)."""
+    return cut_at_slow_links(problem)[0]
+
+
+def cut_at_slow_links(problem: Problem) -> tuple[Plan | None, str | None]:
+    """(the layout the module doc describes, None) or (None, why it does not apply: no slow
+    link, segments holding unequal numbers of TP groups, more segments than layers or
+    pipelines than micro-batches, or the layout does not fit in memory)."""
     if not any(v > 1.0 for v in problem.link_rates.values()):
-        return None
+        return None, None
     segs = segments(problem)
-    if len(segs) < 2 or len(segs) > problem.num_layers:
-        return None
+    if len(segs) < 2:
+        return None, None
+    if len(segs) > problem.num_layers:
+        return None, (f"the slow links cut the cluster into {len(segs)} segments, more than the "
+                      f"model's {problem.num_layers} layers: no pipeline can take a stage in each")
     job, tp = problem.job, problem.tp
     groups = [[tuple(job.node_ranks(n)[i:i + tp]) for n in seg
                for i in range(0, problem.gpus_per_node, tp)] for seg in segs]
     if len({len(g) for g in groups}) != 1:
-        return None
+        sizes = ", ".join(f"nodes {seg}: {len(g)}" for seg, g in zip(segs, groups))
+        return None, (f"the segments the slow links cut hold unequal numbers of TP groups "
+                      f"({sizes}): no layout of whole pipelines takes one stage in each")
     bounds = even_split(problem.num_layers, len(segs))
     total = problem.global_batch_size // problem.micro_batch_size
     pipes_n = len(groups[0])
     if total < pipes_n:
-        return None
+        return None, (f"{pipes_n} pipelines across the slow links need as many micro-batches; "
+                      f"the global batch has {total}")
     mbs = even_split(total, pipes_n)
     pipes = []
     for i in range(pipes_n):
@@ -71,6 +84,26 @@ def across_slow_links(problem: Problem) -> Plan | None:
         plan = Plan(plan.num_layers, plan.global_batch_size, plan.micro_batch_size,
                     tuple(resplit), ())
     try:
-        return _valid(problem, plan)
+        out = _valid(problem, plan)
     except PlanError:
+        out = None
+    return out, (None if out is not None else
+                 "the layout cut at the slow links does not fit in memory")
+
+
+def links_note(problem: Problem, method: str, step_time: float) -> str | None:
+    """What the plan does about slow links, where it does nothing (issue 35: "where nothing can
+    help, say so"): why no layout cut at them applies, or what it would cost against the plan
+    chosen. None without a slow link, or when the cut was chosen."""
+    if method == "links" or not any(v > 1.0 for v in problem.link_rates.values()):
         return None
+    cut, why = cut_at_slow_links(problem)
+    slow = ", ".join(f"{a}-{b} x{v:g}" for (a, b), v in sorted(problem.link_rates.items())
+                     if v > 1.0)
+    if cut is None:
+        return f"slow links {slow}: kept the layout: {why}"
+    from ..cost import step_time as cost_step_time
+
+    return (f"slow links {slow}: kept the layout: the one cut at them takes "
+            f"{cost_step_time(problem, cut):.2f} against {step_time:.2f} (its boundaries and "
+            f"bubbles cost more than the reductions it keeps off them)")

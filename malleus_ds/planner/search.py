@@ -24,7 +24,7 @@ from ..cost import eta as cost_eta
 from ..plan import Plan, PlanError
 from ..problem import Problem, fmt_mb
 from .baselines import all_baselines
-from .links import across_slow_links
+from .links import across_slow_links, links_note
 from .batch import FixedPipeline, split_batches
 from .config import PlannerConfig
 from .genetic import REL_TIE, ParetoPoint, genetic_search
@@ -48,6 +48,7 @@ class PlanResult:
     generations: int = 0
     search_step_time: float | None = None        # best layout found by the search itself
     pareto: tuple[ParetoPoint, ...] = field(default=())
+    notes: tuple[str, ...] = ()                  # what the plan leaves as it is, and why
 
     def summary(self) -> str:
         bl = " ".join(f"{k}={'n/a' if v is None else f'{v:.3f}'}" for k, v in self.baselines.items())
@@ -58,7 +59,8 @@ class PlanResult:
                 f"pipelines={len(self.plan.pipelines)} "
                 f"stages={[len(p.stages) for p in self.plan.pipelines]} "
                 f"suspended={len(self.plan.suspended)}{mv} | baselines eta: {bl} | "
-                f"{self.seconds:.2f}s, {self.evaluations} evals, {self.generations} gens")
+                f"{self.seconds:.2f}s, {self.evaluations} evals, {self.generations} gens"
+                + "".join(f"\n  note: {n}" for n in self.notes))
 
 
 def _resplit_with_comm(problem: Problem, p: Plan) -> Plan | None:
@@ -154,7 +156,9 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
         best_T = cur[0][0]          # not worth a migration: the current plan is within the margin
     tied = [c for c in cands if c[0] <= best_T * (1 + REL_TIE)]
     T, mv, _, method, best = min(tied, key=lambda c: (c[1], c[2], c[0]))
+    note = links_note(problem, method, T)
     return PlanResult(
+        notes=(note,) if note else (),
         plan=best, step_time=T, efficiency=eta(T), method=method,
         baselines={k: (eta(step_time(problem, p)) if p is not None else None) for k, p in bplans.items()},
         baseline_plans=bplans, seconds=time.perf_counter() - t0, moved_units=mv,

@@ -99,3 +99,21 @@ def test_no_slow_link_no_cut():
     # more segments than layers: no pipeline can take a stage in each
     assert across_slow_links(_problem(nodes=4, gpn=2, L=3, links={
         f"{a}-{b}": 2.0 for a in range(4) for b in range(a + 1, 4)})) is None
+
+
+def test_where_nothing_helps_the_plan_says_why():
+    """The plan stays as it is, and its notes say why: segments of unequal size (3 nodes, one
+    cut off by slow links), or a cut that would cost more than it saves (activations outweigh
+    the gradients)."""
+    odd = _problem(nodes=3, gpn=2, G=48, links={"0-2": 4.0, "1-2": 4.0})
+    res = plan(odd, seed=0, time_limit=5)
+    assert res.method != "links"
+    assert any("unequal numbers of TP groups (nodes [0, 1]: 4, nodes [2]: 2)" in n
+               for n in res.notes), res.notes
+    assert "note: slow links 0-2 x4, 1-2 x4" in res.summary()
+    heavy = _problem(links={"0-1": 4.0}, activation_mb=2000.0, grad_mb=1.0)
+    res = plan(heavy, seed=0, time_limit=5)
+    assert res.method != "links"
+    assert any("the one cut at them takes" in n and "cost more than the reductions" in n
+               for n in res.notes), res.notes
+    assert plan(_problem(links={"0-1": 4.0}), seed=0, time_limit=5).notes == ()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..job_layout import JobLayout, JobLayoutError
-from .straggler import StragglerError, _int
+from .straggler import StragglerError, _int, rate_window
 
 _KEYS = ("nodes", "ranks", "rate", "start_step", "end_step")
 
@@ -105,21 +105,7 @@ class LinkSchedule:
                 raise StragglerError(f"{where}.ranks=[{a}, {b}] are on nodes "
                                      f"{job.node_of(a)} and {job.node_of(b)}: name a "
                                      f"link between nodes by 'nodes'")
-            try:
-                rate = float(e.get("rate"))
-            except (TypeError, ValueError):
-                raise StragglerError(f"{where}.rate={e.get('rate')!r} is not a number") from None
-            if not rate >= 1.0 or rate == float("inf"):
-                raise StragglerError(f"{where}.rate={rate} must be a finite number >= 1.0 "
-                                     f"(1.0 = healthy; emulation can only slow a link down)")
-            start = _int(e.get("start_step", 0) or 0, f"{where}.start_step")
-            if start < 0:
-                raise StragglerError(f"{where}.start_step={start} must be >= 0")
-            end = e.get("end_step")
-            if end is not None:
-                end = _int(end, f"{where}.end_step")
-                if end <= start:
-                    raise StragglerError(f"{where}: end_step={end} must be > start_step={start}")
+            rate, start, end = rate_window(e, where, "link")
             out.append(LinkEntry((min(a, b), max(a, b)), key == "ranks", rate, start, end))
         return LinkSchedule(tuple(out), job)
 

@@ -112,21 +112,7 @@ class StragglerSchedule:
             if world_size is not None and rank >= world_size:
                 raise StragglerError(f"{where}.rank={rank} does not exist: the job has "
                                      f"world_size={world_size} ranks (0..{world_size - 1})")
-            try:
-                rate = float(e["rate"])
-            except (TypeError, ValueError):
-                raise StragglerError(f"{where}.rate={e['rate']!r} is not a number") from None
-            if not rate >= 1.0 or rate == float("inf"):
-                raise StragglerError(f"{where}.rate={rate} must be a finite number >= 1.0 "
-                                     f"(1.0 = healthy; emulation can only slow a rank down)")
-            start = _int(e.get("start_step", 0) or 0, f"{where}.start_step")
-            if start < 0:
-                raise StragglerError(f"{where}.start_step={start} must be >= 0")
-            end = e.get("end_step")
-            if end is not None:
-                end = _int(end, f"{where}.end_step")
-                if end <= start:
-                    raise StragglerError(f"{where}: end_step={end} must be > start_step={start}")
+            rate, start, end = rate_window(e, where, "rank")
             out.append(StragglerEntry(rank, rate, start, end))
         return StragglerSchedule(tuple(out), method)
 
@@ -230,6 +216,28 @@ class Straggler:
         if self._quota is not None and self.applied_rate != 1.0:
             self._quota.set_rate(1.0)
         self.applied_rate = 1.0
+
+
+def rate_window(e: Mapping[str, Any], where: str, what: str) -> tuple[float, int, int | None]:
+    """An entry's ``rate`` (a finite number >= 1.0) and steps ``[start_step, end_step)``, each
+    checked with a StragglerError naming ``where`` and the field; ``what`` is slowed ("rank",
+    "link")."""
+    try:
+        rate = float(e.get("rate"))
+    except (TypeError, ValueError):
+        raise StragglerError(f"{where}.rate={e.get('rate')!r} is not a number") from None
+    if not rate >= 1.0 or rate == float("inf"):
+        raise StragglerError(f"{where}.rate={rate} must be a finite number >= 1.0 "
+                             f"(1.0 = healthy; emulation can only slow a {what} down)")
+    start = _int(e.get("start_step", 0) or 0, f"{where}.start_step")
+    if start < 0:
+        raise StragglerError(f"{where}.start_step={start} must be >= 0")
+    end = e.get("end_step")
+    if end is not None:
+        end = _int(end, f"{where}.end_step")
+        if end <= start:
+            raise StragglerError(f"{where}: end_step={end} must be > start_step={start}")
+    return rate, start, end
 
 
 def _int(v: Any, where: str) -> int:

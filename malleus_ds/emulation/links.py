@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..job_layout import JobLayout, JobLayoutError
-from .straggler import StragglerError, _int, rate_window
+from .straggler import StragglerError, _int, check_keys, rate_window
 
 _KEYS = ("nodes", "ranks", "rate", "start_step", "end_step")
 
@@ -76,12 +76,7 @@ class LinkSchedule:
         out = []
         for i, e in enumerate(raw):
             where = f"straggler.link_schedule[{i}]"
-            if not isinstance(e, Mapping):
-                raise StragglerError(f"{where} must be a mapping with keys {list(_KEYS)}, "
-                                     f"got {e!r}")
-            unknown = sorted(set(e) - set(_KEYS))
-            if unknown:
-                raise StragglerError(f"{where} has unknown keys {unknown}; allowed: {list(_KEYS)}")
+            check_keys(e, where, _KEYS)
             given = [k for k in ("nodes", "ranks") if e.get(k) is not None]
             if len(given) != 1:
                 raise StragglerError(f"{where} names its link by exactly one of 'nodes' (two "

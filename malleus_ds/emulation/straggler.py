@@ -97,12 +97,7 @@ class StragglerSchedule:
         out = []
         for i, e in enumerate(raw):
             where = f"straggler.schedule[{i}]"
-            if not isinstance(e, Mapping):
-                raise StragglerError(f"{where} must be a mapping with keys {list(_KEYS)}, "
-                                     f"got {e!r}")
-            unknown = sorted(set(e) - set(_KEYS))
-            if unknown:
-                raise StragglerError(f"{where} has unknown keys {unknown}; allowed: {list(_KEYS)}")
+            check_keys(e, where, _KEYS)
             for k in ("rank", "rate"):
                 if k not in e or e[k] is None:
                     raise StragglerError(f"{where}.{k} is required")
@@ -216,6 +211,15 @@ class Straggler:
         if self._quota is not None and self.applied_rate != 1.0:
             self._quota.set_rate(1.0)
         self.applied_rate = 1.0
+
+
+def check_keys(e: Any, where: str, keys: tuple[str, ...]) -> None:
+    """A schedule entry is a mapping of ``keys`` only (a StragglerError names ``where``)."""
+    if not isinstance(e, Mapping):
+        raise StragglerError(f"{where} must be a mapping with keys {list(keys)}, got {e!r}")
+    unknown = sorted(set(e) - set(keys))
+    if unknown:
+        raise StragglerError(f"{where} has unknown keys {unknown}; allowed: {list(keys)}")
 
 
 def rate_window(e: Mapping[str, Any], where: str, what: str) -> tuple[float, int, int | None]:

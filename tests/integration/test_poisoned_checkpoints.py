@@ -129,7 +129,9 @@ def test_torch_and_deepspeed_files_are_refused_by_resume(saved, tmp_path):
     ck = _copy(saved, "deepspeed", tmp_path)
     optim = sorted((ck / "global_step2").glob("*optim_states.pt"))[-1]
     # DeepSpeed's own file names its loss scaler: poison it with something else as well
-    ck_obj = torch.load(optim, weights_only=False)
+    from malleus_ds.engine.ds_compat import load_deepspeed_file
+
+    ck_obj = load_deepspeed_file(optim, "cpu")      # weights-only, DeepSpeed's value classes
     ck_obj["extra"] = _Payload(marker)
     torch.save(ck_obj, optim)
     err = _refused_by_resume(tmp_path, ck, "deepspeed", marker)

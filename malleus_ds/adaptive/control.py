@@ -45,6 +45,7 @@ from .replan import (Decision, decide, fit_running_plan, fit_switch_seconds, job
                      job_problem)
 from .held import HOLD, held_ranks, probe_reference
 from .detect import Detector, trigger_kind
+from .link_watch import LinkWatch
 from .rates import RateEstimator, as_list
 from .work import cost_shape, cost_units
 from ..problem import given_slowdown, ideal_slowdown
@@ -80,6 +81,9 @@ class Controller:
         self.slowdown = self._slowdown(self.tp)
         self.est = RateEstimator(self.world, settings.detect.window)
         self.det = Detector(self.world, settings.detect) if self.rank == 0 else None
+        #: rank 0: the links' rates and their detection (``link_watch.py``; issue 35)
+        self.links = LinkWatch(job, settings.detect) if self.rank == 0 else None
+        self._decided_links: dict | None = None   # rank 0: the links a decision was made for
         # the last stage's output head, in layers: without it a healthy last stage reads slow
         self.head = (head_layers(job.problem) if job.problem is not None else
                      head_layer_units(job.param_table, job.seq_len, job.model_cfg.hidden_size))
@@ -160,6 +164,12 @@ class Controller:
         return bool(self.held[self.rank]) and probing.light(self.step_times, self.compute_times)
 
     @property
+    def measures_links(self) -> bool:
+        """Does every rank time its communication for link rates (``engine/comm_log.py``)? A
+        job on more than one node with the loop on; the same on every rank."""
+        return self.world > 1 and self.job.nodes > 1 and bool(self.s.enabled)
+
+    @property
     def working(self) -> bool:
         """Does this rank have work under the running plan?"""
         return self.plan.locate(self.rank) is not None
@@ -209,6 +219,8 @@ class Controller:
             return
         self.est.add(comp, self.units, probe, shape=self.shape, held=self.held)
         self.measured = self.est.rates(floor=self._floor)
+        if self.links is not None:
+            self.links.add(sums.comm, self.measured)
         self._seen += 1
         self._since_switch += 1
         if (self._missed is not None and self._client is not None and self._pending is None
@@ -222,8 +234,11 @@ class Controller:
                 or (step + 1) % self.s.detect.every):
             return
         trig = self.det.check(self.measured, idle=self.units <= 0)
+        moved = self.links.check()          # both detections keep their streaks every time
         if trig is not None:
             self._request(trig.kind, list(trig.rates), step + 1)
+        elif moved is not None:
+            self._request("link", self._normalised(), step + 1, links=moved)
 
     def step_done(self, seconds: float) -> None:
         self.step_times.append(seconds)
@@ -346,6 +361,7 @@ class Controller:
             self._probe.release()            # back at full work: free the probe's block
         if self.det is not None:
             self.det.planned_for(rates if rates is not None else self._normalised())
+            self._links_planned()
             self._promise()
 
     def considered(self, rates: list[float] | None) -> None:
@@ -354,7 +370,14 @@ class Controller:
             self._hold(rates)
         if self.det is not None:
             self.det.planned_for(rates if rates else self._normalised())
+            self._links_planned()
             self._promise()
+
+    def _links_planned(self) -> None:
+        """Rank 0, after a decision (adopted or not): the links it was made for (a scripted
+        switch: today's reading) are the link detection's reference."""
+        got, self._decided_links = self._decided_links, None
+        self.links.planned_for(got)
 
     def _hold(self, rates: list[float | None]) -> None:
         """The ranks the running plan treats as slow (:func:`~malleus_ds.adaptive.held.held_ranks`,
@@ -374,15 +397,18 @@ class Controller:
         period of identical steps apart (:meth:`period`) may :meth:`skip` whole periods: they
         would change nothing but the step counters."""
         c, d = self.check, self.det
+        ld = self.links.det if self.links is not None else None
         if (self._pending is not None or self._result is not None or self.ready
                 or self._missed is not None or self.forced or self._skip or self._judge_skip
-                or d is None or d.streak or d.cooldown or self._seen < self.s.detect.window):
+                or d is None or d.streak or d.cooldown or self._seen < self.s.detect.window
+                or (ld is not None and (ld.streak or ld.cooldown))):
             return None
         if c is not None and not c.settled():
             return None
         return (self.plan.id, self.measured.tobytes(), self.est.beta, self.est.gamma,
                 self.held.tobytes(), self.probe_ref, d.planned.tobytes(), self._scale,
-                self.pace.seconds, None if c is None else c.state())
+                self.pace.seconds, None if c is None else c.state(),
+                None if ld is None else (ld.planned.tobytes(), self.links.measured().tobytes()))
 
     def period(self) -> int:
         """Steps after which every periodic part of the loop (detection, probes, the work
@@ -420,6 +446,8 @@ class Controller:
         if pr is None:
             return None
         r = {d: float(x) for d, x in enumerate(rates) if x is not None and x > 1.0}
+        if self.links is not None:
+            pr = self.links.problem(pr, self.links.planned(), self.links.comm)
         try:
             return step_time(pr.with_rates(r, current_plan=plan), plan)
         except (PlanError, ValueError):
@@ -444,10 +472,12 @@ class Controller:
         self.check.expect(self.plan.id, T * scale if T else None, why)
 
     def _track_pace(self, seconds: float) -> None:
-        """A step of the first plan with every rank healthy: the job's healthy pace."""
+        """A step of the first plan with every rank and link healthy: the job's healthy pace."""
         if self.plan.id != self._first_plan.id or not np.all(
                 self.det.normalise(self.measured) == 1.0) or np.isnan(self.measured).any():
             return
+        if self.links.planned() or self.links.normalised():
+            return                   # a slow link: not the job's healthy pace
         if self.pace.model_s is None:
             T = self._model_s(self._first_plan, [1.0] * self.world)
             if T is None:
@@ -536,21 +566,33 @@ class Controller:
         return self._problem
 
     def _request(self, trigger: str, rates: list[float], step: int, why: str | None = None,
-                 check_step: int | None = None, note: str | None = None) -> None:
+                 check_step: int | None = None, note: str | None = None,
+                 links: dict | None = None) -> None:
+        """Ask the planner for ``rates`` and the slow ``links`` (None: today's reading)."""
         pr = self._job_problem()
         if pr is None:
             self._result = self._error(trigger, step, self.disabled_reason)
             return
         pr = pr.with_rates({d: r for d, r in enumerate(rates) if r > 1.0},
                            current_plan=self.plan)
+        links = self.links.normalised() if links is None else links
+        comm = None
+        if links:
+            comm = self.links.comm_section(self._seconds_per_unit(pr))
+            if comm is None:
+                note = "; ".join(x for x in (note, f"slow links {_link_json(links)} left "
+                                 f"out: their costs are not measured yet") if x)
+                links = {}
+            pr = self.links.problem(pr, links, comm)
         self._pending = {"trigger": trigger, "rates": rates, "step": step, "problem": pr,
                          "gen": self._generation, "t0": time.perf_counter(), "check": why,
-                         "check_step": check_step, "note": note}
+                         "check_step": check_step, "note": note, "links": links,
+                         "comm": comm}
         # every rank healthy: no margin, so the plan made for a straggler that has left goes
         # when the user's layout is any faster (the cost rule still weighs the migration; the
         # margin guards against noisy straggler rates, and there are none). A replay found the
         # margin kept a plan 2.8% slower than the user's layout for the rest of a day.
-        margin = 0.0 if all(r <= 1.0 for r in rates) else self.s.min_improvement
+        margin = 0.0 if all(r <= 1.0 for r in rates) and not links else self.s.min_improvement
         self._client.request({"problem": pr.to_json(), "seed": step, "forced": trigger == "forced",
                               "time_limit": self.s.planner_time_limit_s,
                               "min_improvement": margin})
@@ -587,6 +629,12 @@ class Controller:
             self.check.acted(changed=res.plan is not None)
         if p.get("note"):
             res.event["reason"] = f"{p['note']}; {res.event['reason']}"
+        if self.links.active:
+            res.event["link_rates"] = _link_json(p["links"])
+            res.event["measured_link_rates"] = _link_json(self.links.measured_map())
+        self._decided_links = p["links"]
+        if p["links"]:
+            self.links.comm = p["comm"]
         self._result = res
 
     def _overtaken(self, p: dict) -> bool:
@@ -633,6 +681,21 @@ class Controller:
         return Decision({"event": "replan", "step": step, "trigger": trigger, "adopted": False,
                          "reason": why, "measured_rates": as_list(self.measured)}, None)
 
+    def _seconds_per_unit(self, pr: Problem) -> float | None:
+        """Seconds of one cost-model unit: the healthy pace, else the last re-plan's
+        calibration, else the running plan's median step over its model time now."""
+        from ..cost import step_time
+
+        got = self.pace.scale or self._scale
+        if got:
+            return got
+        if not self.step_times:
+            return None
+        try:
+            return float(np.median(self.step_times)) / step_time(pr, self.plan)
+        except (PlanError, ValueError):
+            return None
+
     def _bytes_for(self, new: Plan) -> int:
         from ..migrate.transfer import Layout, transfer_plan
 
@@ -657,3 +720,8 @@ class Controller:
             else self.s.migrate_gbps * 1e9
         fixed = min((m.seconds for m in self.migrations if m.bytes == 0), default=0.05)
         return fixed + nbytes / bw
+
+
+def _link_json(links) -> dict[str, float]:
+    """``{(a, b): rate}`` as JSON's ``{"a-b": rate}`` (``Problem.link_rates``' form)."""
+    return {f"{a}-{b}": float(r) for (a, b), r in sorted(links.items())}

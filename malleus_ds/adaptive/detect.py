@@ -32,6 +32,10 @@ class DetectConfig:
     confirm: int = 2        # ...in this many consecutive detections (hysteresis)
     cooldown: int = 2       # detections skipped after a planning attempt
     probe_every: int = 2    # a rank without work times its probe every N steps
+    #: a link's smoothed rate below this counts as healthy (``link_watch.py``): the waits on a
+    #: collective scatter far more from step to step than compute (healthy readings of a
+    #: 0.2 MB all-reduce of 4 ranks on 2 cores spanned 0.6-2.7x their median)
+    link_healthy: float = 2.0
 
     def check(self) -> None:
         """Raise ``ValueError`` naming ``malleus.detect.<field>=<value>`` for a bad field."""
@@ -39,7 +43,8 @@ class DetectConfig:
                  ("healthy", self.healthy >= 1.0, ">= 1.0 (1.0 = healthy)"),
                  ("change", self.change > 0, "> 0 (relative, e.g. 0.3 = 30%)"),
                  ("confirm", self.confirm >= 1, ">= 1"), ("cooldown", self.cooldown >= 0, ">= 0"),
-                 ("probe_every", self.probe_every >= 1, ">= 1"))
+                 ("probe_every", self.probe_every >= 1, ">= 1"),
+                 ("link_healthy", self.link_healthy >= 1.0, ">= 1.0 (1.0 = healthy)"))
         for name, ok, need in rules:
             if not ok:  # NaN fails every comparison, so it is rejected too
                 raise ValueError(f"detect.{name}={getattr(self, name)!r} must be {need}")

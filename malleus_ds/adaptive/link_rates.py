@@ -10,7 +10,7 @@ Attribution (:class:`LinkEstimator`), one step at a time:
 
 1. **Seconds per MB against a healthy reference.** Ops are compared within their *kind* and
    *scope* (inside one node, or across nodes: another bandwidth). The reference of a kind and
-   scope is a low quantile of the seconds per MB its ops took over a long history: the link's
+   scope is the median of the seconds per MB its ops took over a long history: the link's
    healthy speed, learned from the readings that were healthy (below ``healthy`` times the
    reference), so a long slow spell does not become the reference. (A cluster of two nodes has
    one link, which every cross-node op crosses: a comparison within one step cannot tell it is
@@ -35,14 +35,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from .detect import HEALTHY
 
-#: the reference is this quantile of a kind's healthy-scope history (seconds per MB)
-REF_QUANTILE = 0.1
+#: the reference is this quantile of a kind's healthy-scope history (seconds per MB): the
+#: median, so a healthy op reads 1.0 typically (a low quantile made the typical healthy
+#: reading of a noisy all-reduce 1.6x)
+REF_QUANTILE = 0.5
 #: ops of a kind and scope needed in the history before its reference counts
 MIN_HISTORY = 8
 
@@ -110,10 +112,17 @@ class LinkEstimator:
             return None
         return float(np.quantile(np.fromiter(h, float), REF_QUANTILE))
 
-    def add(self, ops: Iterable[CommOp], compute_rates: Sequence[float] | None = None) -> None:
+    def add(self, ops: Iterable[CommOp], compute_rates: Sequence[float] | None = None,
+            believed: Mapping[Link, float] | None = None) -> None:
         """One step's ops; ``compute_rates[r]``: rank ``r``'s compute rate (NaN or missing:
-        not known, taken as healthy)."""
+        not known, taken as healthy); ``believed``: the links the running plan was made for as
+        slow (link -> rate; missing: 1.0). An op across a link believed slow teaches the
+        reference its seconds per MB over that rate, when it reads as the belief says (within
+        ``healthy``'s margin either way): a kind of op that first crosses the link after a
+        switch made for it (a pipeline boundary moved onto it) learns the link's healthy
+        speed, not its slow one, and the link's recovery is then seen."""
         cr = np.asarray(compute_rates if compute_rates is not None else [], dtype=float)
+        believed = believed or {}
 
         def slow(r: int) -> bool:
             return r < cr.size and bool(cr[r] >= self.healthy)
@@ -128,14 +137,20 @@ class LinkEstimator:
         learn = []
         for key, links, spm in kept:
             ref = self._reference(key)
+            b = max([float(believed.get(ln, 1.0)) for ln in links] + [1.0])
             s = 1.0 if ref is None else spm / ref
-            if s < self.healthy:          # only healthy readings teach the reference
-                learn.append((key, spm))
+            if ref is None or (s < b * self.healthy and (b == 1.0 or s > b / self.healthy)):
+                learn.append((key, spm / b))      # only healthy readings teach the reference
             if ref is not None and links:
                 read.append((links, max(1.0, s)))
         for key, spm in learn:            # after reading: a step does not judge itself
             self._hist.setdefault(key, deque(maxlen=self._history)).append(spm)
         self._rows.append(attribute(read, self.healthy))
+
+    def seconds_per_mb(self, kind: str, across: bool) -> float | None:
+        """The healthy seconds per MB of ``kind``'s ops across nodes (``across``) or inside
+        one, or None until learned."""
+        return self._reference((kind, across))
 
     def rates(self) -> dict[Link, float]:
         """Per link measured in the window: the median of its per-step rates."""

@@ -7,6 +7,7 @@ used on its own keeps one built from ``ds_config.malleus.straggler``.
 """
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager
 
@@ -53,6 +54,9 @@ class ComputeClock:
         self._sleep = sleep
         #: this step's seconds slept by the link emulation after messages and collectives
         self.link_emulated_s = 0.0
+        #: where timed communication goes (``comm_log.py``'s CommLog: link rates; None: no log)
+        self.comm_log = None
+        self._fastest: dict[tuple, float] = {}    # (kind, ranks) -> least seconds per MB seen
         self.step = 0
         self._compute_s = 0.0
         self.emulated_s = 0.0
@@ -73,6 +77,8 @@ class ComputeClock:
     def start_step(self, step: int) -> None:
         self.step, self._compute_s, self.emulated_s, self.wait_s = step, 0.0, 0.0, 0.0
         self.link_emulated_s = 0.0
+        if self.comm_log is not None:
+            self.comm_log.start_step()
         self._events = []
         self._sync = self.cuda and self._emulating(step)
         if self.straggler is not None:
@@ -186,14 +192,33 @@ class ComputeClock:
         return t
 
     @contextmanager
-    def comm(self, ranks):
-        """Time a blocking communication between ``ranks`` and apply :meth:`after_comm`."""
-        if self.links is None:
+    def comm(self, ranks, mb: float = 0.0, kind: str = "p2p"):
+        """Time a blocking communication between ``ranks`` (``kind`` "p2p": this rank and the
+        peer it receives from; "dp": a bucket's reduction) moving ``mb``, apply the link
+        emulation (:meth:`after_comm`), and log it, the emulated wait included
+        (:attr:`comm_log`).
+
+        The emulation waits ``(rate - 1) x`` the *wire's* time, not the wait's: the fastest
+        seconds per MB this rank has seen of this communication, times ``mb``. A receive also
+        waits for its peer to get there, and in a pipeline across the link the peer may be
+        late by its own emulated wait: slowing the whole wait fed that back, message after
+        message (4 ranks, 2-stage pipelines across a link at rate 8: 5-19 s steps instead of
+        0.2 s)."""
+        if self.links is None and self.comm_log is None:
             yield
             return
         t0 = time.perf_counter()
         yield
-        self.after_comm(ranks, time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        base = dt
+        if mb > 0:
+            key = (kind, tuple(ranks))
+            fastest = min(self._fastest.get(key, math.inf), dt / mb)
+            self._fastest[key] = fastest
+            base = fastest * mb
+        dt += self.after_comm(ranks, base)
+        if self.comm_log is not None:
+            self.comm_log.add(kind, ranks, mb, dt)
 
     def add(self, seconds: float, wall: float | None = None) -> None:
         """Account ``seconds`` of measured compute (device time: on CPU, net of waits for a core),

@@ -331,8 +331,10 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         # and the adaptive loop's per-rank timings and rank 0's "decision ready" flag.
         compute_s = self.clock.compute_s
         ready, probe = self.control.contribute(compute_s)
+        log = self.clock.comm_log
         red = self.reduction.vector(ready=ready, compute_s=compute_s, probe_per_unit=probe,
-                                    device=self.device)
+                                    device=self.device,
+                                    comm=log.values() if log is not None else None)
         if self.is_last_stage and self.tp_rank == 0:
             self.reduction.set_loss(red, self._loss_sum)   # on the device until now
         if self.precision.check_overflow:        # counted on the device: no host sync per bucket
@@ -431,6 +433,22 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         the adaptive loop: ``malleus_ds/app/loop.py``); every rank attaches one alike."""
         self.control.close()
         self.control = loop
+        self._log_comm()
+
+    def _log_comm(self) -> None:
+        """Time this rank's communication into the clock's comm log (``comm_log.py``) when
+        the attached loop measures links (``measures_links``) and the clock runs on the host
+        (on CUDA the host does not wait for a receive: not measured yet)."""
+        from .comm_log import CommLog
+
+        clock, loop = getattr(self, "clock", None), getattr(self, "control", None)
+        if clock is None:
+            return
+        want = bool(getattr(loop, "measures_links", False)) and not clock.cuda
+        if want and clock.comm_log is None:
+            clock.comm_log = CommLog(lambda r: self.job.node_of(r))
+        elif not want:
+            clock.comm_log = None
 
     def switch_plan(self, new_plan, rates=None):
         """Move this running engine to ``new_plan`` (a Plan, path or plan JSON) in place:
@@ -463,6 +481,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
             clock = ComputeClock(self.straggler, str(self.device).startswith("cuda"))
         self.clock = clock
         tensor_parallel.set_comm_context(clock.excluded)
+        self._log_comm()
 
     @property
     def compute_seconds(self) -> float:

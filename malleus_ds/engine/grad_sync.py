@@ -104,15 +104,17 @@ class GradSync:
                 d.copy_(w)
 
     def reduce(self, clock=None) -> list[tuple[torch.Tensor, int]]:
-        """Each bucket reduced over its replicas; ``clock``: a ``ComputeClock`` whose link
-        emulation (``ComputeClock.comm``) slows the reductions that cross a slow link."""
+        """Each bucket reduced over its replicas; ``clock``: a ``ComputeClock`` that times each
+        reduction (``ComputeClock.comm``: its link emulation slows the reductions that cross a
+        slow link, its comm log records them)."""
         if len(self.flats) != len(self.buckets):
             raise RuntimeError("GradSync.reduce before zero_(): no gradient buffers this step")
         out = []
-        timed = clock is not None and clock.links is not None
-        for grp, flat, part, off in zip(self.groups, self.flats, self.parts, self.offsets):
-            ctx = clock.comm(dist.get_process_group_ranks(grp)) if timed and grp is not None \
-                else nullcontext()
+        timed = clock is not None and (clock.links is not None or clock.comm_log is not None)
+        for b, grp, flat, part, off in zip(self.buckets, self.groups, self.flats, self.parts,
+                                           self.offsets):
+            ctx = clock.comm(b.ranks, flat.numel() * flat.element_size() / 1e6, "dp") \
+                if timed and grp is not None else nullcontext()
             with ctx:
                 if part is not None:
                     dist.reduce_scatter_tensor(part, flat, group=grp)

@@ -13,6 +13,8 @@ slot                        what each rank puts there (the sum is what every ran
 ``READY``                   rank 0: 1.0 when an adaptive-loop decision waits to be broadcast
 ``COMPUTE + d``             rank d: its compute seconds this step
 ``PROBE + d``               rank d: its probe's seconds per cost unit (0: no probe)
+``COMM + d*SLOTS + i``      rank d: its timed communication of the step, ``comm_log.py``
+                            (zeros: none timed)
 ==========================  =================================================================
 
 :class:`StepReduction` owns the layout: the engine fills its own slots (:meth:`vector`,
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .comm_log import SLOTS, decode
+
 
 @dataclass(frozen=True)
 class StepSums:
@@ -36,6 +40,9 @@ class StepSums:
     ready: bool                 # rank 0 has a decision to broadcast
     compute_s: np.ndarray       # per rank: compute seconds this step
     probe_s: np.ndarray         # per rank: probe seconds per cost unit, NaN where none
+    #: the step's timed communication, ``(kind, ranks, MB, seconds)`` each
+    #: (``comm_log.decode``; empty: not logged)
+    comm: tuple = ()
 
 
 class StepReduction:
@@ -49,15 +56,23 @@ class StepReduction:
             raise ValueError(f"StepReduction: rank {rank} outside a world of {world}")
         self.world, self.rank = world, rank
         self.PROBE = self.COMPUTE + world
-        self.size = self.PROBE + world
+        self.COMM = self.PROBE + world
+        self.size = self.COMM + world * SLOTS
 
     def vector(self, *, ready: bool, compute_s: float, probe_per_unit: float,
-               device) -> torch.Tensor:
-        """This rank's contribution, all its slots but the loss and the non-finite count."""
+               device, comm: list[float] | None = None) -> torch.Tensor:
+        """This rank's contribution, all its slots but the loss and the non-finite count;
+        ``comm``: its comm log's numbers (``CommLog.values``; None: not logged)."""
         vals = [0.0] * self.size
         vals[self.READY] = 1.0 if ready else 0.0
         vals[self.COMPUTE + self.rank] = float(compute_s)
         vals[self.PROBE + self.rank] = float(probe_per_unit) if probe_per_unit > 0 else 0.0
+        if comm is not None:
+            if len(comm) != SLOTS:
+                raise ValueError(f"StepReduction.vector: {len(comm)} comm values, expected "
+                                 f"{SLOTS}")
+            at = self.COMM + self.rank * SLOTS
+            vals[at:at + SLOTS] = [float(x) for x in comm]
         return torch.tensor(vals, dtype=torch.float64, device=device)     # one copy to the device
 
     def set_loss(self, v: torch.Tensor, loss_sum) -> None:
@@ -76,8 +91,9 @@ class StepReduction:
             raise ValueError(f"StepReduction.read: {len(s)} values, expected {self.size}")
         probe = np.asarray(s[self.PROBE:self.PROBE + self.world], dtype=float)
         probe[probe <= 0] = np.nan
+        comm = np.asarray(s[self.COMM:], dtype=float).reshape(self.world, SLOTS)
         return StepSums(loss=s[self.LOSS], overflow=s[self.NONFINITE] > 0,
                         ready=s[self.READY] > 0.5,
                         compute_s=np.asarray(s[self.COMPUTE:self.COMPUTE + self.world],
                                              dtype=float),
-                        probe_s=probe)
+                        probe_s=probe, comm=tuple(decode(comm)) if comm.any() else ())

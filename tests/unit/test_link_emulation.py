@@ -41,6 +41,28 @@ def test_the_clock_waits_rate_minus_one_times_the_message():
         pass
 
 
+def test_the_clock_slows_the_wire_not_the_wait_and_logs_the_message(monkeypatch):
+    """A receive's wait holds its peer's lateness too: the emulation waits ``(rate - 1) x`` the
+    fastest seconds per MB seen of that message, so a late peer's own emulated wait is not fed
+    back into the next message (``ComputeClock.comm``); the log records wire + emulated wait."""
+    from malleus_ds.engine import clock as clock_mod
+    from malleus_ds.engine.comm_log import CommLog
+
+    now = [0.0]
+    monkeypatch.setattr(clock_mod.time, "perf_counter", lambda: now[0])
+    slept = []
+    clock = ComputeClock(links=LinkSchedule.parse([{"nodes": [0, 1], "rate": 3.0}], 4, 2),
+                         sleep=slept.append)
+    clock.comm_log = CommLog(lambda r: r // 2)
+    clock.start_step(0)
+    for took in (0.010, 0.050, 0.004):         # 2 MB each: 5, 25, then 2 ms/MB
+        with clock.comm((2, 0), 2.0):
+            now[0] += took
+    assert slept == [pytest.approx(0.020), pytest.approx(0.020), pytest.approx(0.008)]
+    # logged at its least: 4 ms of wire + 8 ms emulated over 2 MB
+    assert clock.comm_log.values()[:3] == [1.0, 2.0, pytest.approx(0.006)]
+
+
 @pytest.mark.parametrize("links,msg", [
     ([{"nodes": [0, 2], "rate": 2.0}], r"link_schedule\[0\].nodes: node 2 does not exist: the "
                                        r"job has 2 nodes \(0..1\), 2 ranks per node"),

@@ -1,0 +1,98 @@
+"""This rank's timed communication of one step, summed up for the step's all-reduce (issue 35).
+
+The clock (``clock.py``, :meth:`ComputeClock.comm`) times every pipeline receive and every
+gradient-bucket reduction, each as the wait on its work handle (CPU: the host waits; the
+emulated slow link's extra wait included), and hands it here. At the end of the step the rank
+puts :data:`SLOTS` numbers into its slots of the step's one all-reduce
+(``step_reduce.py``):
+
+* per pipeline peer it received from (at most two: the activation's source and the
+  gradient's), ``[peer + 1, MB per message, least seconds per MB over the step's messages]``.
+  The least: a receive also waits for the peer to get there (the pipeline's bubbles, a slow
+  stage upstream); the message that waited least is the one closest to the wire's own time;
+* the bucket reduction it reports, ``[key, members, MB, seconds]``: of the buckets whose
+  members sit on more than one node the largest, else the largest inside the node (the
+  intra-node bandwidth). ``key`` names the bucket's rank set (the same number on every
+  member), so rank 0 can gather its members' readings; the least of them is the member that
+  arrived last, whose wait is the reduction alone (``adaptive/link_rates.py``).
+
+numpy-free; nothing here synchronises.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Callable, Sequence
+
+#: numbers one rank adds to the step's all-reduce: two pipeline peers x 3, one bucket x 4
+P2P_PEERS = 2
+SLOTS = 3 * P2P_PEERS + 4
+
+
+def bucket_key(ranks: Sequence[int]) -> float:
+    """A number naming a rank set, the same on every rank (exact in float64), never 0."""
+    return float(zlib.crc32(",".join(map(str, ranks)).encode()) % (1 << 31) + 1)
+
+
+class CommLog:
+    """One rank's timed communication, one step at a time (module doc). ``node_of``: rank ->
+    node (``JobLayout.node_of``)."""
+
+    def __init__(self, node_of: Callable[[int], int]) -> None:
+        self.node_of = node_of
+        self.start_step()
+
+    def start_step(self) -> None:
+        self._p2p: dict[int, tuple[float, float]] = {}        # peer -> (MB, least s per MB)
+        self._coll: dict[tuple[int, ...], list[float]] = {}    # ranks -> [MB, seconds]
+
+    def add(self, kind: str, ranks: Sequence[int], mb: float, seconds: float) -> None:
+        """A timed communication: ``kind`` "p2p" (``ranks`` = (this rank, the peer it received
+        from)) or "dp" (a bucket's reduction over ``ranks``), ``mb`` moved, ``seconds``."""
+        if mb <= 0 or seconds < 0:
+            return
+        if kind == "p2p":
+            peer = int(ranks[-1])
+            spm = seconds / mb
+            old = self._p2p.get(peer)
+            if old is None or spm < old[1]:
+                self._p2p[peer] = (mb, spm)
+        else:
+            acc = self._coll.setdefault(tuple(int(r) for r in ranks), [0.0, 0.0])
+            acc[0] += mb
+            acc[1] += seconds
+
+    def values(self) -> list[float]:
+        """The :data:`SLOTS` numbers of this step (module doc); zeros where nothing was timed."""
+        out = [0.0] * SLOTS
+        for i, (peer, (mb, spm)) in enumerate(sorted(self._p2p.items())[:P2P_PEERS]):
+            out[3 * i:3 * i + 3] = [peer + 1.0, mb, spm]
+        if self._coll:
+            def rank_of(item):
+                ranks, (mb, _) = item
+                crosses = len({self.node_of(r) for r in ranks}) > 1
+                return (crosses, mb, ranks)
+            ranks, (mb, s) = max(self._coll.items(), key=rank_of)
+            out[3 * P2P_PEERS:] = [bucket_key(ranks), float(len(ranks)), mb, s]
+        return out
+
+
+def decode(comm) -> list[tuple[str, tuple[int, ...], float, float]]:
+    """Every rank's slots of one step (``comm[d]``: rank ``d``'s :data:`SLOTS` numbers) as
+    timed operations ``(kind, ranks, MB, seconds)``: a pipeline receive per rank and peer
+    (``("p2p", (rank, peer), ...)``, at its least seconds per MB), and a bucket reduction per
+    key, over the members that reported it, at the least of their seconds (the member that
+    arrived last: the reduction's own time), with the MB one member moves in a ring,
+    ``2 (k-1)/k`` of the bucket."""
+    ops, buckets = [], {}
+    for d, row in enumerate(comm):
+        for i in range(P2P_PEERS):
+            peer, mb, spm = (float(x) for x in row[3 * i:3 * i + 3])
+            if peer > 0 and mb > 0 and spm > 0:
+                ops.append(("p2p", (d, int(peer) - 1), mb, spm * mb))
+        key, k, mb, s = (float(x) for x in row[3 * P2P_PEERS:SLOTS])
+        if key > 0 and k >= 2 and mb > 0 and s > 0:
+            buckets.setdefault((key, k, mb), []).append((d, s))
+    for (_, k, mb), members in sorted(buckets.items()):
+        ranks = tuple(sorted(d for d, _ in members))
+        ops.append(("dp", ranks, 2.0 * (k - 1) / k * mb, min(s for _, s in members)))
+    return ops

@@ -1,0 +1,143 @@
+"""Rank 0's link rates, their detection and the planning problem's link terms
+(``adaptive/link_watch.py``), from synthetic per-step reductions; and the loop with no engine
+(``control.py``) re-planning around a slow link with the real planner process: 4 ranks as
+2 nodes of 2, data parallel over both nodes."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from malleus_ds.adaptive.control import Controller
+from malleus_ds.adaptive.detect import DetectConfig
+from malleus_ds.adaptive.job import JobSpec
+from malleus_ds.adaptive.link_watch import LinkWatch
+from malleus_ds.adaptive.settings import AdaptiveSettings
+from malleus_ds.adaptive.work import cost_units
+from malleus_ds.engine.step_reduce import StepSums
+from malleus_ds.job_layout import JobLayout
+from malleus_ds.models.llama import PRESETS
+from malleus_ds.plan import Plan, static_plan
+from malleus_ds.problem import Problem
+
+WORLD, GPN = 4, 2
+SPM = 0.004            # healthy seconds per MB of a ring member's share across nodes
+MB = 3.0
+
+
+def _spec(plan):
+    return JobSpec.of_model(PRESETS["tiny"], plan, world=WORLD, job=JobLayout(WORLD, GPN))
+
+
+def _ops(rng, rate=1.0, spread=(0.6, 2.7)):
+    """One step: the reduction over all 4 ranks (crosses the link) at ``rate``, scattered as
+    healthy readings of a small all-reduce on shared cores are; and pipeline receives that
+    say nothing (their waits are the peers' lateness)."""
+    s = MB * SPM * rate * rng.uniform(*spread) ** rng.choice([0.3, 1.0])
+    return [("dp", (0, 1, 2, 3), MB, s), ("p2p", (2, 0), 0.01, rng.uniform(0.001, 1.0))]
+
+
+def test_healthy_noise_is_not_a_slow_link_and_a_slow_one_is_read_within_a_few_steps():
+    rng = np.random.default_rng(1)
+    plan = static_plan(4, 8, 1, 1, 1, WORLD)
+    w = LinkWatch(_spec(plan), DetectConfig(every=1))
+    assert w.active and w.links == [(0, 1)]
+    for _ in range(60):
+        w.add(_ops(rng), [1.0] * WORLD)
+        assert w.check() is None, w.measured_map()
+    for k in range(8):
+        w.add(_ops(rng, rate=6.0), [1.0] * WORLD)
+        got = w.check()
+        if got is not None:
+            break
+    assert got is not None and k <= 5, (k, w.measured_map())
+    assert 3.0 <= got[(0, 1)] <= 12.0, got
+    # the comm section: the healthy bandwidth of the reductions, one layer's fp32 gradients
+    comm = w.comm_section(0.01)
+    assert comm["layer_ms"] == pytest.approx(10.0)
+    assert 1 / (comm["inter_node_gbps"] * 1e3) == pytest.approx(SPM, rel=0.35)
+    assert comm["intra_node_gbps"] == comm["inter_node_gbps"]     # none ran inside a node
+    cfg = PRESETS["tiny"]
+    assert comm["grad_mb"] == pytest.approx(
+        sum(np.prod(p.shape) for p in _spec(plan).param_table.owned(0)) * 4 / 1e6)
+    assert comm["activation_mb"] == pytest.approx(cfg.max_seq_len * cfg.hidden_size * 4 / 1e6)
+    pr = w.problem(Problem.from_json(_problem()), got, comm)
+    assert pr.link_rate(0, 1) == got[(0, 1)] and pr.extra["comm"] == comm
+    assert w.comm_section(None) is None
+
+
+def test_a_link_first_crossed_after_a_switch_made_for_it_learns_its_healthy_speed():
+    """Belief: after a plan made for the link at 5x, the reductions crossing it first (no
+    reference yet) teach the reference their seconds over 5; the link then reads 5 while slow
+    and 1 once it recovers."""
+    rng = np.random.default_rng(2)
+    w = LinkWatch(_spec(static_plan(4, 8, 1, 1, 1, WORLD)), DetectConfig(every=1))
+    w.planned_for({(0, 1): 5.0})
+    for _ in range(20):
+        w.add(_ops(rng, rate=5.0, spread=(0.9, 1.1)), [1.0] * WORLD)
+    assert w.measured_map()[(0, 1)] == pytest.approx(5.0, rel=0.15)
+    assert w.check() is None
+    for _ in range(6):
+        w.add(_ops(rng, spread=(0.9, 1.1)), [1.0] * WORLD)
+    assert w.measured_map()[(0, 1)] == 1.0
+    assert w.normalised() == {}
+
+
+def test_a_job_on_one_node_has_no_links():
+    w = LinkWatch(JobSpec.of_model(PRESETS["tiny"], static_plan(4, 8, 1, 1, 1, 4)),
+                  DetectConfig())
+    assert not w.active and w.check() is None and w.normalised() == {}
+    w.add([("dp", (0, 1), 1.0, 0.1)], [1.0] * 4)
+
+
+def _problem():
+    return {"version": 1, "name": "t", "cluster": {"nodes": 2, "gpus_per_node": 2},
+            "model": {"num_layers": 4},
+            "training": {"global_batch_size": 8, "micro_batch_size": 1, "tp": 1, "pp": 1,
+                         "dp": 4}}
+
+
+def test_the_loop_replans_around_a_slow_link_with_no_engine():
+    """The real loop and planner process: healthy for 20 steps, then the link 20x slow. The
+    loop reads it, asks the planner with the link's rate and the measured comm section, and
+    adopts two-stage pipelines cut at the link (every reduction inside a node)."""
+    rng = np.random.default_rng(3)
+    plan = static_plan(4, 8, 1, 1, 1, WORLD)
+    spec = _spec(plan)
+    ctl = Controller(spec, AdaptiveSettings(detect=DetectConfig(every=1),
+                                            tp_slowdown="ideal", planner_time_limit_s=0.5), plan)
+    events = []
+    try:
+        for step in range(40):
+            for ev, pj in ctl.before_step(step):
+                events.append(ev)
+                if pj is not None:
+                    plan = Plan.from_json(pj)
+                    ctl.switched(plan, ev.get("rates_for", ev.get("measured_rates")),
+                                 migration=SimpleNamespace(bytes=1 << 20, seconds=0.01))
+                else:
+                    ctl.considered(ev.get("measured_rates"))
+            rate = 20.0 if step >= 20 else 1.0
+            units = cost_units(plan, WORLD, 1, {1: 1.0}, ctl.head)
+            comp = units * 0.002 * rng.uniform(0.97, 1.03, WORLD)
+            # the first stages' reduction crosses the link when they sit on both nodes
+            crossing = len({r // GPN for p in plan.pipelines for r in p.stages[0].ranks}) > 1
+            ops = _ops(rng, rate=rate, spread=(0.8, 1.25)) if crossing else \
+                [("dp", (0, 1), MB, MB * SPM * rng.uniform(0.9, 1.1))]
+            ready, _ = ctl.contribute(float(comp[0]), 0.0)
+            ctl.observe(step, StepSums(loss=0.0, overflow=False, ready=ready, compute_s=comp,
+                                       probe_s=np.full(WORLD, np.nan), comm=tuple(ops)))
+            reduce_s = ops[0][3] if crossing else 0.0
+            ctl.step_done(float(comp.max()) + reduce_s)
+            ctl.wait_planner()
+    finally:
+        ctl.close()
+    link = [e for e in events if e["trigger"] == "link" and e.get("link_rates")]
+    assert link and link[0]["detected"] <= 20 + 8, events
+    assert link[0]["link_rates"]["0-1"] >= 5.0, link[0]
+    assert [e for e in events if e["detected"] < 21] == [], events
+    assert any(e["adopted"] for e in link), events
+    for p in plan.pipelines:            # ends cut at the link: stage 0 on one node, 1 on the other
+        assert [{r // GPN for r in st.ranks} for st in p.stages] in ([{0}, {1}], [{1}, {0}]), \
+            plan.to_json()

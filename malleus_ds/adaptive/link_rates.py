@@ -11,8 +11,8 @@ Attribution (:class:`LinkEstimator`), one step at a time:
 1. **Seconds per MB against a healthy reference.** Ops are compared within their *kind* and
    *scope* (inside one node, or across nodes: another bandwidth). The reference of a kind and
    scope is the median of the seconds per MB its ops took over a long history: the link's
-   healthy speed, learned from the readings that were healthy (below ``healthy`` times the
-   reference), so a long slow spell does not become the reference. (A cluster of two nodes has
+   healthy speed, learned from the ops across links whose windowed rate reads healthy (below
+   ``healthy``), so a long slow spell does not become the reference. (A cluster of two nodes has
    one link, which every cross-node op crosses: a comparison within one step cannot tell it is
    slow; and a link slow from the job's first step reads healthy until it recovers.) An op's
    slowdown is its seconds per MB over that reference.
@@ -135,12 +135,18 @@ class LinkEstimator:
             kept.append((key, links, op.seconds / op.mb))
         read: list[tuple[frozenset, float]] = []
         learn = []
+        now = self.rates()
         for key, links, spm in kept:
             ref = self._reference(key)
             b = max([float(believed.get(ln, 1.0)) for ln in links] + [1.0])
             s = 1.0 if ref is None else spm / ref
-            if ref is None or (s < b * self.healthy and (b == 1.0 or s > b / self.healthy)):
-                learn.append((key, spm / b))      # only healthy readings teach the reference
+            # the reference learns from every op across links that read as they are believed
+            # to be (healthy, or the belief within the margin), whatever the op's own reading:
+            # learning only the ops that read healthy trimmed the upper tail of a noisy kind
+            # and biased its median low (healthy all-reduces on a loaded host then read 2-4x)
+            w = max([now.get(ln, 1.0) for ln in links] + [1.0])
+            if ref is None or (w < b * self.healthy and w > b / self.healthy):
+                learn.append((key, spm / b))
             if ref is not None and links:
                 read.append((links, max(1.0, s)))
         for key, spm in learn:            # after reading: a step does not judge itself

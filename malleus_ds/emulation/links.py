@@ -8,9 +8,10 @@
 ``nodes`` are the job layout's node indices (``JobLayout.node_of``: ``cluster.gpus_per_node``
 ranks each); ``ranks`` name a pair of ranks (inside a node, where the link between two GPUs
 matters). While step ``k`` is in ``[start_step, end_step)`` (``end_step`` null: until the end),
-a message or collective crossing the link waits ``(rate - 1) ×`` the time it took
-(``ComputeClock.after_comm``), as the compute emulation sleeps ``(rate - 1) ×`` a rank's
-measured compute. A pipeline message
+a message or collective crossing the link waits ``(rate - 1) ×`` its wire's time: the fastest
+seconds per MB this rank has seen of it, times its MB (``ComputeClock.comm``; the whole wait
+would hold a late peer's own emulated wait, and a pipeline across the link fed it back), as
+the compute emulation sleeps ``(rate - 1) ×`` a rank's measured compute. A pipeline message
 between ranks ``a`` and ``b`` crosses the link between their nodes (or the pair itself); a
 collective over a group crosses a node link when the group has ranks on both nodes, a rank-pair
 link when it holds both ranks. Overlapping entries combine by ``max``.

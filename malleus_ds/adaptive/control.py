@@ -64,14 +64,17 @@ class Controller:
     FORCED_TIMEOUT_S = 120.0
 
     def __init__(self, job: JobSpec, settings: AdaptiveSettings, plan: Plan, prober=None,
-                 tp_measured: dict[int, float] | None = None, planner=None) -> None:
+                 tp_measured: dict[int, float] | None = None, planner=None,
+                 link_prober=None) -> None:
         """``job``: the job, frozen at start; ``plan``: the plan it starts under; ``prober``: the
         block a rank times to stay measured without work (``measure(sustain, budget_s)`` ->
         seconds per run, ``release()``; None: such a rank reads nothing); ``tp_measured``: the
         TP slowdown table measured at start-up (``engine/tp_cost.py``), if any; ``planner``:
         rank 0's planner (``request`` / ``poll`` / ``wait`` / ``close``, as
         :class:`~malleus_ds.planner.client.PlannerClient`; None: a planner process of its own,
-        started when the loop may plan; a replay passes one on its simulated clock)."""
+        started when the loop may plan; a replay passes one on its simulated clock);
+        ``link_prober``: what times a round trip across a link (``exchange(a, b, mb)``, as
+        ``engine/link_probe.py``; None: a link held slow is not probed)."""
         self.spec, self.s = job, settings
         self.rank, self.world = job.rank, job.world
         self.job = job.job                # the job layout now (a switch may change TP sizes)
@@ -83,7 +86,11 @@ class Controller:
         self.det = Detector(self.world, settings.detect) if self.rank == 0 else None
         #: rank 0: the links' rates and their detection (``link_watch.py``; issue 35)
         self.links = LinkWatch(job, settings.detect) if self.rank == 0 else None
-        self._decided_links: dict | None = None   # rank 0: the links a decision was made for
+        #: every rank: the slow links the running plan was made for (from the decisions'
+        #: events, the same everywhere): probed every ``detect.probe_every`` steps
+        self.held_links: dict[tuple[int, int], float] = {}
+        self._event_links: deque = deque()   # each decision's links, for switched/considered
+        self._link_probe = link_prober
         # the last stage's output head, in layers: without it a healthy last stage reads slow
         self.head = (head_layers(job.problem) if job.problem is not None else
                      head_layer_units(job.param_table, job.seq_len, job.model_cfg.hidden_size))
@@ -182,6 +189,13 @@ class Controller:
         put the idle rank's probe next to busy peers and the reference's next to idle ones: an
         idle rank read 2-4x slow for good after a real slowdown ended)."""
         self._probe_s = self.probe(step) if self.probe_due(step) else 0.0
+        p = self.s.detect.probe_every
+        if self._link_probe is not None and self.held_links and step % p == 0 \
+                and self.s.detect.link_probe_mb > 0:
+            held = sorted(self.held_links)
+            a, b = held[(step // p) % len(held)]         # one link per probe step, in turn
+            self._link_probe.exchange(self.job.node_ranks(a)[0], self.job.node_ranks(b)[0],
+                                      self.s.detect.link_probe_mb)
 
     def probe(self, step: int) -> float:
         """Seconds per run of the probe block (``probe.py``): sustained on a rank without work
@@ -283,6 +297,7 @@ class Controller:
             if obj[0] is not None:
                 ev = obj[0].event        # detected before step ev['step'], adopted now
                 out.append((dict(ev, step=step, detected=ev["step"]), obj[0].plan))
+                self._event_links.append(ev.get("link_rates"))
         while self.forced and self.forced[0] < step:
             self.forced.pop(0)                       # resumed past it
         if self.forced and self.forced[0] == step:
@@ -293,6 +308,7 @@ class Controller:
                 obj[0] = self._forced(step, trigger)
             self._broadcast(obj)
             out.append((obj[0].event, obj[0].plan))
+            self._event_links.append(obj[0].event.get("link_rates"))
         return out
 
     def _broadcast(self, obj: list) -> None:
@@ -359,25 +375,32 @@ class Controller:
         if (self._probe is not None and self.working and self.rank != self.probe_ref
                 and not self.held[self.rank]):
             self._probe.release()            # back at full work: free the probe's block
+        self._links_planned()
         if self.det is not None:
             self.det.planned_for(rates if rates is not None else self._normalised())
-            self._links_planned()
             self._promise()
 
     def considered(self, rates: list[float] | None) -> None:
         """A planning attempt that kept the running plan: its rates are now the reference."""
         if rates:
             self._hold(rates)
+        self._links_planned()
         if self.det is not None:
             self.det.planned_for(rates if rates else self._normalised())
-            self._links_planned()
             self._promise()
 
     def _links_planned(self) -> None:
-        """Rank 0, after a decision (adopted or not): the links it was made for (a scripted
-        switch: today's reading) are the link detection's reference."""
-        got, self._decided_links = self._decided_links, None
-        self.links.planned_for(got)
+        """After a decision (adopted or not): the slow links it was made for (its event's
+        ``link_rates``, the same on every rank) are held (probed) and, on rank 0, the link
+        detection's reference; a switch no decision made (scripted) keeps the held links, and
+        rank 0's detection takes today's reading."""
+        got = self._event_links.popleft() if self._event_links else None
+        links = None if got is None else {
+            tuple(int(x) for x in k.split("-")): float(v) for k, v in got.items()}
+        if links is not None:
+            self.held_links = links
+        if self.links is not None:
+            self.links.planned_for(links)
 
     def _hold(self, rates: list[float | None]) -> None:
         """The ranks the running plan treats as slow (:func:`~malleus_ds.adaptive.held.held_ranks`,
@@ -632,7 +655,6 @@ class Controller:
         if self.links.active:
             res.event["link_rates"] = _link_json(p["links"])
             res.event["measured_link_rates"] = _link_json(self.links.measured_map())
-        self._decided_links = p["links"]
         if p["links"]:
             self.links.comm = p["comm"]
         self._result = res

@@ -36,6 +36,9 @@ class DetectConfig:
     #: collective scatter far more from step to step than compute (healthy readings of a
     #: 0.2 MB all-reduce of 4 ranks on 2 cores spanned 0.6-2.7x their median)
     link_healthy: float = 2.0
+    #: MB a link held slow is probed with (a round trip every ``probe_every`` steps, one held
+    #: link at a time: ``engine/link_probe.py``); 0: not probed
+    link_probe_mb: float = 0.1
 
     def check(self) -> None:
         """Raise ``ValueError`` naming ``malleus.detect.<field>=<value>`` for a bad field."""
@@ -44,7 +47,8 @@ class DetectConfig:
                  ("change", self.change > 0, "> 0 (relative, e.g. 0.3 = 30%)"),
                  ("confirm", self.confirm >= 1, ">= 1"), ("cooldown", self.cooldown >= 0, ">= 0"),
                  ("probe_every", self.probe_every >= 1, ">= 1"),
-                 ("link_healthy", self.link_healthy >= 1.0, ">= 1.0 (1.0 = healthy)"))
+                 ("link_healthy", self.link_healthy >= 1.0, ">= 1.0 (1.0 = healthy)"),
+                 ("link_probe_mb", self.link_probe_mb >= 0, ">= 0 (0: links are not probed)"))
         for name, ok, need in rules:
             if not ok:  # NaN fails every comparison, so it is rejected too
                 raise ValueError(f"detect.{name}={getattr(self, name)!r} must be {need}")

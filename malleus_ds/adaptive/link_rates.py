@@ -46,7 +46,7 @@ from .detect import HEALTHY
 #: reading of a noisy all-reduce 1.6x)
 REF_QUANTILE = 0.5
 #: ops of a kind and scope needed in the history before its reference counts
-MIN_HISTORY = 8
+MIN_HISTORY = 5
 
 
 @dataclass(frozen=True)

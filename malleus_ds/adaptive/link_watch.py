@@ -7,8 +7,10 @@ Rank 0 of the loop (``control.py``) keeps one :class:`LinkWatch`:
    seconds)`` per op, ``engine/comm_log.py``) goes to a
    :class:`~malleus_ds.adaptive.link_rates.LinkEstimator`, with the ranks' compute rates (an op
    with a rank that computes slowly is left out) and the link rates the running plan was made
-   for (its belief). Only the gradient reductions are read (:data:`READ_KINDS`): a link no
-   reduction crosses is not measured, and keeps the rate the plan was made for.
+   for (its belief). Only the gradient reductions and the link probes are read
+   (:data:`READ_KINDS`): a link held slow, which the plan made for it keeps the reductions off,
+   is probed (``engine/link_probe.py``), so its recovery is seen; a link neither crosses is not
+   measured, and keeps the rate the plan was made for.
 2. **Detection.** The node pairs' smoothed rates go through the same hysteresis as the ranks'
    (``detect.Detector``: healthy threshold, change, confirm, cooldown), with its own reference:
    the link rates the running plan was made for.
@@ -37,7 +39,7 @@ from .link_rates import CommOp, Link, LinkEstimator
 #: time: the least seconds per MB of a step's 4 KB receives, 4 ranks as 2 nodes of 2, ran
 #: 5-680 ms/MB from step to step on a healthy link, and a plan that moved the boundary onto a
 #: slow link read it as recovered. Receives are timed and logged; they are not evidence.
-READ_KINDS = ("dp",)
+READ_KINDS = ("dp", "probe")
 
 
 class LinkWatch:

@@ -4,7 +4,7 @@ engine and the loop import nothing from each other).
 :func:`attach_loop` describes the engine's job in plain values (``adaptive.job.JobSpec``),
 measures the TP slowdown table on the job's own device when asked (``engine/tp_cost.py``: a
 collective, every rank calls it), hands the loop the engine's probe block
-(``engine/probe_block.py``), and attaches the loop to the engine's step hooks
+(``engine/probe_block.py``) and link probe (``engine/link_probe.py``), and attaches the loop to the engine's step hooks
 (``engine/hooks.py``). ``malleus_ds.initialize`` and the malleus runner call it right after they
 build the engine, with the settings they parsed before it (``adaptive/settings.py``).
 """
@@ -29,6 +29,7 @@ def attach_loop(engine, settings):
     """Build the adaptive loop for ``engine`` under ``settings`` (``AdaptiveSettings``) and
     attach it; returns the loop. Collective when the TP slowdown is measured."""
     from ..adaptive.control import Controller
+    from ..engine.link_probe import LinkProbe
     from ..engine.probe_block import ProbeBlock
 
     measured = None
@@ -36,6 +37,7 @@ def attach_loop(engine, settings):
         from ..engine.tp_cost import measure
         measured = measure(engine.model_cfg, engine.job.tp, engine.plan.micro_batch_size,
                            engine.seq_len, engine.device, engine.act_dtype)
-    loop = Controller(job_spec(engine), settings, engine.plan, ProbeBlock(engine), measured)
+    loop = Controller(job_spec(engine), settings, engine.plan, ProbeBlock(engine), measured,
+                      link_prober=LinkProbe(engine))
     engine.attach_loop(loop)
     return loop

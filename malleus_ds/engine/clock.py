@@ -203,7 +203,8 @@ class ComputeClock:
         waits for its peer to get there, and in a pipeline across the link the peer may be
         late by its own emulated wait: slowing the whole wait fed that back, message after
         message (4 ranks, 2-stage pipelines across a link at rate 8: 5-19 s steps instead of
-        0.2 s)."""
+        0.2 s). A message never seen before (a new plan's) starts from the fastest of its kind:
+        the first step after a switch waits for first touches too."""
         if self.links is None and self.comm_log is None:
             yield
             return
@@ -212,9 +213,13 @@ class ComputeClock:
         dt = time.perf_counter() - t0
         base = dt
         if mb > 0:
-            key = (kind, tuple(ranks))
-            fastest = min(self._fastest.get(key, math.inf), dt / mb)
-            self._fastest[key] = fastest
+            key, spm = (kind, tuple(ranks)), dt / mb
+            seen = self._fastest.get(key)
+            if seen is None:     # never seen (a new plan's first message): the fastest of its
+                # kind, else of anything (its first wait holds the new plan's first touches)
+                seen = min((v for (k, _), v in self._fastest.items() if k == kind),
+                           default=min(self._fastest.values(), default=spm))
+            self._fastest[key] = fastest = min(seen, spm)
             base = fastest * mb
         dt += self.after_comm(ranks, base)
         if self.comm_log is not None:

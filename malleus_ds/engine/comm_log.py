@@ -14,7 +14,11 @@ puts :data:`SLOTS` numbers into its slots of the step's one all-reduce
   members sit on more than one node the largest, else the largest inside the node (the
   intra-node bandwidth). ``key`` names the bucket's rank set (the same number on every
   member), so rank 0 can gather its members' readings; the least of them is the member that
-  arrived last, whose wait is the reduction alone (``adaptive/link_rates.py``).
+  arrived last, whose wait is the reduction alone (``adaptive/link_rates.py``);
+* a link probe it timed (``link_probe.py``: round trips to a rank across a link the running
+  plan holds as slow, right after the last step's all-reduce), ``[peer + 1, MB, seconds]`` of
+  the quickest round trip:
+  carried from the step it was timed after into the next step's slots, as a GPU probe is.
 
 numpy-free; nothing here synchronises.
 """
@@ -23,9 +27,12 @@ from __future__ import annotations
 import zlib
 from typing import Callable, Sequence
 
-#: numbers one rank adds to the step's all-reduce: two pipeline peers x 3, one bucket x 4
+#: numbers one rank adds to the step's all-reduce: two pipeline peers x 3, one bucket x 4, one
+#: link probe x 3
 P2P_PEERS = 2
-SLOTS = 3 * P2P_PEERS + 4
+BUCKET = 3 * P2P_PEERS
+PROBE = BUCKET + 4
+SLOTS = PROBE + 3
 
 
 def bucket_key(ranks: Sequence[int]) -> float:
@@ -39,6 +46,7 @@ class CommLog:
 
     def __init__(self, node_of: Callable[[int], int]) -> None:
         self.node_of = node_of
+        self._probe: list[float] | None = None     # carried to the next values()
         self.start_step()
 
     def start_step(self) -> None:
@@ -50,7 +58,10 @@ class CommLog:
         from)) or "dp" (a bucket's reduction over ``ranks``), ``mb`` moved, ``seconds``."""
         if mb <= 0 or seconds < 0:
             return
-        if kind == "p2p":
+        if kind == "probe":                    # several round trips: the least
+            if self._probe is None or seconds < self._probe[2]:
+                self._probe = [int(ranks[-1]) + 1.0, float(mb), float(seconds)]
+        elif kind == "p2p":
             peer = int(ranks[-1])
             spm = seconds / mb
             old = self._p2p.get(peer)
@@ -72,14 +83,17 @@ class CommLog:
                 crosses = len({self.node_of(r) for r in ranks}) > 1
                 return (crosses, mb, ranks)
             ranks, (mb, s) = max(self._coll.items(), key=rank_of)
-            out[3 * P2P_PEERS:] = [bucket_key(ranks), float(len(ranks)), mb, s]
+            out[BUCKET:PROBE] = [bucket_key(ranks), float(len(ranks)), mb, s]
+        if self._probe is not None:
+            out[PROBE:], self._probe = self._probe, None
         return out
 
 
 def decode(comm) -> list[tuple[str, tuple[int, ...], float, float]]:
     """Every rank's slots of one step (``comm[d]``: rank ``d``'s :data:`SLOTS` numbers) as
     timed operations ``(kind, ranks, MB, seconds)``: a pipeline receive per rank and peer
-    (``("p2p", (rank, peer), ...)``, at its least seconds per MB), and a bucket reduction per
+    (``("p2p", (rank, peer), ...)``, at its least seconds per MB), a link probe per rank that
+    timed one (``("probe", (rank, peer), ...)``), and a bucket reduction per
     key, over the members that reported it, at the least of their seconds (the member that
     arrived last: the reduction's own time), with the MB one member moves in a ring,
     ``2 (k-1)/k`` of the bucket."""
@@ -89,9 +103,12 @@ def decode(comm) -> list[tuple[str, tuple[int, ...], float, float]]:
             peer, mb, spm = (float(x) for x in row[3 * i:3 * i + 3])
             if peer > 0 and mb > 0 and spm > 0:
                 ops.append(("p2p", (d, int(peer) - 1), mb, spm * mb))
-        key, k, mb, s = (float(x) for x in row[3 * P2P_PEERS:SLOTS])
+        key, k, mb, s = (float(x) for x in row[BUCKET:PROBE])
         if key > 0 and k >= 2 and mb > 0 and s > 0:
             buckets.setdefault((key, k, mb), []).append((d, s))
+        peer, mb, s = (float(x) for x in row[PROBE:SLOTS])
+        if peer > 0 and mb > 0 and s > 0:
+            ops.append(("probe", (d, int(peer) - 1), mb, s))
     for (_, k, mb), members in sorted(buckets.items()):
         ranks = tuple(sorted(d for d, _ in members))
         ops.append(("dp", ranks, 2.0 * (k - 1) / k * mb, min(s for _, s in members)))

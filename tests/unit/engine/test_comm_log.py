@@ -28,11 +28,25 @@ def test_a_rank_reports_its_least_receive_per_peer_and_its_largest_crossing_buck
     assert len(v) == SLOTS
     assert v[0:3] == [1.0, 2.0, pytest.approx(0.002)]
     assert v[3:6] == [4.0, 1.0, pytest.approx(0.001)]
-    assert v[6:] == [bucket_key((1, 3)), 2.0, 20.0, pytest.approx(0.03)]
+    assert v[6:10] == [bucket_key((1, 3)), 2.0, 20.0, pytest.approx(0.03)]
+    assert v[10:] == [0.0] * 3                  # no link probe
     log.start_step()
     assert log.values() == [0.0] * SLOTS
     log.add("dp", (0, 1), 50.0, 0.05)           # no crossing bucket: the largest inside
-    assert log.values()[6:] == [bucket_key((0, 1)), 2.0, 50.0, 0.05]
+    assert log.values()[6:10] == [bucket_key((0, 1)), 2.0, 50.0, 0.05]
+
+
+def test_a_link_probe_is_carried_to_the_next_steps_slots_at_its_quickest_round_trip():
+    log = CommLog(node_of)
+    log.add("probe", (0, 2), 0.5, 0.009)        # timed after step k's all-reduce...
+    log.add("probe", (0, 2), 0.5, 0.004)
+    log.add("probe", (0, 2), 0.5, 0.007)
+    log.start_step()                            # ...step k+1 starts
+    v = log.values()
+    assert v[10:] == [3.0, 0.5, 0.004]
+    assert log.values()[10:] == [0.0] * 3       # reported once
+    ops = decode(np.array([v, [0.0] * SLOTS]))
+    assert ops == [("probe", (0, 2), 0.5, 0.004)]
 
 
 def test_the_step_reduction_carries_every_ranks_slots_and_decodes_them():

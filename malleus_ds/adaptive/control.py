@@ -50,6 +50,10 @@ from .rates import RateEstimator, as_list
 from .work import cost_shape, cost_units
 from ..problem import given_slowdown, ideal_slowdown
 
+#: steps after a link is first held in which it is probed every step (then every
+#: ``detect.probe_every``): its probe's reference needs ``link_rates.MIN_HISTORY`` readings
+LINK_WARMUP = 10
+
 # ------------------------------------------------------------------------------ the controller
 
 
@@ -90,6 +94,7 @@ class Controller:
         #: events, the same everywhere): probed every ``detect.probe_every`` steps
         self.held_links: dict[tuple[int, int], float] = {}
         self._event_links: deque = deque()   # each decision's links, for switched/considered
+        self._held_since = -LINK_WARMUP      # the first step a link in held_links was held
         self._link_probe = link_prober
         # the last stage's output head, in layers: without it a healthy last stage reads slow
         self.head = (head_layers(job.problem) if job.problem is not None else
@@ -190,6 +195,8 @@ class Controller:
         idle rank read 2-4x slow for good after a real slowdown ended)."""
         self._probe_s = self.probe(step) if self.probe_due(step) else 0.0
         p = self.s.detect.probe_every
+        if step - self._held_since < LINK_WARMUP:
+            p = 1                   # a newly held link: its probe's reference is learned first
         if self._link_probe is not None and self.held_links and step % p == 0 \
                 and self.s.detect.link_probe_mb > 0:
             held = sorted(self.held_links)
@@ -398,6 +405,8 @@ class Controller:
         links = None if got is None else {
             tuple(int(x) for x in k.split("-")): float(v) for k, v in got.items()}
         if links is not None:
+            if links.keys() - self.held_links.keys():
+                self._held_since = self._last_step + 1
             self.held_links = links
         if self.links is not None:
             self.links.planned_for(links)

@@ -17,7 +17,7 @@ from tests.cases import CFG, EPS, ds_config, plan_json, reference
 from tests.integration.harness import run_distributed
 
 STATIC = plan_json([(2, [([r], (0, 4))]) for r in range(4)])      # dp=4, 2 micro-batches each
-ONSET, RATE, LAG, MAX_STEPS = 12, 30.0, 8, 60
+ONSET, RATE, LAG, MAX_STEPS = 16, 30.0, 12, 70
 
 
 def _link(start, end=None):

@@ -98,18 +98,32 @@ def _problem():
                          "dp": 4}}
 
 
-def test_the_loop_replans_around_a_slow_link_with_no_engine():
-    """The real loop and planner process: healthy for 20 steps, then the link 20x slow. The
-    loop reads it, asks the planner with the link's rate and the measured comm section, and
-    adopts two-stage pipelines cut at the link (every reduction inside a node)."""
+class _Prober:
+    """Stands for ``engine/link_probe.py``: remembers the link it was asked to time."""
+
+    def __init__(self):
+        self.asked = []
+
+    def exchange(self, a, b, mb):
+        self.asked.append((a, b, mb))
+
+
+def test_the_loop_replans_around_a_slow_link_and_back_with_no_engine():
+    """The real loop and planner process: healthy for 20 steps, then the link 20x slow until
+    step 45. The loop reads it, asks the planner with the link's rate and the measured comm
+    section, and adopts two-stage pipelines cut at the link (every reduction inside a node);
+    it then probes the held link (one round trip's reading per probe, in the next step's
+    all-reduce), sees it recover, and goes back to data parallel."""
     rng = np.random.default_rng(3)
-    plan = static_plan(4, 8, 1, 1, 1, WORLD)
+    first = plan = static_plan(4, 8, 1, 1, 1, WORLD)
     spec = _spec(plan)
-    ctl = Controller(spec, AdaptiveSettings(detect=DetectConfig(every=1),
-                                            tp_slowdown="ideal", planner_time_limit_s=0.5), plan)
-    events = []
+    prober = _Prober()
+    ctl = Controller(spec, AdaptiveSettings(detect=DetectConfig(every=1, probe_every=2),
+                                            tp_slowdown="ideal", planner_time_limit_s=0.5),
+                     plan, link_prober=prober)
+    events, plans, probed = [], [], 0
     try:
-        for step in range(40):
+        for step in range(80):
             for ev, pj in ctl.before_step(step):
                 events.append(ev)
                 if pj is not None:
@@ -118,26 +132,38 @@ def test_the_loop_replans_around_a_slow_link_with_no_engine():
                                  migration=SimpleNamespace(bytes=1 << 20, seconds=0.01))
                 else:
                     ctl.considered(ev.get("measured_rates"))
-            rate = 20.0 if step >= 20 else 1.0
+            plans.append(plan)
+            rate = 20.0 if 20 <= step < 45 else 1.0
             units = cost_units(plan, WORLD, 1, {1: 1.0}, ctl.head)
             comp = units * 0.002 * rng.uniform(0.97, 1.03, WORLD)
             # the first stages' reduction crosses the link when they sit on both nodes
             crossing = len({r // GPN for p in plan.pipelines for r in p.stages[0].ranks}) > 1
             ops = _ops(rng, rate=rate, spread=(0.8, 1.25)) if crossing else \
                 [("dp", (0, 1), MB, MB * SPM * rng.uniform(0.9, 1.1))]
+            if len(prober.asked) > probed:         # a probe after the last step's all-reduce
+                a, b, mb = prober.asked[-1]
+                probed = len(prober.asked)
+                ops.append(("probe", (a, b), 2 * mb, 2 * mb * 0.01 * rate
+                            * rng.uniform(0.9, 1.1)))
             ready, _ = ctl.contribute(float(comp[0]), 0.0)
             ctl.observe(step, StepSums(loss=0.0, overflow=False, ready=ready, compute_s=comp,
                                        probe_s=np.full(WORLD, np.nan), comm=tuple(ops)))
+            ctl.after_reduce(step)
             reduce_s = ops[0][3] if crossing else 0.0
             ctl.step_done(float(comp.max()) + reduce_s)
             ctl.wait_planner()
     finally:
         ctl.close()
-    link = [e for e in events if e["trigger"] == "link" and e.get("link_rates")]
-    assert link and link[0]["detected"] <= 20 + 8, events
-    assert link[0]["link_rates"]["0-1"] >= 5.0, link[0]
-    assert [e for e in events if e["detected"] < 21] == [], events
-    assert any(e["adopted"] for e in link), events
-    for p in plan.pipelines:            # ends cut at the link: stage 0 on one node, 1 on the other
+    link = [e for e in events if e["trigger"] == "link" and e["adopted"]]
+    why = "\n".join(map(str, events))
+    assert [e for e in events if e["detected"] < 21] == [], why
+    assert link and link[0]["detected"] <= 20 + 8 and link[0]["link_rates"]["0-1"] >= 5.0, why
+    cut = plans[link[0]["step"]]
+    for p in cut.pipelines:      # cut at the link: stage 0 on one node, stage 1 on the other
         assert [{r // GPN for r in st.ranks} for st in p.stages] in ([{0}, {1}], [{1}, {0}]), \
-            plan.to_json()
+            cut.to_json()
+    # only the held link is probed, by the first ranks of its two nodes, while it is held
+    assert prober.asked and set(prober.asked) == {(0, 2, 0.1)}, prober.asked
+    back = [e for e in link if e["detected"] >= 45]
+    assert back and back[0]["link_rates"] == {} and back[0]["detected"] <= 45 + 12, why
+    assert plans[-1] == first

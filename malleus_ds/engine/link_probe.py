@@ -5,11 +5,11 @@ does tells whether the link recovered (a pipeline receive's wait is its peer's l
 than its wire's time: ``adaptive/link_watch.py``). So, like a suspended GPU's probe, the two
 ends of such a link exchange a small buffer right after a step's all-reduce, when every rank
 leaves it at once: the first rank of one node sends it to the first rank of the other, which
-sends it back, a few times. The first rank times each round trip with the compute clock's ``comm``, where the
-slow-link emulation applies and the comm log keeps the reading for the next step's all-reduce
-(``comm_log.py``). The adaptive loop decides when and which link (``Controller.after_reduce``);
-the app hands it this object (``app/loop.py``). Every message goes through
-``batch_isend_irecv`` (NCCL's rules, ``wire.py``).
+sends it back, a few times. The first rank times each round trip with the compute clock's
+``comm``, where the slow-link emulation applies and the comm log keeps the quickest for the
+next step's all-reduce (``comm_log.py``). The adaptive loop decides when and which link
+(``Controller.after_reduce``); the app hands it this object (``app/loop.py``). Every message
+goes through ``batch_isend_irecv`` (NCCL's rules, ``wire.py``).
 """
 from __future__ import annotations
 

@@ -28,6 +28,13 @@ Attribution (:class:`LinkEstimator`), one step at a time:
    by ops crossing it alone says nothing about its other links. A link no op speaks for is not
    measured that step.
 
+4. **A recovery probe says recovered or not.** A kind of op that times a link only while it is
+   believed slow (``recovery_kinds``: the link probe) cannot say by how much: its messages
+   are smaller than the reductions its belief was read from, and a congested link slows small
+   and large messages differently (under the emulation at rate 30, reductions read 13.5x and
+   the probe's round trips 3.8x). Its reading of such a link is the belief while it stays
+   near it, and 1.0 once it falls below the belief over ``healthy``.
+
 :meth:`LinkEstimator.rates` is the median over the last ``window`` steps per link, NaN where no
 step measured it. numpy only.
 """
@@ -101,8 +108,11 @@ class LinkEstimator:
     kind and scope the reference is learned from."""
 
     def __init__(self, node_of: Callable[[int], int], window: int = 10, history: int = 400,
-                 healthy: float = HEALTHY) -> None:
+                 healthy: float = HEALTHY, recovery_kinds: Iterable[str] = ()) -> None:
         self.node_of, self.healthy = node_of, healthy
+        #: kinds whose reading of a link believed slow says only whether it recovered (module
+        #: doc, 4)
+        self.recovery_kinds = frozenset(recovery_kinds)
         self._hist: dict[tuple[str, bool], deque] = {}
         self._history = history
         self._rows: deque[dict[Link, float]] = deque(maxlen=window)
@@ -149,6 +159,8 @@ class LinkEstimator:
             if ref is None or (w < b * self.healthy and w > b / self.healthy):
                 learn.append((key, spm / b))
             if ref is not None and links:
+                if key[0] in self.recovery_kinds and b > 1.0:
+                    s = 1.0 if s < b / self.healthy else b
                 read.append((links, max(1.0, s)))
         for key, spm in learn:            # after reading: a step does not judge itself
             self._hist.setdefault(key, deque(maxlen=self._history)).append(spm)

@@ -53,7 +53,8 @@ class LinkWatch:
         n = layout.nodes
         self.links: list[Link] = [(a, b) for a in range(n) for b in range(a + 1, n)]
         self.healthy = cfg.healthy           # a rank's compute rate below it: healthy
-        self.est = LinkEstimator(layout.node_of, window=cfg.window, healthy=cfg.link_healthy)
+        self.est = LinkEstimator(layout.node_of, window=cfg.window, healthy=cfg.link_healthy,
+                                 recovery_kinds=("probe",))
         self.det = Detector(len(self.links), replace(cfg, healthy=cfg.link_healthy)) \
             if self.links else None
         self.comm: dict | None = None    # the comm section of the last request with slow links

@@ -71,7 +71,7 @@ def test_a_slow_link_is_detected_planned_around_and_its_recovery_noticed():
                                                                          [{1}, {0}]), cut
     # the recovery, read by the link probe (no reduction crosses the link any more)
     back = [e for e in replans if e["adopted"] and e["detected"] > until]
-    assert back and back[0]["link_rates"] == {} and back[0]["detected"] <= until + 12, why
+    assert back and back[0]["link_rates"] == {} and back[0]["detected"] <= until + 10, why
     assert plans[-1] == STATIC
     ref, _ = reference(STATIC["global_batch_size"], STATIC["micro_batch_size"], len(losses), EPS,
                        0.0)

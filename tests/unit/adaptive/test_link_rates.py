@@ -117,3 +117,26 @@ def test_two_nodes_one_link_reads_against_its_healthy_past():
     for _ in range(10):
         est.add(step(1.0))
     assert est.rates()[(0, 1)] < 1.1
+
+
+def test_a_recovery_probe_says_recovered_or_not_and_never_by_how_much():
+    """A link believed 10x slow, timed only by a probe whose own slowdown is 4x (a small
+    message): it reads the belief while the link stays slow, 1.0 once the probe is over
+    twice as fast as it was; a reduction's reading is never quantised."""
+    est = LinkEstimator(node_of, window=3, healthy=2.0, recovery_kinds=("probe",))
+    slow = {(0, 1): 10.0}
+    for _ in range(12):                       # learned under the belief
+        est.add([CommOp("probe", (0, 2), 0.2, 0.2 * 0.04)], believed=slow)
+    assert est.rates()[(0, 1)] == pytest.approx(10.0)
+    for _ in range(3):                        # a little faster: still the belief
+        est.add([CommOp("probe", (0, 2), 0.2, 0.2 * 0.03)], believed=slow)
+    assert est.rates()[(0, 1)] == 10.0
+    for _ in range(3):                        # the probe 4x faster: recovered
+        est.add([CommOp("probe", (0, 2), 0.2, 0.2 * 0.01)], believed=slow)
+    assert est.rates()[(0, 1)] == 1.0
+    plain = LinkEstimator(node_of, window=3, healthy=2.0, recovery_kinds=("probe",))
+    for _ in range(12):
+        plain.add([CommOp("dp", (0, 1, 2, 3), 3.0, 3.0 * 0.01)])
+    for _ in range(3):
+        plain.add([CommOp("dp", (0, 1, 2, 3), 3.0, 3.0 * 0.037)])
+    assert plain.rates()[(0, 1)] == pytest.approx(3.7)

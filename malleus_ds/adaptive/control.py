@@ -50,9 +50,14 @@ from .rates import RateEstimator, as_list
 from .work import cost_shape, cost_units
 from ..problem import given_slowdown, ideal_slowdown
 
-#: steps after a link is first held in which it is probed every step (then every
-#: ``detect.probe_every``): its probe's reference needs ``link_rates.MIN_HISTORY`` readings
-LINK_WARMUP = 10
+#: link probes (``engine/link_probe.py``): links are probed every step for this many steps at
+#: the job's start (the probes' healthy reference needs ``link_rates.MIN_HISTORY`` readings)
+#: and after a link is first held (a false alarm is undone soon)
+LINK_WARMUP = 12
+#: ...and while no link is held, one link every this many times ``detect.probe_every`` steps
+LINK_IDLE_EVERY = 5
+#: every node pair is probed up to this many nodes; above, the pairs of adjacent nodes
+MAX_PROBED_NODES = 8
 
 # ------------------------------------------------------------------------------ the controller
 
@@ -194,15 +199,41 @@ class Controller:
         put the idle rank's probe next to busy peers and the reference's next to idle ones: an
         idle rank read 2-4x slow for good after a real slowdown ended)."""
         self._probe_s = self.probe(step) if self.probe_due(step) else 0.0
-        p = self.s.detect.probe_every
-        if step - self._held_since < LINK_WARMUP:
-            p = 1                   # a newly held link: its probe's reference is learned first
-        if self._link_probe is not None and self.held_links and step % p == 0 \
-                and self.s.detect.link_probe_mb > 0:
-            held = sorted(self.held_links)
-            a, b = held[(step // p) % len(held)]         # one link per probe step, in turn
+        link = self._link_to_probe(step)
+        if link is not None:
+            a, b = link
             self._link_probe.exchange(self.job.node_ranks(a)[0], self.job.node_ranks(b)[0],
                                       self.s.detect.link_probe_mb)
+
+    def _link_to_probe(self, step: int) -> tuple[int, int] | None:
+        """The link whose two nodes' first ranks exchange a probe after step ``step``, or None
+        (the same on every rank). One link per probe step, in turn: while links are held slow,
+        those, every ``detect.probe_every`` steps (every step for :data:`LINK_WARMUP` steps
+        after one is first held: a false alarm is undone soon); else every link of
+        :meth:`_probe_pool`, every step for the job's first :data:`LINK_WARMUP` measured steps
+        (the probes' healthy reference) and every ``LINK_IDLE_EVERY x probe_every`` steps
+        after."""
+        if (self._link_probe is None or not self.measures_links
+                or self.s.detect.link_probe_mb <= 0):
+            return None
+        p = self.s.detect.probe_every
+        if self.held_links:
+            every = 1 if step - self._held_since < LINK_WARMUP else p
+            pool = sorted(self.held_links)
+        else:
+            every = 1 if self._seen < LINK_WARMUP else LINK_IDLE_EVERY * p
+            pool = self._probe_pool()
+        if step % every:
+            return None
+        return pool[(step // every) % len(pool)]
+
+    def _probe_pool(self) -> list[tuple[int, int]]:
+        """The links probed while none is held: every node pair up to
+        :data:`MAX_PROBED_NODES` nodes, else the pairs of adjacent nodes."""
+        n = self.job.nodes
+        if n <= MAX_PROBED_NODES:
+            return [(a, b) for a in range(n) for b in range(a + 1, n)]
+        return [(a, a + 1) for a in range(n - 1)]
 
     def probe(self, step: int) -> float:
         """Seconds per run of the probe block (``probe.py``): sustained on a rank without work

@@ -28,12 +28,14 @@ Attribution (:class:`LinkEstimator`), one step at a time:
    by ops crossing it alone says nothing about its other links. A link no op speaks for is not
    measured that step.
 
-4. **A recovery probe says recovered or not.** A kind of op that times a link only while it is
-   believed slow (``recovery_kinds``: the link probe) cannot say by how much: its messages
-   are smaller than the reductions its belief was read from, and a congested link slows small
-   and large messages differently (under the emulation at rate 30, reductions read 13.5x and
-   the probe's round trips 3.8x). Its reading of such a link is the belief while it stays
-   near it, and 1.0 once it falls below the belief over ``healthy``.
+4. **A probe says recovered or not.** A kind of op that times links on purpose
+   (``recovery_kinds``: the link probe) learns its reference from healthy links only (no
+   belief), so a link the running plan holds as slow is judged against its healthy speed, and
+   a false alarm is undone at once. It says only whether such a link recovered, not by how
+   much: its messages are smaller than the reductions the belief was read from, and a
+   congested link slows small and large messages differently (under the emulation at rate
+   30, reductions read 13.5x and the probe's round trips 3.8x). So its reading of a link held
+   slow is the belief while it reads slow (``healthy`` or more), and 1.0 once it does not.
 
 :meth:`LinkEstimator.rates` is the median over the last ``window`` steps per link, NaN where no
 step measured it. numpy only.
@@ -156,11 +158,14 @@ class LinkEstimator:
             # learning only the ops that read healthy trimmed the upper tail of a noisy kind
             # and biased its median low (healthy all-reduces on a loaded host then read 2-4x)
             w = max([now.get(ln, 1.0) for ln in links] + [1.0])
-            if ref is None or (w < b * self.healthy and w > b / self.healthy):
+            if key[0] in self.recovery_kinds:
+                if b == 1.0 and w < self.healthy:         # healthy probes only (rule 4)
+                    learn.append((key, spm))
+                if ref is not None and links and b > 1.0:
+                    s = 1.0 if s < self.healthy else b
+            elif ref is None or (w < b * self.healthy and w > b / self.healthy):
                 learn.append((key, spm / b))
             if ref is not None and links:
-                if key[0] in self.recovery_kinds and b > 1.0:
-                    s = 1.0 if s < b / self.healthy else b
                 read.append((links, max(1.0, s)))
         for key, spm in learn:            # after reading: a step does not judge itself
             self._hist.setdefault(key, deque(maxlen=self._history)).append(spm)

@@ -119,21 +119,25 @@ def test_two_nodes_one_link_reads_against_its_healthy_past():
     assert est.rates()[(0, 1)] < 1.1
 
 
-def test_a_recovery_probe_says_recovered_or_not_and_never_by_how_much():
-    """A link believed 10x slow, timed only by a probe whose own slowdown is 4x (a small
-    message): it reads the belief while the link stays slow, 1.0 once the probe is over
-    twice as fast as it was; a reduction's reading is never quantised."""
+def test_a_probe_learns_healthy_links_and_says_recovered_or_not_and_never_by_how_much():
+    """Probes learn from healthy links only. A link believed 10x slow whose probe reads 4x
+    (a small message) reads the belief while the probe reads slow, and 1.0 once it does not;
+    a reduction's reading is never quantised."""
     est = LinkEstimator(node_of, window=3, healthy=2.0, recovery_kinds=("probe",))
-    slow = {(0, 1): 10.0}
-    for _ in range(12):                       # learned under the belief
-        est.add([CommOp("probe", (0, 2), 0.2, 0.2 * 0.04)], believed=slow)
-    assert est.rates()[(0, 1)] == pytest.approx(10.0)
-    for _ in range(3):                        # a little faster: still the belief
-        est.add([CommOp("probe", (0, 2), 0.2, 0.2 * 0.03)], believed=slow)
-    assert est.rates()[(0, 1)] == 10.0
-    for _ in range(3):                        # the probe 4x faster: recovered
-        est.add([CommOp("probe", (0, 2), 0.2, 0.2 * 0.01)], believed=slow)
+    for _ in range(12):                       # healthy probes: the reference
+        est.add([CommOp("probe", (0, 2), 0.2, 0.2 * 0.01)])
     assert est.rates()[(0, 1)] == 1.0
+    slow = {(0, 1): 10.0}
+    for _ in range(3):                        # the link held as 10x slow; the probe reads 4x
+        est.add([CommOp("probe", (0, 2), 0.2, 0.2 * 0.04)], believed=slow)
+    assert est.rates()[(0, 1)] == 10.0
+    for _ in range(3):                        # nothing learned while held: still the belief
+        est.add([CommOp("probe", (0, 2), 0.2, 0.2 * 0.025)], believed=slow)
+    assert est.rates()[(0, 1)] == 10.0
+    for _ in range(3):                        # the probe at its healthy speed: recovered
+        est.add([CommOp("probe", (0, 2), 0.2, 0.2 * 0.011)], believed=slow)
+    assert est.rates()[(0, 1)] == 1.0
+    assert est.seconds_per_mb("probe", True) == pytest.approx(0.01)
     plain = LinkEstimator(node_of, window=3, healthy=2.0, recovery_kinds=("probe",))
     for _ in range(12):
         plain.add([CommOp("dp", (0, 1, 2, 3), 3.0, 3.0 * 0.01)])

@@ -112,8 +112,8 @@ def test_the_loop_replans_around_a_slow_link_and_back_with_no_engine():
     """The real loop and planner process: healthy for 20 steps, then the link 20x slow until
     step 45. The loop reads it, asks the planner with the link's rate and the measured comm
     section, and adopts two-stage pipelines cut at the link (every reduction inside a node);
-    it then probes the held link (one round trip's reading per probe, in the next step's
-    all-reduce), sees it recover, and goes back to data parallel."""
+    it probes the link (one round trip's reading per probe, in the next step's all-reduce:
+    healthy at first, then held), sees it recover, and goes back to data parallel."""
     rng = np.random.default_rng(3)
     first = plan = static_plan(4, 8, 1, 1, 1, WORLD)
     spec = _spec(plan)
@@ -162,7 +162,8 @@ def test_the_loop_replans_around_a_slow_link_and_back_with_no_engine():
     for p in cut.pipelines:      # cut at the link: stage 0 on one node, stage 1 on the other
         assert [{r // GPN for r in st.ranks} for st in p.stages] in ([{0}, {1}], [{1}, {0}]), \
             cut.to_json()
-    # only the held link is probed, by the first ranks of its two nodes, while it is held
+    # the link is probed by the first ranks of its two nodes: every step at the start (the
+    # probes' healthy reference), then every 10 steps, every step again once it is held
     assert prober.asked and set(prober.asked) == {(0, 2, 0.1)}, prober.asked
     back = [e for e in link if e["detected"] >= 45]
     assert back and back[0]["link_rates"] == {} and back[0]["detected"] <= 45 + 12, why

@@ -272,7 +272,7 @@ class Controller:
         self.est.add(comp, self.units, probe, shape=self.shape, held=self.held)
         self.measured = self.est.rates(floor=self._floor)
         if self.links is not None:
-            self.links.add(sums.comm, self.measured)
+            self.links.add(sums.comm)
         self._seen += 1
         self._since_switch += 1
         if (self._missed is not None and self._client is not None and self._pending is None

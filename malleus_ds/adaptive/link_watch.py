@@ -5,9 +5,9 @@ Rank 0 of the loop (``control.py``) keeps one :class:`LinkWatch`:
 
 1. **Readings.** Each step's timed communication (``StepSums.comm``: ``(kind, ranks, MB,
    seconds)`` per op, ``engine/comm_log.py``) goes to a
-   :class:`~malleus_ds.adaptive.link_rates.LinkEstimator`, with the ranks' compute rates (an op
-   with a rank that computes slowly is left out) and the link rates the running plan was made
-   for (its belief). Only the gradient reductions and the link probes are read
+   :class:`~malleus_ds.adaptive.link_rates.LinkEstimator`, with the link rates the running
+   plan was made for (its belief); no op is left out for a rank slow in compute (a
+   reduction's reading holds no wait for a late peer, a probe runs after the step). Only the gradient reductions and the link probes are read
    (:data:`READ_KINDS`): a link held slow, which the plan made for it keeps the reductions off,
    is probed (``engine/link_probe.py``), so its recovery is seen; a link neither crosses is not
    measured, and keeps the rate the plan was made for.
@@ -64,13 +64,17 @@ class LinkWatch:
         """Are there links to watch (a job on more than one node)?"""
         return self.det is not None
 
-    def add(self, ops: Sequence[tuple], compute_rates: Sequence[float]) -> None:
-        """One step's timed communication (``StepSums.comm``) and the ranks' compute rates."""
+    def add(self, ops: Sequence[tuple]) -> None:
+        """One step's timed communication (``StepSums.comm``)."""
         if not self.active:
             return
         kept = [CommOp(k, tuple(r), float(mb), float(s)) for k, r, mb, s in ops
                 if k in READ_KINDS]
-        self.est.add(kept, np.asarray(compute_rates, dtype=float), believed=self.planned())
+        # no op is left out for a rank slow in compute: a reduction
+        # reads as its last-arriving member's wait, which holds no wait for a slow peer, and a
+        # probe runs after the step. Leaving them out let a loaded host's misread compute
+        # rates (1.5-1.7 on healthy ranks) hide a 15x slow link for 40 steps.
+        self.est.add(kept, None, believed=self.planned())
 
     def measured(self) -> np.ndarray:
         """Per link (:attr:`links` order), its smoothed rate; NaN where not measured."""

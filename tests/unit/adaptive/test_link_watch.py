@@ -44,10 +44,10 @@ def test_healthy_noise_is_not_a_slow_link_and_a_slow_one_is_read_within_a_few_st
     w = LinkWatch(_spec(plan), DetectConfig(every=1))
     assert w.active and w.links == [(0, 1)]
     for _ in range(60):
-        w.add(_ops(rng), [1.0] * WORLD)
+        w.add(_ops(rng))
         assert w.check() is None, w.measured_map()
     for k in range(8):
-        w.add(_ops(rng, rate=6.0), [1.0] * WORLD)
+        w.add(_ops(rng, rate=6.0))
         got = w.check()
         if got is not None:
             break
@@ -75,11 +75,11 @@ def test_a_link_first_crossed_after_a_switch_made_for_it_learns_its_healthy_spee
     w = LinkWatch(_spec(static_plan(4, 8, 1, 1, 1, WORLD)), DetectConfig(every=1))
     w.planned_for({(0, 1): 5.0})
     for _ in range(20):
-        w.add(_ops(rng, rate=5.0, spread=(0.9, 1.1)), [1.0] * WORLD)
+        w.add(_ops(rng, rate=5.0, spread=(0.9, 1.1)))
     assert w.measured_map()[(0, 1)] == pytest.approx(5.0, rel=0.15)
     assert w.check() is None
     for _ in range(6):
-        w.add(_ops(rng, spread=(0.9, 1.1)), [1.0] * WORLD)
+        w.add(_ops(rng, spread=(0.9, 1.1)))
     assert w.measured_map()[(0, 1)] == 1.0
     assert w.normalised() == {}
 
@@ -88,7 +88,7 @@ def test_a_job_on_one_node_has_no_links():
     w = LinkWatch(JobSpec.of_model(PRESETS["tiny"], static_plan(4, 8, 1, 1, 1, 4)),
                   DetectConfig())
     assert not w.active and w.check() is None and w.normalised() == {}
-    w.add([("dp", (0, 1), 1.0, 0.1)], [1.0] * 4)
+    w.add([("dp", (0, 1), 1.0, 0.1)])
 
 
 def _problem():

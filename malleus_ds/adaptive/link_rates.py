@@ -35,7 +35,9 @@ Attribution (:class:`LinkEstimator`), one step at a time:
    much: its messages are smaller than the reductions the belief was read from, and a
    congested link slows small and large messages differently (under the emulation at rate
    30, reductions read 13.5x and the probe's round trips 3.8x). So its reading of a link held
-   slow is the belief while it reads slow (``healthy`` or more), and 1.0 once it does not.
+   slow is at least the belief while it reads slow (``healthy`` or more: its own reading where
+   higher, so a plan made for a link read at 2.5 on its way to 7 does not pin it at 2.5 under
+   the rule of the fastest op), and 1.0 once it does not.
 
 :meth:`LinkEstimator.rates` is the median over the last ``window`` steps per link, NaN where no
 step measured it. numpy only.
@@ -162,7 +164,7 @@ class LinkEstimator:
                 if b == 1.0 and w < self.healthy:         # healthy probes only (rule 4)
                     learn.append((key, spm))
                 if ref is not None and links and b > 1.0:
-                    s = 1.0 if s < self.healthy else b
+                    s = 1.0 if s < self.healthy else max(b, s)
             elif ref is None or (w < b * self.healthy and w > b / self.healthy):
                 learn.append((key, spm / b))
             if ref is not None and links:

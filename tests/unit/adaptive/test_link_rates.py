@@ -138,6 +138,9 @@ def test_a_probe_learns_healthy_links_and_says_recovered_or_not_and_never_by_how
         est.add([CommOp("probe", (0, 2), 0.2, 0.2 * 0.011)], believed=slow)
     assert est.rates()[(0, 1)] == 1.0
     assert est.seconds_per_mb("probe", True) == pytest.approx(0.01)
+    for _ in range(3):             # held at 2.5, the probe reads 6: it says 6, not the belief
+        est.add([CommOp("probe", (0, 2), 0.2, 0.2 * 0.06)], believed={(0, 1): 2.5})
+    assert est.rates()[(0, 1)] == pytest.approx(6.0)
     plain = LinkEstimator(node_of, window=3, healthy=2.0, recovery_kinds=("probe",))
     for _ in range(12):
         plain.add([CommOp("dp", (0, 1, 2, 3), 3.0, 3.0 * 0.01)])

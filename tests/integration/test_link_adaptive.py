@@ -66,7 +66,8 @@ def test_a_slow_link_is_detected_planned_around_and_its_recovery_noticed():
                 and (e.get("link_rates") or e["adopted"])], why
     # the first switch is made for the link, read as slow (by how much: its rate), within 8
     # steps (its trigger may be the pace check's: the slow steps miss the healthy pace too)
-    onset = next(e for e in replans if e["adopted"])
+    onset = next((e for e in replans if e["adopted"]), None)
+    assert onset is not None, f"no switch in {len(losses)} steps: {why}"
     assert onset["detected"] <= ONSET + 8 and onset["link_rates"]["0-1"] >= 2.0, why
     # the layout it switched to: two-stage pipelines cut at the link (ranks 0-1 on node 0)
     cut = plans[onset["step"]]

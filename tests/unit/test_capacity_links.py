@@ -1,0 +1,66 @@
+"""The capacity bound with slow links (``malleus_ds/capacity.py``): the compute bound without
+them, smaller as a link slows where the work must cross it, each of its branches on paper, and
+never beaten: no plan the planner, the static layout or the cut at the link finds runs faster
+than the bound's step time, on problems where the link binds."""
+from __future__ import annotations
+
+import pytest
+
+from malleus_ds.capacity import compute_step, link_capacity
+from malleus_ds.cost import capacity_fraction, step_time
+from malleus_ds.planner import plan
+from malleus_ds.planner.links import across_slow_links
+from malleus_ds.problem import Problem
+
+
+def _problem(link=4.0, rates=None, act=16.0, grad=400.0, layer_ms=20.0, nodes=2, gpn=4,
+             layers=8, gbs=16):
+    d = {"version": 1, "name": "t", "cluster": {"nodes": nodes, "gpus_per_node": gpn},
+         "model": {"num_layers": layers},
+         "training": {"global_batch_size": gbs, "micro_batch_size": 1, "tp": 1, "pp": 1,
+                      "dp": nodes * gpn},
+         "comm": {"layer_ms": layer_ms, "activation_mb": act, "intra_node_gbps": 200.0,
+                  "inter_node_gbps": 25.0, "grad_mb": grad},
+         "rates": {str(k): v for k, v in (rates or {}).items()}}
+    if link > 1:
+        d["link_rates"] = {"0-1": link}
+    return Problem.from_json(d)
+
+
+def test_without_a_slow_link_it_is_the_compute_bound():
+    for rates in ({}, {3: 4.0}, {0: 2.0, 5: 3.0}):
+        pr = _problem(link=1.0, rates=rates)
+        assert link_capacity(pr) == pytest.approx(capacity_fraction(pr))
+
+
+def test_the_branches_on_paper():
+    # 2 nodes x 4, 8 layers, 16 micro-batches: T_c = 2 micro-batches x 8 layers = 16 units,
+    # W = 8 x 16 = 128 GPU-units; c_A = c_B = 4; the cut carries 25 / rate MB/ms, 20 ms a unit
+    pr = _problem(link=100.0, act=100.0, grad=400.0)
+    assert compute_step(pr) == pytest.approx(16.0)
+    per_mb = 1 / (25.0 / 100.0) / 20.0                       # 0.2 units per MB
+    one_side = 128 / 4                                       # 32
+    pipe = max(128 / 8, 16 * 100.0 * per_mb)                 # activations: 320
+    dp = min(max((1 - k / 8) * 128 / 4, (k / 8) * 128 / 4, k * 400.0 * per_mb)
+             for k in range(1, 9))                           # k=1: max(28, 4, 80) = 80
+    assert min(one_side, pipe, dp) == 32
+    assert link_capacity(pr) == pytest.approx(16.0 / 32)
+    # a fast enough link: the pipeline across it binds at the compute bound
+    assert link_capacity(_problem(link=2.0, act=1.0)) == pytest.approx(1.0)
+    # slower links never raise the bound
+    caps = [link_capacity(_problem(link=r, act=200.0, grad=800.0)) for r in (1, 2, 8, 32, 128)]
+    assert caps == sorted(caps, reverse=True) and caps[-1] < caps[0], caps
+
+
+@pytest.mark.parametrize("link,act,grad,rates", [
+    (4.0, 16.0, 400.0, {}), (20.0, 64.0, 200.0, {}), (50.0, 40.0, 100.0, {2: 3.0}),
+    (8.0, 200.0, 800.0, {6: 2.0})])
+def test_no_plan_beats_the_bound(link, act, grad, rates):
+    pr = _problem(link=link, act=act, grad=grad, rates=rates)
+    bound_step = compute_step(pr) / link_capacity(pr)
+    plans = [pr.static_plan(), plan(pr, seed=0, time_limit=2.0).plan]
+    cut = across_slow_links(pr)
+    if cut is not None:
+        plans.append(cut)
+    for p in plans:
+        assert step_time(pr, p) >= bound_step * (1 - 1e-9), (p.describe(), bound_step)

@@ -113,7 +113,13 @@ def summarise(d: Path, marks: dict) -> dict:
         if statistics.median(t[j] for j in range(k, k + 3)) <= 1.1 * healthy:
             back = k - off
             break
+    switches = [x for x in lines if x.get("event") == "replan" and x.get("adopted")]
+    first = next((x["detected"] for x in switches if x["detected"] >= on), None)
+    again = next((x["detected"] for x in switches if x["detected"] >= off), None)
     return {"samples_per_s_throttled": len(slow) * GBS / slow_s, "healthy_step_s": healthy,
+            "throttled_step_s": statistics.median(t[k] for k in slow),
+            "switch_after_throttle": None if first is None else first - on,
+            "switch_after_free": None if again is None else again - off,
             "throttled_steps": [on, off], "back_within_10pct_after": back,
             "losses": [steps[k]["loss"] for k in sorted(steps)],
             "replans": [{k: x.get(k) for k in ("step", "detected", "trigger", "adopted",
@@ -138,11 +144,14 @@ def main() -> None:
     for i, name in enumerate(("deepspeed", "malleus")):
         t0 = time.perf_counter()
         res[name] = launch(name, out / name, a, 100 + os.getpid() % 100 * 2 + i)
-        print(f"{name:10s} {res[name]['samples_per_s_throttled']:7.1f} samples/s throttled "
-              f"(steps {res[name]['throttled_steps']}), healthy step "
-              f"{res[name]['healthy_step_s']:.3f} s, back within 10% "
-              f"{res[name]['back_within_10pct_after']} steps after the link is freed "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        r = res[name]
+        print(f"{name:10s} {r['samples_per_s_throttled']:7.1f} samples/s throttled "
+              f"(steps {r['throttled_steps']}, median step {r['throttled_step_s']:.3f} s), "
+              f"healthy step {r['healthy_step_s']:.3f} s, back within 10% "
+              f"{r['back_within_10pct_after']} steps after the link is freed; adopted switches "
+              f"detected {r['switch_after_throttle']} steps after the throttle and "
+              f"{r['switch_after_free']} after the free ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
     ds, ml = res["deepspeed"], res["malleus"]
     ratio = ml["samples_per_s_throttled"] / ds["samples_per_s_throttled"]
     n = min(len(ds["losses"]), len(ml["losses"]))

@@ -313,6 +313,11 @@ class Controller:
         """Each rank's smoothed measured rate (None: not measured yet), for logs and checkpoints."""
         return as_list(self.measured)
 
+    def measured_link_rates(self) -> dict[str, float]:
+        """Rank 0: each measured node link's smoothed rate, ``{"0-1": 1.0}`` (other ranks and
+        one-node jobs: empty), for metrics.jsonl."""
+        return _link_json(self.links.measured_map()) if self.links is not None else {}
+
     def take_events(self) -> list[dict]:
         """``check`` events since the last call (rank 0; metrics.jsonl)."""
         out, self._events = self._events, []
@@ -697,6 +702,7 @@ class Controller:
             res.event["measured_link_rates"] = _link_json(self.links.measured_map())
         if p["links"]:
             self.links.comm = p["comm"]
+            res.event["comm"] = {k: round(v, 6) for k, v in p["comm"].items()}
         self._result = res
 
     def _overtaken(self, p: dict) -> bool:

@@ -34,7 +34,10 @@ and a checkpoint save is an event line too (``{"event": "checkpoint", "step", "p
 (``pace_check.py``; ``{"event": "check", "step", "plan", "outcome": "kept"|"missed", ...}``,
 read back by ``check_events.py``). engine=malleus step lines carry ``"plan"``, the id of the
 plan that ran the step, and ``"measured_rates"``, each rank's smoothed measured rate
-(``adaptive/rates.py``; null until measured).
+(``adaptive/rates.py``; null until measured); on more than one node with the loop on also
+``"link_rates"``, each measured node link's smoothed rate (``{"0-1": 1.0}``,
+``adaptive/link_watch.py``). A ``straggler.link_schedule`` run's lines carry
+``"link_emulated_s"``, per rank the seconds the slow-link emulation waited.
 
 :func:`format_event` turns a replan, migrate, restart or check line into text: one line for the
 run summary and the progress bar, a short label for ``malleus-plot``.
@@ -93,6 +96,9 @@ class StepRecord:
     wait_s: tuple[float, ...] = ()       # per rank, its compute's waits for a core (CPU hosts)
     #: per rank, the seconds the slow-link emulation waited (``straggler.link_schedule`` runs)
     link_emulated_s: tuple[float, ...] = ()
+    #: engine=malleus on more than one node: each measured node link's smoothed rate
+    #: (``{"0-1": 1.0}``; rank 0's link watch, ``adaptive/link_watch.py``)
+    link_rates: Mapping[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -112,6 +118,10 @@ class StepRecord:
             d.pop("link_emulated_s")
         if self.measured_rates is not None:
             d["measured_rates"] = list(self.measured_rates)
+        if self.link_rates:
+            d["link_rates"] = dict(self.link_rates)
+        else:
+            d.pop("link_rates")
         return d
 
 

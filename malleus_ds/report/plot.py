@@ -31,6 +31,7 @@ from .plot_data import (
     Region,
     RunData,
     emulated_rate_series,
+    link_regions,
     load_runs,
     rolling_median,
     straggler_regions)
@@ -51,7 +52,7 @@ def _draw_whatif(ax, run: RunData) -> None:
     """Per straggler phase of ``run``: dotted lines at what a static layout would have kept and
     at the capacity bound (whatif.py)."""
     a = run.whatif
-    for k, p in enumerate(p for p in (a.phases if a else ()) if p.rates):
+    for k, p in enumerate(p for p in (a.phases if a else ()) if p.slow):
         x = (p.first - 0.5, p.last + 0.5)
         ax.plot(x, [p.static] * 2, color="0.25", ls=":", lw=1.6, zorder=3,
                 label="static layout (what-if)" if k == 0 else None)
@@ -63,6 +64,7 @@ def _draw_whatif(ax, run: RunData) -> None:
 REPLAN_COLOR = "tab:purple"
 MIGRATE_COLOR = "tab:green"
 STRAGGLER_COLOR = "tab:red"
+LINK_COLOR = "tab:blue"        # a slow link (whatif.link_state)
 MISSED_COLOR = "crimson"       # a plan check that missed its promise (pace_check.py)
 KEPT_COLOR = "0.45"            # ... that kept it: a small hollow mark, no line, no label
 MISSED_LS = (0, (2, 2))
@@ -132,16 +134,16 @@ def _headroom(ax, data_max: float, lowest_label: float, bottom: float = 0.0) -> 
     ax.set_ylim(bottom, bottom + (data_max - bottom) / frac)
 
 
-def _shade(ax, regions: Sequence[Region], labels: bool) -> None:
+def _shade(ax, regions: Sequence[Region], labels: bool, color=STRAGGLER_COLOR,
+           text_color="darkred", y: float = 0.03) -> None:
     from matplotlib.transforms import blended_transform_factory
 
     trans = blended_transform_factory(ax.transData, ax.transAxes)
     for reg in regions:
-        ax.axvspan(reg.start - 0.5, reg.end - 0.5, color=STRAGGLER_COLOR, alpha=0.10, lw=0,
-                   zorder=0)
+        ax.axvspan(reg.start - 0.5, reg.end - 0.5, color=color, alpha=0.10, lw=0, zorder=0)
         if labels and reg.label:
-            ax.text(reg.start - 0.3, 0.03, reg.label, transform=trans, ha="left", va="bottom",
-                    fontsize=8, color="darkred", zorder=5,
+            ax.text(reg.start - 0.3, y, reg.label, transform=trans, ha="left", va="bottom",
+                    fontsize=8, color=text_color, zorder=5,
                     bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="none", alpha=0.7))
 
 
@@ -287,6 +289,8 @@ def draw(runs: Sequence[RunData], out: str | Path, title: str, window: int = 5) 
         ax, ax2 = fig.subplots(1, 1), None
     regions = straggler_regions(runs)
     _shade(ax, regions, labels=True)
+    lregions = link_regions(runs)
+    _shade(ax, lregions, labels=True, color=LINK_COLOR, text_color="navy", y=0.10)
     data_max = 0.0
     job_colors = _rank_colors(len(runs))
     label_items = []
@@ -318,6 +322,8 @@ def draw(runs: Sequence[RunData], out: str | Path, title: str, window: int = 5) 
     handles, _ = ax.get_legend_handles_labels()
     if regions:
         handles.append(Patch(color=STRAGGLER_COLOR, alpha=0.15, label="emulated straggler"))
+    if lregions:
+        handles.append(Patch(color=LINK_COLOR, alpha=0.15, label="slow link"))
     all_events = [e for r in runs for e in r.events]
     handles += _event_proxies(all_events, color=None if single else "0.35")
     ax.set_ylabel("throughput (samples/s)")

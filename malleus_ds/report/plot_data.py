@@ -74,6 +74,8 @@ class RunData:
     overrides: list[str] | None = None          # <run>/.hydra/overrides.yaml, when present
     whatif: "whatif.Account | None" = None      # what-if account (None: the records hold none)
     world_size: int = 0                         # ranks (run_model.world_of; 0: the file names none)
+    #: per step: its slow links (``whatif.link_state``: measured "a-b" names, or "emulated")
+    link_states: list[tuple[str, ...]] = field(default_factory=list)
 
     @property
     def throughput(self) -> np.ndarray:
@@ -177,6 +179,7 @@ def load_run_data(run_dir: str | Path, name: str | None = None) -> RunData:
         overrides=read_overrides(run_dir),
         whatif=_account(run_dir, lines, evs),
         world_size=world_of(lines, least=0),
+        link_states=[whatif.link_state(r) for r in lines],
     )
 
 
@@ -256,6 +259,31 @@ def straggler_regions(runs: Sequence[RunData]) -> list[Region]:
                 lab = rates_label(er)
                 if lab not in labs:
                     labs.append(lab)
+    steps = sorted(all_steps)
+    out: list[Region] = []
+    for st in stretches(s in active for s in steps):
+        if not st.key:
+            continue
+        labels: list[str] = []
+        for s in steps[st.lo:st.hi]:
+            labels += [x for x in active[s] if x not in labels]
+        end = steps[st.hi] if st.hi < len(steps) else steps[-1] + 1
+        out.append(Region(steps[st.lo], end, " / ".join(labels)))
+    return out
+
+
+def link_regions(runs: Sequence[RunData]) -> list[Region]:
+    """Contiguous stretches of recorded steps with a slow link (measured, or the emulation
+    waiting), over the union of ``runs``, labelled ``link 0-1`` (``link (emulated)``)."""
+    active: dict[int, list[str]] = {}
+    all_steps: set[int] = set()
+    for run in runs:
+        for s, ls in zip(run.steps.tolist(), run.link_states):
+            all_steps.add(s)
+            for name in ls:
+                lab = "link (emulated)" if name == "emulated" else f"link {name}"
+                if lab not in active.setdefault(s, []):
+                    active[s].append(lab)
     steps = sorted(all_steps)
     out: list[Region] = []
     for st in stretches(s in active for s in steps):

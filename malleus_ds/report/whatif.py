@@ -61,6 +61,17 @@ job's own wall time over these steps that the stragglers cost it:
 (this run), ``Z = (T_bound - T_healthy) / T_bound`` (the least loss any layout could achieve,
 so ``Z <= X``). A run without straggler phases says "no straggler in this run".
 
+**Slow links** (issue 35). A step's slow links (:func:`link_state`): the measured ones of its
+``link_rates`` (rank 0's link watch, slow from ``detect.link_healthy``), else "emulated" where
+the slow-link emulation waited (``link_emulated_s``). They split the phases further, and a
+phase's label names them (``link 0-1 at 20``). For such a phase ``static`` is what the run
+measured on its first plan under the link, before any switch (a static run: all its steps),
+when that is at least two steps and below the compute model's; ``bound`` is the compute bound
+times ``link_capacity / f`` (``malleus_ds/capacity.py``, DESIGN.md §3), with the ``comm``
+section the loop measured (its first ``replan`` event that carries one), the run's layout and
+node shape; without them the compute bound stands. Healthy phases have neither stragglers nor
+slow links.
+
 **Plan checks.** The adaptive loop's ``check`` events (``pace_check.py``) ride along
 (``Account.checks``, ``check_events.checks_of``: each miss with what the re-plan after it did),
 and the account ends with their line: ``plan checks: 4 kept, 1 missed (step 14: 2.09x its
@@ -80,6 +91,10 @@ from .run_model import (emulated_condition, emulated_rates, events_in, stretches
                         world_of)
 from .phases import rate_phases
 from ..adaptive.detect import HEALTHY  # a rate below this counts as healthy (DESIGN.md §6)
+from ..adaptive.detect import DetectConfig
+
+#: a measured link rate below this counts as healthy (``detect.link_healthy``'s default)
+LINK_HEALTHY = DetectConfig().link_healthy
 
 
 class WhatIfError(ValueError):
@@ -117,10 +132,18 @@ class PhaseAccount:
     detect_s: float | None
     migrate_s: float
     f: float = 1.0                          # capacity fraction: mean over ranks of 1/rate
+    #: slow links: ((link "a-b" or "emulated", measured rate or None), ...); () = healthy links
+    links: tuple[tuple[str, float | None], ...] = ()
+
+    @property
+    def slow(self) -> bool:
+        return bool(self.rates or self.links)
 
     @property
     def label(self) -> str:
-        return ", ".join(f"rank {r} at rate {x:.3g}" for r, x in self.rates) or "healthy"
+        parts = [f"rank {r} at rate {x:.3g}" for r, x in self.rates]
+        parts += [f"link {n}" + (f" at {x:.3g}" if x else " (emulated)") for n, x in self.links]
+        return ", ".join(parts) or "healthy"
 
     @property
     def achieved(self) -> float:
@@ -147,7 +170,7 @@ class Account:
 
     @property
     def stragglers(self) -> bool:
-        return any(p.rates for p in self.phases)
+        return any(p.slow for p in self.phases)
 
     @staticmethod
     def _share(t: float, t_healthy: float) -> float:
@@ -221,6 +244,61 @@ def _phase_rates(rs: Sequence[Mapping], source: str, world: int
         if x >= HEALTHY:
             out.append((d, round(x, 4)))
     return tuple(out)
+
+
+def link_state(r: Mapping) -> tuple[str, ...]:
+    """A step line's slow links: the measured ones (``link_rates``, read as the adaptive loop
+    reads them: slow from ``detect.link_healthy``), else ``("emulated",)`` where the slow-link
+    emulation waited on some rank (``link_emulated_s``), else ``()``."""
+    lr = r.get("link_rates")
+    if isinstance(lr, Mapping):
+        slow = tuple(sorted(k for k, v in lr.items()
+                            if isinstance(v, (int, float)) and v >= LINK_HEALTHY))
+        if slow:
+            return slow
+    le = r.get("link_emulated_s")
+    if isinstance(le, list) and any(isinstance(x, (int, float)) and x > 0 for x in le):
+        return ("emulated",)
+    return ()
+
+
+def _phase_links(rs: Sequence[Mapping], key: tuple[str, ...]
+                 ) -> tuple[tuple[str, float | None], ...]:
+    """A phase's slow links with their median measured rate (None: emulated, not measured)."""
+    out = []
+    for name in key:
+        xs = [float(r["link_rates"][name]) for r in rs
+              if isinstance(r.get("link_rates"), Mapping) and name in r["link_rates"]]
+        out.append((name, round(statistics.median(xs), 4) if xs else None))
+    return tuple(out)
+
+
+def link_bound(layout: Layout | None, cluster: tuple[int, int] | None, comm: Mapping | None,
+               rates: Mapping[int, float], links: Sequence[tuple[str, float | None]]
+               ) -> float | None:
+    """``link_capacity / f`` (``malleus_ds/capacity.py``) for a phase with slow links: how
+    much further than the compute bound the links bring a perfect layout down; None when it
+    cannot be told (no layout, node shape, measured ``comm`` section or link rate)."""
+    if layout is None or cluster is None or not comm or not links:
+        return None
+    if any(x is None or "-" not in n for n, x in links):
+        return None
+    from ..capacity import link_capacity
+    from ..cost import capacity_fraction
+    from ..plan import PlanError
+    from ..problem import Problem
+
+    nodes, gpn = cluster
+    try:
+        pr = Problem(name="whatif", nodes=nodes, gpus_per_node=gpn,
+                     num_layers=layout.num_layers, global_batch_size=layout.global_batch_size,
+                     micro_batch_size=layout.micro_batch_size, tp=layout.tp, pp=layout.pp,
+                     dp=layout.dp, tp_slowdown={1: 1.0}, memory=None, rates=dict(rates),
+                     extra={"comm": dict(comm)}).with_link_rates(
+                         {n: max(1.0, float(x)) for n, x in links})
+        return link_capacity(pr) / capacity_fraction(pr)
+    except (PlanError, ValueError, KeyError):
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,9 +385,11 @@ def _samples(rs: Sequence[Mapping]) -> float:
 
 
 def account(records: Sequence[Mapping], events: Sequence[Mapping] = (),
-            layout: Layout | None = None, warmup: int = 0) -> Account:
+            layout: Layout | None = None, warmup: int = 0,
+            cluster: tuple[int, int] | None = None) -> Account:
     """The what-if account of one run (definitions: the module docstring). ``records``: step
-    lines (event lines among them are moved to ``events``)."""
+    lines (event lines among them are moved to ``events``); ``cluster``: (nodes, GPUs per
+    node), for the capacity bound with slow links."""
     events = list(events) + [r for r in records if "event" in r]
     steps = sorted((r for r in records if "event" not in r), key=lambda r: r["step"])
     if not steps:
@@ -336,6 +416,17 @@ def account(records: Sequence[Mapping], events: Sequence[Mapping] = (),
                          [_readings(r, source, world) for r in kept], world=world)
         groups = [kept[p.lo:p.hi] for p in ph]
         rates = [p.rates for p in ph]
+    # slow links split the phases further (their own state per step, ``link_state``)
+    split_g, split_r, lkeys = [], [], []
+    for g, x in zip(groups, rates):
+        for st in stretches(link_state(r) for r in g):
+            split_g.append(g[st.lo:st.hi])
+            split_r.append(x)
+            lkeys.append(st.key)
+    groups, rates = split_g, split_r
+    links = [_phase_links(g, k) for g, k in zip(groups, lkeys)]
+    comm = next((e["comm"] for e in events if e.get("event") == "replan"
+                 and isinstance(e.get("comm"), Mapping)), None)
     tps = [throughput(g, events) for g in groups]      # W_p: step times + migrations
     models = [static_model(layout, dict(x), world) for x in rates]
     static_source = next((mo.how for mo, x in zip(models, rates) if x), models[0].how)
@@ -346,7 +437,7 @@ def account(records: Sequence[Mapping], events: Sequence[Mapping] = (),
             return None, g, []
         return s, [r for r in g if r["step"] < s], [r for r in g if r["step"] >= s]
 
-    healthy = [r for g, x in zip(groups, rates) if not x for r in g]
+    healthy = [r for g, x, ln in zip(groups, rates, links) if not x and not ln for r in g]
     if healthy:
         t = _seconds(healthy)
         if t <= 0:
@@ -375,17 +466,28 @@ def account(records: Sequence[Mapping], events: Sequence[Mapping] = (),
     if comp is None:
         static_source += "; no compute_s: the whole step scales"
     out = []
-    for g, x, tp, mo in zip(groups, rates, tps, models):
+    first_plan = steps[0].get("plan")
+    for g, x, tp, mo, ln in zip(groups, rates, tps, models, links):
         k = static_keep(mo, step_h, comp)
         detect = None
-        if x:
+        if x or ln:
             s, pre, post = before_after(g)
             if s is not None and post and _samples(post) > 0:
                 detect = max(0.0, _seconds(pre) - _samples(pre) * _seconds(post) / _samples(post))
+            if ln:
+                # a static job under a slow link: what this run's steps of the phase measured
+                # on the first plan, before any switch (a static run: all of them)
+                static_steps = [r for r in pre if r.get("plan") == first_plan] if s is not None \
+                    else [r for r in g if r.get("plan") == first_plan]
+                if len(static_steps) >= 2 and _seconds(static_steps) > 0:
+                    k = min(k, _samples(static_steps) / _seconds(static_steps) / H)
         f = capacity_of_rates(dict(x), world)
         b = step_h / (step_h + comp * (1 / f - 1)) if comp else f
+        if ln:
+            lb = link_bound(layout, cluster, comm, dict(x), ln)
+            b = b * lb if lb is not None else b
         out.append(PhaseAccount(int(g[0]["step"]), int(g[-1]["step"]), x, tp.steps, tp.samples,
-                                tp.seconds, H, k * H, b * H, detect, tp.migrate_s, f))
+                                tp.seconds, H, k * H, b * H, detect, tp.migrate_s, f, ln))
     adaptive = any(e.get("event") == "migrate" for e in events) or \
         len({r.get("plan") for r in steps if r.get("plan")}) > 1
     return Account(tuple(out), world, source, static_source, healthy_source, adaptive,
@@ -495,7 +597,15 @@ def account_of_run(run_dir: str | Path, warmup: int | None = None,
     world = world_of(steps)
     if layout is None and conf is not None:
         layout = layout_from_config(conf, world)
+    cluster = None
+    cl = (conf or {}).get("cluster") or {}
+    if isinstance(cl, Mapping) and cl.get("gpus_per_node"):
+        try:
+            gpn = int(cl["gpus_per_node"])
+            cluster = (world // gpn, gpn) if gpn > 0 and world % gpn == 0 else None
+        except (TypeError, ValueError):
+            cluster = None
     if warmup is None:
         w = (conf or {}).get("train", {}).get("warmup_steps", 1) if conf else 1
         warmup = w if isinstance(w, int) and w >= 0 else 1
-    return account(steps, events, layout, warmup)
+    return account(steps, events, layout, warmup, cluster)

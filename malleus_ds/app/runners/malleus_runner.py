@@ -214,7 +214,8 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
         clock.start_step(step)
         loss = engine.train_batch(step=step)
         reporter.step_done(step, loss, time.perf_counter() - t0, clock, plan=engine.plan.id,
-                           measured_rates=engine.measured_rates)
+                           measured_rates=engine.measured_rates,
+                           link_rates=loop.measured_link_rates())
         ck.after_step(step + 1, write, reporter)
     ck.finish(cfg.train.steps, write, reporter)
     loop.close()

@@ -347,3 +347,22 @@ def test_plan_checks_are_drawn(tmp_path, monkeypatch):
     write_run(tmp_path / "multi" / "1", adaptive_lines(measured=False), ["engine=torch"])
     _, legend = drawn(tmp_path / "multi")
     assert "plan check missed (1)" in legend
+
+
+def test_a_slow_link_is_shaded_and_accounted(tmp_path):
+    """A run whose step lines measure a slow link (``link_rates``): its steps are a shaded
+    region of their own, labelled with the link, and its what-if phase is drawn."""
+    from tests.unit.report.test_whatif import _link_case
+    from malleus_ds.report.plot import draw
+    from malleus_ds.report.plot_data import link_regions
+
+    recs, events = _link_case()
+    run = load_run_data(write_run(tmp_path / "run", recs + events))
+    regs = link_regions([run])
+    assert [(r.start, r.end, r.label) for r in regs] == [(10, 20, "link 0-1")]
+    assert [p.label for p in run.whatif.phases if p.slow] == ["link 0-1 at 20"]
+    assert draw([run], tmp_path / "p.png", "t").read_bytes()[:4] == b"\x89PNG"
+    emu = [dict(r, link_rates={}, link_emulated_s=[0.1] * 4 if 10 <= r["step"] < 20 else [0.0] * 4)
+           for r in recs]
+    run2 = load_run_data(write_run(tmp_path / "emu", emu))
+    assert [r.label for r in link_regions([run2])] == ["link (emulated)"]

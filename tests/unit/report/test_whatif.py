@@ -251,3 +251,55 @@ def test_plan_checks_line(tmp_path):
         "  what-if: no straggler in this run: nothing for a re-layout to win back (3 steps after "
         "the warm-up)", "  plan checks: 1 kept, 1 missed (step 17: 2.09x its promise of 0.430 s "
         "-> not re-planned)"]
+
+
+def _link_case(adaptive: bool = True):
+    """4 ranks as 2 nodes of 2, dp=4. Steps 0-9 healthy at 1 s; from step 10 the link 0-1 is
+    slow (measured 20x): 3 s a step on the first plan until
+    a switch before step 13 (0.3 s migration), 1.2 s after it; steps 20-24 healthy again."""
+    recs, events = [], []
+    for s in range(25):
+        slow = 10 <= s < 20
+        plan = "plan-a" if not adaptive or s < 13 or s >= 20 else "plan-b"
+        t = 1.0 if not slow else (3.0 if plan == "plan-a" else 1.2)
+        rec = {"step": s, "loss": 1.0, "samples": 16, "step_time_s": t,
+               "compute_s": [0.6] * 4, "emulated_s": [0.0] * 4, "emulated_rates": {},
+               "plan": plan, "measured_rates": [1.0] * 4,
+               "link_rates": {"0-1": 20.0 if 10 <= s < 20 else 1.0}}
+        recs.append(rec)
+    if adaptive:
+        events = [{"event": "replan", "step": 13, "trigger": "link", "adopted": True,
+                   "from": "plan-a", "to": "plan-b", "link_rates": {"0-1": 20.0},
+                   "comm": {"layer_ms": 60.0, "activation_mb": 10.0, "intra_node_gbps": 1.0,
+                            "inter_node_gbps": 1.0, "grad_mb": 50.0}},
+                  {"event": "migrate", "step": 13, "from": "plan-a", "to": "plan-b",
+                   "bytes": 10, "seconds": 0.3}]
+    return recs, events
+
+
+def test_a_slow_link_is_a_phase_with_its_static_and_bound():
+    """The measured slow link splits the run; its static pace is what the first plan measured
+    under the link before the switch (3 s a step: 1/3 of healthy), and with the loop's measured
+    comm section the bound takes the link into account (below the compute bound of 1.0)."""
+    recs, events = _link_case()
+    layout = Layout(tp=1, pp=1, dp=4, num_layers=4, global_batch_size=16, micro_batch_size=1)
+    a = account(recs, events, layout, warmup=1, cluster=(2, 2))
+    slow = [p for p in a.phases if p.links]
+    assert len(slow) == 1 and slow[0].label == "link 0-1 at 20"
+    p = slow[0]
+    assert (p.first, p.last) == (10, 19)
+    assert p.healthy == pytest.approx(16.0)
+    assert p.static == pytest.approx(16.0 / 3.0)            # steps 10-12 on plan-a
+    assert p.static < p.achieved < p.healthy
+    # capacity.link_capacity by hand: T_c = 16 units, W = 64; the cut carries 1/20 MB/ms, 1/3
+    # unit a MB: activations 16 x 10 MB = 53 units; one layer on both sides: max(24, 8, 16.7)
+    assert p.bound == pytest.approx(16.0 * 16 / 24)
+    assert p.achieved < p.bound < p.healthy
+    assert a.stragglers and "link 0-1" in format_account(a)
+    # a static run (no switch): its own steps under the link are the static pace
+    recs, _ = _link_case(adaptive=False)
+    b = account(recs, [], layout, warmup=1, cluster=(2, 2))
+    q = [p for p in b.phases if p.links][0]
+    assert q.static == pytest.approx(q.achieved)
+    # no comm section measured (no link event): the bound is the compute bound
+    assert q.bound == pytest.approx(q.healthy)

@@ -26,7 +26,7 @@ AT, FOR, STEPS = 14, 16, 44
 ARGS = ["model=tiny", "model.max_seq_len=32", "model.hidden_size=128", "progress=false",
         "train.global_batch_size=8", "train.micro_batch_size=1", f"train.steps={STEPS}",
         "cluster.nodes=2", "cluster.gpus_per_node=2", "deepspeed=zero1", "engine=malleus",
-        "malleus.detect.probe_every=1"]
+        "malleus.detect.probe_every=1", "malleus.detect.healthy=2.0"]   # links, not compute
 
 
 def _namespaces() -> str | None:

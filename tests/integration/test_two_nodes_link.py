@@ -22,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 TWO_NODES = REPO / "scripts" / "two_nodes.sh"
 TRAIN = REPO / "launch" / "train.py"
-AT, FOR, STEPS = 14, 16, 44
+AT, FOR, STEPS = 14, 16, 50
 ARGS = ["model=tiny", "model.max_seq_len=32", "model.hidden_size=128", "progress=false",
         "train.global_batch_size=8", "train.micro_batch_size=1", f"train.steps={STEPS}",
         "cluster.nodes=2", "cluster.gpus_per_node=2", "deepspeed=zero1", "engine=malleus",
@@ -91,7 +91,9 @@ def test_a_throttled_link_is_planned_around_and_left_when_free(tmp_path):
     assert "off" in marks, marks
     lines = _lines(run / "metrics.jsonl")
     replans = [x for x in lines if x.get("event") == "replan"]
-    why = "\n".join(map(str, replans)) + f"\nthrottled over steps {marks}"
+    why = ("\n".join(map(str, replans)) + f"\nthrottled over steps {marks}\nlink rates: "
+           + " ".join(f"{x['step']}:{(x.get('link_rates') or {}).get('0-1')}"
+                      for x in lines if "step_time_s" in x))
     adopted = [e for e in replans if e["adopted"]]
     # nothing before the throttle; planned around the link within 8 steps of it
     assert not [e for e in replans if e["detected"] < marks["on"]], why

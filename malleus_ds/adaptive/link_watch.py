@@ -7,10 +7,11 @@ Rank 0 of the loop (``control.py``) keeps one :class:`LinkWatch`:
    seconds)`` per op, ``engine/comm_log.py``) goes to a
    :class:`~malleus_ds.adaptive.link_rates.LinkEstimator`, with the link rates the running
    plan was made for (its belief); no op is left out for a rank slow in compute (a
-   reduction's reading holds no wait for a late peer, a probe runs after the step). Only the gradient reductions and the link probes are read
-   (:data:`READ_KINDS`): a link held slow, which the plan made for it keeps the reductions off,
-   is probed (``engine/link_probe.py``), so its recovery is seen; a link neither crosses is not
-   measured, and keeps the rate the plan was made for.
+   reduction's reading holds no wait for a late peer, a probe runs after the step). Only the
+   gradient reductions and the link probes (``engine/link_probe.py``) are read
+   (:data:`READ_KINDS`): a link held slow, which the plan made for it keeps the reductions
+   off, is still probed, so its recovery is seen; a link neither crosses is not measured, and
+   keeps the rate the plan was made for.
 2. **Detection.** The node pairs' smoothed rates go through the same hysteresis as the ranks'
    (``detect.Detector``: healthy threshold, change, confirm, cooldown), with its own reference:
    the link rates the running plan was made for.

@@ -7,7 +7,6 @@ used on its own keeps one built from ``ds_config.malleus.straggler``.
 """
 from __future__ import annotations
 
-import math
 import time
 from contextlib import contextmanager
 

@@ -35,9 +35,10 @@ Attribution (:class:`LinkEstimator`), one step at a time:
    much: its messages are smaller than the reductions the belief was read from, and a
    congested link slows small and large messages differently (under the emulation at rate
    30, reductions read 13.5x and the probe's round trips 3.8x). So its reading of a link held
-   slow is at least the belief while it reads slow (``healthy`` or more: its own reading where
-   higher, so a plan made for a link read at 2.5 on its way to 7 does not pin it at 2.5 under
-   the rule of the fastest op), and 1.0 once it does not.
+   slow is at least the belief while it reads slow (its own reading where higher, so a plan
+   made for a link read at 2.5 on its way to 7 does not pin it at 2.5 under the rule of the
+   fastest op), and 1.0 once two of its last ``window`` readings are below ``healthy`` (a
+   wait only adds to a round trip: two quick ones say the link is fast).
 
 :meth:`LinkEstimator.rates` is the median over the last ``window`` steps per link, NaN where no
 step measured it. numpy only.
@@ -117,6 +118,9 @@ class LinkEstimator:
         #: kinds whose reading of a link believed slow says only whether it recovered (module
         #: doc, 4)
         self.recovery_kinds = frozenset(recovery_kinds)
+        #: per held link, its last ``window`` probe readings (``_quick``)
+        self._recent: dict[Link, deque] = {}
+        self._window = window
         self._hist: dict[tuple[str, bool], deque] = {}
         self._history = history
         self._rows: deque[dict[Link, float]] = deque(maxlen=window)
@@ -164,7 +168,10 @@ class LinkEstimator:
                 if b == 1.0 and w < self.healthy:         # healthy probes only (rule 4)
                     learn.append((key, spm))
                 if ref is not None and links and b > 1.0:
-                    s = 1.0 if s < self.healthy else max(b, s)
+                    s = 1.0 if self._quick(links, s) < self.healthy else max(b, s)
+                elif b == 1.0:
+                    for ln in links:
+                        self._recent.pop(ln, None)
             elif ref is None or (w < b * self.healthy and w > b / self.healthy):
                 learn.append((key, spm / b))
             if ref is not None and links:
@@ -172,6 +179,18 @@ class LinkEstimator:
         for key, spm in learn:            # after reading: a step does not judge itself
             self._hist.setdefault(key, deque(maxlen=self._history)).append(spm)
         self._rows.append(attribute(read, self.healthy))
+
+    def _quick(self, links: frozenset, s: float) -> float:
+        """The second quickest of the last ``window`` probe readings of ``links`` (``s`` the
+        newest; infinite until there are two): waits only add to a round trip, so two quick
+        ones in a window say the link is fast, while a majority of quick ones took up to 21
+        steps on a loaded host whose round trips scatter around twice their healthy median."""
+        q = []
+        for ln in links:
+            d = self._recent.setdefault(ln, deque(maxlen=self._window))
+            d.append(s)
+            q.append(sorted(d)[1] if len(d) >= 2 else np.inf)
+        return max(q)
 
     def seconds_per_mb(self, kind: str, across: bool) -> float | None:
         """The healthy seconds per MB of ``kind``'s ops across nodes (``across``) or inside

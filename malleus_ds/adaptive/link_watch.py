@@ -80,6 +80,8 @@ class LinkWatch:
     def measured(self) -> np.ndarray:
         """Per link (:attr:`links` order), its smoothed rate; NaN where not measured."""
         got = self.est.rates()
+        if not got:              # nothing timed (a replay, the first steps): no list to build
+            return np.full(len(self.links), np.nan)
         return np.array([got.get(ln, np.nan) for ln in self.links], dtype=float)
 
     def measured_map(self) -> dict[Link, float]:

@@ -197,10 +197,12 @@ class LinkEstimator:
         one, or None until learned."""
         return self._reference((kind, across))
 
-    def rates(self) -> dict[Link, float]:
-        """Per link measured in the window: the median of its per-step rates."""
+    def rates(self, last: int | None = None) -> dict[Link, float]:
+        """Per link measured in the window (``last``: its last ``last`` steps only): the
+        median of its per-step rates."""
         seen: dict[Link, list[float]] = {}
-        for row in self._rows:
+        rows = list(self._rows)[-last:] if last else self._rows
+        for row in rows:
             for ln, v in row.items():
                 seen.setdefault(ln, []).append(v)
         return {ln: float(np.median(v)) for ln, v in sorted(seen.items())}

@@ -90,11 +90,20 @@ class LinkWatch:
 
     def check(self) -> dict[Link, float] | None:
         """One detection: the normalised link rates to plan for (slow links only) when they
-        moved from the planned ones, confirmed; else None."""
+        moved from the planned ones, confirmed; else None. A link read slow is planned for at
+        the higher of its window's median and its newer half's."""
         if not self.active:
             return None
         trig = self.det.check(self.measured())
-        return None if trig is None else self._slow(trig.rates)
+        if trig is None:
+            return None
+        # where the links are heading: the median of the window's newer half. A link that
+        # slows 30x reads through the window's median in a few steps, and planning for the
+        # median's first 2.5 kept the plan, then cooled down: detected 9 steps after the onset
+        recent = self.est.rates(last=self.det.cfg.window // 2 + 1)
+        now = self.det.normalise([recent.get(ln, np.nan) for ln in self.links])
+        return self._slow(np.maximum(np.asarray(trig.rates), now)
+                          if any(r > 1.0 for r in trig.rates) else trig.rates)
 
     def normalised(self) -> dict[Link, float]:
         """Today's slow links as detection reads them (healthy -> gone, unmeasured -> planned)."""

@@ -17,7 +17,7 @@ from tests.cases import CFG, EPS, ds_config, plan_json, reference
 from tests.integration.harness import run_distributed
 
 STATIC = plan_json([(2, [([r], (0, 4))]) for r in range(4)])      # dp=4, 2 micro-batches each
-ONSET, RATE, LAG, MAX_STEPS = 16, 30.0, 12, 70
+ONSET, RATE, LAG, MAX_STEPS = 16, 30.0, 12, 80
 
 
 def _link(start, end=None):
@@ -78,8 +78,10 @@ def test_a_slow_link_is_detected_planned_around_and_its_recovery_noticed():
         assert [{r // 2 for r in st["ranks"]} for st in p["stages"]] in ([{0}, {1}],
                                                                          [{1}, {0}]), cut
     # the recovery, read by the link probe (no reduction crosses the link any more)
+    # (typically 5-8 steps; up to 18 seen with a busy-loop process beside the 4 ranks on 2
+    # cores, where the probes' round trips scatter)
     back = [e for e in replans if e["adopted"] and e["detected"] > until]
-    assert back and back[0]["link_rates"] == {} and back[0]["detected"] <= until + 12, why
+    assert back and back[0]["link_rates"] == {} and back[0]["detected"] <= until + 22, why
     assert plans[-1] == STATIC
     ref, _ = reference(STATIC["global_batch_size"], STATIC["micro_batch_size"], len(losses), EPS,
                        0.0)

@@ -244,24 +244,22 @@ def rates_label(rates: Mapping[int, float]) -> str:
     return ", ".join(parts)
 
 
-def straggler_regions(runs: Sequence[RunData]) -> list[Region]:
-    """Contiguous stretches of recorded steps in which some emulated straggler was active, taken
-    over the union of ``runs`` (one run: its own): the stretches (``run_model.stretches``) of
-    "some straggler active" over the recorded steps in order. A region's label lists the
-    distinct schedules seen in it, in order (``" / "`` between them)."""
+def _regions(runs: Sequence[RunData], labels_of) -> list[Region]:
+    """Contiguous stretches of recorded steps, over the union of ``runs``, where
+    ``labels_of(run, i)`` (the labels of ``run``'s ``i``-th step line) names something: the
+    stretches (``run_model.stretches``) of "something named" over the recorded steps in order,
+    each labelled with the distinct labels seen in it, in order (``" / "`` between them)."""
     active: dict[int, list[str]] = {}
     all_steps: set[int] = set()
     for run in runs:
-        for s, er in zip(run.steps.tolist(), run.emulated_rates):
+        for i, s in enumerate(run.steps.tolist()):
             all_steps.add(s)
-            if er:
-                labs = active.setdefault(s, [])
-                lab = rates_label(er)
-                if lab not in labs:
-                    labs.append(lab)
+            for lab in labels_of(run, i):
+                if lab not in active.setdefault(s, []):
+                    active[s].append(lab)
     steps = sorted(all_steps)
     out: list[Region] = []
-    for st in stretches(s in active for s in steps):
+    for st in stretches(bool(active.get(s)) for s in steps):
         if not st.key:
             continue
         labels: list[str] = []
@@ -270,31 +268,22 @@ def straggler_regions(runs: Sequence[RunData]) -> list[Region]:
         end = steps[st.hi] if st.hi < len(steps) else steps[-1] + 1
         out.append(Region(steps[st.lo], end, " / ".join(labels)))
     return out
+
+
+def straggler_regions(runs: Sequence[RunData]) -> list[Region]:
+    """Contiguous stretches of recorded steps in which some emulated straggler was active, taken
+    over the union of ``runs`` (one run: its own), labelled with the distinct schedules seen."""
+    return _regions(runs, lambda run, i: [rates_label(run.emulated_rates[i])]
+                    if run.emulated_rates[i] else [])
 
 
 def link_regions(runs: Sequence[RunData]) -> list[Region]:
     """Contiguous stretches of recorded steps with a slow link (measured, or the emulation
     waiting), over the union of ``runs``, labelled ``link 0-1`` (``link (emulated)``)."""
-    active: dict[int, list[str]] = {}
-    all_steps: set[int] = set()
-    for run in runs:
-        for s, ls in zip(run.steps.tolist(), run.link_states):
-            all_steps.add(s)
-            for name in ls:
-                lab = "link (emulated)" if name == "emulated" else f"link {name}"
-                if lab not in active.setdefault(s, []):
-                    active[s].append(lab)
-    steps = sorted(all_steps)
-    out: list[Region] = []
-    for st in stretches(s in active for s in steps):
-        if not st.key:
-            continue
-        labels: list[str] = []
-        for s in steps[st.lo:st.hi]:
-            labels += [x for x in active[s] if x not in labels]
-        end = steps[st.hi] if st.hi < len(steps) else steps[-1] + 1
-        out.append(Region(steps[st.lo], end, " / ".join(labels)))
-    return out
+    def labels(run, i):
+        ls = run.link_states[i] if i < len(run.link_states) else ()
+        return ["link (emulated)" if n == "emulated" else f"link {n}" for n in ls]
+    return _regions(runs, labels)
 
 
 def emulated_rate_series(run: RunData) -> dict[int, np.ndarray]:

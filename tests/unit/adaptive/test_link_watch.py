@@ -4,7 +4,6 @@
 2 nodes of 2, data parallel over both nodes."""
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,8 +17,9 @@ from malleus_ds.adaptive.work import cost_units
 from malleus_ds.engine.step_reduce import StepSums
 from malleus_ds.job_layout import JobLayout
 from malleus_ds.models.llama import PRESETS
-from malleus_ds.plan import Plan, static_plan
+from malleus_ds.plan import static_plan
 from malleus_ds.problem import Problem
+from tests.unit.adaptive.test_loop_synthetic import apply_decisions
 
 WORLD, GPN = 4, 2
 SPM = 0.004            # healthy seconds per MB of a ring member's share across nodes
@@ -124,14 +124,7 @@ def test_the_loop_replans_around_a_slow_link_and_back_with_no_engine():
     events, plans, probed = [], [], 0
     try:
         for step in range(80):
-            for ev, pj in ctl.before_step(step):
-                events.append(ev)
-                if pj is not None:
-                    plan = Plan.from_json(pj)
-                    ctl.switched(plan, ev.get("rates_for", ev.get("measured_rates")),
-                                 migration=SimpleNamespace(bytes=1 << 20, seconds=0.01))
-                else:
-                    ctl.considered(ev.get("measured_rates"))
+            plan = apply_decisions(ctl, step, plan, events)
             plans.append(plan)
             rate = 20.0 if 20 <= step < 45 else 1.0
             units = cost_units(plan, WORLD, 1, {1: 1.0}, ctl.head)

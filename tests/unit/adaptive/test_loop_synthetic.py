@@ -44,19 +44,27 @@ def work(plan: Plan, rank: int) -> int:
     return pipe.micro_batches * pipe.stages[loc[1]].num_layers
 
 
+def apply_decisions(ctl: Controller, step: int, plan: Plan, events: list) -> Plan:
+    """What an engine does at the boundary before ``step``: the loop's decisions, each switched
+    to (a 1 MB, 10 ms migration) or considered; their events go to ``events``. Returns the plan
+    that runs ``step``."""
+    for ev, pj in ctl.before_step(step):
+        events.append(ev)
+        if pj is not None:
+            plan = Plan.from_json(pj)
+            ctl.switched(plan, ev.get("rates_for", ev.get("measured_rates")),
+                         migration=SimpleNamespace(bytes=1 << 20, seconds=0.01))
+        else:
+            ctl.considered(ev.get("measured_rates"))
+    return plan
+
+
 def drive(ctl: Controller, plan: Plan, rng) -> tuple[list[Plan], list[dict]]:
     """Run :data:`STEPS` steps as an engine would; returns the plan of every step and every
     replan event. Rank 0's loop decides; the other ranks' probes are what theirs would time."""
     plans, events = [], []
     for step in range(STEPS):
-        for ev, pj in ctl.before_step(step):
-            events.append(ev)
-            if pj is not None:
-                plan = Plan.from_json(pj)
-                ctl.switched(plan, ev.get("rates_for", ev.get("measured_rates")),
-                             migration=SimpleNamespace(bytes=1 << 20, seconds=0.01))
-            else:
-                ctl.considered(ev.get("measured_rates"))
+        plan = apply_decisions(ctl, step, plan, events)
         plans.append(plan)
         rate = true_rates(step)
         units = cost_units(plan, WORLD, 1, {1: 1.0}, ctl.head)

@@ -37,8 +37,9 @@ Attribution (:class:`LinkEstimator`), one step at a time:
    30, reductions read 13.5x and the probe's round trips 3.8x). So its reading of a link held
    slow is at least the belief while it reads slow (its own reading where higher, so a plan
    made for a link read at 2.5 on its way to 7 does not pin it at 2.5 under the rule of the
-   fastest op), and 1.0 once two of its last ``window`` readings are below ``healthy`` (a
-   wait only adds to a round trip: two quick ones say the link is fast).
+   fastest op), and 1.0 once two of its last ``window`` readings are quick (a wait only adds
+   to a round trip: two quick ones say the link is fast): below ``healthy``, or below its own
+   level while held over ``healthy``.
 
 :meth:`LinkEstimator.rates` is the median over the last ``window`` steps per link, NaN where no
 step measured it. numpy only.
@@ -118,8 +119,10 @@ class LinkEstimator:
         #: kinds whose reading of a link believed slow says only whether it recovered (module
         #: doc, 4)
         self.recovery_kinds = frozenset(recovery_kinds)
-        #: per held link, its last ``window`` probe readings (``_quick``)
+        #: per held link, its last ``window`` probe readings and their level while held
+        #: (``_quick``)
         self._recent: dict[Link, deque] = {}
+        self._level: dict[Link, float] = {}
         self._window = window
         self._hist: dict[tuple[str, bool], deque] = {}
         self._history = history
@@ -168,10 +171,11 @@ class LinkEstimator:
                 if b == 1.0 and w < self.healthy:         # healthy probes only (rule 4)
                     learn.append((key, spm))
                 if ref is not None and links and b > 1.0:
-                    s = 1.0 if self._quick(links, s) < self.healthy else max(b, s)
+                    s = 1.0 if self._quick(links, s) else max(b, s)
                 elif b == 1.0:
                     for ln in links:
                         self._recent.pop(ln, None)
+                        self._level.pop(ln, None)
             elif ref is None or (w < b * self.healthy and w > b / self.healthy):
                 learn.append((key, spm / b))
             if ref is not None and links:
@@ -180,17 +184,23 @@ class LinkEstimator:
             self._hist.setdefault(key, deque(maxlen=self._history)).append(spm)
         self._rows.append(attribute(read, self.healthy))
 
-    def _quick(self, links: frozenset, s: float) -> float:
-        """The second quickest of the last ``window`` probe readings of ``links`` (``s`` the
-        newest; infinite until there are two): waits only add to a round trip, so two quick
-        ones in a window say the link is fast, while a majority of quick ones took up to 21
-        steps on a loaded host whose round trips scatter around twice their healthy median."""
-        q = []
+    def _quick(self, links: frozenset, s: float) -> bool:
+        """Does the held link the probe ``s`` (the newest) crosses read recovered: are two of
+        its last ``window`` probe readings quick? Waits only add to a round trip, so two quick
+        ones say the link is fast (a majority took up to 21 steps on a loaded host whose round
+        trips scatter around twice their healthy median). Quick: below ``healthy``, or below
+        the probes' own level while held (the median of its first ``window`` readings then)
+        over ``healthy``: a link whose probes read 46x while throttled read 3-5x once freed,
+        on a loaded host, for 20 steps."""
+        ok = []
         for ln in links:
             d = self._recent.setdefault(ln, deque(maxlen=self._window))
             d.append(s)
-            q.append(sorted(d)[1] if len(d) >= 2 else np.inf)
-        return max(q)
+            if ln not in self._level and len(d) == self._window:
+                self._level[ln] = float(np.median(d))
+            bar = max(self.healthy, self._level.get(ln, 0.0) / self.healthy)
+            ok.append(len(d) >= 2 and sorted(d)[1] < bar)
+        return all(ok)
 
     def seconds_per_mb(self, kind: str, across: bool) -> float | None:
         """The healthy seconds per MB of ``kind``'s ops across nodes (``across``) or inside

@@ -147,3 +147,21 @@ def test_a_probe_learns_healthy_links_and_says_recovered_or_not_and_never_by_how
     for _ in range(3):
         plain.add([CommOp("dp", (0, 1, 2, 3), 3.0, 3.0 * 0.037)])
     assert plain.rates()[(0, 1)] == pytest.approx(3.7)
+
+
+def test_a_held_link_recovers_on_two_quick_probes_against_its_healthy_or_held_level():
+    """Held at 40x, the probes read 40x; freed on a loaded host they read 3-5x (above the
+    absolute bar of 2): two of them in the window, under the held level over 2, say
+    recovered. A single quick one does not."""
+    est = LinkEstimator(node_of, window=5, healthy=2.0, recovery_kinds=("probe",))
+    for _ in range(12):
+        est.add([CommOp("probe", (0, 2), 0.2, 0.2 * 0.01)])
+    held = {(0, 1): 40.0}
+    for _ in range(6):
+        est.add([CommOp("probe", (0, 2), 0.2, 0.2 * 0.4)], believed=held)
+    assert est.rates()[(0, 1)] == pytest.approx(40.0)
+    est.add([CommOp("probe", (0, 2), 0.2, 0.2 * 0.04)], believed=held)      # one quick: 4x
+    assert est.rates()[(0, 1)] == pytest.approx(40.0)
+    for _ in range(4):
+        est.add([CommOp("probe", (0, 2), 0.2, 0.2 * 0.05)], believed=held)  # 5x: recovered
+    assert est.rates()[(0, 1)] == 1.0

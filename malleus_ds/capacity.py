@@ -6,8 +6,8 @@ slow link takes more: work done on both of its sides must cross it. :func:`link_
 the share of the healthy step's compute throughput that no layout can beat, under the cost
 model's terms and with every message overlapped with compute (a bound, not a plan):
 
-* the nodes split into *sides* at the slow links (``planner/links.segments``: nodes joined by
-  healthy links). With one slow cut (two sides ``A`` and ``B``, GPU capacities
+* the nodes split into *sides* at the slow links (:func:`segments`: nodes joined by healthy
+  links). With one slow cut (two sides ``A`` and ``B``, GPU capacities
   ``c_A = sum_{d in A} 1/x_d`` and ``c_B``), a layout either
   - works on one side only: ``T >= W / c_A`` (or ``W / c_B``), ``W = N T_c`` the step's work
     in GPU x model units (``T_c``: the static plan's healthy step, communication left out);
@@ -35,6 +35,27 @@ from .cost import capacity_fraction, comm_spec, step_time
 from .problem import Problem
 
 
+def segments(problem: Problem) -> list[list[int]]:
+    """The nodes joined by healthy links (rate 1.0), each a sorted list, in node order: the
+    sides a slow link cuts the cluster into (the planner's cut at slow links uses them too)."""
+    parent = list(range(problem.nodes))
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for a in range(problem.nodes):
+        for b in range(a + 1, problem.nodes):
+            if problem.link_rate(a, b) == 1.0:
+                parent[root(a)] = root(b)
+    groups: dict[int, list[int]] = {}
+    for n in range(problem.nodes):
+        groups.setdefault(root(n), []).append(n)
+    return sorted(groups.values())
+
+
 def compute_step(problem: Problem) -> float:
     """``T_c``: the static plan's healthy step time with communication left out (model units)."""
     extra = {k: v for k, v in (problem.extra or {}).items() if k != "comm"}
@@ -44,8 +65,6 @@ def compute_step(problem: Problem) -> float:
 
 def link_capacity(problem: Problem) -> float:
     """The capacity bound with slow links (module doc), a share of the healthy throughput."""
-    from .planner.links import segments
-
     f = capacity_fraction(problem)
     cs = comm_spec(problem)
     sides = segments(problem)

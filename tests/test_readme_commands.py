@@ -66,6 +66,18 @@ SKIP: dict[str, str] = {
     "checkpoint.every=10 checkpoint.keep=2 checkpoint.resume=auto hydra.run.dir=/shared/run":
         "one agent per node of a multi-node job (HOST, /shared); two such agents on this "
         "machine, one killed and started again, are tests/integration/test_elastic_nodes.py",
+    # (inside the quotes the continuations keep their space: two at each join)
+    "scripts/two_nodes.sh run --id 1 -- 'python -m torch.distributed.run --nnodes 2  "
+    "--node-rank $NODE_RANK --nproc-per-node 2 --master-addr $MASTER_ADDR  "
+    "--master-port $MASTER_PORT launch/train.py engine=malleus cluster.nodes=2  "
+    "cluster.gpus_per_node=2 train.steps=2000'":
+        "2000 steps on two network namespaces, to throttle from another shell while it runs "
+        "(the next two commands); the same command, throttled and freed by a watcher, is "
+        "tests/integration/test_two_nodes_link.py",
+    "scripts/two_nodes.sh throttle --id 1 200mbit":
+        "needs the run above going; tests/integration/test_two_nodes_link.py throttles its run",
+    "scripts/two_nodes.sh unthrottle --id 1":
+        "needs the run above going; tests/integration/test_two_nodes_link.py frees its link",
 }
 
 #: Checks beyond exit code 0: a substring of a README command -> (files that must exist in the

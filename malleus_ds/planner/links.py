@@ -14,28 +14,11 @@ cross), so it is chosen only where it wins.
 """
 from __future__ import annotations
 
+from ..capacity import segments
 from ..plan import Pipeline, Plan, PlanError, Stage, even_split
 from ..problem import Problem
 
-
-def segments(problem: Problem) -> list[list[int]]:
-    """The nodes joined by healthy links (rate 1.0), each a sorted list, in node order."""
-    parent = list(range(problem.nodes))
-
-    def root(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for a in range(problem.nodes):
-        for b in range(a + 1, problem.nodes):
-            if problem.link_rate(a, b) == 1.0:
-                parent[root(a)] = root(b)
-    groups: dict[int, list[int]] = {}
-    for n in range(problem.nodes):
-        groups.setdefault(root(n), []).append(n)
-    return sorted(groups.values())
+__all__ = ["segments", "cut_at_slow_links", "across_slow_links", "links_note"]
 
 
 def across_slow_links(problem: Problem) -> Plan | None:

@@ -600,10 +600,11 @@ def account_of_run(run_dir: str | Path, warmup: int | None = None,
     cluster = None
     cl = (conf or {}).get("cluster") or {}
     if isinstance(cl, Mapping) and cl.get("gpus_per_node"):
+        from ..job_layout import JobLayout, JobLayoutError
         try:
-            gpn = int(cl["gpus_per_node"])
-            cluster = (world // gpn, gpn) if gpn > 0 and world % gpn == 0 else None
-        except (TypeError, ValueError):
+            job = JobLayout(world, int(cl["gpus_per_node"]))
+            cluster = (job.nodes, job.gpus_per_node)
+        except (TypeError, ValueError, JobLayoutError):
             cluster = None
     if warmup is None:
         w = (conf or {}).get("train", {}).get("warmup_steps", 1) if conf else 1

@@ -85,7 +85,14 @@ run() {
     [[ $id =~ ^[0-9]+$ ]] || die "run: --id must be a number, got '$id'"
     check || exit 3
     names "$id"
-    ip netns list | grep -qw "$NS0" && die "run: namespaces for id $id exist already"
+    if ip netns list | grep -qw -e "$NS0" -e "$NS1"; then
+        # left by a run that was killed (SIGKILL skips the teardown): remove them when no
+        # process runs in them; a live run with this id is refused
+        if [[ -n $(ip netns pids "$NS0" 2>/dev/null; ip netns pids "$NS1" 2>/dev/null) ]]; then
+            die "run: a run with id $id is going (its namespaces hold processes): use another --id"
+        fi
+        PIDS=""; teardown; set -e
+    fi
     PIDS=""
     trap teardown EXIT
     trap 'exit 130' INT TERM

@@ -211,7 +211,7 @@ class ComputeClock:
         yield
         dt = time.perf_counter() - t0
         base = dt
-        if mb > 0:
+        if mb > 0 and self.links is not None:      # the wire's time: only the emulation uses it
             key, spm = (kind, tuple(ranks)), dt / mb
             seen = self._fastest.get(key)
             if seen is None:     # never seen (a new plan's first message): the fastest of its

@@ -25,7 +25,7 @@ numpy-free; nothing here synchronises.
 from __future__ import annotations
 
 import zlib
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 #: numbers one rank adds to the step's all-reduce: two pipeline peers x 3, one bucket x 4, one
 #: link probe x 3
@@ -33,6 +33,11 @@ P2P_PEERS = 2
 BUCKET = 3 * P2P_PEERS
 PROBE = BUCKET + 4
 SLOTS = PROBE + 3
+
+
+def tensor_mb(t) -> float:
+    """Megabytes a tensor holds (what a message or a bucket moves)."""
+    return t.numel() * t.element_size() / 1e6
 
 
 def bucket_key(ranks: Sequence[int]) -> float:
@@ -113,3 +118,22 @@ def decode(comm) -> list[tuple[str, tuple[int, ...], float, float]]:
         ranks = tuple(sorted(d for d, _ in members))
         ops.append(("dp", ranks, 2.0 * (k - 1) / k * mb, min(s for _, s in members)))
     return ops
+
+
+class CommOps(Sequence):
+    """One step's every-rank slots as timed operations, decoded (:func:`decode`) when first
+    read: every rank gets the step's sums, only the loop's link watch (rank 0) reads them."""
+
+    def __init__(self, slots) -> None:
+        self._slots, self._ops = slots, None
+
+    def _decoded(self) -> list:
+        if self._ops is None:
+            self._ops = decode(self._slots)
+        return self._ops
+
+    def __getitem__(self, i):
+        return self._decoded()[i]
+
+    def __len__(self) -> int:
+        return len(self._decoded())

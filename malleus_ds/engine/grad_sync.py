@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import Bucket, Piece
+from .comm_log import tensor_mb
 from ..views import part_views
 
 
@@ -113,7 +114,7 @@ class GradSync:
         timed = clock is not None and (clock.links is not None or clock.comm_log is not None)
         for b, grp, flat, part, off in zip(self.buckets, self.groups, self.flats, self.parts,
                                            self.offsets):
-            ctx = clock.comm(b.ranks, flat.numel() * flat.element_size() / 1e6, "dp") \
+            ctx = clock.comm(b.ranks, tensor_mb(flat), "dp") \
                 if timed and grp is not None else nullcontext()
             with ctx:
                 if part is not None:

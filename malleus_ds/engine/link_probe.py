@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as tdist
 
+from .comm_log import tensor_mb
+
 
 class LinkProbe:
     """Round trips between two ranks over the world group, timed on the first."""
@@ -43,7 +45,7 @@ class LinkProbe:
         buf = self._buf
         for _ in range(self.ROUND_TRIPS):
             if me == a:
-                with e.clock.comm((a, b), 2 * n * 4 / 1e6, "probe"):
+                with e.clock.comm((a, b), 2 * tensor_mb(buf), "probe"):
                     _wait(tdist.batch_isend_irecv([tdist.P2POp(tdist.isend, buf, b)]))
                     _wait(tdist.batch_isend_irecv([tdist.P2POp(tdist.irecv, buf, b)]))
             else:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as tdist
 
 from ..resilience.watchdog import phase
+from .comm_log import tensor_mb
 from ..schedule import RecvAct, SendAct
 
 
@@ -56,7 +57,7 @@ class PipelineP2P:
         buf, src = self._recv_parts(ins)
         (req,) = tdist.batch_isend_irecv([tdist.P2POp(tdist.irecv, buf, src,
                                                       tag=ins.micro_batch)])
-        with phase("p2p"), self.clock.comm((self.global_rank, src), _mb(buf)):
+        with phase("p2p"), self.clock.comm((self.global_rank, src), tensor_mb(buf)):
             req.wait()
         self._recv_done(ins, buf)
 
@@ -68,10 +69,6 @@ class PipelineP2P:
         ops.append(tdist.P2POp(tdist.irecv, buf, src, tag=recv.micro_batch))
         reqs = tdist.batch_isend_irecv(ops)
         self._sends.extend((r, t) for r in reqs[:-1])
-        with phase("p2p"), self.clock.comm((self.global_rank, src), _mb(buf)):
+        with phase("p2p"), self.clock.comm((self.global_rank, src), tensor_mb(buf)):
             reqs[-1].wait()
         self._recv_done(recv, buf)
-
-
-def _mb(t: torch.Tensor) -> float:
-    return t.numel() * t.element_size() / 1e6

@@ -24,11 +24,12 @@ slot                        what each rank puts there (the sum is what every ran
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from .comm_log import SLOTS, decode
+from .comm_log import SLOTS, CommOps
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,9 @@ class StepSums:
     ready: bool                 # rank 0 has a decision to broadcast
     compute_s: np.ndarray       # per rank: compute seconds this step
     probe_s: np.ndarray         # per rank: probe seconds per cost unit, NaN where none
-    #: the step's timed communication, ``(kind, ranks, MB, seconds)`` each
-    #: (``comm_log.decode``; empty: not logged)
-    comm: tuple = ()
+    #: the step's timed communication, ``(kind, ranks, MB, seconds)`` each (``comm_log.decode``,
+    #: decoded when first read; empty: not logged)
+    comm: Sequence = ()
 
 
 class StepReduction:
@@ -96,4 +97,4 @@ class StepReduction:
                         ready=s[self.READY] > 0.5,
                         compute_s=np.asarray(s[self.COMPUTE:self.COMPUTE + self.world],
                                              dtype=float),
-                        probe_s=probe, comm=tuple(decode(comm)) if comm.any() else ())
+                        probe_s=probe, comm=CommOps(comm) if comm.any() else ())

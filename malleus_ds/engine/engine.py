@@ -449,6 +449,9 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
             clock.comm_log = CommLog(lambda r: self.job.node_of(r))
         elif not want:
             clock.comm_log = None
+        red = getattr(self, "reduction", None)     # (built after the first clock: no log)
+        if red is not None and red.comm != want:   # the step's all-reduce carries the slots
+            self.reduction = StepReduction(self.world_size, self.global_rank, comm=want)
 
     def switch_plan(self, new_plan, rates=None):
         """Move this running engine to ``new_plan`` (a Plan, path or plan JSON) in place:

@@ -14,7 +14,7 @@ slot                        what each rank puts there (the sum is what every ran
 ``COMPUTE + d``             rank d: its compute seconds this step
 ``PROBE + d``               rank d: its probe's seconds per cost unit (0: no probe)
 ``COMM + d*SLOTS + i``      rank d: its timed communication of the step, ``comm_log.py``
-                            (zeros: none timed)
+                            (zeros: none timed); only in a job whose ranks log it (``comm``)
 ==========================  =================================================================
 
 :class:`StepReduction` owns the layout: the engine fills its own slots (:meth:`vector`,
@@ -52,13 +52,17 @@ class StepReduction:
     LOSS, NONFINITE, READY = 0, 1, 2
     COMPUTE = 3
 
-    def __init__(self, world: int, rank: int) -> None:
+    def __init__(self, world: int, rank: int, comm: bool = False) -> None:
+        """``comm``: the ranks log their communication (``engine._log_comm``, the same on every
+        rank): the vector carries :data:`~malleus_ds.engine.comm_log.SLOTS` numbers per rank
+        more; without it a job pays nothing for them."""
         if not 0 <= rank < world:
             raise ValueError(f"StepReduction: rank {rank} outside a world of {world}")
         self.world, self.rank = world, rank
         self.PROBE = self.COMPUTE + world
         self.COMM = self.PROBE + world
-        self.size = self.COMM + world * SLOTS
+        self.comm = bool(comm)
+        self.size = self.COMM + (world * SLOTS if comm else 0)
 
     def vector(self, *, ready: bool, compute_s: float, probe_per_unit: float,
                device, comm: list[float] | None = None) -> torch.Tensor:
@@ -69,6 +73,9 @@ class StepReduction:
         vals[self.COMPUTE + self.rank] = float(compute_s)
         vals[self.PROBE + self.rank] = float(probe_per_unit) if probe_per_unit > 0 else 0.0
         if comm is not None:
+            if not self.comm:
+                raise ValueError("StepReduction.vector: comm values for a reduction built "
+                                 "without comm slots (StepReduction(..., comm=True))")
             if len(comm) != SLOTS:
                 raise ValueError(f"StepReduction.vector: {len(comm)} comm values, expected "
                                  f"{SLOTS}")
@@ -92,7 +99,8 @@ class StepReduction:
             raise ValueError(f"StepReduction.read: {len(s)} values, expected {self.size}")
         probe = np.asarray(s[self.PROBE:self.PROBE + self.world], dtype=float)
         probe[probe <= 0] = np.nan
-        comm = np.asarray(s[self.COMM:], dtype=float).reshape(self.world, SLOTS)
+        comm = np.asarray(s[self.COMM:], dtype=float).reshape(self.world, SLOTS) \
+            if self.comm else np.zeros(0)
         return StepSums(loss=s[self.LOSS], overflow=s[self.NONFINITE] > 0,
                         ready=s[self.READY] > 0.5,
                         compute_s=np.asarray(s[self.COMPUTE:self.COMPUTE + self.world],

@@ -56,11 +56,12 @@ def test_the_step_reduction_carries_every_ranks_slots_and_decodes_them():
     for r, log in enumerate(logs):
         log.add("dp", (0, 1, 2, 3), mb, waits[r])
     logs[2].add("p2p", (2, 0), 0.5, 0.001)
-    total = torch.zeros(StepReduction(world, 0).size, dtype=torch.float64)
+    total = torch.zeros(StepReduction(world, 0, comm=True).size, dtype=torch.float64)
     for r, log in enumerate(logs):
-        total += StepReduction(world, r).vector(ready=False, compute_s=0.1, probe_per_unit=0.0,
-                                                device="cpu", comm=log.values())
-    sums = StepReduction(world, 0).read(total)
+        red = StepReduction(world, r, comm=True)
+        total += red.vector(ready=False, compute_s=0.1, probe_per_unit=0.0, device="cpu",
+                            comm=log.values())
+    sums = StepReduction(world, 0, comm=True).read(total)
     assert np.allclose(sums.compute_s, 0.1)
     ops = {(k, r): (m, s) for k, r, m, s in sums.comm}
     assert ops[("p2p", (2, 0))] == (0.5, pytest.approx(0.001))
@@ -70,10 +71,18 @@ def test_the_step_reduction_carries_every_ranks_slots_and_decodes_them():
 
 
 def test_no_comm_slots_read_as_no_ops_and_a_bad_count_is_refused():
-    red = StepReduction(2, 0)
+    red = StepReduction(2, 0, comm=True)
     v = red.vector(ready=True, compute_s=0.2, probe_per_unit=0.0, device="cpu")
     assert red.read(v).comm == ()
     with pytest.raises(ValueError, match="3 comm values, expected"):
         red.vector(ready=False, compute_s=0.0, probe_per_unit=0.0, device="cpu",
                    comm=[0.0] * 3)
+    # a job whose ranks do not log pays no slots for it, and cannot be given comm values
+    plain = StepReduction(2, 0)
+    assert plain.size == red.size - 2 * SLOTS
+    assert plain.read(plain.vector(ready=False, compute_s=0.1, probe_per_unit=0.0,
+                                   device="cpu")).comm == ()
+    with pytest.raises(ValueError, match="without comm slots"):
+        plain.vector(ready=False, compute_s=0.0, probe_per_unit=0.0, device="cpu",
+                     comm=[0.0] * SLOTS)
     assert decode(np.zeros((2, SLOTS))) == []

@@ -31,5 +31,5 @@ def test_summed_vectors_read_back_every_ranks_values():
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="rank 3 outside a world of 3"):
         StepReduction(3, 3)
-    with pytest.raises(ValueError, match="4 values, expected 48"):
+    with pytest.raises(ValueError, match="4 values, expected 9"):
         StepReduction(3, 0).read(torch.zeros(4, dtype=torch.float64))

@@ -134,8 +134,13 @@ def test_adaptive_run_detects_replans_migrates_recovers_and_keeps_the_math():
         # is then less slow relative to rank 0 and may rightly get more work)
         if relative(worse) >= relative(onset):
             assert units[worse["to"]][3] <= units[onset["to"]][3], units
-    else:   # only when the plan for the mild phase had already left rank 3 out
-        assert units[onset["to"]][3] == 0 and worse["to"] == onset["to"], (worse, units)
+    else:
+        # declined only when the plan for the mild phase is still the plan for the worse rates:
+        # it left rank 3 out, or gave it so little work that even at the worse rate it is not
+        # the bottleneck (CI: 2 units at 4.9 against 12 on a healthy rank)
+        assert worse["to"] == onset["to"], (worse, units)
+        u, r = units[onset["to"]], worse["measured_rates"]
+        assert u[3] * r[3] <= max(u[i] * r[i] for i in range(3)), (worse, units)
     # back to work after recovery (the trigger may be "change": a healthy rank can read just
     # above 1.2 in the same window on this noisy machine)
     rec = next((e for e in adopted if e["step"] > worse["step"] and cost_units(

@@ -59,7 +59,7 @@ def segments(problem: Problem) -> list[list[int]]:
 def compute_step(problem: Problem) -> float:
     """``T_c``: the static plan's healthy step time with communication left out (model units)."""
     extra = {k: v for k, v in (problem.extra or {}).items() if k != "comm"}
-    pr = replace(problem.with_rates({}).with_link_rates({}), extra=extra)
+    pr = replace(problem.with_rates({}).with_link_rates({}, {}), extra=extra)
     return step_time(pr, pr.static_plan())
 
 

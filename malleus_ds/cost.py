@@ -28,10 +28,22 @@ drain (:func:`reduce_time`): per layer, a ring all-reduce among the stages that 
 pipeline), ``2 (k-1)/k`` of its gradients per rank over the slowest link the ring crosses
 (intra-node bandwidth within a node, the inter-node one over ``link_rate`` across nodes), the
 layers one after another. Without ``grad_mb`` the reduction is left out, as before.
+
+Slow GPU links (``Problem.gpu_link_rates``, rank pair of one node -> slowdown): a hop between
+the two ranks costs ``rate`` times its healthy intra-node time, wherever it is: a boundary, a
+reduction's ring, a TP group's ring (:func:`hop_gbps`).
+
+TP collectives (:func:`tp_times`): a TP group of ``g`` ranks all-reduces one micro-batch's
+activations (``activation_mb``) twice per layer forward and twice backward (twice more in the
+recomputed forward with activation checkpointing), each member moving ``2 (g-1)/g`` of it over
+the slowest hop of the group's ring (its ranks in order, back to the first). ``layer_ms`` is a
+layer on a healthy full TP group, whose collectives stay inside one node: it holds their
+healthy time. A stage pays what its group's ring costs beyond that, per layer and micro-batch:
+nothing for a group on healthy links inside one node, the difference over a slow GPU link
+(a TP group sits in one node: ``plan.validate_plan``).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -115,6 +127,22 @@ def comm_spec(problem: Problem) -> CommSpec | None:
     return CommSpec(**vals, grad_mb=float(g))
 
 
+def hop_gbps(cs: CommSpec, problem: Problem, r: int, s: int) -> float:
+    """GB/s between ranks ``r`` and ``s``: inside one node the intra-node bandwidth over their
+    GPU link's rate (``Problem.gpu_link_rates``), across nodes the inter-node one over their
+    node link's (``Problem.link_rates``). The one place that decides which link a hop crosses."""
+    job = problem.job
+    a, b = job.node_of(r), job.node_of(s)
+    if a == b:
+        return cs.intra_node_gbps / problem.gpu_link_rate(r, s)
+    return cs.inter_node_gbps / problem.link_rate(a, b)
+
+
+def ring_gbps(cs: CommSpec, problem: Problem, ranks: Sequence[int]) -> float:
+    """GB/s of a ring over ``ranks`` (in order, back to the first): its slowest hop's."""
+    return min(hop_gbps(cs, problem, x, y) for x, y in zip(ranks, list(ranks[1:]) + [ranks[0]]))
+
+
 def boundary_times(problem: Problem, stages: Sequence[Stage]) -> tuple[float, ...]:
     """Per boundary ``j -> j+1`` of a pipeline (``len(stages) - 1`` of them), the model units
     one micro-batch's message takes across it in one direction (:meth:`CommSpec.boundary`); all
@@ -126,14 +154,11 @@ def boundary_times(problem: Problem, stages: Sequence[Stage]) -> tuple[float, ..
 
 
 def _boundary_times(cs: CommSpec, problem: Problem, stages: Sequence[Stage]) -> list[float]:
-    """:func:`boundary_times` under ``cs``. The one place that decides whether a boundary stays
-    inside a node (when both stages' first ranks are on one node) and which link it crosses."""
-    job = problem.job
-    out = []
-    for j in range(len(stages) - 1):
-        a, b = job.node_of(stages[j].ranks[0]), job.node_of(stages[j + 1].ranks[0])
-        out.append(cs.boundary(a == b, problem.link_rate(a, b)))
-    return out
+    """:func:`boundary_times` under ``cs``: a boundary is the hop between the two stages'
+    first ranks (:func:`hop_gbps`)."""
+    return [cs.activation_mb / hop_gbps(cs, problem, stages[j].ranks[0],
+                                        stages[j + 1].ranks[0]) / cs.layer_ms
+            for j in range(len(stages) - 1)]
 
 
 def reduce_time(problem: Problem, plan: Plan) -> float:
@@ -142,7 +167,6 @@ def reduce_time(problem: Problem, plan: Plan) -> float:
     cs = comm_spec(problem)
     if cs is None or not cs.grad_mb:
         return 0.0
-    job = problem.job
     total = 0.0
     for layer in range(problem.num_layers):
         holders = [st for p in plan.pipelines for st in p.stages
@@ -150,25 +174,40 @@ def reduce_time(problem: Problem, plan: Plan) -> float:
         k = len(holders)
         if k < 2:
             continue
-        nodes = [job.node_of(st.ranks[0]) for st in holders]
-        bw = math.inf
-        for x, y in zip(nodes, nodes[1:] + nodes[:1]):       # the ring's hops
-            bw = min(bw, cs.intra_node_gbps if x == y
-                     else cs.inter_node_gbps / problem.link_rate(x, y))
+        bw = ring_gbps(cs, problem, [st.ranks[0] for st in holders])
         per_rank = cs.grad_mb / min(len(st.ranks) for st in holders)   # a TP rank's share
         total += 2.0 * (k - 1) / k * per_rank / bw / cs.layer_ms
     return total
 
 
+def tp_times(problem: Problem, stage: Stage) -> tuple[float, float]:
+    """(forward, backward) model units one micro-batch's TP collectives cost ``stage`` beyond
+    a healthy group inside one node (module doc); (0, 0) without a ``comm`` section, for a
+    single rank or a group whose ring stays inside one node on healthy links."""
+    cs = comm_spec(problem)
+    g = len(stage.ranks)
+    if cs is None or g < 2:
+        return 0.0, 0.0
+    bw = ring_gbps(cs, problem, stage.ranks)
+    extra = 2.0 * (g - 1) / g * cs.activation_mb * (1.0 / bw - 1.0 / cs.intra_node_gbps)
+    if extra <= 0:
+        return 0.0, 0.0
+    one = extra / cs.layer_ms * (stage.layers[1] - stage.layers[0])   # one collective a layer
+    return 2.0 * one, (4.0 if problem.activation_checkpointing else 2.0) * one
+
+
 def pipeline_stage_times(problem: Problem, stages: Sequence[Stage]) -> tuple[float, ...]:
     """Per-stage time of one micro-batch, with communication when the problem gives it: each
-    boundary's :func:`boundary_times` term is charged to both of its stages (the sender pays)."""
+    boundary's :func:`boundary_times` term is charged to both of its stages (the sender pays),
+    and each stage its TP collectives' (:func:`tp_times`)."""
     ts = [stage_time(problem, s, last=j == len(stages) - 1) for j, s in enumerate(stages)]
     cs = comm_spec(problem)
     if cs is not None:        # (without one every term is 0: the planner's hot path skips them)
         for j, c in enumerate(_boundary_times(cs, problem, stages)):
             ts[j] += c        # activation j -> j+1
             ts[j + 1] += c    # gradient j+1 -> j
+        for j, s in enumerate(stages):
+            ts[j] += sum(tp_times(problem, s))
     return tuple(ts)
 
 
@@ -335,7 +374,7 @@ def capacity_of_rates(rates: Mapping[int, float], num_gpus: int) -> float:
 
 def healthy_step_time(problem: Problem) -> float:
     """Step time of the static plan with every rate 1.0, every link's too."""
-    return step_time(problem.with_rates({}).with_link_rates({}), problem.static_plan())
+    return step_time(problem.with_rates({}).with_link_rates({}, {}), problem.static_plan())
 
 
 def eta(healthy_s: float, step_s: float, capacity: float) -> float:

@@ -87,6 +87,10 @@ class Problem(JsonFile):
     # measured slowdown of the link between two nodes (``(a, b)``, a < b; missing: healthy 1.0):
     # a message across it takes ``rate`` times its healthy time (``cost.py``'s comm terms)
     link_rates: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    # measured slowdown of the link between two GPUs of one node (``(r, s)``, r < s, ranks;
+    # missing: healthy 1.0): a collective or message between them takes ``rate`` times its
+    # healthy intra-node time (``cost.hop_gbps``)
+    gpu_link_rates: Mapping[tuple[int, int], float] = field(default_factory=dict)
 
     @property
     def num_gpus(self) -> int:
@@ -109,11 +113,22 @@ class Problem(JsonFile):
             return 1.0
         return float(self.link_rates.get((min(a, b), max(a, b)), 1.0))
 
-    def with_link_rates(self, link_rates: Mapping) -> "Problem":
-        """A copy with new ``link_rates`` (``{(a, b) or "a-b": rate}``; checked as in JSON)."""
+    def gpu_link_rate(self, r: int, s: int) -> float:
+        """The slowdown of the link between GPUs (ranks) ``r`` and ``s`` of one node."""
+        if r == s:
+            return 1.0
+        return float(self.gpu_link_rates.get((min(r, s), max(r, s)), 1.0))
+
+    def with_link_rates(self, link_rates: Mapping, gpu_link_rates: Mapping | None = None
+                        ) -> "Problem":
+        """A copy with new ``link_rates`` (``{(a, b) or "a-b": rate}``; checked as in JSON) and,
+        where given, new ``gpu_link_rates`` (the same form, two ranks of one node)."""
         from dataclasses import replace
 
-        return replace(self, link_rates=parse_link_rates(link_rates, self.nodes))
+        out = replace(self, link_rates=parse_link_rates(link_rates, self.nodes))
+        if gpu_link_rates is not None:
+            out = replace(out, gpu_link_rates=parse_gpu_link_rates(gpu_link_rates, self.job))
+        return out
 
     def slowdown(self, group_size: int) -> float:
         """Slowdown of a TP group of ``group_size`` GPUs relative to a full group of ``tp``."""
@@ -159,6 +174,9 @@ class Problem(JsonFile):
         })
         if self.link_rates:
             out["link_rates"] = {f"{a}-{b}": v for (a, b), v in sorted(self.link_rates.items())}
+        if self.gpu_link_rates:
+            out["gpu_link_rates"] = {f"{a}-{b}": v
+                                     for (a, b), v in sorted(self.gpu_link_rates.items())}
         if m is not None:
             out["memory"] = {"device_mb": m.device_mb, "reserved_mb": m.reserved_mb,
                              "layer_static_mb": m.layer_static_mb,
@@ -175,7 +193,7 @@ class Problem(JsonFile):
             raise PlanError(f"problem: expected a JSON object, got {type(d).__name__}")
         _check_version("problem", d)
         known = {"version", "name", "cluster", "model", "training", "cost", "memory", "rates",
-                 "current_plan", "link_rates"}
+                 "current_plan", "link_rates", "gpu_link_rates"}
         cl = _section(d, "cluster")
         mo = _section(d, "model")
         tr = _section(d, "training")
@@ -274,35 +292,50 @@ class Problem(JsonFile):
             memory=mem, rates=rates, current_plan=current,
             extra={k: v for k, v in d.items() if k not in known}, activation_checkpointing=ac,
             link_rates=parse_link_rates(d.get("link_rates") or {}, nodes),
+            gpu_link_rates=parse_gpu_link_rates(d.get("gpu_link_rates") or {},
+                                                JobLayout(nodes * gpn, gpn)),
         )
 
 
 
-def parse_link_rates(raw, nodes: int) -> dict[tuple[int, int], float]:
+def parse_link_rates(raw, nodes: int, field: str = "link_rates", what: str = "node"
+                     ) -> dict[tuple[int, int], float]:
     """``{"a-b": rate}`` (or ``{(a, b): rate}``) -> ``{(min, max): rate}``; a PlanError names
-    the entry for a node outside ``0..nodes-1``, a link from a node to itself, or a rate that is
-    not a finite number >= 1.0 (1.0 = healthy)."""
+    the entry for a ``what`` outside ``0..nodes-1``, a link from one to itself, or a rate that
+    is not a finite number >= 1.0 (1.0 = healthy)."""
     if not isinstance(raw, Mapping):
-        raise PlanError(f"problem.link_rates: expected an object {{\"a-b\": rate}}, got {raw!r}")
+        raise PlanError(f"problem.{field}: expected an object {{\"a-b\": rate}}, got {raw!r}")
     out: dict[tuple[int, int], float] = {}
     for k, v in raw.items():
         if isinstance(k, tuple) and len(k) == 2:
-            a, b = (_int(x, "link_rates key") for x in k)
+            a, b = (_int(x, f"{field} key") for x in k)
         else:
             parts = str(k).split("-")
             if len(parts) != 2:
-                raise PlanError(f"link_rates key {k!r} must name two nodes as \"a-b\"")
-            a, b = (_int(x.strip(), f"link_rates key {k!r}") for x in parts)
+                raise PlanError(f"{field} key {k!r} must name two {what}s as \"a-b\"")
+            a, b = (_int(x.strip(), f"{field} key {k!r}") for x in parts)
         for n in (a, b):
             if not 0 <= n < nodes:
-                raise PlanError(f"link_rates['{k}']: node {n} is outside 0..{nodes - 1}")
+                raise PlanError(f"{field}['{k}']: {what} {n} is outside 0..{nodes - 1}")
         if a == b:
-            raise PlanError(f"link_rates['{k}']: a link joins two nodes; node {a} to itself is "
-                            f"not one")
+            raise PlanError(f"{field}['{k}']: a link joins two {what}s; {what} {a} to itself "
+                            f"is not one")
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 1.0 <= v < float("inf"):
-            raise PlanError(f"link_rates['{k}']={v!r} must be a finite number >= 1.0 "
+            raise PlanError(f"{field}['{k}']={v!r} must be a finite number >= 1.0 "
                             f"(1.0 = healthy)")
         out[(min(a, b), max(a, b))] = float(v)
+    return out
+
+
+def parse_gpu_link_rates(raw, job: JobLayout) -> dict[tuple[int, int], float]:
+    """``{"r-s": rate}`` for two ranks of one node (as :func:`parse_link_rates`; a pair on two
+    nodes is refused by name: that link is ``link_rates``')."""
+    out = parse_link_rates(raw, job.world, "gpu_link_rates", "rank")
+    for r, s in out:
+        if not job.same_node(r, s):
+            raise PlanError(f"gpu_link_rates['{r}-{s}']: ranks {r} and {s} are on nodes "
+                            f"{job.node_of(r)} and {job.node_of(s)}; a link between nodes "
+                            f"goes in link_rates")
     return out
 
 

@@ -9,8 +9,9 @@ delays the message, where the cost model charges it to the sending stage's time)
 time per micro-batch ``t = y*l`` (the head added on the last stage: ``cost.stage_time``) splits
 into forward ``t/3`` and backward ``2t/3``; with activation checkpointing the forward stays what it
 was without and the backward takes the rest (it runs each layer's forward again first: 3/4 of a
-layer's ``4/3``). Pipelines run independently; the step ends when the last one does, plus the
-data-parallel reduction that follows (``cost.reduce_time``: with ``comm.grad_mb``, each layer's
+layer's ``4/3``); a stage's TP collectives beyond a healthy group's (``cost.tp_times``) add to
+its forward and backward. Pipelines run independently; the step ends when the last one does,
+plus the data-parallel reduction that follows (``cost.reduce_time``: with ``comm.grad_mb``, each layer's
 ring over the links its stages' nodes span).
 
 The reference cost model (``sum t + (m-1) max t``) is the planner's objective; the simulated
@@ -24,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .cost import (boundary_times, capacity_fraction, eta, evaluate, healthy_step_time,
-                   reduce_time, stage_time)
+                   reduce_time, stage_time, tp_times)
 from .plan import Plan
 from .problem import Problem
 from .schedule import Backward, Forward, Instr, SendAct, one_f_one_b, run_streams
@@ -76,8 +77,10 @@ def build_timeline(problem: Problem, plan: Plan) -> Timeline:
     plain = replace(problem, activation_checkpointing=False)    # the forward is not recomputed
     for i, p in enumerate(plan.pipelines):
         S, m = len(p.stages), p.micro_batches
-        t = [stage_time(problem, s, last=j == S - 1) for j, s in enumerate(p.stages)]
-        fwd = [stage_time(plain, s, last=j == S - 1) * FWD_SHARE for j, s in enumerate(p.stages)]
+        tp = [tp_times(problem, s) for s in p.stages]     # TP collectives beyond healthy
+        t = [stage_time(problem, s, last=j == S - 1) + sum(tp[j]) for j, s in enumerate(p.stages)]
+        fwd = [stage_time(plain, s, last=j == S - 1) * FWD_SHARE + tp[j][0]
+               for j, s in enumerate(p.stages)]
         link = boundary_times(problem, p.stages)
 
         def duration(ins: Instr, t=t, fwd=fwd) -> float:

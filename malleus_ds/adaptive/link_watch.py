@@ -8,7 +8,8 @@ Rank 0 of the loop (``control.py``) keeps one :class:`LinkWatch`:
    :class:`~malleus_ds.adaptive.link_rates.LinkEstimator`, with the link rates the running
    plan was made for (its belief); no op is left out for a rank slow in compute (a
    reduction's reading holds no wait for a late peer, a probe runs after the step). Only the
-   gradient reductions and the link probes (``engine/link_probe.py``) are read
+   gradient reductions, the TP collectives and the link probes (``engine/link_probe.py``) are
+   read
    (:data:`READ_KINDS`): a link held slow, which the plan made for it keeps the reductions
    off, is still probed, so its recovery is seen; a link neither crosses is not measured, and
    keeps the rate the plan was made for.
@@ -35,12 +36,14 @@ import numpy as np
 from .detect import DetectConfig, Detector
 from .link_rates import CommOp, Link, LinkEstimator
 
-#: the kinds of timed communication links are read from: the gradient reductions. A pipeline
+#: the kinds of timed communication links are read from: the gradient reductions, the TP
+#: collectives (a TP group across nodes, summed over the step: the member whose peers were
+#: never late) and the link probes. A pipeline
 #: receive's wait is its peer's lateness (bubbles, a stage upstream) far more than its wire's
 #: time: the least seconds per MB of a step's 4 KB receives, 4 ranks as 2 nodes of 2, ran
 #: 5-680 ms/MB from step to step on a healthy link, and a plan that moved the boundary onto a
 #: slow link read it as recovered. Receives are timed and logged; they are not evidence.
-READ_KINDS = ("dp", "probe")
+READ_KINDS = ("dp", "tp", "probe")
 
 
 class LinkWatch:

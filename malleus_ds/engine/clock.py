@@ -56,6 +56,10 @@ class ComputeClock:
         #: where timed communication goes (``comm_log.py``'s CommLog: link rates; None: no log)
         self.comm_log = None
         self._fastest: dict[tuple, float] = {}    # (kind, ranks) -> least seconds per MB seen
+        #: CUDA: this step's timed communication as event pairs, (kind, ranks, MB, start, end),
+        #: read at the next step's start (:meth:`_read_comm`)
+        self._comm_events: list[tuple] = []
+        self._new_event = None          # CUDA: the event factory (tests hand in their own)
         self.step = 0
         self._compute_s = 0.0
         self.emulated_s = 0.0
@@ -78,6 +82,7 @@ class ComputeClock:
         self.link_emulated_s = 0.0
         if self.comm_log is not None:
             self.comm_log.start_step()
+        self._read_comm()
         self._events = []
         self._sync = self.cuda and self._emulating(step)
         if self.straggler is not None:
@@ -110,11 +115,29 @@ class ComputeClock:
             self._compute_s += sum(sign * a.elapsed_time(b) / 1e3 for a, b, sign in ev)
         return self._compute_s
 
+    def _event(self):
+        if self._new_event is None:
+            import torch
+            self._new_event = lambda: torch.cuda.Event(enable_timing=True)
+        return self._new_event()
+
     def _event_pair(self):
-        import torch
-        a = torch.cuda.Event(enable_timing=True)
+        a = self._event()
         a.record()
-        return a, torch.cuda.Event(enable_timing=True)
+        return a, self._event()
+
+    def _read_comm(self) -> None:
+        """CUDA: the last step's timed communication, read from its events into the comm log
+        (they have completed: the last step's all-reduce was read on the host after them; the
+        wait on the last one is a formality). Its ops therefore ride in the all-reduce of the
+        step after the one that ran them, as a probe's reading does."""
+        ev, self._comm_events = self._comm_events, []
+        if not ev or self.comm_log is None:
+            return
+        with phase("waiting for the GPU"):
+            ev[-1][4].synchronize()
+        for kind, ranks, mb, a, b in ev:
+            self.comm_log.add(kind, ranks, mb, a.elapsed_time(b) / 1e3)
 
     @contextmanager
     def compute(self):
@@ -193,7 +216,8 @@ class ComputeClock:
     @contextmanager
     def comm(self, ranks, mb: float = 0.0, kind: str = "p2p"):
         """Time a blocking communication between ``ranks`` (``kind`` "p2p": this rank and the
-        peer it receives from; "dp": a bucket's reduction) moving ``mb``, apply the link
+        peer it receives from; "dp": a bucket's reduction; "tp": a TP collective; "probe": a
+        link probe's round trip) moving ``mb``, apply the link
         emulation (:meth:`after_comm`), and log it, the emulated wait included
         (:attr:`comm_log`).
 
@@ -207,9 +231,27 @@ class ComputeClock:
         if self.links is None and self.comm_log is None:
             yield
             return
-        t0 = time.perf_counter()
-        yield
-        dt = time.perf_counter() - t0
+        if self.cuda:
+            # on the stream: the wait on a NCCL work handle makes the current stream wait, so
+            # a pair of events around it times the wait as the host's clock does on CPU. Read
+            # a step later (:meth:`_read_comm`), nothing synchronised; where the emulation
+            # slows this link now, or for a probe (an isolated exchange after the step), the
+            # host waits for the end event: it sleeps in proportion to the time
+            a, b = self._event_pair()
+            yield
+            b.record()
+            slowed = self.links is not None and self.links.rate(ranks, self.step) > 1.0
+            if not slowed and kind != "probe":
+                if self.comm_log is not None:
+                    self._comm_events.append((kind, tuple(ranks), mb, a, b))
+                return
+            with phase("communication"):
+                b.synchronize()
+            dt = a.elapsed_time(b) / 1e3
+        else:
+            t0 = time.perf_counter()
+            yield
+            dt = time.perf_counter() - t0
         base = dt
         if mb > 0 and self.links is not None:      # the wire's time: only the emulation uses it
             key, spm = (kind, tuple(ranks)), dt / mb
@@ -223,6 +265,13 @@ class ComputeClock:
         dt += self.after_comm(ranks, base)
         if self.comm_log is not None:
             self.comm_log.add(kind, ranks, mb, dt)
+
+    @contextmanager
+    def collective(self, ranks, mb: float, kind: str = "tp"):
+        """A collective inside a compute span (a TP all-reduce in forward or backward): left out
+        of compute (:meth:`excluded`) and timed as communication (:meth:`comm`)."""
+        with self.excluded(), self.comm(ranks, mb, kind):
+            yield
 
     def add(self, seconds: float, wall: float | None = None) -> None:
         """Account ``seconds`` of measured compute (device time: on CPU, net of waits for a core),

@@ -15,6 +15,9 @@ puts :data:`SLOTS` numbers into its slots of the step's one all-reduce
   intra-node bandwidth). ``key`` names the bucket's rank set (the same number on every
   member), so rank 0 can gather its members' readings; the least of them is the member that
   arrived last, whose wait is the reduction alone (``adaptive/link_rates.py``);
+* its TP group's collectives (``engine/tensor_parallel.py``: two all-reduces per layer and
+  micro-batch forward, two backward), summed over the step, as ``[key, members, MB,
+  seconds]``: the member that waited least in all is the one whose peers were never late;
 * a link probe it timed (``link_probe.py``: round trips to a rank across a link the running
   plan holds as slow, right after the last step's all-reduce), ``[peer + 1, MB, seconds]`` of
   the quickest round trip:
@@ -27,11 +30,12 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Sequence
 
-#: numbers one rank adds to the step's all-reduce: two pipeline peers x 3, one bucket x 4, one
-#: link probe x 3
+#: numbers one rank adds to the step's all-reduce: two pipeline peers x 3, one bucket x 4, its
+#: TP group's collectives x 4, one link probe x 3
 P2P_PEERS = 2
 BUCKET = 3 * P2P_PEERS
-PROBE = BUCKET + 4
+TP = BUCKET + 4
+PROBE = TP + 4
 SLOTS = PROBE + 3
 
 
@@ -57,10 +61,13 @@ class CommLog:
     def start_step(self) -> None:
         self._p2p: dict[int, tuple[float, float]] = {}        # peer -> (MB, least s per MB)
         self._coll: dict[tuple[int, ...], list[float]] = {}    # ranks -> [MB, seconds]
+        self._tp: dict[tuple[int, ...], list[float]] = {}      # (TP collectives: the same)
 
     def add(self, kind: str, ranks: Sequence[int], mb: float, seconds: float) -> None:
         """A timed communication: ``kind`` "p2p" (``ranks`` = (this rank, the peer it received
-        from)) or "dp" (a bucket's reduction over ``ranks``), ``mb`` moved, ``seconds``."""
+        from)), "dp" (a bucket's reduction over ``ranks``), "tp" (a TP collective over its
+        group ``ranks``) or "probe" (a link probe's round trip to ``ranks[-1]``), ``mb`` moved,
+        ``seconds``."""
         if mb <= 0 or seconds < 0:
             return
         if kind == "probe":                    # several round trips: the least
@@ -73,7 +80,8 @@ class CommLog:
             if old is None or spm < old[1]:
                 self._p2p[peer] = (mb, spm)
         else:
-            acc = self._coll.setdefault(tuple(int(r) for r in ranks), [0.0, 0.0])
+            acc = (self._tp if kind == "tp" else self._coll).setdefault(
+                tuple(int(r) for r in ranks), [0.0, 0.0])
             acc[0] += mb
             acc[1] += seconds
 
@@ -88,7 +96,10 @@ class CommLog:
                 crosses = len({self.node_of(r) for r in ranks}) > 1
                 return (crosses, mb, ranks)
             ranks, (mb, s) = max(self._coll.items(), key=rank_of)
-            out[BUCKET:PROBE] = [bucket_key(ranks), float(len(ranks)), mb, s]
+            out[BUCKET:TP] = [bucket_key(ranks), float(len(ranks)), mb, s]
+        if self._tp:      # one TP group per rank (the largest, should a plan hold two)
+            ranks, (mb, s) = max(self._tp.items(), key=lambda it: (it[1][0], it[0]))
+            out[TP:PROBE] = [bucket_key(ranks), float(len(ranks)), mb, s]
         if self._probe is not None:
             out[PROBE:], self._probe = self._probe, None
         return out
@@ -98,25 +109,26 @@ def decode(comm) -> list[tuple[str, tuple[int, ...], float, float]]:
     """Every rank's slots of one step (``comm[d]``: rank ``d``'s :data:`SLOTS` numbers) as
     timed operations ``(kind, ranks, MB, seconds)``: a pipeline receive per rank and peer
     (``("p2p", (rank, peer), ...)``, at its least seconds per MB), a link probe per rank that
-    timed one (``("probe", (rank, peer), ...)``), and a bucket reduction per
-    key, over the members that reported it, at the least of their seconds (the member that
-    arrived last: the reduction's own time), with the MB one member moves in a ring,
-    ``2 (k-1)/k`` of the bucket."""
-    ops, buckets = [], {}
+    timed one (``("probe", (rank, peer), ...)``), and a bucket reduction (``"dp"``) and a TP
+    group's collectives (``"tp"``) per key, over the members that reported it, at the least of
+    their seconds (the member that arrived last: the collective's own time), with the MB one
+    member moves in a ring, ``2 (k-1)/k`` of what it reduced."""
+    ops, groups = [], {}
     for d, row in enumerate(comm):
         for i in range(P2P_PEERS):
             peer, mb, spm = (float(x) for x in row[3 * i:3 * i + 3])
             if peer > 0 and mb > 0 and spm > 0:
                 ops.append(("p2p", (d, int(peer) - 1), mb, spm * mb))
-        key, k, mb, s = (float(x) for x in row[BUCKET:PROBE])
-        if key > 0 and k >= 2 and mb > 0 and s > 0:
-            buckets.setdefault((key, k, mb), []).append((d, s))
+        for kind, at in (("dp", BUCKET), ("tp", TP)):
+            key, k, mb, s = (float(x) for x in row[at:at + 4])
+            if key > 0 and k >= 2 and mb > 0 and s > 0:
+                groups.setdefault((kind, key, k, mb), []).append((d, s))
         peer, mb, s = (float(x) for x in row[PROBE:SLOTS])
         if peer > 0 and mb > 0 and s > 0:
             ops.append(("probe", (d, int(peer) - 1), mb, s))
-    for (_, k, mb), members in sorted(buckets.items()):
+    for (kind, _, k, mb), members in sorted(groups.items()):
         ranks = tuple(sorted(d for d, _ in members))
-        ops.append(("dp", ranks, 2.0 * (k - 1) / k * mb, min(s for _, s in members)))
+        ops.append((kind, ranks, 2.0 * (k - 1) / k * mb, min(s for _, s in members)))
     return ops
 
 

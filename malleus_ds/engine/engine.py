@@ -74,6 +74,7 @@ from .runtime import PlanRuntime, RunningPlan, StageSpec, build_runtime, build_s
 from .precision import Precision
 from .state import EngineState
 from .step_reduce import StepReduction
+from .comm_log import tensor_mb
 from .ds_keys import review
 from .settings import (MalleusSettings, activation_checkpointing_source, as_plan,
                        base_ds_config, check_scheduler, check_unsupported, load_config,
@@ -437,14 +438,14 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
 
     def _log_comm(self) -> None:
         """Time this rank's communication into the clock's comm log (``comm_log.py``) when
-        the attached loop measures links (``measures_links``) and the clock runs on the host
-        (on CUDA the host does not wait for a receive: not measured yet)."""
+        the attached loop measures links (``measures_links``): on CPU the host's wait, on CUDA
+        a pair of events around it (``ComputeClock.comm``)."""
         from .comm_log import CommLog
 
         clock, loop = getattr(self, "clock", None), getattr(self, "control", None)
         if clock is None:
             return
-        want = bool(getattr(loop, "measures_links", False)) and not clock.cuda
+        want = bool(getattr(loop, "measures_links", False))
         if want and clock.comm_log is None:
             clock.comm_log = CommLog(lambda r: self.job.node_of(r))
         elif not want:
@@ -483,8 +484,16 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         if clock is None:
             clock = ComputeClock(self.straggler, str(self.device).startswith("cuda"))
         self.clock = clock
-        tensor_parallel.set_comm_context(clock.excluded)
+        tensor_parallel.set_comm_context(self._tp_comm)
         self._log_comm()
+
+    def _tp_comm(self, t, group):
+        """The context a TP all-reduce's wait runs in (``tensor_parallel.set_comm_context``):
+        left out of compute, and timed over its group where links are measured or emulated."""
+        clock = self.clock
+        if clock.links is None and clock.comm_log is None:
+            return clock.excluded()
+        return clock.collective(tdist.get_process_group_ranks(group), tensor_mb(t))
 
     @property
     def compute_seconds(self) -> float:

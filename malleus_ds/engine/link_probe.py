@@ -6,7 +6,7 @@ than its wire's time: ``adaptive/link_watch.py``). So, like a suspended GPU's pr
 ends of such a link exchange a small buffer right after a step's all-reduce, when every rank
 leaves it at once: the first rank of one node sends it to the first rank of the other, which
 sends it back, a few times. The first rank times each round trip with the compute clock's
-``comm``, where the slow-link emulation applies and the comm log keeps the quickest for the
+``comm`` (on CUDA by a pair of events, waited for: the probe runs apart from the step), where the slow-link emulation applies and the comm log keeps the quickest for the
 next step's all-reduce (``comm_log.py``). The adaptive loop decides when and which link
 (``Controller.after_reduce``); the app hands it this object (``app/loop.py``). Every message
 goes through ``batch_isend_irecv`` (NCCL's rules, ``wire.py``).
@@ -38,7 +38,7 @@ class LinkProbe:
         e = self.engine
         me = e.global_rank
         if me not in (a, b) or a == b or e.clock.comm_log is None:
-            return       # not measuring links (on CUDA, where no rank logs: none probes)
+            return       # not measuring links
         n = max(1, int(mb * 1e6) // 4)
         if self._buf is None or self._buf.numel() != n:
             self._buf = torch.zeros(n, dtype=torch.float32, device=e.device)

@@ -34,8 +34,9 @@ _COMM_CONTEXT = None
 
 
 def set_comm_context(factory) -> None:
-    """Run every TP all-reduce inside ``factory()`` (e.g. ``ComputeClock.excluded``), or plainly
-    when None. Process-wide: one engine per process."""
+    """Run every TP all-reduce's wait inside ``factory(tensor, group)`` (the engine's: the
+    clock leaves it out of compute and times it, ``ComputeClock.collective``), or plainly when
+    None. Process-wide: one engine per process."""
     global _COMM_CONTEXT
     _COMM_CONTEXT = factory
 
@@ -49,7 +50,7 @@ def _all_reduce(t: torch.Tensor, group) -> None:
     if _COMM_CONTEXT is None:
         work.wait()
     else:
-        with _COMM_CONTEXT():
+        with _COMM_CONTEXT(t, group):
             work.wait()
 
 

@@ -24,6 +24,7 @@ from ..cost import eta as cost_eta
 from ..plan import Plan, PlanError
 from ..problem import Problem, fmt_mb
 from .baselines import all_baselines
+from .gpu_links import regroup_off_slow_gpu_links
 from .links import across_slow_links, links_note
 from .batch import FixedPipeline, split_batches
 from .config import PlannerConfig
@@ -86,7 +87,8 @@ def auto_time_limit(problem: Problem) -> float:
 
 def _is_healthy(problem: Problem) -> bool:
     return (all(problem.rate(r) == 1.0 for r in problem.rates)
-            and all(v == 1.0 for v in problem.link_rates.values()))
+            and all(v == 1.0 for v in problem.link_rates.values())
+            and all(v == 1.0 for v in problem.gpu_link_rates.values()))
 
 
 def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None = None,
@@ -109,7 +111,8 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
         return cost_eta(T_h, T, f)
 
     cands: list[tuple[float, float, int, str, Plan]] = []   # (T, moved, priority, method, plan)
-    prio = {"current": 0, "static": 1, "search": 2, "links": 2, "data-only": 3, "drop": 4}
+    prio = {"current": 0, "static": 1, "search": 2, "links": 2, "regroup": 2, "data-only": 3,
+            "drop": 4}
 
     def add(method: str, p: Plan | None) -> None:
         if p is None:
@@ -132,6 +135,8 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
         for k, p in bplans.items():
             add(k, p)
         add("links", across_slow_links(problem))     # stage boundaries on the slow links
+        for p in (old, bplans["static"]):               # TP groups off the slow GPU links
+            add("regroup", regroup_off_slow_gpu_links(problem, p))
     evals = gens = 0
     search_T = None
     pareto: tuple[ParetoPoint, ...] = ()

@@ -133,16 +133,20 @@ def test_memory_switch_terms_are_optional_and_checked():
 def _simulated_pipeline_time(pr: Problem, pipe: Pipeline) -> float:
     """The cost model's own rule run event by event (``schedule.run_streams``): a stage's
     compute ``stage_time`` splits into forward t/3 and backward 2t/3, and each send keeps its
-    stage busy for the boundary's ``boundary_times`` term (the sender pays); no latency."""
+    stage busy for the boundary's ``boundary_times`` term (the sender pays), and a group's TP
+    collectives (``tp_times``) add to its forward and backward; no latency."""
+    from malleus_ds.cost import tp_times
+
     S = len(pipe.stages)
     comp = [stage_time(pr, s, last=j == S - 1) for j, s in enumerate(pipe.stages)]
+    tp = [tp_times(pr, s) for s in pipe.stages]
     c = boundary_times(pr, pipe.stages)
 
     def duration(ins):
         if isinstance(ins, Forward):
-            return comp[ins.stage] / 3
+            return comp[ins.stage] / 3 + tp[ins.stage][0]
         if isinstance(ins, Backward):
-            return comp[ins.stage] * 2 / 3
+            return comp[ins.stage] * 2 / 3 + tp[ins.stage][1]
         if isinstance(ins, SendAct):
             return c[ins.stage]
         if isinstance(ins, SendGrad):

@@ -18,11 +18,11 @@ COMM = {"layer_ms": 10.0, "activation_mb": 8.0, "intra_node_gbps": 100.0,
         "inter_node_gbps": 12.5, "grad_mb": 200.0}
 
 
-def _problem(nodes=2, gpn=4, links=None, L=16, G=64, **comm) -> Problem:
+def _problem(nodes=2, gpn=4, links=None, L=16, G=64, tp=1, **comm) -> Problem:
     d = {"version": 1, "name": f"{nodes}x{gpn}", "cluster": {"nodes": nodes, "gpus_per_node": gpn},
          "model": {"num_layers": L},
-         "training": {"global_batch_size": G, "micro_batch_size": 1, "tp": 1, "pp": 1,
-                      "dp": nodes * gpn},
+         "training": {"global_batch_size": G, "micro_batch_size": 1, "tp": tp, "pp": 1,
+                      "dp": nodes * gpn // tp},
          "rates": {}, "comm": dict(COMM, **comm)}
     if links:
         d["link_rates"] = links
@@ -117,3 +117,84 @@ def test_where_nothing_helps_the_plan_says_why():
     assert any("the one cut at them takes" in n and "cost more than the reductions" in n
                for n in res.notes), res.notes
     assert plan(_problem(links={"0-1": 4.0}), seed=0, time_limit=5).notes == ()
+
+
+def _tp_plan(groups, L=16, G=64):
+    """One single-stage pipeline per TP group, the batch split evenly."""
+    from malleus_ds.plan import Plan
+
+    return Plan.from_json({"version": 1, "num_layers": L, "global_batch_size": G,
+                           "micro_batch_size": 1, "suspended": [],
+                           "pipelines": [{"micro_batches": G // len(groups),
+                                          "stages": [{"ranks": list(g), "layers": [0, L]}]}
+                                         for g in groups]})
+
+
+def test_tp_collectives_and_messages_pay_a_slow_gpu_link():
+    """On paper: GPUs 0 and 1 of node 0 are joined by a link 4x slow (100 / 4 = 25 GB/s). A
+    TP=2 group (0, 1) moves 2*1/2 of 8 MB per collective: 8 / 25 = 0.32 ms against the healthy
+    0.08 that layer_ms holds, 0.024 units more; two per layer forward and two backward, 16
+    layers: 0.768 + 0.768 a micro-batch. Groups (0, 2) and (1, 3) pay nothing. A boundary from
+    rank 0 to rank 1 pays 0.032 instead of 0.008. The event simulator charges the same."""
+    from dataclasses import replace
+
+    from malleus_ds.cost import tp_times
+    from malleus_ds.simulate import build_timeline
+
+    slow = _problem(tp=2, grad_mb=0.0).with_link_rates({}, {"0-1": 4.0})
+    assert slow.gpu_link_rates == {(0, 1): 4.0}
+    assert Problem.from_json(slow.to_json()).gpu_link_rates == {(0, 1): 4.0}
+    on = _tp_plan([(0, 1), (2, 3), (4, 5), (6, 7)])
+    off = _tp_plan([(0, 2), (1, 3), (4, 5), (6, 7)])
+    assert tp_times(slow, on.pipelines[0].stages[0]) == pytest.approx((0.768, 0.768))
+    assert tp_times(slow, off.pipelines[0].stages[0]) == (0.0, 0.0)
+    assert tp_times(_problem(tp=2), on.pipelines[0].stages[0]) == (0.0, 0.0)
+    assert step_time(slow, on) - step_time(slow, off) == pytest.approx(16 * 1.536)
+    for p in (on, off):
+        assert build_timeline(slow, p).step_time == pytest.approx(step_time(slow, p))
+    # recomputed layers run their forward's collectives again in backward
+    f, b = tp_times(replace(slow, activation_checkpointing=True), on.pipelines[0].stages[0])
+    assert b == pytest.approx(2 * f)
+    one = _problem(grad_mb=0.0).with_link_rates({}, {"0-1": 4.0})
+    pipe = across_slow_links(_problem(links={"0-1": 4.0})).pipelines[0]
+    from malleus_ds.plan import Stage
+    inner = (Stage((0,), (0, 8)), Stage((1,), (8, 16)))
+    assert boundary_times(one, inner) == pytest.approx((0.032,))
+    assert boundary_times(one, pipe.stages) == pytest.approx((0.064,))     # 0 -> 4: node link
+
+
+def test_gpu_link_entries_are_checked_by_name():
+    for bad, msg in (({"0-4": 2.0}, r"ranks 0 and 4 are on nodes 0 and 1; a link between "
+                                    r"nodes goes in link_rates"),
+                     ({"0-8": 2.0}, r"gpu_link_rates\['0-8'\]: rank 8 is outside 0..7"),
+                     ({"2-2": 2.0}, r"rank 2 to itself is not one"),
+                     ({"0-1": 0.9}, r"gpu_link_rates\['0-1'\]=0.9 must be a finite number")):
+        with pytest.raises(PlanError, match=msg):
+            _problem().with_link_rates({}, bad)
+        with pytest.raises(PlanError, match=msg):
+            Problem.from_json(dict(_problem().to_json(), gpu_link_rates=bad))
+
+
+def test_the_planner_re_forms_tp_groups_off_a_slow_gpu_link():
+    """Node 0's TP=2 groups (0, 1) and (2, 3) with the link 0-1 slow 8x: the planner trades
+    ranks between them ((0, 2), (1, 3) or (0, 3), (1, 2)) and keeps everything else; the
+    simulator agrees the new layout is faster. With every rank in one TP=4 group there is
+    nothing to trade: the plan keeps its groups."""
+    from malleus_ds.planner.gpu_links import regroup_off_slow_gpu_links
+
+    slow = _problem(tp=2, grad_mb=0.0).with_link_rates({}, {"0-1": 8.0})
+    static = slow.static_plan()
+    res = plan(slow, seed=0, time_limit=2.0)
+    groups = {st.ranks for p in res.plan.pipelines for st in p.stages}
+    assert not any({0, 1} <= set(g) for g in groups), groups
+    assert step_time(slow, res.plan) < step_time(slow, static)
+    assert build_timeline(slow, res.plan).step_time < build_timeline(slow, static).step_time
+    re = regroup_off_slow_gpu_links(slow, static)
+    assert [len(p.stages) for p in re.pipelines] == [len(p.stages) for p in static.pipelines]
+    assert {st.ranks for p in re.pipelines for st in p.stages} - {st.ranks for p in
+                                                                  static.pipelines
+                                                                  for st in p.stages} \
+        in ({(0, 2), (1, 3)}, {(0, 3), (1, 2)})
+    four = _problem(tp=4, grad_mb=0.0).with_link_rates({}, {"0-1": 8.0})
+    assert regroup_off_slow_gpu_links(four, four.static_plan()) is None
+    assert regroup_off_slow_gpu_links(_problem(tp=2), static) is None

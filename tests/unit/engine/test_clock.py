@@ -11,6 +11,7 @@ import pytest
 
 from malleus_ds.engine import clock as clock_mod
 from malleus_ds.engine.clock import ComputeClock
+from malleus_ds.engine.comm_log import BUCKET, PROBE, TP, CommLog, bucket_key, tensor_mb
 from malleus_ds.emulation.straggler import Straggler, StragglerSchedule
 
 
@@ -149,7 +150,9 @@ def test_a_slow_tp_peer_is_not_counted_as_my_compute(gpu_events, monkeypatch, re
         return _AsyncWork(lambda: advance(5.0))
 
     monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
-    tpm.set_comm_context(c.excluded)
+    # as the engine's context: left out of compute and timed over the group (ranks 0 and 1)
+    c.comm_log = CommLog(lambda r: 0)
+    tpm.set_comm_context(lambda t, group: c.collective((0, 1), tensor_mb(t)))
     try:
         c.start_step(0)
         x = torch.ones(4, requires_grad=True)
@@ -160,6 +163,12 @@ def test_a_slow_tp_peer_is_not_counted_as_my_compute(gpu_events, monkeypatch, re
             tpm.reduce_from_tp(y * 3, group=object())
         assert calls == [True, True]
         assert c.compute_s == pytest.approx(2.0)
+        if gpu_events:      # read from the events at the next step's start, nothing waited
+            assert c.comm_log.values()[TP:PROBE] == [0.0] * 4
+            c.start_step(1)
+        # both waits, summed over the step: 2 x 16 bytes in 10 s
+        assert c.comm_log.values()[TP:PROBE] == pytest.approx(
+            [bucket_key((0, 1)), 2.0, 32e-6, 10.0])
     finally:
         tpm.set_comm_context(None)
 
@@ -177,3 +186,51 @@ def test_a_quota_step_keeps_cuda_events(monkeypatch):
     monkeypatch.setattr(c.straggler, "at_step", lambda step: None, raising=False)
     c.start_step(0)
     assert c.events
+
+
+def test_cuda_communication_is_timed_by_events_and_read_at_the_next_step(gpu):
+    """On a GPU a receive or a reduction is a pair of events around the wait on its handle,
+    read when the next step starts (after the last step's all-reduce was read on the host):
+    the step itself never waits for the GPU on their account."""
+    c = ComputeClock(None, cuda=True)
+    c.comm_log = CommLog(lambda r: r // 2)
+    c.start_step(0)
+    with c.comm((0, 2), 1.0, "p2p"):
+        gpu.now += 0.5
+    with c.comm((0, 1, 2, 3), 2.0, "dp"):
+        gpu.now += 1.0
+    assert gpu.syncs == 0 and c.comm_log.values() == [0.0] * len(c.comm_log.values())
+    c.start_step(1)
+    v = c.comm_log.values()
+    assert v[:3] == pytest.approx([3.0, 1.0, 0.5])
+    assert v[BUCKET:TP] == pytest.approx([bucket_key((0, 1, 2, 3)), 4.0, 2.0, 1.0])
+    assert gpu.syncs == 1
+    c.start_step(2)              # read once
+    assert c.comm_log.values() == [0.0] * len(v)
+
+
+def test_cuda_slow_link_emulation_and_probes_wait_for_their_end_event(gpu):
+    """Where the emulation slows the link a message crosses, the host waits for the message
+    and sleeps (rate - 1) x its time; a probe (an exchange apart from the step) is read at
+    once. A message on a healthy link stays on the events."""
+    from malleus_ds.emulation.links import LinkSchedule
+
+    slept = []
+    links = LinkSchedule.parse([{"nodes": [0, 1], "rate": 3.0}], 4, 2)
+    c = ComputeClock(None, cuda=True, links=links, sleep=slept.append)
+    c.comm_log = CommLog(lambda r: r // 2)
+    c.start_step(0)
+    with c.comm((0, 1), 1.0, "p2p"):            # inside node 0: not slowed
+        gpu.now += 0.1
+    assert gpu.syncs == 0 and slept == []
+    with c.comm((0, 2), 1.0, "p2p"):            # across the slow link
+        gpu.now += 0.5
+    assert gpu.syncs == 1 and slept == pytest.approx([1.0])
+    with c.comm((0, 2), 0.2, "probe"):
+        gpu.now += 0.1
+    assert gpu.syncs == 2 and slept == pytest.approx([1.0, 0.2])
+    v = c.comm_log.values()
+    assert v[:3] == pytest.approx([3.0, 1.0, 1.5])          # the emulated wait included
+    assert v[PROBE:] == pytest.approx([3.0, 0.2, 0.3])
+    c.start_step(1)
+    assert c.comm_log.values()[:6] == pytest.approx([2.0, 1.0, 0.1, 0.0, 0.0, 0.0])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from malleus_ds.engine.comm_log import SLOTS, CommLog, bucket_key, decode
+from malleus_ds.engine.comm_log import PROBE, SLOTS, TP, CommLog, bucket_key, decode
 from malleus_ds.engine.step_reduce import StepReduction
 
 
@@ -29,7 +29,7 @@ def test_a_rank_reports_its_least_receive_per_peer_and_its_largest_crossing_buck
     assert v[0:3] == [1.0, 2.0, pytest.approx(0.002)]
     assert v[3:6] == [4.0, 1.0, pytest.approx(0.001)]
     assert v[6:10] == [bucket_key((1, 3)), 2.0, 20.0, pytest.approx(0.03)]
-    assert v[10:] == [0.0] * 3                  # no link probe
+    assert v[TP:] == [0.0] * 7                  # no TP collective, no link probe
     log.start_step()
     assert log.values() == [0.0] * SLOTS
     log.add("dp", (0, 1), 50.0, 0.05)           # no crossing bucket: the largest inside
@@ -43,8 +43,8 @@ def test_a_link_probe_is_carried_to_the_next_steps_slots_at_its_quickest_round_t
     log.add("probe", (0, 2), 0.5, 0.007)
     log.start_step()                            # ...step k+1 starts
     v = log.values()
-    assert v[10:] == [3.0, 0.5, 0.004]
-    assert log.values()[10:] == [0.0] * 3       # reported once
+    assert v[PROBE:] == [3.0, 0.5, 0.004]
+    assert log.values()[PROBE:] == [0.0] * 3    # reported once
     ops = decode(np.array([v, [0.0] * SLOTS]))
     assert ops == [("probe", (0, 2), 0.5, 0.004)]
 
@@ -56,6 +56,11 @@ def test_the_step_reduction_carries_every_ranks_slots_and_decodes_them():
     for r, log in enumerate(logs):
         log.add("dp", (0, 1, 2, 3), mb, waits[r])
     logs[2].add("p2p", (2, 0), 0.5, 0.001)
+    # TP groups {0, 2} and {1, 3} across nodes: each member's waits summed over the step
+    for r, log in enumerate(logs):
+        grp = (0, 2) if r % 2 == 0 else (1, 3)
+        for s in (0.002, 0.003 + 0.001 * r):
+            log.add("tp", grp, 0.25, s)
     total = torch.zeros(StepReduction(world, 0, comm=True).size, dtype=torch.float64)
     for r, log in enumerate(logs):
         red = StepReduction(world, r, comm=True)
@@ -67,7 +72,10 @@ def test_the_step_reduction_carries_every_ranks_slots_and_decodes_them():
     assert ops[("p2p", (2, 0))] == (0.5, pytest.approx(0.001))
     # a ring member moves 2 (k-1)/k of the bucket
     assert ops[("dp", (0, 1, 2, 3))] == (pytest.approx(2 * 3 / 4 * mb), pytest.approx(0.012))
-    assert set(ops) == {("p2p", (2, 0)), ("dp", (0, 1, 2, 3))}
+    # a TP group: the member that waited least in all (rank 0: 5 ms; rank 1: 6 ms)
+    assert ops[("tp", (0, 2))] == (pytest.approx(0.5), pytest.approx(0.005))
+    assert ops[("tp", (1, 3))] == (pytest.approx(0.5), pytest.approx(0.006))
+    assert set(ops) == {("p2p", (2, 0)), ("dp", (0, 1, 2, 3)), ("tp", (0, 2)), ("tp", (1, 3))}
 
 
 def test_no_comm_slots_read_as_no_ops_and_a_bad_count_is_refused():

@@ -1,0 +1,80 @@
+"""A layout for slow GPU links (issue 35): TP groups re-formed so no group holds both ends of one.
+
+A TP group all-reduces every layer's activations twice forward and twice backward, over the
+links between its GPUs, all inside one node. Where the link between two GPUs of a node is slow
+(``Problem.gpu_link_rates``: a degraded NVLink or PCIe path), the group holding both pays it on
+every layer, while a reduction or a pipeline message between them happens once a step. The
+remedy keeps the layout and trades ranks between the node's TP groups: the same group sizes and
+stages, with each group formed so that the slow pairs fall between groups.
+
+:func:`regroup_off_slow_gpu_links` builds it from a plan (the running one, the static one); the
+planner (``search.py``) weighs it against the other candidates with the exact cost
+(``cost.tp_times``), so it is chosen only where it wins: a rank slow in compute moves with its
+new group, which the cost sees too.
+"""
+from __future__ import annotations
+
+from itertools import combinations
+
+from ..plan import Pipeline, Plan, Stage
+from ..problem import Problem
+
+#: nodes with more multi-GPU TP ranks than this keep their groups (the search is exhaustive:
+#: 8 ranks in pairs have 105 partitions, in fours 35)
+MAX_RANKS = 8
+
+
+def _badness(groups, slow: dict) -> tuple[float, int]:
+    """(the slowest link held inside a group, how many slow links groups hold)."""
+    held = [slow[p] for g in groups for p in combinations(sorted(g), 2) if p in slow]
+    return (max(held, default=1.0), len(held))
+
+
+def _partitions(ranks: list[int], sizes: list[int]):
+    """Every split of ``ranks`` into groups of ``sizes`` (in order; groups as sorted tuples)."""
+    if not sizes:
+        yield []
+        return
+    first, rest = ranks[0], ranks[1:]
+    n = sizes[0]
+    for others in combinations(rest, n - 1):
+        group = (first, *others)
+        left = [r for r in rest if r not in others]
+        for tail in _partitions(left, sizes[1:]):
+            yield [group, *tail]
+
+
+def regroup_off_slow_gpu_links(problem: Problem, plan: Plan | None) -> Plan | None:
+    """``plan`` with each node's multi-GPU TP groups re-formed from the same ranks (the same
+    sizes, stages and micro-batches) so they hold as few slow GPU links as can be, slowest
+    first; None without a plan, a slow GPU link, or a better grouping."""
+    if plan is None:
+        return None
+    slow = {k: v for k, v in problem.gpu_link_rates.items() if v > 1.0}
+    if not slow:
+        return None
+    job = problem.job
+    by_node: dict[int, list[tuple[int, ...]]] = {}
+    for p in plan.pipelines:
+        for st in p.stages:
+            if len(st.ranks) > 1:
+                by_node.setdefault(job.node_of(st.ranks[0]), []).append(tuple(st.ranks))
+    new: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for node, groups in by_node.items():
+        now = _badness(groups, slow)
+        ranks = sorted(r for g in groups for r in g)
+        if now == (1.0, 0) or len(ranks) > MAX_RANKS:
+            continue
+        # largest groups first, so the first rank of each split takes the largest size
+        order = sorted(groups, key=len, reverse=True)
+        best = min(_partitions(ranks, [len(g) for g in order]),
+                   key=lambda part: _badness(part, slow))
+        if _badness(best, slow) < now:
+            new.update(zip(order, best))
+    if not new:
+        return None
+    pipes = tuple(Pipeline(p.micro_batches, tuple(
+        Stage(new.get(tuple(st.ranks), tuple(st.ranks)), st.layers) for st in p.stages))
+        for p in plan.pipelines)
+    return Plan(plan.num_layers, plan.global_batch_size, plan.micro_batch_size, pipes,
+                plan.suspended)

@@ -45,7 +45,7 @@ from .replan import (Decision, decide, fit_running_plan, fit_switch_seconds, job
                      job_problem)
 from .held import HOLD, held_ranks, probe_reference
 from .detect import Detector, trigger_kind
-from .link_watch import LinkWatch
+from .link_watch import Links, LinkWatch, watches_gpu_links
 from .rates import RateEstimator, as_list
 from .work import cost_shape, cost_units
 from ..problem import given_slowdown, ideal_slowdown
@@ -97,7 +97,7 @@ class Controller:
         self.links = LinkWatch(job, settings.detect) if self.rank == 0 else None
         #: every rank: the slow links the running plan was made for (from the decisions'
         #: events, the same everywhere): probed every ``detect.probe_every`` steps
-        self.held_links: dict[tuple[int, int], float] = {}
+        self.held_links = Links()
         self._event_links: deque = deque()   # each decision's links, for switched/considered
         self._held_since = -LINK_WARMUP      # the first step a link in held_links was held
         self._link_probe = link_prober
@@ -183,8 +183,10 @@ class Controller:
     @property
     def measures_links(self) -> bool:
         """Does every rank time its communication for link rates (``engine/comm_log.py``)? A
-        job on more than one node with the loop on; the same on every rank."""
-        return self.world > 1 and self.job.nodes > 1 and bool(self.s.enabled)
+        job on more than one node, or one whose GPU links are read
+        (``link_watch.watches_gpu_links``), with the loop on; the same on every rank."""
+        return (self.world > 1 and bool(self.s.enabled)
+                and (self.job.nodes > 1 or watches_gpu_links(self.s.detect, self.spec.job)))
 
     @property
     def working(self) -> bool:
@@ -199,15 +201,19 @@ class Controller:
         put the idle rank's probe next to busy peers and the reference's next to idle ones: an
         idle rank read 2-4x slow for good after a real slowdown ended)."""
         self._probe_s = self.probe(step) if self.probe_due(step) else 0.0
-        link = self._link_to_probe(step)
-        if link is not None:
-            a, b = link
-            self._link_probe.exchange(self.job.node_ranks(a)[0], self.job.node_ranks(b)[0],
-                                      self.s.detect.link_probe_mb)
+        ends = self._link_to_probe(step)
+        if ends is not None:
+            self._link_probe.exchange(*ends, self.s.detect.link_probe_mb)
+
+    def _ends(self, kind: str, link: tuple[int, int]) -> tuple[int, int]:
+        """The two ranks that probe a link: a node link's nodes' first ranks, a GPU link's own."""
+        if kind == "node":
+            return self.job.node_ranks(link[0])[0], self.job.node_ranks(link[1])[0]
+        return link
 
     def _link_to_probe(self, step: int) -> tuple[int, int] | None:
-        """The link whose two nodes' first ranks exchange a probe after step ``step``, or None
-        (the same on every rank). One link per probe step, in turn: while links are held slow,
+        """The two ranks that exchange a link probe after step ``step``, or None (the same on
+        every rank). One link per probe step, in turn: while links are held slow,
         those, every ``detect.probe_every`` steps (every step for :data:`LINK_WARMUP` steps
         after one is first held: a false alarm is undone soon); else every link of
         :meth:`_probe_pool`, every step for the job's first :data:`LINK_WARMUP` measured steps
@@ -219,7 +225,7 @@ class Controller:
         p = self.s.detect.probe_every
         if self.held_links:
             every = 1 if step - self._held_since < LINK_WARMUP else p
-            pool = sorted(self.held_links)
+            pool = [self._ends(k, ln) for k, *ln in sorted(self.held_links.keys())]
         else:
             every = 1 if self._seen < LINK_WARMUP else LINK_IDLE_EVERY * p
             pool = self._probe_pool()
@@ -228,12 +234,18 @@ class Controller:
         return pool[(step // every) % len(pool)]
 
     def _probe_pool(self) -> list[tuple[int, int]]:
-        """The links probed while none is held: every node pair up to
-        :data:`MAX_PROBED_NODES` nodes, else the pairs of adjacent nodes."""
+        """The rank pairs probed while no link is held: every node pair up to
+        :data:`MAX_PROBED_NODES` nodes, else the pairs of adjacent nodes (each by its nodes'
+        first ranks); and where GPU links are read, the adjacent GPUs of node 0 (the probes'
+        healthy reference inside a node)."""
         n = self.job.nodes
-        if n <= MAX_PROBED_NODES:
-            return [(a, b) for a in range(n) for b in range(a + 1, n)]
-        return [(a, a + 1) for a in range(n - 1)]
+        nodes = ([(a, b) for a in range(n) for b in range(a + 1, n)] if n <= MAX_PROBED_NODES
+                 else [(a, a + 1) for a in range(n - 1)])
+        out = [self._ends("node", ln) for ln in nodes]
+        if watches_gpu_links(self.s.detect, self.spec.job):
+            first = self.job.node_ranks(0)
+            out += list(zip(first, first[1:]))
+        return out
 
     def probe(self, step: int) -> float:
         """Seconds per run of the probe block (``probe.py``): sustained on a rank without work
@@ -316,7 +328,13 @@ class Controller:
     def measured_link_rates(self) -> dict[str, float]:
         """Rank 0: each measured node link's smoothed rate, ``{"0-1": 1.0}`` (other ranks and
         one-node jobs: empty), for metrics.jsonl."""
-        return _link_json(self.links.measured_map()) if self.links is not None else {}
+        return self.measured_links().get("link_rates", {})
+
+    def measured_links(self) -> dict[str, dict[str, float]]:
+        """Rank 0: the measured links of both kinds, ``{"link_rates": {"0-1": 1.0},
+        "gpu_link_rates": {"2-3": 1.0}}`` (the second where a GPU link is measured; other
+        ranks: empty), for metrics.jsonl."""
+        return self.links.measured_map().json() if self.links is not None else {}
 
     def take_events(self) -> list[dict]:
         """``check`` events since the last call (rank 0; metrics.jsonl)."""
@@ -340,7 +358,7 @@ class Controller:
             if obj[0] is not None:
                 ev = obj[0].event        # detected before step ev['step'], adopted now
                 out.append((dict(ev, step=step, detected=ev["step"]), obj[0].plan))
-                self._event_links.append(ev.get("link_rates"))
+                self._event_links.append(_event_links(ev))
         while self.forced and self.forced[0] < step:
             self.forced.pop(0)                       # resumed past it
         if self.forced and self.forced[0] == step:
@@ -351,7 +369,7 @@ class Controller:
                 obj[0] = self._forced(step, trigger)
             self._broadcast(obj)
             out.append((obj[0].event, obj[0].plan))
-            self._event_links.append(obj[0].event.get("link_rates"))
+            self._event_links.append(_event_links(obj[0].event))
         return out
 
     def _broadcast(self, obj: list) -> None:
@@ -434,12 +452,10 @@ class Controller:
 
     def _links_planned(self) -> None:
         """After a decision (adopted or not): the slow links it was made for (its event's
-        ``link_rates``, the same on every rank) are held (probed) and, on rank 0, the link
-        detection's reference; a switch no decision made (scripted) keeps the held links, and
-        rank 0's detection takes today's reading."""
-        got = self._event_links.popleft() if self._event_links else None
-        links = None if got is None else {
-            tuple(int(x) for x in k.split("-")): float(v) for k, v in got.items()}
+        ``link_rates`` and ``gpu_link_rates``, the same on every rank) are held (probed) and, on
+        rank 0, the link detection's reference; a switch no decision made (scripted) keeps the
+        held links, and rank 0's detection takes today's reading."""
+        links = self._event_links.popleft() if self._event_links else None
         if links is not None:
             if links.keys() - self.held_links.keys():
                 self._held_since = self._last_step + 1
@@ -465,18 +481,17 @@ class Controller:
         period of identical steps apart (:meth:`period`) may :meth:`skip` whole periods: they
         would change nothing but the step counters."""
         c, d = self.check, self.det
-        ld = self.links.det if self.links is not None else None
+        links = self.links.state() if self.links is not None else ()
         if (self._pending is not None or self._result is not None or self.ready
                 or self._missed is not None or self.forced or self._skip or self._judge_skip
                 or d is None or d.streak or d.cooldown or self._seen < self.s.detect.window
-                or (ld is not None and (ld.streak or ld.cooldown))):
+                or links is None):
             return None
         if c is not None and not c.settled():
             return None
         return (self.plan.id, self.measured.tobytes(), self.est.beta, self.est.gamma,
                 self.held.tobytes(), self.probe_ref, d.planned.tobytes(), self._scale,
-                self.pace.seconds, None if c is None else c.state(),
-                None if ld is None else (ld.planned.tobytes(), self.links.measured().tobytes()))
+                self.pace.seconds, None if c is None else c.state(), links)
 
     def period(self) -> int:
         """Steps after which every periodic part of the loop (detection, probes, the work
@@ -635,7 +650,7 @@ class Controller:
 
     def _request(self, trigger: str, rates: list[float], step: int, why: str | None = None,
                  check_step: int | None = None, note: str | None = None,
-                 links: dict | None = None) -> None:
+                 links: Links | None = None) -> None:
         """Ask the planner for ``rates`` and the slow ``links`` (None: today's reading)."""
         pr = self._job_problem()
         if pr is None:
@@ -648,9 +663,9 @@ class Controller:
         if links:
             comm = self.links.comm_section(self._seconds_per_unit(pr))
             if comm is None:
-                note = "; ".join(x for x in (note, f"slow links {_link_json(links)} left "
+                note = "; ".join(x for x in (note, f"slow links {links.text()} left "
                                  f"out: their costs are not measured yet") if x)
-                links = {}
+                links = Links()
             pr = self.links.problem(pr, links, comm)
         self._pending = {"trigger": trigger, "rates": rates, "step": step, "problem": pr,
                          "gen": self._generation, "t0": time.perf_counter(), "check": why,
@@ -698,8 +713,9 @@ class Controller:
         if p.get("note"):
             res.event["reason"] = f"{p['note']}; {res.event['reason']}"
         if self.links.active:
-            res.event["link_rates"] = _link_json(p["links"])
-            res.event["measured_link_rates"] = _link_json(self.links.measured_map())
+            res.event.update(p["links"].json())
+            res.event.update({f"measured_{k}": v
+                              for k, v in self.links.measured_map().json().items()})
         if p["links"]:
             self.links.comm = p["comm"]
             res.event["comm"] = {k: round(v, 6) for k, v in p["comm"].items()}
@@ -790,6 +806,9 @@ class Controller:
         return fixed + nbytes / bw
 
 
-def _link_json(links) -> dict[str, float]:
-    """``{(a, b): rate}`` as JSON's ``{"a-b": rate}`` (``Problem.link_rates``' form)."""
-    return {f"{a}-{b}": float(r) for (a, b), r in sorted(links.items())}
+def _event_links(ev: dict) -> Links | None:
+    """The slow links a decision's event was made for (None: it names none: links are not
+    watched)."""
+    if "link_rates" not in ev:
+        return None
+    return Links.from_json(ev.get("link_rates"), ev.get("gpu_link_rates"))

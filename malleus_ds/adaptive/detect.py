@@ -39,6 +39,10 @@ class DetectConfig:
     #: MB a link held slow is probed with (a round trip every ``probe_every`` steps, one held
     #: link at a time: ``engine/link_probe.py``); 0: not probed
     link_probe_mb: float = 0.1
+    #: also read the links between the GPUs of a node (TP collectives, reductions inside a
+    #: node: ``link_watch.py``): true, false, or None (the default): where the job's nominal
+    #: TP degree is above 1, whose collectives cross those links on every layer
+    gpu_links: bool | None = None
 
     def check(self) -> None:
         """Raise ``ValueError`` naming ``malleus.detect.<field>=<value>`` for a bad field."""
@@ -48,7 +52,9 @@ class DetectConfig:
                  ("confirm", self.confirm >= 1, ">= 1"), ("cooldown", self.cooldown >= 0, ">= 0"),
                  ("probe_every", self.probe_every >= 1, ">= 1"),
                  ("link_healthy", self.link_healthy >= 1.0, ">= 1.0 (1.0 = healthy)"),
-                 ("link_probe_mb", self.link_probe_mb >= 0, ">= 0 (0: links are not probed)"))
+                 ("link_probe_mb", self.link_probe_mb >= 0, ">= 0 (0: links are not probed)"),
+                 ("gpu_links", self.gpu_links in (None, True, False),
+                  "true, false or null (null: where the job's TP degree is above 1)"))
         for name, ok, need in rules:
             if not ok:  # NaN fails every comparison, so it is rejected too
                 raise ValueError(f"detect.{name}={getattr(self, name)!r} must be {need}")

@@ -19,6 +19,7 @@ ADAPTIVE_KEYS = ("adaptive", "detect", "check", "horizon_steps", "replan_at", "p
 
 
 _INT_DETECT = ("every", "window", "confirm", "cooldown", "probe_every")
+_BOOL_DETECT = ("gpu_links",)
 
 
 def number(sec: Mapping[str, Any], key: str, default, ok, need: str, optional: bool = False,
@@ -67,11 +68,16 @@ class AdaptiveSettings:
         if unknown:
             raise ValueError(f"{p}.detect: unknown keys {unknown}; allowed: {sorted(known)}")
         for k, v in det.items():
+            if k in _BOOL_DETECT:
+                if v is not None and not isinstance(v, bool):
+                    raise ValueError(f"{p}.detect.{k}={v!r} must be true, false or null")
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError(f"{p}.detect.{k}={v!r} must be a number")
             if k in _INT_DETECT and int(v) != v:
                 raise ValueError(f"{p}.detect.{k}={v!r} must be an integer")
-        dc = DetectConfig(**{k: (int(v) if k in _INT_DETECT else float(v)) for k, v in det.items()})
+        dc = DetectConfig(**{k: (v if k in _BOOL_DETECT else int(v) if k in _INT_DETECT
+                                 else float(v)) for k, v in det.items()})
         try:
             dc.check()
         except ValueError as e:

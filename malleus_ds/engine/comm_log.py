@@ -16,8 +16,10 @@ puts :data:`SLOTS` numbers into its slots of the step's one all-reduce
   member), so rank 0 can gather its members' readings; the least of them is the member that
   arrived last, whose wait is the reduction alone (``adaptive/link_rates.py``);
 * its TP group's collectives (``engine/tensor_parallel.py``: two all-reduces per layer and
-  micro-batch forward, two backward), summed over the step, as ``[key, members, MB,
-  seconds]``: the member that waited least in all is the one whose peers were never late;
+  micro-batch forward, two backward, all of one size), as ``[key, members, MB, seconds]`` of
+  the one that took least per MB: the many small waits of a step are mostly a peer's
+  lateness (4 ranks on 2 cores: the step's sum read a link slowed 30x as healthy), and the
+  quickest is the closest to the wire's own time, as for a pipeline receive;
 * a link probe it timed (``link_probe.py``: round trips to a rank across a link the running
   plan holds as slow, right after the last step's all-reduce), ``[peer + 1, MB, seconds]`` of
   the quickest round trip:
@@ -61,7 +63,7 @@ class CommLog:
     def start_step(self) -> None:
         self._p2p: dict[int, tuple[float, float]] = {}        # peer -> (MB, least s per MB)
         self._coll: dict[tuple[int, ...], list[float]] = {}    # ranks -> [MB, seconds]
-        self._tp: dict[tuple[int, ...], list[float]] = {}      # (TP collectives: the same)
+        self._tp: dict[tuple[int, ...], tuple[float, float]] = {}  # ranks -> least (MB, s)
 
     def add(self, kind: str, ranks: Sequence[int], mb: float, seconds: float) -> None:
         """A timed communication: ``kind`` "p2p" (``ranks`` = (this rank, the peer it received
@@ -79,9 +81,13 @@ class CommLog:
             old = self._p2p.get(peer)
             if old is None or spm < old[1]:
                 self._p2p[peer] = (mb, spm)
+        elif kind == "tp":
+            key = tuple(int(r) for r in ranks)
+            old = self._tp.get(key)
+            if old is None or seconds / mb < old[1] / old[0]:
+                self._tp[key] = (float(mb), float(seconds))
         else:
-            acc = (self._tp if kind == "tp" else self._coll).setdefault(
-                tuple(int(r) for r in ranks), [0.0, 0.0])
+            acc = self._coll.setdefault(tuple(int(r) for r in ranks), [0.0, 0.0])
             acc[0] += mb
             acc[1] += seconds
 

@@ -5,7 +5,9 @@ links between its GPUs, all inside one node. Where the link between two GPUs of 
 (``Problem.gpu_link_rates``: a degraded NVLink or PCIe path), the group holding both pays it on
 every layer, while a reduction or a pipeline message between them happens once a step. The
 remedy keeps the layout and trades ranks between the node's TP groups: the same group sizes and
-stages, with each group formed so that the slow pairs fall between groups.
+stages, with each group formed so that the slow pairs fall between groups, and where it can,
+not between the ranks at the same place of two groups either (data-parallel peers reduce over
+that link once a step).
 
 :func:`regroup_off_slow_gpu_links` builds it from a plan (the running one, the static one); the
 planner (``search.py``) weighs it against the other candidates with the exact cost
@@ -14,40 +16,50 @@ new group, which the cost sees too.
 """
 from __future__ import annotations
 
-from itertools import combinations
+from itertools import combinations, permutations, product
 
 from ..plan import Pipeline, Plan, Stage
 from ..problem import Problem
 
 #: nodes with more multi-GPU TP ranks than this keep their groups (the search is exhaustive:
-#: 8 ranks in pairs have 105 partitions, in fours 35)
+#: 8 ranks in pairs have 105 partitions x 8 orders, in fours 35 x 24)
 MAX_RANKS = 8
 
 
-def _badness(groups, slow: dict) -> tuple[float, int]:
-    """(the slowest link held inside a group, how many slow links groups hold)."""
-    held = [slow[p] for g in groups for p in combinations(sorted(g), 2) if p in slow]
-    return (max(held, default=1.0), len(held))
+def _badness(groups, slow: dict) -> tuple:
+    """How badly ``groups`` (ordered rank tuples of one node) sit on the slow links: first the
+    links held inside a group (its TP ring crosses them on every layer: the slowest, then how
+    many), then those between ranks at the same place in two groups (the data-parallel peers of
+    stages that hold the same layers reduce over them once a step)."""
+    inside = [slow[p] for g in groups for p in combinations(sorted(g), 2) if p in slow]
+    across = [slow[p] for i, g in enumerate(groups) for h in groups[i + 1:]
+              for p in ((min(x, y), max(x, y)) for x, y in zip(g, h)) if p in slow]
+    return (max(inside, default=1.0), len(inside), max(across, default=1.0), len(across))
 
 
 def _partitions(ranks: list[int], sizes: list[int]):
-    """Every split of ``ranks`` into groups of ``sizes`` (in order; groups as sorted tuples)."""
-    if not sizes:
-        yield []
-        return
-    first, rest = ranks[0], ranks[1:]
-    n = sizes[0]
-    for others in combinations(rest, n - 1):
-        group = (first, *others)
-        left = [r for r in rest if r not in others]
-        for tail in _partitions(left, sizes[1:]):
-            yield [group, *tail]
+    """Every split of ``ranks`` into groups of ``sizes`` (in order), each group in every order
+    but the first (whose order fixes the others' places)."""
+    def splits(ranks, sizes):
+        if not sizes:
+            yield []
+            return
+        first, rest = ranks[0], ranks[1:]
+        for others in combinations(rest, sizes[0] - 1):
+            group = (first, *others)
+            left = [r for r in rest if r not in others]
+            for tail in splits(left, sizes[1:]):
+                yield [group, *tail]
+    for part in splits(ranks, sizes):
+        for orders in product(*(permutations(g) for g in part[1:])):
+            yield [part[0], *orders]
 
 
 def regroup_off_slow_gpu_links(problem: Problem, plan: Plan | None) -> Plan | None:
     """``plan`` with each node's multi-GPU TP groups re-formed from the same ranks (the same
     sizes, stages and micro-batches) so they hold as few slow GPU links as can be, slowest
-    first; None without a plan, a slow GPU link, or a better grouping."""
+    first, and then put as few between data-parallel peers (:func:`_badness`); None without a
+    plan, a slow GPU link, or a better grouping."""
     if plan is None:
         return None
     slow = {k: v for k, v in problem.gpu_link_rates.items() if v > 1.0}
@@ -63,7 +75,7 @@ def regroup_off_slow_gpu_links(problem: Problem, plan: Plan | None) -> Plan | No
     for node, groups in by_node.items():
         now = _badness(groups, slow)
         ranks = sorted(r for g in groups for r in g)
-        if now == (1.0, 0) or len(ranks) > MAX_RANKS:
+        if now == (1.0, 0, 1.0, 0) or len(ranks) > MAX_RANKS:
             continue
         # largest groups first, so the first rank of each split takes the largest size
         order = sorted(groups, key=len, reverse=True)

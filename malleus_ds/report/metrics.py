@@ -36,7 +36,9 @@ read back by ``check_events.py``). engine=malleus step lines carry ``"plan"``, t
 plan that ran the step, and ``"measured_rates"``, each rank's smoothed measured rate
 (``adaptive/rates.py``; null until measured); on more than one node with the loop on also
 ``"link_rates"``, each measured node link's smoothed rate (``{"0-1": 1.0}``,
-``adaptive/link_watch.py``). A ``straggler.link_schedule`` run's lines carry
+``adaptive/link_watch.py``), and where the links between a node's GPUs are read
+(``detect.gpu_links``) ``"gpu_link_rates"`` (``{"2-3": 1.0}``). A ``straggler.link_schedule``
+run's lines carry
 ``"link_emulated_s"``, per rank the seconds the slow-link emulation waited.
 
 :func:`format_event` turns a replan, migrate, restart or check line into text: one line for the
@@ -99,6 +101,9 @@ class StepRecord:
     #: engine=malleus on more than one node: each measured node link's smoothed rate
     #: (``{"0-1": 1.0}``; rank 0's link watch, ``adaptive/link_watch.py``)
     link_rates: Mapping[str, float] = field(default_factory=dict)
+    #: engine=malleus where GPU links are read: each measured pair of a node's GPUs
+    #: (``{"2-3": 1.0}``)
+    gpu_link_rates: Mapping[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -118,10 +123,11 @@ class StepRecord:
             d.pop("link_emulated_s")
         if self.measured_rates is not None:
             d["measured_rates"] = list(self.measured_rates)
-        if self.link_rates:
-            d["link_rates"] = dict(self.link_rates)
-        else:
-            d.pop("link_rates")
+        for k in ("link_rates", "gpu_link_rates"):
+            if getattr(self, k):
+                d[k] = dict(getattr(self, k))
+            else:
+                d.pop(k)
         return d
 
 

@@ -87,3 +87,66 @@ def test_a_slow_link_is_detected_planned_around_and_its_recovery_noticed():
                        0.0)
     for r, (lo, *_) in enumerate(got):
         np.testing.assert_allclose(lo, ref, rtol=1e-5, err_msg=f"rank {r}")
+
+
+TP_PAIRS = plan_json([(4, [([0, 1], (0, 4))]), (4, [([2, 3], (0, 4))])])    # TP=2, dp=2
+GPU_ONSET = 14
+
+
+def _gpu_link(start, end=None):
+    from malleus_ds.emulation.links import LinkSchedule
+
+    return LinkSchedule.parse([{"ranks": [0, 1], "rate": RATE, "start_step": start,
+                                "end_step": end}], 4, 4)
+
+
+def _run_gpu(rank, world):
+    """One node of 4 ranks, TP=2 groups (0, 1) and (2, 3); from GPU_ONSET the link between
+    GPUs 0 and 1 is RATE-fold slow (the emulation slows group (0, 1)'s TP collectives), until
+    LAG steps after the loop's first adopted re-plan; the run stops once the loop planned for
+    its recovery."""
+    import malleus_ds
+    from malleus_ds.plan import Plan
+
+    cfg = ds_config(1)
+    cfg["malleus"] = {"detect": {"probe_every": 1, "healthy": 2.0},
+                      "planner_time_limit_s": 0.3}
+    eng, *_ = malleus_ds.initialize(model=CFG, config=cfg, plan=Plan.from_json(TP_PAIRS))
+    eng.clock.links = _gpu_link(GPU_ONSET)
+    losses, events, plans, until = [], [], [], None
+    while len(losses) < MAX_STEPS:
+        losses.append(eng.train_batch())
+        plans.append(eng.plan.to_json())
+        new = [e for e in eng.take_events() if e["event"] == "replan"]
+        events += new
+        if until is None and any(e.get("adopted") for e in new):
+            until = len(losses) + LAG
+            eng.clock.links = _gpu_link(GPU_ONSET, until)
+        if until is not None and any(e["detected"] > until for e in new):
+            break
+    eng.control.close()
+    return losses, events, plans, until
+
+
+def test_a_slow_gpu_link_is_read_from_tp_collectives_and_the_groups_re_formed_off_it():
+    """The TP collectives' timings ride in the step's all-reduce; rank 0 reads the GPU link
+    (not GPUs 0 or 1) as slow, and the planner re-forms the TP groups so that neither holds
+    both GPUs; the probes between them see it recover. Losses equal one single-process run."""
+    got = run_distributed(_run_gpu, 4, timeout=400)
+    losses, events, plans, until = got[0]
+    for r in range(1, 4):
+        assert got[r][1] == events, r
+    why = "\n".join(map(str, events))
+    assert not [e for e in events if e["detected"] <= GPU_ONSET and e["adopted"]], why
+    onset = next((e for e in events if e["adopted"]), None)
+    assert onset is not None, f"no switch in {len(losses)} steps: {why}"
+    assert onset["detected"] <= GPU_ONSET + 8 and onset["link_rates"] == {}, why
+    assert onset["gpu_link_rates"]["0-1"] >= 2.0 and max(onset["measured_rates"]) < 2.0, why
+    groups = [st["ranks"] for p in plans[onset["step"]]["pipelines"] for st in p["stages"]]
+    assert not any({0, 1} <= set(g) for g in groups), groups
+    back = [e for e in events if e["detected"] > until]
+    assert back and "gpu_link_rates" not in back[0] and back[0]["detected"] <= until + 22, why
+    ref, _ = reference(TP_PAIRS["global_batch_size"], TP_PAIRS["micro_batch_size"],
+                       len(losses), EPS, 0.0)
+    for r, (lo, *_) in enumerate(got):
+        np.testing.assert_allclose(lo, ref, rtol=1e-5, err_msg=f"rank {r}")

@@ -129,7 +129,8 @@ class StepReporter:
         self.writer.write_event(obj)
 
     def step_done(self, step: int, loss: float, step_time_s: float, clock: ComputeClock,
-                  plan: str | None = None, measured_rates=None, link_rates=None) -> None:
+                  plan: str | None = None, measured_rates=None, link_rates=None,
+                  gpu_link_rates=None) -> None:
         import torch
         import torch.distributed as dist
 
@@ -161,7 +162,7 @@ class StepReporter:
                          None if measured_rates is None else tuple(measured_rates),
                          tuple(round(w, 6) for w in wait),
                          tuple(round(x, 6) for x in links) if self.cfg.links else (),
-                         dict(link_rates or {}))
+                         dict(link_rates or {}), dict(gpu_link_rates or {}))
         self.records.append(rec.to_json())
         self.writer.write(rec)
         if self.stream is not None:

@@ -213,9 +213,11 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
         t0 = time.perf_counter()
         clock.start_step(step)
         loss = engine.train_batch(step=step)
+        links = loop.measured_links()
         reporter.step_done(step, loss, time.perf_counter() - t0, clock, plan=engine.plan.id,
                            measured_rates=engine.measured_rates,
-                           link_rates=loop.measured_link_rates())
+                           link_rates=links.get("link_rates"),
+                           gpu_link_rates=links.get("gpu_link_rates"))
         ck.after_step(step + 1, write, reporter)
     ck.finish(cfg.train.steps, write, reporter)
     loop.close()

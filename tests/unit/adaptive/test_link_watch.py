@@ -11,7 +11,7 @@ import pytest
 from malleus_ds.adaptive.control import Controller
 from malleus_ds.adaptive.detect import DetectConfig
 from malleus_ds.adaptive.job import JobSpec
-from malleus_ds.adaptive.link_watch import LinkWatch
+from malleus_ds.adaptive.link_watch import Links, LinkWatch
 from malleus_ds.adaptive.settings import AdaptiveSettings
 from malleus_ds.adaptive.work import cost_units
 from malleus_ds.engine.step_reduce import StepSums
@@ -52,7 +52,7 @@ def test_healthy_noise_is_not_a_slow_link_and_a_slow_one_is_read_within_a_few_st
         if got is not None:
             break
     assert got is not None and k <= 5, (k, w.measured_map())
-    assert 3.0 <= got[(0, 1)] <= 12.0, got
+    assert 3.0 <= got.nodes[(0, 1)] <= 12.0 and got.gpus == {}, got
     # the comm section: the healthy bandwidth of the reductions, one layer's fp32 gradients
     comm = w.comm_section(0.01)
     assert comm["layer_ms"] == pytest.approx(10.0)
@@ -63,7 +63,7 @@ def test_healthy_noise_is_not_a_slow_link_and_a_slow_one_is_read_within_a_few_st
         sum(np.prod(p.shape) for p in _spec(plan).param_table.owned(0)) * 4 / 1e6)
     assert comm["activation_mb"] == pytest.approx(cfg.max_seq_len * cfg.hidden_size * 4 / 1e6)
     pr = w.problem(Problem.from_json(_problem()), got, comm)
-    assert pr.link_rate(0, 1) == got[(0, 1)] and pr.extra["comm"] == comm
+    assert pr.link_rate(0, 1) == got.nodes[(0, 1)] and pr.extra["comm"] == comm
     assert w.comm_section(None) is None
 
 
@@ -73,22 +73,29 @@ def test_a_link_first_crossed_after_a_switch_made_for_it_learns_its_healthy_spee
     and 1 once it recovers."""
     rng = np.random.default_rng(2)
     w = LinkWatch(_spec(static_plan(4, 8, 1, 1, 1, WORLD)), DetectConfig(every=1))
-    w.planned_for({(0, 1): 5.0})
+    w.planned_for(Links({(0, 1): 5.0}))
     for _ in range(20):
         w.add(_ops(rng, rate=5.0, spread=(0.9, 1.1)))
-    assert w.measured_map()[(0, 1)] == pytest.approx(5.0, rel=0.15)
+    assert w.measured_map().nodes[(0, 1)] == pytest.approx(5.0, rel=0.15)
     assert w.check() is None
     for _ in range(6):
         w.add(_ops(rng, spread=(0.9, 1.1)))
-    assert w.measured_map()[(0, 1)] == 1.0
-    assert w.normalised() == {}
+    assert w.measured_map().nodes[(0, 1)] == 1.0
+    assert not w.normalised()
 
 
-def test_a_job_on_one_node_has_no_links():
-    w = LinkWatch(JobSpec.of_model(PRESETS["tiny"], static_plan(4, 8, 1, 1, 1, 4)),
-                  DetectConfig())
-    assert not w.active and w.check() is None and w.normalised() == {}
+def test_a_job_on_one_node_has_no_links_unless_its_gpu_links_are_read():
+    spec = JobSpec.of_model(PRESETS["tiny"], static_plan(4, 8, 1, 1, 1, 4))
+    w = LinkWatch(spec, DetectConfig())          # TP=1: GPU links not read by default
+    assert not w.active and w.check() is None and not w.normalised()
     w.add([("dp", (0, 1), 1.0, 0.1)])
+    w = LinkWatch(spec, DetectConfig(gpu_links=True))
+    assert w.active and w.links == [] and w.gpu.links == [(0, 1), (0, 2), (0, 3), (1, 2),
+                                                            (1, 3), (2, 3)]
+    tp2 = JobSpec.of_model(PRESETS["tiny"], static_plan(4, 8, 1, 2, 1, 2),
+                           job=JobLayout(4, 4, 2))
+    assert LinkWatch(tp2, DetectConfig()).active              # TP=2: read by default
+    assert not LinkWatch(tp2, DetectConfig(gpu_links=False)).active
 
 
 def _problem():
@@ -161,3 +168,70 @@ def test_the_loop_replans_around_a_slow_link_and_back_with_no_engine():
     back = [e for e in link if e["detected"] >= 45]
     assert back and back[0]["link_rates"] == {} and back[0]["detected"] <= 45 + 12, why
     assert plans[-1] == first
+
+
+def test_the_loop_replans_around_a_slow_gpu_link_with_no_engine():
+    """One node of 4 ranks, TP=2 groups (0, 1) and (2, 3), data parallel between them (the
+    GPU links are read by default: the nominal TP degree is 2). From step 20 the link between
+    GPUs 0 and 1 is 20x slow until step 45: group (0, 1)'s TP collectives take 20x their time,
+    every other op and every rank's compute stay healthy. The loop reads the GPU link (and no
+    slow GPU), asks the planner with it, and adopts TP groups formed off it: neither group holds
+    both GPUs, nor puts them at the same place (the data-parallel peers). No op crosses the
+    link then; its probes (GPUs 0 and 1 exchange a round trip) see it recover, and the loop
+    plans for a healthy node (keeping the new groups: as fast, and a migration would cost)."""
+    rng = np.random.default_rng(5)
+    plan = static_plan(4, 8, 1, 2, 1, 2)
+    spec = JobSpec.of_model(PRESETS["tiny"], plan, world=4, job=JobLayout(4, 4, 2))
+    prober, probed = _Prober(), 0
+    ctl = Controller(spec, AdaptiveSettings(detect=DetectConfig(every=1, probe_every=2),
+                                            tp_slowdown="ideal", planner_time_limit_s=0.5),
+                     plan, link_prober=prober)
+    cfg = PRESETS["tiny"]
+    act_mb = cfg.max_seq_len * cfg.hidden_size * 4 / 1e6
+    events, plans = [], []
+    try:
+        for step in range(80):
+            plan = apply_decisions(ctl, step, plan, events)
+            plans.append(plan)
+            units = cost_units(plan, 4, 2, {1: 1.0, 2: 2.0}, ctl.head)
+            comp = units * 0.002 * rng.uniform(0.97, 1.03, 4)
+            groups = [st.ranks for p in plan.pipelines for st in p.stages]
+            ops, tp_s = [], 0.0
+            for g in groups:       # 4 collectives a layer and micro-batch, 2(g-1)/g = 1
+                mb = 4 * 4 * plan.pipelines[0].micro_batches * act_mb
+                slow = 20.0 if 20 <= step < 45 and {0, 1} <= set(g) else 1.0
+                s = mb * SPM * slow * rng.uniform(0.9, 1.1)
+                ops.append(("tp", tuple(sorted(g)), mb, s))
+                tp_s = max(tp_s, s)
+            for pair in zip(*groups):          # the data-parallel peers' reductions
+                slow = 20.0 if 20 <= step < 45 and set(pair) == {0, 1} else 1.0
+                ops.append(("dp", tuple(sorted(pair)), MB, MB * SPM * slow
+                            * rng.uniform(0.9, 1.1)))
+            if len(prober.asked) > probed:         # a probe after the last step's all-reduce
+                a, b, mb = prober.asked[-1]
+                probed = len(prober.asked)
+                slow = 20.0 if 20 <= step < 45 and {a, b} == {0, 1} else 1.0
+                ops.append(("probe", (a, b), 2 * mb, 2 * mb * 0.01 * slow
+                            * rng.uniform(0.9, 1.1)))
+            ready, _ = ctl.contribute(float(comp[0]), 0.0)
+            ctl.observe(step, StepSums(loss=0.0, overflow=False, ready=ready, compute_s=comp,
+                                       probe_s=np.full(4, np.nan), comm=tuple(ops)))
+            ctl.after_reduce(step)
+            ctl.step_done(float(comp.max()) + tp_s)
+            ctl.wait_planner()
+    finally:
+        ctl.close()
+    why = "\n".join(map(str, events))
+    assert [e for e in events if e["detected"] < 21] == [], why
+    link = [e for e in events if e["trigger"] == "link" and e["adopted"]]
+    assert link and link[0]["detected"] <= 20 + 8, why
+    assert link[0]["link_rates"] == {} and link[0]["gpu_link_rates"]["0-1"] >= 5.0, why
+    assert all(e["measured_rates"] == [1.0] * 4 for e in link), why      # no slow GPU
+    groups = [st.ranks for p in plans[link[0]["step"]].pipelines for st in p.stages]
+    assert not any({0, 1} <= set(g) for g in groups), groups
+    assert {0, 1} not in [set(p) for p in zip(*groups)], groups
+    # probed: the adjacent GPUs at the start, the held link after
+    assert (0, 1, 0.1) in prober.asked and set(prober.asked) <= {(0, 1, 0.1), (1, 2, 0.1),
+                                                                 (2, 3, 0.1)}, prober.asked
+    back = [e for e in events if e["trigger"] == "link" and e["detected"] >= 45]
+    assert back and "gpu_link_rates" not in back[0] and back[0]["detected"] <= 45 + 12, why

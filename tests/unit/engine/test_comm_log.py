@@ -56,10 +56,10 @@ def test_the_step_reduction_carries_every_ranks_slots_and_decodes_them():
     for r, log in enumerate(logs):
         log.add("dp", (0, 1, 2, 3), mb, waits[r])
     logs[2].add("p2p", (2, 0), 0.5, 0.001)
-    # TP groups {0, 2} and {1, 3} across nodes: each member's waits summed over the step
+    # TP groups {0, 1} and {2, 3}: each member's quickest collective of the step
     for r, log in enumerate(logs):
-        grp = (0, 2) if r % 2 == 0 else (1, 3)
-        for s in (0.002, 0.003 + 0.001 * r):
+        grp = (0, 1) if r < 2 else (2, 3)
+        for s in (0.004 + 0.001 * r, 0.002 + 0.001 * r, 0.009):
             log.add("tp", grp, 0.25, s)
     total = torch.zeros(StepReduction(world, 0, comm=True).size, dtype=torch.float64)
     for r, log in enumerate(logs):
@@ -72,10 +72,11 @@ def test_the_step_reduction_carries_every_ranks_slots_and_decodes_them():
     assert ops[("p2p", (2, 0))] == (0.5, pytest.approx(0.001))
     # a ring member moves 2 (k-1)/k of the bucket
     assert ops[("dp", (0, 1, 2, 3))] == (pytest.approx(2 * 3 / 4 * mb), pytest.approx(0.012))
-    # a TP group: the member that waited least in all (rank 0: 5 ms; rank 1: 6 ms)
-    assert ops[("tp", (0, 2))] == (pytest.approx(0.5), pytest.approx(0.005))
-    assert ops[("tp", (1, 3))] == (pytest.approx(0.5), pytest.approx(0.006))
-    assert set(ops) == {("p2p", (2, 0)), ("dp", (0, 1, 2, 3)), ("tp", (0, 2)), ("tp", (1, 3))}
+    # a TP group: its quickest collective, on the member that waited least (a ring member
+    # of two moves the whole 0.25 MB)
+    assert ops[("tp", (0, 1))] == (pytest.approx(0.25), pytest.approx(0.002))
+    assert ops[("tp", (2, 3))] == (pytest.approx(0.25), pytest.approx(0.004))
+    assert set(ops) == {("p2p", (2, 0)), ("dp", (0, 1, 2, 3)), ("tp", (0, 1)), ("tp", (2, 3))}
 
 
 def test_no_comm_slots_read_as_no_ops_and_a_bad_count_is_refused():

@@ -21,9 +21,13 @@ model's terms and with every message overlapped with compute (a bound, not a pla
 
   ``bw`` is the cut's bandwidth: the smaller side's node count x ``comm.inter_node_gbps`` over
   the least rate of the links across the cut, in model units per MB (``comm.layer_ms``);
-* the bound is ``T_c / T_min``, the least ``T`` of these. It is at most ``f``. With no slow
-  link, no ``comm`` section, or more than two sides, it is ``f`` (a tighter bound for three
-  sides or more is not derived here).
+* with three sides or more, every split of the sides into two unions ``A | B`` is such a cut
+  (the links across are all slow: healthy links join the nodes of a side), and the argument
+  above holds for each, reading the links inside a union as healthy and the cut's bandwidth as
+  its fastest links' (both only loosen it): each split bounds the step, and the bound is the
+  largest of their least ``T`` (:data:`MAX_SPLIT_SIDES`: above it, each side against the rest);
+* the bound is ``T_c / T_min``. It is at most ``f``; with no slow link or no ``comm`` section
+  it is ``f``.
 
 Pure Python.
 """
@@ -63,21 +67,34 @@ def compute_step(problem: Problem) -> float:
     return step_time(pr, pr.static_plan())
 
 
-def link_capacity(problem: Problem) -> float:
-    """The capacity bound with slow links (module doc), a share of the healthy throughput."""
-    f = capacity_fraction(problem)
-    cs = comm_spec(problem)
-    sides = segments(problem)
-    if cs is None or len(sides) != 2:
-        return f
-    a_nodes, b_nodes = sides
+#: up to this many sides every split of them in two is tried; above, each side against the
+#: rest (fewer bounds: looser, still a bound)
+MAX_SPLIT_SIDES = 12
+
+
+def _splits(sides: list[list[int]]):
+    """Two-way splits of ``sides`` into unions ``(A, B)`` of whole sides (module doc)."""
+    k = len(sides)
+    if k > MAX_SPLIT_SIDES:
+        for i in range(k):
+            yield sides[i], [n for j, s in enumerate(sides) if j != i for n in s]
+        return
+    for mask in range(1, 1 << (k - 1)):        # side k-1 always in B: each split once
+        a = [n for j, s in enumerate(sides) if mask >> j & 1 for n in s]
+        b = [n for j, s in enumerate(sides) if not mask >> j & 1 for n in s]
+        yield a, b
+
+
+def _cut_step(problem: Problem, cs, a_nodes: list[int], b_nodes: list[int], t_c: float
+              ) -> float:
+    """The least step time any layout reaches across the cut between ``a_nodes`` and
+    ``b_nodes`` (module doc), in model units."""
     job = problem.job
     cap = [sum(1.0 / problem.rate(d) for n in side for d in job.node_ranks(n))
-           for side in sides]
+           for side in (a_nodes, b_nodes)]
     rate = min(problem.link_rate(x, y) for x in a_nodes for y in b_nodes)
     bw = min(len(a_nodes), len(b_nodes)) * cs.inter_node_gbps / rate     # GB/s = MB/ms
     per_mb = 1.0 / bw / cs.layer_ms                                       # model units per MB
-    t_c = compute_step(problem)
     work = problem.num_gpus * t_c
     m = problem.global_batch_size // problem.micro_batch_size
     best = min(work / cap[0], work / cap[1],
@@ -89,4 +106,18 @@ def link_capacity(problem: Problem) -> float:
             phi = min(k / L, cb / (ca + cb))
             best = min(best, max((1.0 - phi) * work / ca, phi * work / cb,
                                  k * cs.grad_mb * per_mb))
+    return best
+
+
+def link_capacity(problem: Problem) -> float:
+    """The capacity bound with slow links (module doc), a share of the healthy throughput."""
+    f = capacity_fraction(problem)
+    cs = comm_spec(problem)
+    sides = segments(problem)
+    if cs is None or len(sides) < 2:
+        return f
+    t_c = compute_step(problem)
+    # every split is a cut whose links are all slow (healthy links join a side's nodes): each
+    # gives a bound, and the least of them holds
+    best = max(_cut_step(problem, cs, a, b, t_c) for a, b in _splits(sides))
     return min(f, t_c / best)

@@ -64,3 +64,45 @@ def test_no_plan_beats_the_bound(link, act, grad, rates):
         plans.append(cut)
     for p in plans:
         assert step_time(pr, p) >= bound_step * (1 - 1e-9), (p.describe(), bound_step)
+
+
+def _three_sides(rates=None, act=40.0, grad=400.0, links=None):
+    """3 nodes of 4; the links 0-1 and 1-2 slow, 0-2 healthy: sides {0, 2} and {1}; with 0-2
+    slow too: three sides."""
+    d = _problem(nodes=3, gpn=4, gbs=24, act=act, grad=grad, rates=rates, link=1.0).to_json()
+    d["link_rates"] = links or {"0-1": 30.0, "1-2": 30.0}
+    return Problem.from_json(d)
+
+
+@pytest.mark.parametrize("links,rates", [
+    ({"0-1": 30.0, "1-2": 30.0}, {}), ({"0-1": 30.0, "1-2": 30.0, "0-2": 30.0}, {}),
+    ({"0-1": 8.0, "1-2": 60.0, "0-2": 20.0}, {4: 3.0}),
+    ({"0-1": 100.0, "1-2": 100.0, "0-2": 100.0}, {0: 2.0})])
+def test_three_sides_bound_every_plan_and_tighten_the_compute_bound(links, rates):
+    """Every split of the sides in two is a cut; the bound is the tightest of them: below f
+    where the links bind, and still never beaten by the planner, the static layout or the
+    cut at the links."""
+    from malleus_ds.capacity import segments
+
+    pr = _three_sides(rates, links=links)
+    cap = link_capacity(pr)
+    assert len(segments(pr)) >= 2 and cap <= capacity_fraction(pr) + 1e-12
+    bound_step = compute_step(pr) / cap
+    plans = [pr.static_plan(), plan(pr, seed=0, time_limit=2.0).plan]
+    cut = across_slow_links(pr)
+    if cut is not None:
+        plans.append(cut)
+    for p in plans:
+        assert step_time(pr, p) >= bound_step * (1 - 1e-9), (p.describe(), bound_step)
+
+
+def test_three_sides_on_paper():
+    """Three sides of 4 GPUs, every link 100x slow. Every split puts one side (c = 4) against
+    the other two (c = 8, its inside link read as healthy) over one link: 25 / 100 MB/ms, 0.2
+    units a MB at 20 ms a unit. T_c = 8 layers x 2 micro-batches = 16, W = 12 x 16 = 192. One
+    side only: 192 / 8 = 24 on the larger; every micro-batch crossing: 24 x 100 MB x 0.2 = 480;
+    a layer shared: at least its 400 MB of gradients, 80. The least is 24, for every split:
+    the bound is 16 / 24 where the compute bound says 1."""
+    pr = _three_sides(act=100.0, links={"0-1": 100.0, "1-2": 100.0, "0-2": 100.0})
+    assert compute_step(pr) == pytest.approx(16.0)
+    assert link_capacity(pr) == pytest.approx(16.0 / 24.0)

@@ -111,8 +111,8 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
         return cost_eta(T_h, T, f)
 
     cands: list[tuple[float, float, int, str, Plan]] = []   # (T, moved, priority, method, plan)
-    prio = {"current": 0, "static": 1, "search": 2, "links": 2, "regroup": 2, "data-only": 3,
-            "drop": 4}
+    prio = {"current": 0, "static": 1, "search": 2, "links": 2, "regroup": 2, "rebalance": 2,
+            "data-only": 3, "drop": 4}
 
     def add(method: str, p: Plan | None) -> None:
         if p is None:
@@ -137,6 +137,10 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
         add("links", across_slow_links(problem))     # stage boundaries on the slow links
         for p in (old, bplans["static"]):               # TP groups off the slow GPU links
             add("regroup", regroup_off_slow_gpu_links(problem, p))
+        if old is not None and comm_spec(problem) is not None:
+            # the running layout, its micro-batches re-split for the links its pipelines
+            # cross: fewer for a pipeline whose boundary crosses a slow link
+            add("rebalance", _resplit_with_comm(problem, old))
     evals = gens = 0
     search_T = None
     pareto: tuple[ParetoPoint, ...] = ()

@@ -202,3 +202,24 @@ def test_the_planner_re_forms_tp_groups_off_a_slow_gpu_link():
     four = _problem(tp=4, grad_mb=0.0).with_link_rates({}, {"0-1": 8.0})
     assert regroup_off_slow_gpu_links(four, four.static_plan()) is None
     assert regroup_off_slow_gpu_links(_problem(tp=2), static) is None
+
+
+def test_pipelines_across_a_slow_link_get_fewer_micro_batches():
+    """Four two-stage pipelines, two of them (2-4, 3-5) with their boundary across nodes 0-1,
+    the others inside a node; the link 20x slow and large activations: the planner's
+    candidates include the running layout re-split, where the crossing pipelines run fewer
+    micro-batches, and its answer is at least as fast."""
+    from malleus_ds.plan import Pipeline, Plan, Stage
+    from malleus_ds.planner.search import _resplit_with_comm
+
+    def pipe(a, b, m):
+        return Pipeline(m, (Stage((a,), (0, 8)), Stage((b,), (8, 16))))
+    running = Plan(16, 64, 1, (pipe(0, 1, 16), pipe(2, 4, 16), pipe(3, 5, 16), pipe(6, 7, 16)))
+    pr = Problem.from_json(dict(_problem(links={"0-1": 20.0}, grad_mb=0.0,
+                                         activation_mb=64.0).to_json(),
+                                current_plan=running.to_json()))
+    re = _resplit_with_comm(pr, running)
+    m = [p.micro_batches for p in re.pipelines]
+    assert sum(m) == 64 and m[1] < m[0] and m[2] < m[0] and m[0] == m[3], m
+    assert step_time(pr, re) < step_time(pr, running)
+    assert plan(pr, seed=0, time_limit=2.0).step_time <= step_time(pr, re) * (1 + 1e-9)

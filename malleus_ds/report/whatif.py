@@ -246,16 +246,23 @@ def _phase_rates(rs: Sequence[Mapping], source: str, world: int
     return tuple(out)
 
 
+#: a GPU link's name in a phase's links (its key in ``gpu_link_rates`` after it)
+GPU_LINK = "GPUs "
+
+
 def link_state(r: Mapping) -> tuple[str, ...]:
-    """A step line's slow links: the measured ones (``link_rates``, read as the adaptive loop
-    reads them: slow from ``detect.link_healthy``), else ``("emulated",)`` where the slow-link
+    """A step line's slow links: the measured ones (``link_rates``, node pairs ``"a-b"``, and
+    ``gpu_link_rates``, pairs of a node's GPUs ``"GPUs r-s"``; read as the adaptive loop reads
+    them: slow from ``detect.link_healthy``), else ``("emulated",)`` where the slow-link
     emulation waited on some rank (``link_emulated_s``), else ``()``."""
-    lr = r.get("link_rates")
-    if isinstance(lr, Mapping):
-        slow = tuple(sorted(k for k, v in lr.items()
-                            if isinstance(v, (int, float)) and v >= LINK_HEALTHY))
-        if slow:
-            return slow
+    slow: list[str] = []
+    for field, prefix in (("link_rates", ""), ("gpu_link_rates", GPU_LINK)):
+        lr = r.get(field)
+        if isinstance(lr, Mapping):
+            slow += sorted(prefix + k for k, v in lr.items()
+                           if isinstance(v, (int, float)) and v >= LINK_HEALTHY)
+    if slow:
+        return tuple(slow)
     le = r.get("link_emulated_s")
     if isinstance(le, list) and any(isinstance(x, (int, float)) and x > 0 for x in le):
         return ("emulated",)
@@ -267,8 +274,9 @@ def _phase_links(rs: Sequence[Mapping], key: tuple[str, ...]
     """A phase's slow links with their median measured rate (None: emulated, not measured)."""
     out = []
     for name in key:
-        xs = [float(r["link_rates"][name]) for r in rs
-              if isinstance(r.get("link_rates"), Mapping) and name in r["link_rates"]]
+        field, k = (("gpu_link_rates", name[len(GPU_LINK):]) if name.startswith(GPU_LINK)
+                    else ("link_rates", name))
+        xs = [float(r[field][k]) for r in rs if isinstance(r.get(field), Mapping) and k in r[field]]
         out.append((name, round(statistics.median(xs), 4) if xs else None))
     return tuple(out)
 
@@ -278,11 +286,15 @@ def link_bound(layout: Layout | None, cluster: tuple[int, int] | None, comm: Map
                ) -> float | None:
     """``link_capacity / f`` (``malleus_ds/capacity.py``) for a phase with slow links: how
     much further than the compute bound the links bring a perfect layout down; None when it
-    cannot be told (no layout, node shape, measured ``comm`` section or link rate)."""
+    cannot be told (no layout, node shape, measured ``comm`` section or link rate). Slow GPU
+    links are left out (the bound only loosens: ``capacity.py``): with those alone, 1.0."""
     if layout is None or cluster is None or not comm or not links:
         return None
     if any(x is None or "-" not in n for n, x in links):
         return None
+    links = [(n, x) for n, x in links if not n.startswith(GPU_LINK)]
+    if not links:
+        return 1.0
     from ..capacity import link_capacity
     from ..cost import capacity_fraction
     from ..plan import PlanError

@@ -303,3 +303,21 @@ def test_a_slow_link_is_a_phase_with_its_static_and_bound():
     assert q.static == pytest.approx(q.achieved)
     # no comm section measured (no link event): the bound is the compute bound
     assert q.bound == pytest.approx(q.healthy)
+
+
+def test_a_slow_gpu_link_is_a_phase_of_its_own():
+    """A slow link between two GPUs of a node (``gpu_link_rates``) splits the run like a node
+    link, labelled by its GPUs; the bound leaves GPU links out (the compute bound: loose, still
+    a bound)."""
+    recs, events = _link_case()
+    for r in recs:
+        r["gpu_link_rates"] = r.pop("link_rates")
+    events[0]["gpu_link_rates"] = events[0].pop("link_rates")
+    events[0]["link_rates"] = {}
+    layout = Layout(tp=1, pp=1, dp=4, num_layers=4, global_batch_size=16, micro_batch_size=1)
+    a = account(recs, events, layout, warmup=1, cluster=(2, 2))
+    slow = [p for p in a.phases if p.links]
+    assert len(slow) == 1 and slow[0].label == "link GPUs 0-1 at 20", slow
+    assert (slow[0].first, slow[0].last) == (10, 19)
+    assert slow[0].static == pytest.approx(16.0 / 3.0)
+    assert slow[0].bound == pytest.approx(slow[0].healthy)

@@ -4,8 +4,8 @@ detection -> the planning problem's ``link_rates``, ``gpu_link_rates`` and ``com
 Rank 0 of the loop (``control.py``) keeps one :class:`LinkWatch`, which watches two kinds of
 link, each in a :class:`_Scope` of its own: the links between nodes (node pairs), and the links
 between the GPUs of one node (rank pairs, ``detect.gpu_links``: a degraded NVLink or PCIe path,
-which the TP collectives cross on every layer). The second reads only the ops whose ranks all
-sit in one node, with each rank its own end. Their readings come out together as
+which the TP collectives cross on every layer). The second reads only the TP collectives and
+probes whose ranks all sit in one node (:data:`GPU_READ_KINDS`), with each rank its own end. Their readings come out together as
 :class:`Links` (node links, GPU links).
 
 1. **Readings.** Each step's timed communication (``StepSums.comm``: ``(kind, ranks, MB,
@@ -50,6 +50,11 @@ from .link_rates import CommOp, Link, LinkEstimator
 #: 5-680 ms/MB from step to step on a healthy link, and a plan that moved the boundary onto a
 #: slow link read it as recovered. Receives are timed and logged; they are not evidence.
 READ_KINDS = ("dp", "tp", "probe")
+#: ...and the kinds the links between a node's GPUs are read from: the TP collectives (a
+#: step's quickest of many) and the probes (the quickest of three). A reduction inside a node
+#: is one wait a step: two members' reductions on a loaded host read 2.2-4x on healthy links
+#: and set off re-plans for nothing
+GPU_READ_KINDS = ("tp", "probe")
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,8 @@ def _json(links: Mapping[Link, float]) -> dict[str, float]:
 
 class _Scope:
     """One kind of link: its links, estimator and detection. ``ends``: rank -> the end an op's
-    rank stands for (its node, or itself); ``keep``: which ops speak for these links."""
+    rank stands for (its node, or itself); ``keep``: which ops (:class:`CommOp`) speak for
+    these links."""
 
     def __init__(self, links: list[Link], ends, keep, cfg: DetectConfig) -> None:
         self.links, self.keep = links, keep
@@ -144,11 +150,12 @@ class LinkWatch:
         n = layout.nodes
         self.healthy = cfg.healthy           # a rank's compute rate below it: healthy
         self.node = _Scope([(a, b) for a in range(n) for b in range(a + 1, n)],
-                           layout.node_of, lambda ranks: True, cfg)
+                           layout.node_of, lambda op: True, cfg)
         pairs = [(r, s) for k in range(n) for i, r in enumerate(layout.node_ranks(k))
                  for s in layout.node_ranks(k)[i + 1:]] if watches_gpu_links(cfg, layout) else []
         self.gpu = _Scope(pairs, lambda r: r,
-                          lambda ranks: len({layout.node_of(r) for r in ranks}) == 1, cfg)
+                          lambda op: op.kind in GPU_READ_KINDS
+                          and len({layout.node_of(r) for r in op.ranks}) == 1, cfg)
         self.scopes = (self.node, self.gpu)
         self.comm: dict | None = None    # the comm section of the last request with slow links
 
@@ -176,7 +183,7 @@ class LinkWatch:
         planned = self.planned()
         for sc, believed in ((self.node, planned.nodes), (self.gpu, planned.gpus)):
             if sc.det is not None:
-                sc.est.add([op for op in kept if sc.keep(op.ranks)], None, believed=believed)
+                sc.est.add([op for op in kept if sc.keep(op)], None, believed=believed)
 
     def measured(self) -> np.ndarray:
         """Per node link (:attr:`links` order), its smoothed rate; NaN where not measured."""
@@ -244,8 +251,7 @@ class LinkWatch:
         inter = gbps(self.node.est, "dp", True)
         # inside a node: the reductions there, else the TP collectives (the GPU scope's ops
         # cross a pair of ranks: "across" in its terms)
-        intra = (gbps(self.node.est, "dp", False) or gbps(self.gpu.est, "dp", True)
-                 or gbps(self.gpu.est, "tp", True))
+        intra = gbps(self.node.est, "dp", False) or gbps(self.gpu.est, "tp", True)
         if inter is None and intra is None:
             return None
         inter, intra = inter or intra, intra or inter

@@ -90,3 +90,26 @@ def regroup_off_slow_gpu_links(problem: Problem, plan: Plan | None) -> Plan | No
         for p in plan.pipelines)
     return Plan(plan.num_layers, plan.global_batch_size, plan.micro_batch_size, pipes,
                 plan.suspended)
+
+
+def gpu_links_note(problem: Problem, plan: Plan) -> str | None:
+    """What the chosen ``plan`` does about slow GPU links where some TP group of it still
+    holds one (issue 35: "where nothing can help, say so"): why no grouping avoids it. None
+    without a slow GPU link or when no group holds one."""
+    slow = {k: v for k, v in problem.gpu_link_rates.items() if v > 1.0}
+    held = sorted({p for st in (s for q in plan.pipelines for s in q.stages)
+                   for p in combinations(sorted(st.ranks), 2) if p in slow})
+    if not held:
+        return None
+    names = ", ".join(f"GPUs {a}-{b} x{slow[(a, b)]:g}" for a, b in held)
+    job = problem.job
+    groups = [st.ranks for q in plan.pipelines for st in q.stages if len(st.ranks) > 1]
+    node = job.node_of(held[0][0])
+    mine = [g for g in groups if job.node_of(g[0]) == node]
+    if len(mine) == 1:
+        why = (f"node {node}'s only TP group holds them: a group of {len(mine[0])} ranks has "
+               f"no other ranks of its node to trade with")
+    else:
+        why = ("every grouping of the node's TP ranks holds one, or the groups that avoid "
+               "them cost more (a slow GPU moves with its group)")
+    return f"slow GPU links {names}: kept inside a TP group: {why}"

@@ -24,7 +24,7 @@ from ..cost import eta as cost_eta
 from ..plan import Plan, PlanError
 from ..problem import Problem, fmt_mb
 from .baselines import all_baselines
-from .gpu_links import regroup_off_slow_gpu_links
+from .gpu_links import gpu_links_note, regroup_off_slow_gpu_links
 from .links import across_slow_links, links_note
 from .batch import FixedPipeline, split_batches
 from .config import PlannerConfig
@@ -165,7 +165,8 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
         best_T = cur[0][0]          # not worth a migration: the current plan is within the margin
     tied = [c for c in cands if c[0] <= best_T * (1 + REL_TIE)]
     T, mv, _, method, best = min(tied, key=lambda c: (c[1], c[2], c[0]))
-    note = links_note(problem, method, T)
+    note = "; ".join(n for n in (links_note(problem, method, T),
+                                  gpu_links_note(problem, best)) if n) or None
     return PlanResult(
         notes=(note,) if note else (),
         plan=best, step_time=T, efficiency=eta(T), method=method,

@@ -180,7 +180,7 @@ def test_the_planner_re_forms_tp_groups_off_a_slow_gpu_link():
     ranks between them and keeps everything else; the
     simulator agrees the new layout is faster. With every rank in one TP=4 group there is
     nothing to trade: the plan keeps its groups."""
-    from malleus_ds.planner.gpu_links import regroup_off_slow_gpu_links
+    from malleus_ds.planner.gpu_links import gpu_links_note, regroup_off_slow_gpu_links
 
     slow = _problem(tp=2, grad_mb=0.0).with_link_rates({}, {"0-1": 8.0})
     static = slow.static_plan()
@@ -201,6 +201,14 @@ def test_the_planner_re_forms_tp_groups_off_a_slow_gpu_link():
         [(4, 5), (6, 7)]
     four = _problem(tp=4, grad_mb=0.0).with_link_rates({}, {"0-1": 8.0})
     assert regroup_off_slow_gpu_links(four, four.static_plan()) is None
+    # where nothing can help, the plan says so
+    assert gpu_links_note(four, four.static_plan()) == (
+        "slow GPU links GPUs 0-1 x8: kept inside a TP group: node 0's only TP group holds "
+        "them: a group of 4 ranks has no other ranks of its node to trade with")
+    assert gpu_links_note(slow, res.plan) is None
+    res4 = plan(four, seed=0, time_limit=2.0)
+    held = any({0, 1} <= set(st.ranks) for p in res4.plan.pipelines for st in p.stages)
+    assert held == any("slow GPU links" in n for n in res4.notes), (res4.method, res4.notes)
     assert regroup_off_slow_gpu_links(_problem(tp=2), static) is None
 
 

@@ -215,36 +215,39 @@ class Controller:
         """The two ranks that exchange a link probe after step ``step``, or None (the same on
         every rank). One link per probe step, in turn: while links are held slow,
         those, every ``detect.probe_every`` steps (every step for :data:`LINK_WARMUP` steps
-        after one is first held: a false alarm is undone soon); else every link of
-        :meth:`_probe_pool`, every step for the job's first :data:`LINK_WARMUP` measured steps
-        (the probes' healthy reference) and every ``LINK_IDLE_EVERY x probe_every`` steps
-        after."""
+        after one is first held: a false alarm is undone soon); else the links of
+        :meth:`_probe_pools`, each kind in turn, every step for the job's first
+        :data:`LINK_WARMUP` measured steps per kind (the probes' healthy reference, one per
+        kind: ``link_rates.MIN_HISTORY`` probes each) and every ``LINK_IDLE_EVERY x
+        probe_every`` steps after."""
         if (self._link_probe is None or not self.measures_links
                 or self.s.detect.link_probe_mb <= 0):
             return None
         p = self.s.detect.probe_every
         if self.held_links:
             every = 1 if step - self._held_since < LINK_WARMUP else p
-            pool = [self._ends(k, ln) for k, *ln in sorted(self.held_links.keys())]
+            pools = [[self._ends(k, ln) for k, *ln in sorted(self.held_links.keys())]]
         else:
-            every = 1 if self._seen < LINK_WARMUP else LINK_IDLE_EVERY * p
-            pool = self._probe_pool()
-        if step % every:
+            pools = self._probe_pools()
+            every = 1 if self._seen < LINK_WARMUP * len(pools) else LINK_IDLE_EVERY * p
+        if step % every or not pools:
             return None
-        return pool[(step // every) % len(pool)]
+        i = step // every
+        pool = pools[i % len(pools)]
+        return pool[(i // len(pools)) % len(pool)]
 
-    def _probe_pool(self) -> list[tuple[int, int]]:
-        """The rank pairs probed while no link is held: every node pair up to
+    def _probe_pools(self) -> list[list[tuple[int, int]]]:
+        """The rank pairs probed while no link is held, per kind of link: every node pair up to
         :data:`MAX_PROBED_NODES` nodes, else the pairs of adjacent nodes (each by its nodes'
         first ranks); and where GPU links are read, the adjacent GPUs of node 0 (the probes'
         healthy reference inside a node)."""
         n = self.job.nodes
         nodes = ([(a, b) for a in range(n) for b in range(a + 1, n)] if n <= MAX_PROBED_NODES
                  else [(a, a + 1) for a in range(n - 1)])
-        out = [self._ends("node", ln) for ln in nodes]
+        out = [[self._ends("node", ln) for ln in nodes]] if nodes else []
         if watches_gpu_links(self.s.detect, self.spec.job):
             first = self.job.node_ranks(0)
-            out += list(zip(first, first[1:]))
+            out.append(list(zip(first, first[1:])))
         return out
 
     def probe(self, step: int) -> float:

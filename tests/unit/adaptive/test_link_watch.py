@@ -235,3 +235,23 @@ def test_the_loop_replans_around_a_slow_gpu_link_with_no_engine():
                                                                  (2, 3, 0.1)}, prober.asked
     back = [e for e in events if e["trigger"] == "link" and e["detected"] >= 45]
     assert back and "gpu_link_rates" not in back[0] and back[0]["detected"] <= 45 + 12, why
+
+
+def test_link_probes_take_each_kind_of_link_in_turn():
+    """2 nodes of 2 GPUs with TP=2: node links and GPU links are both read, each with its own
+    probe reference (``link_rates.MIN_HISTORY`` probes): the warm-up probes them in turn,
+    every step, for LINK_WARMUP steps per kind."""
+    from malleus_ds.adaptive.control import LINK_WARMUP
+
+    plan = static_plan(4, 8, 1, 2, 1, 2)
+    spec = JobSpec.of_model(PRESETS["tiny"], plan, world=4, job=JobLayout(4, 2, 2))
+    ctl = Controller(spec, AdaptiveSettings(detect=DetectConfig(every=1)), plan,
+                     link_prober=_Prober())
+    try:
+        assert ctl.measures_links
+        got = [ctl._link_to_probe(s) for s in range(2 * LINK_WARMUP)]
+        assert got == [(0, 2), (0, 1)] * LINK_WARMUP, got
+        ctl._seen = 2 * LINK_WARMUP           # warmed up: every 5 x probe_every steps
+        assert [s for s in range(40) if ctl._link_to_probe(s) is not None] == [0, 10, 20, 30]
+    finally:
+        ctl.close()

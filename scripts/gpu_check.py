@@ -20,6 +20,8 @@ Parts (GPU / dry run):
   same code on a small window, reported as not measured;
 * ``compile``: first-call compile time in a fresh Triton cache, ``warm_up``'s time, and that a
   pack after ``warm_up`` compiles nothing / ``warm_up`` on CPU launches nothing;
+* ``comm``: the compute clock's CUDA events around a timed communication, read a step later
+  with no host synchronisation, against the same op timed synchronised / not measured;
 * ``bench``: ``bench/bench_pack.py``'s pack/copy bandwidth ratio (target >= 0.85) / its
   plumbing on CPU, reported as not measured;
 * ``malleus``: a 1-rank ``MalleusEngine`` in bf16 over NCCL: finite loss, peak memory against
@@ -54,9 +56,11 @@ SECTIONS = {
     "bench": "4. Pack bandwidth (bench/bench_pack.py)",
     "malleus": "5. 1-rank engine=malleus, bf16",
     "multi": "6. Several GPUs",
+    "comm": "7. Communication timed by CUDA events (link rates)",
 }
 # seconds each part may take (GPU run; the dry run's are the same, its sizes small)
-TIMEOUTS = {"triton": 90, "big": 60, "compile": 60, "bench": 60, "malleus": 120, "multi": 120}
+TIMEOUTS = {"triton": 90, "big": 60, "compile": 60, "bench": 60, "malleus": 120, "multi": 120,
+            "comm": 60}
 
 
 def row(section: str, what: str, number, unit: str, target: str, result: str) -> dict:
@@ -443,8 +447,54 @@ def part_multi(gpu: bool) -> list[dict]:
     return out
 
 
+def part_comm(gpu: bool) -> list[dict]:
+    """The compute clock's CUDA path for communication (``ComputeClock.comm``, issue 35): a
+    timed op (a 512 MB device copy standing for a receive's wait) is a pair of events, the host
+    never waits for it while the step runs, and its time, read at the next step's start, matches
+    the same op timed with the host synchronised around it."""
+    what = ("a timed op's seconds per MB read from CUDA events at the next step / the same op "
+            "synchronised on the host (the least of 5 each)")
+    what_sync = "host synchronisations while the ops were timed"
+    if not gpu:
+        return [row("comm", what, "—", "ratio", "0.8-1.25", NO_GPU),
+                row("comm", what_sync, "—", "calls", "0", NO_GPU)]
+    import torch
+    from malleus_ds.engine.clock import ComputeClock
+    from malleus_ds.engine.comm_log import CommLog
+
+    x = torch.randn(128 * 2**20, device="cuda")             # 512 MB of fp32
+    y = torch.empty_like(x)
+    mb = x.numel() * 4 / 1e6
+    y.copy_(x)
+    torch.cuda.synchronize()
+    ref = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        y.copy_(x)
+        torch.cuda.synchronize()
+        ref.append((time.perf_counter() - t0) / mb)
+    clock = ComputeClock(None, cuda=True)
+    clock.comm_log = CommLog(lambda r: 0)
+    real, calls = torch.cuda.synchronize, []
+    torch.cuda.synchronize = lambda *a: (calls.append(1), real(*a))[1]
+    try:
+        clock.start_step(0)
+        for _ in range(5):
+            with clock.comm((0, 1), mb, "p2p"):
+                y.copy_(x)
+        synced = len(calls)
+    finally:
+        torch.cuda.synchronize = real
+    clock.start_step(1)
+    spm = clock.comm_log.values()[2]
+    ratio = spm / min(ref)
+    return [row("comm", what, round(ratio, 3), "ratio", "0.8-1.25",
+                verdict(0.8 <= ratio <= 1.25)),
+            row("comm", what_sync, synced, "calls", "0", verdict(synced == 0))]
+
+
 PARTS = {"triton": part_triton, "big": part_big, "compile": part_compile, "bench": part_bench,
-         "malleus": part_malleus, "multi": part_multi}
+         "malleus": part_malleus, "multi": part_multi, "comm": part_comm}
 
 
 # ---------------------------------------------------------------------------------- driver

@@ -68,7 +68,7 @@ def test_dry_run_report(dry_run):
     # 3 dtypes x aligned / unaligned / transposed, all measured on CPU under the interpreter
     assert len(triton) == 9 and all(r[4] == "PASS" and r[1] == "0" for r in triton)
     for key in ("A window over 2^31 elements", "Pack bandwidth (bench/bench_pack.py)",
-                "Several GPUs"):
+                "Several GPUs", "Communication timed by CUDA events (link rates)"):
         assert all(r[4] == NO_GPU for r in by[key]), key
     compile_ = by["First-call compile and the start-up warm-up"]
     assert [r[4] for r in compile_] == [NO_GPU] * 4 + ["PASS"]

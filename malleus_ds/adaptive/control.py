@@ -82,7 +82,7 @@ class Controller:
         rank 0's planner (``request`` / ``poll`` / ``wait`` / ``close``, as
         :class:`~malleus_ds.planner.client.PlannerClient`; None: a planner process of its own,
         started when the loop may plan; a replay passes one on its simulated clock);
-        ``link_prober``: what times a round trip across a link (``exchange(a, b, mb)``, as
+        ``link_prober``: what times round trips across a link (``exchange(a, b, mb, trips)``, as
         ``engine/link_probe.py``; None: a link held slow is not probed)."""
         self.spec, self.s = job, settings
         self.rank, self.world = job.rank, job.world
@@ -203,7 +203,13 @@ class Controller:
         self._probe_s = self.probe(step) if self.probe_due(step) else 0.0
         ends = self._link_to_probe(step)
         if ends is not None:
-            self._link_probe.exchange(*ends, self.s.detect.link_probe_mb)
+            # a link held slow, past its first steps held, is probed with one round trip: each
+            # costs its slowness (an emulated 1000x link: 50 ms a round trip, three every other
+            # step cost the plan made for it 23% of its step), and two quick ones among the
+            # window's still say it recovered
+            held = bool(self.held_links) and step - self._held_since >= LINK_WARMUP
+            self._link_probe.exchange(*ends, self.s.detect.link_probe_mb,
+                                      trips=1 if held else None)
 
     def _ends(self, kind: str, link: tuple[int, int]) -> tuple[int, int]:
         """The two ranks that probe a link: a node link's nodes' first ranks, a GPU link's own."""

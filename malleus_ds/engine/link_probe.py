@@ -31,10 +31,10 @@ class LinkProbe:
         self.engine = engine
         self._buf: torch.Tensor | None = None
 
-    def exchange(self, a: int, b: int, mb: float) -> None:
-        """Rank ``a`` sends ``mb`` MB to rank ``b`` and gets them back (:attr:`ROUND_TRIPS`
-        times), timed on ``a``; every other rank returns at once (every rank may call it: only
-        the two ends take part)."""
+    def exchange(self, a: int, b: int, mb: float, trips: int | None = None) -> None:
+        """Rank ``a`` sends ``mb`` MB to rank ``b`` and gets them back ``trips`` times (default
+        :attr:`ROUND_TRIPS`; both ends must be given the same), timed on ``a``; every other rank
+        returns at once (every rank may call it: only the two ends take part)."""
         e = self.engine
         me = e.global_rank
         if me not in (a, b) or a == b or e.clock.comm_log is None:
@@ -43,7 +43,7 @@ class LinkProbe:
         if self._buf is None or self._buf.numel() != n:
             self._buf = torch.zeros(n, dtype=torch.float32, device=e.device)
         buf = self._buf
-        for _ in range(self.ROUND_TRIPS):
+        for _ in range(self.ROUND_TRIPS if trips is None else trips):
             if me == a:
                 with e.clock.comm((a, b), 2 * tensor_mb(buf), "probe"):
                     _wait(tdist.batch_isend_irecv([tdist.P2POp(tdist.isend, buf, b)]))

@@ -109,10 +109,11 @@ class _Prober:
     """Stands for ``engine/link_probe.py``: remembers the link it was asked to time."""
 
     def __init__(self):
-        self.asked = []
+        self.asked, self.trips = [], []
 
-    def exchange(self, a, b, mb):
+    def exchange(self, a, b, mb, trips=None):
         self.asked.append((a, b, mb))
+        self.trips.append(trips)
 
 
 def test_the_loop_replans_around_a_slow_link_and_back_with_no_engine():
@@ -165,6 +166,9 @@ def test_the_loop_replans_around_a_slow_link_and_back_with_no_engine():
     # the link is probed by the first ranks of its two nodes: every step at the start (the
     # probes' healthy reference), then every 10 steps, every step again once it is held
     assert prober.asked and set(prober.asked) == {(0, 2, 0.1)}, prober.asked
+    # three round trips a probe (the quickest is the reading), one for a link held past its
+    # first 12 steps held (each costs the link's slowness)
+    assert set(prober.trips) == {None, 1}, prober.trips
     back = [e for e in link if e["detected"] >= 45]
     assert back and back[0]["link_rates"] == {} and back[0]["detected"] <= 45 + 12, why
     assert plans[-1] == first

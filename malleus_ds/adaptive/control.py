@@ -58,6 +58,9 @@ LINK_WARMUP = 12
 LINK_IDLE_EVERY = 5
 #: every node pair is probed up to this many nodes; above, the pairs of adjacent nodes
 MAX_PROBED_NODES = 8
+#: a link held at least this slow is probed with one round trip past its first steps held
+#: (``Controller._link_to_probe``)
+ONE_TRIP_RATE = 100.0
 
 # ------------------------------------------------------------------------------ the controller
 
@@ -201,15 +204,10 @@ class Controller:
         put the idle rank's probe next to busy peers and the reference's next to idle ones: an
         idle rank read 2-4x slow for good after a real slowdown ended)."""
         self._probe_s = self.probe(step) if self.probe_due(step) else 0.0
-        ends = self._link_to_probe(step)
-        if ends is not None:
-            # a link held slow, past its first steps held, is probed with one round trip: each
-            # costs its slowness (an emulated 1000x link: 50 ms a round trip, three every other
-            # step cost the plan made for it 23% of its step), and two quick ones among the
-            # window's still say it recovered
-            held = bool(self.held_links) and step - self._held_since >= LINK_WARMUP
-            self._link_probe.exchange(*ends, self.s.detect.link_probe_mb,
-                                      trips=1 if held else None)
+        got = self._link_to_probe(step)
+        if got is not None:
+            ends, trips = got
+            self._link_probe.exchange(*ends, self.s.detect.link_probe_mb, trips=trips)
 
     def _ends(self, kind: str, link: tuple[int, int]) -> tuple[int, int]:
         """The two ranks that probe a link: a node link's nodes' first ranks, a GPU link's own."""
@@ -217,9 +215,15 @@ class Controller:
             return self.job.node_ranks(link[0])[0], self.job.node_ranks(link[1])[0]
         return link
 
-    def _link_to_probe(self, step: int) -> tuple[int, int] | None:
-        """The two ranks that exchange a link probe after step ``step``, or None (the same on
-        every rank). One link per probe step, in turn: while links are held slow,
+    def _link_to_probe(self, step: int) -> tuple[tuple[int, int], int | None] | None:
+        """The two ranks that exchange a link probe after step ``step`` and how many round
+        trips (None: ``LinkProbe.ROUND_TRIPS``), or None (the same on every rank). A link held
+        at :data:`ONE_TRIP_RATE` or more, past its first :data:`LINK_WARMUP` steps held, gets
+        one round trip: each costs its slowness (an emulated 1000x GPU link: 50 ms a round trip;
+        three every other step cost the plan made for it 23% of its step), and its recovery bar
+        (half its held level) is far above a single trip's scatter, which on a link held at
+        9-20x delayed the recovery 6 steps past the test's bound. One link per probe step, in
+        turn: while links are held slow,
         those, every ``detect.probe_every`` steps (every step for :data:`LINK_WARMUP` steps
         after one is first held: a false alarm is undone soon); else the links of
         :meth:`_probe_pools`, each kind in turn, every step for the job's first
@@ -231,10 +235,12 @@ class Controller:
             return None
         p = self.s.detect.probe_every
         if self.held_links:
-            every = 1 if step - self._held_since < LINK_WARMUP else p
-            pools = [[self._ends(k, ln) for k, *ln in sorted(self.held_links.keys())]]
+            warm = step - self._held_since < LINK_WARMUP
+            every = 1 if warm else p
+            pools = [[(self._ends(k, ln), None if warm or r < ONE_TRIP_RATE else 1)
+                      for k, ln, r in self.held_links.items()]]
         else:
-            pools = self._probe_pools()
+            pools = [[(ends, None) for ends in pool] for pool in self._probe_pools()]
             every = 1 if self._seen < LINK_WARMUP * len(pools) else LINK_IDLE_EVERY * p
         if step % every or not pools:
             return None

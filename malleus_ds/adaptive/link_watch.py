@@ -72,6 +72,11 @@ class Links:
         """Every link named, tagged by its kind (to compare two sets of links)."""
         return {("node", *k) for k in self.nodes} | {("gpu", *k) for k in self.gpus}
 
+    def items(self) -> list[tuple[str, Link, float]]:
+        """``(kind, link, rate)`` of every link named, in order: node links, then GPU links."""
+        return ([("node", k, v) for k, v in sorted(self.nodes.items())]
+                + [("gpu", k, v) for k, v in sorted(self.gpus.items())])
+
     def json(self) -> dict:
         """The event's form: ``{"link_rates": {"a-b": r}}``, plus ``"gpu_link_rates"`` where a
         GPU link is named (``Problem``'s keys)."""

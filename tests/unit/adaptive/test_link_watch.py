@@ -166,9 +166,9 @@ def test_the_loop_replans_around_a_slow_link_and_back_with_no_engine():
     # the link is probed by the first ranks of its two nodes: every step at the start (the
     # probes' healthy reference), then every 10 steps, every step again once it is held
     assert prober.asked and set(prober.asked) == {(0, 2, 0.1)}, prober.asked
-    # three round trips a probe (the quickest is the reading), one for a link held past its
-    # first 12 steps held (each costs the link's slowness)
-    assert set(prober.trips) == {None, 1}, prober.trips
+    # three round trips a probe (the quickest is the reading): a link held at 20x is not slow
+    # enough to be probed with one
+    assert set(prober.trips) == {None}, prober.trips
     back = [e for e in link if e["detected"] >= 45]
     assert back and back[0]["link_rates"] == {} and back[0]["detected"] <= 45 + 12, why
     assert plans[-1] == first
@@ -254,8 +254,14 @@ def test_link_probes_take_each_kind_of_link_in_turn():
     try:
         assert ctl.measures_links
         got = [ctl._link_to_probe(s) for s in range(2 * LINK_WARMUP)]
-        assert got == [(0, 2), (0, 1)] * LINK_WARMUP, got
+        assert got == [((0, 2), None), ((0, 1), None)] * LINK_WARMUP, got
         ctl._seen = 2 * LINK_WARMUP           # warmed up: every 5 x probe_every steps
         assert [s for s in range(40) if ctl._link_to_probe(s) is not None] == [0, 10, 20, 30]
+        # held links: every step for LINK_WARMUP steps, three round trips; then every
+        # probe_every steps, one round trip for a link held at ONE_TRIP_RATE or more
+        ctl.held_links, ctl._held_since = Links({(0, 1): 150.0}, {(2, 3): 20.0}), 100
+        got = [ctl._link_to_probe(s) for s in range(100, 100 + LINK_WARMUP + 8)]
+        assert got[:LINK_WARMUP] == [((0, 2), None), ((2, 3), None)] * (LINK_WARMUP // 2)
+        assert [g for g in got[LINK_WARMUP:] if g] == [((0, 2), 1), ((2, 3), None)] * 2, got
     finally:
         ctl.close()

@@ -56,7 +56,12 @@ def test_the_branches_on_paper():
     (4.0, 16.0, 400.0, {}), (20.0, 64.0, 200.0, {}), (50.0, 40.0, 100.0, {2: 3.0}),
     (8.0, 200.0, 800.0, {6: 2.0})])
 def test_no_plan_beats_the_bound(link, act, grad, rates):
-    pr = _problem(link=link, act=act, grad=grad, rates=rates)
+    _no_plan_beats_the_bound(_problem(link=link, act=act, grad=grad, rates=rates))
+
+
+def _no_plan_beats_the_bound(pr: Problem) -> None:
+    """The static layout, the planner's plan and the cut at the links all run at least the
+    bound's step time."""
     bound_step = compute_step(pr) / link_capacity(pr)
     plans = [pr.static_plan(), plan(pr, seed=0, time_limit=2.0).plan]
     cut = across_slow_links(pr)
@@ -85,15 +90,8 @@ def test_three_sides_bound_every_plan_and_tighten_the_compute_bound(links, rates
     from malleus_ds.capacity import segments
 
     pr = _three_sides(rates, links=links)
-    cap = link_capacity(pr)
-    assert len(segments(pr)) >= 2 and cap <= capacity_fraction(pr) + 1e-12
-    bound_step = compute_step(pr) / cap
-    plans = [pr.static_plan(), plan(pr, seed=0, time_limit=2.0).plan]
-    cut = across_slow_links(pr)
-    if cut is not None:
-        plans.append(cut)
-    for p in plans:
-        assert step_time(pr, p) >= bound_step * (1 - 1e-9), (p.describe(), bound_step)
+    assert len(segments(pr)) >= 2 and link_capacity(pr) <= capacity_fraction(pr) + 1e-12
+    _no_plan_beats_the_bound(pr)
 
 
 def test_three_sides_on_paper():

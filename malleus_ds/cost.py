@@ -185,8 +185,13 @@ def tp_times(problem: Problem, stage: Stage) -> tuple[float, float]:
     a healthy group inside one node (module doc); (0, 0) without a ``comm`` section, for a
     single rank or a group whose ring stays inside one node on healthy links."""
     cs = comm_spec(problem)
+    return (0.0, 0.0) if cs is None else _tp_times(cs, problem, stage)
+
+
+def _tp_times(cs: CommSpec, problem: Problem, stage: Stage) -> tuple[float, float]:
+    """:func:`tp_times` under ``cs``."""
     g = len(stage.ranks)
-    if cs is None or g < 2:
+    if g < 2:
         return 0.0, 0.0
     bw = ring_gbps(cs, problem, stage.ranks)
     extra = 2.0 * (g - 1) / g * cs.activation_mb * (1.0 / bw - 1.0 / cs.intra_node_gbps)
@@ -207,7 +212,7 @@ def pipeline_stage_times(problem: Problem, stages: Sequence[Stage]) -> tuple[flo
             ts[j] += c        # activation j -> j+1
             ts[j + 1] += c    # gradient j+1 -> j
         for j, s in enumerate(stages):
-            ts[j] += sum(tp_times(problem, s))
+            ts[j] += sum(_tp_times(cs, problem, s))
     return tuple(ts)
 
 

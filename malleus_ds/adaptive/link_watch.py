@@ -153,7 +153,6 @@ class LinkWatch:
         self.spec = job
         layout = job.job
         n = layout.nodes
-        self.healthy = cfg.healthy           # a rank's compute rate below it: healthy
         self.node = _Scope([(a, b) for a in range(n) for b in range(a + 1, n)],
                            layout.node_of, lambda op: True, cfg)
         pairs = [(r, s) for k in range(n) for i, r in enumerate(layout.node_ranks(k))

@@ -59,7 +59,6 @@ class ComputeClock:
         #: CUDA: this step's timed communication as event pairs, (kind, ranks, MB, start, end),
         #: read at the next step's start (:meth:`_read_comm`)
         self._comm_events: list[tuple] = []
-        self._new_event = None          # CUDA: the event factory (tests hand in their own)
         self.step = 0
         self._compute_s = 0.0
         self.emulated_s = 0.0
@@ -115,16 +114,11 @@ class ComputeClock:
             self._compute_s += sum(sign * a.elapsed_time(b) / 1e3 for a, b, sign in ev)
         return self._compute_s
 
-    def _event(self):
-        if self._new_event is None:
-            import torch
-            self._new_event = lambda: torch.cuda.Event(enable_timing=True)
-        return self._new_event()
-
     def _event_pair(self):
-        a = self._event()
+        import torch
+        a = torch.cuda.Event(enable_timing=True)
         a.record()
-        return a, self._event()
+        return a, torch.cuda.Event(enable_timing=True)
 
     def _read_comm(self) -> None:
         """CUDA: the last step's timed communication, read from its events into the comm log
@@ -237,13 +231,15 @@ class ComputeClock:
             # a step later (:meth:`_read_comm`), nothing synchronised; where the emulation
             # slows this link now, or for a probe (an isolated exchange after the step), the
             # host waits for the end event: it sleeps in proportion to the time
+            slowed = self.links is not None and self.links.rate(ranks, self.step) > 1.0
+            if not slowed and kind != "probe" and self.comm_log is None:
+                yield                      # nothing would read the events
+                return
             a, b = self._event_pair()
             yield
             b.record()
-            slowed = self.links is not None and self.links.rate(ranks, self.step) > 1.0
             if not slowed and kind != "probe":
-                if self.comm_log is not None:
-                    self._comm_events.append((kind, tuple(ranks), mb, a, b))
+                self._comm_events.append((kind, tuple(ranks), mb, a, b))
                 return
             with phase("communication"):
                 b.synchronize()

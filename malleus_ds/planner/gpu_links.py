@@ -26,6 +26,11 @@ from ..problem import Problem
 MAX_RANKS = 8
 
 
+def _slow(problem: Problem) -> dict[tuple[int, int], float]:
+    """The problem's slow GPU links (pair -> rate above 1)."""
+    return {k: v for k, v in problem.gpu_link_rates.items() if v > 1.0}
+
+
 def _badness(groups, slow: dict) -> tuple:
     """How badly ``groups`` (ordered rank tuples of one node) sit on the slow links: first the
     links held inside a group (its TP ring crosses them on every layer: the slowest, then how
@@ -62,7 +67,7 @@ def regroup_off_slow_gpu_links(problem: Problem, plan: Plan | None) -> Plan | No
     plan, a slow GPU link, or a better grouping."""
     if plan is None:
         return None
-    slow = {k: v for k, v in problem.gpu_link_rates.items() if v > 1.0}
+    slow = _slow(problem)
     if not slow:
         return None
     job = problem.job
@@ -96,7 +101,7 @@ def gpu_links_note(problem: Problem, plan: Plan) -> str | None:
     """What the chosen ``plan`` does about slow GPU links where some TP group of it still
     holds one (issue 35: "where nothing can help, say so"): why no grouping avoids it. None
     without a slow GPU link or when no group holds one."""
-    slow = {k: v for k, v in problem.gpu_link_rates.items() if v > 1.0}
+    slow = _slow(problem)
     held = sorted({p for st in (s for q in plan.pipelines for s in q.stages)
                    for p in combinations(sorted(st.ranks), 2) if p in slow})
     if not held:

@@ -11,11 +11,12 @@ what a replay needs, each from the run's own files:
   ``train.warmup_steps`` before the first straggler), and the share of it that is compute (the
   busiest rank's ``compute_s`` over those steps, as the what-if account reads it,
   ``report/whatif.py``): only that share slows with the rates;
-* **the trace**: its emulated schedule on the run's own clock (a straggler starts at the moment
-  its first step started, counting step times and migration seconds from the first step after
-  warm-up), at the slowdown each rank really ran at: per stretch of a phase on one plan, the
-  loop's own measured rate (``measured_rates``; an emulated CPU straggler runs slower than
-  scheduled, more so on a light share), refined from its ``compute_s`` (``run_trace.py``);
+* **the trace**: its emulated schedule on the step clock, as the run ran it (a straggler
+  starts with the step ``straggler.schedule`` names, counted from the first step after warm-up,
+  however long the replay's steps before it took), at the slowdown each rank really ran at:
+  per stretch of a phase on one plan, the loop's own measured rate (``measured_rates``; an
+  emulated CPU straggler runs slower than scheduled, more so on a light share), refined from its
+  ``compute_s`` (``run_trace.py``);
 * **the host**: where the step lines carry ``wait_s``, the ranks' shared CPU cores
   (``host.SharedHost.calibrate``): each step's seconds under fluid sharing of the cores by
   the ranks' compute, their sustained probes and the planner's search; in older runs, how much
@@ -25,7 +26,8 @@ what a replay needs, each from the run's own files:
   its ``replan`` events took (``run_costs.py``).
 
 :func:`compare` then replays the ``malleus`` policy and, per phase of the schedule, sets its
-samples/s against the run's (``run_model.throughput``: step times plus migrations).
+samples/s over the phase's steps against the run's over the same steps
+(``run_model.throughput``: step times plus the migrations between them).
 """
 from __future__ import annotations
 
@@ -60,7 +62,8 @@ class RunReplay:
     host: object                   # SharedHost: the ranks' shared cores (None: no wait_s)
     planning_s: dict               # median seconds of the run's re-plans: "healthy" (every rank
                                    # healthy: no search) and "search" (the others)
-    phases: list[dict]             # per phase of the schedule: its window and measured samples/s
+    phases: list[dict]             # per phase of the schedule: its steps (``lo``-``hi``: indices
+                                   # after warm-up), run-clock window and measured samples/s
     pieces: list                   # per phase and plan of the run: its steps, window and rates
     where: str = ""                # the trace's name in errors
     switch_steps: tuple = ()       # the run's steps that followed a switch
@@ -185,13 +188,13 @@ def build(run_dir: str | Path) -> RunReplay:
         for st in stretches([s.get("plan") for s in steps[ph.lo:ph.hi]]):
             a, b = ph.lo + st.lo, ph.lo + st.hi
             got = realized(steps[a:b], settings.detect.window)
-            pieces.append(Piece(k, st.key, tuple(steps[a:b]), starts[a],
-                                starts[b] if b < len(steps) else horizon,
+            pieces.append(Piece(k, st.key, tuple(steps[a:b]), a, b,
                                 {g: got.get(g, r) for g, r in ph.key}))
         first, last = int(steps[ph.lo]["step"]), int(steps[ph.hi - 1]["step"])
         # a migration before the phase's first step ran before its window began
         tput = throughput(steps[ph.lo:ph.hi], events, lo=first + 1, hi=last)
-        phases.append({"steps": [first, last], "condition": {str(g): r for g, r in ph.key},
+        phases.append({"steps": [first, last], "lo": ph.lo, "hi": ph.hi,
+                       "condition": {str(g): r for g, r in ph.key},
                        "start_s": starts[ph.lo], "end_s": end,
                        "measured_samples_per_s": tput.samples_per_s})
     plan0 = steps[0].get("plan")
@@ -232,14 +235,17 @@ def compare(rr: RunReplay) -> dict:
     def replay():
         return run_malleus(rp, rr.trace.segments(), rr.settings, rr.costs,
                            charge=charge(rr.planning_s), spec=rr.spec, plan=rr.plan,
-                           planner_stall=rr.planner_stall, host=rr.host)
+                           planner_stall=rr.planner_stall, host=rr.host, on_steps=True)
     res = replay()
     if refine(rr.pieces, res.units, rp.scale, rr.settings.detect.probe_every, rr.switch_steps):
         rr.trace = trace_of(rr.pieces, rr.problem.num_gpus, rr.where)
         res = replay()
     out = []
     for ph in rr.phases:
-        a, b = ph["start_s"], ph["end_s"]
+        # the phase's steps on the replay's clock: from the end of the step before its first
+        # (a switch before its first step is not in its window, as in the run's) to its last's
+        a = res.step_ends[ph["lo"] - 1] if ph["lo"] > 0 else 0.0
+        b = res.step_ends[ph["hi"] - 1]
         samples = sum(sps * (min(e, b) - max(s, a)) for s, e, sps in res.timeline
                       if e > a and s < b)
         pred = samples / (b - a) if b > a else 0.0

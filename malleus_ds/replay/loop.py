@@ -22,6 +22,11 @@ tests drive it (``tests/unit/adaptive/test_loop_synthetic.py``):
 * **Deciding** is the loop's own cost-aware rule, with the loop's own migration prediction.
 * **Switching** pauses the job for the seconds ``costs.MigrationCost`` gives the real transfer
   plan of the switch; the loop is told the bytes and seconds, as the engine tells it.
+* **A trace on the step clock.** A recorded run's straggler schedule is by step
+  (``straggler.schedule``'s ``start_step``), and its phases are measured over steps; its replay
+  (``from_run.py``) gives bounds as step indices (``on_steps``): the rates change at those
+  steps' starts whatever the clock says then, and each step's end is kept
+  (``LoopResult.step_ends``) to set the replay's samples/s over the same steps as the run's.
 * **Fast-forward.** Once the loop has nothing in flight (``Controller.steady_key``) and a full
   period of identical steps changed nothing, whole periods up to the next change of the trace
   are skipped (``Controller.skip``): the same result as stepping them
@@ -144,6 +149,7 @@ class LoopResult(PolicyResult):
     planning_s: float = 0.0      # planner seconds charged to the clock
     plans: dict = field(default_factory=dict)     # every plan it ran, by id
     units: dict = field(default_factory=dict)     # ...and its cost units per rank (the loop's)
+    step_ends: list = field(default_factory=list)  # on the step clock: each step's end (s)
 
 
 def _sums(ready: bool, comp: np.ndarray, probes: np.ndarray):
@@ -156,7 +162,8 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 costs: MigrationCost | None = None, zero_stage: int = 1,
                 charge: Callable[[float, dict], float] | None = None, fast_forward: bool = True,
                 progress=None, spec=None, plan: Plan | None = None,
-                planner_stall: float = 0.0, host: SharedHost | None = None) -> LoopResult:
+                planner_stall: float = 0.0, host: SharedHost | None = None,
+                on_steps: bool = False) -> LoopResult:
     """The loop over ``segs`` (module doc). ``charge``: (planner wall seconds, the request) ->
     seconds on the clock (None: as measured; a test fixes it to compare runs). ``spec``,
     ``plan``: the loop's job and first plan when known from a model (``from_run.py``; default:
@@ -166,7 +173,8 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     GPUs do not need). ``host``: the ranks share a host's CPU cores (a CPU run with
     ``wait_s``, ``host.py``): each step's seconds are the shared host's, the sustained probes
     and the planner's search taking cores too (``planner_stall`` is then not used); steps are
-    not fast-forwarded (their seconds vary with the probes)."""
+    not fast-forwarded (their seconds vary with the probes). ``on_steps``: the segments' bounds
+    are step indices (module doc); the replay runs to the last one's end step."""
     if not planner_stall >= 0.0:
         raise ValueError(f"planner_stall={planner_stall!r} must be >= 0")
     settings = settings or AdaptiveSettings()
@@ -182,7 +190,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     out = LoopResult("malleus")
     out.plans[plan.id] = plan
     out.units[plan.id] = units = ctl.units
-    horizon = segs[-1].end_s if segs else 0.0
+    horizon = segs[-1].end_s if segs else 0.0     # seconds, or steps on the step clock
     gbs = rp.samples_per_step
     every = settings.detect.probe_every
     period = ctl.period()
@@ -198,7 +206,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     own: deque = deque(maxlen=ctl.compute_times.maxlen)   # each rank's compute_times
     sustained = np.zeros(N, dtype=bool)      # ...of them, the sustained probes (idle, held)
     try:
-        while clock.now < horizon:
+        while (step if on_steps else clock.now) < horizon:
             # -- at the step boundary: decisions ready now (the engine's before_step) -----------
             for ev, pj in ctl.before_step(step):
                 d = Switch(clock.now, step, ev.get("trigger", ""), pj is not None,
@@ -213,7 +221,9 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                     d.migration_s, d.bytes, d.terms = mig.seconds, mig.bytes, mig.terms
                     d.to_plan = new.id
                     _close_stretch(out, stretch_t0, clock.now, stretch_samples)
-                    clock.now = min(horizon, clock.now + mig.seconds)     # the job waits
+                    clock.now += mig.seconds                               # the job waits
+                    if not on_steps:
+                        clock.now = min(horizon, clock.now)
                     out.timeline.append((d.t, clock.now, 0.0))
                     stretch_t0, stretch_samples = clock.now, 0.0
                     out.switches += 1
@@ -228,10 +238,11 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 else:
                     ctl.considered(ev.get("measured_rates"))
                 out.decisions.append(d)
-            if clock.now >= horizon:
+            here = step if on_steps else clock.now
+            if here >= horizon:
                 break
             # -- the true rates now -------------------------------------------------------------
-            while si + 1 < len(segs) and clock.now >= segs[si].end_s:
+            while si + 1 < len(segs) and here >= segs[si].end_s:
                 si += 1
             if si != rate_seg:
                 if rate_seg >= 0:
@@ -265,10 +276,13 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
             if fast_forward and since_change >= SETTLE and step % period == 0:
                 key = ctl.steady_key()
                 if key is not None and key_at is not None and key_at == (step - period, key):
-                    room = int((segs[si].end_s - clock.now) / step_s) - 1
+                    room = (int(segs[si].end_s) - step if on_steps else
+                            int((segs[si].end_s - clock.now) / step_s)) - 1
                     n = (room // period) * period
                     if n > 0:
                         ctl.skip(n)
+                        if on_steps:
+                            out.step_ends += [clock.now + (i + 1) * step_s for i in range(n)]
                         clock.now += n * step_s
                         stretch_samples += n * gbs
                         out.steps += n
@@ -279,7 +293,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 key_at = (step, key) if key is not None else None
             # -- one step through the loop's hooks ----------------------------------------------
             eff, before, at_end = rate, 1.0, rate
-            if clock.now + step_s > segs[si].end_s and si + 1 < len(segs):
+            if not on_steps and clock.now + step_s > segs[si].end_s and si + 1 < len(segs):
                 step_s, eff, before, at_end = _crossing(seconds, segs, si, clock.now, N)
             if planner_stall and searching and host is None:
                 step_s *= 1.0 + planner_stall
@@ -298,8 +312,10 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 timed[who] = PROBE_S * at_end[who]
             else:
                 sustained = np.zeros(N, dtype=bool)
-            frac = min(1.0, (horizon - clock.now) / step_s)
+            frac = 1.0 if on_steps else min(1.0, (horizon - clock.now) / step_s)
             clock.now += step_s              # the all-reduce ends the step: hooks run then
+            if on_steps:
+                out.step_ends.append(clock.now)
             if before < 1.0:                 # its work before the change counts before it
                 stretch_samples += gbs * before
                 _close_stretch(out, stretch_t0, segs[si].end_s, stretch_samples)
@@ -315,8 +331,9 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
             since_change += 1
     finally:
         ctl.close()
-    _close_stretch(out, stretch_t0, min(clock.now, horizon), stretch_samples)
-    out.seconds = horizon
+    end = clock.now if on_steps else min(clock.now, horizon)
+    _close_stretch(out, stretch_t0, end, stretch_samples)
+    out.seconds = end if on_steps else horizon
     out.planning_s = sum(planner.charged)
     return out
 

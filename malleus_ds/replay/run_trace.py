@@ -1,5 +1,5 @@
 """The trace of ``--from-run`` (``from_run.py``): the slowdown each rank of a recorded run really
-ran at, on the run's own clock.
+ran at, on the step clock (its bounds are step indices after warm-up, ``replay/loop.py``).
 
 The run's emulated schedule says which rank was slowed when and by how much; what it ran at
 differs. An emulated CPU straggler runs slower than scheduled (its compute, between its sleeps,
@@ -26,28 +26,30 @@ from .trace import Event, Trace, make_trace
 
 @dataclass
 class Piece:
-    """A phase of the schedule on one plan of the run: its step lines, its window on the run's
-    clock, and each slowed rank's rate there (the schedule's, refined from the run)."""
+    """A phase of the schedule on one plan of the run: its step lines, their indices after
+    warm-up (``start`` up to ``end``, not included), and each slowed rank's rate there (the
+    schedule's, refined from the run)."""
 
     phase: int
     plan: str | None
     steps: tuple
-    start_s: float
-    end_s: float
+    start: int
+    end: int
     rates: dict
 
 
 def trace_of(pieces, num_gpus: int, where: str = "") -> Trace:
-    """The trace of the pieces' rates (one event per rank while its rate stays)."""
+    """The trace of the pieces' rates on the step clock (one event per rank while its rate
+    stays; its "seconds" are step indices)."""
     rows: list[Event] = []
     for pc in pieces:
-        a, b = round(pc.start_s, 6), round(pc.end_s, 6)
+        a, b = float(pc.start), float(pc.end)
         for g, r in pc.rates.items():
             if rows and (rows[-1].gpu, rows[-1].rate, rows[-1].end_s) == (g, r, a):
                 rows[-1] = Event(rows[-1].start_s, b, g, r)
             else:
                 rows.append(Event(a, b, g, r))
-    end = max((pc.end_s for pc in pieces), default=0.0)
+    end = max((pc.end for pc in pieces), default=0)
     return make_trace(rows, num_gpus, hours=end / 3600.0 + 1e-9, where=where)
 
 

@@ -76,6 +76,23 @@ def test_fast_forward_gives_the_same_result_as_stepping():
     assert a.switches >= 4
 
 
+def test_on_the_step_clock_the_rates_change_at_the_named_steps():
+    """A trace whose bounds are step indices (a recorded run's schedule, ``from_run.py``):
+    GPU 3 at rate 2 for steps 10-29 of 60. Steps 0-9 take 1 s, step 10 is the first at 2 s
+    whatever the clock says, the replay runs exactly 60 steps, and each step's end is kept."""
+    tr = make_trace([Event(10, 30, 3, 2.0)], 4, hours=60 / 3600)
+    rp = Replay(dp_problem(), 1.0)
+    m = run_malleus(rp, tr.segments(), charge=_charge, on_steps=True)
+    assert m.steps == len(m.step_ends) == 60
+    assert m.step_ends[:12] == pytest.approx([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14])
+    assert m.samples == 60 * rp.samples_per_step and m.seconds == pytest.approx(m.step_ends[-1])
+    onset, back = m.decisions
+    assert (onset.trigger, back.trigger) == ("onset", "recovery") and m.switches == 2
+    # the switches' pauses lie between steps: the timeline ends with the last step
+    assert m.timeline[-1][1] == pytest.approx(m.step_ends[-1])
+    assert sum(b - a for a, b, _ in m.timeline) == pytest.approx(m.seconds)
+
+
 def test_a_slow_planner_answers_late_on_the_simulated_clock():
     """The planner's seconds are charged to the clock: at 40 s per plan the switch comes at
     least 40 s after the loop asked, while the job trains on under the old plan."""

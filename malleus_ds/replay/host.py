@@ -15,8 +15,11 @@ models that as fluid processor sharing:
   ``sigma = min(1, cores / demand)`` and ``demand`` sums what every unfinished rank, every
   running probe (``1/r`` for ``probe_s`` seconds from the step's start) and a searching planner
   (a whole core) want;
-* the compute part ends when the last rank has finished (and no sooner than the cost model's
-  step, which holds the pipeline's order: ``floor_s``);
+* the compute part ends when the last rank has finished, and no sooner than the cost model's
+  step, which holds the pipeline's order, with each rank's pieces run at the pace the sharing
+  left it (its rate times its wall over its wall alone): a stage that waits on a straggler's
+  pieces waits on its own shared ones too (a 2-stage pipeline with a rank at 8x beside two busy
+  ranks, 4 on 2 cores: 0.48 s undilated, 0.58 dilated, 0.58-0.70 measured);
 * the rest of the step (optimizer, reduction, Python: ``other_s`` CPU seconds per working rank)
   runs on every working rank at once, shared the same way.
 
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -51,25 +54,35 @@ class SharedHost:
 
     def step_seconds(self, work: Sequence[float], rates: Sequence[float],
                      probing: Sequence[bool] | None = None, probe_s: float = 0.0,
-                     searching: bool = False, floor_s: float = 0.0) -> float:
+                     searching: bool = False, floor_s: float = 0.0,
+                     floor: Callable[[np.ndarray], float] | None = None) -> float:
         """One step's seconds: each host's compute (fluid sharing, module doc; ``work``: each
-        rank's CPU seconds of it with a core to itself, 0 without work), at least ``floor_s``,
-        then the non-compute part; the job waits for its slowest host. The planner searches on
-        host 0 (rank 0's)."""
+        rank's CPU seconds of it with a core to itself, 0 without work), at least the cost
+        model's step, then the non-compute part; the job waits for its slowest host. The
+        planner searches on host 0 (rank 0's). The cost model's step is ``floor_s``, or
+        ``floor(rates)`` given each rank's rate times its dilation under the sharing (its wall
+        over its wall with a core to itself): a pipeline's pieces on its path run at the pace
+        the sharing leaves their ranks."""
         u = np.asarray(work, dtype=np.float64)
         r = np.maximum(np.asarray(rates, dtype=np.float64), 1.0)
         p = np.zeros(u.size, dtype=bool) if probing is None else np.asarray(probing, bool)
         n = self.ranks_per_host
+        hosts = [slice(h, h + n) for h in range(0, u.size, n)]
+        ends = np.zeros(u.size)
+        for h, sl in enumerate(hosts):
+            ends[sl] = _shared(u[sl], 1.0 / r[sl], self.cores,
+                               [(1.0 / x, probe_s) for x in r[sl][p[sl]]]
+                               + ([(1.0, np.inf)] if searching and h == 0 else []))
+        if floor is not None:
+            dil = np.where(u > 0, ends / np.maximum(u * r, 1e-300), 1.0)
+            floor_s = max(floor_s, float(floor(r * np.maximum(dil, 1.0))))
         worst = 0.0
-        for h in range(0, u.size, n):
-            sl = slice(h, h + n)
+        for h, sl in enumerate(hosts):
             busy = u[sl] > 0
-            compute = _shared(u[sl], 1.0 / r[sl], self.cores,
-                              [(1.0 / x, probe_s) for x in r[sl][p[sl]]]
-                              + ([(1.0, np.inf)] if searching and h == 0 else []))
             want = int(busy.sum()) + (1 if searching and h == 0 else 0)
             other = self.other_s / min(1.0, self.cores / want) if want else 0.0
-            worst = max(worst, max(compute, floor_s) + (other if busy.any() else 0.0))
+            worst = max(worst, max(float(ends[sl].max()), floor_s)
+                        + (other if busy.any() else 0.0))
         return worst
 
     @classmethod
@@ -96,13 +109,14 @@ class SharedHost:
 
 
 def _shared(work: np.ndarray, duty: np.ndarray, cores: float,
-            fixed: list[tuple[float, float]]) -> float:
+            fixed: list[tuple[float, float]]) -> np.ndarray:
     """Seconds until every rank with work is through it under fluid processor sharing:
     rank ``i`` wants ``duty[i]`` of a core until its ``work[i]`` CPU seconds are done (it
     progresses at ``sigma * duty[i]``); each ``(demand, until)`` of ``fixed`` wants ``demand``
     until that second whatever it gets (a time-boxed probe, the planner)."""
     left = np.where(work > 0, work, 0.0)
     active = left > 0
+    fin = np.zeros(work.size)
     t = 0.0
     while active.any():
         demand = float(duty[active].sum()) + sum(d for d, end in fixed if end > t)
@@ -114,5 +128,7 @@ def _shared(work: np.ndarray, duty: np.ndarray, cores: float,
             dt = min(ends)
         left[active] -= speed[active] * dt
         t += dt
-        active &= left > 1e-12 * np.maximum(work, 1.0)
-    return t
+        done = active & (left <= 1e-12 * np.maximum(work, 1.0))
+        fin[done] = t
+        active &= ~done
+    return fin

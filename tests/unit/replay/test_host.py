@@ -62,3 +62,21 @@ def test_calibration_reads_cores_and_the_rest_from_healthy_steps():
     assert SharedHost.calibrate(old, 4, step_s=0.4, busiest_s=0.15) is None
     with pytest.raises(ValueError, match="SharedHost: cores 0"):
         SharedHost(0, 0.1, 2)
+
+
+def test_a_pipelines_pieces_run_at_the_pace_the_sharing_leaves_them():
+    """A 2-stage pipeline of ranks 0 -> 1 (its step: their pieces in series, 0.1 s each per
+    unit rate) beside two busy ranks, 4 on 2 cores: the fluid sharing gives each half a core,
+    every rank's wall twice its work, so each piece on the path takes twice as long: 0.4 s,
+    where the undilated cost model says 0.2 (as the fluid compute does)."""
+    h = SharedHost(cores=2.0, other_s=0.0, ranks_per_host=4)
+
+    def path(rates):
+        return 0.1 * rates[0] + 0.1 * rates[1]
+    assert h.step_seconds([0.1] * 4, [1.0] * 4, floor_s=path([1.0, 1.0])) == pytest.approx(0.2)
+    assert h.step_seconds([0.1] * 4, [1.0] * 4, floor=path) == pytest.approx(0.4)
+    # rank 1 at rate 3 (a sleeping straggler): 3 + 1/3 want 2 cores, sigma 0.6; ranks 0, 2, 3
+    # end at 0.1 / 0.6 = 1/6 s (dilated 5/3), by when rank 1 has done 1/6 * 0.6 / 3 = 1/30 of
+    # its 0.1; alone, the rest at 1/3 per second takes 0.2 s: its wall 11/30 s against 0.3 alone
+    # (dilated 11/9). The path: 0.1 * 5/3 + 0.1 * 3 * 11/9 = 8/15 s
+    assert h.step_seconds([0.1] * 4, [1.0, 3.0, 1.0, 1.0], floor=path) == pytest.approx(8 / 15)

@@ -23,7 +23,7 @@ what a replay needs, each from the run's own files:
   longer the steps ran while the planner searched (``run_malleus(planner_stall=)``);
 * **the switch costs**: a fixed part and a bandwidth fitted to its ``migrate`` events, the
   first step after a switch against the steps that follow (warm-up), and the planner's seconds
-  its ``replan`` events took (``run_costs.py``).
+  its ``replan`` events took, each in its turn (``run_costs.py``).
 
 :func:`compare` then replays the ``malleus`` policy and, per phase of the schedule, sets its
 samples/s over the phase's steps against the run's over the same steps
@@ -67,6 +67,8 @@ class RunReplay:
     pieces: list                   # per phase and plan of the run: its steps, window and rates
     where: str = ""                # the trace's name in errors
     switch_steps: tuple = ()       # the run's steps that followed a switch
+    planning_seq: dict | None = None   # the seconds of each of the run's re-plans, in order, by
+                                       # kind (as planning_s)
 
 
 def _config(run: Path) -> dict:
@@ -216,7 +218,7 @@ def build(run_dir: str | Path) -> RunReplay:
                    planner_stall(steps, events),
                    SharedHost.calibrate(healthy, world // nodes, step_s, busiest),
                    {k: statistics.median(v) for k, v in plans.items() if v}, phases, pieces,
-                   f"{run} schedule", tuple(sorted(mig)))
+                   f"{run} schedule", tuple(sorted(mig)), plans)
     rr.trace = trace_of(rr.pieces, problem.num_gpus, rr.where)
     return rr
 
@@ -234,7 +236,8 @@ def compare(rr: RunReplay) -> dict:
 
     def replay():
         return run_malleus(rp, rr.trace.segments(), rr.settings, rr.costs,
-                           charge=charge(rr.planning_s), spec=rr.spec, plan=rr.plan,
+                           charge=charge(rr.planning_s, rr.planning_seq), spec=rr.spec,
+                           plan=rr.plan,
                            planner_stall=rr.planner_stall, host=rr.host, on_steps=True)
     res = replay()
     if refine(rr.pieces, res.units, rp.scale, rr.settings.detect.probe_every, rr.switch_steps):

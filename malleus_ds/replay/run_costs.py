@@ -69,11 +69,19 @@ def switch_costs(steps, events) -> MigrationCost:
                          warmup_steps=statistics.median(warm) if warm else 0.0)
 
 
-def charge(planning: dict):
-    """Seconds charged per request: the run's own median for its kind (every rank healthy: the
-    planner answers without a search), else the planner's wall time here."""
+def charge(planning: dict, seq: dict | None = None):
+    """Seconds charged per request, by its kind (every rank healthy: the planner answers without
+    a search): the seconds of the run's own request of that kind in the same turn (``seq``: the
+    seconds of each, in order; a search's seconds vary with what shares the host, 1.0-1.8 s in
+    one run), past them the run's median for the kind (``planning``), else the planner's wall
+    time here."""
     from .loop import is_search
 
+    turn = {"search": 0, "healthy": 0}
+
     def charged(wall: float, req: dict) -> float:
-        return planning.get("search" if is_search(req) else "healthy", wall)
+        kind = "search" if is_search(req) else "healthy"
+        k, turn[kind] = turn[kind], turn[kind] + 1
+        done = (seq or {}).get(kind) or ()
+        return done[k] if k < len(done) else planning.get(kind, wall)
     return charged

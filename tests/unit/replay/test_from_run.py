@@ -198,3 +198,19 @@ def test_on_a_plan_the_replay_ran_too_the_rate_comes_from_the_runs_own_compute(t
     res = compare(rr)
     assert rr.pieces[1].rates == {3: 3.0}
     assert res["phases"][1]["realized"][0] == {"3": 3.0}
+
+
+def test_each_request_is_charged_the_seconds_of_the_runs_own_request_in_its_turn(tmp_path):
+    """A search's seconds vary with what shares the host (1.0-1.8 s in one run): the replay's
+    k-th search is charged the run's k-th, past them the median; a request with every rank
+    healthy (no search) likewise from the healthy ones, else the wall time here."""
+    from malleus_ds.replay.run_costs import charge
+
+    search, healthy = {"problem": {"rates": {"1": 3.0}}}, {"problem": {"rates": {"1": 1.0}}}
+    c = charge({"search": 1.5}, {"search": [1.4, 1.8, 1.5]})
+    assert [c(0.01, search) for _ in range(4)] == [1.4, 1.8, 1.5, 1.5]
+    assert c(0.01, healthy) == 0.01
+    c = charge({"search": 1.5, "healthy": 0.2}, {"search": [1.4], "healthy": [0.3]})
+    assert (c(0.0, healthy), c(0.0, search), c(0.0, healthy)) == (0.3, 1.4, 0.2)
+    # build() keeps the run's own, in order
+    assert build(_run(tmp_path)).planning_seq == {"search": [0.5], "healthy": [0.1]}

@@ -13,13 +13,18 @@ really ran, so its trace carries them:
 * on the plans the replay also runs (known by id after a first replay), the median over the
   piece's steps of the rate the rank ran at, from the run's own ``compute_s`` per cost unit over
   its healthy peers' (:func:`refine`), leaving out steps that held a probe or followed a switch;
+* on those plans and steps, every working rank's rate step by step: its ``compute_s`` per cost
+  unit over the healthy steps' (``Replay.scale``). A rank the schedule leaves alone runs slow
+  too at times (demo 8: rank 0 computed 1.45x its healthy pace for the first two slow steps,
+  whatever shared its core), and the loop read the straggler's rate against it (2.43 where
+  the straggler ran at 3, then a re-plan when it read 3.2); the replay's loop reads the same;
 * :func:`trace_of` writes the pieces as a :class:`~malleus_ds.replay.trace.Trace`, one event per
   rank while its rate stays.
 """
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .trace import Event, Trace, make_trace
 
@@ -36,19 +41,27 @@ class Piece:
     start: int
     end: int
     rates: dict
+    each: dict = field(default_factory=dict)    # step index -> {rank: its rate}, where read
 
 
 def trace_of(pieces, num_gpus: int, where: str = "") -> Trace:
     """The trace of the pieces' rates on the step clock (one event per rank while its rate
     stays; its "seconds" are step indices)."""
     rows: list[Event] = []
+    last: dict[int, int] = {}
+
+    def add(a, b, g, r):
+        i = last.get(g)
+        if i is not None and (rows[i].rate, rows[i].end_s) == (r, a):
+            rows[i] = Event(rows[i].start_s, b, g, r)
+        else:
+            last[g] = len(rows)
+            rows.append(Event(a, b, g, r))
     for pc in pieces:
-        a, b = float(pc.start), float(pc.end)
-        for g, r in pc.rates.items():
-            if rows and (rows[-1].gpu, rows[-1].rate, rows[-1].end_s) == (g, r, a):
-                rows[-1] = Event(rows[-1].start_s, b, g, r)
-            else:
-                rows.append(Event(a, b, g, r))
+        for k in range(pc.start, pc.end):
+            for g, r in sorted({**pc.rates, **pc.each.get(k, {})}.items()):
+                if r > 1.0:
+                    add(float(k), float(k + 1), g, r)
     end = max((pc.end for pc in pieces), default=0)
     return make_trace(rows, num_gpus, hours=end / 3600.0 + 1e-9, where=where)
 
@@ -59,7 +72,8 @@ def refine(pieces, units: dict, unit_s: float, probe_every: int, switch_steps=()
     ``compute_s`` per unit over that of the step's healthy working ranks (else ``unit_s``, the
     healthy steps' per-unit seconds, ``Replay.scale``), the median over the piece's steps that
     held no probe (a probe's seconds ride in its step's ``compute_s``) and did not follow a
-    switch. In place; True if a rate changed."""
+    switch; and on each such step, every working rank's rate at that step (``Piece.each``): its
+    ``compute_s`` per unit over ``unit_s``, at least 1. In place; True if a rate changed."""
     import numpy as np
 
     every = probe_every
@@ -73,7 +87,8 @@ def refine(pieces, units: dict, unit_s: float, probe_every: int, switch_steps=()
         slow = np.zeros(u.size, dtype=bool)
         slow[list(pc.rates)] = True
         reads: dict[int, list[float]] = {g: [] for g in pc.rates}
-        for s in pc.steps:
+        each: dict[int, dict[int, float]] = {}
+        for i, s in enumerate(pc.steps):
             k = int(s["step"])
             if k % every == 0 or k in switched:
                 continue
@@ -85,6 +100,10 @@ def refine(pieces, units: dict, unit_s: float, probe_every: int, switch_steps=()
             for g in pc.rates:
                 if u[g] > 0 and c[g] > 0 and ref > 0:
                     reads[g].append(c[g] / u[g] / ref)
+            each[pc.start + i] = {int(g): round(max(1.0, c[g] / u[g] / unit_s), 3)
+                                  for g in np.flatnonzero((u > 0) & (c > 0))}
+        if each != pc.each:
+            pc.each, changed = each, True
         for g, xs in reads.items():
             if xs:
                 r = round(max(1.0, statistics.median(xs)), 3)

@@ -214,3 +214,29 @@ def test_each_request_is_charged_the_seconds_of_the_runs_own_request_in_its_turn
     assert (c(0.0, healthy), c(0.0, search), c(0.0, healthy)) == (0.3, 1.4, 0.2)
     # build() keeps the run's own, in order
     assert build(_run(tmp_path)).planning_seq == {"search": [0.5], "healthy": [0.1]}
+
+
+def test_on_the_runs_plans_every_rank_runs_at_its_own_pace_step_by_step(tmp_path):
+    """Rank 0, which the schedule leaves alone, computed 1.5x its healthy pace at step 9 (on
+    the replay's first plan) and step 10 (a probe step: not read): the trace holds rank 0 at
+    1.5 for step 9 alone, and rank 3 at its own pace there (3.3 at step 9, the only step read:
+    the piece's median too, steps 8-10 of that plan in one event)."""
+    from malleus_ds.plan import static_plan
+
+    run = _run(tmp_path)
+    first = static_plan(4, 16, 1, 1, 1, 4).id
+
+    def named(x):
+        if "event" not in x:
+            x["plan"] = first if x["plan"] == "plan-a" else x["plan"]
+            if x["step"] in (9, 10):
+                x["compute_s"] = [1.5 * COMPUTE, COMPUTE, COMPUTE, 3.3 * COMPUTE]
+        return x
+    _edit(run, named)
+    rr = build(run)
+    compare(rr)
+    assert rr.pieces[1].each[7] == {0: 1.5, 1: 1.0, 2: 1.0, 3: 3.3}
+    assert 8 not in rr.pieces[1].each                    # step 10 held a probe
+    ev = [(e.start_s, e.end_s, e.gpu, e.rate) for e in rr.trace.events]
+    assert (7.0, 8.0, 0, 1.5) in ev and (6.0, 9.0, 3, 3.3) in ev
+    assert not [e for e in ev if e[2] == 0 and e != (7.0, 8.0, 0, 1.5)]

@@ -293,6 +293,7 @@ class Controller:
         self.ready = self.ready or sums.ready
         self._last_step = step
         comp, probe = sums.compute_s, sums.probe_s
+        self.est.last_probe_rates = np.full(self.world, np.nan)
         if self._skip:          # the first step of a run or of a plan: allocation, first touch
             self._skip -= 1
             return
@@ -339,6 +340,12 @@ class Controller:
     def measured_rates(self) -> list[float | None]:
         """Each rank's smoothed measured rate (None: not measured yet), for logs and checkpoints."""
         return as_list(self.measured)
+
+    def probe_rates(self) -> list[float | None]:
+        """The probes read in the last step (idle and held ranks: each against its step's
+        reference probe, ``RateEstimator.add``; None: none read), for metrics.jsonl: a replay of
+        the run reads what its probes read (``replay/run_trace.py``)."""
+        return as_list(self.est.last_probe_rates)
 
     def measured_link_rates(self) -> dict[str, float]:
         """Rank 0: each measured node link's smoothed rate, ``{"0-1": 1.0}`` (other ranks and

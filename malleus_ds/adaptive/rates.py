@@ -106,6 +106,8 @@ class RateEstimator:
         self.beta = self.gamma = 0.0
         self._hist: deque[tuple] = deque(maxlen=self.FIT_STEPS)
         self._shape_key, self._since_fit = None, 0
+        #: the probe rates of the last step :meth:`add` recorded (NaN: no probe read)
+        self.last_probe_rates = np.full(world, np.nan)
 
     #: steps of history the work model is fitted on (they may span several plans)
     FIT_STEPS = 40
@@ -145,6 +147,7 @@ class RateEstimator:
         has a positive finite time returns all-NaN and is not kept (it would only push real
         measurements out of the window).
         """
+        self.last_probe_rates = np.full(self.world, np.nan)
         c = per_rank(compute_s, self.world, "compute_s")
         u = per_rank(units, self.world, "units")
         active = u > 0
@@ -190,6 +193,7 @@ class RateEstimator:
             pr = tp / ref
         # kept raw, so rates() re-reads the window with the latest work model
         self._rows.append((pr, pref, c.copy(), base.copy(), B, C, active))
+        self.last_probe_rates = pr.copy()
         self._active, self._held = active, hold
         out = t / ref
         if pref is not None and out[pref] >= self.healthy:

@@ -40,7 +40,7 @@ from ..problem import Problem
 from .costs import MigrationCost
 from .host import SharedHost
 from .run_costs import charge, healthy_replan, planner_stall, switch_costs
-from .run_trace import Piece, realized, refine, trace_of
+from .run_trace import Piece, probed, realized, refine, trace_of
 from .trace import Trace
 
 
@@ -182,6 +182,7 @@ def build(run_dir: str | Path) -> RunReplay:
         t += float(s["step_time_s"])
     horizon = t
     conds = [emulated_condition(s) for s in steps]
+    probes = probed(steps)
     phases: list[dict] = []
     pieces: list[Piece] = []
     for k, ph in enumerate(stretches(conds)):
@@ -191,7 +192,8 @@ def build(run_dir: str | Path) -> RunReplay:
             a, b = ph.lo + st.lo, ph.lo + st.hi
             got = realized(steps[a:b], settings.detect.window)
             pieces.append(Piece(k, st.key, tuple(steps[a:b]), a, b,
-                                {g: got.get(g, r) for g, r in ph.key}))
+                                {g: got.get(g, r) for g, r in ph.key},
+                                probes={i: probes[i] for i in range(a, b) if i in probes}))
         first, last = int(steps[ph.lo]["step"]), int(steps[ph.hi - 1]["step"])
         # a migration before the phase's first step ran before its window began
         tput = throughput(steps[ph.lo:ph.hi], events, lo=first + 1, hi=last)

@@ -18,6 +18,10 @@ really ran, so its trace carries them:
   too at times (demo 8: rank 0 computed 1.45x its healthy pace for the first two slow steps,
   whatever shared its core), and the loop read the straggler's rate against it (2.43 where
   the straggler ran at 3, then a re-plan when it read 3.2); the replay's loop reads the same;
+* where the run's step lines carry its probes' readings (``probe_rates``, idle and held ranks),
+  each probing rank's rate at the step its probe was timed after (:func:`probed`): a held rank
+  on a light share whose probe read 1.22, just above the healthy 1.2, stayed held in the run
+  for two more steps (demo 5), where a replay reading exactly 1.0 let it back;
 * :func:`trace_of` writes the pieces as a :class:`~malleus_ds.replay.trace.Trace`, one event per
   rank while its rate stays.
 """
@@ -42,6 +46,7 @@ class Piece:
     end: int
     rates: dict
     each: dict = field(default_factory=dict)    # step index -> {rank: its rate}, where read
+    probes: dict = field(default_factory=dict)  # step index -> {rank: its probe's rate}
 
 
 def trace_of(pieces, num_gpus: int, where: str = "") -> Trace:
@@ -59,7 +64,8 @@ def trace_of(pieces, num_gpus: int, where: str = "") -> Trace:
             rows.append(Event(a, b, g, r))
     for pc in pieces:
         for k in range(pc.start, pc.end):
-            for g, r in sorted({**pc.rates, **pc.each.get(k, {})}.items()):
+            here = {**pc.rates, **pc.probes.get(k, {}), **pc.each.get(k, {})}
+            for g, r in sorted(here.items()):
                 if r > 1.0:
                     add(float(k), float(k + 1), g, r)
     end = max((pc.end for pc in pieces), default=0)
@@ -110,6 +116,19 @@ def refine(pieces, units: dict, unit_s: float, probe_every: int, switch_steps=()
                 changed |= r != pc.rates[g]
                 pc.rates[g] = r
     return changed
+
+
+def probed(steps) -> dict[int, dict[int, float]]:
+    """Per step index: the rate each rank's probe read after that step (at least 1), from the
+    next step line's ``probe_rates`` (a probe is timed after a step's all-reduce and read in
+    the next step's); empty for runs that did not write them."""
+    out: dict[int, dict[int, float]] = {}
+    for i in range(len(steps) - 1):
+        pr = steps[i + 1].get("probe_rates") or ()
+        got = {g: round(max(1.0, float(r)), 3) for g, r in enumerate(pr) if r is not None}
+        if got:
+            out[i] = got
+    return out
 
 
 def realized(steps, window: int) -> dict[int, float]:

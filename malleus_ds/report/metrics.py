@@ -37,7 +37,10 @@ plan that ran the step, and ``"measured_rates"``, each rank's smoothed measured 
 (``adaptive/rates.py``; null until measured); on more than one node with the loop on also
 ``"link_rates"``, each measured node link's smoothed rate (``{"0-1": 1.0}``,
 ``adaptive/link_watch.py``), and where the links between a node's GPUs are read
-(``detect.gpu_links``) ``"gpu_link_rates"`` (``{"2-3": 1.0}``). A ``straggler.link_schedule``
+(``detect.gpu_links``) ``"gpu_link_rates"`` (``{"2-3": 1.0}``); a step that read a probe
+carries ``"probe_rates"``, per rank the probe's rate against its step's reference probe (idle
+and held ranks; null for the others), what a replay of the run reads back
+(``replay/run_trace.py``). A ``straggler.link_schedule``
 run's lines carry
 ``"link_emulated_s"``, per rank the seconds the slow-link emulation waited.
 
@@ -104,6 +107,9 @@ class StepRecord:
     #: engine=malleus where GPU links are read: each measured pair of a node's GPUs
     #: (``{"2-3": 1.0}``)
     gpu_link_rates: Mapping[str, float] = field(default_factory=dict)
+    #: engine=malleus: the probes read in this step, per rank (idle and held ranks, each
+    #: against its step's reference probe; None: none); written when one was read
+    probe_rates: tuple | None = None
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -113,6 +119,10 @@ class StepRecord:
         for k in ("plan", "measured_rates"):
             if d[k] is None:
                 d.pop(k)
+        if self.probe_rates is not None and any(x is not None for x in self.probe_rates):
+            d["probe_rates"] = list(self.probe_rates)
+        else:
+            d.pop("probe_rates")
         if self.wait_s:
             d["wait_s"] = list(self.wait_s)
         else:

@@ -130,7 +130,7 @@ class StepReporter:
 
     def step_done(self, step: int, loss: float, step_time_s: float, clock: ComputeClock,
                   plan: str | None = None, measured_rates=None, link_rates=None,
-                  gpu_link_rates=None) -> None:
+                  gpu_link_rates=None, probe_rates=None) -> None:
         import torch
         import torch.distributed as dist
 
@@ -162,7 +162,8 @@ class StepReporter:
                          None if measured_rates is None else tuple(measured_rates),
                          tuple(round(w, 6) for w in wait),
                          tuple(round(x, 6) for x in links) if self.cfg.links else (),
-                         dict(link_rates or {}), dict(gpu_link_rates or {}))
+                         dict(link_rates or {}), dict(gpu_link_rates or {}),
+                         None if probe_rates is None else tuple(probe_rates))
         self.records.append(rec.to_json())
         self.writer.write(rec)
         if self.stream is not None:

@@ -217,7 +217,8 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
         reporter.step_done(step, loss, time.perf_counter() - t0, clock, plan=engine.plan.id,
                            measured_rates=engine.measured_rates,
                            link_rates=links.get("link_rates"),
-                           gpu_link_rates=links.get("gpu_link_rates"))
+                           gpu_link_rates=links.get("gpu_link_rates"),
+                           probe_rates=loop.probe_rates())
         ck.after_step(step + 1, write, reporter)
     ck.finish(cfg.train.steps, write, reporter)
     loop.close()

@@ -532,3 +532,16 @@ def test_read_says_which_ranks_the_last_steps_measure():
     est.add([0.04, 0.04, 0.0], [4.0, 4.0, 0.0], [0.01, np.nan, np.nan])   # rank 2 now idle
     assert est.read(1).tolist() == [True, True, False]
     assert RateEstimator(2).read(3).tolist() == [False, False]
+
+
+def test_the_last_steps_probe_rates_are_kept_for_the_step_line():
+    """A rank without work probing at 3x its calibrating peer's probe reads 3.0 in that step's
+    ``last_probe_rates`` (the others NaN); a step without probes reads none; the controller
+    reports them as a list for metrics.jsonl (``probe_rates``)."""
+    est = RateEstimator(4)
+    units = np.array([2.0, 2.0, 2.0, 0.0])
+    comp = units * BASE
+    est.add(comp, units, np.array([BASE, np.nan, np.nan, 3 * BASE]))
+    assert as_list(est.last_probe_rates) == [None, None, None, 3.0]
+    est.add(comp, units, None)
+    assert as_list(est.last_probe_rates) == [None] * 4

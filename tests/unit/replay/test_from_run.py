@@ -240,3 +240,20 @@ def test_on_the_runs_plans_every_rank_runs_at_its_own_pace_step_by_step(tmp_path
     ev = [(e.start_s, e.end_s, e.gpu, e.rate) for e in rr.trace.events]
     assert (7.0, 8.0, 0, 1.5) in ev and (6.0, 9.0, 3, 3.3) in ev
     assert not [e for e in ev if e[2] == 0 and e != (7.0, 8.0, 0, 1.5)]
+
+
+def test_the_runs_probe_readings_are_the_probing_ranks_rates_where_timed(tmp_path):
+    """Step 19's line read rank 3's probe at 1.22 (timed after step 18, the last step of the
+    slow plan, after the straggler ended at 16): the trace holds rank 3 at 1.22 for step 18
+    alone; a reading below 1 counts as 1 (no event); lines without probe_rates add nothing."""
+    run = _run(tmp_path)
+
+    def probes(x):
+        if "event" not in x and x["step"] in (19, 21):
+            x["probe_rates"] = [None, None, None, 1.22 if x["step"] == 19 else 0.97]
+        return x
+    _edit(run, probes)
+    rr = build(run)
+    assert rr.pieces[-2].probes == {16: {3: 1.22}} and rr.pieces[-1].probes == {18: {3: 1.0}}
+    ev = [(e.start_s, e.end_s, e.gpu, e.rate) for e in rr.trace.events]
+    assert ev == [(6.0, 14.0, 3, 3.0), (16.0, 17.0, 3, 1.22)]

@@ -85,12 +85,16 @@ def test_writer_output_reads_back(tmp_path):
     w = MetricsWriter(tmp_path)
     w.write(StepRecord(0, 5.0, 8, 0.2, (0.1, 0.1), (0.0, 0.0), {}))
     w.write(StepRecord(1, 4.9, 8, 0.3, (0.1, 0.2), (0.0, 0.1), {"1": 2.0}, "plan-x",
-                       (None, 2.0), (0.01, 0.0)))
+                       (None, 2.0), (0.01, 0.0), probe_rates=(None, 1.8)))
+    w.write(StepRecord(2, 4.8, 8, 0.3, (0.1, 0.2), (0.0, 0.1), {}, "plan-x",
+                       probe_rates=(None, None)))
     w.write_event({"event": "checkpoint", "step": 1, "path": "/x", "seconds": 0.1})
     w.close()
     f = read_metrics_file(tmp_path)
-    assert len(f.steps) == 2 and f.steps[1]["measured_rates"] == [None, 2.0]
+    assert len(f.steps) == 3 and f.steps[1]["measured_rates"] == [None, 2.0]
     assert "wait_s" not in f.steps[0] and f.steps[1]["wait_s"] == [0.01, 0.0]
+    # a probe read: its rate per rank; none read: no key
+    assert f.steps[1]["probe_rates"] == [None, 1.8] and "probe_rates" not in f.steps[2]
     assert f.events[0]["event"] == "checkpoint"
 
 

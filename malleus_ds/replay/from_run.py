@@ -235,12 +235,14 @@ def compare(rr: RunReplay) -> dict:
     from .run import Replay
 
     rp = Replay(rr.problem, rr.step_s, compute_share=rr.compute_share)
+    probes = {k: v for pc in rr.pieces for k, v in pc.probes.items()}
 
     def replay():
         return run_malleus(rp, rr.trace.segments(), rr.settings, rr.costs,
                            charge=charge(rr.planning_s, rr.planning_seq), spec=rr.spec,
                            plan=rr.plan,
-                           planner_stall=rr.planner_stall, host=rr.host, on_steps=True)
+                           planner_stall=rr.planner_stall, host=rr.host, on_steps=True,
+                           probe_reads=probes.get)
     res = replay()
     if refine(rr.pieces, res.units, rp.scale, rr.settings.detect.probe_every, rr.switch_steps):
         rr.trace = trace_of(rr.pieces, rr.problem.num_gpus, rr.where)

@@ -163,7 +163,8 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 charge: Callable[[float, dict], float] | None = None, fast_forward: bool = True,
                 progress=None, spec=None, plan: Plan | None = None,
                 planner_stall: float = 0.0, host: SharedHost | None = None,
-                on_steps: bool = False) -> LoopResult:
+                on_steps: bool = False,
+                probe_reads: Callable[[int], dict | None] | None = None) -> LoopResult:
     """The loop over ``segs`` (module doc). ``charge``: (planner wall seconds, the request) ->
     seconds on the clock (None: as measured; a test fixes it to compare runs). ``spec``,
     ``plan``: the loop's job and first plan when known from a model (``from_run.py``; default:
@@ -174,7 +175,10 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     ``wait_s``, ``host.py``): each step's seconds are the shared host's, the sustained probes
     and the planner's search taking cores too (``planner_stall`` is then not used); steps are
     not fast-forwarded (their seconds vary with the probes). ``on_steps``: the segments' bounds
-    are step indices (module doc); the replay runs to the last one's end step."""
+    are step indices (module doc); the replay runs to the last one's end step.
+    ``probe_reads``: step -> {rank: rate} a recorded run's probes read after that step
+    (``from_run.py``); a rank the replay's loop probes then reads that, against the reference
+    probe, instead of its rate in the trace."""
     if not planner_stall >= 0.0:
         raise ValueError(f"planner_stall={planner_stall!r} must be >= 0")
     settings = settings or AdaptiveSettings()
@@ -310,6 +314,9 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 sustained = who.copy()         # the calibrating rank's probe is short
                 who[ctl.probe_ref] = True
                 timed[who] = PROBE_S * at_end[who]
+                for g, r in ((probe_reads(step) if probe_reads else None) or {}).items():
+                    if who[g] and g != ctl.probe_ref:
+                        timed[g] = PROBE_S * r * at_end[ctl.probe_ref]
             else:
                 sustained = np.zeros(N, dtype=bool)
             frac = 1.0 if on_steps else min(1.0, (horizon - clock.now) / step_s)

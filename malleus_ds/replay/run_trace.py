@@ -19,9 +19,11 @@ really ran, so its trace carries them:
   whatever shared its core), and the loop read the straggler's rate against it (2.43 where
   the straggler ran at 3, then a re-plan when it read 3.2); the replay's loop reads the same;
 * where the run's step lines carry its probes' readings (``probe_rates``, idle and held ranks),
-  each probing rank's rate at the step its probe was timed after (:func:`probed`): a held rank
-  on a light share whose probe read 1.22, just above the healthy 1.2, stayed held in the run
-  for two more steps (demo 5), where a replay reading exactly 1.0 let it back;
+  what each probe read, by the step it was timed after (:func:`probed`), for the replay's loop
+  to read there (``run_malleus(probe_reads=)``): a held rank on a light share whose probe read
+  1.22, just above the healthy 1.2, stayed held in the run for two more steps (demo 5), where
+  a replay reading exactly 1.0 let it back. A probe's reading is not its rank's compute rate
+  (a 6x straggler's probe read 4.4 once), so it stays out of the trace;
 * :func:`trace_of` writes the pieces as a :class:`~malleus_ds.replay.trace.Trace`, one event per
   rank while its rate stays.
 """
@@ -46,7 +48,7 @@ class Piece:
     end: int
     rates: dict
     each: dict = field(default_factory=dict)    # step index -> {rank: its rate}, where read
-    probes: dict = field(default_factory=dict)  # step index -> {rank: its probe's rate}
+    probes: dict = field(default_factory=dict)  # step index -> {rank: what its probe read}
 
 
 def trace_of(pieces, num_gpus: int, where: str = "") -> Trace:
@@ -64,8 +66,7 @@ def trace_of(pieces, num_gpus: int, where: str = "") -> Trace:
             rows.append(Event(a, b, g, r))
     for pc in pieces:
         for k in range(pc.start, pc.end):
-            here = {**pc.rates, **pc.probes.get(k, {}), **pc.each.get(k, {})}
-            for g, r in sorted(here.items()):
+            for g, r in sorted({**pc.rates, **pc.each.get(k, {})}.items()):
                 if r > 1.0:
                     add(float(k), float(k + 1), g, r)
     end = max((pc.end for pc in pieces), default=0)
@@ -119,13 +120,13 @@ def refine(pieces, units: dict, unit_s: float, probe_every: int, switch_steps=()
 
 
 def probed(steps) -> dict[int, dict[int, float]]:
-    """Per step index: the rate each rank's probe read after that step (at least 1), from the
-    next step line's ``probe_rates`` (a probe is timed after a step's all-reduce and read in
-    the next step's); empty for runs that did not write them."""
+    """Per step index: the rate each rank's probe read after that step, from the next step
+    line's ``probe_rates`` (a probe is timed after a step's all-reduce and read in the next
+    step's); empty for runs that did not write them."""
     out: dict[int, dict[int, float]] = {}
     for i in range(len(steps) - 1):
         pr = steps[i + 1].get("probe_rates") or ()
-        got = {g: round(max(1.0, float(r)), 3) for g, r in enumerate(pr) if r is not None}
+        got = {g: float(r) for g, r in enumerate(pr) if r is not None}
         if got:
             out[i] = got
     return out

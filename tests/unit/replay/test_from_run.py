@@ -242,10 +242,10 @@ def test_on_the_runs_plans_every_rank_runs_at_its_own_pace_step_by_step(tmp_path
     assert not [e for e in ev if e[2] == 0 and e != (7.0, 8.0, 0, 1.5)]
 
 
-def test_the_runs_probe_readings_are_the_probing_ranks_rates_where_timed(tmp_path):
-    """Step 19's line read rank 3's probe at 1.22 (timed after step 18, the last step of the
-    slow plan, after the straggler ended at 16): the trace holds rank 3 at 1.22 for step 18
-    alone; a reading below 1 counts as 1 (no event); lines without probe_rates add nothing."""
+def test_the_runs_probe_readings_are_kept_by_the_step_they_were_timed_after(tmp_path):
+    """Step 19's line read rank 3's probe at 1.22 (timed after step 18), step 21's at 0.97:
+    the pieces keep them by step index for the replay's loop to read (``probe_reads``); the
+    trace does not hold them (a probe's reading is not its rank's compute rate)."""
     run = _run(tmp_path)
 
     def probes(x):
@@ -254,6 +254,5 @@ def test_the_runs_probe_readings_are_the_probing_ranks_rates_where_timed(tmp_pat
         return x
     _edit(run, probes)
     rr = build(run)
-    assert rr.pieces[-2].probes == {16: {3: 1.22}} and rr.pieces[-1].probes == {18: {3: 1.0}}
-    ev = [(e.start_s, e.end_s, e.gpu, e.rate) for e in rr.trace.events]
-    assert ev == [(6.0, 14.0, 3, 3.0), (16.0, 17.0, 3, 1.22)]
+    assert rr.pieces[-2].probes == {16: {3: 1.22}} and rr.pieces[-1].probes == {18: {3: 0.97}}
+    assert [(e.start_s, e.end_s, e.gpu, e.rate) for e in rr.trace.events] == [(6, 14, 3, 3.0)]

@@ -93,6 +93,21 @@ def test_on_the_step_clock_the_rates_change_at_the_named_steps():
     assert sum(b - a for a, b, _ in m.timeline) == pytest.approx(m.seconds)
 
 
+def test_a_recorded_runs_probe_readings_are_what_the_loop_reads():
+    """On the step clock, GPU 3 at rate 4 for steps 10-39 of 90. The loop takes its work away
+    and probes it; after step 40 the trace says it is healthy. Replayed as is, the loop lets
+    it back soon after; given a run's probes that read 1.5 until step 60 (``probe_reads``),
+    it keeps it out until the probes after then read healthy."""
+    tr = make_trace([Event(10, 40, 3, 4.0)], 4, hours=90 / 3600)
+    rp = Replay(dp_problem(), 1.0)
+    free = run_malleus(rp, tr.segments(), charge=_charge, on_steps=True)
+    slow = run_malleus(rp, tr.segments(), charge=_charge, on_steps=True,
+                       probe_reads=lambda k: {3: 1.5} if 40 <= k < 60 else None)
+    back = [d.step for d in free.decisions if d.trigger == "recovery" and d.adopted]
+    late = [d.step for d in slow.decisions if d.trigger == "recovery" and d.adopted]
+    assert back and late and back[0] < 50 and late[0] > 60, (back, late)
+
+
 def test_a_slow_planner_answers_late_on_the_simulated_clock():
     """The planner's seconds are charged to the clock: at 40 s per plan the switch comes at
     least 40 s after the loop asked, while the job trains on under the old plan."""

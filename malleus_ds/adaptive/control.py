@@ -293,9 +293,9 @@ class Controller:
         self.ready = self.ready or sums.ready
         self._last_step = step
         comp, probe = sums.compute_s, sums.probe_s
-        self.est.last_probe_rates = np.full(self.world, np.nan)
         if self._skip:          # the first step of a run or of a plan: allocation, first touch
             self._skip -= 1
+            self.est.last_probe_rates = np.full(self.world, np.nan)   # nothing read this step
             return
         self.est.add(comp, self.units, probe, shape=self.shape, held=self.held)
         self.measured = self.est.rates(floor=self._floor)

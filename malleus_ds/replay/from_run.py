@@ -60,15 +60,18 @@ class RunReplay:
     costs: MigrationCost
     planner_stall: float           # how much longer a step ran while the planner searched
     host: object                   # SharedHost: the ranks' shared cores (None: no wait_s)
-    planning_s: dict               # median seconds of the run's re-plans: "healthy" (every rank
-                                   # healthy: no search) and "search" (the others)
+    planning_seq: dict             # seconds of each of the run's re-plans, in order, by kind:
+                                   # "healthy" (every rank healthy: no search) and "search"
     phases: list[dict]             # per phase of the schedule: its steps (``lo``-``hi``: indices
                                    # after warm-up), run-clock window and measured samples/s
     pieces: list                   # per phase and plan of the run: its steps, window and rates
     where: str = ""                # the trace's name in errors
     switch_steps: tuple = ()       # the run's steps that followed a switch
-    planning_seq: dict | None = None   # the seconds of each of the run's re-plans, in order, by
-                                       # kind (as planning_s)
+
+    @property
+    def planning_s(self) -> dict:
+        """The median seconds of the run's re-plans, by kind (of those it made)."""
+        return {k: statistics.median(v) for k, v in self.planning_seq.items() if v}
 
 
 def _config(run: Path) -> dict:
@@ -219,8 +222,7 @@ def build(run_dir: str | Path) -> RunReplay:
     rr = RunReplay(problem, plan, spec, settings, None, step_s, share, costs,
                    planner_stall(steps, events),
                    SharedHost.calibrate(healthy, world // nodes, step_s, busiest),
-                   {k: statistics.median(v) for k, v in plans.items() if v}, phases, pieces,
-                   f"{run} schedule", tuple(sorted(mig)), plans)
+                   plans, phases, pieces, f"{run} schedule", tuple(sorted(mig)))
     rr.trace = trace_of(rr.pieces, problem.num_gpus, rr.where)
     return rr
 

@@ -7,10 +7,10 @@ what a replay needs, each from the run's own files:
   the run started under (``plan=static``: ``parallel.*``), the world (the ranks the step lines
   name) and the memory the loop would estimate (``replan.job_memory``), as the loop builds its
   planning problem in training; the loop's settings (``malleus.*``);
-* **the step time**: the mean healthy step of its first plan (steps after
-  ``train.warmup_steps`` before the first straggler), and the share of it that is compute (the
-  busiest rank's ``compute_s`` over those steps, as the what-if account reads it,
-  ``report/whatif.py``): only that share slows with the rates;
+* **the step time**: the median healthy step of its first plan, over the whole run (before its
+  first straggler and after its recovery) less the start-up (``run_costs.steady``), and the
+  share of it that is compute (the busiest rank's ``compute_s`` over those steps, as the
+  what-if account reads it, ``report/whatif.py``): only that share slows with the rates;
 * **the trace**: its emulated schedule on the step clock, as the run ran it (a straggler
   starts with the step ``straggler.schedule`` names, counted from the first step after warm-up,
   however long the replay's steps before it took), at the slowdown each rank really ran at:
@@ -19,8 +19,12 @@ what a replay needs, each from the run's own files:
   ``compute_s`` (``run_trace.py``);
 * **the host**: where the step lines carry ``wait_s``, the ranks' shared CPU cores
   (``host.SharedHost.calibrate``): each step's seconds under fluid sharing of the cores by
-  the ranks' compute, their sustained probes and the planner's search; in older runs, how much
-  longer the steps ran while the planner searched (``run_malleus(planner_stall=)``);
+  the ranks' compute, their probes (sustained, or a few runs of the block under the sleep
+  emulation) and the planner's search; in older runs, how much longer the steps ran while the
+  planner searched (``run_malleus(planner_stall=)``);
+* **what its loop read** (``run_trace.RunRecord``): on the steps the replay runs on the run's
+  plan, its loop reads the run's own ``compute_s``, and the held ranks that probe are the ones
+  that probed in the run, reading what their probes read;
 * **the switch costs**: a fixed part and a bandwidth fitted to its ``migrate`` events, the
   first step after a switch against the steps that follow (warm-up), and the planner's seconds
   its ``replan`` events took, each in its turn (``run_costs.py``).
@@ -39,8 +43,8 @@ from ..plan import Plan
 from ..problem import Problem
 from .costs import MigrationCost
 from .host import SharedHost
-from .run_costs import charge, healthy_replan, planner_stall, switch_costs
-from .run_trace import Piece, probed, realized, refine, trace_of
+from .run_costs import charge, healthy_replan, planner_stall, steady, switch_costs
+from .run_trace import Piece, RunRecord, probed, realized, refine, trace_of
 from .trace import Trace
 
 
@@ -67,6 +71,7 @@ class RunReplay:
     pieces: list                   # per phase and plan of the run: its steps, window and rates
     where: str = ""                # the trace's name in errors
     switch_steps: tuple = ()       # the run's steps that followed a switch
+    record: object = None          # RunRecord: what the run's loop read, step by step
 
     @property
     def planning_s(self) -> dict:
@@ -91,6 +96,11 @@ def _config(run: Path) -> dict:
         raise FromRunError(f"{p}: engine={cfg.get('engine')!r}; --from-run replays an "
                            f"engine=malleus run (its adaptive loop is what is predicted)")
     return cfg
+
+
+def _method(cfg: dict) -> str:
+    """How the run's straggler emulation slowed its ranks (``straggler.method``)."""
+    return str((cfg.get("straggler") or {}).get("method") or "sleep")
 
 
 def _batch(run: Path, cfg: dict, dp: int) -> tuple[int, int]:
@@ -204,15 +214,12 @@ def build(run_dir: str | Path) -> RunReplay:
                        "condition": {str(g): r for g, r in ph.key},
                        "start_s": starts[ph.lo], "end_s": end,
                        "measured_samples_per_s": tput.samples_per_s})
-    plan0 = steps[0].get("plan")
-    first_slow = next((i for i, c in enumerate(conds) if c), len(steps))
-    healthy = [s for s in steps[:first_slow] if s.get("plan") == plan0] or \
-        [s for s, c in zip(steps, conds) if not c and s.get("plan") == plan0]
+    healthy = steady(steps, conds, set(mig))
     if len(healthy) < 2:
         raise FromRunError(f"{run}/metrics.jsonl: fewer than 2 healthy steps on the first plan "
                            f"after warm-up (train.warmup_steps={warm}): no healthy step time")
-    step_s = statistics.mean(float(s["step_time_s"]) for s in healthy)   # as throughput counts
-    busiest = statistics.mean(max(s["compute_s"]) for s in healthy)
+    step_s = statistics.median(float(s["step_time_s"]) for s in healthy)
+    busiest = statistics.median(max(s["compute_s"]) for s in healthy)
     share = min(1.0, busiest / step_s)
     costs = switch_costs(steps, events)
     plans: dict[str, list[float]] = {"healthy": [], "search": []}
@@ -221,8 +228,10 @@ def build(run_dir: str | Path) -> RunReplay:
             plans["healthy" if healthy_replan(e) else "search"].append(float(e["planning_s"]))
     rr = RunReplay(problem, plan, spec, settings, None, step_s, share, costs,
                    planner_stall(steps, events),
-                   SharedHost.calibrate(healthy, world // nodes, step_s, busiest),
-                   plans, phases, pieces, f"{run} schedule", tuple(sorted(mig)))
+                   SharedHost.calibrate(healthy, world // nodes, step_s, busiest,
+                                        probes_sustain=_method(cfg) != "sleep"),
+                   plans, phases, pieces, f"{run} schedule", tuple(sorted(mig)),
+                   RunRecord.of(steps))
     rr.trace = trace_of(rr.pieces, problem.num_gpus, rr.where)
     return rr
 
@@ -237,14 +246,13 @@ def compare(rr: RunReplay) -> dict:
     from .run import Replay
 
     rp = Replay(rr.problem, rr.step_s, compute_share=rr.compute_share)
-    probes = {k: v for pc in rr.pieces for k, v in pc.probes.items()}
 
     def replay():
         return run_malleus(rp, rr.trace.segments(), rr.settings, rr.costs,
                            charge=charge(rr.planning_s, rr.planning_seq), spec=rr.spec,
                            plan=rr.plan,
                            planner_stall=rr.planner_stall, host=rr.host, on_steps=True,
-                           probe_reads=probes.get)
+                           record=rr.record)
     res = replay()
     if refine(rr.pieces, res.units, rp.scale, rr.settings.detect.probe_every, rr.switch_steps):
         rr.trace = trace_of(rr.pieces, rr.problem.num_gpus, rr.where)

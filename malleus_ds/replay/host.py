@@ -46,6 +46,10 @@ class SharedHost:
     cores: float
     other_s: float         # CPU seconds of a step's non-compute part per working rank
     ranks_per_host: int
+    #: a probe keeps its core busy through a sustained window (``ProbeBlock``), within its
+    #: budget; False: it times a few runs of the block and no more (the sleep emulation, which
+    #: slows every run alike: ``ProbeBlock._can_be_capped``)
+    probes_sustain: bool = True
 
     def __post_init__(self) -> None:
         if not (self.cores > 0 and self.other_s >= 0 and self.ranks_per_host >= 1):
@@ -55,14 +59,18 @@ class SharedHost:
     def step_seconds(self, work: Sequence[float], rates: Sequence[float],
                      probing: Sequence[bool] | None = None, probe_s: float = 0.0,
                      searching: bool = False, floor_s: float = 0.0,
-                     floor: Callable[[np.ndarray], float] | None = None) -> float:
+                     floor: Callable[[np.ndarray], float] | None = None,
+                     probe_cpu: bool = False) -> float:
         """One step's seconds: each host's compute (fluid sharing, module doc; ``work``: each
         rank's CPU seconds of it with a core to itself, 0 without work), at least the cost
         model's step, then the non-compute part; the job waits for its slowest host. The
         planner searches on host 0 (rank 0's). The cost model's step is ``floor_s``, or
         ``floor(rates)`` given each rank's rate times its dilation under the sharing (its wall
         over its wall with a core to itself): a pipeline's pieces on its path run at the pace
-        the sharing leaves their ranks."""
+        the sharing leaves their ranks. A probe wants ``1/r`` of a core (its rank's rate ``r``)
+        for ``probe_s`` seconds from the step's start; with ``probe_cpu``, ``probe_s`` is its
+        CPU seconds instead, and its wall ``r`` times them (a probe that does not sustain: a
+        few timed runs of the block, the emulation sleeping after each)."""
         u = np.asarray(work, dtype=np.float64)
         r = np.maximum(np.asarray(rates, dtype=np.float64), 1.0)
         p = np.zeros(u.size, dtype=bool) if probing is None else np.asarray(probing, bool)
@@ -71,7 +79,8 @@ class SharedHost:
         ends = np.zeros(u.size)
         for h, sl in enumerate(hosts):
             ends[sl] = _shared(u[sl], 1.0 / r[sl], self.cores,
-                               [(1.0 / x, probe_s) for x in r[sl][p[sl]]]
+                               [(1.0 / x, probe_s * x if probe_cpu else probe_s)
+                                for x in r[sl][p[sl]]]
                                + ([(1.0, np.inf)] if searching and h == 0 else []))
         if floor is not None:
             dil = np.where(u > 0, ends / np.maximum(u * r, 1e-300), 1.0)
@@ -87,11 +96,12 @@ class SharedHost:
 
     @classmethod
     def calibrate(cls, healthy: Sequence[dict], ranks_per_host: int, step_s: float,
-                  busiest_s: float) -> "SharedHost | None":
+                  busiest_s: float, probes_sustain: bool = True) -> "SharedHost | None":
         """From a run's healthy step lines on its first plan (every rank working at once), their
-        mean step ``step_s`` and busiest rank's mean ``compute_s`` ``busiest_s``: None where the
-        lines carry no ``wait_s`` (runs before it was written) or no compute. The non-compute
-        part is what the model's healthy step leaves of ``step_s`` (the healthy phase exact)."""
+        step ``step_s`` and busiest rank's ``compute_s`` ``busiest_s`` (``run_costs.steady``:
+        medians): None where the lines carry no ``wait_s`` (runs before it was written) or no
+        compute. The non-compute part is what the model's healthy step leaves of ``step_s``.
+        ``probes_sustain``: as the field (the run's ``straggler.method`` is not ``sleep``)."""
         ratios = []
         for s in healthy:
             c, w = s.get("compute_s"), s.get("wait_s")
@@ -105,7 +115,7 @@ class SharedHost:
         k = max(1.0, statistics.median(ratios))
         cores = n / k
         other = max(0.0, step_s - busiest_s * k) * min(1.0, cores / n)
-        return cls(cores, other, ranks_per_host)
+        return cls(cores, other, ranks_per_host, probes_sustain)
 
 
 def _shared(work: np.ndarray, duty: np.ndarray, cores: float,

@@ -13,8 +13,9 @@ tests drive it (``tests/unit/adaptive/test_loop_synthetic.py``):
   after the step's all-reduce, reading :data:`PROBE_S` x their true rate at that moment, in
   the next step's reduce (as ``Controller.after_reduce``): suspended GPUs follow the trace too.
   On a CPU run's shared host (``from_run.py``, ``host.py``) a step's seconds are the host's:
-  its cores shared by the ranks' compute, the sustained probes and the planner's search (runs
-  without ``wait_s``: steps stretch by ``planner_stall`` while it searches).
+  its cores shared by the ranks' compute, the probes and the planner's search (runs
+  without ``wait_s``: steps stretch by ``planner_stall`` while it searches). A recorded run's
+  replay (``record``) reads what the run's loop read where it runs the run's plan.
 * **Planning.** The loop's planner is :class:`SimPlanner`: the real planner (the worker's own
   ``answer``, with its cache), run in this process when the loop asks; its answer reaches the
   loop once the simulated clock has passed the request's moment plus the planner's wall seconds
@@ -57,6 +58,10 @@ PROBE_S = 0.02
 #: the wall of a sustained probe (``ProbeBlock.SUSTAIN_S + TIMED_S``; the first budget holds
 #: two), within ``probe.BUDGET`` of a step: what it takes of a shared host's cores
 PROBE_WALL_S = FIRST_BUDGET_S / 2
+#: a probe that does not sustain (``ProbeBlock._can_be_capped``: not under the sleep emulation)
+#: runs the block this many times (``ProbeBlock``: one untimed, ``REF_RUNS`` timed), each one
+#: layer on one micro-batch: one cost unit of CPU, ``Replay.scale`` seconds
+PROBE_RUNS = 3
 #: steps after a change of the plan or of the true rates before a fast-forward may start: the
 #: work model's history (``RateEstimator.FIT_STEPS``) must hold only steps like the next ones
 SETTLE = 48
@@ -163,8 +168,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 charge: Callable[[float, dict], float] | None = None, fast_forward: bool = True,
                 progress=None, spec=None, plan: Plan | None = None,
                 planner_stall: float = 0.0, host: SharedHost | None = None,
-                on_steps: bool = False,
-                probe_reads: Callable[[int], dict | None] | None = None) -> LoopResult:
+                on_steps: bool = False, record=None) -> LoopResult:
     """The loop over ``segs`` (module doc). ``charge``: (planner wall seconds, the request) ->
     seconds on the clock (None: as measured; a test fixes it to compare runs). ``spec``,
     ``plan``: the loop's job and first plan when known from a model (``from_run.py``; default:
@@ -176,9 +180,13 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     and the planner's search taking cores too (``planner_stall`` is then not used); steps are
     not fast-forwarded (their seconds vary with the probes). ``on_steps``: the segments' bounds
     are step indices (module doc); the replay runs to the last one's end step.
-    ``probe_reads``: step -> {rank: rate} a recorded run's probes read after that step
-    (``from_run.py``); a rank the replay's loop probes then reads that, against the reference
-    probe, instead of its rate in the trace."""
+    ``record``: what a recorded run's loop read (``run_trace.RunRecord``, ``from_run.py``):
+    at a step the replay runs on the run's plan, its loop reads the run's ``compute_s``
+    (``record.compute_s(step, plan_id)``), and where the run recorded its probes
+    (``record.probes(step, plan_id)``), the held ranks that probed after that step are the
+    ones that probed in the run, and each idle or held rank that probes reads what the run's
+    probe read, against the reference probe, instead of its rate in the trace: a probe's
+    reading is not its rank's compute rate (a 6x straggler's probe read 4.4 once)."""
     if not planner_stall >= 0.0:
         raise ValueError(f"planner_stall={planner_stall!r} must be >= 0")
     settings = settings or AdaptiveSettings()
@@ -257,9 +265,10 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 if progress is not None:
                     progress(1)
             searching = planner.searching()
-            if host is not None:             # a sustained probe's share of the shared cores
-                probe_wall = round(min(PROBE_WALL_S, BUDGET * float(np.median(ctl.step_times)))
-                                   if ctl.step_times else PROBE_WALL_S, 4)
+            if host is not None:             # a probe's share of the shared cores
+                probe_wall = (round(min(PROBE_WALL_S, BUDGET * float(np.median(ctl.step_times)))
+                                    if ctl.step_times else PROBE_WALL_S, 4)
+                              if host.probes_sustain else PROBE_RUNS * rp.scale)
 
             def seconds(seg: Segment) -> float:
                 """This step of the running plan, had it run wholly in ``seg``."""
@@ -272,7 +281,8 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 if key not in steps_cache:
                     steps_cache[key] = host.step_seconds(
                         units * rp.scale, rate_vector(seg, N), sustained, probe_wall,
-                        searching, floor=lambda rv: rp.compute_seconds(
+                        searching, probe_cpu=not host.probes_sustain,
+                        floor=lambda rv: rp.compute_seconds(
                             plan, {i: float(x) for i, x in enumerate(rv) if x > 1.0}))
                 return steps_cache[key]
             step_s = seconds(segs[si])
@@ -302,6 +312,9 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
             if planner_stall and searching and host is None:
                 step_s *= 1.0 + planner_stall
             comp = units * eff * rp.scale
+            ran = record.compute_s(step, plan.id) if record is not None else None
+            if ran is not None:              # what the run's loop read here
+                comp = np.asarray(ran, dtype=np.float64)
             # a probe is timed right after a step's all-reduce and its reading rides in the
             # next step's (Controller.after_reduce): the rate at that moment, read a step later
             probes, timed = timed, np.full(N, np.nan)
@@ -310,11 +323,15 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 # a held rank probes while its own compute leaves it slack (probe.light)
                 light = (np.median(own, axis=0) < HELD_LOAD * np.median(ctl.step_times)
                          if ctl.step_times else np.ones(N, dtype=bool))
+                reads = record.probes(step, plan.id) if record is not None else None
+                if reads is not None:          # the held ranks that probed in the run
+                    light = np.zeros(N, dtype=bool)
+                    light[list(reads)] = True
                 who = (units <= 0) | (ctl.held & light)
                 sustained = who.copy()         # the calibrating rank's probe is short
                 who[ctl.probe_ref] = True
                 timed[who] = PROBE_S * at_end[who]
-                for g, r in ((probe_reads(step) if probe_reads else None) or {}).items():
+                for g, r in (reads or {}).items():
                     if who[g] and g != ctl.probe_ref:
                         timed[g] = PROBE_S * r * at_end[ctl.probe_ref]
             else:

@@ -1,5 +1,6 @@
-"""The switch and planning terms of ``--from-run`` (``from_run.py``), fitted to a recorded
-run's ``migrate`` and ``replan`` events and its step lines: the migration's fixed part and
+"""The step, switch and planning terms of ``--from-run`` (``from_run.py``), fitted to a recorded
+run's ``migrate`` and ``replan`` events and its step lines: its steady healthy steps
+(:func:`steady`), the migration's fixed part and
 bandwidth and the first step's warm-up (:func:`switch_costs`), the seconds charged per planner
 request (:func:`charge`), and, for runs without ``wait_s``, how much longer steps ran while the
 planner searched (:func:`planner_stall`)."""
@@ -8,6 +9,32 @@ from __future__ import annotations
 import statistics
 
 from .costs import MigrationCost
+
+
+#: a job's first healthy steps run slow while it starts (the planner's worker importing, first
+#: touch of memory): demo 1's first four after warm-up took 1.2-1.7x the ones after its recovery.
+#: The healthy steps before the first within this factor of their median are left out
+START_BAND = 1.1
+
+
+def steady(steps, conds, switched=()) -> list[dict]:
+    """The healthy steps of the job's first plan, anywhere in the run (``conds``: each step's
+    straggler condition, empty when healthy), less the first after a switch (``switched``:
+    their step numbers) and the start-up: the leading steps slower than :data:`START_BAND`
+    times their median (at least two are kept). The healthy step is their median: a run's pace
+    drifts (demo 1's steps after its recovery ran 13% faster than the median of the ones before
+    its straggler), and a median over both ends is the least moved by either."""
+    plan0 = steps[0].get("plan") if steps else None
+    sw = {int(k) for k in switched}
+    ok = [s for s, c in zip(steps, conds)
+          if not c and s.get("plan") == plan0 and int(s["step"]) not in sw]
+    if len(ok) < 3:
+        return ok
+    med = statistics.median(float(s["step_time_s"]) for s in ok)
+    k = 0
+    while k < len(ok) - 2 and float(ok[k]["step_time_s"]) > START_BAND * med:
+        k += 1
+    return ok[k:]
 
 
 def healthy_replan(replan: dict) -> bool:

@@ -20,12 +20,24 @@ really ran, so its trace carries them:
   the straggler ran at 3, then a re-plan when it read 3.2); the replay's loop reads the same;
 * where the run's step lines carry its probes' readings (``probe_rates``, idle and held ranks),
   what each probe read, by the step it was timed after (:func:`probed`), for the replay's loop
-  to read there (``run_malleus(probe_reads=)``): a held rank on a light share whose probe read
-  1.22, just above the healthy 1.2, stayed held in the run for two more steps (demo 5), where
-  a replay reading exactly 1.0 let it back. A probe's reading is not its rank's compute rate
-  (a 6x straggler's probe read 4.4 once), so it stays out of the trace;
+  to read there (:class:`RunRecord`): a held rank on a light share whose probe read 1.22, just
+  above the healthy 1.2, stayed held in the run for two more steps (demo 5), where a replay
+  reading exactly 1.0 let it back. A probe's reading is not its rank's compute rate (a 6x
+  straggler's probe read 4.4 once), so it stays out of the trace;
 * :func:`trace_of` writes the pieces as a :class:`~malleus_ds.replay.trace.Trace`, one event per
   rank while its rate stays.
+
+What the run's own loop read, step by step (:class:`RunRecord`), is what the replay's loop reads
+where it runs the run's plan (``run_malleus(record=)``):
+
+* the ranks' ``compute_s``. The trace's rates are the run's slowdowns against its healthy
+  step, at least 1, so a rank that computed faster than that (rank 0, later in a run) reads 1,
+  and the straggler's rate against it comes out low: 3.46 where the run read 3.56, either side
+  of a tie between two plans, and the replay picked the other plan (demo 2);
+* which held ranks probed, and what their probes read. A held rank probes while its own
+  compute leaves it slack (``probe.light``), a judgement on each rank's own timings that the
+  replay's can only approach: demo 4's held rank probed three steps earlier in the run than
+  in the replay, and came back two steps earlier (-29% in that phase).
 """
 from __future__ import annotations
 
@@ -49,6 +61,43 @@ class Piece:
     rates: dict
     each: dict = field(default_factory=dict)    # step index -> {rank: its rate}, where read
     probes: dict = field(default_factory=dict)  # step index -> {rank: what its probe read}
+
+
+@dataclass
+class RunRecord:
+    """What a recorded run's loop read at each step index after warm-up, for the replay's loop
+    to read where it runs the run's plan (``run_malleus(record=)``): each step's plan and
+    ``compute_s``, and the probes of idle and held ranks (:func:`probed`; ``probing``: the
+    run's step lines carry them, ``probe_rates``, and then a step without any is one in which
+    no idle or held rank probed)."""
+
+    plans: tuple
+    compute: tuple
+    probe_reads: dict
+    probing: bool
+
+    @classmethod
+    def of(cls, steps) -> "RunRecord":
+        reads = probed(steps)
+        return cls(tuple(s.get("plan") for s in steps),
+                   tuple(tuple(s["compute_s"]) if s.get("compute_s") else None for s in steps),
+                   reads, bool(reads))
+
+    def _ran(self, step: int, plan: str) -> bool:
+        return 0 <= step < len(self.plans) and self.plans[step] == plan
+
+    def compute_s(self, step: int, plan: str):
+        """The ranks' ``compute_s`` the run's loop read at ``step`` if it ran ``plan`` then,
+        else None."""
+        return self.compute[step] if self._ran(step, plan) else None
+
+    def probes(self, step: int, plan: str) -> dict | None:
+        """{rank: what its probe read} for the idle and held ranks that probed after ``step``
+        in the run, if it ran ``plan`` then and recorded its probes (an empty dict: none
+        probed), else None (the replay's loop decides who probes)."""
+        if not (self.probing and self._ran(step, plan)):
+            return None
+        return dict(self.probe_reads.get(step, {}))
 
 
 def trace_of(pieces, num_gpus: int, where: str = "") -> Trace:
@@ -78,13 +127,16 @@ def refine(pieces, units: dict, unit_s: float, probe_every: int, switch_steps=()
     plan id) gets each slowed rank's rate from the run's own compute: per step, its
     ``compute_s`` per unit over that of the step's healthy working ranks (else ``unit_s``, the
     healthy steps' per-unit seconds, ``Replay.scale``), the median over the piece's steps that
-    held no probe (a probe's seconds ride in its step's ``compute_s``) and did not follow a
-    switch; and on each such step, every working rank's rate at that step (``Piece.each``): its
-    ``compute_s`` per unit over ``unit_s``, at least 1. In place; True if a rate changed."""
+    did not follow a switch, leaving out a rank's steps that held its probe (a probe's seconds
+    ride in its step's ``compute_s``: where the run recorded its probes, ``Piece.probes``, the
+    ranks that probed; else every rank on a probe step); and on each such step, every working
+    rank's rate at that step (``Piece.each``): its ``compute_s`` per unit over ``unit_s``, at
+    least 1. In place; True if a rate changed."""
     import numpy as np
 
     every = probe_every
     switched = {int(e) for e in switch_steps}
+    recorded = any(pc.probes for pc in pieces)
     changed = False
     for pc in pieces:
         u = units.get(pc.plan)
@@ -97,11 +149,12 @@ def refine(pieces, units: dict, unit_s: float, probe_every: int, switch_steps=()
         each: dict[int, dict[int, float]] = {}
         for i, s in enumerate(pc.steps):
             k = int(s["step"])
-            if k % every == 0 or k in switched:
+            if k in switched or (k % every == 0 and not recorded):
                 continue
-            c = np.asarray(s.get("compute_s") or (), dtype=np.float64)
+            c = np.array(s.get("compute_s") or (), dtype=np.float64)
             if c.shape != u.shape:
                 continue
+            c[list(pc.probes.get(pc.start + i, {}))] = np.nan    # their probe's seconds in it
             ok = (u > 0) & ~slow & (c > 0)
             ref = float(np.median(c[ok] / u[ok])) if ok.any() else unit_s
             for g in pc.rates:

@@ -244,7 +244,7 @@ def test_on_the_runs_plans_every_rank_runs_at_its_own_pace_step_by_step(tmp_path
 
 def test_the_runs_probe_readings_are_kept_by_the_step_they_were_timed_after(tmp_path):
     """Step 19's line read rank 3's probe at 1.22 (timed after step 18), step 21's at 0.97:
-    the pieces keep them by step index for the replay's loop to read (``probe_reads``); the
+    the pieces keep them by step index (``RunReplay.record`` too, for the replay's loop); the
     trace does not hold them (a probe's reading is not its rank's compute rate)."""
     run = _run(tmp_path)
 
@@ -256,3 +256,67 @@ def test_the_runs_probe_readings_are_kept_by_the_step_they_were_timed_after(tmp_
     rr = build(run)
     assert rr.pieces[-2].probes == {16: {3: 1.22}} and rr.pieces[-1].probes == {18: {3: 0.97}}
     assert [(e.start_s, e.end_s, e.gpu, e.rate) for e in rr.trace.events] == [(6, 14, 3, 3.0)]
+
+
+def test_the_healthy_step_is_the_median_of_the_first_plans_steady_healthy_steps(tmp_path):
+    """Steps 2-3 ran 1.6x slow while the job started, steps 20-23 (the first plan again, after
+    the straggler; 19 followed a switch) 0.9x: the start-up is left out (slower than 1.1x the
+    median of them all), and the healthy step is the median of steps 4-7 and 20-23. The
+    host's probes do not sustain under the sleep emulation (the default)."""
+    run = _run(tmp_path)
+
+    def paced(x):
+        if "event" not in x:
+            k = x["step"]
+            f = 1.6 if k in (2, 3) else 0.9 if k >= 19 else 1.0
+            x["step_time_s"] = round(x["step_time_s"] * f, 6)
+            x["wait_s"] = [0.0] * 4
+        return x
+    _edit(run, paced)
+    rr = build(run)
+    assert rr.step_s == pytest.approx(0.95 * STEP)
+    assert rr.host is not None and not rr.host.probes_sustain
+    cfg = run / ".hydra" / "config.yaml"
+    cfg.write_text(yaml.safe_dump(dict(yaml.safe_load(cfg.read_text()),
+                                       straggler={"method": "quota"})))
+    assert build(run).host.probes_sustain
+
+
+def test_the_record_holds_what_the_runs_loop_read_on_its_plans(tmp_path):
+    """``RunReplay.record``: each step's plan and compute; where the run wrote its probes, who
+    probed after each step on that plan (none: an empty dict) and what they read; nothing on
+    another plan, nor anywhere in a run that wrote no probes."""
+    run = _run(tmp_path)
+    _edit(run, lambda x: x if "event" in x or x["step"] != 13 else
+          dict(x, probe_rates=[None, None, None, 2.9]))
+    rec = build(run).record
+    assert rec.compute_s(0, "plan-a") == (COMPUTE,) * 4 and rec.compute_s(0, "plan-b") is None
+    assert rec.probes(10, "plan-b") == {3: 2.9}               # timed after step 12
+    assert rec.probes(11, "plan-b") == {} and rec.probes(10, "plan-a") is None
+    plain = build(_run(tmp_path / "plain")).record
+    assert plain.probes(10, "plan-b") is None and plain.compute_s(10, "plan-b") is not None
+
+
+def test_where_the_run_wrote_its_probes_only_the_ranks_that_probed_are_left_out(tmp_path):
+    """As in the test before, rank 0 computed 1.5x at steps 9 and 10; the run wrote its probes
+    and none probed after step 10 but rank 3: that step is read for every rank but rank 3
+    (a probe's seconds ride in its rank's ``compute_s``), and so is step 8 (no probe)."""
+    from malleus_ds.plan import static_plan
+
+    run = _run(tmp_path)
+    first = static_plan(4, 16, 1, 1, 1, 4).id
+
+    def named(x):
+        if "event" not in x:
+            x["plan"] = first if x["plan"] == "plan-a" else x["plan"]
+            if x["step"] in (9, 10):
+                x["compute_s"] = [1.5 * COMPUTE, COMPUTE, COMPUTE, 3.3 * COMPUTE]
+            if x["step"] == 11:
+                x["probe_rates"] = [None, None, None, 3.1]
+        return x
+    _edit(run, named)
+    rr = build(run)
+    compare(rr)
+    assert rr.pieces[1].each[8] == {0: 1.5, 1: 1.0, 2: 1.0}
+    assert rr.pieces[1].each[6] == {0: 1.0, 1: 1.0, 2: 1.0, 3: 3.0}
+    assert rr.pieces[1].rates == {3: 3.15}                   # steps 8 and 9: 3.0 and 3.3

@@ -93,19 +93,75 @@ def test_on_the_step_clock_the_rates_change_at_the_named_steps():
     assert sum(b - a for a, b, _ in m.timeline) == pytest.approx(m.seconds)
 
 
+class _Record:
+    """What a recorded run's loop read (``run_trace.RunRecord``'s two questions), by hand."""
+
+    def __init__(self, probes=None, compute=None):
+        self._probes, self._compute = probes, compute
+
+    def probes(self, step, plan):
+        return self._probes(step, plan) if self._probes else None
+
+    def compute_s(self, step, plan):
+        return self._compute(step, plan) if self._compute else None
+
+
 def test_a_recorded_runs_probe_readings_are_what_the_loop_reads():
     """On the step clock, GPU 3 at rate 4 for steps 10-39 of 90. The loop takes its work away
     and probes it; after step 40 the trace says it is healthy. Replayed as is, the loop lets
-    it back soon after; given a run's probes that read 1.5 until step 60 (``probe_reads``),
-    it keeps it out until the probes after then read healthy."""
+    it back soon after; given a run's probes that read 1.5 until step 60 (``record``), it
+    keeps it out until the probes after then read healthy."""
     tr = make_trace([Event(10, 40, 3, 4.0)], 4, hours=90 / 3600)
     rp = Replay(dp_problem(), 1.0)
     free = run_malleus(rp, tr.segments(), charge=_charge, on_steps=True)
     slow = run_malleus(rp, tr.segments(), charge=_charge, on_steps=True,
-                       probe_reads=lambda k: {3: 1.5} if 40 <= k < 60 else None)
+                       record=_Record(lambda k, plan: {3: 1.5} if 40 <= k < 60 else None))
     back = [d.step for d in free.decisions if d.trigger == "recovery" and d.adopted]
     late = [d.step for d in slow.decisions if d.trigger == "recovery" and d.adopted]
     assert back and late and back[0] < 50 and late[0] > 60, (back, late)
+
+
+def test_a_held_rank_probes_where_the_runs_did():
+    """GPU 3 at rate 6 for steps 10-39 of 120: the loop gives it a light share (4 of 40 units),
+    a held rank, which probes while its compute leaves it slack and comes back once two probes
+    read healthy. A run whose step lines show that no held rank probed (an empty record at
+    every step) kept it held: its training reads cannot bring it back (a light load inside a
+    throughput cap reads healthy), so the replay keeps it held too."""
+    tr = make_trace([Event(10, 40, 3, 6.0)], 4, hours=120 / 3600)
+    rp = Replay(dp_problem(), 1.0)
+    own = run_malleus(rp, tr.segments(), charge=_charge, on_steps=True)
+    held = run_malleus(rp, tr.segments(), charge=_charge, on_steps=True,
+                       record=_Record(lambda k, plan: {}))
+    light = [u for u in own.units.values() if 0 < u[3] < min(u[:3])]
+    assert light, own.units
+    assert [d.trigger for d in own.decisions if d.adopted] == ["onset", "recovery"]
+    assert [d.trigger for d in held.decisions if d.adopted] == ["onset"]
+
+
+def test_the_loop_reads_the_runs_own_compute_where_it_ran_the_runs_plan():
+    """The trace holds GPU 3 at rate 4 for steps 10-39, but the run's loop read every rank at
+    the healthy pace on the static plan (its ``compute_s``): the replay's loop reads that, and
+    keeps the static plan, whose steps take what the trace's rates give. On any other plan
+    the record has nothing, and the trace is what the loop reads."""
+    tr = make_trace([Event(10, 40, 3, 4.0)], 4, hours=60 / 3600)
+    rp = Replay(dp_problem(), 1.0)
+    calm = [28 * rp.scale] * 4
+    read = run_malleus(rp, tr.segments(), charge=_charge, on_steps=True,
+                       record=_Record(compute=lambda k, plan: calm
+                                      if plan == rp.static.id else None))
+    assert read.switches == 0 and not read.decisions
+    assert read.samples / read.seconds < 0.5 * 28        # 30 of 60 steps at a quarter pace
+    other = run_malleus(rp, tr.segments(), charge=_charge, on_steps=True,
+                        record=_Record(compute=lambda k, plan: calm if plan == "x" else None))
+    assert other.switches == 2
+
+
+def test_a_probe_that_does_not_sustain_costs_a_few_runs_of_the_block():
+    """``PROBE_RUNS``: the probe block's untimed run and its timed ones (``ProbeBlock``)."""
+    from malleus_ds.engine.probe_block import ProbeBlock
+    from malleus_ds.replay.loop import PROBE_RUNS
+
+    assert PROBE_RUNS == 1 + ProbeBlock.REF_RUNS
 
 
 def test_a_slow_planner_answers_late_on_the_simulated_clock():

@@ -36,7 +36,7 @@ where it runs the run's plan (``run_malleus(record=)``):
   of a tie between two plans, and the replay picked the other plan (demo 2);
 * which held ranks probed, and what their probes read. A held rank probes while its own
   compute leaves it slack (``probe.light``), a judgement on each rank's own timings that the
-  replay's can only approach: demo 4's held rank probed three steps earlier in the run than
+  replay's can only approach: demo 4's held rank probed two steps earlier in the run than
   in the replay, and came back two steps earlier (-29% in that phase).
 """
 from __future__ import annotations

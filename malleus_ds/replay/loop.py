@@ -312,9 +312,16 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
             if planner_stall and searching and host is None:
                 step_s *= 1.0 + planner_stall
             comp = units * eff * rp.scale
+            reads = (record.probes(step, plan.id)
+                     if record is not None and step % every == 0 else None)
             ran = record.compute_s(step, plan.id) if record is not None else None
-            if ran is not None:              # what the run's loop read here
-                comp = np.asarray(ran, dtype=np.float64)
+            if ran is not None:              # what the run's loop read here: its compute_s,
+                ran = np.array(ran, dtype=np.float64)   # less the probes timed after the step
+                if reads:                    # (theirs ride in it; the loop read it before)
+                    probers = list(reads) + ([ctl.probe_ref] if ctl.probe_ref is not None
+                                             else [])
+                    ran[probers] = comp[probers]
+                comp = ran
             # a probe is timed right after a step's all-reduce and its reading rides in the
             # next step's (Controller.after_reduce): the rate at that moment, read a step later
             probes, timed = timed, np.full(N, np.nan)
@@ -323,7 +330,6 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 # a held rank probes while its own compute leaves it slack (probe.light)
                 light = (np.median(own, axis=0) < HELD_LOAD * np.median(ctl.step_times)
                          if ctl.step_times else np.ones(N, dtype=bool))
-                reads = record.probes(step, plan.id) if record is not None else None
                 if reads is not None:          # the held ranks that probed in the run
                     light = np.zeros(N, dtype=bool)
                     light[list(reads)] = True

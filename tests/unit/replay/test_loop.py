@@ -156,6 +156,30 @@ def test_the_loop_reads_the_runs_own_compute_where_it_ran_the_runs_plan():
     assert other.switches == 2
 
 
+def test_a_probes_seconds_in_the_runs_compute_are_not_read():
+    """A probe timed after a step rides in its rank's ``compute_s`` of that step (the step line
+    is written after it), but the run's loop read the compute before it. Healthy DP, and the
+    run's step lines say rank 3 computed 50x on every probe step: where the run recorded that
+    rank 3 probed after them, the replay's loop does not read those seconds (nothing to
+    re-plan); where it recorded no probes, it does, and re-plans (one detection confirms)."""
+    from malleus_ds.adaptive.settings import AdaptiveSettings
+
+    tr = make_trace([Event(0, 1, 0, 1.0)], 4, hours=40 / 3600)
+    rp = Replay(dp_problem(), 1.0)
+    c = 28 * rp.scale
+    quick = AdaptiveSettings.from_config({"detect": {"confirm": 1}})
+
+    def compute(k, plan):
+        return [c, c, c, 50 * c] if k % 2 == 0 else [c] * 4
+    probed = run_malleus(rp, tr.segments(), quick, charge=_charge, on_steps=True,
+                         record=_Record(lambda k, plan: {3: 1.0} if k % 2 == 0 else {},
+                                        compute))
+    blind = run_malleus(rp, tr.segments(), quick, charge=_charge, on_steps=True,
+                        record=_Record(compute=compute))
+    assert not probed.decisions
+    assert blind.decisions and blind.decisions[0].trigger == "onset"
+
+
 def test_a_probe_that_does_not_sustain_costs_a_few_runs_of_the_block():
     """``PROBE_RUNS``: the probe block's untimed run and its timed ones (``ProbeBlock``)."""
     from malleus_ds.engine.probe_block import ProbeBlock

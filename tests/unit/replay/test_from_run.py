@@ -216,11 +216,10 @@ def test_each_request_is_charged_the_seconds_of_the_runs_own_request_in_its_turn
     assert build(_run(tmp_path)).planning_seq == {"search": [0.5], "healthy": [0.1]}
 
 
-def test_on_the_runs_plans_every_rank_runs_at_its_own_pace_step_by_step(tmp_path):
-    """Rank 0, which the schedule leaves alone, computed 1.5x its healthy pace at step 9 (on
-    the replay's first plan) and step 10 (a probe step: not read): the trace holds rank 0 at
-    1.5 for step 9 alone, and rank 3 at its own pace there (3.3 at step 9, the only step read:
-    the piece's median too, steps 8-10 of that plan in one event)."""
+def _paced(tmp_path, probed_after_10=False):
+    """``_run`` on the replay's first plan (the static layout, by its id), rank 0 at 1.5x and
+    rank 3 at 3.3x at steps 9 and 10; with ``probed_after_10``, step 11's line says rank 3's
+    probe read 3.1 (timed after step 10)."""
     from malleus_ds.plan import static_plan
 
     run = _run(tmp_path)
@@ -231,9 +230,19 @@ def test_on_the_runs_plans_every_rank_runs_at_its_own_pace_step_by_step(tmp_path
             x["plan"] = first if x["plan"] == "plan-a" else x["plan"]
             if x["step"] in (9, 10):
                 x["compute_s"] = [1.5 * COMPUTE, COMPUTE, COMPUTE, 3.3 * COMPUTE]
+            if probed_after_10 and x["step"] == 11:
+                x["probe_rates"] = [None, None, None, 3.1]
         return x
     _edit(run, named)
-    rr = build(run)
+    return run
+
+
+def test_on_the_runs_plans_every_rank_runs_at_its_own_pace_step_by_step(tmp_path):
+    """Rank 0, which the schedule leaves alone, computed 1.5x its healthy pace at step 9 (on
+    the replay's first plan) and step 10 (a probe step: not read): the trace holds rank 0 at
+    1.5 for step 9 alone, and rank 3 at its own pace there (3.3 at step 9, the only step read:
+    the piece's median too, steps 8-10 of that plan in one event)."""
+    rr = build(_paced(tmp_path))
     compare(rr)
     assert rr.pieces[1].each[7] == {0: 1.5, 1: 1.0, 2: 1.0, 3: 3.3}
     assert 8 not in rr.pieces[1].each                    # step 10 held a probe
@@ -298,24 +307,11 @@ def test_the_record_holds_what_the_runs_loop_read_on_its_plans(tmp_path):
 
 
 def test_where_the_run_wrote_its_probes_only_the_ranks_that_probed_are_left_out(tmp_path):
-    """As in the test before, rank 0 computed 1.5x at steps 9 and 10; the run wrote its probes
-    and none probed after step 10 but rank 3: that step is read for every rank but rank 3
-    (a probe's seconds ride in its rank's ``compute_s``), and so is step 8 (no probe)."""
-    from malleus_ds.plan import static_plan
-
-    run = _run(tmp_path)
-    first = static_plan(4, 16, 1, 1, 1, 4).id
-
-    def named(x):
-        if "event" not in x:
-            x["plan"] = first if x["plan"] == "plan-a" else x["plan"]
-            if x["step"] in (9, 10):
-                x["compute_s"] = [1.5 * COMPUTE, COMPUTE, COMPUTE, 3.3 * COMPUTE]
-            if x["step"] == 11:
-                x["probe_rates"] = [None, None, None, 3.1]
-        return x
-    _edit(run, named)
-    rr = build(run)
+    """As in ``test_on_the_runs_plans_every_rank_runs_at_its_own_pace_step_by_step``, rank 0
+    computed 1.5x at steps 9 and 10; the run wrote its probes and none probed after step 10
+    but rank 3: that step is read for every rank but rank 3 (a probe's seconds ride in its
+    rank's ``compute_s``), and so is step 8 (no probe)."""
+    rr = build(_paced(tmp_path, probed_after_10=True))
     compare(rr)
     assert rr.pieces[1].each[8] == {0: 1.5, 1: 1.0, 2: 1.0}
     assert rr.pieces[1].each[6] == {0: 1.0, 1: 1.0, 2: 1.0, 3: 3.0}

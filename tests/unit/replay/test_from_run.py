@@ -316,3 +316,23 @@ def test_where_the_run_wrote_its_probes_only_the_ranks_that_probed_are_left_out(
     assert rr.pieces[1].each[8] == {0: 1.5, 1: 1.0, 2: 1.0}
     assert rr.pieces[1].each[6] == {0: 1.0, 1: 1.0, 2: 1.0, 3: 3.0}
     assert rr.pieces[1].rates == {3: 3.15}                   # steps 8 and 9: 3.0 and 3.3
+
+
+def test_bench_from_run_reads_a_set_of_runs(tmp_path, capsys):
+    """``bench/bench_from_run.py``: a row per run it can replay, the count within the bound,
+    an engine=deepspeed folder named and skipped; exit 0 only when every run is within it."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "bench" / "bench_from_run.py"
+    spec = importlib.util.spec_from_file_location("bench_from_run", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    good, ds = _run(tmp_path / "a"), _run(tmp_path / "b", engine="deepspeed")
+    rc = bench.main([str(good), str(ds), "--json", str(tmp_path / "out.json")])
+    out, err = capsys.readouterr()
+    assert "engine='deepspeed'" in err and "runs within 15% in every phase: " in out
+    rows = json.loads((tmp_path / "out.json").read_text())
+    assert list(rows) == [str(good)] and len(rows[str(good)]) == 2
+    assert rc == (0 if all(abs(e) <= 0.15 for e in rows[str(good)]) else 1)
+    assert bench.main([str(ds)]) == 2

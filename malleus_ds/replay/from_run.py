@@ -229,7 +229,7 @@ def build(run_dir: str | Path) -> RunReplay:
     rr = RunReplay(problem, plan, spec, settings, None, step_s, share, costs,
                    planner_stall(steps, events),
                    SharedHost.calibrate(healthy, world // nodes, step_s, busiest,
-                                        probes_sustain=_method(cfg) != "sleep"),
+                                        sleeps=_method(cfg) == "sleep"),
                    plans, phases, pieces, f"{run} schedule", tuple(sorted(mig)),
                    RunRecord.of(steps))
     rr.trace = trace_of(rr.pieces, problem.num_gpus, rr.where)

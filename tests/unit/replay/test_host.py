@@ -55,7 +55,19 @@ def test_a_probe_that_does_not_sustain_is_its_cpu_seconds_at_its_ranks_pace():
     assert h.step_seconds([0.2, 0.0], [1.0, 4.0], **kw) == pytest.approx(0.21)
     assert h.step_seconds([0.2, 0.0], [1.0, 4.0], probe_cpu=True, **kw) == pytest.approx(0.24)
     assert not SharedHost.calibrate([{"compute_s": [0.1], "wait_s": [0.0]}], 1, 0.1, 0.1,
-                                    probes_sustain=False).probes_sustain
+                                    sleeps=True).probes_sustain
+
+
+def test_a_rank_slowed_by_sleeping_waits_for_a_whole_core_and_sleeps_that_too():
+    """2 cores; ranks 0 and 1 compute 0.2 s, rank 2 0.1 s at rate 4. As fluid demand, rank 2
+    wants 1/4: sigma 2/2.25, ranks 0-1 done at 0.225 s, rank 2 through 0.05 s by then and 0.2 s
+    more alone: 0.425 s. Slowed by sleeping (``sleeps``), it wants a whole core while it runs
+    and gets 2/3 of one next to two busy ranks, then sleeps 3x that wall: 0.0375 s done by
+    0.225 s, 0.25 s more alone: 0.475 s. The busy ranks' shares do not change."""
+    work, rates = [0.2, 0.2, 0.1], [1.0, 1.0, 4.0]
+    assert SharedHost(2.0, 0.0, 3).step_seconds(work, rates) == pytest.approx(0.425)
+    assert SharedHost(2.0, 0.0, 3, sleeps=True).step_seconds(work, rates) == \
+        pytest.approx(0.475)
 
 
 def test_calibration_reads_cores_and_the_rest_from_healthy_steps():

@@ -20,8 +20,9 @@ what a replay needs, each from the run's own files:
 * **the host**: where the step lines carry ``wait_s``, the ranks' shared CPU cores
   (``host.SharedHost.calibrate``): each step's seconds under fluid sharing of the cores by
   the ranks' compute, their probes (sustained, or a few runs of the block under the sleep
-  emulation) and the planner's search; in older runs, how much longer the steps ran while the
-  planner searched (``run_malleus(planner_stall=)``);
+  emulation) and the planner's search, a rank slowed by sleeping wanting a whole core while it
+  runs (``SharedHost.sleeps``); in older runs, how much longer the steps ran while the planner
+  searched (``run_malleus(planner_stall=)``);
 * **what its loop read** (``run_trace.RunRecord``): on the steps the replay runs on the run's
   plan, its loop reads the run's own ``compute_s``, and the held ranks that probe are the ones
   that probed in the run, reading what their probes read;

@@ -232,7 +232,7 @@ def build(run_dir: str | Path) -> RunReplay:
                    SharedHost.calibrate(healthy, world // nodes, step_s, busiest,
                                         sleeps=_method(cfg) == "sleep"),
                    plans, phases, pieces, f"{run} schedule", tuple(sorted(mig)),
-                   RunRecord.of(steps))
+                   RunRecord.of(steps, probes))
     rr.trace = trace_of(rr.pieces, problem.num_gpus, rr.where)
     return rr
 

@@ -65,8 +65,7 @@ class SharedHost:
     def step_seconds(self, work: Sequence[float], rates: Sequence[float],
                      probing: Sequence[bool] | None = None, probe_s: float = 0.0,
                      searching: bool = False, floor_s: float = 0.0,
-                     floor: Callable[[np.ndarray], float] | None = None,
-                     probe_cpu: bool = False) -> float:
+                     floor: Callable[[np.ndarray], float] | None = None) -> float:
         """One step's seconds: each host's compute (fluid sharing, module doc; ``work``: each
         rank's CPU seconds of it with a core to itself, 0 without work), at least the cost
         model's step, then the non-compute part; the job waits for its slowest host. The
@@ -74,9 +73,9 @@ class SharedHost:
         ``floor(rates)`` given each rank's rate times its dilation under the sharing (its wall
         over its wall with a core to itself): a pipeline's pieces on its path run at the pace
         the sharing leaves their ranks. A probe wants ``1/r`` of a core (its rank's rate ``r``)
-        for ``probe_s`` seconds from the step's start; with ``probe_cpu``, ``probe_s`` is its
-        CPU seconds instead, and its wall ``r`` times them (a probe that does not sustain: a
-        few timed runs of the block, the emulation sleeping after each)."""
+        for ``probe_s`` seconds from the step's start; where the ranks sleep (:attr:`sleeps`: a
+        probe does not sustain, it is a few timed runs of the block, the emulation sleeping
+        after each), ``probe_s`` is its CPU seconds instead, and its wall ``r`` times them."""
         u = np.asarray(work, dtype=np.float64)
         r = np.maximum(np.asarray(rates, dtype=np.float64), 1.0)
         p = np.zeros(u.size, dtype=bool) if probing is None else np.asarray(probing, bool)
@@ -85,7 +84,7 @@ class SharedHost:
         ends = np.zeros(u.size)
         for h, sl in enumerate(hosts):
             ends[sl] = _shared(u[sl], 1.0 / r[sl], self.cores,
-                               [(1.0 / x, probe_s * x if probe_cpu else probe_s)
+                               [(1.0 / x, probe_s * x if self.sleeps else probe_s)
                                 for x in r[sl][p[sl]]]
                                + ([(1.0, np.inf)] if searching and h == 0 else []),
                                sleeps=self.sleeps)

@@ -281,8 +281,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 if key not in steps_cache:
                     steps_cache[key] = host.step_seconds(
                         units * rp.scale, rate_vector(seg, N), sustained, probe_wall,
-                        searching, probe_cpu=not host.probes_sustain,
-                        floor=lambda rv: rp.compute_seconds(
+                        searching, floor=lambda rv: rp.compute_seconds(
                             plan, {i: float(x) for i, x in enumerate(rv) if x > 1.0}))
                 return steps_cache[key]
             step_s = seconds(segs[si])

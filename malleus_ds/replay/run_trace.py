@@ -77,8 +77,10 @@ class RunRecord:
     probing: bool
 
     @classmethod
-    def of(cls, steps) -> "RunRecord":
-        reads = probed(steps)
+    def of(cls, steps, reads: dict | None = None) -> "RunRecord":
+        """From the run's step lines after warm-up (``reads``: their :func:`probed`, if read
+        already)."""
+        reads = probed(steps) if reads is None else reads
         return cls(tuple(s.get("plan") for s in steps),
                    tuple(tuple(s["compute_s"]) if s.get("compute_s") else None for s in steps),
                    reads, bool(reads))

@@ -49,11 +49,12 @@ def test_a_probe_that_does_not_sustain_is_its_cpu_seconds_at_its_ranks_pace():
     """One core; rank 0 computes 0.2 s, idle rank 1 probes at rate 4. A sustained probe wants
     1/4 of a core for its 0.05 s wall: sigma 0.8 that long, 0.04 s done, 0.16 s left: 0.21 s.
     A probe of 0.05 s of CPU (a few runs of the block, the sleep emulation between them:
-    ``probe_cpu``) takes 4 x 0.05 s of wall at 1/4 of a core: 0.16 s done by 0.2 s: 0.24 s."""
+    ``sleeps``) takes 4 x 0.05 s of wall at 1/4 of a core: 0.16 s done by 0.2 s: 0.24 s."""
     h = SharedHost(cores=1.0, other_s=0.0, ranks_per_host=2)
+    slept = SharedHost(cores=1.0, other_s=0.0, ranks_per_host=2, sleeps=True)
     kw = dict(probing=[False, True], probe_s=0.05)
     assert h.step_seconds([0.2, 0.0], [1.0, 4.0], **kw) == pytest.approx(0.21)
-    assert h.step_seconds([0.2, 0.0], [1.0, 4.0], probe_cpu=True, **kw) == pytest.approx(0.24)
+    assert slept.step_seconds([0.2, 0.0], [1.0, 4.0], **kw) == pytest.approx(0.24)
     assert not SharedHost.calibrate([{"compute_s": [0.1], "wait_s": [0.0]}], 1, 0.1, 0.1,
                                     sleeps=True).probes_sustain
 

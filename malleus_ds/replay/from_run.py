@@ -24,8 +24,11 @@ what a replay needs, each from the run's own files:
   runs (``SharedHost.sleeps``); in older runs, how much longer the steps ran while the planner
   searched (``run_malleus(planner_stall=)``);
 * **what its loop read** (``run_trace.RunRecord``): on the steps the replay runs on the run's
-  plan, its loop reads the run's own ``compute_s``, and the held ranks that probe are the ones
-  that probed in the run, reading what their probes read;
+  plan, its loop reads the run's own ``compute_s`` and step seconds, the held ranks that probe
+  are the ones that probed in the run, reading what their probes read, and a re-plan asked at
+  the step the run asked it is answered before the step the run's answer was taken at (a
+  planner's seconds that end just inside the run's step and just past the replay's moved a
+  switch by a step);
 * **the switch costs**: a fixed part and a bandwidth fitted to its ``migrate`` events, the
   first step after a switch against the steps that follow (warm-up), and the planner's seconds
   its ``replan`` events took, each in its turn (``run_costs.py``).
@@ -232,9 +235,23 @@ def build(run_dir: str | Path) -> RunReplay:
                    SharedHost.calibrate(healthy, world // nodes, step_s, busiest,
                                         sleeps=_method(cfg) == "sleep"),
                    plans, phases, pieces, f"{run} schedule", tuple(sorted(mig)),
-                   RunRecord.of(steps, probes))
+                   RunRecord.of(steps, probes, _answers(steps, events)))
     rr.trace = trace_of(rr.pieces, problem.num_gpus, rr.where)
     return rr
+
+
+def _answers(steps, events) -> dict[int, int]:
+    """{the step index after which the run's loop asked for a re-plan: the index of the step
+    before which it took the answer}, from its ``replan`` events (``detected``: the step after
+    the request)."""
+    at = {int(s["step"]): i for i, s in enumerate(steps)}
+    out = {}
+    for e in events:
+        if e.get("event") == "replan" and e.get("detected") is not None:
+            a, b = at.get(int(e["detected"])), at.get(int(e["step"]))
+            if a is not None and b is not None and a >= 1:
+                out[a - 1] = b
+    return out
 
 
 def compare(rr: RunReplay) -> dict:

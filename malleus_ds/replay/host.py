@@ -14,7 +14,10 @@ models that as fluid processor sharing:
   ``1/r_i`` of its time and gets through its work at ``sigma / r_i`` per second, where
   ``sigma = min(1, cores / demand)`` and ``demand`` sums what every unfinished rank, every
   running probe (``1/r`` for ``probe_s`` seconds from the step's start) and a searching planner
-  (a whole core) want;
+  (a whole core) want; where the run's stragglers were emulated by sleeping (``sleeps``), a
+  slowed rank runs as the emulation runs it instead: each of its compute spans (a forward and
+  a backward per micro-batch, :func:`spans`) at a whole core's demand, then a sleep of
+  ``r - 1`` times that span's wall, its waits for a core included;
 * the compute part ends when the last rank has finished, and no sooner than the cost model's
   step, which holds the pipeline's order, with each rank's pieces run at the pace the sharing
   left it (its rate times its wall over its wall alone): a stage that waits on a straggler's
@@ -47,9 +50,9 @@ class SharedHost:
     other_s: float         # CPU seconds of a step's non-compute part per working rank
     ranks_per_host: int
     #: the run's stragglers were emulated by sleeping (``straggler.method=sleep``): a slowed
-    #: rank wants a whole core while it runs, and sleeps ``rate - 1`` times the wall of each
-    #: piece it ran, its waits for a core included (``ComputeClock.add``); and a probe does not
-    #: sustain, it times a few runs of the block (``ProbeBlock._can_be_capped``)
+    #: rank wants a whole core while it runs each compute span, and sleeps ``rate - 1`` times
+    #: the span's wall after it, its waits for a core included (``ComputeClock.add``); and a
+    #: probe does not sustain, it times a few runs of the block (``ProbeBlock._can_be_capped``)
     sleeps: bool = False
 
     @property
@@ -65,7 +68,8 @@ class SharedHost:
     def step_seconds(self, work: Sequence[float], rates: Sequence[float],
                      probing: Sequence[bool] | None = None, probe_s: float = 0.0,
                      searching: bool = False, floor_s: float = 0.0,
-                     floor: Callable[[np.ndarray], float] | None = None) -> float:
+                     floor: Callable[[np.ndarray], float] | None = None,
+                     order: Sequence[Sequence[float]] | None = None) -> float:
         """One step's seconds: each host's compute (fluid sharing, module doc; ``work``: each
         rank's CPU seconds of it with a core to itself, 0 without work), at least the cost
         model's step, then the non-compute part; the job waits for its slowest host. The
@@ -75,7 +79,10 @@ class SharedHost:
         the sharing leaves their ranks. A probe wants ``1/r`` of a core (its rank's rate ``r``)
         for ``probe_s`` seconds from the step's start; where the ranks sleep (:attr:`sleeps`: a
         probe does not sustain, it is a few timed runs of the block, the emulation sleeping
-        after each), ``probe_s`` is its CPU seconds instead, and its wall ``r`` times them."""
+        after each), ``probe_s`` is its CPU seconds instead, and its wall ``r`` times them.
+        ``order``: where the ranks sleep, each rank's compute spans in the order it runs them,
+        as fractions of its work (:func:`spans`); a slowed rank then runs each at a whole
+        core's demand and sleeps ``r - 1`` times its wall after it (default: one span)."""
         u = np.asarray(work, dtype=np.float64)
         r = np.maximum(np.asarray(rates, dtype=np.float64), 1.0)
         p = np.zeros(u.size, dtype=bool) if probing is None else np.asarray(probing, bool)
@@ -87,7 +94,8 @@ class SharedHost:
                                [(1.0 / x, probe_s * x if self.sleeps else probe_s)
                                 for x in r[sl][p[sl]]]
                                + ([(1.0, np.inf)] if searching and h == 0 else []),
-                               sleeps=self.sleeps)
+                               sleeps=self.sleeps,
+                               order=None if order is None else list(order)[sl])
         if floor is not None:
             dil = np.where(u > 0, ends / np.maximum(u * r, 1e-300), 1.0)
             floor_s = max(floor_s, float(floor(r * np.maximum(dil, 1.0))))
@@ -124,36 +132,89 @@ class SharedHost:
         return cls(cores, other, ranks_per_host, sleeps)
 
 
+def spans(micro_batches: int, warm: int = 0) -> tuple[float, ...]:
+    """A rank's compute spans in a step, in the order it runs them, as fractions of its work:
+    a forward (1 part) and a backward (2 parts) per micro-batch, as the engine times them
+    (``ComputeClock.compute`` around each instruction), in 1F1B order: ``warm`` forwards
+    first (a stage's warm-up, ``stages - stage - 1``), then a forward and a backward each,
+    then the warm-up's backwards."""
+    m = int(micro_batches)
+    if m <= 0:
+        return ()
+    w = max(0, min(int(warm), m - 1))
+    seq = [1.0] * w + [1.0, 2.0] * (m - w) + [2.0] * w
+    tot = 3.0 * m
+    return tuple(x / tot for x in seq)
+
+
+def plan_spans(plan, num_ranks: int) -> list[tuple[float, ...]]:
+    """Each rank's :func:`spans` under ``plan`` (a suspended rank: none)."""
+    out: list[tuple[float, ...]] = [()] * num_ranks
+    for pipe in plan.pipelines:
+        for k, st in enumerate(pipe.stages):
+            for r in st.ranks:
+                out[r] = spans(pipe.micro_batches, len(pipe.stages) - k - 1)
+    return out
+
+
 def _shared(work: np.ndarray, duty: np.ndarray, cores: float,
-            fixed: list[tuple[float, float]], sleeps: bool = False) -> np.ndarray:
+            fixed: list[tuple[float, float]], sleeps: bool = False,
+            order: Sequence[Sequence[float]] | None = None) -> np.ndarray:
     """Seconds until every rank with work is through it under fluid processor sharing:
     rank ``i`` wants ``duty[i]`` of a core until its ``work[i]`` CPU seconds are done (it
     progresses at ``sigma * duty[i]``); each ``(demand, until)`` of ``fixed`` wants ``demand``
-    until that second whatever it gets (a time-boxed probe, the planner). With ``sleeps`` a
-    rank at ``duty < 1`` sleeps the rest of each piece's wall: while it runs it wants a whole
-    core and gets what the others leave it, ``min(1, cores / (demand - duty + 1))``, and its
-    sleep stretches by as much (it progresses at that share times ``duty``). Measured: a step
-    under a straggler ran past the slow rank's ``compute_s + wait_s`` (less a healthy step's
-    rest) by about ``(rate - 1) x`` its waits: 0.30 s against 0.29 s at x10, 0.20 s against
-    0.19 s at x4."""
+    until that second whatever it gets (a time-boxed probe, the planner).
+
+    With ``sleeps`` a rank at ``duty < 1`` runs as the emulation runs it: each of its compute
+    spans (``order[i]``, fractions of its work; default one) at a whole core's demand, getting
+    ``sigma`` of one, then a sleep of ``1/duty - 1`` times that span's wall, waits for a core
+    included. Its first span runs beside every busy rank, so its waits are a span's, not a
+    share spread over the step. Measured (``recover``, 4 data-parallel ranks on 2 cores, 2
+    micro-batches each, rank 3 at x9.6): the slowed rank waited 0.029-0.035 s of its 0.165 s,
+    its first forward's 0.0275 s beside three busy ranks; spread over the step, 0.012 s."""
+    n = work.size
     left = np.where(work > 0, work, 0.0)
+    fin = np.zeros(n)
+    slept = (duty < 1.0) & (left > 0) if sleeps else np.zeros(n, dtype=bool)
+    queue: dict[int, list[float]] = {}
+    for i in np.flatnonzero(slept):
+        fr = list(order[i]) if order is not None and len(order[i]) else [1.0]
+        tot = float(sum(fr))
+        queue[int(i)] = [float(work[i]) * f / tot for f in reversed(fr)]   # popped from the end
+    cur = np.zeros(n)                        # a sleeper's span left (CPU seconds)
+    began = np.zeros(n)                      # ... when its span began
+    wake = np.full(n, -np.inf)               # ... when its sleep ends
+    for i in queue:
+        cur[i] = queue[i].pop()
     active = left > 0
-    fin = np.zeros(work.size)
     t = 0.0
     while active.any():
-        demand = float(duty[active].sum()) + sum(d for d, end in fixed if end > t)
+        running = slept & active & (wake <= t)
+        fluid = active & ~slept
+        demand = (float(duty[fluid].sum()) + float(running.sum())
+                  + sum(d for d, end in fixed if end > t))
         sigma = min(1.0, cores / demand) if demand > 0 else 1.0
         speed = sigma * duty
-        if sleeps:
-            alone = np.minimum(1.0, cores / np.maximum(demand - duty + 1.0, 1e-300))
-            speed = np.where(duty < 1.0, alone * duty, speed)
-        dt = float(np.min(left[active] / speed[active]))
-        ends = [end - t for _, end in fixed if t < end < np.inf]
-        if ends and min(ends) < dt:
-            dt = min(ends)
-        left[active] -= speed[active] * dt
+        cand = [float(np.min(left[fluid] / speed[fluid]))] if fluid.any() else []
+        if running.any():
+            cand.append(float(np.min(cur[running])) / sigma)
+        asleep = slept & active & (wake > t)
+        if asleep.any():
+            cand.append(float(np.min(wake[asleep])) - t)
+        cand += [end - t for _, end in fixed if t < end < np.inf]
+        dt = max(0.0, min(cand))
+        left[fluid] -= speed[fluid] * dt
+        cur[running] -= sigma * dt
         t += dt
-        done = active & (left <= 1e-12 * np.maximum(work, 1.0))
+        done = fluid & (left <= 1e-12 * np.maximum(work, 1.0))
         fin[done] = t
         active &= ~done
+        for i in np.flatnonzero(running & (cur <= 1e-12 * np.maximum(work, 1.0))):
+            wake[i] = t + (1.0 / duty[i] - 1.0) * (t - began[i])
+        for i in np.flatnonzero(slept & active & (wake > -np.inf) & (wake <= t + 1e-15)):
+            if queue[int(i)]:
+                cur[i], began[i], wake[i] = queue[int(i)].pop(), t, -np.inf
+            else:
+                fin[i] = max(t, wake[i])
+                active[i] = False
     return fin

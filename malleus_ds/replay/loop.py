@@ -48,7 +48,7 @@ from ..adaptive.probe import BUDGET, FIRST_BUDGET_S, HELD_LOAD
 from ..adaptive.settings import AdaptiveSettings
 from ..plan import Plan
 from .costs import MigrationCost
-from .host import SharedHost
+from .host import SharedHost, plan_spans
 from .job import problem_job
 from .run import PolicyResult, Replay, rate_vector
 from .trace import Segment
@@ -89,9 +89,14 @@ class SimPlanner:
         self.clock = clock
         self.charge = charge or (lambda wall, req: wall)
         self.cache = cache if cache is not None else AnswerCache()
-        self._held: list[tuple[float, dict, bool]] = []    # (ready at, answer, a search?)
+        # (ready at, answer, a search?, ready before this step: None, by the clock)
+        self._held: list[tuple[float, dict, bool, int | None]] = []
         self.charged: list[float] = []          # seconds charged per request
         self.requested: list[float] = []        # the clock at each request
+        self.step = 0                           # the step the loop is at (set by the loop)
+        #: the step before which a request asked after ``step`` is answered, where a recorded
+        #: run says so (``RunRecord.answered``); None: by the clock
+        self.anchor: Callable[[int], int | None] = lambda step: None
 
     def request(self, req: dict) -> None:
         t0 = time.perf_counter()
@@ -99,16 +104,22 @@ class SimPlanner:
         s = float(self.charge(time.perf_counter() - t0, req))
         self.charged.append(s)
         self.requested.append(self.clock.now)
-        self._held.append((self.clock.now + s, ans, is_search(req)))
+        self._held.append((self.clock.now + s, ans, is_search(req), self.anchor(self.step)))
 
     def searching(self) -> bool:
         """Is the planner searching at the clock's moment (a request in flight with a rank
-        slower than healthy: a request with every rank healthy is answered without a search)?"""
-        return any(self.clock.now < t and search for t, _, search in self._held)
+        slower than healthy: a request with every rank healthy is answered without a search)?
+        An answer taken before step ``at`` arrived during the step before it."""
+        return any(search and (self.clock.now < t if at is None else self.step < at)
+                   for t, _, search, at in self._held)
 
     def poll(self) -> dict | None:
-        if self._held and self.clock.now >= self._held[0][0]:
-            return self._held.pop(0)[1]
+        """The next answer, if it has arrived (polled as a step's all-reduce starts: an answer
+        polled at step ``k`` is taken before step ``k + 1``)."""
+        if self._held:
+            t, ans, _, at = self._held[0]
+            if (self.clock.now >= t if at is None else self.step >= at - 1):
+                return self._held.pop(0)[1]
         return None
 
     def wait(self, timeout_s: float) -> dict:
@@ -186,7 +197,10 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     (``record.probes(step, plan_id)``), the held ranks that probed after that step are the
     ones that probed in the run, and each idle or held rank that probes reads what the run's
     probe read, against the reference probe, instead of its rate in the trace: a probe's
-    reading is not its rank's compute rate (a 6x straggler's probe read 4.4 once)."""
+    reading is not its rank's compute rate (a 6x straggler's probe read 4.4 once). There too
+    its pace check reads the run's step seconds (``record.step_s``; the replay's clock keeps
+    its own), and an answer to a re-plan the run asked at the same step is taken before the
+    step the run took it at (``record.answered``; elsewhere the clock decides)."""
     if not planner_stall >= 0.0:
         raise ValueError(f"planner_stall={planner_stall!r} must be >= 0")
     settings = settings or AdaptiveSettings()
@@ -217,8 +231,11 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     timed = np.full(N, np.nan)               # the probes timed after the last step's reduce
     own: deque = deque(maxlen=ctl.compute_times.maxlen)   # each rank's compute_times
     sustained = np.zeros(N, dtype=bool)      # ...of them, the sustained probes (idle, held)
+    if record is not None:             # the run's answers arrived when they did
+        planner.anchor = lambda k: record.answered(k, plan.id)
     try:
         while (step if on_steps else clock.now) < horizon:
+            planner.step = step
             # -- at the step boundary: decisions ready now (the engine's before_step) -----------
             for ev, pj in ctl.before_step(step):
                 d = Switch(clock.now, step, ev.get("trigger", ""), pj is not None,
@@ -282,7 +299,8 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                     steps_cache[key] = host.step_seconds(
                         units * rp.scale, rate_vector(seg, N), sustained, probe_wall,
                         searching, floor=lambda rv: rp.compute_seconds(
-                            plan, {i: float(x) for i, x in enumerate(rv) if x > 1.0}))
+                            plan, {i: float(x) for i, x in enumerate(rv) if x > 1.0}),
+                        order=plan_spans(plan, N))
                 return steps_cache[key]
             step_s = seconds(segs[si])
             # -- fast-forward a steady stretch -------------------------------------------------
@@ -353,7 +371,8 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 stretch_samples += gbs * frac
             ready, _ = ctl.contribute(float(comp[0]), 0.0)
             ctl.observe(step, _sums(ready, comp, probes))
-            ctl.step_done(step_s)
+            read_s = record.step_s(step, plan.id) if record is not None else None
+            ctl.step_done(step_s if read_s is None else read_s)
             out.steps += 1
             out.stepped += 1
             step += 1

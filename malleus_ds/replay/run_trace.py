@@ -34,6 +34,8 @@ where it runs the run's plan (``run_malleus(record=)``):
   step, at least 1, so a rank that computed faster than that (rank 0, later in a run) reads 1,
   and the straggler's rate against it comes out low: 3.46 where the run read 3.56, either side
   of a tie between two plans, and the replay picked the other plan (demo 2);
+* each step's seconds, which its pace check judged, and when each re-plan's answer was taken
+  (``answers``: the step after which it asked, and the step before which it took the answer);
 * which held ranks probed, and what their probes read. A held rank probes while its own
   compute leaves it slack (``probe.light``), a judgement on each rank's own timings that the
   replay's can only approach: demo 4's held rank probed two steps earlier in the run than
@@ -66,24 +68,27 @@ class Piece:
 @dataclass
 class RunRecord:
     """What a recorded run's loop read at each step index after warm-up, for the replay's loop
-    to read where it runs the run's plan (``run_malleus(record=)``): each step's plan and
-    ``compute_s``, and the probes of idle and held ranks (:func:`probed`; ``probing``: the
-    run's step lines carry them, ``probe_rates``, and then a step without any is one in which
-    no idle or held rank probed)."""
+    to read where it runs the run's plan (``run_malleus(record=)``): each step's plan,
+    ``compute_s`` and seconds, when each re-plan was answered, and the probes of idle and
+    held ranks (:func:`probed`; ``probing``: the run's step lines carry them, ``probe_rates``,
+    and then a step without any is one in which no idle or held rank probed)."""
 
     plans: tuple
     compute: tuple
     probe_reads: dict
     probing: bool
+    answers: dict = field(default_factory=dict)  # request step -> the step it was answered at
+    seconds: tuple = ()                         # each step's seconds, as the run's loop read them
 
     @classmethod
-    def of(cls, steps, reads: dict | None = None) -> "RunRecord":
+    def of(cls, steps, reads: dict | None = None, answers: dict | None = None) -> "RunRecord":
         """From the run's step lines after warm-up (``reads``: their :func:`probed`, if read
-        already)."""
+        already; ``answers``: as the field)."""
         reads = probed(steps) if reads is None else reads
         return cls(tuple(s.get("plan") for s in steps),
                    tuple(tuple(s["compute_s"]) if s.get("compute_s") else None for s in steps),
-                   reads, bool(reads))
+                   reads, bool(reads), dict(answers or {}),
+                   tuple(float(s["step_time_s"]) for s in steps))
 
     def _ran(self, step: int, plan: str) -> bool:
         return 0 <= step < len(self.plans) and self.plans[step] == plan
@@ -92,6 +97,15 @@ class RunRecord:
         """The ranks' ``compute_s`` the run's loop read at ``step`` if it ran ``plan`` then,
         else None."""
         return self.compute[step] if self._ran(step, plan) else None
+
+    def step_s(self, step: int, plan: str) -> float | None:
+        """The seconds of ``step`` the run's loop read, if it ran ``plan`` then, else None."""
+        return self.seconds[step] if self._ran(step, plan) and step < len(self.seconds) else None
+
+    def answered(self, step: int, plan: str) -> int | None:
+        """The step before which the run's loop took the answer to a re-plan it asked after
+        ``step``, if it ran ``plan`` then and asked then, else None."""
+        return self.answers.get(step) if self._ran(step, plan) else None
 
     def probes(self, step: int, plan: str) -> dict | None:
         """{rank: what its probe read} for the idle and held ranks that probed after ``step``

@@ -305,6 +305,15 @@ def test_the_record_holds_what_the_runs_loop_read_on_its_plans(tmp_path):
     assert rec.probes(11, "plan-b") == {} and rec.probes(10, "plan-a") is None
     plain = build(_run(tmp_path / "plain")).record
     assert plain.probes(10, "plan-b") is None and plain.compute_s(10, "plan-b") is not None
+    # the seconds its pace check read; when it took each answer (detected at step 10, the step
+    # after the request, answered before 11; detected at 18, answered before 19): by index
+    assert rec.step_s(0, "plan-a") == pytest.approx(STEP) and rec.step_s(0, "plan-b") is None
+    _edit(run, lambda x: dict(x, detected=10 if x["step"] == 11 else 18)
+          if x.get("event") == "replan" else x)
+    rec = build(run).record
+    assert rec.answers == {7: 9, 15: 17}
+    assert rec.answered(7, "plan-a") == 9 and rec.answered(7, "plan-b") is None
+    assert rec.answered(15, "plan-b") == 17 and rec.answered(8, "plan-a") is None
 
 
 def test_where_the_run_wrote_its_probes_only_the_ranks_that_probed_are_left_out(tmp_path):

@@ -2,9 +2,11 @@
 paper, and its calibration from a run's healthy step lines."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from malleus_ds.replay.host import SharedHost
+from malleus_ds.plan import Pipeline, Plan, Stage
+from malleus_ds.replay.host import SharedHost, _shared, plan_spans, spans
 
 
 def test_four_ranks_on_two_cores_take_turns():
@@ -59,16 +61,39 @@ def test_a_probe_that_does_not_sustain_is_its_cpu_seconds_at_its_ranks_pace():
                                     sleeps=True).probes_sustain
 
 
-def test_a_rank_slowed_by_sleeping_waits_for_a_whole_core_and_sleeps_that_too():
+def test_a_rank_slowed_by_sleeping_runs_each_span_at_a_whole_cores_demand_then_sleeps():
     """2 cores; ranks 0 and 1 compute 0.2 s, rank 2 0.1 s at rate 4. As fluid demand, rank 2
     wants 1/4: sigma 2/2.25, ranks 0-1 done at 0.225 s, rank 2 through 0.05 s by then and 0.2 s
-    more alone: 0.425 s. Slowed by sleeping (``sleeps``), it wants a whole core while it runs
-    and gets 2/3 of one next to two busy ranks, then sleeps 3x that wall: 0.0375 s done by
-    0.225 s, 0.25 s more alone: 0.475 s. The busy ranks' shares do not change."""
+    more alone: 0.425 s. Slowed by sleeping (``sleeps``) it runs as the emulation runs it.
+    In one span: 2/3 of a core beside the two busy ranks, 0.15 s, then a sleep of 3x that:
+    0.6 s. In two micro-batches' spans (forward 1/6, backward 2/6, twice): the first forward
+    runs beside both busy ranks (0.025 s, then 0.075 s asleep), the first backward too
+    (0.1-0.15 s, asleep to 0.3 s), and the rest alone (0.3-0.367 s, 0.367-0.5 s): 0.5 s. The
+    busy ranks are done at 0.225 s."""
     work, rates = [0.2, 0.2, 0.1], [1.0, 1.0, 4.0]
     assert SharedHost(2.0, 0.0, 3).step_seconds(work, rates) == pytest.approx(0.425)
-    assert SharedHost(2.0, 0.0, 3, sleeps=True).step_seconds(work, rates) == \
-        pytest.approx(0.475)
+    slept = SharedHost(2.0, 0.0, 3, sleeps=True)
+    assert slept.step_seconds(work, rates) == pytest.approx(0.6)
+    two = [spans(2)] * 3
+    assert slept.step_seconds(work, rates, order=two) == pytest.approx(0.5)
+    ends = _shared(np.array(work), 1.0 / np.array(rates), 2.0, [], sleeps=True, order=two)
+    assert ends == pytest.approx([0.225, 0.225, 0.5])
+    # without sleeping the spans change nothing
+    assert SharedHost(2.0, 0.0, 3).step_seconds(work, rates, order=two) == pytest.approx(0.425)
+
+
+def test_a_ranks_spans_are_its_forwards_and_backwards_in_1f1b_order():
+    """A forward is 1 part and a backward 2 per micro-batch; a pipeline stage runs its warm-up
+    forwards first (``stages - stage - 1``) and their backwards last."""
+    assert spans(2) == pytest.approx((1 / 6, 2 / 6, 1 / 6, 2 / 6))
+    assert spans(3, warm=1) == pytest.approx(tuple(x / 9 for x in (1, 1, 2, 1, 2, 2)))
+    assert spans(2, warm=5) == pytest.approx(tuple(x / 6 for x in (1, 1, 2, 2)))
+    assert spans(0) == ()
+    plan = Plan(4, 8, 1, (Pipeline(3, (Stage((0,), (0, 2)), Stage((1,), (2, 4)))),
+                          Pipeline(5, (Stage((2,), (0, 4)),))), suspended=(3,))
+    got = plan_spans(plan, 4)
+    assert got[0] == spans(3, 1) and got[1] == spans(3, 0) and got[2] == spans(5)
+    assert got[3] == ()
 
 
 def test_calibration_reads_cores_and_the_rest_from_healthy_steps():

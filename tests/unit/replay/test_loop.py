@@ -94,16 +94,23 @@ def test_on_the_step_clock_the_rates_change_at_the_named_steps():
 
 
 class _Record:
-    """What a recorded run's loop read (``run_trace.RunRecord``'s two questions), by hand."""
+    """What a recorded run's loop read (``run_trace.RunRecord``'s questions), by hand."""
 
-    def __init__(self, probes=None, compute=None):
+    def __init__(self, probes=None, compute=None, seconds=None, answered=None):
         self._probes, self._compute = probes, compute
+        self._seconds, self._answered = seconds, answered
 
     def probes(self, step, plan):
         return self._probes(step, plan) if self._probes else None
 
     def compute_s(self, step, plan):
         return self._compute(step, plan) if self._compute else None
+
+    def step_s(self, step, plan):
+        return self._seconds(step, plan) if self._seconds else None
+
+    def answered(self, step, plan):
+        return self._answered(step, plan) if self._answered else None
 
 
 def test_a_recorded_runs_probe_readings_are_what_the_loop_reads():
@@ -394,3 +401,65 @@ def test_probes_are_timed_after_a_step_and_read_in_the_next(monkeypatch):
     # busy while held at rate 3 (9 units of a 9-unit step): no probe; light once it
     # recovered: it probes, healthy at once
     assert readings and all(r == pytest.approx(1.0) for r in readings)
+
+
+def test_a_recorded_runs_answer_is_taken_at_the_runs_step():
+    """GPU 3 at rate 4 from step 10 of 60 on the step clock. Where the run asked at the same
+    step on the same plan, its answer is taken before the step the run took it at (the
+    ``replan`` event's ``step``), however long the replay's steps took: a planner's seconds
+    that end just inside the run's step and just past the replay's moved a switch by a step
+    (``two``: 2.85 s against a 2.93 s step, 2.68 s replayed). Elsewhere the clock decides."""
+    tr = make_trace([Event(10, 60, 3, 4.0)], 4, hours=60 / 3600)
+    rp = Replay(dp_problem(), 1.0)
+    own = run_malleus(rp, tr.segments(), charge=_charge, on_steps=True)
+    asked: list[int] = []
+
+    def answered(k, plan):
+        asked.append(k)
+        return k + 7 if plan == rp.static.id else None
+    late = run_malleus(rp, tr.segments(), charge=_charge, on_steps=True,
+                       record=_Record(answered=answered))
+    first = [d.step for d in own.decisions if d.adopted]
+    anchored = [d.step for d in late.decisions if d.adopted]
+    assert asked and anchored[0] == asked[0] + 7 != first[0], (asked, first, anchored)
+    other = run_malleus(rp, tr.segments(), charge=_charge, on_steps=True,
+                        record=_Record(answered=lambda k, plan: k + 7 if plan == "x" else None))
+    assert [d.step for d in other.decisions if d.adopted] == first
+
+
+def test_the_loop_reads_the_runs_own_step_seconds_where_it_ran_the_runs_plan(monkeypatch):
+    """GPU 3 at rate 4 from step 10 of 60: the loop re-plans, and its new plan promises a step.
+    The run's steps 30-34 on that plan took 5 s (its step lines). The loop's pace check reads
+    what the run's read (``Controller.step_done``), and judges the promise missed; its clock
+    stays the replay's own. On another plan the record has nothing."""
+    from malleus_ds.adaptive import control
+
+    read: list[float] = []
+    missed: list[dict] = []
+    orig = control.Controller.step_done
+
+    def spy(self, seconds):
+        read.append(seconds)
+        orig(self, seconds)
+        missed.extend(e for e in self._events if e.get("outcome") == "missed"
+                      and e not in missed)
+    monkeypatch.setattr(control.Controller, "step_done", spy)
+    tr = make_trace([Event(10, 60, 3, 4.0)], 4, hours=60 / 3600)
+    rp = Replay(dp_problem(), 1.0)
+    own = run_malleus(rp, tr.segments(), charge=_charge, on_steps=True)
+    moved = own.decisions[0].to_plan
+    assert max(read) < 5.0 and not [e for e in missed if e["plan"] == moved]
+
+    def slow(plan):
+        return lambda k, p: 5.0 if p == plan and 30 <= k < 35 else None
+    read.clear()
+    missed.clear()
+    run = run_malleus(rp, tr.segments(), charge=_charge, on_steps=True,
+                      record=_Record(seconds=slow(moved)))
+    assert read[30:35] == [5.0] * 5 and read[35] < 5.0
+    assert [e["step"] for e in missed if e["plan"] == moved] == [31]   # two past twice it
+    assert run.step_ends == own.step_ends               # its clock stays the replay's own
+    read.clear()
+    run_malleus(rp, tr.segments(), charge=_charge, on_steps=True,
+                record=_Record(seconds=slow("x")))
+    assert max(read) < 5.0

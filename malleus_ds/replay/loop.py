@@ -216,6 +216,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     out = LoopResult("malleus")
     out.plans[plan.id] = plan
     out.units[plan.id] = units = ctl.units
+    order = plan_spans(plan, N)              # each rank's compute spans (a shared host's)
     horizon = segs[-1].end_s if segs else 0.0     # seconds, or steps on the step clock
     gbs = rp.samples_per_step
     every = settings.detect.probe_every
@@ -263,6 +264,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                     own.clear()
                     out.plans[plan.id] = plan
                     out.units[plan.id] = units = ctl.units
+                    order = plan_spans(plan, N)
                     since_change = 0
                 else:
                     ctl.considered(ev.get("measured_rates"))
@@ -300,7 +302,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                         units * rp.scale, rate_vector(seg, N), sustained, probe_wall,
                         searching, floor=lambda rv: rp.compute_seconds(
                             plan, {i: float(x) for i, x in enumerate(rv) if x > 1.0}),
-                        order=plan_spans(plan, N))
+                        order=order)
                 return steps_cache[key]
             step_s = seconds(segs[si])
             # -- fast-forward a steady stretch -------------------------------------------------

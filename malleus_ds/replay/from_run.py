@@ -13,7 +13,9 @@ what a replay needs, each from the run's own files:
   what-if account reads it, ``report/whatif.py``): only that share slows with the rates;
 * **the trace**: its emulated schedule on the step clock, as the run ran it (a straggler
   starts with the step ``straggler.schedule`` names, counted from the first step after warm-up,
-  however long the replay's steps before it took), at the slowdown each rank really ran at:
+  however long the replay's steps before it took; the replay steps from the run's first step,
+  as its loop did: its window, its work model's fits and its detection cadence count the
+  warm-up steps too), at the slowdown each rank really ran at:
   per stretch of a phase on one plan, the loop's own measured rate (``measured_rates``; an
   emulated CPU straggler runs slower than scheduled, more so on a light share), refined from its
   ``compute_s`` (``run_trace.py``);
@@ -71,7 +73,7 @@ class RunReplay:
     planning_seq: dict             # seconds of each of the run's re-plans, in order, by kind:
                                    # "healthy" (every rank healthy: no search) and "search"
     phases: list[dict]             # per phase of the schedule: its steps (``lo``-``hi``: indices
-                                   # after warm-up), run-clock window and measured samples/s
+                                   # from the run's first step), run-clock window and samples/s
     pieces: list                   # per phase and plan of the run: its steps, window and rates
     where: str = ""                # the trace's name in errors
     switch_steps: tuple = ()       # the run's steps that followed a switch
@@ -185,8 +187,10 @@ def build(run_dir: str | Path) -> RunReplay:
     spec = JobSpec.of_model(mc, plan, world=world, job=job, seq_len=seq)
     settings = AdaptiveSettings.from_config(cfg.get("malleus") or {}, where="malleus")
 
+    # the loop saw the warm-up steps too (its first window, its fits, its cadence by step): the
+    # replay steps through them from the run's first step; the phases start after them
     warm = int(tr.get("warmup_steps", 0) or 0)
-    steps = [s for s in steps if int(s["step"]) >= warm]
+    w0 = next((i for i, s in enumerate(steps) if int(s["step"]) >= warm), len(steps))
     mig = {}
     for e in events:
         if e.get("event") == "migrate":
@@ -202,7 +206,8 @@ def build(run_dir: str | Path) -> RunReplay:
     probes = probed(steps)
     phases: list[dict] = []
     pieces: list[Piece] = []
-    for k, ph in enumerate(stretches(conds)):
+    for k, ph in enumerate(stretches(conds[w0:])):
+        ph = type(ph)(ph.key, ph.lo + w0, ph.hi + w0)
         end = starts[ph.hi] if ph.hi < len(steps) else horizon
         # the phase on each plan the run ran it on: a rank's real slowdown depends on its share
         for st in stretches([s.get("plan") for s in steps[ph.lo:ph.hi]]):
@@ -218,7 +223,7 @@ def build(run_dir: str | Path) -> RunReplay:
                        "condition": {str(g): r for g, r in ph.key},
                        "start_s": starts[ph.lo], "end_s": end,
                        "measured_samples_per_s": tput.samples_per_s})
-    healthy = steady(steps, conds, set(mig))
+    healthy = steady(steps[w0:], conds[w0:], set(mig))
     if len(healthy) < 2:
         raise FromRunError(f"{run}/metrics.jsonl: fewer than 2 healthy steps on the first plan "
                            f"after warm-up (train.warmup_steps={warm}): no healthy step time")
@@ -272,7 +277,8 @@ def compare(rr: RunReplay) -> dict:
                            planner_stall=rr.planner_stall, host=rr.host, on_steps=True,
                            record=rr.record)
     res = replay()
-    if refine(rr.pieces, res.units, rp.scale, rr.settings.detect.probe_every, rr.switch_steps):
+    if refine(rr.pieces, res.units, rp.scale, rr.settings.detect.probe_every, rr.switch_steps,
+              res.refs):
         rr.trace = trace_of(rr.pieces, rr.problem.num_gpus, rr.where)
         res = replay()
     out = []

@@ -18,11 +18,18 @@ models that as fluid processor sharing:
   slowed rank runs as the emulation runs it instead: each of its compute spans (a forward and
   a backward per micro-batch, :func:`spans`) at a whole core's demand, then a sleep of
   ``r - 1`` times that span's wall, its waits for a core included;
-* the compute part ends when the last rank has finished, and no sooner than the cost model's
-  step, which holds the pipeline's order, with each rank's pieces run at the pace the sharing
-  left it (its rate times its wall over its wall alone): a stage that waits on a straggler's
-  pieces waits on its own shared ones too (a 2-stage pipeline with a rank at 8x beside two busy
-  ranks, 4 on 2 cores: 0.48 s undilated, 0.58 dilated, 0.58-0.70 measured);
+* a rank runs its compute as spans, in the order the engine runs them (:func:`plan_graph`: a
+  forward and a backward per micro-batch, 1F1B on a pipeline's stages), each once the spans it
+  waits for have ended (a stage's forward waits for the previous stage's, its backward for the
+  next's; a sleeping rank's span ends with its sleep, which comes before the send), wanting no
+  core while it waits; the compute part ends when the last rank is through. A 2-stage pipeline
+  with a light first stage at x4 beside two busy ranks, 4 on 2 cores (``worsens`` of
+  bench_adaptive): the run's step 0.451 s; the cost model's pipelined floor over dilated rates
+  gave 0.514 s, the spans on the schedule give 0.444 s;
+* the rank that calibrates the probes times the probe block (``ProbeBlock.REF_RUNS`` runs, a
+  cost unit each) after a step's all-reduce: it runs them before its next step's compute
+  (``lead``); a demo's calibrating rank computed 0.010-0.026 s more on its probe steps than on
+  the others, two units 0.014 s;
 * the rest of the step (optimizer, reduction, Python: ``other_s`` CPU seconds per working rank)
   runs on every working rank at once, shared the same way.
 
@@ -37,7 +44,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -67,45 +74,37 @@ class SharedHost:
 
     def step_seconds(self, work: Sequence[float], rates: Sequence[float],
                      probing: Sequence[bool] | None = None, probe_s: float = 0.0,
-                     searching: bool = False, floor_s: float = 0.0,
-                     floor: Callable[[np.ndarray], float] | None = None,
-                     order: Sequence[Sequence[float]] | None = None) -> float:
-        """One step's seconds: each host's compute (fluid sharing, module doc; ``work``: each
-        rank's CPU seconds of it with a core to itself, 0 without work), at least the cost
-        model's step, then the non-compute part; the job waits for its slowest host. The
-        planner searches on host 0 (rank 0's). The cost model's step is ``floor_s``, or
-        ``floor(rates)`` given each rank's rate times its dilation under the sharing (its wall
-        over its wall with a core to itself): a pipeline's pieces on its path run at the pace
-        the sharing leaves their ranks. A probe wants ``1/r`` of a core (its rank's rate ``r``)
-        for ``probe_s`` seconds from the step's start; where the ranks sleep (:attr:`sleeps`: a
+                     searching: bool = False,
+                     graph: Sequence[Sequence[Span]] | None = None,
+                     lead: Sequence[float] | None = None) -> float:
+        """One step's seconds: the ranks' compute (fluid sharing of each host's cores, module
+        doc; ``work``: each rank's CPU seconds of it with a core to itself, 0 without work),
+        then the non-compute part; the job waits for its slowest host. The planner searches
+        on host 0 (rank 0's). A probe wants ``1/r`` of a core (its rank's rate ``r``) for
+        ``probe_s`` seconds from the step's start; where the ranks sleep (:attr:`sleeps`: a
         probe does not sustain, it is a few timed runs of the block, the emulation sleeping
         after each), ``probe_s`` is its CPU seconds instead, and its wall ``r`` times them.
-        ``order``: where the ranks sleep, each rank's compute spans in the order it runs them,
-        as fractions of its work (:func:`spans`); a slowed rank then runs each at a whole
-        core's demand and sleeps ``r - 1`` times its wall after it (default: one span)."""
+        ``graph``: each rank's compute spans in the order it runs them, each a fraction of its
+        work and the spans of other ranks it waits for (:func:`plan_graph`: a pipeline's
+        1F1B schedule; default: one span each, waiting for nothing). ``lead``: CPU seconds
+        each rank runs before its first span (the calibrating rank's probe, timed after the
+        last step's all-reduce, at its rank's pace)."""
         u = np.asarray(work, dtype=np.float64)
         r = np.maximum(np.asarray(rates, dtype=np.float64), 1.0)
         p = np.zeros(u.size, dtype=bool) if probing is None else np.asarray(probing, bool)
         n = self.ranks_per_host
-        hosts = [slice(h, h + n) for h in range(0, u.size, n)]
-        ends = np.zeros(u.size)
-        for h, sl in enumerate(hosts):
-            ends[sl] = _shared(u[sl], 1.0 / r[sl], self.cores,
-                               [(1.0 / x, probe_s * x if self.sleeps else probe_s)
-                                for x in r[sl][p[sl]]]
-                               + ([(1.0, np.inf)] if searching and h == 0 else []),
-                               sleeps=self.sleeps,
-                               order=None if order is None else list(order)[sl])
-        if floor is not None:
-            dil = np.where(u > 0, ends / np.maximum(u * r, 1e-300), 1.0)
-            floor_s = max(floor_s, float(floor(r * np.maximum(dil, 1.0))))
+        hosts = np.arange(u.size) // n
+        fixed = [(1.0 / x, probe_s * x if self.sleeps else probe_s, int(h))
+                 for x, h in zip(r[p], hosts[p])] + ([(1.0, np.inf, 0)] if searching else [])
+        ends = _shared(u, 1.0 / r, self.cores, fixed, sleeps=self.sleeps, graph=graph,
+                       hosts=hosts, lead=lead)
         worst = 0.0
-        for h, sl in enumerate(hosts):
+        for h in range(0, u.size, n):
+            sl = slice(h, h + n)
             busy = u[sl] > 0
             want = int(busy.sum()) + (1 if searching and h == 0 else 0)
             other = self.other_s / min(1.0, self.cores / want) if want else 0.0
-            worst = max(worst, max(float(ends[sl].max()), floor_s)
-                        + (other if busy.any() else 0.0))
+            worst = max(worst, float(ends[sl].max()) + (other if busy.any() else 0.0))
         return worst
 
     @classmethod
@@ -132,89 +131,133 @@ class SharedHost:
         return cls(cores, other, ranks_per_host, sleeps)
 
 
-def spans(micro_batches: int, warm: int = 0) -> tuple[float, ...]:
-    """A rank's compute spans in a step, in the order it runs them, as fractions of its work:
-    a forward (1 part) and a backward (2 parts) per micro-batch, as the engine times them
-    (``ComputeClock.compute`` around each instruction), in 1F1B order: ``warm`` forwards
-    first (a stage's warm-up, ``stages - stage - 1``), then a forward and a backward each,
-    then the warm-up's backwards."""
+#: a compute span: its fraction of the rank's work, and the spans ``(rank, index)`` whose
+#: ends (a sleeping rank's: its sleep's) it waits for
+Span = tuple[float, tuple[tuple[int, int], ...]]
+
+
+def one_f_one_b(micro_batches: int, warm: int = 0) -> list[tuple[str, int]]:
+    """A pipeline stage's forwards ``("F", j)`` and backwards ``("B", j)`` of micro-batch
+    ``j`` in the order it runs them (1F1B): ``warm`` forwards first (a stage's warm-up,
+    ``stages - stage - 1``), then a forward and a backward each, then the warm-up's
+    backwards."""
     m = int(micro_batches)
-    if m <= 0:
-        return ()
     w = max(0, min(int(warm), m - 1))
-    seq = [1.0] * w + [1.0, 2.0] * (m - w) + [2.0] * w
-    tot = 3.0 * m
-    return tuple(x / tot for x in seq)
+    seq = [("F", j) for j in range(w)]
+    for j in range(m - w):
+        seq += [("F", w + j), ("B", j)]
+    return seq + [("B", j) for j in range(m - w, m)]
 
 
-def plan_spans(plan, num_ranks: int) -> list[tuple[float, ...]]:
-    """Each rank's :func:`spans` under ``plan`` (a suspended rank: none)."""
-    out: list[tuple[float, ...]] = [()] * num_ranks
+def spans(micro_batches: int, warm: int = 0) -> tuple[float, ...]:
+    """A rank's compute spans in a step, in the order it runs them (:func:`one_f_one_b`), as
+    fractions of its work: a forward is 1 part and a backward 2 per micro-batch, as the engine
+    times them (``ComputeClock.compute`` around each instruction)."""
+    m = int(micro_batches)
+    return tuple((1.0 if k == "F" else 2.0) / (3.0 * m) for k, _ in one_f_one_b(m, warm))
+
+
+def plan_graph(plan, num_ranks: int) -> list[tuple[Span, ...]]:
+    """Each rank's compute spans under ``plan`` (:func:`spans`) and what each waits for: a
+    stage's forward of micro-batch ``j`` the previous stage's (its activations), its backward
+    the next stage's (their gradients), each after its sender's sleep (the emulation sleeps
+    before the send); a rank of a tensor-parallel stage its peers' previous span (their
+    collectives). A suspended rank has none."""
+    out: list[tuple[Span, ...]] = [()] * num_ranks
     for pipe in plan.pipelines:
+        S, m = len(pipe.stages), pipe.micro_batches
+        seqs = [one_f_one_b(m, S - k - 1) for k in range(S)]
+        at = [{x: i for i, x in enumerate(seq)} for seq in seqs]
         for k, st in enumerate(pipe.stages):
             for r in st.ranks:
-                out[r] = spans(pipe.micro_batches, len(pipe.stages) - k - 1)
+                row = []
+                for i, (kind, j) in enumerate(seqs[k]):
+                    nb = k - 1 if kind == "F" else k + 1
+                    deps = ([(q, at[nb][(kind, j)]) for q in pipe.stages[nb].ranks]
+                            if 0 <= nb < S else [])
+                    if i > 0:
+                        deps += [(q, i - 1) for q in st.ranks if q != r]
+                    row.append(((1.0 if kind == "F" else 2.0) / (3.0 * m), tuple(deps)))
+                out[r] = tuple(row)
     return out
 
 
 def _shared(work: np.ndarray, duty: np.ndarray, cores: float,
-            fixed: list[tuple[float, float]], sleeps: bool = False,
-            order: Sequence[Sequence[float]] | None = None) -> np.ndarray:
-    """Seconds until every rank with work is through it under fluid processor sharing:
-    rank ``i`` wants ``duty[i]`` of a core until its ``work[i]`` CPU seconds are done (it
-    progresses at ``sigma * duty[i]``); each ``(demand, until)`` of ``fixed`` wants ``demand``
-    until that second whatever it gets (a time-boxed probe, the planner).
+            fixed: Sequence[tuple[float, float, int]] = (), sleeps: bool = False,
+            graph: Sequence[Sequence[Span]] | None = None,
+            hosts: Sequence[int] | None = None,
+            lead: Sequence[float] | None = None) -> np.ndarray:
+    """Seconds until every rank with work is through it under fluid processor sharing of
+    each host's ``cores`` (``hosts``: each rank's host, default one): rank ``i`` runs its
+    spans (``graph[i]``, fractions of its ``work[i]`` CPU seconds; default one) in order,
+    each once the spans it waits for have ended, wanting ``duty[i]`` of a core while it runs
+    one (it progresses at ``sigma * duty[i]``) and none while it waits; each ``(demand,
+    until, host)`` of ``fixed`` wants ``demand`` until that second whatever it gets (a
+    time-boxed probe, the planner). A rank with work runs ``lead[i]`` CPU seconds first, as
+    a span that waits for nothing.
 
-    With ``sleeps`` a rank at ``duty < 1`` runs as the emulation runs it: each of its compute
-    spans (``order[i]``, fractions of its work; default one) at a whole core's demand, getting
-    ``sigma`` of one, then a sleep of ``1/duty - 1`` times that span's wall, waits for a core
-    included. Its first span runs beside every busy rank, so its waits are a span's, not a
-    share spread over the step. Measured (``recover``, 4 data-parallel ranks on 2 cores, 2
-    micro-batches each, rank 3 at x9.6): the slowed rank waited 0.029-0.035 s of its 0.165 s,
-    its first forward's 0.0275 s beside three busy ranks; spread over the step, 0.012 s."""
+    With ``sleeps`` a rank at ``duty < 1`` runs as the emulation runs it: each span at a
+    whole core's demand, getting ``sigma`` of one, then a sleep of ``1/duty - 1`` times that
+    span's wall, waits for a core included; its span ends with its sleep. Its first span runs
+    beside every busy rank, so its waits are a span's, not a share spread over the step.
+    Measured (``recover``, 4 data-parallel ranks on 2 cores, 2 micro-batches each, rank 3 at
+    x9.6): the slowed rank waited 0.029-0.035 s of its 0.165 s, its first forward's 0.0275 s
+    beside three busy ranks; spread over the step, 0.012 s."""
     n = work.size
-    left = np.where(work > 0, work, 0.0)
-    fin = np.zeros(n)
-    slept = (duty < 1.0) & (left > 0) if sleeps else np.zeros(n, dtype=bool)
-    queue: dict[int, list[float]] = {}
-    for i in np.flatnonzero(slept):
-        fr = list(order[i]) if order is not None and len(order[i]) else [1.0]
-        tot = float(sum(fr))
-        queue[int(i)] = [float(work[i]) * f / tot for f in reversed(fr)]   # popped from the end
-    cur = np.zeros(n)                        # a sleeper's span left (CPU seconds)
-    began = np.zeros(n)                      # ... when its span began
-    wake = np.full(n, -np.inf)               # ... when its sleep ends
-    for i in queue:
-        cur[i] = queue[i].pop()
-    active = left > 0
+    hid = np.zeros(n, dtype=int) if hosts is None else np.asarray(hosts, dtype=int)
+    nh = int(hid.max()) + 1 if n else 1
+    rows: list[list[tuple[float, tuple]]] = []
+    for i in range(n):
+        g = list(graph[i]) if graph is not None and len(graph[i]) else [(1.0, ())]
+        tot = float(sum(f for f, _ in g))
+        first = [(float(lead[i]), ())] if lead is not None and lead[i] > 0 else []
+        rows.append(first + [(float(work[i]) * f / tot, tuple(d)) for f, d in g]
+                    if work[i] > 0 else [])
+    slept = (duty < 1.0) & (work > 0) if sleeps else np.zeros(n, dtype=bool)
+    want = np.where(slept, 1.0, duty)           # a core's share while a span runs
+    eps = 1e-12 * np.maximum(work, 1.0)
+    done: set[tuple[int, int]] = set()          # spans ended (sleeps included)
+    idx = np.zeros(n, dtype=int)
+    WAIT, RUN, SLEEP, DONE = 0, 1, 2, 3
+    state = np.where(work > 0, WAIT, DONE)
+    left, began, wake, fin = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
     t = 0.0
-    while active.any():
-        running = slept & active & (wake <= t)
-        fluid = active & ~slept
-        demand = (float(duty[fluid].sum()) + float(running.sum())
-                  + sum(d for d, end in fixed if end > t))
-        sigma = min(1.0, cores / demand) if demand > 0 else 1.0
-        speed = sigma * duty
-        cand = [float(np.min(left[fluid] / speed[fluid]))] if fluid.any() else []
-        if running.any():
-            cand.append(float(np.min(cur[running])) / sigma)
-        asleep = slept & active & (wake > t)
-        if asleep.any():
-            cand.append(float(np.min(wake[asleep])) - t)
-        cand += [end - t for _, end in fixed if t < end < np.inf]
+
+    def end_span(i: int, at: float) -> None:
+        done.add((i, int(idx[i])))
+        idx[i] += 1
+        if idx[i] == len(rows[i]):
+            state[i], fin[i] = DONE, at
+        else:
+            state[i] = WAIT
+
+    while True:
+        for i in np.flatnonzero(state == WAIT):
+            w, deps = rows[i][idx[i]]
+            if all(d in done for d in deps):
+                state[i], left[i], began[i] = RUN, w, t
+        if (state == DONE).all():
+            return fin
+        run = state == RUN
+        demand = np.bincount(hid[run], weights=want[run], minlength=nh).astype(np.float64)
+        for d, until, h in fixed:
+            if until > t:
+                demand[h] += d
+        sigma = np.minimum(1.0, cores / np.maximum(demand, 1e-300))
+        speed = sigma[hid] * want
+        cand = list(left[run] / speed[run])
+        cand += list(wake[state == SLEEP] - t)
+        cand += [until - t for _, until, _ in fixed if t < until < np.inf]
+        if not cand:
+            stuck = [(int(i), int(idx[i])) for i in np.flatnonzero(state == WAIT)]
+            raise ValueError(f"_shared: spans {stuck} wait for spans that never end")
         dt = max(0.0, min(cand))
-        left[fluid] -= speed[fluid] * dt
-        cur[running] -= sigma * dt
+        left[run] -= speed[run] * dt
         t += dt
-        done = fluid & (left <= 1e-12 * np.maximum(work, 1.0))
-        fin[done] = t
-        active &= ~done
-        for i in np.flatnonzero(running & (cur <= 1e-12 * np.maximum(work, 1.0))):
-            wake[i] = t + (1.0 / duty[i] - 1.0) * (t - began[i])
-        for i in np.flatnonzero(slept & active & (wake > -np.inf) & (wake <= t + 1e-15)):
-            if queue[int(i)]:
-                cur[i], began[i], wake[i] = queue[int(i)].pop(), t, -np.inf
+        for i in np.flatnonzero(run & (left <= eps)):
+            if slept[i]:
+                state[i], wake[i] = SLEEP, t + (1.0 / duty[i] - 1.0) * (t - began[i])
             else:
-                fin[i] = max(t, wake[i])
-                active[i] = False
-    return fin
+                end_span(int(i), t)
+        for i in np.flatnonzero((state == SLEEP) & (wake <= t + 1e-15)):
+            end_span(int(i), max(t, float(wake[i])))

@@ -13,9 +13,12 @@ tests drive it (``tests/unit/adaptive/test_loop_synthetic.py``):
   after the step's all-reduce, reading :data:`PROBE_S` x their true rate at that moment, in
   the next step's reduce (as ``Controller.after_reduce``): suspended GPUs follow the trace too.
   On a CPU run's shared host (``from_run.py``, ``host.py``) a step's seconds are the host's:
-  its cores shared by the ranks' compute, the probes and the planner's search (runs
-  without ``wait_s``: steps stretch by ``planner_stall`` while it searches). A recorded run's
-  replay (``record``) reads what the run's loop read where it runs the run's plan.
+  its cores shared by the ranks' compute (span by span, on the plan's 1F1B schedule), the
+  probes (the calibrating rank's before its compute) and the planner's search (runs without
+  ``wait_s``: steps stretch by ``planner_stall`` while it searches). A recorded run's replay
+  (``record``) reads what the run's loop read where it runs the run's plan: its
+  ``compute_s``, less the probes that ride in it (a probe timed after a step is in its step
+  line, not in what the loop read).
 * **Planning.** The loop's planner is :class:`SimPlanner`: the real planner (the worker's own
   ``answer``, with its cache), run in this process when the loop asks; its answer reaches the
   loop once the simulated clock has passed the request's moment plus the planner's wall seconds
@@ -48,7 +51,7 @@ from ..adaptive.probe import BUDGET, FIRST_BUDGET_S, HELD_LOAD
 from ..adaptive.settings import AdaptiveSettings
 from ..plan import Plan
 from .costs import MigrationCost
-from .host import SharedHost, plan_spans
+from .host import SharedHost, plan_graph
 from .job import problem_job
 from .run import PolicyResult, Replay, rate_vector
 from .trace import Segment
@@ -62,6 +65,9 @@ PROBE_WALL_S = FIRST_BUDGET_S / 2
 #: runs the block this many times (``ProbeBlock``: one untimed, ``REF_RUNS`` timed), each one
 #: layer on one micro-batch: one cost unit of CPU, ``Replay.scale`` seconds
 PROBE_RUNS = 3
+#: timed runs of the probe block on the calibrating rank (``ProbeBlock.REF_RUNS``): their
+#: seconds ride in its ``compute_s`` of the step they follow (``ComputeClock`` times them)
+REF_RUNS = 2
 #: steps after a change of the plan or of the true rates before a fast-forward may start: the
 #: work model's history (``RateEstimator.FIT_STEPS``) must hold only steps like the next ones
 SETTLE = 48
@@ -165,6 +171,7 @@ class LoopResult(PolicyResult):
     planning_s: float = 0.0      # planner seconds charged to the clock
     plans: dict = field(default_factory=dict)     # every plan it ran, by id
     units: dict = field(default_factory=dict)     # ...and its cost units per rank (the loop's)
+    refs: dict = field(default_factory=dict)      # ...and the rank that calibrates its probes
     step_ends: list = field(default_factory=list)  # on the step clock: each step's end (s)
 
 
@@ -193,7 +200,9 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     are step indices (module doc); the replay runs to the last one's end step.
     ``record``: what a recorded run's loop read (``run_trace.RunRecord``, ``from_run.py``):
     at a step the replay runs on the run's plan, its loop reads the run's ``compute_s``
-    (``record.compute_s(step, plan_id)``), and where the run recorded its probes
+    (``record.compute_s(step, plan_id)``; where the run recorded its probes, the probers' and
+    the calibrating rank's less their probe's seconds, which ride in it), and where the run
+    recorded its probes
     (``record.probes(step, plan_id)``), the held ranks that probed after that step are the
     ones that probed in the run, and each idle or held rank that probes reads what the run's
     probe read, against the reference probe, instead of its rate in the trace: a probe's
@@ -216,7 +225,8 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     out = LoopResult("malleus")
     out.plans[plan.id] = plan
     out.units[plan.id] = units = ctl.units
-    order = plan_spans(plan, N)              # each rank's compute spans (a shared host's)
+    out.refs[plan.id] = ctl.probe_ref
+    graph = plan_graph(plan, N)              # each rank's compute spans (a shared host's)
     horizon = segs[-1].end_s if segs else 0.0     # seconds, or steps on the step clock
     gbs = rp.samples_per_step
     every = settings.detect.probe_every
@@ -232,6 +242,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     timed = np.full(N, np.nan)               # the probes timed after the last step's reduce
     own: deque = deque(maxlen=ctl.compute_times.maxlen)   # each rank's compute_times
     sustained = np.zeros(N, dtype=bool)      # ...of them, the sustained probes (idle, held)
+    calib = -1                               # ...and the calibrating rank's (-1: none)
     if record is not None:             # the run's answers arrived when they did
         planner.anchor = lambda k: record.answered(k, plan.id)
     try:
@@ -264,7 +275,8 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                     own.clear()
                     out.plans[plan.id] = plan
                     out.units[plan.id] = units = ctl.units
-                    order = plan_spans(plan, N)
+                    out.refs[plan.id] = ctl.probe_ref
+                    graph = plan_graph(plan, N)
                     since_change = 0
                 else:
                     ctl.considered(ev.get("measured_rates"))
@@ -296,13 +308,14 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                     if key not in steps_cache:
                         steps_cache[key] = rp.step_seconds(plan, seg.rate_map())
                     return steps_cache[key]
-                key = (plan.id, seg.start_s, searching, sustained.tobytes(), probe_wall)
+                key = (plan.id, seg.start_s, searching, sustained.tobytes(), probe_wall, calib)
                 if key not in steps_cache:
+                    lead = np.zeros(N)
+                    if calib >= 0:           # it probes before its compute: a run a unit
+                        lead[calib] = REF_RUNS * rp.scale
                     steps_cache[key] = host.step_seconds(
                         units * rp.scale, rate_vector(seg, N), sustained, probe_wall,
-                        searching, floor=lambda rv: rp.compute_seconds(
-                            plan, {i: float(x) for i, x in enumerate(rv) if x > 1.0}),
-                        order=order)
+                        searching, graph=graph, lead=lead)
                 return steps_cache[key]
             step_s = seconds(segs[si])
             # -- fast-forward a steady stretch -------------------------------------------------
@@ -337,9 +350,10 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
             if ran is not None:              # what the run's loop read here: its compute_s,
                 ran = np.array(ran, dtype=np.float64)   # less the probes timed after the step
                 if reads:                    # (theirs ride in it; the loop read it before)
-                    probers = list(reads) + ([ctl.probe_ref] if ctl.probe_ref is not None
-                                             else [])
-                    ran[probers] = comp[probers]
+                    ran[list(reads)] = comp[list(reads)]
+                if reads is not None and ctl.probe_ref is not None:   # and the reference's
+                    ref = ctl.probe_ref      # (ProbeBlock.REF_RUNS timed runs, a unit each)
+                    ran[ref] = max(0.5 * ran[ref], ran[ref] - REF_RUNS * rp.scale * rate[ref])
                 comp = ran
             # a probe is timed right after a step's all-reduce and its reading rides in the
             # next step's (Controller.after_reduce): the rate at that moment, read a step later
@@ -355,12 +369,13 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                 who = (units <= 0) | (ctl.held & light)
                 sustained = who.copy()         # the calibrating rank's probe is short
                 who[ctl.probe_ref] = True
+                calib = ctl.probe_ref
                 timed[who] = PROBE_S * at_end[who]
                 for g, r in (reads or {}).items():
                     if who[g] and g != ctl.probe_ref:
                         timed[g] = PROBE_S * r * at_end[ctl.probe_ref]
             else:
-                sustained = np.zeros(N, dtype=bool)
+                sustained, calib = np.zeros(N, dtype=bool), -1
             frac = 1.0 if on_steps else min(1.0, (horizon - clock.now) / step_s)
             clock.now += step_s              # the all-reduce ends the step: hooks run then
             if on_steps:

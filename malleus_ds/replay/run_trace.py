@@ -1,5 +1,6 @@
 """The trace of ``--from-run`` (``from_run.py``): the slowdown each rank of a recorded run really
-ran at, on the step clock (its bounds are step indices after warm-up, ``replay/loop.py``).
+ran at, on the step clock (its bounds are step indices from the run's first step,
+``replay/loop.py``).
 
 The run's emulated schedule says which rank was slowed when and by how much; what it ran at
 differs. An emulated CPU straggler runs slower than scheduled (its compute, between its sleeps,
@@ -51,9 +52,9 @@ from .trace import Event, Trace, make_trace
 
 @dataclass
 class Piece:
-    """A phase of the schedule on one plan of the run: its step lines, their indices after
-    warm-up (``start`` up to ``end``, not included), and each slowed rank's rate there (the
-    schedule's, refined from the run)."""
+    """A phase of the schedule on one plan of the run: its step lines, their indices from the
+    run's first step (``start`` up to ``end``, not included), and each slowed rank's rate
+    there (the schedule's, refined from the run)."""
 
     phase: int
     plan: str | None
@@ -67,11 +68,12 @@ class Piece:
 
 @dataclass
 class RunRecord:
-    """What a recorded run's loop read at each step index after warm-up, for the replay's loop
-    to read where it runs the run's plan (``run_malleus(record=)``): each step's plan,
-    ``compute_s`` and seconds, when each re-plan was answered, and the probes of idle and
-    held ranks (:func:`probed`; ``probing``: the run's step lines carry them, ``probe_rates``,
-    and then a step without any is one in which no idle or held rank probed)."""
+    """What a recorded run's loop read at each step index (from the run's first step, warm-up
+    included: the loop read those too), for the replay's loop to read where it runs the run's
+    plan (``run_malleus(record=)``): each step's plan, ``compute_s`` and seconds, when each
+    re-plan was answered, and the probes of idle and held ranks (:func:`probed`; ``probing``:
+    the run's step lines carry them, ``probe_rates``, and then a step without any is one in
+    which no idle or held rank probed)."""
 
     plans: tuple
     compute: tuple
@@ -82,7 +84,7 @@ class RunRecord:
 
     @classmethod
     def of(cls, steps, reads: dict | None = None, answers: dict | None = None) -> "RunRecord":
-        """From the run's step lines after warm-up (``reads``: their :func:`probed`, if read
+        """From the run's step lines (``reads``: their :func:`probed`, if read
         already; ``answers``: as the field)."""
         reads = probed(steps) if reads is None else reads
         return cls(tuple(s.get("plan") for s in steps),
@@ -138,16 +140,18 @@ def trace_of(pieces, num_gpus: int, where: str = "") -> Trace:
     return make_trace(rows, num_gpus, hours=end / 3600.0 + 1e-9, where=where)
 
 
-def refine(pieces, units: dict, unit_s: float, probe_every: int, switch_steps=()) -> bool:
+def refine(pieces, units: dict, unit_s: float, probe_every: int, switch_steps=(),
+           refs: dict | None = None) -> bool:
     """Each piece whose plan the replay ran (``units``: that plan's cost units per rank, by
     plan id) gets each slowed rank's rate from the run's own compute: per step, its
     ``compute_s`` per unit over that of the step's healthy working ranks (else ``unit_s``, the
     healthy steps' per-unit seconds, ``Replay.scale``), the median over the piece's steps that
     did not follow a switch, leaving out a rank's steps that held its probe (a probe's seconds
     ride in its step's ``compute_s``: where the run recorded its probes, ``Piece.probes``, the
-    ranks that probed; else every rank on a probe step); and on each such step, every working
-    rank's rate at that step (``Piece.each``): its ``compute_s`` per unit over ``unit_s``, at
-    least 1. In place; True if a rate changed."""
+    ranks that probed, and on a probe step the rank that calibrates them under the plan,
+    ``refs``: by plan id, as the replay's loop chose it; else every rank on a probe step); and
+    on each such step, every working rank's rate at that step (``Piece.each``): its
+    ``compute_s`` per unit over ``unit_s``, at least 1. In place; True if a rate changed."""
     import numpy as np
 
     every = probe_every
@@ -171,6 +175,9 @@ def refine(pieces, units: dict, unit_s: float, probe_every: int, switch_steps=()
             if c.shape != u.shape:
                 continue
             c[list(pc.probes.get(pc.start + i, {}))] = np.nan    # their probe's seconds in it
+            ref = (refs or {}).get(pc.plan)
+            if recorded and k % every == 0 and ref is not None:
+                c[ref] = np.nan              # ...and the calibrating rank's, on a probe step
             ok = (u > 0) & ~slow & (c > 0)
             ref = float(np.median(c[ok] / u[ok])) if ok.any() else unit_s
             for g in pc.rates:

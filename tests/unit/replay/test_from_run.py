@@ -50,17 +50,17 @@ def test_the_replay_is_built_from_the_runs_own_files(tmp_path):
     assert rr.problem.num_gpus == 4 and rr.plan.global_batch_size == 16
     assert rr.step_s == pytest.approx(STEP) and rr.compute_share == pytest.approx(COMPUTE / STEP)
     # the straggler starts with step 8 (steps 2-7 healthy) and ends with 16: on the step clock,
-    # indices after warm-up
+    # from the run's first step (the loop saw the warm-up steps 0-1 too)
     (ev,) = rr.trace.events
     assert ev.gpu == 3 and ev.rate == 3.0
-    assert (ev.start_s, ev.end_s) == (6, 14) and rr.trace.horizon_s == pytest.approx(22)
+    assert (ev.start_s, ev.end_s) == (8, 16) and rr.trace.horizon_s == pytest.approx(24)
     # switch costs: 0 B in 0.02 s and 1 MB in 0.03 s: 0.02 s fixed + 1 MB per 0.01 s
     assert rr.costs.communicators_s == pytest.approx(0.02)
     assert rr.costs.network_gbps == pytest.approx(1e6 / 0.01 / 1e9)
     assert rr.planning_s == {"search": 0.5, "healthy": 0.1}
     assert [p["steps"] for p in rr.phases] == [[2, 7], [8, 15], [16, 23]]
-    assert [(p["lo"], p["hi"]) for p in rr.phases] == [(0, 6), (6, 14), (14, 22)]
-    assert rr.phases[1]["start_s"] == pytest.approx(6 * STEP)
+    assert [(p["lo"], p["hi"]) for p in rr.phases] == [(2, 8), (8, 16), (16, 24)]
+    assert rr.phases[1]["start_s"] == pytest.approx(8 * STEP)
     assert rr.phases[0]["measured_samples_per_s"] == pytest.approx(16 / STEP)
 
 
@@ -133,7 +133,7 @@ def test_the_trace_holds_the_slowdown_the_rank_really_ran_at_on_each_plan(tmp_pa
     rr = build(run)
     a, b = rr.trace.events
     assert (a.gpu, a.rate, b.gpu, b.rate) == (3, 3.3, 3, 3.6)
-    assert (a.start_s, a.end_s, b.start_s) == (6, 9, 9)
+    assert (a.start_s, a.end_s, b.start_s) == (8, 11, 11)
     assert rr.phases[1]["condition"] == {"3": 3.0}
     assert [(pc.phase, pc.plan, pc.rates) for pc in rr.pieces[1:3]] == \
         [(1, "plan-a", {3: 3.3}), (1, "plan-b", {3: 3.6})]
@@ -244,11 +244,11 @@ def test_on_the_runs_plans_every_rank_runs_at_its_own_pace_step_by_step(tmp_path
     the piece's median too, steps 8-10 of that plan in one event)."""
     rr = build(_paced(tmp_path))
     compare(rr)
-    assert rr.pieces[1].each[7] == {0: 1.5, 1: 1.0, 2: 1.0, 3: 3.3}
-    assert 8 not in rr.pieces[1].each                    # step 10 held a probe
+    assert rr.pieces[1].each[9] == {0: 1.5, 1: 1.0, 2: 1.0, 3: 3.3}
+    assert 10 not in rr.pieces[1].each                   # step 10 held a probe
     ev = [(e.start_s, e.end_s, e.gpu, e.rate) for e in rr.trace.events]
-    assert (7.0, 8.0, 0, 1.5) in ev and (6.0, 9.0, 3, 3.3) in ev
-    assert not [e for e in ev if e[2] == 0 and e != (7.0, 8.0, 0, 1.5)]
+    assert (9.0, 10.0, 0, 1.5) in ev and (8.0, 11.0, 3, 3.3) in ev
+    assert not [e for e in ev if e[2] == 0 and e != (9.0, 10.0, 0, 1.5)]
 
 
 def test_the_runs_probe_readings_are_kept_by_the_step_they_were_timed_after(tmp_path):
@@ -263,8 +263,8 @@ def test_the_runs_probe_readings_are_kept_by_the_step_they_were_timed_after(tmp_
         return x
     _edit(run, probes)
     rr = build(run)
-    assert rr.pieces[-2].probes == {16: {3: 1.22}} and rr.pieces[-1].probes == {18: {3: 0.97}}
-    assert [(e.start_s, e.end_s, e.gpu, e.rate) for e in rr.trace.events] == [(6, 14, 3, 3.0)]
+    assert rr.pieces[-2].probes == {18: {3: 1.22}} and rr.pieces[-1].probes == {20: {3: 0.97}}
+    assert [(e.start_s, e.end_s, e.gpu, e.rate) for e in rr.trace.events] == [(8, 16, 3, 3.0)]
 
 
 def test_the_healthy_step_is_the_median_of_the_first_plans_steady_healthy_steps(tmp_path):
@@ -301,19 +301,20 @@ def test_the_record_holds_what_the_runs_loop_read_on_its_plans(tmp_path):
           dict(x, probe_rates=[None, None, None, 2.9]))
     rec = build(run).record
     assert rec.compute_s(0, "plan-a") == (COMPUTE,) * 4 and rec.compute_s(0, "plan-b") is None
-    assert rec.probes(10, "plan-b") == {3: 2.9}               # timed after step 12
-    assert rec.probes(11, "plan-b") == {} and rec.probes(10, "plan-a") is None
+    assert rec.probes(12, "plan-b") == {3: 2.9}               # timed after step 12
+    assert rec.probes(13, "plan-b") == {} and rec.probes(12, "plan-a") is None
     plain = build(_run(tmp_path / "plain")).record
-    assert plain.probes(10, "plan-b") is None and plain.compute_s(10, "plan-b") is not None
+    assert plain.probes(12, "plan-b") is None and plain.compute_s(12, "plan-b") is not None
     # the seconds its pace check read; when it took each answer (detected at step 10, the step
-    # after the request, answered before 11; detected at 18, answered before 19): by index
+    # after the request, answered before 11; detected at 18, answered before 19): by index,
+    # from the run's first step
     assert rec.step_s(0, "plan-a") == pytest.approx(STEP) and rec.step_s(0, "plan-b") is None
     _edit(run, lambda x: dict(x, detected=10 if x["step"] == 11 else 18)
           if x.get("event") == "replan" else x)
     rec = build(run).record
-    assert rec.answers == {7: 9, 15: 17}
-    assert rec.answered(7, "plan-a") == 9 and rec.answered(7, "plan-b") is None
-    assert rec.answered(15, "plan-b") == 17 and rec.answered(8, "plan-a") is None
+    assert rec.answers == {9: 11, 17: 19}
+    assert rec.answered(9, "plan-a") == 11 and rec.answered(9, "plan-b") is None
+    assert rec.answered(17, "plan-b") == 19 and rec.answered(10, "plan-a") is None
 
 
 def test_where_the_run_wrote_its_probes_only_the_ranks_that_probed_are_left_out(tmp_path):
@@ -323,9 +324,32 @@ def test_where_the_run_wrote_its_probes_only_the_ranks_that_probed_are_left_out(
     rank's ``compute_s``), and so is step 8 (no probe)."""
     rr = build(_paced(tmp_path, probed_after_10=True))
     compare(rr)
-    assert rr.pieces[1].each[8] == {0: 1.5, 1: 1.0, 2: 1.0}
-    assert rr.pieces[1].each[6] == {0: 1.0, 1: 1.0, 2: 1.0, 3: 3.0}
+    assert rr.pieces[1].each[10] == {0: 1.5, 1: 1.0, 2: 1.0}
+    assert rr.pieces[1].each[8] == {0: 1.0, 1: 1.0, 2: 1.0, 3: 3.0}
     assert rr.pieces[1].rates == {3: 3.15}                   # steps 8 and 9: 3.0 and 3.3
+
+
+def test_on_a_probe_step_the_calibrating_ranks_compute_is_not_read():
+    """``refine``: a plan with held rank 3 (at 3x) and rank 0 calibrating its probes
+    (``refs``); the run wrote its probes. After even step 10 rank 0 timed the probe block
+    twice, and those seconds ride in its ``compute_s`` (1.5x): that step is not read for
+    rank 0, step 11 is; without ``refs`` rank 0 reads 1.5 at step 10."""
+    from malleus_ds.replay.run_trace import Piece, refine
+
+    u, s = [4.0, 8.0, 8.0, 2.0], 0.01
+
+    def line(k, f0):
+        return {"step": k, "compute_s": [f0 * 4 * s, 8 * s, 8 * s, 3 * 2 * s]}
+
+    def pieces():
+        return [Piece(1, "p", (line(10, 1.5), line(11, 1.0)), 10, 12, {3: 3.0},
+                      probes={11: {3: 3.1}})]
+    with_ref, without = pieces(), pieces()
+    refine(with_ref, {"p": u}, s, 2, refs={"p": 0})
+    refine(without, {"p": u}, s, 2)
+    assert with_ref[0].each == {10: {1: 1.0, 2: 1.0, 3: 3.0}, 11: {0: 1.0, 1: 1.0, 2: 1.0}}
+    assert without[0].each[10][0] == pytest.approx(1.5)
+    assert with_ref[0].rates == {3: 3.0}
 
 
 def test_bench_from_run_reads_a_set_of_runs(tmp_path, capsys):

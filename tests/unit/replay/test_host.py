@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from malleus_ds.plan import Pipeline, Plan, Stage
-from malleus_ds.replay.host import SharedHost, _shared, plan_spans, spans
+from malleus_ds.replay.host import SharedHost, _shared, one_f_one_b, plan_graph, spans
 
 
 def test_four_ranks_on_two_cores_take_turns():
@@ -16,8 +16,8 @@ def test_four_ranks_on_two_cores_take_turns():
     assert h.step_seconds([0.15] * 4, [1.0] * 4) == pytest.approx(0.3 + 0.1)
     # two without work: the others have a core each, and so has the rest
     assert h.step_seconds([0.15, 0.0, 0.15, 0.0], [1.0] * 4) == pytest.approx(0.15 + 0.05)
-    # the cost model's step (a pipeline's order) is a floor
-    assert h.step_seconds([0.15, 0.0, 0.15, 0.0], [1.0] * 4, floor_s=0.2) == \
+    # the calibrating rank's probe (0.05 s of CPU) runs before its compute
+    assert h.step_seconds([0.15, 0.0, 0.15, 0.0], [1.0] * 4, lead=[0.05, 0, 0, 0]) == \
         pytest.approx(0.2 + 0.05)
 
 
@@ -74,12 +74,12 @@ def test_a_rank_slowed_by_sleeping_runs_each_span_at_a_whole_cores_demand_then_s
     assert SharedHost(2.0, 0.0, 3).step_seconds(work, rates) == pytest.approx(0.425)
     slept = SharedHost(2.0, 0.0, 3, sleeps=True)
     assert slept.step_seconds(work, rates) == pytest.approx(0.6)
-    two = [spans(2)] * 3
-    assert slept.step_seconds(work, rates, order=two) == pytest.approx(0.5)
-    ends = _shared(np.array(work), 1.0 / np.array(rates), 2.0, [], sleeps=True, order=two)
+    two = [tuple((f, ()) for f in spans(2))] * 3
+    assert slept.step_seconds(work, rates, graph=two) == pytest.approx(0.5)
+    ends = _shared(np.array(work), 1.0 / np.array(rates), 2.0, [], sleeps=True, graph=two)
     assert ends == pytest.approx([0.225, 0.225, 0.5])
-    # without sleeping the spans change nothing
-    assert SharedHost(2.0, 0.0, 3).step_seconds(work, rates, order=two) == pytest.approx(0.425)
+    # without sleeping, spans that wait for nothing change nothing
+    assert SharedHost(2.0, 0.0, 3).step_seconds(work, rates, graph=two) == pytest.approx(0.425)
 
 
 def test_a_ranks_spans_are_its_forwards_and_backwards_in_1f1b_order():
@@ -89,11 +89,31 @@ def test_a_ranks_spans_are_its_forwards_and_backwards_in_1f1b_order():
     assert spans(3, warm=1) == pytest.approx(tuple(x / 9 for x in (1, 1, 2, 1, 2, 2)))
     assert spans(2, warm=5) == pytest.approx(tuple(x / 6 for x in (1, 1, 2, 2)))
     assert spans(0) == ()
+    assert one_f_one_b(3, 1) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
     plan = Plan(4, 8, 1, (Pipeline(3, (Stage((0,), (0, 2)), Stage((1,), (2, 4)))),
                           Pipeline(5, (Stage((2,), (0, 4)),))), suspended=(3,))
-    got = plan_spans(plan, 4)
-    assert got[0] == spans(3, 1) and got[1] == spans(3, 0) and got[2] == spans(5)
+    got = plan_graph(plan, 4)
+    assert [f for f, _ in got[0]] == pytest.approx(spans(3, 1))
+    assert [f for f, _ in got[1]] == pytest.approx(spans(3, 0))
+    assert [f for f, _ in got[2]] == pytest.approx(spans(5))
     assert got[3] == ()
+    # stage 0 (F0 F1 B0 F2 B1 B2) waits for stage 1's backwards; stage 1 (F0 B0 F1 B1 F2 B2)
+    # for stage 0's forwards; the data-parallel pipeline for nothing
+    assert [d for _, d in got[0]] == [(), (), ((1, 1),), (), ((1, 3),), ((1, 5),)]
+    assert [d for _, d in got[1]] == [((0, 0),), (), ((0, 1),), (), ((0, 3),), ()]
+    assert all(d == () for _, d in got[2])
+
+
+def test_a_tensor_parallel_stages_ranks_keep_step_span_by_span():
+    """Ranks 0 and 1 form one TP stage: each span waits for its peer's previous one."""
+    plan = Plan(2, 2, 1, (Pipeline(1, (Stage((0, 1), (0, 4)),)),))
+    got = plan_graph(plan, 2)
+    assert [d for _, d in got[0]] == [(), ((1, 0),)]
+    assert [d for _, d in got[1]] == [(), ((0, 0),)]
+    # rank 1 at 3x: 0.3 s of forward, rank 0's backward (0.2 s) waits for it: 0.5 s; rank
+    # 1's backward 0.6 s: 0.9 s
+    ends = _shared(np.array([0.3, 0.3]), np.array([1.0, 1 / 3]), 2.0, graph=got)
+    assert ends == pytest.approx([0.5, 0.3 + 0.6])
 
 
 def test_calibration_reads_cores_and_the_rest_from_healthy_steps():
@@ -115,19 +135,27 @@ def test_calibration_reads_cores_and_the_rest_from_healthy_steps():
         SharedHost(0, 0.1, 2)
 
 
-def test_a_pipelines_pieces_run_at_the_pace_the_sharing_leaves_them():
-    """A 2-stage pipeline of ranks 0 -> 1 (its step: their pieces in series, 0.1 s each per
-    unit rate) beside two busy ranks, 4 on 2 cores: the fluid sharing gives each half a core,
-    every rank's wall twice its work, so each piece on the path takes twice as long: 0.4 s,
-    where the undilated cost model says 0.2 (as the fluid compute does)."""
-    h = SharedHost(cores=2.0, other_s=0.0, ranks_per_host=4)
-
-    def path(rates):
-        return 0.1 * rates[0] + 0.1 * rates[1]
-    assert h.step_seconds([0.1] * 4, [1.0] * 4, floor_s=path([1.0, 1.0])) == pytest.approx(0.2)
-    assert h.step_seconds([0.1] * 4, [1.0] * 4, floor=path) == pytest.approx(0.4)
-    # rank 1 at rate 3 (a sleeping straggler): 3 + 1/3 want 2 cores, sigma 0.6; ranks 0, 2, 3
-    # end at 0.1 / 0.6 = 1/6 s (dilated 5/3), by when rank 1 has done 1/6 * 0.6 / 3 = 1/30 of
-    # its 0.1; alone, the rest at 1/3 per second takes 0.2 s: its wall 11/30 s against 0.3 alone
-    # (dilated 11/9). The path: 0.1 * 5/3 + 0.1 * 3 * 11/9 = 8/15 s
-    assert h.step_seconds([0.1] * 4, [1.0, 3.0, 1.0, 1.0], floor=path) == pytest.approx(8 / 15)
+def test_a_pipelines_stages_wait_for_each_others_spans():
+    """A 2-stage pipeline of ranks 0 -> 1, one micro-batch, 0.3 s of work each (forward 0.1,
+    backward 0.2). Two cores: rank 0's forward to 0.1 s, rank 1's forward and backward to
+    0.4 s, rank 0's backward to 0.6 s, where the ranks' own work says 0.3."""
+    plan = Plan(2, 1, 1, (Pipeline(1, (Stage((0,), (0, 2)), Stage((1,), (2, 4)))),))
+    g = plan_graph(plan, 2)
+    h = SharedHost(cores=2.0, other_s=0.0, ranks_per_host=2)
+    assert h.step_seconds([0.3, 0.3], [1.0, 1.0]) == pytest.approx(0.3)
+    assert h.step_seconds([0.3, 0.3], [1.0, 1.0], graph=g) == pytest.approx(0.6)
+    # rank 0 at 2x, slowed by sleeping: its forward 0.1 s then 0.1 s asleep before it sends
+    # (rank 1 from 0.2 s to 0.5 s), its backward 0.2 s then 0.2 s asleep: 0.9 s
+    slept = SharedHost(cores=2.0, other_s=0.0, ranks_per_host=2, sleeps=True)
+    assert slept.step_seconds([0.3, 0.3], [2.0, 1.0], graph=g) == pytest.approx(0.9)
+    # one core, a third rank with 0.3 s and no pipeline: rank 0's forward shares it (to
+    # 0.2 s), then rank 1's forward (to 0.4 s) and half its backward (to 0.6 s, when rank 2
+    # is through); the other half alone (0.7 s), then rank 0's backward alone: 0.9 s
+    plan3 = Plan(3, 2, 1, (Pipeline(1, (Stage((0,), (0, 2)), Stage((1,), (2, 4)))),
+                           Pipeline(1, (Stage((2,), (0, 4)),))))
+    ends = _shared(np.array([0.3, 0.3, 0.3]), np.ones(3), 1.0, graph=plan_graph(plan3, 3))
+    assert ends == pytest.approx([0.9, 0.7, 0.6])
+    # spans that wait for one another in a circle never end: a clear error, not a hang
+    loop = [((1.0, ((1, 0),)),), ((1.0, ((0, 0),)),)]
+    with pytest.raises(ValueError, match="never end"):
+        _shared(np.array([0.1, 0.1]), np.ones(2), 1.0, graph=loop)

@@ -187,12 +187,44 @@ def test_a_probes_seconds_in_the_runs_compute_are_not_read():
     assert blind.decisions and blind.decisions[0].trigger == "onset"
 
 
+def test_the_calibrating_ranks_probe_is_not_read_in_the_runs_compute(monkeypatch):
+    """Its probe block's timed runs ride in the calibrating rank's ``compute_s`` of the step
+    they follow too. GPU 3 at rate 6 from step 10 gets a light share (held), and another rank
+    calibrates its probes (``probe_ref``); the run's step lines, on that plan, say every rank
+    computed 1.0 s and no held rank probed. The loop reads the calibrating rank at 1.0 s less
+    ``REF_RUNS`` runs of the block (a cost unit each) on each probe step (even), 1.0 s on the
+    others and for every other rank."""
+    from malleus_ds.replay import loop as loop_mod
+
+    seen = []
+
+    class Recording(loop_mod.Controller):
+        def observe(self, step, sums):
+            seen.append((step, self.probe_ref, sums.compute_s.copy()))
+            return super().observe(step, sums)
+
+    monkeypatch.setattr(loop_mod, "Controller", Recording)
+    tr = make_trace([Event(10, 60, 3, 6.0)], 4, hours=60 / 3600)
+    rp = Replay(dp_problem(), 1.0)
+    run_malleus(rp, tr.segments(), charge=_charge, on_steps=True,
+                record=_Record(lambda k, plan: {},
+                               lambda k, plan: None if plan == rp.static.id else [1.0] * 4))
+    held = [(k, ref, c) for k, ref, c in seen if ref is not None]
+    assert held and {k % 2 for k, _, _ in held} == {0, 1}
+    for k, ref, c in held:
+        want = [1.0] * 4
+        if k % 2 == 0:
+            want[ref] = 1.0 - loop_mod.REF_RUNS * rp.scale
+        assert list(c) == pytest.approx(want), k
+
+
 def test_a_probe_that_does_not_sustain_costs_a_few_runs_of_the_block():
     """``PROBE_RUNS``: the probe block's untimed run and its timed ones (``ProbeBlock``)."""
     from malleus_ds.engine.probe_block import ProbeBlock
-    from malleus_ds.replay.loop import PROBE_RUNS
+    from malleus_ds.replay.loop import PROBE_RUNS, REF_RUNS
 
     assert PROBE_RUNS == 1 + ProbeBlock.REF_RUNS
+    assert REF_RUNS == ProbeBlock.REF_RUNS
 
 
 def test_a_slow_planner_answers_late_on_the_simulated_clock():

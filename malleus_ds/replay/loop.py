@@ -348,12 +348,9 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                      if record is not None and step % every == 0 else None)
             ran = record.compute_s(step, plan.id) if record is not None else None
             if ran is not None:              # what the run's loop read here: its compute_s,
-                ran = np.array(ran, dtype=np.float64)   # less the probes timed after the step
-                if reads:                    # (theirs ride in it; the loop read it before)
-                    ran[list(reads)] = comp[list(reads)]
-                if reads is not None and ctl.probe_ref is not None:   # and the reference's
-                    ref = ctl.probe_ref      # (ProbeBlock.REF_RUNS timed runs, a unit each)
-                    ran[ref] = max(0.5 * ran[ref], ran[ref] - REF_RUNS * rp.scale * rate[ref])
+                ran = _less_probes(             # less the probes timed after the step (theirs
+                    np.array(ran, dtype=np.float64), reads, ctl.probe_ref,   # ride in it)
+                    rp.scale * rate, ctl.step_times, own)
                 comp = ran
             # a probe is timed right after a step's all-reduce and its reading rides in the
             # next step's (Controller.after_reduce): the rate at that moment, read a step later
@@ -401,6 +398,33 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     out.seconds = end if on_steps else horizon
     out.planning_s = sum(planner.charged)
     return out
+
+
+def _less_probes(ran: np.ndarray, reads: dict | None, ref: int | None, unit_s: np.ndarray,
+                 step_times, own) -> np.ndarray:
+    """A run's ``compute_s`` of a step (``ran``) as its loop read it: less the seconds of the
+    probes timed after the step, which its step line holds (``ComputeClock`` times the probe
+    block's runs) and the loop did not (it read the compute before them). ``reads``: the
+    ranks that probed and what their probes read (None: the run did not record its probes,
+    nothing is known); ``ref``: the rank that calibrated them (its ``ProbeBlock.REF_RUNS``
+    runs of the block, a cost unit each, ``unit_s`` per rank: the replay's seconds per unit at
+    its rate); a held rank that probed ran the block, ``reading`` times the reference's
+    seconds, as often as half its budget holds (``ProbeBlock.measure``: at least once, at most
+    ``REF_RUNS``; ``probe.budget`` from the steps and its own compute so far, ``own``)."""
+    if reads is None or ref is None:
+        return ran
+    from ..adaptive.probe import budget
+
+    block = float(unit_s[ref])
+    cut = {ref: REF_RUNS * block}
+    for g, r in reads.items():
+        if g != ref and ran[g] > 0:
+            mine = [float(c[g]) for c in own] if own else None
+            half = budget(step_times, mine) / 2
+            cut[g] = min(REF_RUNS, max(1, int(half // max(r * block, 1e-12)))) * r * block
+    for g, c in cut.items():
+        ran[g] = max(0.5 * ran[g], ran[g] - c)
+    return ran
 
 
 def _crossing(seconds: Callable[[Segment], float], segs: Sequence[Segment], si: int, t: float,

@@ -163,37 +163,15 @@ def test_the_loop_reads_the_runs_own_compute_where_it_ran_the_runs_plan():
     assert other.switches == 2
 
 
-def test_a_probes_seconds_in_the_runs_compute_are_not_read():
+def test_a_probes_seconds_in_the_runs_compute_are_not_read(monkeypatch):
     """A probe timed after a step rides in its rank's ``compute_s`` of that step (the step line
-    is written after it), but the run's loop read the compute before it. Healthy DP, and the
-    run's step lines say rank 3 computed 50x on every probe step: where the run recorded that
-    rank 3 probed after them, the replay's loop does not read those seconds (nothing to
-    re-plan); where it recorded no probes, it does, and re-plans (one detection confirms)."""
-    from malleus_ds.adaptive.settings import AdaptiveSettings
-
-    tr = make_trace([Event(0, 1, 0, 1.0)], 4, hours=40 / 3600)
-    rp = Replay(dp_problem(), 1.0)
-    c = 28 * rp.scale
-    quick = AdaptiveSettings.from_config({"detect": {"confirm": 1}})
-
-    def compute(k, plan):
-        return [c, c, c, 50 * c] if k % 2 == 0 else [c] * 4
-    probed = run_malleus(rp, tr.segments(), quick, charge=_charge, on_steps=True,
-                         record=_Record(lambda k, plan: {3: 1.0} if k % 2 == 0 else {},
-                                        compute))
-    blind = run_malleus(rp, tr.segments(), quick, charge=_charge, on_steps=True,
-                        record=_Record(compute=compute))
-    assert not probed.decisions
-    assert blind.decisions and blind.decisions[0].trigger == "onset"
-
-
-def test_the_calibrating_ranks_probe_is_not_read_in_the_runs_compute(monkeypatch):
-    """Its probe block's timed runs ride in the calibrating rank's ``compute_s`` of the step
-    they follow too. GPU 3 at rate 6 from step 10 gets a light share (held), and another rank
-    calibrates its probes (``probe_ref``); the run's step lines, on that plan, say every rank
-    computed 1.0 s and no held rank probed. The loop reads the calibrating rank at 1.0 s less
-    ``REF_RUNS`` runs of the block (a cost unit each) on each probe step (even), 1.0 s on the
-    others and for every other rank."""
+    is written after it), but the run's loop read the compute before it. GPU 3 at rate 6 from
+    step 10 gets a light share (held), and another rank calibrates its probes
+    (``probe_ref``); the run's step lines, on that plan, say every rank computed 1.0 s, and
+    that GPU 3 probed after each probe step (even), reading 6. The loop reads the calibrating
+    rank at 1.0 s less ``REF_RUNS`` runs of the block (a cost unit each) on those steps, GPU 3
+    at 1.0 s less one or two runs of 6 units (``_less_probes``), 1.0 s on the other steps and
+    for every other rank. Where the run did not record its probes, it reads 1.0 s."""
     from malleus_ds.replay import loop as loop_mod
 
     seen = []
@@ -206,16 +184,43 @@ def test_the_calibrating_ranks_probe_is_not_read_in_the_runs_compute(monkeypatch
     monkeypatch.setattr(loop_mod, "Controller", Recording)
     tr = make_trace([Event(10, 60, 3, 6.0)], 4, hours=60 / 3600)
     rp = Replay(dp_problem(), 1.0)
+
+    def compute(k, plan):
+        return None if plan == rp.static.id else [1.0] * 4
     run_malleus(rp, tr.segments(), charge=_charge, on_steps=True,
-                record=_Record(lambda k, plan: {},
-                               lambda k, plan: None if plan == rp.static.id else [1.0] * 4))
+                record=_Record(lambda k, plan: {3: 6.0}, compute))
     held = [(k, ref, c) for k, ref, c in seen if ref is not None]
     assert held and {k % 2 for k, _, _ in held} == {0, 1}
+    block = 6 * rp.scale
     for k, ref, c in held:
         want = [1.0] * 4
         if k % 2 == 0:
             want[ref] = 1.0 - loop_mod.REF_RUNS * rp.scale
+            assert 1.0 - 2 * block - 1e-9 <= c[3] <= 1.0 - block + 1e-9
+            want[3] = c[3]
         assert list(c) == pytest.approx(want), k
+    seen.clear()
+    run_malleus(rp, tr.segments(), charge=_charge, on_steps=True,
+                record=_Record(compute=compute))
+    assert all(list(c) == [1.0] * 4 for _, ref, c in seen if ref is not None)
+
+
+def test_a_held_ranks_probe_is_not_read_either_as_often_as_its_budget_ran_it():
+    """``_less_probes`` by hand: the calibrating rank 0 timed the block twice (0.01 s each);
+    held rank 3's probe read 4.0, 0.04 s a run, as many runs (1-2) as half its budget holds:
+    steps of 1.0 s, its own compute 0.5 s: budget min(0.5, 0.5 x 0.5) = 0.25 s, two runs;
+    compute 0.95 s: 0.025 s, one. A run that did not record its probes: nothing known."""
+    import numpy as np
+
+    from malleus_ds.replay.loop import _less_probes
+
+    def cut(own3):
+        own = [np.array([1.0, 1.0, 1.0, own3])] * 3
+        return _less_probes(np.array([1.0, 1.0, 1.0, 0.5]), {3: 4.0}, 0, np.full(4, 0.01),
+                            [1.0] * 3, own)
+    assert cut(0.5) == pytest.approx([0.98, 1.0, 1.0, 0.5 - 2 * 0.04])
+    assert cut(0.95) == pytest.approx([0.98, 1.0, 1.0, 0.5 - 0.04])
+    assert list(_less_probes(np.ones(4), None, 0, np.full(4, 0.01), [1.0], [])) == [1.0] * 4
 
 
 def test_a_probe_that_does_not_sustain_costs_a_few_runs_of_the_block():

@@ -259,5 +259,5 @@ def _shared(work: np.ndarray, duty: np.ndarray, cores: float,
                 state[i], wake[i] = SLEEP, t + (1.0 / duty[i] - 1.0) * (t - began[i])
             else:
                 end_span(int(i), t)
-        for i in np.flatnonzero((state == SLEEP) & (wake <= t + 1e-15)):
+        for i in np.flatnonzero((state == SLEEP) & (wake <= t + 1e-12)):
             end_span(int(i), max(t, float(wake[i])))

@@ -48,6 +48,7 @@ import numpy as np
 
 from ..adaptive.control import Controller
 from ..adaptive.probe import BUDGET, FIRST_BUDGET_S, HELD_LOAD
+from ..adaptive.probe import budget as probe_budget
 from ..adaptive.settings import AdaptiveSettings
 from ..plan import Plan
 from .costs import MigrationCost
@@ -413,14 +414,12 @@ def _less_probes(ran: np.ndarray, reads: dict | None, ref: int | None, unit_s: n
     ``REF_RUNS``; ``probe.budget`` from the steps and its own compute so far, ``own``)."""
     if reads is None or ref is None:
         return ran
-    from ..adaptive.probe import budget
-
     block = float(unit_s[ref])
     cut = {ref: REF_RUNS * block}
     for g, r in reads.items():
         if g != ref and ran[g] > 0:
             mine = [float(c[g]) for c in own] if own else None
-            half = budget(step_times, mine) / 2
+            half = probe_budget(step_times, mine) / 2
             cut[g] = min(REF_RUNS, max(1, int(half // max(r * block, 1e-12)))) * r * block
     for g, c in cut.items():
         ran[g] = max(0.5 * ran[g], ran[g] - c)

@@ -171,13 +171,13 @@ def plan_graph(plan, num_ranks: int) -> list[tuple[Span, ...]]:
         for k, st in enumerate(pipe.stages):
             for r in st.ranks:
                 row = []
-                for i, (kind, j) in enumerate(seqs[k]):
+                for i, ((kind, j), frac) in enumerate(zip(seqs[k], spans(m, S - k - 1))):
                     nb = k - 1 if kind == "F" else k + 1
                     deps = ([(q, at[nb][(kind, j)]) for q in pipe.stages[nb].ranks]
                             if 0 <= nb < S else [])
                     if i > 0:
                         deps += [(q, i - 1) for q in st.ranks if q != r]
-                    row.append(((1.0 if kind == "F" else 2.0) / (3.0 * m), tuple(deps)))
+                    row.append((frac, tuple(deps)))
                 out[r] = tuple(row)
     return out
 

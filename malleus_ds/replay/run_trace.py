@@ -163,6 +163,7 @@ def refine(pieces, units: dict, unit_s: float, probe_every: int, switch_steps=()
         if u is None:
             continue
         u = np.asarray(u, dtype=np.float64)
+        calib = (refs or {}).get(pc.plan)       # the rank that calibrates the probes
         slow = np.zeros(u.size, dtype=bool)
         slow[list(pc.rates)] = True
         reads: dict[int, list[float]] = {g: [] for g in pc.rates}
@@ -175,9 +176,8 @@ def refine(pieces, units: dict, unit_s: float, probe_every: int, switch_steps=()
             if c.shape != u.shape:
                 continue
             c[list(pc.probes.get(pc.start + i, {}))] = np.nan    # their probe's seconds in it
-            ref = (refs or {}).get(pc.plan)
-            if recorded and k % every == 0 and ref is not None:
-                c[ref] = np.nan              # ...and the calibrating rank's, on a probe step
+            if recorded and k % every == 0 and calib is not None:
+                c[calib] = np.nan            # ...and the calibrating rank's, on a probe step
             ok = (u > 0) & ~slow & (c > 0)
             ref = float(np.median(c[ok] / u[ok])) if ok.any() else unit_s
             for g in pc.rates:

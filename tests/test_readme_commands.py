@@ -1,9 +1,11 @@
-"""The README's commands work from a fresh clone (issue 9, item 6: docs that stand alone).
+"""The commands of the README and of every guide in ``docs/`` work from a fresh clone (issue 9,
+item 6: docs that stand alone; issue 49: the guides beside a short README).
 
-Every command line in README.md's ``bash``/``sh`` fenced blocks is either run here or listed in
-:data:`SKIP` with the reason. A command that is not in SKIP is run, so a new README command cannot
-slip through untested: it must work from a clone, finish within :data:`BUDGET_S`, or be added to
-SKIP with its reason; a SKIP entry the README no longer has fails too.
+Every command line in the ``bash``/``sh`` fenced blocks of README.md and docs/*.md is either run
+here or listed in :data:`SKIP` under its file with the reason. A command that is not in SKIP is
+run, so a new command in a guide cannot slip through untested: it must work from a clone, finish
+within :data:`BUDGET_S`, or be added to SKIP with its reason; a SKIP entry its file no longer has
+fails too.
 
 Each block runs, command after command, in a fresh copy of the repository's files (``git
 ls-files``: tracked files plus new files git does not ignore, so nothing outside the repository
@@ -30,57 +32,65 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+#: the pages whose command blocks run here: the README and every guide in docs/
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 COMMAND_TIMEOUT_S = 240      # hard limit per command
 BUDGET_S = 90                # a command run here must take less (2 CPU cores; about 20 s today)
 
-#: README commands not run here (whitespace-normalised, ``\\`` continuations joined, comments
-#: dropped) -> why. Everything else in a bash/sh block runs.
-SKIP: dict[str, str] = {
-    "bash scripts/run.sh":
-        "runs scripts/setup.sh (creates .venv, pip install; this test reuses the existing venv "
-        "instead) and then the full demo (python launch/train.py experiment=demo: DeepSpeed "
-        "and Malleus, 48 steps each, about 100 s); its faster twin (the same preset, fewer "
-        "steps) is test_demo_twin_compares_deepspeed_and_malleus below",
-    "bash scripts/test.sh":
-        "runs the whole test suite (about 10 minutes), this file included",
-    "python launch/train.py engine=malleus nproc_per_node=4 train.steps=120 "
-    "model.hidden_size=256 model.max_seq_len=128 train.global_batch_size=16 "
-    "train.micro_batch_size=2 'straggler.schedule=[{rank:3,rate:5.0,start_step:10,end_step:70}]' "
-    "hydra.run.dir=outputs/adaptive":
-        "the adaptive-loop demo: 120 steps on 4 ranks with a straggler, about 95 s on 2 CPU "
-        "cores; the loop itself is tested in tests/integration/test_malleus_adaptive.py",
-    "malleus-plot outputs/adaptive":
-        "plots the run folder of the skipped adaptive-loop demo just above it",
-    "python launch/train.py nproc_per_node=4 max_restarts=2 engine=malleus train.steps=1000 "
-    "checkpoint.dir=ck checkpoint.every=10 checkpoint.keep=2 checkpoint.resume=auto":
-        "1000 steps on 4 ranks; the same flags, with a rank killed mid-run and the job "
-        "restarted, are tests/integration/test_restart.py",
-    "torchrun --nproc_per_node 4 --max-restarts 2 launch/train.py engine=malleus "
-    "train.steps=1000 checkpoint.dir=ck checkpoint.every=10 checkpoint.resume=auto":
-        "the torchrun form of the command above (tests/integration/test_restart.py runs torchrun "
-        "--max-restarts through our launcher)",
-    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 2 "
-    "--rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id job1 --max-restarts 3 "
-    "launch/train.py engine=malleus train.steps=1000 checkpoint.dir=/shared/ck "
-    "checkpoint.every=10 checkpoint.keep=2 checkpoint.resume=auto hydra.run.dir=/shared/run":
-        "one agent per node of a multi-node job (HOST, /shared); two such agents on this "
-        "machine, one killed and started again, are tests/integration/test_elastic_nodes.py",
-    # (inside the quotes the continuations keep their space: two at each join)
-    "scripts/two_nodes.sh run --id 1 -- 'python -m torch.distributed.run --nnodes 2  "
-    "--node-rank $NODE_RANK --nproc-per-node 2 --master-addr $MASTER_ADDR  "
-    "--master-port $MASTER_PORT launch/train.py engine=malleus cluster.nodes=2  "
-    "cluster.gpus_per_node=2 train.steps=2000'":
-        "2000 steps on two network namespaces, to throttle from another shell while it runs "
-        "(the next two commands); the same command, throttled and freed by a watcher, is "
-        "tests/integration/test_two_nodes_link.py",
-    "scripts/two_nodes.sh throttle --id 1 200mbit":
-        "needs the run above going; tests/integration/test_two_nodes_link.py throttles its run",
-    "scripts/two_nodes.sh unthrottle --id 1":
-        "needs the run above going; tests/integration/test_two_nodes_link.py frees its link",
+#: Per page (its path in the repository), the commands not run here (whitespace-normalised, ``\\``
+#: continuations joined, comments dropped) -> why. Everything else in a bash/sh block runs.
+SKIP: dict[str, dict[str, str]] = {
+    "README.md": {
+        "bash scripts/run.sh":
+            "runs scripts/setup.sh (creates .venv, pip install; this test reuses the existing venv "
+            "instead) and then the full demo (python launch/train.py experiment=demo: DeepSpeed "
+            "and Malleus, 48 steps each, about 100 s); its faster twin (the same preset, fewer "
+            "steps) is test_demo_twin_compares_deepspeed_and_malleus below",
+        "bash scripts/test.sh":
+            "runs the whole test suite (about 10 minutes), this file included",
+    },
+    "docs/adaptive-loop.md": {
+        "python launch/train.py engine=malleus nproc_per_node=4 train.steps=120 "
+        "model.hidden_size=256 model.max_seq_len=128 train.global_batch_size=16 "
+        "train.micro_batch_size=2 'straggler.schedule=[{rank:3,rate:5.0,start_step:10,end_step:70}]' "
+        "hydra.run.dir=outputs/adaptive":
+            "the adaptive-loop demo: 120 steps on 4 ranks with a straggler, about 95 s on 2 CPU "
+            "cores; the loop itself is tested in tests/integration/test_malleus_adaptive.py",
+        "malleus-plot outputs/adaptive":
+            "plots the run folder of the skipped adaptive-loop demo just above it",
+    },
+    "docs/operations.md": {
+        "python launch/train.py nproc_per_node=4 max_restarts=2 engine=malleus train.steps=1000 "
+        "checkpoint.dir=ck checkpoint.every=10 checkpoint.keep=2 checkpoint.resume=auto":
+            "1000 steps on 4 ranks; the same flags, with a rank killed mid-run and the job "
+            "restarted, are tests/integration/test_restart.py",
+        "torchrun --nproc_per_node 4 --max-restarts 2 launch/train.py engine=malleus "
+        "train.steps=1000 checkpoint.dir=ck checkpoint.every=10 checkpoint.resume=auto":
+            "the torchrun form of the command above (tests/integration/test_restart.py runs torchrun "
+            "--max-restarts through our launcher)",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 2 "
+        "--rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id job1 --max-restarts 3 "
+        "launch/train.py engine=malleus train.steps=1000 checkpoint.dir=/shared/ck "
+        "checkpoint.every=10 checkpoint.keep=2 checkpoint.resume=auto hydra.run.dir=/shared/run":
+            "one agent per node of a multi-node job (HOST, /shared); two such agents on this "
+            "machine, one killed and started again, are tests/integration/test_elastic_nodes.py",
+        # (inside the quotes the continuations keep their space: two at each join)
+        "scripts/two_nodes.sh run --id 1 -- 'python -m torch.distributed.run --nnodes 2  "
+        "--node-rank $NODE_RANK --nproc-per-node 2 --master-addr $MASTER_ADDR  "
+        "--master-port $MASTER_PORT launch/train.py engine=malleus cluster.nodes=2  "
+        "cluster.gpus_per_node=2 train.steps=2000'":
+            "2000 steps on two network namespaces, to throttle from another shell while it runs "
+            "(the next two commands); the same command, throttled and freed by a watcher, is "
+            "tests/integration/test_two_nodes_link.py",
+        "scripts/two_nodes.sh throttle --id 1 200mbit":
+            "needs the run above going; tests/integration/test_two_nodes_link.py throttles its run",
+        "scripts/two_nodes.sh unthrottle --id 1":
+            "needs the run above going; tests/integration/test_two_nodes_link.py frees its link",
+    },
 }
 
-#: Checks beyond exit code 0: a substring of a README command -> (files that must exist in the
+#: Checks beyond exit code 0: a substring of a command of any page -> (files that must exist in the
 #: copy afterwards, substrings its output must contain).
 EXPECT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "malleus-plan examples/problem_64gpu_one_slow.json -o plan.json": (("plan.json",), ("eta=",)),
@@ -101,7 +111,7 @@ EXPECT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 
 # ----------------------------------------------------------------------------------------------
-# README parsing
+# page parsing
 # ----------------------------------------------------------------------------------------------
 
 
@@ -171,10 +181,16 @@ def readme_blocks(text: str) -> list[tuple[int, list[str]]]:
     return blocks
 
 
-BLOCKS = readme_blocks(README.read_text())
-ALL_COMMANDS = [c for _, cmds in BLOCKS for c in cmds]
-RUN_BLOCKS = [(line, [c for c in cmds if c not in SKIP]) for line, cmds in BLOCKS]
-RUN_BLOCKS = [(line, cmds) for line, cmds in RUN_BLOCKS if cmds]
+def _name(page: Path) -> str:
+    return page.relative_to(REPO).as_posix()
+
+
+#: (page, line of the opening fence, commands) for every bash/sh block of every page
+BLOCKS = [(_name(page), line, cmds) for page in PAGES
+          for line, cmds in readme_blocks(page.read_text())]
+RUN_BLOCKS = [(page, line, [c for c in cmds if c not in SKIP.get(page, {})])
+              for page, line, cmds in BLOCKS]
+RUN_BLOCKS = [(page, line, cmds) for page, line, cmds in RUN_BLOCKS if cmds]
 
 
 def _shell_line(cmd: str) -> str:
@@ -227,7 +243,7 @@ def _env(root: Path) -> dict[str, str]:
 
 
 def _run(cmd: str, root: Path, env: dict[str, str]) -> tuple[int, str]:
-    """Run one README command in ``root``; (exit code, stdout + stderr). On timeout every process
+    """Run one page's command in ``root``; (exit code, stdout + stderr). On timeout every process
     it started is killed (torchrun's workers run in sessions of their own, so by process tree)."""
     from malleus_ds.resilience.procs import descendants
 
@@ -252,12 +268,15 @@ def _run(cmd: str, root: Path, env: dict[str, str]) -> tuple[int, str]:
 # ----------------------------------------------------------------------------------------------
 
 
-def test_readme_has_bash_commands():
-    assert len(ALL_COMMANDS) >= 5, f"found only {ALL_COMMANDS} in README.md's bash blocks"
+def test_pages_have_bash_commands():
+    readme = [c for page, _, cmds in BLOCKS if page == "README.md" for c in cmds]
+    assert "bash scripts/test.sh" in readme, f"README.md's bash blocks hold {readme}"
+    everywhere = [c for _, _, cmds in BLOCKS for c in cmds]
+    assert len(everywhere) >= 20, f"found only {everywhere} in the pages' bash blocks"
 
 
 OUTSIDE = ("../shared", "/work/", str(REPO), str(Path.home()) + "/")
-DOCS = [README, *sorted((REPO / "docs").glob("*.md")), REPO / "examples" / "README.md"]
+DOCS = [*PAGES, REPO / "examples" / "README.md"]
 HELP = [["malleus-plan", "--help"], ["malleus-sim", "--help"], ["malleus-plot", "--help"],
         ["malleus-export", "--help"],
         ["python", "launch/summarize.py", "--help"], ["python", "launch/plan.py", "--help"],
@@ -285,24 +304,30 @@ def test_help_texts_point_inside_the_repository(cmd):
 
 
 def test_every_command_is_run_or_skipped():
-    run = [c for _, cmds in RUN_BLOCKS for c in cmds]
-    skipped = [c for c in ALL_COMMANDS if c in SKIP]
-    assert sorted(run + skipped) == sorted(ALL_COMMANDS), "a command is neither run nor skipped"
-    assert not set(run) & set(SKIP)
-    run = set(run)
-    stale = set(SKIP) - set(ALL_COMMANDS)
-    assert not stale, f"SKIP lists commands README.md no longer has: {stale}"
-    for r in SKIP.values():
-        assert r.strip(), "every SKIP entry needs a reason"
+    assert set(SKIP) <= {_name(p) for p in PAGES}, f"SKIP names a page that is gone: {set(SKIP)}"
+    run: set[str] = set()
+    for page in {_name(p) for p in PAGES}:
+        commands = [c for pg, _, cmds in BLOCKS if pg == page for c in cmds]
+        ran = [c for pg, _, cmds in RUN_BLOCKS if pg == page for c in cmds]
+        skip = SKIP.get(page, {})
+        skipped = [c for c in commands if c in skip]
+        assert sorted(ran + skipped) == sorted(commands), f"{page}: a command is neither run " \
+                                                          f"nor skipped"
+        assert not set(ran) & set(skip)
+        stale = set(skip) - set(commands)
+        assert not stale, f"SKIP lists commands {page} no longer has: {stale}"
+        for r in skip.values():
+            assert r.strip(), "every SKIP entry needs a reason"
+        run |= set(ran)
     unused = [k for k in EXPECT if not any(k in c for c in run)]
     assert not unused, f"EXPECT keys that match no command run here: {unused}"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("block", RUN_BLOCKS, ids=[f"README.md:{line}" for line, _ in RUN_BLOCKS])
-def test_readme_block_runs(block, tmp_path):
-    line, cmds = block
+@pytest.mark.parametrize("block", RUN_BLOCKS, ids=[f"{page}:{line}" for page, line, _ in RUN_BLOCKS])
+def test_page_block_runs(block, tmp_path):
+    page, line, cmds = block
     root = tmp_path / "clone"
     _copy_repo(root)
     env = _env(root)
@@ -313,8 +338,8 @@ def test_readme_block_runs(block, tmp_path):
         t0 = time.monotonic()
         rc, out = _run(cmd, root, env)
         took = time.monotonic() - t0
-        assert rc == 0, f"README.md:{line}: `{cmd}` exited {rc} after {took:.0f} s:\n{out[-4000:]}"
-        assert "Traceback" not in out, f"README.md:{line}: `{cmd}`:\n{out[-4000:]}"
+        assert rc == 0, f"{page}:{line}: `{cmd}` exited {rc} after {took:.0f} s:\n{out[-4000:]}"
+        assert "Traceback" not in out, f"{page}:{line}: `{cmd}`:\n{out[-4000:]}"
         for key, (files, texts) in EXPECT.items():
             if key not in cmd:
                 continue
@@ -322,8 +347,8 @@ def test_readme_block_runs(block, tmp_path):
                 assert (root / f).exists(), f"`{cmd}` did not write {f}:\n{out[-3000:]}"
             for s in texts:
                 assert s in out, f"`{cmd}`: {s!r} not in its output:\n{out[-3000:]}"
-        print(f"README.md:{line}: {took:5.1f} s  {cmd}")
-        assert took < BUDGET_S, (f"README.md:{line}: `{cmd}` took {took:.0f} s: too slow for "
+        print(f"{page}:{line}: {took:5.1f} s  {cmd}")
+        assert took < BUDGET_S, (f"{page}:{line}: `{cmd}` took {took:.0f} s: too slow for "
                                  f"this test; add it to SKIP with the reason")
 
 

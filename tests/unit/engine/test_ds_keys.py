@@ -1,5 +1,6 @@
-"""What MalleusEngine does with each ds_config key (``engine/ds_keys.py``): the README's table is
-the module's, every key DeepSpeed reads is in it, and each kind does what the table says."""
+"""What MalleusEngine does with each ds_config key (``engine/ds_keys.py``): the table in
+docs/coming-from-deepspeed.md is the module's, every key DeepSpeed reads is in it, and each kind does what the table
+says."""
 from __future__ import annotations
 
 import re
@@ -9,11 +10,11 @@ import pytest
 
 from malleus_ds.engine.ds_keys import TOP, ZERO, markdown, review
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+GUIDE = Path(__file__).resolve().parents[3] / "docs" / "coming-from-deepspeed.md"
 
 
 def test_readme_table_is_the_modules():
-    text = README.read_text()
+    text = GUIDE.read_text()
     a = text.index("<!-- ds_keys table")
     a = text.index("\n", a) + 1
     b = text.index("<!-- end of the ds_keys table -->")

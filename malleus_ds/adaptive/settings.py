@@ -39,6 +39,7 @@ class AdaptiveSettings:
     """The adaptive keys of the ``malleus`` section (``malleus.*`` in the app)."""
 
     enabled: bool = True                 # malleus.adaptive: detect, re-plan and migrate by itself
+    #: ``malleus.detect.*``: when a measured rate shift re-plans
     detect: DetectConfig = field(default_factory=DetectConfig)
     horizon_steps: int = 100             # a switch must pay for its migration within this many steps
     replan_at: tuple[int, ...] = ()      # forced re-plans before these steps (tests, demos)

@@ -35,12 +35,12 @@ class TrainConfig:
     seed: int = 0                       # model init seed (per global layer index)
     data_seed: int | None = None        # corpus order seed; None = ``seed``
     lr: float = 1e-3                    # AdamW learning rate
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)   # AdamW's betas
+    eps: float = 1e-8                   # AdamW's eps
+    weight_decay: float = 0.0           # AdamW's decoupled weight decay
     warmup_steps: int = 1               # steps left out of throughput summaries (not of training)
-    # recompute each decoder layer's activations in backward (resolved against the ds_config by
-    # config._activation_checkpointing: True/False here, never None)
+    #: recompute each decoder layer's activations in backward (resolved against the ds_config by
+    #: config._activation_checkpointing: True/False here, never None)
     activation_checkpointing: bool = False
 
     @property
@@ -61,9 +61,9 @@ class TrainConfig:
 class ParallelConfig:
     """Nominal layout degrees; ``tp * pp * dp == world_size`` (DESIGN.md §2 static plan)."""
 
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
+    tp: int = 1                         # tensor-parallel degree
+    pp: int = 1                         # pipeline stages
+    dp: int = 1                         # data-parallel replicas (config null: world/(tp*pp))
     #: the ``parallel.pp`` asked for when an elastic restart's world size could not be tiled by
     #: it and engine=malleus took ``pp`` stages instead (``config._elastic_pp``); None otherwise
     asked_pp: int | None = None
@@ -72,7 +72,7 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class ClusterConfig:
     gpus_per_node: int = 1              # ranks per node; TP groups never cross a node
-    nodes: int = 1
+    nodes: int = 1                      # nodes of the job
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,7 @@ class DeepSpeedSection:
     """The ds_config a run uses: a preset under ``conf/deepspeed/`` or the user's own JSON."""
 
     config_file: str | None = None      # absolute path of the JSON it was read from
+    #: the ds_config itself, as read and with its "auto" values filled
     config: Mapping[str, Any] = field(default_factory=dict, hash=False)
     #: one line per value the app filled or key it left to MalleusEngine's own way (ds_auto.py)
     notes: tuple[str, ...] = field(default=(), hash=False)
@@ -112,22 +113,25 @@ class MalleusConfig:
     the engine's and the loop's own (``MalleusSettings``, ``AdaptiveSettings``);
     conf/config.yaml repeats them for ``--help`` and overrides, and a test holds the two equal."""
 
-    switch: tuple[SwitchAt, ...] = ()
+    switch: tuple[SwitchAt, ...] = ()   # scripted live plan switches, by step
+    #: packed migration bytes in flight per rank (MB)
     migrate_bucket_mb: float = MalleusSettings.migrate_bucket_mb
+    #: a migration transfer not finished by then stops the job (s)
     migrate_timeout_s: float = MalleusSettings.migrate_timeout_s
+    #: the adaptive loop's keys (``malleus.adaptive``, ``malleus.detect``, ...)
     loop: AdaptiveSettings = field(default_factory=AdaptiveSettings)
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    engine: str
+    engine: str                     # torch | deepspeed | malleus (ENGINES)
     model: ModelConfig              # or models.hf.HFModel (model=hf): the interface of models/base.py
-    train: TrainConfig
-    parallel: ParallelConfig
-    cluster: ClusterConfig
-    straggler: StragglerSchedule
-    deepspeed: DeepSpeedSection
-    world_size: int = 1
+    train: TrainConfig              # steps, batch sizes, seeds, the optimizer's settings
+    parallel: ParallelConfig        # the nominal layout degrees
+    cluster: ClusterConfig          # the job's node shape
+    straggler: StragglerSchedule    # straggler.schedule and straggler.method: emulated stragglers
+    deepspeed: DeepSpeedSection     # deepspeed.*: the ds_config
+    world_size: int = 1                 # ranks launched (from the launcher, not a setting)
     plan: str = "static"                # "static" or a path to a plan JSON (engine=malleus)
     run_dir: str | None = None          # rank 0 writes metrics.jsonl here; None = no files
     device: str = "auto"                # auto | cpu | cuda

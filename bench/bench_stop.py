@@ -6,7 +6,7 @@ processes competing for the cores:
 
 * ``frozen``: SIGSTOP rank 1 once three steps are logged (``hang_timeout_s=--hang``); prints the
   seconds from the freeze to the hang event, to the live rank's exit and to the launcher's exit.
-  Bound (README): every live rank and the whole job within ``hang_timeout_s + 30 s``.
+  Bound (docs/operations.md): every live rank and the whole job within ``hang_timeout_s + 30 s``.
 * ``runner``: SIGTERM to the launcher process alone (``kill -TERM <pid of deepspeed>``); prints
   the seconds until no process of the job is left (target < 10 s).
 

@@ -2,7 +2,7 @@
 """malleus_ds training app (Hydra). Runs under torchrun, the ``deepspeed`` launcher, or bare python.
 
     torchrun --nproc_per_node 2 launch/train.py engine=deepspeed train.steps=20
-    deepspeed --num_gpus 2 launch/train.py engine=deepspeed        # GPUs (CPU: docs/getting-started.md)
+    deepspeed --num_gpus 2 launch/train.py engine=deepspeed   # GPUs (CPU: docs/getting-started.md)
     python launch/train.py                                          # one process (engine=torch)
     python launch/train.py nproc_per_node=2 engine=deepspeed        # spawns 2 ranks via torchrun
     python launch/train.py --multirun experiment=straggler_sweep 'straggler.schedule=[],[{rank:1,rate:4.0}]'

@@ -21,7 +21,7 @@ Contract:
   ``period - quota``, so a shorter period spreads the slowdown more evenly over a step of tens
   of milliseconds; but the kernel hands runtime out in slices of
   ``/proc/sys/kernel/sched_cfs_bandwidth_slice_us`` (5 ms), so a quota below that overshoots
-  (measured here: period 10 ms, rate 6 -> 8-9x). 50 ms keeps the quota >= 5 ms up to rate 10.
+  (the process runs slower than its rate). 50 ms keeps the quota >= 5 ms up to rate 10.
   The kernel's smallest quota is 1 ms: the largest rate is ``period_us / 1000`` (50).
 
 ``python -m malleus_ds.emulation.cpu_quota --calibrate [--rates 2,3,6] [--busy N]`` times a fixed
@@ -316,7 +316,7 @@ def release() -> None:
 
 
 def _matmul_workload(n: int = 256, iters: int = 150) -> float:
-    """Seconds for a fixed single-threaded torch matmul loop (~0.2 s on one free core)."""
+    """Seconds for a fixed single-threaded torch matmul loop (under a second on one free core)."""
     import time
 
     import torch

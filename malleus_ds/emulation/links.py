@@ -1,4 +1,4 @@
-"""Slow-link emulation (issue 35): make chosen links look slow.
+"""Slow-link emulation: make chosen links look slow.
 
 ``straggler.link_schedule`` is a list of entries, each naming one link and when it is slow::
 

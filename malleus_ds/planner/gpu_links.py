@@ -1,4 +1,4 @@
-"""A layout for slow GPU links (issue 35): TP groups re-formed so no group holds both ends of one.
+"""A layout for slow GPU links: TP groups re-formed so no group holds both ends of one.
 
 A TP group all-reduces every layer's activations twice forward and twice backward, over the
 links between its GPUs, all inside one node. Where the link between two GPUs of a node is slow
@@ -99,7 +99,7 @@ def regroup_off_slow_gpu_links(problem: Problem, plan: Plan | None) -> Plan | No
 
 def gpu_links_note(problem: Problem, plan: Plan) -> str | None:
     """What the chosen ``plan`` does about slow GPU links where some TP group of it still
-    holds one (issue 35: "where nothing can help, say so"): why no grouping avoids it. None
+    holds one (where nothing can help, the plan says so): why no grouping avoids it. None
     without a slow GPU link or when no group holds one."""
     slow = _slow(problem)
     held = sorted({p for st in (s for q in plan.pipelines for s in q.stages)

@@ -1,4 +1,4 @@
-"""A layout for slow links (issue: slow links): pipelines whose stage boundaries cross them.
+"""A layout for slow links: pipelines whose stage boundaries cross them.
 
 A pipeline boundary carries one activation per micro-batch; a data-parallel reduction carries
 the whole model's gradients every step. Where a link between nodes is slow
@@ -75,8 +75,8 @@ def cut_at_slow_links(problem: Problem) -> tuple[Plan | None, str | None]:
 
 
 def links_note(problem: Problem, method: str, step_time: float) -> str | None:
-    """What the plan does about slow links, where it does nothing (issue 35: "where nothing can
-    help, say so"): why no layout cut at them applies, or what it would cost against the plan
+    """What the plan does about slow links, where it does nothing (where nothing can help, the
+    plan says so): why no layout cut at them applies, or what it would cost against the plan
     chosen. None without a slow link, or when the cut was chosen."""
     if method == "links" or not any(v > 1.0 for v in problem.link_rates.values()):
         return None

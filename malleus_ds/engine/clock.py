@@ -30,10 +30,10 @@ class ComputeClock:
     * CPU: ``time.perf_counter`` around each span (the host runs the work), less the time this
       thread waited, runnable, for a core that another process held (``/proc/thread-self/
       schedstat``), floored by its CPU seconds times its own cgroup's quota (``own_cap``): a
-      rank's device is the core it gets. Ranks that share cores (4 ranks on 2) otherwise count
-      their peers' compute as their own, by the plan's mix: a healthy rank on a light share
-      read 1.5-2x (issue 31; docs/DESIGN.md §6, "Where the rates' bias comes from"). A CPU
-      quota's throttling stays in (the floor), and so does the whole wait under
+      rank's device is the core it gets. Ranks that share cores (more ranks than cores)
+      otherwise count their peers' compute as their own, by the plan's mix: a healthy rank on a
+      light share read as a straggler (docs/DESIGN.md §6, "Where the rates' bias comes
+      from"). A CPU quota's throttling stays in (the floor), and so does the whole wait under
       ``straggler.method=compete``, whose slowdown *is* that wait;
     * CUDA: a pair of CUDA events per span, recorded on the current stream, nothing synchronised
       while the step runs; the events are read once, when ``compute_s`` is first asked for in a
@@ -219,8 +219,8 @@ class ComputeClock:
         seconds per MB this rank has seen of this communication, times ``mb``. A receive also
         waits for its peer to get there, and in a pipeline across the link the peer may be
         late by its own emulated wait: slowing the whole wait fed that back, message after
-        message (4 ranks, 2-stage pipelines across a link at rate 8: 5-19 s steps instead of
-        0.2 s). A message never seen before (a new plan's) starts from the fastest of its kind:
+        message, and steps grew far beyond ``rate`` times their healthy time. A message never
+        seen before (a new plan's) starts from the fastest of its kind:
         the first step after a switch waits for first touches too."""
         if self.links is None and self.comm_log is None:
             yield
@@ -275,7 +275,8 @@ class ComputeClock:
         ``seconds``). The sleep is ``(rate - 1) x wall``, so a slowed rank takes ``rate`` times
         as long as its peers do on shared cores too; it is accounted as ``(rate - 1) x
         seconds``, the same device time (its own wait for a core after waking left out: on
-        shared cores a 9 ms sleep could take 40, and a rank at rate 10 probed at 40)."""
+        shared cores a short sleep can take several times its length, and a slowed rank then
+        read far slower than its rate)."""
         wall = seconds if wall is None else wall
         slept = 0.0
         if self.straggler is not None:
@@ -299,10 +300,9 @@ def thread_times(path: str = SCHEDSTAT) -> tuple[float, float] | None:
 
     For this thread (the default path) the run time is ``time.thread_time()``: schedstat's run
     time of a running thread is only brought up to date at a tick or a switch, so two reads
-    around a 3 ms span differed from the wall by up to a tick (+0.65 ms on a quiet machine; in
-    CI eight spans of about 3 ms read 27% above their wall, and the emulation accounted more
-    than it slept). Its wait is complete: a running thread's waits all ended when it got its
-    core."""
+    around a span of a few milliseconds differed from the wall by up to a tick: short spans
+    read well above their wall, and the emulation accounted more than it slept. Its wait is
+    complete: a running thread's waits all ended when it got its core."""
     try:
         with open(path, "rb") as f:
             run, wait = f.read().split()[:2]

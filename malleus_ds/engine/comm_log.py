@@ -1,4 +1,4 @@
-"""This rank's timed communication of one step, summed up for the step's all-reduce (issue 35).
+"""This rank's timed communication of one step, summed up for the step's all-reduce.
 
 The clock (``clock.py``, :meth:`ComputeClock.comm`) times every pipeline receive and every
 gradient-bucket reduction, each as the wait on its work handle (CPU: the host waits; the
@@ -18,7 +18,7 @@ puts :data:`SLOTS` numbers into its slots of the step's one all-reduce
 * its TP group's collectives (``engine/tensor_parallel.py``: two all-reduces per layer and
   micro-batch forward, two backward, all of one size), as ``[key, members, MB, seconds]`` of
   the one that took least per MB: the many small waits of a step are mostly a peer's
-  lateness (4 ranks on 2 cores: the step's sum read a link slowed 30x as healthy), and the
+  lateness (on shared cores their sum read even a badly slowed link as healthy), and the
   quickest is the closest to the wire's own time, as for a pipeline receive;
 * a link probe it timed (``link_probe.py``: round trips to a rank across a link the running
   plan holds as slow, right after the last step's all-reduce), ``[peer + 1, MB, seconds]`` of

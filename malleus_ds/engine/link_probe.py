@@ -1,4 +1,4 @@
-"""The link probe: how a link the running plan holds as slow stays measured (issue 35).
+"""The link probe: how a link the running plan holds as slow stays measured.
 
 A plan made for a slow link moves the gradient reductions off it, and then nothing the job
 does tells whether the link recovered (a pipeline receive's wait is its peer's lateness more
@@ -23,8 +23,8 @@ class LinkProbe:
     """Round trips between two ranks over the world group, timed on the first."""
 
     #: round trips per probe; the quickest is the reading: the other ranks go back to work as
-    #: the two exchange, and on shared cores a round trip also waits for a core (healthy
-    #: single round trips of 0.5 MB read 5-32 ms/MB, 4 ranks on 2 cores)
+    #: the two exchange, and on shared cores a round trip also waits for a core (single round
+    #: trips over a healthy link vary several-fold)
     ROUND_TRIPS = 3
 
     def __init__(self, engine) -> None:

@@ -88,8 +88,8 @@ _INIT_FNS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaimin
 @contextmanager
 def _no_default_init():
     """``torch.nn.init`` fills as no-ops while a stage is built on the meta device: torch's
-    layers still run ``reset_parameters`` there (through decompositions, ~45 ms for a 12-layer
-    stage here), for weights the migration overwrites anyway — what transformers'
+    layers still run ``reset_parameters`` there (through decompositions, time paid at every
+    build), for weights the migration overwrites anyway — what transformers'
     ``no_init_weights`` does. Module construction happens on the training thread only."""
     saved = {n: getattr(torch.nn.init, n) for n in _INIT_FNS if hasattr(torch.nn.init, n)}
     try:

@@ -2,9 +2,9 @@
 
 The one rule every report uses where it splits a run by *measured* rates (``whatif.py``, and so
 ``launch/summarize.py``, the compare report's what-if lines and ``malleus-plot``'s what-if marks;
-DESIGN.md §6, "What-if account"). A single step's reading is noise on a shared host (a 2-rank
-CPU job reads 1.27, 1.57 or 1.91 for one step now and then); the loop (``adaptive/rates.py``, ``detect.py``) never
-acts on one, and neither does a report:
+DESIGN.md §6, "What-if account"). A single step's reading is noise on a shared host (a healthy
+rank now and then reads well above 1.0 for one step); the loop (``adaptive/rates.py``,
+``detect.py``) never acts on one, and neither does a report:
 
 1. **Smoothed.** Each rank's rate at a step is the median of its readings over
    :data:`WINDOW` (= ``DetectConfig.window``, 5) steps centred on the step (missing readings

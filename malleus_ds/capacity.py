@@ -1,4 +1,4 @@
-"""The capacity bound with slow links (issue 35; DESIGN.md §3, "The capacity bound").
+"""The capacity bound with slow links (DESIGN.md §3, "The capacity bound").
 
 Without slow links the bound is ``f = sum_d (1/x_d) / N`` (``cost.capacity_fraction``): no
 layout computes the step faster than spreading its compute over what is left of the GPUs. A

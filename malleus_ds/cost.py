@@ -223,7 +223,7 @@ def pipeline_time_from_stage_times(stage_times: Sequence[float], micro_batches: 
     ``t/3``, backward ``2t/3``, each send's comm term on its sender; tests/unit/test_cost.py):
     exact when ``m = 1``, one stage, or the last stage is one of the slowest (uniform stages
     included); otherwise an upper bound, as the last stage then waits less than it assumes.
-    The planner keeps this closed form: the simulator costs over 100x more per plan."""
+    The planner keeps this closed form: the simulator costs orders of magnitude more per plan."""
     return sum(stage_times) + (micro_batches - 1) * max(stage_times)
 
 

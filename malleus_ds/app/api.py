@@ -21,7 +21,7 @@ def initialize(model=None, config=None, plan=None, *, data=None, args=None):
 
     cfg = load_config(config)
     if isinstance(cfg, dict):
-        from .ds_auto import auto_paths
+        from ..interop.auto import auto_paths
 
         auto = auto_paths(cfg)
         if auto:
@@ -39,12 +39,12 @@ def initialize(model=None, config=None, plan=None, *, data=None, args=None):
 
 
 def _notes(cfg: dict) -> None:
-    """What MalleusEngine does with the ds_config's keys (``engine/ds_keys.py``): a config it
+    """What MalleusEngine does with the ds_config's keys (``interop/config_keys.py``): a config it
     cannot honour fails here, on every rank, before any collective; rank 0 (``RANK``) prints a
     line per key it ignores."""
     import os
 
-    from ..engine.ds_keys import review
+    from ..interop.config_keys import review
 
     notes = review(cfg)
     if os.environ.get("RANK", "0") == "0":

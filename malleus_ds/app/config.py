@@ -310,8 +310,8 @@ def _checkpoint(c: Mapping[str, Any]) -> CheckpointConfig:
 def _train(t: Mapping[str, Any], ds: DeepSpeedSection, dp: int) -> tuple[TrainConfig, list]:
     """``train.*`` -> TrainConfig, and a note per batch field taken from the ds_config: a batch
     field left out (or null) comes from the ds_config's batch keys where it has them
-    (``ds_batch.resolve_batch``; one that contradicts them is refused, naming both)."""
-    from ..engine.ds_batch import resolve_batch
+    (``interop.batch.resolve_batch``; one that contradicts them is refused, naming both)."""
+    from ..interop.batch import resolve_batch
 
     t = {k: v for k, v in t.items() if v is not None or k == "data_seed"}
     allowed = {f.name for f in fields(TrainConfig)}
@@ -525,8 +525,8 @@ def _deepspeed(s: Mapping[str, Any], search: tuple[str | Path, ...]) -> DeepSpee
 def _auto(ds: DeepSpeedSection, train: TrainConfig, model, parallel: ParallelConfig
           ) -> DeepSpeedSection:
     """The ds_config with every ``"auto"`` filled from ``train.*`` and the model, as the Hugging
-    Face Trainer and accelerate fill it (``ds_auto.py``); one note per value."""
-    from .ds_auto import resolve_auto
+    Face Trainer and accelerate fill it (``interop/auto.py``); one note per value."""
+    from ..interop.auto import resolve_auto
 
     cfg, notes = resolve_auto(ds.config, train, model.hidden_size, parallel.dp,
                               error=ConfigError)
@@ -534,9 +534,9 @@ def _auto(ds: DeepSpeedSection, train: TrainConfig, model, parallel: ParallelCon
 
 
 def _review(ds: DeepSpeedSection) -> list[str]:
-    """What MalleusEngine does with each key of the ds_config (``engine/ds_keys.py``): a note
+    """What MalleusEngine does with each key of the ds_config (``interop/config_keys.py``): a note
     per key it ignores, a ConfigError for one it refuses."""
-    from ..engine.ds_keys import review
+    from ..interop.config_keys import review
 
     try:
         return review(ds.config)
@@ -554,7 +554,7 @@ def check_even_batch(t: TrainConfig, p: ParallelConfig, ds: DeepSpeedSection) ->
                           f"not split evenly over parallel.dp={p.dp} replicas; use a global batch "
                           f"that is a multiple of {t.micro_batch_size * p.dp}")
     c = ds.config
-    from ..engine.ds_compat import batch_keys
+    from ..interop.compat import batch_keys
 
     want = batch_keys(t.micro_batch_size, n // p.dp, p.dp)
     for k, v in want.items():

@@ -13,7 +13,7 @@ from ..adaptive.settings import AdaptiveSettings
 from ..data import DataConfig
 from ..emulation.links import LinkSchedule
 from ..emulation.straggler import StragglerSchedule
-from ..engine.ds_batch import DEFAULT_BATCH
+from ..interop.batch import DEFAULT_BATCH
 from ..engine.settings import MalleusSettings, SwitchAt
 from ..models.llama import ModelConfig
 from ..optim import OptimConfig
@@ -81,7 +81,7 @@ class DeepSpeedSection:
 
     config_file: str | None = None      # absolute path of the JSON it was read from
     config: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    #: one line per value the app filled or key it left to MalleusEngine's own way (ds_auto.py)
+    #: one line per value the app filled or key it left to MalleusEngine's own way (interop/auto.py)
     notes: tuple[str, ...] = field(default=(), hash=False)
 
     @property

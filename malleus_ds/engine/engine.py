@@ -60,7 +60,7 @@ from deepspeed.utils import log_dist
 from malleus_ds_kernels.pack import warm_up as warm_up_pack
 
 from ..samples import loss_share, pipeline_micro_batches
-from .ds_compat import init_deepspeed_comm
+from ..interop.compat import init_deepspeed_comm
 from ..models.base import param_table, tied_params
 from ..job_layout import JobLayout, JobLayoutError
 from ..plan import Plan, PlanError
@@ -75,7 +75,7 @@ from .precision import Precision
 from .state import EngineState
 from .step_reduce import StepReduction
 from .comm_log import tensor_mb
-from .ds_keys import review
+from ..interop.config_keys import review
 from .settings import (MalleusSettings, activation_checkpointing_source, as_plan,
                        base_ds_config, check_scheduler, check_unsupported, load_config,
                        optimizer_settings)
@@ -142,7 +142,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         itself (the app, from its typed run config): used instead of the ``malleus`` section
         (which must then be absent), only the precision is read from the ds_config."""
         check_unsupported(user_cfg)
-        review(user_cfg)                  # refuses what MalleusEngine cannot honour (ds_keys)
+        review(user_cfg)                  # refuses what MalleusEngine cannot honour (config_keys)
         optimizer_settings(user_cfg)      # the optimizer and scheduler sections, checked now
         check_scheduler(user_cfg)
         if given is not None:

@@ -68,9 +68,9 @@ def validate(cfg: RunConfig) -> None:
 
 def from_deepspeed(env: DistEnv, engine, saved) -> tuple[str, str]:
     """A checkpoint engine=deepspeed saved (``saved``: resume.Saved), converted by rank 0 into
-    MalleusEngine's format beside DeepSpeed's files (``engine/ds_import.py``), which then
+    MalleusEngine's format beside DeepSpeed's files (``interop/checkpoint_import.py``), which then
     loads under this run's plan; every rank learns rank 0's error. Returns (root, tag)."""
-    from ...engine.ds_import import import_deepspeed
+    from ...interop.checkpoint_import import import_deepspeed
 
     if env.is_rank0:
         print(f"[malleus_ds] continuing engine=deepspeed's checkpoint {saved.path} under this "

@@ -20,10 +20,10 @@ Kinds:
 
 Keys DeepSpeed does not know are ignored by DeepSpeed; MalleusEngine ignores them too, and says
 so in one line. The sections with their own parsers keep their own checks: ``optimizer``
-(``settings.optimizer_settings``), ``fp16`` / ``bf16`` / ``data_types`` (``precision.py``),
+(``sections.optimizer_settings``), ``fp16`` / ``bf16`` / ``data_types`` (``precision.py``),
 ``activation_checkpointing`` and ``pipeline.activation_checkpoint_interval``
-(``settings.activation_checkpointing_source``), ``tensor_parallel``
-(``settings.check_unsupported``), ``zero_optimization.stage`` (``settings.check_zero_stage``).
+(``sections.activation_checkpointing_source``), ``tensor_parallel``
+(``sections.check_unsupported``), ``zero_optimization.stage`` (``sections.check_zero_stage``).
 """
 from __future__ import annotations
 
@@ -210,7 +210,7 @@ def review(cfg: Mapping[str, Any], where: str = "ds_config") -> list[str]:
         notes += _review_zero(zo, f"{where}.zero_optimization")
     ac = cfg.get("activation_checkpointing")
     if isinstance(ac, Mapping):
-        from .settings import ACT_IGNORED
+        from .sections import ACT_IGNORED
 
         notes += [f"{where}.activation_checkpointing.{k}=true is ignored: {why}"
                   for k, why in ACT_IGNORED.items() if ac.get(k) is True]

@@ -1,5 +1,6 @@
-"""What MalleusEngine does with each ds_config key (``engine/ds_keys.py``): the README's table is
-the module's, every key DeepSpeed reads is in it, and each kind does what the table says."""
+"""What MalleusEngine does with each ds_config key (``interop/config_keys.py``): the README's
+table is the module's, every key DeepSpeed reads is in it, and each kind does what the table
+says."""
 from __future__ import annotations
 
 import re
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from malleus_ds.engine.ds_keys import TOP, ZERO, markdown, review
+from malleus_ds.interop.config_keys import TOP, ZERO, markdown, review
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 

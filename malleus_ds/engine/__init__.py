@@ -10,7 +10,8 @@ def initialize(model=None, config=None, plan=None, *, data=None, args=None):
     ``deepspeed.initialize``: returns ``(engine, optimizer, None, lr_scheduler)``.
 
     ``model``: a ``ModelConfig``, a whole ``StageModule`` or a stage builder (see MalleusEngine).
-    ``config``: a ds_config dict or JSON path; its ``"malleus"`` section takes ``plan`` (path,
+    ``config``: a ds_config dict or JSON path, or one decoded already
+    (``malleus_ds.interop.ds_config.decode``); its ``"malleus"`` section takes ``plan`` (path,
     JSON object or Plan), ``tp``, ``gpus_per_node``, ``seed``, ``straggler``, ``switch``; the
     adaptive loop's keys (``adaptive``, ``detect``, ``horizon_steps``, ``replan_at``, ...;
     README "The adaptive loop") are passed over to whoever attaches a loop

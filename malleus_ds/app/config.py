@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..adaptive.settings import ADAPTIVE_KEYS, AdaptiveSettings
+from ..interop.malleus_section import section_keys
 from ..engine.settings import (MalleusSettings, activation_checkpointing_source, parse_switch,
                                positive)
 from ..data.parse import parse_data
@@ -228,8 +229,10 @@ def _seconds(v: Any, name: str, zero_ok: bool) -> float:
     return x
 
 
-#: The app's ``malleus.*`` keys (the engine's own ds_config ``malleus`` section has more).
-MALLEUS_KEYS = ("switch", "migrate_bucket_mb", "migrate_timeout_s", *ADAPTIVE_KEYS)
+#: The app's ``malleus.*`` keys (the engine's own ds_config ``malleus`` section has more), from
+#: :class:`MalleusConfig`'s fields: its ``loop`` stands for the loop's keys
+MALLEUS_KEYS = tuple(k for f in section_keys(MalleusConfig)
+                     for k in (ADAPTIVE_KEYS if f == "loop" else (f,)))
 
 
 def _malleus(m: Mapping[str, Any], engine: str, ds: DeepSpeedSection) -> MalleusConfig:

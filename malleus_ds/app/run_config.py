@@ -108,8 +108,9 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class MalleusConfig:
     """``malleus.*`` (engine=malleus), parsed once by ``config._malleus``: the scripted switches
-    with their plans read, the migration limits, and the adaptive loop's settings. Defaults are
-    the engine's and the loop's own (``MalleusSettings``, ``AdaptiveSettings``);
+    with their plans read, the migration limits, and the adaptive loop's settings (``loop``:
+    its keys are the loop's, at the top of ``malleus.*``; ``interop/malleus_section.py``).
+    Defaults are the engine's and the loop's own (``MalleusSettings``, ``AdaptiveSettings``);
     conf/config.yaml repeats them for ``--help`` and overrides, and a test holds the two equal."""
 
     switch: tuple[SwitchAt, ...] = ()

@@ -1,28 +1,28 @@
-"""The ``"malleus"`` section of a ds_config and the stock sections MalleusEngine reads itself.
+"""The engine's view of the ``"malleus"`` section of a ds_config (``interop/malleus_section.py``),
+and the config the base engine gets; the stock sections MalleusEngine reads itself are decoded
+in ``interop/sections.py`` (their names are re-exported here).
 
 Pure parsing (no process groups): every rank raises the same error for a bad config before any
 collective, so bad input never hangs.
 """
 from __future__ import annotations
 
-
-import copy
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, Mapping
 
 from ..interop.sections import (ACT_IGNORED, ZERO_STAGES,  # noqa: F401  (the engine's names)
                                 activation_checkpointing_source, check_scheduler,
                                 check_unsupported, check_zero_stage, load_config,
                                 optimizer_settings)
+from ..interop.malleus_section import KEY, section_keys
 from ..plan import Plan
 from .precision import Precision
 
 # ------------------------------------------------------------------ the adaptive loop's keys
 
-#: the ``malleus`` keys of the adaptive loop (``adaptive/settings.py``'s ``ADAPTIVE_KEYS``; a test
-#: holds the two equal): the engine passes them over untouched (``MalleusSettings.loop``); the
-#: app parses them before it builds the engine and attaches the loop
+#: the ``malleus`` keys of the adaptive loop (``adaptive/settings.py``'s ``ADAPTIVE_KEYS``,
+#: derived from its dataclass, which this layer cannot import; a test holds the two equal): the
+#: engine accepts them and leaves them to the loop the app attaches, which parses them
 LOOP_KEYS = ("adaptive", "detect", "check", "horizon_steps", "replan_at", "planner_time_limit_s",
              "min_improvement", "migrate_gbps", "tp_slowdown", "device_mb")
 
@@ -41,46 +41,44 @@ class SwitchAt:
 
 @dataclass(frozen=True)
 class MalleusSettings:
-    """The ``"malleus"`` section of the ds_config."""
+    """The engine's keys of the ``"malleus"`` section of the ds_config; a field's default is the
+    key's (``interop/malleus_section.py``)."""
 
     plan: Plan | None = None          # a plan object, a path to a plan JSON, or the JSON inline
     tp: int | None = None             # nominal TP degree; stage TP sizes must divide it (default: lcm in plan)
     gpus_per_node: int | None = None  # ranks per node; None: the engine sets the world (one node)
     seed: int = 0                     # model init and data order seed
     straggler: tuple = ()             # straggler schedule entries (emulation.RawSchedule: .method), off if empty
-    precision: Precision = Precision()  # from the stock "fp16" / "bf16" sections (build_settings)
+    #: from the stock "fp16" / "bf16" sections (build_settings), not a key of this section
+    precision: Precision = field(default=Precision(), metadata={KEY: None})
     switch: tuple[SwitchAt, ...] = ()   # scripted plan switches, by step (runner: malleus.switch)
     migrate_bucket_mb: float = 256.0    # packed bytes in flight per rank during a migration (MB)
     migrate_timeout_s: float = 300.0    # a migration transfer not done by then fails the job (s)
-    #: the adaptive loop's keys, untouched (:data:`LOOP_KEYS`; the app parses them)
-    loop: Mapping[str, Any] = field(default_factory=dict)
     #: recompute each decoder layer in backward (build_settings: the ds_config turns it on,
-    #: :func:`activation_checkpointing_source`)
-    recompute: bool = False
+    #: :func:`activation_checkpointing_source`), not a key of this section
+    recompute: bool = field(default=False, metadata={KEY: None})
 
     @staticmethod
     def from_config(sec: Mapping[str, Any] | None,
                     where: str = "ds_config.malleus") -> "MalleusSettings":
-        """Parse and check ``sec``; errors name ``<where>.<key>`` and the value."""
+        """Parse and check ``sec``; errors name ``<where>.<key>`` and the value. The loop's keys
+        (:data:`LOOP_KEYS`) are accepted and left to the loop."""
         sec = dict(sec or {})
-        known = {"plan", "tp", "gpus_per_node", "seed", "straggler", "switch",
-                 "migrate_bucket_mb", "migrate_timeout_s", *LOOP_KEYS}
+        known = {*section_keys(MalleusSettings), *LOOP_KEYS}
         unknown = sorted(set(sec) - known)
         if unknown:
             raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(known)}")
+        d = MalleusSettings
         return MalleusSettings(plan=as_plan(sec.get("plan")), tp=sec.get("tp"),
-                               gpus_per_node=sec.get("gpus_per_node"), seed=int(sec.get("seed", 0)),
+                               gpus_per_node=sec.get("gpus_per_node"),
+                               seed=int(sec.get("seed", d.seed)),
                                straggler=parse_straggler(sec.get("straggler"),
                                                          f"{where}.straggler"),
                                switch=parse_switch(sec.get("switch"), f"{where}.switch"),
                                migrate_bucket_mb=positive(sec, "migrate_bucket_mb",
-                                                          MalleusSettings.migrate_bucket_mb,
-                                                          where),
+                                                          d.migrate_bucket_mb, where),
                                migrate_timeout_s=positive(sec, "migrate_timeout_s",
-                                                          MalleusSettings.migrate_timeout_s,
-                                                          where),
-                               loop=MappingProxyType({k: copy.deepcopy(sec[k]) for k in LOOP_KEYS
-                                                      if k in sec}))
+                                                          d.migrate_timeout_s, where))
 
 
 def parse_straggler(strag, where: str = "ds_config.malleus.straggler") -> tuple:

@@ -17,16 +17,18 @@ import re
 _PIECE = re.compile(r"^(\d+)\.layer\.(.+)$")
 
 
+#: the Hugging Face prefix of our embedding and decoder-layer pieces (the head's is per name)
+_HF_PREFIX = {"embed": "model.", "blocks": "model.layers."}
+
+
 def hf_name(name: str) -> str:
     """Our global parameter name -> the Hugging Face checkpoint name."""
-    head, _, rest = name.partition(".")
-    if head == "embed":
-        return f"model.{rest}"
-    if head == "blocks":
-        return f"model.layers.{rest}"
-    if head == "head":
+    piece, _, rest = name.partition(".")
+    if piece == "head":
         return f"model.{rest}" if rest.startswith("norm.") else rest
-    raise KeyError(f"not a model parameter name: {name!r}")
+    if piece not in _HF_PREFIX:
+        raise KeyError(f"not a model parameter name: {name!r}")
+    return _HF_PREFIX[piece] + rest
 
 
 def global_name(hf: str) -> str:

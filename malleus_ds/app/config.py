@@ -20,8 +20,8 @@ from typing import Any, Mapping
 
 from ..adaptive.settings import ADAPTIVE_KEYS, AdaptiveSettings
 from ..interop.malleus_section import section_keys
-from ..engine.settings import (MalleusSettings, activation_checkpointing_source, parse_switch,
-                               positive)
+from ..interop.sections import activation_checkpointing_source
+from ..engine.settings import MalleusSettings, parse_switch, positive
 from ..data.parse import parse_data
 from ..data.tokens import DataError
 from .device import DeviceError, check_device
@@ -365,7 +365,7 @@ def _train(t: Mapping[str, Any], ds: DeepSpeedSection, dp: int) -> tuple[TrainCo
 def _activation_checkpointing(t: TrainConfig, asked: Any, ds: DeepSpeedSection) -> TrainConfig:
     """``train.activation_checkpointing`` (true | false | null) resolved against the ds_config:
     null follows the ds_config (on when it enables DeepSpeed's activation checkpointing:
-    ``engine.settings.activation_checkpointing_source``); true turns it on either way; false
+    ``interop.sections.activation_checkpointing_source``); true turns it on either way; false
     with a ds_config that turns it on is a contradiction, refused naming both."""
     try:
         src = activation_checkpointing_source(ds.config)

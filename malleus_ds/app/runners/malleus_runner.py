@@ -46,7 +46,7 @@ def check_plan(cfg: RunConfig, plan: Plan, where: str) -> None:
 def validate(cfg: RunConfig) -> None:
     plan = load_plan(cfg)
     check_plan(cfg, plan, f"plan={cfg.plan}")
-    from ...engine.settings import check_zero_stage
+    from ...interop.sections import check_zero_stage
 
     try:    # the ZeRO stage and fp16/bf16, as the engine will read them
         check_zero_stage(cfg.deepspeed.zero_stage)

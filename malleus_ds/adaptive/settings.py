@@ -58,29 +58,7 @@ class AdaptiveSettings:
         en = sec.get("adaptive", D.enabled)
         if not isinstance(en, bool):
             raise ValueError(f"{p}.adaptive={en!r} must be true or false")
-        det = sec.get("detect") or {}
-        if not isinstance(det, Mapping):
-            raise ValueError(f"{p}.detect must be a mapping of {list(DetectConfig.__dataclass_fields__)}, "
-                             f"got {det!r}")
-        known = set(DetectConfig.__dataclass_fields__)
-        unknown = sorted(set(det) - known)
-        if unknown:
-            raise ValueError(f"{p}.detect: unknown keys {unknown}; allowed: {sorted(known)}")
-        for k, v in det.items():
-            if k in _BOOL_DETECT:
-                if v is not None and not isinstance(v, bool):
-                    raise ValueError(f"{p}.detect.{k}={v!r} must be true, false or null")
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"{p}.detect.{k}={v!r} must be a number")
-            if k in _INT_DETECT and int(v) != v:
-                raise ValueError(f"{p}.detect.{k}={v!r} must be an integer")
-        dc = DetectConfig(**{k: (v if k in _BOOL_DETECT else int(v) if k in _INT_DETECT
-                                 else float(v)) for k, v in det.items()})
-        try:
-            dc.check()
-        except ValueError as e:
-            raise ValueError(f"{p}.{e}") from None
+        dc = _detect_config(sec.get("detect") or {}, p)
         hz = sec.get("horizon_steps", D.horizon_steps)
         if isinstance(hz, bool) or not isinstance(hz, int) or hz < 1:
             raise ValueError(f"{p}.horizon_steps={hz!r} must be an integer >= 1 (steps over "
@@ -101,28 +79,60 @@ class AdaptiveSettings:
                     "a number in [0, 1)", where=p)
         bw = number(sec, "migrate_gbps", D.migrate_gbps, lambda v: v > 0, "a number > 0 (GB/s)",
                     where=p)
-        sd = sec.get("tp_slowdown", D.tp_slowdown)
-        if sd is None:
-            sd = D.tp_slowdown
-        if isinstance(sd, str):
-            if sd not in ("measure", "ideal"):
-                raise ValueError(f"{p}.tp_slowdown={sd!r} must be \"measure\" (time the layer's "
-                                 f"TP shards at start-up), \"ideal\" (tp/g) or a map tp/g -> "
-                                 f"slowdown")
-        else:
-            if not isinstance(sd, Mapping):
-                raise ValueError(f"{p}.tp_slowdown must map tp/g to a slowdown, got {sd!r}")
-            try:
-                sd = {int(k): float(v) for k, v in sd.items()}
-            except (TypeError, ValueError):
-                raise ValueError(f"{p}.tp_slowdown={dict(sd)!r}: keys are integers tp/g, values "
-                                 f"numbers") from None
+        sd = _tp_slowdown(sec.get("tp_slowdown", D.tp_slowdown), p)
         dm = number(sec, "device_mb", D.device_mb, lambda v: v > 0,
                     "a number > 0 (or null: detected)", optional=True, where=p)
         return AdaptiveSettings(enabled=en, detect=dc, check=_check_config(sec.get("check"), p),
                                 horizon_steps=hz, replan_at=tuple(ra), planner_time_limit_s=tl,
                                 min_improvement=mi, migrate_gbps=bw, tp_slowdown=sd,
                                 device_mb=dm)
+
+
+def _detect_config(det, p: str) -> DetectConfig:
+    """``<p>.detect``: a mapping of :class:`~malleus_ds.adaptive.detect.DetectConfig` fields."""
+    if not isinstance(det, Mapping):
+        raise ValueError(f"{p}.detect must be a mapping of "
+                         f"{list(DetectConfig.__dataclass_fields__)}, got {det!r}")
+    known = set(DetectConfig.__dataclass_fields__)
+    unknown = sorted(set(det) - known)
+    if unknown:
+        raise ValueError(f"{p}.detect: unknown keys {unknown}; allowed: {sorted(known)}")
+    for k, v in det.items():
+        if k in _BOOL_DETECT:
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"{p}.detect.{k}={v!r} must be true, false or null")
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{p}.detect.{k}={v!r} must be a number")
+        if k in _INT_DETECT and int(v) != v:
+            raise ValueError(f"{p}.detect.{k}={v!r} must be an integer")
+    dc = DetectConfig(**{k: (v if k in _BOOL_DETECT else int(v) if k in _INT_DETECT
+                             else float(v)) for k, v in det.items()})
+    try:
+        dc.check()
+    except ValueError as e:
+        raise ValueError(f"{p}.{e}") from None
+    return dc
+
+
+def _tp_slowdown(sd, p: str) -> Mapping[int, float] | str:
+    """``<p>.tp_slowdown``: "measure", "ideal" or a map tp/g -> slowdown (null: the default)."""
+    if sd is None:
+        sd = AdaptiveSettings.tp_slowdown
+    if isinstance(sd, str):
+        if sd not in ("measure", "ideal"):
+            raise ValueError(f"{p}.tp_slowdown={sd!r} must be \"measure\" (time the layer's "
+                             f"TP shards at start-up), \"ideal\" (tp/g) or a map tp/g -> "
+                             f"slowdown")
+    else:
+        if not isinstance(sd, Mapping):
+            raise ValueError(f"{p}.tp_slowdown must map tp/g to a slowdown, got {sd!r}")
+        try:
+            sd = {int(k): float(v) for k, v in sd.items()}
+        except (TypeError, ValueError):
+            raise ValueError(f"{p}.tp_slowdown={dict(sd)!r}: keys are integers tp/g, values "
+                             f"numbers") from None
+    return sd
 
 
 #: the loop's keys of the ``malleus`` section, from :class:`AdaptiveSettings`'s fields

@@ -119,7 +119,7 @@ def _worker(rank, world, layout, model_name, seq, G, steps, rounds, warmup):
     from deepspeed.utils import groups
 
     from malleus_ds.data import ByteCorpus
-    from malleus_ds.engine.ds_compat import init_deepspeed_comm
+    from malleus_ds.interop.compat import init_deepspeed_comm
     from malleus_ds.engine.engine import MalleusEngine
     from malleus_ds.models.llama import lm_loss
     from malleus_ds.plan import static_plan
@@ -188,7 +188,7 @@ def _recompute_worker(rank, world, layout, model_name, seq, G, steps, rounds, wa
     from deepspeed.utils import groups
 
     from malleus_ds.data import ByteCorpus
-    from malleus_ds.engine.ds_compat import init_deepspeed_comm
+    from malleus_ds.interop.compat import init_deepspeed_comm
     from malleus_ds.engine.engine import MalleusEngine
     from malleus_ds.models.llama import lm_loss
     from malleus_ds.plan import static_plan

@@ -16,37 +16,38 @@ def initialize(model=None, config=None, plan=None, *, data=None, args=None):
     from ..adaptive.settings import AdaptiveSettings
     from ..data import ByteCorpus
     from ..engine import initialize as engine_initialize
-    from ..engine.settings import load_config
+    from ..interop.auto import auto_paths
+    from ..interop.ds_config import decode
+    from ..interop.sections import load_config
     from .loop import attach_loop
 
     cfg = load_config(config)
-    if isinstance(cfg, dict):
-        from .ds_auto import auto_paths
-
-        auto = auto_paths(cfg)
-        if auto:
-            raise ValueError(f"ds_config {', '.join(auto)}=\"auto\": malleus_ds.initialize "
-                             f"takes the values themselves (\"auto\" is filled by the Hugging "
-                             f"Face Trainer or accelerate from their arguments, and by "
-                             f"launch/train.py from train.*); set them")
-        _notes(cfg)
-    sec = cfg.get("malleus") if isinstance(cfg, dict) else None
+    auto = auto_paths(cfg)
+    if auto:
+        raise ValueError(f"ds_config {', '.join(auto)}=\"auto\": malleus_ds.initialize "
+                         f"takes the values themselves (\"auto\" is filled by the Hugging "
+                         f"Face Trainer or accelerate from their arguments, and by "
+                         f"launch/train.py from train.*); set them")
+    notes = _notes(cfg)
+    sec = cfg.get("malleus")
     settings = AdaptiveSettings.from_config(sec if isinstance(sec, dict) else {})
-    out = engine_initialize(model, cfg, plan, data=ByteCorpus if data is None else data,
+    ds = decode(cfg, notes)             # the ds_config, decoded once; the engine takes it
+    out = engine_initialize(model, ds, plan, data=ByteCorpus if data is None else data,
                             args=args)
     attach_loop(out[0], settings)
     return out
 
 
-def _notes(cfg: dict) -> None:
-    """What MalleusEngine does with the ds_config's keys (``engine/ds_keys.py``): a config it
+def _notes(cfg: dict) -> list[str]:
+    """What MalleusEngine does with the ds_config's keys (``interop/config_keys.py``): a config it
     cannot honour fails here, on every rank, before any collective; rank 0 (``RANK``) prints a
-    line per key it ignores."""
+    line per key it ignores. Returns the notes."""
     import os
 
-    from ..engine.ds_keys import review
+    from ..interop.config_keys import review
 
     notes = review(cfg)
     if os.environ.get("RANK", "0") == "0":
         for n in notes:
             print(f"[malleus_ds] note: {n}", flush=True)
+    return notes

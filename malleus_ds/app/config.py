@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..adaptive.settings import ADAPTIVE_KEYS, AdaptiveSettings
-from ..engine.settings import (MalleusSettings, activation_checkpointing_source, parse_switch,
-                               positive)
+from ..interop.malleus_section import section_keys
+from ..interop.sections import activation_checkpointing_source
+from ..engine.settings import MalleusSettings, parse_switch, positive
 from ..data.parse import parse_data
 from ..data.tokens import DataError
 from .device import DeviceError, check_device
@@ -228,8 +229,10 @@ def _seconds(v: Any, name: str, zero_ok: bool) -> float:
     return x
 
 
-#: The app's ``malleus.*`` keys (the engine's own ds_config ``malleus`` section has more).
-MALLEUS_KEYS = ("switch", "migrate_bucket_mb", "migrate_timeout_s", *ADAPTIVE_KEYS)
+#: The app's ``malleus.*`` keys (the engine's own ds_config ``malleus`` section has more), from
+#: :class:`MalleusConfig`'s fields: its ``loop`` stands for the loop's keys
+MALLEUS_KEYS = tuple(k for f in section_keys(MalleusConfig)
+                     for k in (ADAPTIVE_KEYS if f == "loop" else (f,)))
 
 
 def _malleus(m: Mapping[str, Any], engine: str, ds: DeepSpeedSection) -> MalleusConfig:
@@ -310,8 +313,8 @@ def _checkpoint(c: Mapping[str, Any]) -> CheckpointConfig:
 def _train(t: Mapping[str, Any], ds: DeepSpeedSection, dp: int) -> tuple[TrainConfig, list]:
     """``train.*`` -> TrainConfig, and a note per batch field taken from the ds_config: a batch
     field left out (or null) comes from the ds_config's batch keys where it has them
-    (``ds_batch.resolve_batch``; one that contradicts them is refused, naming both)."""
-    from ..engine.ds_batch import resolve_batch
+    (``interop.batch.resolve_batch``; one that contradicts them is refused, naming both)."""
+    from ..interop.batch import resolve_batch
 
     t = {k: v for k, v in t.items() if v is not None or k == "data_seed"}
     allowed = {f.name for f in fields(TrainConfig)}
@@ -362,7 +365,7 @@ def _train(t: Mapping[str, Any], ds: DeepSpeedSection, dp: int) -> tuple[TrainCo
 def _activation_checkpointing(t: TrainConfig, asked: Any, ds: DeepSpeedSection) -> TrainConfig:
     """``train.activation_checkpointing`` (true | false | null) resolved against the ds_config:
     null follows the ds_config (on when it enables DeepSpeed's activation checkpointing:
-    ``engine.settings.activation_checkpointing_source``); true turns it on either way; false
+    ``interop.sections.activation_checkpointing_source``); true turns it on either way; false
     with a ds_config that turns it on is a contradiction, refused naming both."""
     try:
         src = activation_checkpointing_source(ds.config)
@@ -525,8 +528,8 @@ def _deepspeed(s: Mapping[str, Any], search: tuple[str | Path, ...]) -> DeepSpee
 def _auto(ds: DeepSpeedSection, train: TrainConfig, model, parallel: ParallelConfig
           ) -> DeepSpeedSection:
     """The ds_config with every ``"auto"`` filled from ``train.*`` and the model, as the Hugging
-    Face Trainer and accelerate fill it (``ds_auto.py``); one note per value."""
-    from .ds_auto import resolve_auto
+    Face Trainer and accelerate fill it (``interop/auto.py``); one note per value."""
+    from ..interop.auto import resolve_auto
 
     cfg, notes = resolve_auto(ds.config, train, model.hidden_size, parallel.dp,
                               error=ConfigError)
@@ -534,9 +537,9 @@ def _auto(ds: DeepSpeedSection, train: TrainConfig, model, parallel: ParallelCon
 
 
 def _review(ds: DeepSpeedSection) -> list[str]:
-    """What MalleusEngine does with each key of the ds_config (``engine/ds_keys.py``): a note
+    """What MalleusEngine does with each key of the ds_config (``interop/config_keys.py``): a note
     per key it ignores, a ConfigError for one it refuses."""
-    from ..engine.ds_keys import review
+    from ..interop.config_keys import review
 
     try:
         return review(ds.config)
@@ -554,7 +557,7 @@ def check_even_batch(t: TrainConfig, p: ParallelConfig, ds: DeepSpeedSection) ->
                           f"not split evenly over parallel.dp={p.dp} replicas; use a global batch "
                           f"that is a multiple of {t.micro_batch_size * p.dp}")
     c = ds.config
-    from ..engine.ds_compat import batch_keys
+    from ..interop.compat import batch_keys
 
     want = batch_keys(t.micro_batch_size, n // p.dp, p.dp)
     for k, v in want.items():

@@ -13,7 +13,7 @@ from ..adaptive.settings import AdaptiveSettings
 from ..data import DataConfig
 from ..emulation.links import LinkSchedule
 from ..emulation.straggler import StragglerSchedule
-from ..engine.ds_batch import DEFAULT_BATCH
+from ..interop.batch import DEFAULT_BATCH
 from ..engine.settings import MalleusSettings, SwitchAt
 from ..models.llama import ModelConfig
 from ..optim import OptimConfig
@@ -82,7 +82,7 @@ class DeepSpeedSection:
     config_file: str | None = None      # absolute path of the JSON it was read from
     #: the ds_config itself, as read and with its "auto" values filled
     config: Mapping[str, Any] = field(default_factory=dict, hash=False)
-    #: one line per value the app filled or key it left to MalleusEngine's own way (ds_auto.py)
+    #: one line per value the app filled or key it left to MalleusEngine's own way (interop/auto.py)
     notes: tuple[str, ...] = field(default=(), hash=False)
 
     @property
@@ -109,8 +109,9 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class MalleusConfig:
     """``malleus.*`` (engine=malleus), parsed once by ``config._malleus``: the scripted switches
-    with their plans read, the migration limits, and the adaptive loop's settings. Defaults are
-    the engine's and the loop's own (``MalleusSettings``, ``AdaptiveSettings``);
+    with their plans read, the migration limits, and the adaptive loop's settings (``loop``:
+    its keys are the loop's, at the top of ``malleus.*``; ``interop/malleus_section.py``).
+    Defaults are the engine's and the loop's own (``MalleusSettings``, ``AdaptiveSettings``);
     conf/config.yaml repeats them for ``--help`` and overrides, and a test holds the two equal."""
 
     switch: tuple[SwitchAt, ...] = ()   # scripted live plan switches, by step

@@ -10,10 +10,11 @@ def initialize(model=None, config=None, plan=None, *, data=None, args=None):
     ``deepspeed.initialize``: returns ``(engine, optimizer, None, lr_scheduler)``.
 
     ``model``: a ``ModelConfig``, a whole ``StageModule`` or a stage builder (see MalleusEngine).
-    ``config``: a ds_config dict or JSON path; its ``"malleus"`` section takes ``plan`` (path,
+    ``config``: a ds_config dict or JSON path, or one decoded already
+    (``malleus_ds.interop.ds_config.decode``); its ``"malleus"`` section takes ``plan`` (path,
     JSON object or Plan), ``tp``, ``gpus_per_node``, ``seed``, ``straggler``, ``switch``; the
     adaptive loop's keys (``adaptive``, ``detect``, ``horizon_steps``, ``replan_at``, ...;
-    README "The adaptive loop") are passed over to whoever attaches a loop
+    docs/adaptive-loop.md) are passed over to whoever attaches a loop
     (``malleus_ds.initialize`` does: ``app/loop.py``; this engine alone runs none). ``plan`` (a Plan or
     path) overrides ``malleus.plan``. Stock fields honoured: ``optimizer`` (Adam/AdamW),
     ``scheduler``, ``zero_optimization.stage`` (0/1/2), ``gradient_clipping`` (DeepSpeed's default

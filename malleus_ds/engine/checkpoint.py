@@ -67,7 +67,8 @@ from ..files.ckpt_format import (
     CheckpointError,
     open_rank_file,
     rank_file,
-    resolve)
+    resolve,
+    table_json)
 from ..migrate.apply import StateView, params_from_masters, unpack_parts
 from ..migrate.file_reads import ONE_COPY, Read, one_copy, plan_reads, wants
 from ..migrate.transfer import Transfer, chunked
@@ -83,10 +84,6 @@ def _agree_or_raise(engine, err: str | None, what: str) -> None:
     raise_if_any_failed(what.split("(", 1)[0], err, what, CheckpointError)
 
 
-def _table_json(table) -> dict[str, list]:
-    return {s.name: [list(s.shape), s.split_dim] for s in table}
-
-
 # ----------------------------------------------------------------------------- load: checks
 
 
@@ -98,7 +95,7 @@ def check_compatible(d: Path, meta: dict, plan: Plan, table) -> Plan:
             raise CheckpointError(f"checkpoint {d} has {f}={meta.get(f)}, this engine runs "
                                   f"{f}={getattr(plan, f)}; a checkpoint loads only into the same "
                                   f"model and global batch")
-    saved, mine = meta.get("params", {}), _table_json(table)
+    saved, mine = meta.get("params", {}), table_json(table)
     for n in sorted(set(saved) | set(mine)):
         if saved.get(n) != mine.get(n):
             raise CheckpointError(f"checkpoint {d}: parameter {n} is [shape, split dim] "

@@ -29,6 +29,7 @@ from ..files.ckpt_format import (
     META,
     RAW_MAGIC,
     CheckpointError,
+    meta_record,
     rank_file,
     raw_data_start)
 from ..files.fileio import aligned_buffer, atomic_write, atomic_write_chunks, round_up
@@ -37,7 +38,7 @@ from ..migrate.apply import StateView, pack_parts
 from ..migrate.file_reads import ONE_COPY, one_copy
 from ..migrate.transfer import Transfer
 from ..files.safe_load import UnsafeFile, check_plain
-from .checkpoint import _agree_or_raise, _table_json
+from .checkpoint import _agree_or_raise
 
 
 # ----------------------------------------------------------------------------- save
@@ -177,20 +178,6 @@ def _engine_state(engine, meta: dict, client_state) -> dict:
             "param_groups": [{k: v for k, v in g.items() if k != "params"}
                              for g in opt.param_groups],
             "client_state": client_state or {}}
-
-
-def meta_record(sid: int, tag: str, plan, world: int, zero_stage: int, precision: str,
-                mixed: bool, adam_step: int, counters: tuple[int, int, int], table) -> dict:
-    """A save's ``meta.json`` (module doc of ``checkpoint.py``); ``counters``: global steps,
-    skipped steps, global samples. The one record every writer of our format fills in (a save,
-    and ``ds_import.write_malleus``'s conversion of a DeepSpeed checkpoint)."""
-    return {"format": FORMAT, "save_id": sid, "tag": tag, "plan": plan.to_json(),
-            "world_size": world, "zero_stage": zero_stage,
-            "precision": {"name": precision, "mixed": mixed},
-            "num_layers": plan.num_layers, "global_batch_size": plan.global_batch_size,
-            "micro_batch_size": plan.micro_batch_size, "adam_step": adam_step,
-            "global_steps": counters[0], "skipped_steps": counters[1],
-            "global_samples": counters[2], "params": _table_json(table)}
 
 
 @dataclass

@@ -60,7 +60,7 @@ from deepspeed.utils import log_dist
 from malleus_ds_kernels.pack import warm_up as warm_up_pack
 
 from ..samples import loss_share, pipeline_micro_batches
-from .ds_compat import init_deepspeed_comm
+from ..interop.compat import init_deepspeed_comm
 from ..models.base import param_table, tied_params
 from ..job_layout import JobLayout, JobLayoutError
 from ..plan import Plan, PlanError
@@ -75,10 +75,8 @@ from .precision import Precision
 from .state import EngineState
 from .step_reduce import StepReduction
 from .comm_log import tensor_mb
-from .ds_keys import review
-from .settings import (MalleusSettings, activation_checkpointing_source, as_plan,
-                       base_ds_config, check_scheduler, check_unsupported, load_config,
-                       optimizer_settings)
+from ..interop.ds_config import DsConfig, decode
+from .settings import MalleusSettings, activation_checkpointing_source, as_plan, base_ds_config
 from ..schedule import Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad
 from .model_input import model_builder
 from .wire import wire_calls
@@ -103,8 +101,9 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
                  settings: MalleusSettings | None = None) -> None:
         init_deepspeed_comm()
         rank, world = tdist.get_rank(), tdist.get_world_size()
-        user_cfg = load_config(config)
-        settings = self.build_settings(user_cfg, settings)
+        ds = decode(config)               # once: the app may hand it over decoded
+        user_cfg = ds.config
+        settings = self.build_settings(ds, settings)
         cfg, make_stage = model_builder(model, settings.seed, settings.recompute)
         plan = self.build_plan(as_plan(plan) or settings.plan, cfg, world, settings, user_cfg)
         for sw in settings.switch:      # every scripted switch is checked before any collective
@@ -112,7 +111,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
                 self.build_plan(sw.plan, cfg, world, settings, user_cfg)
             except PlanError as e:
                 raise PlanError(f"{sw.where} (plan {sw.plan.id}): {e}") from None
-        zero_stage, optim = optimizer_settings(user_cfg)
+        zero_stage, optim = ds.zero_stage, ds.make_optimizer
         self.build_groups(plan, world)
         GROUPS.hold(self, plan_rank_sets(plan, world))     # until a switch or drop (groups.py)
         spec = locate(plan, rank)
@@ -134,17 +133,17 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
     # ------------------------------------------------------------------ build steps
 
     @staticmethod
-    def build_settings(user_cfg: dict, given: MalleusSettings | None = None) -> MalleusSettings:
+    def build_settings(config: dict | DsConfig,
+                       given: MalleusSettings | None = None) -> MalleusSettings:
         """The ``malleus`` section plus the precision from ``fp16`` / ``bf16`` / ``data_types``
         and activation checkpointing from ``activation_checkpointing`` /
         ``pipeline.activation_checkpoint_interval``; pure, so a bad config raises the same
-        error on every rank before any collective. ``given``: settings the caller parsed
-        itself (the app, from its typed run config): used instead of the ``malleus`` section
-        (which must then be absent), only the precision is read from the ds_config."""
-        check_unsupported(user_cfg)
-        review(user_cfg)                  # refuses what MalleusEngine cannot honour (ds_keys)
-        optimizer_settings(user_cfg)      # the optimizer and scheduler sections, checked now
-        check_scheduler(user_cfg)
+        error on every rank before any collective. ``config``: the ds_config, decoded
+        (``interop/ds_config.py``: what MalleusEngine cannot honour is refused there) or a dict
+        decoded here. ``given``: settings the caller parsed itself (the app, from its typed run
+        config): used instead of the ``malleus`` section (which must then be absent), only the
+        precision is read from the ds_config."""
+        user_cfg = decode(config).config
         if given is not None:
             if user_cfg.get("malleus"):
                 raise ValueError("MalleusEngine: settings were given, and the ds_config has a "

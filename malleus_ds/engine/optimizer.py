@@ -43,7 +43,7 @@ class ShardedOptimizer:
         (:func:`malleus_ds.migrate.alias.range_aliases`); nothing moves there (indices in
         :attr:`reused`). ``from_params=False``: other masters start uninitialised (a switch
         fills them)."""
-        from .settings import check_zero_stage
+        from ..interop.sections import check_zero_stage
 
         self.buckets, self.params, self.device = buckets, params, device
         self.zero_stage = check_zero_stage(zero_stage)

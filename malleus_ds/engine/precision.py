@@ -38,6 +38,8 @@ from typing import Any, Mapping
 
 import torch
 
+from ..files.ckpt_format import scaler_state  # noqa: F401  (the engine's name for it)
+
 _FP32_NAMES = {"fp32", "float32", "float", "torch.float32", "torch.float"}
 
 
@@ -137,14 +139,6 @@ def _check_data_types(dt: Mapping[str, Any], dtype: torch.dtype, name: str | Non
             raise ValueError(f"ds_config.data_types.param_dtype={pd!r} conflicts with "
                              f"{name or 'fp32'} training (parameters in {dtype}); set the matching "
                              f"fp16/bf16 'enabled' flag or drop param_dtype")
-
-
-def scaler_state(scaler) -> dict | None:
-    """The loss scaler's mutable state, for checkpoints and re-planning."""
-    if scaler is None:
-        return None
-    keys = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
-    return {k: getattr(scaler, k) for k in keys if hasattr(scaler, k)}
 
 
 def load_scaler_state(scaler, state: Mapping | None) -> None:

@@ -78,10 +78,10 @@ class EngineState:
         precision and world size (any of them may differ from the saving job's). Returns
         ``(path, client_state)`` like DeepSpeed. Collective. See ``engine/checkpoint.py``.
         A folder stock DeepSpeed wrote (ZeRO 0/1/2, pp=1) is read too: converted once into
-        this format beside its files, then loaded the same way (``engine/ds_checkpoint.py``)."""
+        this format beside its files, then loaded the same way (``interop/checkpoint.py``)."""
         from .checkpoint import load_checkpoint
-        from .ds_checkpoint import is_deepspeed_checkpoint
-        from .ds_import import import_deepspeed
+        from ..interop.checkpoint import is_deepspeed_checkpoint
+        from ..interop.checkpoint_import import import_deepspeed
 
         where = Path(load_dir) / str(tag) if tag is not None else Path(load_dir)
         if is_deepspeed_checkpoint(where):

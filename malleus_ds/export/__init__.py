@@ -18,8 +18,8 @@ Face one (``model=hf`` / ``model=hf_local``: ``"family": "hf"``). The weights co
 
 ``OUT_DIR`` gets ``config.json`` (the recorded transformers config rebuilt with
 ``AutoConfig.for_model``, ``use_cache`` back to its default, ``architectures`` and ``dtype`` set)
-and ``model.safetensors`` under Hugging Face names (``malleus_ds.models.hf.hf_name``). A tied model
-(``tie_word_embeddings``) stores ``model.embed_tokens.weight`` only: transformers re-ties
+and ``model.safetensors`` under Hugging Face names (``malleus_ds.interop.names.hf_name``). A tied
+model (``tie_word_embeddings``) stores ``model.embed_tokens.weight`` only: transformers re-ties
 ``lm_head.weight`` on load. For a ``model=hf_local`` run whose source folder still exists, its
 tokenizer and generation-config files are copied along, so the folder is complete.
 ``AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads it. An existing non-empty ``OUT_DIR`` is

@@ -102,7 +102,7 @@ def expected_tensors(config) -> dict[str, tuple[int, ...]]:
 def hf_tensors(state: Mapping[str, torch.Tensor], config, where: str) -> dict[str, torch.Tensor]:
     """Full tensors by our global names -> by Hugging Face names, checked against the model the
     config describes (a tied model: ``lm_head.weight`` dropped, the embedding kept)."""
-    from ..models.hf import hf_name
+    from ..interop.names import hf_name
 
     want = expected_tensors(config)
     out = {}

@@ -142,7 +142,7 @@ def read_malleus(tag_dir: Path, record: Mapping) -> dict[str, torch.Tensor]:
 def _state_by_global(sd: Mapping[str, torch.Tensor], f: Path, record: Mapping,
                      prefix: str = "model.") -> dict[str, torch.Tensor]:
     """A reference model's state dict (``HFCausalLM``: ``model.<HF name>``) -> our global names."""
-    from ..models.hf import global_name
+    from ..interop.names import global_name
 
     out = {}
     for k, v in sd.items():
@@ -192,7 +192,7 @@ def read_deepspeed(tag_dir: Path, record: Mapping, run: Mapping) -> dict[str, to
     f = tag_dir / "mp_rank_00_model_states.pt"
     if not f.is_file():
         raise ExportError(f"checkpoint {tag_dir} (engine=deepspeed) has no {f.name}")
-    from ..engine.ds_compat import load_deepspeed_file
+    from ..interop.compat import load_deepspeed_file
 
     try:    # DeepSpeed's own file: plain data and DeepSpeed's few value classes, nothing else
         st = load_deepspeed_file(f, "cpu")

@@ -72,6 +72,34 @@ def rank_file(d: Path, rank: int) -> Path:
     return d / f"malleus_rank{rank:05d}.pt"
 
 
+def table_json(table) -> dict[str, list]:
+    """``meta.json``'s ``params``: each parameter's full shape and split dim, by global name."""
+    return {s.name: [list(s.shape), s.split_dim] for s in table}
+
+
+def meta_record(sid: int, tag: str, plan, world: int, zero_stage: int, precision: str,
+                mixed: bool, adam_step: int, counters: tuple[int, int, int], table) -> dict:
+    """A save's ``meta.json`` (module doc of ``engine/checkpoint.py``); ``counters``: global
+    steps, skipped steps, global samples. The one record every writer of this format fills in (a
+    save, and ``interop/checkpoint_import.write_malleus``'s conversion of a DeepSpeed
+    checkpoint)."""
+    return {"format": FORMAT, "save_id": sid, "tag": tag, "plan": plan.to_json(),
+            "world_size": world, "zero_stage": zero_stage,
+            "precision": {"name": precision, "mixed": mixed},
+            "num_layers": plan.num_layers, "global_batch_size": plan.global_batch_size,
+            "micro_batch_size": plan.micro_batch_size, "adam_step": adam_step,
+            "global_steps": counters[0], "skipped_steps": counters[1],
+            "global_samples": counters[2], "params": table_json(table)}
+
+
+def scaler_state(scaler) -> dict | None:
+    """The loss scaler's mutable state, for checkpoints and re-planning."""
+    if scaler is None:
+        return None
+    keys = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+    return {k: getattr(scaler, k) for k in keys if hasattr(scaler, k)}
+
+
 def resolve(load_dir, tag=None) -> tuple[Path, dict]:
     """``(tag directory, meta.json)``; CheckpointError (the same on every rank: it reads only
     shared files) if anything is missing. Pure apart from reading files."""

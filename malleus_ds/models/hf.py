@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..interop.names import global_name, hf_name  # noqa: F401  (models.hf.hf_name: callers)
 from .base import EMBED, HEAD, TPError, check_tp_divides, lm_loss
 from .llama import _layer_seed        # the same per-layer seeding as our decoder
 
@@ -70,31 +71,6 @@ def _modeling(model_type: str):
     import importlib
 
     return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-
-
-def hf_name(name: str) -> str:
-    """Our global parameter name -> the Hugging Face checkpoint name."""
-    head, _, rest = name.partition(".")
-    if head == "embed":
-        return f"model.{rest}"
-    if head == "blocks":
-        return f"model.layers.{rest}"
-    if head == "head":
-        return f"model.{rest}" if rest.startswith("norm.") else rest
-    raise KeyError(f"not a model parameter name: {name!r}")
-
-
-def global_name(hf: str) -> str:
-    """Inverse of :func:`hf_name`."""
-    if hf.startswith("model.layers."):
-        return "blocks." + hf[len("model.layers."):]
-    if hf.startswith("model.norm."):
-        return "head." + hf[len("model."):]
-    if hf.startswith("model."):
-        return "embed." + hf[len("model."):]
-    if hf.startswith("lm_head."):
-        return "head." + hf
-    raise KeyError(f"not a Llama-family parameter name: {hf!r}")
 
 
 class HFEmbed(nn.Module):

@@ -111,10 +111,10 @@ def _method(cfg: dict) -> str:
 
 def _batch(run: Path, cfg: dict, dp: int) -> tuple[int, int]:
     """The run's global and micro batch: ``train.*``, or where the run left them null, what the
-    app took from its ds_config (``engine/ds_batch.py``; ``deepspeed.config_file`` as given, or
+    app took from its ds_config (``interop/batch.py``; ``deepspeed.config_file`` as given, or
     among the shipped ``conf/deepspeed`` presets, as launch/train.py looks it up, with
     ``deepspeed.config`` over it)."""
-    from ..engine.ds_batch import DEFAULT_BATCH, resolve_batch
+    from ..interop.batch import DEFAULT_BATCH, resolve_batch
     from ..engine.settings import load_config
 
     tr = cfg.get("train") or {}

@@ -1,5 +1,5 @@
 """engine=malleus continues a checkpoint that stock DeepSpeed wrote, under another plan
-(``engine/ds_checkpoint.py``): engine=deepspeed for N+M steps, saving at step N, then
+(``interop/checkpoint.py``): engine=deepspeed for N+M steps, saving at step N, then
 engine=malleus from the step-N files under a non-uniform plan of another world size and TP,
 gives stock DeepSpeed's losses of steps N+1..N+M (weights, Adam moments and step, LR schedule,
 counters, loss scaler all carried). ZeRO-0, 1 and 2 saves in fp32, fp16 and bf16 (each of
@@ -191,7 +191,7 @@ def test_bad_deepspeed_folders_are_refused(tmp_path, ds_zero1):
     folder that is not a DeepSpeed checkpoint: each refused by name, nothing run."""
     import pickle
 
-    from malleus_ds.engine.ds_checkpoint import read_state
+    from malleus_ds.interop.checkpoint import read_state
     from malleus_ds.files.ckpt_format import CheckpointError
 
     ck = zero1_copy(ds_zero1, tmp_path)

@@ -1,4 +1,4 @@
-"""DeepSpeed's fp16 files without ZeRO name no parameter (``engine/ds_ckpt_plain.py``): a user's
+"""DeepSpeed's fp16 files without ZeRO name no parameter (``interop/checkpoint_plain.py``): a user's
 own model with the Hugging Face Trainer's two parameter groups (weights with decay, then biases
 and norms without), so the optimizer's order is not the module's. Stock DeepSpeed (one rank)
 trains it in fp16 under FP16_UnfusedOptimizer and under FP16_Optimizer (FusedAdam's flat
@@ -72,7 +72,7 @@ def _train_and_save(rank, world, out, fused):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused-flat"])
 def test_fp16_masters_are_found_by_value_in_any_group_order(tmp_path, fused):
-    from malleus_ds.engine.ds_checkpoint import read_state
+    from malleus_ds.interop.checkpoint import read_state
 
     want = run_distributed(_train_and_save, 1, tmp_path / "ck", fused, timeout=300)[0]
     st = read_state(tmp_path / "ck")
@@ -89,7 +89,7 @@ def test_fp16_masters_are_found_by_value_in_any_group_order(tmp_path, fused):
 def test_a_master_of_another_model_is_refused(tmp_path):
     """A master that rounds to none of the module's parameters (files of two runs mixed) is
     refused by name; so is an fp32 optimizer whose order is not the module's."""
-    from malleus_ds.engine.ds_ckpt_plain import read_stage0
+    from malleus_ds.interop.checkpoint_plain import read_stage0
     from malleus_ds.files.ckpt_format import CheckpointError
 
     w = {"a": torch.ones(2, 3, dtype=torch.float16), "b": torch.zeros(3, dtype=torch.float16)}

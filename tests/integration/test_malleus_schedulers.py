@@ -1,7 +1,7 @@
 """Every LR scheduler DeepSpeed ships, under MalleusEngine, gives the learning rates (and, for
 OneCycle, the momentum) of stock DeepSpeed step for step: both engines build the scheduler from
 the same ``scheduler`` section and step it once per optimizer step (the ds_config key table,
-``engine/ds_keys.py``). A step that fp16 skips for overflow does not step it, as in DeepSpeed
+``interop/config_keys.py``). A step that fp16 skips for overflow does not step it, as in DeepSpeed
 (``DeepSpeedEngine._take_model_step``). One gloo rank, both engines in the same process."""
 from __future__ import annotations
 

@@ -129,7 +129,7 @@ def test_torch_and_deepspeed_files_are_refused_by_resume(saved, tmp_path):
     ck = _copy(saved, "deepspeed", tmp_path)
     optim = sorted((ck / "global_step2").glob("*optim_states.pt"))[-1]
     # DeepSpeed's own file names its loss scaler: poison it with something else as well
-    from malleus_ds.engine.ds_compat import load_deepspeed_file
+    from malleus_ds.interop.compat import load_deepspeed_file
 
     ck_obj = load_deepspeed_file(optim, "cpu")      # weights-only, DeepSpeed's value classes
     ck_obj["extra"] = _Payload(marker)

@@ -8,7 +8,8 @@ of ``malleus_ds/`` parsed, function-level and ``TYPE_CHECKING`` ones included, a
 3. a module imports only from its own layer and the layers below it;
 4. Hydra and OmegaConf are imported only by ``app/``;
 5. the planner and the simulator never import ``engine/``; ``engine/`` and ``adaptive/`` import
-   nothing from each other (the engine exposes step hooks, the app attaches the loop).
+   nothing from each other (the engine exposes step hooks, the app attaches the loop);
+   ``interop/`` (DeepSpeed's formats) imports nothing from ``engine/`` or ``adaptive/``.
 
 A failure names the arrow (``a -> b``) or the cycle. The parser itself is checked on a small
 package written to a temporary folder, so a rule cannot pass by parsing nothing.
@@ -25,7 +26,8 @@ PKG = Path(__file__).resolve().parents[2] / "malleus_ds"
 #: sub-packages by layer, lowest first; the modules at the top of malleus_ds/ are layer 0
 LAYERS = (
     {"files"},                                     # 0: contracts, and what they read and write
-    {"resilience", "emulation", "models"},         # 1: platform: processes, slowdowns, models
+    {"resilience", "emulation", "models",          # 1: platform: processes, slowdowns, models,
+     "interop"},                                   #    DeepSpeed's formats
     {"planner", "migrate", "engine", "adaptive"},  # 2: core
     {"report", "data", "export", "replay"},        # 3: reading runs, data, exports, replays
     {"app"},                                       # 4: the application at the edge
@@ -34,6 +36,8 @@ LAYERS = (
 MAX_CONTRACTS = 12
 #: pairs of sub-packages that never import each other, in either direction
 APART = (("engine", "adaptive"),)
+#: (a, b): sub-package a never imports b (b may import a)
+BELOW = (("interop", "engine"), ("interop", "adaptive"))
 THIRD_PARTY_APP = {"hydra", "omegaconf"}
 
 
@@ -170,6 +174,8 @@ def violations(edges: dict[str, set[str]], pkg: str = "malleus_ds",
             for a, b in APART:
                 if {_top(m), _top(t)} == {a, b}:
                     out.append(f"{m} -> {t} ({a}/ and {b}/ import nothing from each other)")
+            if (_top(m), _top(t)) in BELOW:
+                out.append(f"{m} -> {t} ({_top(m)}/ imports nothing from {_top(t)}/)")
     return out
 
 
@@ -223,7 +229,8 @@ def _write(root: Path, files: dict[str, str]) -> None:
 def test_the_checker_finds_cycles_and_forbidden_arrows(tmp_path):
     """A toy package: a cycle through a function-level import, a TYPE_CHECKING import from the
     core into the app, a contract importing the engine, the planner importing engine/, the
-    engine and the loop importing each other, OmegaConf outside app/, a package in no layer."""
+    engine and the loop importing each other, interop/ importing the engine, OmegaConf outside
+    app/, a package in no layer."""
     _write(tmp_path, {
         "malleus_ds/__init__.py": "",
         "malleus_ds/plan.py": "def f():\n    from .engine import run\n",
@@ -239,6 +246,8 @@ def test_the_checker_finds_cycles_and_forbidden_arrows(tmp_path):
         "malleus_ds/planner/search.py": "from ..engine import run\nfrom . import genetic\n",
         "malleus_ds/planner/genetic.py": "def g():\n    from .search import x\n",
         "malleus_ds/odd/__init__.py": "from ..plan import f\n",
+        "malleus_ds/interop/__init__.py": "",
+        "malleus_ds/interop/keys.py": "from ..engine import run\n",
     })
     root = tmp_path / "malleus_ds"
     edges = imports(modules(root, "malleus_ds"))
@@ -254,7 +263,9 @@ def test_the_checker_finds_cycles_and_forbidden_arrows(tmp_path):
             "malleus_ds.engine -> malleus_ds.app.config (layer 2 imports layer 4",
             "malleus_ds.engine.run -> omegaconf (only app/",
             "malleus_ds.engine.run -> malleus_ds.adaptive.loop (engine/ and adaptive/",
-            "malleus_ds.planner.search -> malleus_ds.engine.run (the planner"]
+            "malleus_ds.planner.search -> malleus_ds.engine.run (the planner",
+            "malleus_ds.interop.keys -> malleus_ds.engine.run (interop/ imports nothing from "
+            "engine/"]
     for w in want:
         assert any(b.startswith(w) for b in bad), (w, bad)
     assert not any(b.startswith("malleus_ds.app.config -> hydra") for b in bad)

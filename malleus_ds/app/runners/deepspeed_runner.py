@@ -25,7 +25,7 @@ or precision is a ConfigError before any process group (``app/runners/resume.py`
 checkpoint (``malleus-export --to deepspeed-universal`` wrote it: its run.json says so) loads
 under any data-parallel layout: the ds_config gets ``checkpoint.load_universal``, and DeepSpeed's
 own ``torch.load`` calls read weights-only while it loads. engine=malleus continues these
-checkpoints under any plan (``engine/ds_checkpoint.py`` and its ``ds_ckpt_*`` readers).
+checkpoints under any plan (``interop/checkpoint.py`` and its ``checkpoint_*`` readers).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from torch import nn
 
 from ..config import check_even_batch
 from ..run_config import ConfigError, RunConfig
-from ...engine.ds_compat import batch_keys
+from ...interop.compat import batch_keys
 from ...models.base import EMBED, HEAD, lm_loss
 from ...models.base import enable_activation_checkpointing, tied_params
 from ...plan import even_split
@@ -221,7 +221,7 @@ def build_engine(cfg: RunConfig, env: DistEnv):
     """``deepspeed.initialize`` on our model: DeepSpeedEngine (pp=1) or PipelineEngine (pp>1)."""
     import warnings
 
-    from ...engine.ds_compat import skip_shm_comm_build
+    from ...interop.compat import skip_shm_comm_build
 
     skip_shm_comm_build()
     import deepspeed
@@ -292,7 +292,7 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     engine = build_engine(cfg, env)
     ck = Checkpointer(cfg, env)
     if ck.resumed is not None:
-        from ...engine.ds_compat import load_weights_only, weights_only_loads
+        from ...interop.compat import load_weights_only, weights_only_loads
         from ...files.safe_load import UnsafeFile
 
         load_weights_only(engine)           # DeepSpeed's loader would unpickle anything

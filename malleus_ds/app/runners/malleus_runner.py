@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 from ..run_config import ConfigError, RunConfig
 from ...plan import Plan, PlanError
@@ -27,6 +28,9 @@ from .fit import check_fits
 from .resume import carried_rates
 from .common import ComputeClock, StepReporter, monitors_to_run_dir
 from .job import job_layout, load_plan
+
+if TYPE_CHECKING:
+    from ...interop.ds_config import DsConfig
 
 
 def check_plan(cfg: RunConfig, plan: Plan, where: str) -> None:
@@ -42,11 +46,11 @@ def check_plan(cfg: RunConfig, plan: Plan, where: str) -> None:
 def validate(cfg: RunConfig) -> None:
     plan = load_plan(cfg)
     check_plan(cfg, plan, f"plan={cfg.plan}")
-    from ...engine.settings import check_zero_stage
+    from ...interop.sections import check_zero_stage
 
     try:    # the ZeRO stage and fp16/bf16, as the engine will read them
         check_zero_stage(cfg.deepspeed.zero_stage)
-        engine_settings(cfg, plan, build_ds_config(cfg, plan))
+        engine_settings(cfg, plan, engine_ds_config(cfg))
     except ValueError as e:
         raise ConfigError(f"engine=malleus: {e}") from None
     check_ds_straggler(cfg.deepspeed.config.get("malleus"), cfg.world_size)
@@ -68,9 +72,9 @@ def validate(cfg: RunConfig) -> None:
 
 def from_deepspeed(env: DistEnv, engine, saved) -> tuple[str, str]:
     """A checkpoint engine=deepspeed saved (``saved``: resume.Saved), converted by rank 0 into
-    MalleusEngine's format beside DeepSpeed's files (``engine/ds_import.py``), which then
+    MalleusEngine's format beside DeepSpeed's files (``interop/checkpoint_import.py``), which then
     loads under this run's plan; every rank learns rank 0's error. Returns (root, tag)."""
-    from ...engine.ds_import import import_deepspeed
+    from ...interop.checkpoint_import import import_deepspeed
 
     if env.is_rank0:
         print(f"[malleus_ds] continuing engine=deepspeed's checkpoint {saved.path} under this "
@@ -98,10 +102,11 @@ def check_ds_straggler(sec, world_size: int) -> None:
     check_straggler_method(sched, "ds_config.malleus.straggler")
 
 
-def build_ds_config(cfg: RunConfig, plan: Plan) -> dict:
+def build_ds_config(cfg: RunConfig, plan: Plan | None = None) -> dict:
     """The stock sections MalleusEngine reads from a ds_config (optimizer, ZeRO stage,
     precision, monitors ...), from the user's; the ``malleus`` section is not among them: the
-    engine gets :func:`engine_settings`, parsed from the typed run config."""
+    engine gets :func:`engine_settings`, parsed from the typed run config. The same for every
+    plan (``plan`` is not read): the plan sets the batch keys in the engine."""
     c = copy.deepcopy(dict(cfg.deepspeed.config))
     for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         c.pop(k, None)                                  # the plan's batch sizes win
@@ -116,11 +121,28 @@ def build_ds_config(cfg: RunConfig, plan: Plan) -> dict:
     return c
 
 
-def engine_settings(cfg: RunConfig, plan: Plan, ds_config: dict):
+#: the last run config :func:`engine_ds_config` decoded, and its DsConfig
+_DECODED: list = []
+
+
+def engine_ds_config(cfg: RunConfig) -> DsConfig:
+    """The ds_config MalleusEngine gets (:func:`build_ds_config`), decoded once per rank
+    (``interop/ds_config.py``): :func:`validate` and :func:`run` take the same ``cfg`` object,
+    and the second gets the first's value. The user's ds_config was reviewed when the run
+    config was built (``app/config.py``): its notes are the review."""
+    from ...interop.ds_config import decode
+
+    if not (_DECODED and _DECODED[0] is cfg):
+        _DECODED[:] = [cfg, decode(build_ds_config(cfg), notes=cfg.deepspeed.notes)]
+    return _DECODED[1]
+
+
+def engine_settings(cfg: RunConfig, plan: Plan, ds_config: dict | DsConfig):
     """MalleusEngine's settings for this run, from the typed run config: the job's shape, the
     seed, the scripted switches, the migration limits, activation checkpointing as
     ``config._activation_checkpointing`` resolved it; the precision from ``ds_config``
-    (``MalleusEngine.build_settings``, which also refuses what the engine cannot run)."""
+    (``MalleusEngine.build_settings``; a dict is decoded there, which refuses what the engine
+    cannot run)."""
     from ...engine.engine import MalleusEngine
     from ...engine.settings import MalleusSettings
 
@@ -152,6 +174,7 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     from ...engine.engine import MalleusEngine
     from ..loop import attach_loop
 
+    ds = engine_ds_config(cfg)
     plan = load_plan(cfg)
     par = cfg.parallel
     if par.asked_pp is not None and env.is_rank0:
@@ -161,15 +184,13 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(
         cfg.train, global_batch_size=plan.global_batch_size, micro_batch_size=plan.micro_batch_size))
     data = build_dataset(cfg)
-    ds_config = build_ds_config(cfg, plan)
-    fit = check_fits(cfg, plan, ds_config, env)     # before any allocation: the job holds it?
+    fit = check_fits(cfg, plan, ds.config, env)     # before any allocation: the job holds it?
     if fit.note is not None:
         plan = fit.plan
-        ds_config = build_ds_config(cfg, plan)
         if env.is_rank0:
             print(f"[malleus_ds] {fit.note}", flush=True)
-    engine = MalleusEngine(cfg.model, ds_config, plan, data=data,
-                           settings=engine_settings(cfg, plan, ds_config))
+    engine = MalleusEngine(cfg.model, ds, plan, data=data,
+                           settings=engine_settings(cfg, plan, ds))
     loop = attach_loop(engine, cfg.malleus.loop)    # the adaptive loop (app/loop.py)
     ck = Checkpointer(cfg, env)
     if ck.resumed is not None:

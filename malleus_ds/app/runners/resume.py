@@ -167,7 +167,7 @@ def _deepspeed_folder(root: Path, tag: str) -> Saved | None:
     ``global_steps``; ``foreign``: nothing else is recorded to check."""
     import re
 
-    from ...engine.ds_checkpoint import is_deepspeed_checkpoint
+    from ...interop.checkpoint import is_deepspeed_checkpoint
 
     if not is_deepspeed_checkpoint(root / tag):
         return None
@@ -175,7 +175,7 @@ def _deepspeed_folder(root: Path, tag: str) -> Saved | None:
     if m is not None:
         step = int(m.group(1))
     else:
-        from ...engine.ds_checkpoint import read_steps
+        from ...interop.checkpoint import read_steps
         from ...files.ckpt_format import CheckpointError
 
         try:

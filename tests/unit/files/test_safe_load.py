@@ -121,7 +121,7 @@ def test_deepspeed_loader_is_weights_only_with_its_four_value_classes(tmp_path):
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
 
-    from malleus_ds.engine.ds_compat import load_weights_only
+    from malleus_ds.interop.compat import load_weights_only
 
     class Eng:
         checkpoint_engine = TorchCheckpointEngine()

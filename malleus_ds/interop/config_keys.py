@@ -6,7 +6,7 @@ One table (:data:`TOP`, :data:`ZERO`) covers every top-level key DeepSpeed 0.19 
 ``zero_optimization`` keys. :func:`review` reads a ds_config against it; it is pure, so every
 rank gets the same notes and the same error before any process group exists. The app calls it
 when it builds a run config (``app/config.py``) and ``malleus_ds.initialize`` before it builds
-the engine; the README's table is :func:`markdown` (a test holds the two equal).
+the engine; the table in docs/coming-from-deepspeed.md is :func:`markdown` (a test holds the two equal).
 
 Kinds:
 
@@ -20,10 +20,10 @@ Kinds:
 
 Keys DeepSpeed does not know are ignored by DeepSpeed; MalleusEngine ignores them too, and says
 so in one line. The sections with their own parsers keep their own checks: ``optimizer``
-(``settings.optimizer_settings``), ``fp16`` / ``bf16`` / ``data_types`` (``precision.py``),
+(``sections.optimizer_settings``), ``fp16`` / ``bf16`` / ``data_types`` (``precision.py``),
 ``activation_checkpointing`` and ``pipeline.activation_checkpoint_interval``
-(``settings.activation_checkpointing_source``), ``tensor_parallel``
-(``settings.check_unsupported``), ``zero_optimization.stage`` (``settings.check_zero_stage``).
+(``sections.activation_checkpointing_source``), ``tensor_parallel``
+(``sections.check_unsupported``), ``zero_optimization.stage`` (``sections.check_zero_stage``).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ _MEAN = ("MalleusEngine scales each micro-batch's loss by its share of the globa
 TOP: dict[str, tuple[str, str]] = {
     # -- the batch
     "train_batch_size": (SAME, "the global batch: train.global_batch_size where given, else "
-                               "this (DeepSpeed's derivation; engine/ds_batch.py); a plan may "
+                               "this (DeepSpeed's derivation; interop/batch.py); a plan may "
                                "then give its pipelines unequal micro-batch counts"),
     "train_micro_batch_size_per_gpu": (SAME, "the micro-batch size (as train_batch_size)"),
     "gradient_accumulation_steps": (SAME, "derives the batch as DeepSpeed does; the plan sets "
@@ -210,7 +210,7 @@ def review(cfg: Mapping[str, Any], where: str = "ds_config") -> list[str]:
         notes += _review_zero(zo, f"{where}.zero_optimization")
     ac = cfg.get("activation_checkpointing")
     if isinstance(ac, Mapping):
-        from .settings import ACT_IGNORED
+        from .sections import ACT_IGNORED
 
         notes += [f"{where}.activation_checkpointing.{k}=true is ignored: {why}"
                   for k, why in ACT_IGNORED.items() if ac.get(k) is True]
@@ -254,7 +254,7 @@ def _review_zero(zo: Mapping[str, Any], where: str) -> list[str]:
 
 
 def markdown() -> str:
-    """The README's table: every top-level key and what MalleusEngine does with it."""
+    """The table of docs/coming-from-deepspeed.md: every top-level key and what MalleusEngine does with it."""
     rows = ["| key | under engine=malleus | what happens |", "|---|---|---|"]
     label = {SAME: "as DeepSpeed", OWN: "ignored, with a note", IF_ON: "refused when on",
              REMOVED: "refused (DeepSpeed too)"}

@@ -16,25 +16,25 @@ DeepSpeed's files (``deepspeed/runtime/engine.py``, ``_save_checkpoint`` and
 :func:`read_state` puts each group's partitions back together and cuts them by
 ``param_shapes`` (with ``param_alignment_paddings`` where DeepSpeed recorded them), as
 DeepSpeed's own ``zero_to_fp32`` does for the weights, here for the Adam moments too: full fp32
-tensors by DeepSpeed's parameter name. :func:`ds_import.write_malleus` writes them as a
+tensors by DeepSpeed's parameter name. :func:`checkpoint_import.write_malleus` writes them as a
 MalleusEngine checkpoint of a one-rank plan (``engine/checkpoint.py``'s format), which the
 engine's loader then reads under whatever plan is running, as it reads its own: the weights,
 the moments, Adam's step, the counters, the LR schedule and the optimizer's hyper-parameters.
 
 Every file is read with ``torch.load(weights_only=True)`` plus DeepSpeed's four value classes
-(``ds_compat.load_deepspeed_file``): loading never runs code. A folder that is not a DeepSpeed
+(``compat.load_deepspeed_file``): loading never runs code. A folder that is not a DeepSpeed
 checkpoint, a missing or truncated optimizer file, partitions that do not add up to the
 recorded shapes, and a model whose names or shapes differ are each refused with a
 :class:`~malleus_ds.files.ckpt_format.CheckpointError` naming the file and what to do.
 
-Read: ZeRO 0, 1 and 2 with data parallelism, in fp32, fp16 and bf16 (``ds_ckpt_zero``: ZeRO's
-partitions; ``ds_ckpt_plain``: without ZeRO, the torch optimizer's state, FP16_UnfusedOptimizer's
+Read: ZeRO 0, 1 and 2 with data parallelism, in fp32, fp16 and bf16 (``checkpoint_zero``: ZeRO's
+partitions; ``checkpoint_plain``: without ZeRO, the torch optimizer's state, FP16_UnfusedOptimizer's
 and FP16_Optimizer's masters, with DeepSpeed's fp16 gradient units undone); PipelineEngine's
 folders (each layer's weights in ``layer_{i:02d}-model_states.pt``; each stage's optimizer in
 ``mp_rank_{s:02d}_model_states.pt``, or under ZeRO-1 its ``param_shapes`` there and its
 partitions in ``zero_pp_rank_{r}_mp_rank_{s:02d}``, or in bf16 without ZeRO BF16_Optimizer's
 partitions, named by their ``param_slice_mappings``); and universal checkpoint folders
-(``ds_to_universal``'s, ``zero/<name>/*.pt``: ``ds_ckpt_universal``). Not yet: tensor-parallel
+(``ds_to_universal``'s, ``zero/<name>/*.pt``: ``checkpoint_universal``). Not yet: tensor-parallel
 (Megatron) saves, refused by name.
 """
 from __future__ import annotations
@@ -44,11 +44,11 @@ from pathlib import Path
 from typing import Mapping
 
 from ..files.ckpt_format import CheckpointError
-from .ds_ckpt_files import (LAYER_FILE, MODEL_FILE, DeepSpeedState, as_int, load,
+from .checkpoint_files import (LAYER_FILE, MODEL_FILE, DeepSpeedState, as_int, load,
                             stage_file)
-from .ds_ckpt_plain import read_pipeline_stage0, read_stage0
-from .ds_ckpt_universal import read_universal
-from .ds_ckpt_zero import read_zero
+from .checkpoint_plain import read_pipeline_stage0, read_stage0
+from .checkpoint_universal import read_universal
+from .checkpoint_zero import read_zero
 
 __all__ = ["DeepSpeedState", "MODEL_FILE", "is_deepspeed_checkpoint", "read_state",
            "read_steps", "tag_folder"]

@@ -1,6 +1,6 @@
 """DeepSpeed checkpoint files: their names, loading them without running code, and the state
-record the readers (``ds_ckpt_zero``, ``ds_ckpt_plain``, ``ds_ckpt_universal``) fill for
-``ds_checkpoint.read_state``."""
+record the readers (``checkpoint_zero``, ``checkpoint_plain``, ``checkpoint_universal``) fill for
+``checkpoint.read_state``."""
 from __future__ import annotations
 
 import re
@@ -33,14 +33,14 @@ class DeepSpeedState:
     lr_scheduler: dict | None
     param_groups: list[dict] = field(default_factory=list)
     pipeline_stages: int = 1         # PipelineEngine's stages (1: no pipeline)
-    loss_scaler: dict | None = None  # fp16: the scaler's state (precision.scaler_state's keys)
+    loss_scaler: dict | None = None  # fp16: the scaler's state (ckpt_format.scaler_state's keys)
     notes: list[str] = field(default_factory=list)  # what the reader changed, for the user
 
 
 
 def load(f: Path) -> dict:
     from ..files.safe_load import UnsafeFile
-    from .ds_compat import load_deepspeed_file
+    from .compat import load_deepspeed_file
 
     try:
         d = load_deepspeed_file(f, "cpu")
@@ -67,7 +67,7 @@ def stage_file(s: int) -> str:
 
 def load_any(f: Path):
     from ..files.safe_load import UnsafeFile
-    from .ds_compat import load_deepspeed_file
+    from .compat import load_deepspeed_file
 
     try:
         return load_deepspeed_file(f, "cpu")

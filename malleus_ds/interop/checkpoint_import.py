@@ -1,4 +1,4 @@
-"""DeepSpeed checkpoints into MalleusEngine: the state ``ds_checkpoint.read_state`` reads,
+"""DeepSpeed checkpoints into MalleusEngine: the state ``checkpoint.read_state`` reads,
 written as a MalleusEngine checkpoint of a one-rank plan (:func:`write_malleus`) that the
 engine's any-plan loader reads like its own; DeepSpeed's parameter names mapped to our global
 names (:func:`name_in`); the collective conversion an engine runs before it loads such a folder
@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from ..files.ckpt_format import CheckpointError
-from .ds_checkpoint import DeepSpeedState, read_state, tag_folder
+from .checkpoint import DeepSpeedState, read_state, tag_folder
+from .names import from_pipeline, global_name
 
 
 def write_malleus(state: DeepSpeedState, out_dir, table, ties, num_layers: int,
@@ -33,7 +33,7 @@ def write_malleus(state: DeepSpeedState, out_dir, table, ties, num_layers: int,
     from ..layout import holdings
     from ..plan import static_plan
     from ..files.safe_load import UnsafeFile, check_plain
-    from .checkpoint_save import meta_record
+    from ..files.ckpt_format import meta_record
 
     by_global: dict[str, str] = {}
     for n in state.params:
@@ -104,18 +104,13 @@ def name_in(table_names, num_layers: int | None = None) -> Callable[[str], str |
     wrapper prefix (``model.``: engine=deepspeed's module; ``module.``), or engine=deepspeed's
     PipelineModule name ``{i}.layer.{name}`` (piece 0 the embedding, 1..``num_layers`` the
     decoder layers, then the head)."""
-    from ..models.hf import global_name
-
     names = set(table_names)
-    piece = re.compile(r"^(\d+)\.layer\.(.+)$")
 
     def name_of(n: str) -> str | None:
         cands = [n]
-        m = piece.match(n)
-        if m and num_layers:
-            i = int(m.group(1))
-            cands.append(("embed" if i == 0 else f"blocks.{i - 1}" if i <= num_layers
-                          else "head") + "." + m.group(2))
+        piece = from_pipeline(n, num_layers) if num_layers else None
+        if piece is not None:
+            cands.append(piece)
         for pre in ("model.", "module."):
             if n.startswith(pre):
                 cands.append(n[len(pre):])
@@ -126,22 +121,6 @@ def name_in(table_names, num_layers: int | None = None) -> Callable[[str], str |
                 pass
         return next((c for c in cands if c in names), None)
     return name_of
-
-
-def pipeline_name(name: str, num_layers: int) -> str | None:
-    """Our global name -> engine=deepspeed's PipelineModule name for an untied model
-    (``{piece}.layer.{name}``: piece 0 the embedding, 1..``num_layers`` the decoder layers,
-    ``num_layers + 1`` the head), the inverse of :func:`name_in`'s piece rule; None for a name
-    outside those pieces."""
-    first, _, rest = name.partition(".")
-    if first == "embed":
-        return f"0.layer.{rest}"
-    if first == "head":
-        return f"{num_layers + 1}.layer.{rest}"
-    if first == "blocks":
-        i, _, r = rest.partition(".")
-        return f"{int(i) + 1}.layer.{r}" if i.isdigit() else None
-    return None
 
 
 def import_deepspeed(engine, load_dir, tag=None, client_state: dict | None = None

@@ -1,11 +1,11 @@
-"""The batch from ``train.*`` and the ds_config's batch keys (``engine/ds_batch.py``): DeepSpeed's
+"""The batch from ``train.*`` and the ds_config's batch keys (``interop/batch.py``): DeepSpeed's
 derivation where ``train.*`` does not say, an error naming both where they disagree."""
 from __future__ import annotations
 
 import pytest
 
 from malleus_ds.app.config import ConfigError, build_run_config
-from malleus_ds.engine.ds_batch import resolve_batch
+from malleus_ds.interop.batch import resolve_batch
 
 
 def resolve(ds, dp=2, **train):

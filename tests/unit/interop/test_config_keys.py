@@ -1,5 +1,6 @@
-"""What MalleusEngine does with each ds_config key (``engine/ds_keys.py``): the table in
-docs/coming-from-deepspeed.md is the module's, every key DeepSpeed reads is in it, and each kind does what the table
+"""What MalleusEngine does with each ds_config key (``interop/config_keys.py``): the table in
+docs/coming-from-deepspeed.md is the module's, every key DeepSpeed reads is in it, and each kind
+does what the table
 says."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from malleus_ds.engine.ds_keys import TOP, ZERO, markdown, review
+from malleus_ds.interop.config_keys import TOP, ZERO, markdown, review
 
 GUIDE = Path(__file__).resolve().parents[3] / "docs" / "coming-from-deepspeed.md"
 

@@ -9,7 +9,7 @@ from typing import Mapping
 import torch
 
 from ..files.ckpt_format import CheckpointError
-from .ds_ckpt_files import MODEL_FILE, DeepSpeedState, as_int, hyper, load
+from .checkpoint_files import MODEL_FILE, DeepSpeedState, as_int, hyper, load
 
 
 def read_zero(d: Path, ms: dict, weights: Mapping, zero_files: list, stage: int,
@@ -73,7 +73,7 @@ def read_zero(d: Path, ms: dict, weights: Mapping, zero_files: list, stage: int,
         if name in weights and tuple(weights[name].shape) != tuple(params[name].shape):
             raise CheckpointError(f"{d}: {name} is {tuple(params[name].shape)} in the optimizer "
                                   f"files and {tuple(weights[name].shape)} in the module")
-    from .precision import scaler_state
+    from ..files.ckpt_format import scaler_state
 
     scaler = parts[0].get("loss_scaler")
     return DeepSpeedState(zero_stage=stage, params=params, exp_avg=exp_avg,

@@ -36,7 +36,7 @@ from typing import Mapping
 import torch
 
 from ..files.ckpt_format import CheckpointError
-from .ds_ckpt_files import DeepSpeedState, as_int, hyper, load, stage_file
+from .checkpoint_files import DeepSpeedState, as_int, hyper, load, stage_file
 
 #: the first DeepSpeed release whose fp16 without ZeRO scales the loss in engine.backward (PR
 #: #8393, open as of 0.19.8); None: every release writes moments in 1/cur_scale units
@@ -207,7 +207,7 @@ def _optimizer_state(f: Path, ms: dict, weights: Mapping, names: list[str],
 
 def _scaler(opt: Mapping) -> dict | None:
     """FP16_Optimizer's and FP16_UnfusedOptimizer's loss scaler (their own keys, the names
-    ``precision.scaler_state`` uses); None for fp32."""
+    ``ckpt_format.scaler_state`` uses); None for fp32."""
     if "cur_scale" not in opt:
         return None
     out = {"cur_scale": float(opt["cur_scale"])}

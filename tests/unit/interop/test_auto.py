@@ -1,11 +1,11 @@
-"""``"auto"`` in a user's ds_config (``app/ds_auto.py``), filled from ``train.*`` as the Hugging
+"""``"auto"`` in a user's ds_config (``interop/auto.py``), filled from ``train.*`` as the Hugging
 Face Trainer and accelerate fill it; the transformers and accelerate configs as they ship."""
 from __future__ import annotations
 
 import pytest
 
 from malleus_ds.app.config import ConfigError, build_run_config
-from malleus_ds.app.ds_auto import auto_paths, resolve_auto
+from malleus_ds.interop.auto import auto_paths, resolve_auto
 from malleus_ds.app.run_config import TrainConfig
 
 #: transformers' docs ZeRO-2 config (docs/source/en/deepspeed.md), as users copy it

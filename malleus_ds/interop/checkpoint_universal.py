@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from ..files.ckpt_format import CheckpointError
-from .ds_ckpt_files import DeepSpeedState, as_int, hyper, load, load_any
+from .checkpoint_files import DeepSpeedState, as_int, hyper, load, load_any
 
 
 def read_universal(d: Path, ms: dict) -> DeepSpeedState:

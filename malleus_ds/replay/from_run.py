@@ -28,9 +28,9 @@ what a replay needs, each from the run's own files:
 * **what its loop read** (``run_trace.RunRecord``): on the steps the replay runs on the run's
   plan, its loop reads the run's own ``compute_s`` and step seconds, the held ranks that probe
   are the ones that probed in the run, reading what their probes read, and a re-plan asked at
-  the step the run asked it is answered before the step the run's answer was taken at (a
-  planner's seconds that end just inside the run's step and just past the replay's moved a
-  switch by a step);
+  the step the run asked it is answered before the step the run's answer was taken at (else a
+  planner's seconds that end just inside the run's step and just past the replay's would move
+  a switch by a step);
 * **the switch costs**: a fixed part and a bandwidth fitted to its ``migrate`` events, the
   first step after a switch against the steps that follow (warm-up), and the planner's seconds
   its ``replan`` events took, each in its turn (``run_costs.py``).

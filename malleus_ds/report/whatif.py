@@ -89,7 +89,8 @@ from .metrics import MetricsError, metrics_path, read_run
 from .run_model import (Throughput, emulated_condition, emulated_rates, events_in, stretches,
                         throughput, world_of)
 from .phases import rate_phases
-# HEALTHY, link_state, static_keep and layout_from_config are part of this module's interface
+# re-exported as this module's interface: HEALTHY, link_state, Layout, layout_from_config,
+# static_model, static_keep
 from .whatif_rates import (HEALTHY, link_state, phase_links, phase_rates, rate_source,
                            readings)
 from .whatif_static import (Layout, StaticModel, layout_from_config, link_bound, static_keep,

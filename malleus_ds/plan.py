@@ -273,52 +273,58 @@ def validate_plan(plan: Plan, job: JobLayout, *, num_layers: int | None = None,
     if not plan.pipelines:
         raise PlanError("plan.pipelines is empty: at least one pipeline is needed")
     seen: dict[int, str] = {}
-
-    def claim(r: int, where: str) -> None:
-        if not 0 <= r < job.world:
-            raise PlanError(f"{where}: rank {r} is outside the world of {job.world} ranks "
-                            f"(valid: 0..{job.world - 1})")
-        if r in seen:
-            raise PlanError(f"{where}: rank {r} already appears in {seen[r]}")
-        seen[r] = where
-
-    total_mb = 0
     for i, p in enumerate(plan.pipelines):
-        where = f"pipelines[{i}]"
-        if p.micro_batches < 1:
-            raise PlanError(f"{where}.micro_batches={p.micro_batches} must be >= 1")
-        total_mb += p.micro_batches
-        if not p.stages:
-            raise PlanError(f"{where}.stages is empty")
-        expect = 0
-        for j, s in enumerate(p.stages):
-            sw = f"{where}.stages[{j}]"
-            if s.start != expect:
-                raise PlanError(f"{sw}.layers=[{s.start}, {s.end}] does not start where the "
-                                f"previous stage ended ({expect}); stages must cover "
-                                f"[0, {plan.num_layers}) contiguously in order")
-            if s.end <= s.start:
-                raise PlanError(f"{sw}.layers=[{s.start}, {s.end}] is empty or reversed")
-            expect = s.end
-            if not s.ranks:
-                raise PlanError(f"{sw}.ranks is empty")
-            if job.tp % len(s.ranks):
-                raise PlanError(f"{sw}: TP group size {len(s.ranks)} does not divide tp={job.tp}")
-            for r in s.ranks:
-                claim(r, sw)
-            nodes = job.nodes_of(s.ranks)
-            if len(nodes) > 1:
-                raise PlanError(f"{sw}.ranks={list(s.ranks)} span nodes {nodes} "
-                                f"(gpus_per_node={job.gpus_per_node}); a TP group must sit in "
-                                f"one node")
-        if expect != plan.num_layers:
-            raise PlanError(f"{where}: stages cover [0, {expect}) but num_layers={plan.num_layers}")
+        _check_pipeline(p, f"pipelines[{i}]", plan.num_layers, job, seen)
     for r in plan.suspended:
-        claim(r, "suspended")
+        _claim(seen, job, r, "suspended")
+    total_mb = sum(p.micro_batches for p in plan.pipelines)
     if total_mb * plan.micro_batch_size != plan.global_batch_size:
         raise PlanError(
             f"plan: sum of micro_batches ({total_mb}) x micro_batch_size ({plan.micro_batch_size}) "
             f"= {total_mb * plan.micro_batch_size} != global_batch_size={plan.global_batch_size}")
+
+
+def _claim(seen: dict[int, str], job: JobLayout, r: int, where: str) -> None:
+    """Rank ``r`` is in the world and in no other place of the plan (``seen``: rank -> where)."""
+    if not 0 <= r < job.world:
+        raise PlanError(f"{where}: rank {r} is outside the world of {job.world} ranks "
+                        f"(valid: 0..{job.world - 1})")
+    if r in seen:
+        raise PlanError(f"{where}: rank {r} already appears in {seen[r]}")
+    seen[r] = where
+
+
+def _check_pipeline(p: Pipeline, where: str, num_layers: int, job: JobLayout,
+                    seen: dict[int, str]) -> None:
+    """A pipeline: micro-batches, and stages that cover ``[0, num_layers)`` in order, each a TP
+    group of unclaimed ranks that divides the job's TP degree within one node."""
+    if p.micro_batches < 1:
+        raise PlanError(f"{where}.micro_batches={p.micro_batches} must be >= 1")
+    if not p.stages:
+        raise PlanError(f"{where}.stages is empty")
+    expect = 0
+    for j, s in enumerate(p.stages):
+        sw = f"{where}.stages[{j}]"
+        if s.start != expect:
+            raise PlanError(f"{sw}.layers=[{s.start}, {s.end}] does not start where the "
+                            f"previous stage ended ({expect}); stages must cover "
+                            f"[0, {num_layers}) contiguously in order")
+        if s.end <= s.start:
+            raise PlanError(f"{sw}.layers=[{s.start}, {s.end}] is empty or reversed")
+        expect = s.end
+        if not s.ranks:
+            raise PlanError(f"{sw}.ranks is empty")
+        if job.tp % len(s.ranks):
+            raise PlanError(f"{sw}: TP group size {len(s.ranks)} does not divide tp={job.tp}")
+        for r in s.ranks:
+            _claim(seen, job, r, sw)
+        nodes = job.nodes_of(s.ranks)
+        if len(nodes) > 1:
+            raise PlanError(f"{sw}.ranks={list(s.ranks)} span nodes {nodes} "
+                            f"(gpus_per_node={job.gpus_per_node}); a TP group must sit in "
+                            f"one node")
+    if expect != num_layers:
+        raise PlanError(f"{where}: stages cover [0, {expect}) but num_layers={num_layers}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -189,112 +189,149 @@ class Problem(JsonFile):
 
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> "Problem":
+        """The problem of a JSON object, every field checked; a PlanError names the first bad
+        one."""
         if not isinstance(d, Mapping):
             raise PlanError(f"problem: expected a JSON object, got {type(d).__name__}")
         _check_version("problem", d)
         known = {"version", "name", "cluster", "model", "training", "cost", "memory", "rates",
                  "current_plan", "link_rates", "gpu_link_rates"}
-        cl = _section(d, "cluster")
-        mo = _section(d, "model")
-        tr = _section(d, "training")
         co = d.get("cost") or {}
-        nodes = _pos_int(cl, "cluster", "nodes", MAX_RANKS)
-        gpn = _pos_int(cl, "cluster", "gpus_per_node", MAX_RANKS)
-        if nodes * gpn >= MAX_RANKS:
-            raise PlanError(f"cluster: {nodes} nodes x {gpn} GPUs per node = {nodes * gpn} "
-                            f"GPUs is out of range (at most {MAX_RANKS - 1})")
-        L = _pos_int(mo, "model", "num_layers", MAX_LAYERS)
-        gbs = _pos_int(tr, "training", "global_batch_size", MAX_BATCH)
-        mbs = _pos_int(tr, "training", "micro_batch_size", MAX_BATCH)
-        tp = _pos_int(tr, "training", "tp", MAX_RANKS)
-        pp = _pos_int(tr, "training", "pp", MAX_RANKS)
-        dp = _pos_int(tr, "training", "dp", MAX_RANKS)
-        if gpn % tp:
-            raise PlanError(f"training.tp={tp} does not divide cluster.gpus_per_node={gpn}")
-        if tp * pp * dp != nodes * gpn:
-            raise PlanError(f"training: tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} != "
-                            f"cluster GPUs {nodes}*{gpn} = {nodes * gpn}")
-        if gbs % mbs:
-            raise PlanError(f"training.global_batch_size={gbs} is not a multiple of "
-                            f"micro_batch_size={mbs}")
-        if gbs // mbs < dp:
-            raise PlanError(f"training: {gbs // mbs} micro-batches cannot feed dp={dp} pipelines")
-        if pp > L:
-            raise PlanError(f"training.pp={pp} exceeds model.num_layers={L}")
-        ac = tr.get("activation_checkpointing", False)
+        sh = _read_shape(_section(d, "cluster"), _section(d, "model"), _section(d, "training"))
+        ac = _section(d, "training").get("activation_checkpointing", False)
         if not isinstance(ac, bool):
             raise PlanError(f"training.activation_checkpointing={ac!r} must be true or false")
         if not isinstance(co, Mapping):
             raise PlanError(f"problem.cost: expected an object, got {co!r}")
-        raw_sd = co.get("tp_slowdown") or {str(k): v for k, v in ideal_slowdown(tp).items()}
-        if not isinstance(raw_sd, Mapping):
-            raise PlanError(f"cost.tp_slowdown: expected an object {{tp/g: slowdown}}, got {raw_sd!r}")
-        sd: dict[int, float] = {}
-        for k, v in raw_sd.items():
-            kk = _int(k, "cost.tp_slowdown key")
-            if kk < 1 or tp % kk:
-                raise PlanError(f"cost.tp_slowdown: key {k} (tp/g) must divide tp={tp}")
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-                raise PlanError(f"cost.tp_slowdown['{k}']={v!r} must be a number > 0")
-            sd[kk] = float(v)
-        for f in range(1, tp + 1):
-            if tp % f == 0 and f not in sd:
-                raise PlanError(f"cost.tp_slowdown: missing entry for tp/g={f} (tp={tp})")
-        if sd.get(1, 1.0) != 1.0:
-            raise PlanError(f"cost.tp_slowdown['1'] must be 1.0, got {sd[1]}")
-        mem = None
-        if d.get("memory") is not None:
-            m = _section(d, "memory")
-            vals = {}
-            for k in ("device_mb", "reserved_mb", "layer_static_mb", "layer_activation_mb",
-                      "embedding_mb", "extra_mb"):
-                if k not in m:
-                    raise PlanError(f"memory.{k} is missing")
-                v = m[k]
-                if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
-                    raise PlanError(f"memory.{k}={v!r} must be a finite number >= 0")
-                vals[k] = float(v)
-            for k in _MEMORY_OPTIONAL:
-                v = m.get(k, 0.0)
-                if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
-                    raise PlanError(f"memory.{k}={v!r} must be a finite number >= 0")
-                vals[k] = float(v)
-            if vals["layer_grad_mb"] > vals["layer_static_mb"]:
-                raise PlanError(f"memory.layer_grad_mb={vals['layer_grad_mb']:g} is part of "
-                                f"memory.layer_static_mb={vals['layer_static_mb']:g} and cannot "
-                                f"exceed it")
-            if ac and "layer_input_mb" not in m:
-                raise PlanError("memory.layer_input_mb is missing: with "
-                                "training.activation_checkpointing=true a layer keeps only its "
-                                "input per micro-batch in flight (Megatron: 2*s*b*h bytes at 16 "
-                                "bits); give it in MB")
-            if vals["layer_input_mb"] > vals["layer_activation_mb"]:
-                raise PlanError(f"memory.layer_input_mb={vals['layer_input_mb']:g} is part of "
-                                f"memory.layer_activation_mb={vals['layer_activation_mb']:g} "
-                                f"and cannot exceed it")
-            mem = Memory(**vals)
-        rates: dict[int, float] = {}
-        raw_rates = d.get("rates") or {}
-        if not isinstance(raw_rates, Mapping):
-            raise PlanError(f"problem.rates: expected an object {{rank: rate}}, got {raw_rates!r}")
-        for k, v in raw_rates.items():
-            r = _int(k, "rates key")
-            if not 0 <= r < nodes * gpn:
-                raise PlanError(f"rates: rank {r} is outside 0..{nodes * gpn - 1}")
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 1.0 <= v < float("inf"):
-                raise PlanError(f"rates['{k}']={v!r} must be a finite number >= 1.0 (1.0 = healthy)")
-            rates[r] = float(v)
+        sd = _read_tp_slowdown(co, sh.tp)
+        mem = _read_memory(_section(d, "memory"), ac) if d.get("memory") is not None else None
+        rates = _read_rates(d.get("rates") or {}, sh.nodes * sh.gpn)
         cur = d.get("current_plan")
         current = Plan.from_json(cur) if cur else None
         return Problem(
-            name=str(d.get("name", "problem")), nodes=nodes, gpus_per_node=gpn, num_layers=L,
-            global_batch_size=gbs, micro_batch_size=mbs, tp=tp, pp=pp, dp=dp, tp_slowdown=sd,
-            memory=mem, rates=rates, current_plan=current,
+            name=str(d.get("name", "problem")), nodes=sh.nodes, gpus_per_node=sh.gpn,
+            num_layers=sh.layers, global_batch_size=sh.gbs, micro_batch_size=sh.mbs, tp=sh.tp,
+            pp=sh.pp, dp=sh.dp, tp_slowdown=sd, memory=mem, rates=rates, current_plan=current,
             extra={k: v for k, v in d.items() if k not in known}, activation_checkpointing=ac,
-            link_rates=parse_link_rates(d.get("link_rates") or {}, nodes),
+            link_rates=parse_link_rates(d.get("link_rates") or {}, sh.nodes),
             gpu_link_rates=parse_gpu_link_rates(d.get("gpu_link_rates") or {},
-                                                JobLayout(nodes * gpn, gpn)),
+                                                JobLayout(sh.nodes * sh.gpn, sh.gpn)),
         )
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The cluster and training shape of a problem file, checked against each other."""
+
+    nodes: int
+    gpn: int
+    layers: int
+    gbs: int
+    mbs: int
+    tp: int
+    pp: int
+    dp: int
+
+
+def _read_shape(cl: Mapping[str, Any], mo: Mapping[str, Any], tr: Mapping[str, Any]) -> _Shape:
+    """``cluster``, ``model.num_layers`` and ``training``'s sizes: each in range, tp*pp*dp the
+    cluster's GPUs, tp within a node, whole micro-batches, enough of them for dp pipelines and
+    enough layers for pp stages."""
+    nodes = _pos_int(cl, "cluster", "nodes", MAX_RANKS)
+    gpn = _pos_int(cl, "cluster", "gpus_per_node", MAX_RANKS)
+    if nodes * gpn >= MAX_RANKS:
+        raise PlanError(f"cluster: {nodes} nodes x {gpn} GPUs per node = {nodes * gpn} "
+                        f"GPUs is out of range (at most {MAX_RANKS - 1})")
+    L = _pos_int(mo, "model", "num_layers", MAX_LAYERS)
+    gbs = _pos_int(tr, "training", "global_batch_size", MAX_BATCH)
+    mbs = _pos_int(tr, "training", "micro_batch_size", MAX_BATCH)
+    tp = _pos_int(tr, "training", "tp", MAX_RANKS)
+    pp = _pos_int(tr, "training", "pp", MAX_RANKS)
+    dp = _pos_int(tr, "training", "dp", MAX_RANKS)
+    if gpn % tp:
+        raise PlanError(f"training.tp={tp} does not divide cluster.gpus_per_node={gpn}")
+    if tp * pp * dp != nodes * gpn:
+        raise PlanError(f"training: tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} != "
+                        f"cluster GPUs {nodes}*{gpn} = {nodes * gpn}")
+    if gbs % mbs:
+        raise PlanError(f"training.global_batch_size={gbs} is not a multiple of "
+                        f"micro_batch_size={mbs}")
+    if gbs // mbs < dp:
+        raise PlanError(f"training: {gbs // mbs} micro-batches cannot feed dp={dp} pipelines")
+    if pp > L:
+        raise PlanError(f"training.pp={pp} exceeds model.num_layers={L}")
+    return _Shape(nodes, gpn, L, gbs, mbs, tp, pp, dp)
+
+
+def _read_tp_slowdown(co: Mapping[str, Any], tp: int) -> dict[int, float]:
+    """``cost.tp_slowdown`` (default: ideal): a number > 0 for every divisor of ``tp``, 1.0 at
+    1."""
+    raw_sd = co.get("tp_slowdown") or {str(k): v for k, v in ideal_slowdown(tp).items()}
+    if not isinstance(raw_sd, Mapping):
+        raise PlanError(f"cost.tp_slowdown: expected an object {{tp/g: slowdown}}, got {raw_sd!r}")
+    sd: dict[int, float] = {}
+    for k, v in raw_sd.items():
+        kk = _int(k, "cost.tp_slowdown key")
+        if kk < 1 or tp % kk:
+            raise PlanError(f"cost.tp_slowdown: key {k} (tp/g) must divide tp={tp}")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+            raise PlanError(f"cost.tp_slowdown['{k}']={v!r} must be a number > 0")
+        sd[kk] = float(v)
+    for f in range(1, tp + 1):
+        if tp % f == 0 and f not in sd:
+            raise PlanError(f"cost.tp_slowdown: missing entry for tp/g={f} (tp={tp})")
+    if sd.get(1, 1.0) != 1.0:
+        raise PlanError(f"cost.tp_slowdown['1'] must be 1.0, got {sd[1]}")
+    return sd
+
+
+def _mb(k: str, v: Any) -> float:
+    """``memory.<k>`` as a finite number of MB >= 0."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
+        raise PlanError(f"memory.{k}={v!r} must be a finite number >= 0")
+    return float(v)
+
+
+def _read_memory(m: Mapping[str, Any], ac: bool) -> Memory:
+    """The ``memory`` section: the required sizes, the optional ones (0 when absent), and the
+    parts that cannot exceed their whole."""
+    vals = {}
+    for k in ("device_mb", "reserved_mb", "layer_static_mb", "layer_activation_mb",
+              "embedding_mb", "extra_mb"):
+        if k not in m:
+            raise PlanError(f"memory.{k} is missing")
+        vals[k] = _mb(k, m[k])
+    for k in _MEMORY_OPTIONAL:
+        vals[k] = _mb(k, m.get(k, 0.0))
+    if vals["layer_grad_mb"] > vals["layer_static_mb"]:
+        raise PlanError(f"memory.layer_grad_mb={vals['layer_grad_mb']:g} is part of "
+                        f"memory.layer_static_mb={vals['layer_static_mb']:g} and cannot "
+                        f"exceed it")
+    if ac and "layer_input_mb" not in m:
+        raise PlanError("memory.layer_input_mb is missing: with "
+                        "training.activation_checkpointing=true a layer keeps only its "
+                        "input per micro-batch in flight (Megatron: 2*s*b*h bytes at 16 "
+                        "bits); give it in MB")
+    if vals["layer_input_mb"] > vals["layer_activation_mb"]:
+        raise PlanError(f"memory.layer_input_mb={vals['layer_input_mb']:g} is part of "
+                        f"memory.layer_activation_mb={vals['layer_activation_mb']:g} "
+                        f"and cannot exceed it")
+    return Memory(**vals)
+
+
+def _read_rates(raw_rates: Any, world: int) -> dict[int, float]:
+    """``rates``: ``{rank: rate}``, each rank in the job and each rate finite and >= 1.0."""
+    if not isinstance(raw_rates, Mapping):
+        raise PlanError(f"problem.rates: expected an object {{rank: rate}}, got {raw_rates!r}")
+    rates: dict[int, float] = {}
+    for k, v in raw_rates.items():
+        r = _int(k, "rates key")
+        if not 0 <= r < world:
+            raise PlanError(f"rates: rank {r} is outside 0..{world - 1}")
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 1.0 <= v < float("inf"):
+            raise PlanError(f"rates['{k}']={v!r} must be a finite number >= 1.0 (1.0 = healthy)")
+        rates[r] = float(v)
+    return rates
 
 
 

@@ -204,36 +204,9 @@ def run_streams(streams: Sequence[Sequence[Instr]],
     while left:
         progressed = False
         for j in range(S):
-            stream, n = streams[j], len(streams[j])
-            while pc[j] < n:
-                ins = stream[pc[j]]
-                if ins.stage != j:
-                    raise ScheduleError(f"stream {j} holds {ins} of another stage")
-                start = free[j]
-                cls = type(ins)
-                if cls is RecvAct or cls is RecvGrad:
-                    key = ("A", j - 1, ins.micro_batch) if cls is RecvAct else \
-                        ("G", j + 1, ins.micro_batch)
-                    arrival = sent.get(key)
-                    if arrival is None:
-                        break
-                    received.add(key)
-                    if arrival > start:
-                        start = arrival
-                end = start + duration(ins)
-                if cls is SendAct:
-                    if j + 1 >= S:
-                        raise ScheduleError(f"{ins}: last stage sends an activation")
-                    sent[("A", j, ins.micro_batch)] = end + latency(ins)
-                elif cls is SendGrad:
-                    if j == 0:
-                        raise ScheduleError(f"{ins}: first stage sends a gradient")
-                    sent[("G", j, ins.micro_batch)] = end + latency(ins)
-                events.append(Event(ins, start, end))
-                free[j] = end
-                pc[j] += 1
-                left -= 1
-                progressed = True
+            ran = _run_stage(j, streams, pc, free, sent, received, events, duration, latency)
+            left -= ran
+            progressed = progressed or ran > 0
         if not progressed:
             stuck = {j: str(streams[j][pc[j]]) for j in range(S) if pc[j] < len(streams[j])}
             raise ScheduleError(f"deadlock: stages blocked at {stuck}")
@@ -241,6 +214,46 @@ def run_streams(streams: Sequence[Sequence[Instr]],
     if unmatched:
         raise ScheduleError(f"sends never received: {sorted(unmatched)}")
     return events
+
+
+def _run_stage(j: int, streams: Sequence[Sequence[Instr]], pc: list[int], free: list[float],
+               sent: dict[tuple[str, int, int], float], received: set[tuple[str, int, int]],
+               events: list[Event], duration: Callable[[Instr], float],
+               latency: Callable[[Instr], float]) -> int:
+    """Run stage ``j``'s stream from ``pc[j]`` as far as it can (to a receive whose message
+    was not sent yet, or its end), updating the shared state; the instructions it ran."""
+    S = len(streams)
+    stream, n = streams[j], len(streams[j])
+    ran = 0
+    while pc[j] < n:
+        ins = stream[pc[j]]
+        if ins.stage != j:
+            raise ScheduleError(f"stream {j} holds {ins} of another stage")
+        start = free[j]
+        cls = type(ins)
+        if cls is RecvAct or cls is RecvGrad:
+            key = ("A", j - 1, ins.micro_batch) if cls is RecvAct else \
+                ("G", j + 1, ins.micro_batch)
+            arrival = sent.get(key)
+            if arrival is None:
+                break
+            received.add(key)
+            if arrival > start:
+                start = arrival
+        end = start + duration(ins)
+        if cls is SendAct:
+            if j + 1 >= S:
+                raise ScheduleError(f"{ins}: last stage sends an activation")
+            sent[("A", j, ins.micro_batch)] = end + latency(ins)
+        elif cls is SendGrad:
+            if j == 0:
+                raise ScheduleError(f"{ins}: first stage sends a gradient")
+            sent[("G", j, ins.micro_batch)] = end + latency(ins)
+        events.append(Event(ins, start, end))
+        free[j] = end
+        pc[j] += 1
+        ran += 1
+    return ran
 
 
 def replay_streams(streams: Sequence[Sequence[Instr]]) -> list[str]:

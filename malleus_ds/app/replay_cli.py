@@ -48,14 +48,10 @@ def trace_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def replay_main(argv: Sequence[str]) -> int:
-    from ..replay.output import plot, table
-    from ..replay.costs import MigrationCost, RestartCost
-    from ..replay.run import ReplayError
-    from ..replay.summary import POLICIES, replay
-    from ..replay.trace import TraceError, read_csv
+def _replay_parser(prog: str) -> argparse.ArgumentParser:
+    """``malleus-sim replay``'s arguments."""
+    from ..replay.summary import POLICIES
 
-    prog = "malleus-sim replay"
     ap = argparse.ArgumentParser(prog=prog, description="Replay a training job under a "
                                  "straggler trace, policy by policy (docs/DESIGN.md §10).")
     ap.add_argument("problem", nargs="?",
@@ -89,6 +85,20 @@ def replay_main(argv: Sequence[str]) -> int:
                          "(default: docs/TRACES.md)")
     ap.add_argument("--zero-stage", type=int, choices=(0, 1, 2), default=1,
                     help="the job's ZeRO stage (what a switch moves of the optimizer state)")
+    return ap
+
+
+def replay_main(argv: Sequence[str]) -> int:
+    """``malleus-sim replay``: every policy over a trace, or ``--from-run`` a recorded run's
+    prediction; 0, or 2 with a one-line error on bad input."""
+    from ..replay.output import plot, table
+    from ..replay.costs import MigrationCost, RestartCost
+    from ..replay.run import ReplayError
+    from ..replay.summary import replay
+    from ..replay.trace import TraceError, read_csv
+
+    prog = "malleus-sim replay"
+    ap = _replay_parser(prog)
     a = ap.parse_args(argv)
     if a.from_run:
         return _from_run(prog, a)

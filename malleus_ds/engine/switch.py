@@ -157,32 +157,44 @@ def _derive_unsent(rt: PlanRuntime, old_rt: PlanRuntime, new: StateView, mixed: 
     rt.optimizer.set_step(adam_step)
 
 
-def switch_plan(engine, new_plan) -> MigrationReport:
-    """See the module docstring. ``new_plan``: a Plan, a path or plan JSON."""
+@dataclass(frozen=True)
+class _Route:
+    """How the state moves, the same on every rank: the transfer plan, its packed messages and
+    their bounded rounds, the message cap in bytes and the parameters' dtype."""
+
+    tplan: object
+    msgs: list
+    rds: list
+    cap: int
+    param_dtype: torch.dtype
+
+
+def _check_plan(engine, old_rt: PlanRuntime, new_plan):
+    """The new plan, validated with the start-up checks; the global batch never changes."""
     from .settings import as_plan
 
-    if getattr(engine, "_broken", None):
-        raise MigrationError(engine._broken)
-    t0 = time.perf_counter()
-    rank, world = engine.global_rank, engine.world_size
-    step = engine.global_steps
-    old_rt: PlanRuntime = engine.runtime
-    from_id = old_rt.plan.id
-    plan = engine.build_plan(as_plan(new_plan), engine.model_cfg, world, engine.settings,
-                             engine._user_cfg)
+    plan = engine.build_plan(as_plan(new_plan), engine.model_cfg, engine.world_size,
+                             engine.settings, engine._user_cfg)
     for f in ("global_batch_size", "micro_batch_size"):
         if getattr(plan, f) != getattr(old_rt.plan, f):
             raise PlanError(f"switch_plan: new plan {f}={getattr(plan, f)} differs from the "
                             f"running plan's {getattr(old_rt.plan, f)}; the global batch never "
                             f"changes within a run")
-    marks = [("validate", time.perf_counter())]
-    GROUPS.ensure(plan_rank_sets(plan, world))             # collective, same order everywhere
+    return plan
+
+
+def _agree_groups_and_step(engine, plan, old_rt: PlanRuntime) -> int:
+    """Create the plan's process groups (collective, same order everywhere) and agree on Adam's
+    step (the max over ranks)."""
+    GROUPS.ensure(plan_rank_sets(plan, engine.world_size))
     agree = torch.tensor([float(old_rt.optimizer.step_count())], dtype=torch.float64,
                          device=engine.device)
     tdist.all_reduce(agree, op=tdist.ReduceOp.MAX)
-    adam_step = int(agree.item())
-    marks.append(("groups", time.perf_counter()))
+    return int(agree.item())
 
+
+def _plan_route(engine, old_rt: PlanRuntime, plan) -> _Route:
+    """The transfer plan old -> new, packed into messages of at most the migrate bucket."""
     mixed = engine.precision.mixed
     table = engine.param_table
     cap = max(1, int(engine.settings.migrate_bucket_mb * 2**20))
@@ -192,92 +204,107 @@ def switch_plan(engine, new_plan) -> MigrationReport:
                           table, mixed=mixed, param_bytes=param_bytes,
                           job=engine.job)
     msgs = messages(tplan, cap, mixed, table)
-    rds = rounds(msgs, cap)
-    marks.append(("transfer plan", time.perf_counter()))
-    rt = None
-    try:
-        # gradients and all-gather buffers are scratch between steps: the old plan's go before
-        # the next plan's state is allocated (the next plan's are made by its first step)
-        steady = _nbytes(_runtime_tensors(old_rt))
-        old_rt.grad_sync.free()
-        old_rt.optimizer.free_scratch()
-        kept_bytes = _nbytes(_runtime_tensors(old_rt))
-        spec = locate(plan, rank)
-        old_sh, new_sh = local_shards(old_rt.plan, table, rank), local_shards(plan, table, rank)
-        keep = {n: old_rt.named[n] for n, sh in new_sh.items()
-                if n in old_sh and old_sh[n].interval == sh.interval and n in old_rt.named}
-        module = build_stage(plan, spec, engine._make_stage, engine.precision, reuse=keep,
-                             device=engine.device)
-        rt = engine.build_plan_runtime(plan, module, spec, old_rt.zero_stage, prev=old_rt)
-        old_v = StateView(old_rt, table, rank, mixed)
-        new_v = StateView(rt, table, rank, mixed)
-        marks.append(("build runtime", time.perf_counter()))
-        staging: list[int] = []     # local copies run while the first round is on the wire
-        local = partial(_copy_local_into, staging, old_v, new_v,
-                        _local_parts(old_v, new_v, rank, rt, old_rt), cap, engine.device)
-        stats = run_rounds(rank, rds, old_v, new_v, {"fp32": torch.float32, "param": param_dtype},
-                           engine.device, timeout_s=engine.settings.migrate_timeout_s, step=step,
-                           overlap=local)
-        staging = staging[0]
-        marks.append(("transfers + local copies", time.perf_counter()))
-        _derive_unsent(rt, old_rt, new_v, mixed, adam_step, rank, cap, engine.device)
-        rt.optimizer.reused = set()     # taken-over buckets are ordinary from now on
-        marks.append(("derive", time.perf_counter()))
-        # local copies overlap the first round: their staging and the wire buffers coexist
-        peak = _runtime_bytes(rt, old_rt) + staging + stats.peak_buffer_bytes
-        ratio = (kept_bytes + peak) / steady if steady else 0.0
-    except Exception as e:      # noqa: BLE001 - every failure ends in the agreement below
-        failure = e
-    else:
-        failure = None
-    # Agreement: every rank learns whether any rank failed, and the first failed rank's
-    # message, through the job's store, not the communicator a failed transfer may have broken
-    # (malleus_ds/resilience/agreement.py); a rank that died or hangs counts as failed at the deadline.
-    # Only if all succeeded is the new runtime adopted; otherwise every rank raises and the
-    # engine refuses to train.
+    return _Route(tplan, msgs, rounds(msgs, cap), cap, param_dtype)
+
+
+def _free_scratch(old_rt: PlanRuntime) -> tuple[int, int]:
+    """Free the old plan's gradients and all-gather buffers (scratch between steps: the next
+    plan's are made by its first step) before the next plan's state is allocated; (state bytes
+    before, state bytes kept)."""
+    steady = _nbytes(_runtime_tensors(old_rt))
+    old_rt.grad_sync.free()
+    old_rt.optimizer.free_scratch()
+    return steady, _nbytes(_runtime_tensors(old_rt))
+
+
+def _build_runtime(engine, plan, old_rt: PlanRuntime) -> PlanRuntime:
+    """The next plan's runtime on this rank; a parameter shard that is the same under both
+    plans keeps its tensor."""
+    rank, table = engine.global_rank, engine.param_table
+    spec = locate(plan, rank)
+    old_sh, new_sh = local_shards(old_rt.plan, table, rank), local_shards(plan, table, rank)
+    keep = {n: old_rt.named[n] for n, sh in new_sh.items()
+            if n in old_sh and old_sh[n].interval == sh.interval and n in old_rt.named}
+    module = build_stage(plan, spec, engine._make_stage, engine.precision, reuse=keep,
+                         device=engine.device)
+    return engine.build_plan_runtime(plan, module, spec, old_rt.zero_stage, prev=old_rt)
+
+
+def _send_and_copy(engine, step: int, rt: PlanRuntime, old_rt: PlanRuntime, old_v: StateView,
+                   new_v: StateView, route: _Route):
+    """Run the rounds of messages, with this rank's local copies while the first round is on
+    the wire; (the rounds' stats, the local copies' staging bytes)."""
+    rank = engine.global_rank
+    staging: list[int] = []
+    local = partial(_copy_local_into, staging, old_v, new_v,
+                    _local_parts(old_v, new_v, rank, rt, old_rt), route.cap, engine.device)
+    stats = run_rounds(rank, route.rds, old_v, new_v,
+                       {"fp32": torch.float32, "param": route.param_dtype},
+                       engine.device, timeout_s=engine.settings.migrate_timeout_s,
+                       step=step, overlap=local)
+    return stats, staging[0]
+
+
+def _failure_reason(rank: int, failure: BaseException | None, bad: Failure | None,
+                    unsure: AgreementError | None, deadline: float) -> str:
+    """This rank's own error, then the first failed rank's (the cause), then the silent ones."""
+    parts = []
+    if failure is not None:
+        parts.append(f"{type(failure).__name__}: {str(failure)[:400]}")
+    elif unsure is not None:
+        parts.append(f"the ranks could not agree on its outcome (a rank died or hangs: "
+                     f"{str(unsure).splitlines()[0][:300]})")
+    if bad is not None and (bad.rank != rank or failure is None or rank in bad.silent):
+        parts.append(bad.message[:400] if bad.rank in bad.silent
+                     else f"rank {bad.rank} failed: {bad.message[:400]}")
+    if bad is not None and bad.silent and bad.rank not in bad.silent:
+        parts.append(f"rank(s) {list(bad.silent)} did not report within {deadline:g} s "
+                     f"(died or hang)")
+    return "; ".join(parts)
+
+
+def _raise_if_any_failed(engine, step: int, failure: BaseException | None,
+                         rt: PlanRuntime | None, from_id: str, to_id: str) -> None:
+    """Agreement: every rank learns whether any rank failed, and the first failed rank's
+    message, through the job's store, not the communicator a failed transfer may have broken
+    (malleus_ds/resilience/agreement.py); a rank that died or hangs counts as failed at the
+    deadline. Only if all succeeded is the new runtime adopted; otherwise every rank raises and
+    the engine refuses to train."""
+    rank = engine.global_rank
     deadline = 2 * engine.settings.migrate_timeout_s + 10
     try:
         bad, unsure = _agree_failed(step, failure, deadline), None
     except AgreementError as e:     # the store itself is gone (its host died)
         bad, unsure = None, e
-    if bad is not None or unsure is not None:
-        parts = []      # this rank's own error, then the first failed rank's (the cause)
-        if failure is not None:
-            parts.append(f"{type(failure).__name__}: {str(failure)[:400]}")
-        elif unsure is not None:
-            parts.append(f"the ranks could not agree on its outcome (a rank died or hangs: "
-                         f"{str(unsure).splitlines()[0][:300]})")
-        if bad is not None and (bad.rank != rank or failure is None or rank in bad.silent):
-            parts.append(bad.message[:400] if bad.rank in bad.silent
-                         else f"rank {bad.rank} failed: {bad.message[:400]}")
-        if bad is not None and bad.silent and bad.rank not in bad.silent:
-            parts.append(f"rank(s) {list(bad.silent)} did not report within {deadline:g} s "
-                         f"(died or hang)")
-        why = "; ".join(parts)
-        engine._broken = (f"a plan switch before step {step} failed ({why}); this engine's state "
-                          f"may be half-moved and it will not train: restart from the last "
-                          f"checkpoint")
-        if rt is not None:
-            rt.close()
-        raise MigrationError(f"rank {rank}: migration {from_id} -> {plan.id} before step {step} "
-                             f"failed: {why}") from failure
+    if bad is None and unsure is None:
+        return
+    why = _failure_reason(rank, failure, bad, unsure, deadline)
+    engine._broken = (f"a plan switch before step {step} failed ({why}); this engine's state "
+                      f"may be half-moved and it will not train: restart from the last "
+                      f"checkpoint")
+    if rt is not None:
+        rt.close()
+    raise MigrationError(f"rank {rank}: migration {from_id} -> {to_id} before step {step} "
+                         f"failed: {why}") from failure
 
+
+def _adopt(engine, rt: PlanRuntime, old_rt: PlanRuntime, plan) -> None:
+    """Adopt the new runtime, carry the LR schedule, close the old runtime, name the new TP
+    group to DeepSpeed's mpu and release the process groups no plan uses any more."""
     old_sched, old_groups = engine.lr_scheduler, engine.optimizer.param_groups
     engine.adopt(rt)
     _carry_schedule(engine, old_sched, old_groups)
     old_rt.close()
     engine.mpu.follow(rt.spec, rt.num_stages)       # DeepSpeed's mpu names the new TP group
-    GROUPS.release_unused(plan_rank_sets(plan, world), owner=engine, device=engine.device)
-    # freed by reference counting (no gc.collect(): a full collection costs ~0.3 s with
-    # DeepSpeed loaded, and the runtime holds no cycles); a caller still holding the old
-    # optimizer returned by initialize() keeps that one alive
-    del old_rt, old_v, new_v
-    if engine.device is not None and str(engine.device).startswith("cuda"):
-        torch.cuda.empty_cache()
-    seconds = time.perf_counter() - t0
-    marks.append(("adopt + free", time.perf_counter()))
-    timing = tuple((name, round(b - a, 6)) for (_, a), (name, b) in
-                   zip([("start", t0)] + marks[:-1], marks))
+    GROUPS.release_unused(plan_rank_sets(plan, engine.world_size), owner=engine,
+                          device=engine.device)
+
+
+def _report(engine, step: int, plan, from_id: str, route: _Route, stats, marks: list,
+            seconds: float, peak: int, ratio: float) -> MigrationReport:
+    """The switch's report, the same on every rank: bytes and direct ends summed over ranks,
+    seconds, peak memory and the phases' seconds the max over ranks."""
+    timing = tuple((name, round(b - a, 6)) for (_, a), (name, b) in zip(marks[:-1], marks[1:]))
     # inside "transfers + local copies": staging copies at both ends (none for a message that
     # travels from / into its place), and waiting on the wire while the local copies run
     timing += (("pack", stats.pack_s), ("wire + local", stats.wait_s), ("unpack", stats.unpack_s))
@@ -289,12 +316,62 @@ def switch_plan(engine, new_plan) -> MigrationReport:
     tdist.all_reduce(mx, op=tdist.ReduceOp.MAX)
     vals = mx.tolist()
     timing = tuple((k, float(v)) for (k, _), v in zip(timing, vals[3:]))
-    return MigrationReport(step=step, from_plan=from_id, to_plan=plan.id, bytes=int(tot[0]),
-                           seconds=vals[0], peak_extra_bytes=int(vals[1]),
-                           lower_bound=tplan.lower_bound, transfers=len(tplan.transfers),
-                           messages=len(msgs), rounds=len(rds), timing=timing,
-                           direct_ends=int(tot[1]), peak_ratio=round(vals[2], 4),
-                           idle=tuple(r for r in range(world) if plan.locate(r) is None))
+    return MigrationReport(step=step, from_plan=from_id, to_plan=plan.id,
+                           bytes=int(tot[0]), seconds=vals[0], peak_extra_bytes=int(vals[1]),
+                           lower_bound=route.tplan.lower_bound,
+                           transfers=len(route.tplan.transfers), messages=len(route.msgs),
+                           rounds=len(route.rds), timing=timing, direct_ends=int(tot[1]),
+                           peak_ratio=round(vals[2], 4),
+                           idle=tuple(r for r in range(engine.world_size)
+                                      if plan.locate(r) is None))
+
+
+def switch_plan(engine, new_plan) -> MigrationReport:
+    """See the module docstring. ``new_plan``: a Plan, a path or plan JSON."""
+    if getattr(engine, "_broken", None):
+        raise MigrationError(engine._broken)
+    t0 = time.perf_counter()
+    marks = [("start", t0)]
+    step = engine.global_steps
+    old_rt: PlanRuntime = engine.runtime
+    from_id = old_rt.plan.id
+    plan = _check_plan(engine, old_rt, new_plan)
+    marks.append(("validate", time.perf_counter()))
+    adam_step = _agree_groups_and_step(engine, plan, old_rt)
+    marks.append(("groups", time.perf_counter()))
+    route = _plan_route(engine, old_rt, plan)
+    marks.append(("transfer plan", time.perf_counter()))
+    rank, table, mixed = engine.global_rank, engine.param_table, engine.precision.mixed
+    rt = None
+    try:
+        steady, kept_bytes = _free_scratch(old_rt)
+        rt = _build_runtime(engine, plan, old_rt)
+        old_v = StateView(old_rt, table, rank, mixed)
+        new_v = StateView(rt, table, rank, mixed)
+        marks.append(("build runtime", time.perf_counter()))
+        stats, staging = _send_and_copy(engine, step, rt, old_rt, old_v, new_v, route)
+        marks.append(("transfers + local copies", time.perf_counter()))
+        _derive_unsent(rt, old_rt, new_v, mixed, adam_step, rank, route.cap, engine.device)
+        rt.optimizer.reused = set()     # taken-over buckets are ordinary from now on
+        marks.append(("derive", time.perf_counter()))
+        # local copies overlap the first round: their staging and the wire buffers coexist
+        peak = _runtime_bytes(rt, old_rt) + staging + stats.peak_buffer_bytes
+        ratio = (kept_bytes + peak) / steady if steady else 0.0
+    except Exception as e:      # noqa: BLE001 - every failure ends in the agreement below
+        failure = e
+    else:
+        failure = None
+    _raise_if_any_failed(engine, step, failure, rt, from_id, plan.id)
+    _adopt(engine, rt, old_rt, plan)
+    # freed by reference counting (no gc.collect(): a full collection is slow with DeepSpeed
+    # loaded, and the runtime holds no cycles); a caller still holding the old optimizer
+    # returned by initialize() keeps that one alive
+    del old_rt, old_v, new_v
+    if engine.device is not None and str(engine.device).startswith("cuda"):
+        torch.cuda.empty_cache()
+    seconds = time.perf_counter() - t0
+    marks.append(("adopt + free", time.perf_counter()))
+    return _report(engine, step, plan, from_id, route, stats, marks, seconds, peak, ratio)
 
 
 def _carry_schedule(engine, old_sched, old_groups) -> None:

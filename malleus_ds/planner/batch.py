@@ -61,6 +61,106 @@ class FixedPipeline:
         return m
 
 
+class _Hulls:
+    """The models' ``T(m)`` as arrays, one row per model: ``sig + (m - 1) cm`` minimised over
+    each model's pieces for ``m >= S`` (its lower hull), the model itself below ``S``."""
+
+    def __init__(self, models: Sequence[TimeModel], mult_a: np.ndarray, M: int) -> None:
+        n = len(models)
+        K = max(len(md.sig) for md in models)
+        self.SIG = np.full((n, K), _BIG)          # padding never wins a min / max
+        self.CM = np.ones((n, K))
+        for i, md in enumerate(models):
+            self.SIG[i, : len(md.sig)] = md.sig
+            self.CM[i, : len(md.cm)] = md.cm
+        self.S = np.array([md.S for md in models], dtype=np.int64)
+        self.TS = np.array([md.time(int(s)) for md, s in zip(models, self.S)])
+        self.models, self.mult_a, self.M = models, mult_a, M
+
+    def hull_time(self, c: np.ndarray) -> np.ndarray:
+        return np.min(self.SIG + (c - 1)[:, None] * self.CM, axis=1)
+
+    def counts(self, T: float) -> np.ndarray:
+        """Per model the most micro-batches it finishes by ``T`` (at most ``M``)."""
+        M, S = self.M, self.S
+        c = np.max(np.floor((T - self.SIG) / self.CM), axis=1) + 1
+        c = np.clip(c, 0, M).astype(np.int64)
+        big = T >= self.TS
+        c = np.where(big, np.maximum(c, S), c)
+        down = big & (c > S) & (self.hull_time(c) > T)
+        c = np.where(down, c - 1, c)
+        up = big & (c < M) & (self.hull_time(c + 1) <= T)
+        c = np.where(up, c + 1, c)
+        if not big.all():
+            for i in np.nonzero(~big)[0]:
+                c[i] = self.models[i].count(T, M)
+        return np.minimum(c, M)
+
+    def times(self, c: np.ndarray) -> np.ndarray:
+        out = self.hull_time(np.maximum(c, 1))
+        for i in np.nonzero(c < self.S)[0]:
+            out[i] = self.models[i].time(int(c[i]))
+        return out
+
+    def total(self, c: np.ndarray) -> int:
+        """Micro-batches placed by ``c`` (-1 if a pipeline would get none)."""
+        return int((self.mult_a * c).sum()) if (c >= 1).all() else -1
+
+
+def _counts_at_optimum(h: _Hulls, lo: float, P: int) -> np.ndarray:
+    """The counts at ``T*``: from ``lo`` (the slowest one-micro-batch time), bisect on ``T``
+    alternating with interpolation, snapping the upper end to an achieved time."""
+    M, n = h.M, len(h.models)
+    c = h.counts(lo)
+    n_lo = h.total(c)
+    if n_lo >= M:
+        return c
+    c0 = np.full(n, -(-M // P), dtype=np.int64)
+    hi = float(h.times(c0).max())
+    n_hi = h.total(h.counts(hi))
+    n_lo = max(n_lo, P)
+    interp = True
+    for _ in range(200):
+        if hi - lo <= 1e-12 * max(hi, 1.0):
+            break
+        # alternate interpolation (the count grows ~linearly in T) with bisection steps
+        if interp and n_hi > n_lo:
+            frac = (M - n_lo) / (n_hi - n_lo)
+            mid = lo + (hi - lo) * min(max(frac, 0.02), 0.98)
+        else:
+            mid = 0.5 * (lo + hi)
+        interp = not interp
+        c = h.counts(mid)
+        n_mid = h.total(c)
+        if n_mid >= M:
+            hi = float(h.times(c).max())
+            n_hi = n_mid
+        else:
+            lo = mid
+            n_lo = max(n_mid, P)
+    return h.counts(hi)
+
+
+def _drop_surplus(models: Sequence[TimeModel], mult_a: np.ndarray, c: np.ndarray, M: int
+                  ) -> list[list[int]]:
+    """Per copy of each model its micro-batches, the surplus over ``M`` removed from the copies
+    that finish last."""
+    n = len(models)
+    surplus = int((mult_a * c).sum()) - M
+    ms = [[int(c[i])] * int(mult_a[i]) for i in range(n)]
+    if surplus > 0:
+        heap = [(-models[i].time(int(c[i])), i, k) for i in range(n) for k in range(int(mult_a[i]))
+                if c[i] > 1]
+        heapq.heapify(heap)
+        while surplus > 0 and heap:
+            _, i, k = heapq.heappop(heap)
+            ms[i][k] -= 1
+            surplus -= 1
+            if ms[i][k] > 1:
+                heapq.heappush(heap, (-models[i].time(ms[i][k]), i, k))
+    return ms
+
+
 def split_batches(models: Sequence[TimeModel], mult: Sequence[int], M: int
                   ) -> tuple[float, list[list[int]]] | None:
     """Exact min-max split of ``M`` micro-batches; ``mult[i]`` identical copies of model ``i``.
@@ -79,84 +179,7 @@ def split_batches(models: Sequence[TimeModel], mult: Sequence[int], M: int
     t1 = np.array([md.time(1) for md in models])
     if not np.isfinite(t1).all():
         return None
-    K = max(len(md.sig) for md in models)
-    SIG = np.full((n, K), _BIG)          # padding never wins a min / max
-    CM = np.ones((n, K))
-    for i, md in enumerate(models):
-        SIG[i, : len(md.sig)] = md.sig
-        CM[i, : len(md.cm)] = md.cm
-    S = np.array([md.S for md in models], dtype=np.int64)
-    TS = np.array([md.time(int(s)) for md, s in zip(models, S)])
-
-    def hull_time(c: np.ndarray) -> np.ndarray:
-        return np.min(SIG + (c - 1)[:, None] * CM, axis=1)
-
-    def counts(T: float) -> np.ndarray:
-        c = np.max(np.floor((T - SIG) / CM), axis=1) + 1
-        c = np.clip(c, 0, M).astype(np.int64)
-        big = T >= TS
-        c = np.where(big, np.maximum(c, S), c)
-        down = big & (c > S) & (hull_time(c) > T)
-        c = np.where(down, c - 1, c)
-        up = big & (c < M) & (hull_time(c + 1) <= T)
-        c = np.where(up, c + 1, c)
-        if not big.all():
-            for i in np.nonzero(~big)[0]:
-                c[i] = models[i].count(T, M)
-        return np.minimum(c, M)
-
-    def times(c: np.ndarray) -> np.ndarray:
-        out = hull_time(np.maximum(c, 1))
-        for i in np.nonzero(c < S)[0]:
-            out[i] = models[i].time(int(c[i]))
-        return out
-
-    def total(c: np.ndarray) -> int:
-        """Micro-batches placed by ``c`` (-1 if a pipeline would get none)."""
-        return int((mult_a * c).sum()) if (c >= 1).all() else -1
-
-    lo = float(t1.max())
-    c = counts(lo)
-    n_lo = total(c)
-    if n_lo >= M:
-        hi = lo
-    else:
-        c0 = np.full(n, -(-M // P), dtype=np.int64)
-        hi = float(times(c0).max())
-        n_hi = total(counts(hi))
-        n_lo = max(n_lo, P)
-        interp = True
-        for _ in range(200):
-            if hi - lo <= 1e-12 * max(hi, 1.0):
-                break
-            # alternate interpolation (the count grows ~linearly in T) with bisection steps
-            if interp and n_hi > n_lo:
-                frac = (M - n_lo) / (n_hi - n_lo)
-                mid = lo + (hi - lo) * min(max(frac, 0.02), 0.98)
-            else:
-                mid = 0.5 * (lo + hi)
-            interp = not interp
-            c = counts(mid)
-            n_mid = total(c)
-            if n_mid >= M:
-                hi = float(times(c).max())
-                n_hi = n_mid
-            else:
-                lo = mid
-                n_lo = max(n_mid, P)
-        c = counts(hi)
-    # remove the surplus from the copies that finish last
-    surplus = int((mult_a * c).sum()) - M
-    ms = [[int(c[i])] * int(mult_a[i]) for i in range(n)]
-    if surplus > 0:
-        heap = [(-models[i].time(int(c[i])), i, k) for i in range(n) for k in range(int(mult_a[i]))
-                if c[i] > 1]
-        heapq.heapify(heap)
-        while surplus > 0 and heap:
-            _, i, k = heapq.heappop(heap)
-            ms[i][k] -= 1
-            surplus -= 1
-            if ms[i][k] > 1:
-                heapq.heappush(heap, (-models[i].time(ms[i][k]), i, k))
+    c = _counts_at_optimum(_Hulls(models, mult_a, M), float(t1.max()), P)
+    ms = _drop_surplus(models, mult_a, c, M)
     T = max(models[i].time(mm) for i in range(n) for mm in set(ms[i]))
     return float(T), ms

@@ -91,15 +91,99 @@ def _is_healthy(problem: Problem) -> bool:
             and all(v == 1.0 for v in problem.gpu_link_rates.values()))
 
 
-def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None = None,
-         config: PlannerConfig | None = None, multi_objective: bool | None = None) -> PlanResult:
-    """Best valid plan for ``problem`` (see module docstring). Keyword args override ``config``."""
+#: which of equally fast, equally cheap candidates wins (lower first)
+_PRIORITY = {"current": 0, "static": 1, "search": 2, "links": 2, "regroup": 2, "rebalance": 2,
+             "data-only": 3, "drop": 4}
+
+
+class _Candidates:
+    """The valid candidates as (step time, state moved, priority, method, plan); a plan that
+    fails the problem's checks, or that the job could not migrate to, is left out."""
+
+    def __init__(self, problem: Problem) -> None:
+        self.problem, self.old = problem, problem.current_plan
+        self.items: list[tuple[float, float, int, str, Plan]] = []
+
+    def add(self, method: str, p: Plan | None) -> None:
+        if p is None:
+            return
+        try:
+            validate_for_problem(self.problem, p)
+            if self.old is not None and method != "current":
+                check_switch_memory(self.problem, self.old, p)    # the job must also migrate to it
+        except PlanError:
+            return
+        self.items.append((step_time(self.problem, p), moved_units(self.old, p),
+                           _PRIORITY[method], method, p))
+
+
+def _with_overrides(config: PlannerConfig | None, seed: int | None, time_limit: float | None,
+                    multi_objective: bool | None) -> PlannerConfig:
+    """``config`` (default: PlannerConfig()) with the keyword arguments that are given."""
     cfg = config or PlannerConfig()
     if seed is not None or time_limit is not None or multi_objective is not None:
         from dataclasses import replace
         cfg = replace(cfg, **{k: v for k, v in (("seed", seed), ("time_limit", time_limit),
                                                  ("multi_objective", multi_objective))
                               if v is not None})
+    return cfg
+
+
+def _add_fixed(cands: _Candidates, problem: Problem, bplans: Mapping[str, Plan | None],
+               healthy: bool) -> None:
+    """The candidates that need no search: the running plan; healthy, the static plan; else
+    every baseline, the cut at the slow links, TP groups off slow GPU links, and the running
+    layout re-split for the links its pipelines cross."""
+    old = problem.current_plan
+    if old is not None:
+        cands.add("current", old)
+    if healthy:
+        cands.add("static", bplans["static"])
+        return
+    for k, p in bplans.items():
+        cands.add(k, p)
+    cands.add("links", across_slow_links(problem))     # stage boundaries on the slow links
+    for p in (old, bplans["static"]):                   # TP groups off the slow GPU links
+        cands.add("regroup", regroup_off_slow_gpu_links(problem, p))
+    if old is not None and comm_spec(problem) is not None:
+        # the running layout, its micro-batches re-split for the links its pipelines
+        # cross: fewer for a pipeline whose boundary crosses a slow link
+        cands.add("rebalance", _resplit_with_comm(problem, old))
+
+
+def _add_searched(cands: _Candidates, problem: Problem, cfg: PlannerConfig,
+                  deadline: float | None) -> tuple[int, int, float | None,
+                                                   tuple[ParetoPoint, ...]]:
+    """The genetic search's plans as candidates (re-split for communication where the problem
+    has links); (evaluations, generations, its best step time, its Pareto front)."""
+    space = SearchSpace(problem, cfg.num_pipelines)
+    found, gens, pareto = genetic_search(space, cfg, deadline, problem.current_plan)
+    evals = space.evaluations
+    if comm_spec(problem) is not None:   # the search costs compute only: re-split data
+        found = found + [q for q in (_resplit_with_comm(problem, p) for p in found) if q]
+    search_T = None
+    for p in found:
+        cands.add("search", p)
+        search_T = min(search_T or math.inf, step_time(problem, p))
+    return evals, gens, search_T, pareto
+
+
+def _pick(items: list[tuple[float, float, int, str, Plan]], min_improvement: float
+          ) -> tuple[float, float, int, str, Plan]:
+    """The fastest candidate (ties: least state moved, then priority); the running plan unless
+    the best is more than ``min_improvement`` faster."""
+    best_T = min(c[0] for c in items)
+    cur = [c for c in items if c[3] == "current"]
+    if cur and min_improvement > 0 and best_T > cur[0][0] * (1 - min_improvement):
+        best_T = cur[0][0]          # not worth a migration: the current plan is within the margin
+    tied = [c for c in items if c[0] <= best_T * (1 + REL_TIE)]
+    return min(tied, key=lambda c: (c[1], c[2], c[0]))
+
+
+def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None = None,
+         config: PlannerConfig | None = None, multi_objective: bool | None = None) -> PlanResult:
+    """Best valid plan for ``problem`` (see module docstring). Keyword args override ``config``."""
+    cfg = _with_overrides(config, seed, time_limit, multi_objective)
     t0 = time.perf_counter()
     limit = auto_time_limit(problem) if cfg.time_limit is None else cfg.time_limit
     deadline = None if math.isinf(limit) else t0 + max(0.0, limit) * 0.85
@@ -110,61 +194,22 @@ def plan(problem: Problem, *, seed: int | None = None, time_limit: float | None 
     def eta(T: float) -> float:
         return cost_eta(T_h, T, f)
 
-    cands: list[tuple[float, float, int, str, Plan]] = []   # (T, moved, priority, method, plan)
-    prio = {"current": 0, "static": 1, "search": 2, "links": 2, "regroup": 2, "rebalance": 2,
-            "data-only": 3, "drop": 4}
-
-    def add(method: str, p: Plan | None) -> None:
-        if p is None:
-            return
-        try:
-            validate_for_problem(problem, p)
-            if old is not None and method != "current":
-                check_switch_memory(problem, old, p)    # the job must also migrate to it
-        except PlanError:
-            return
-        cands.append((step_time(problem, p), moved_units(old, p), prio[method], method, p))
-
+    cands = _Candidates(problem)
     bplans = all_baselines(problem)
-    if old is not None:
-        add("current", old)
     healthy = _is_healthy(problem)
-    if healthy:
-        add("static", bplans["static"])
-    else:
-        for k, p in bplans.items():
-            add(k, p)
-        add("links", across_slow_links(problem))     # stage boundaries on the slow links
-        for p in (old, bplans["static"]):               # TP groups off the slow GPU links
-            add("regroup", regroup_off_slow_gpu_links(problem, p))
-        if old is not None and comm_spec(problem) is not None:
-            # the running layout, its micro-batches re-split for the links its pipelines
-            # cross: fewer for a pipeline whose boundary crosses a slow link
-            add("rebalance", _resplit_with_comm(problem, old))
+    _add_fixed(cands, problem, bplans, healthy)
     evals = gens = 0
     search_T = None
     pareto: tuple[ParetoPoint, ...] = ()
     # healthy: the static plan (the user's layout) unless it does not fit in memory
     if not healthy or bplans["static"] is None:
-        space = SearchSpace(problem, cfg.num_pipelines)
-        found, gens, pareto = genetic_search(space, cfg, deadline, old)
-        evals = space.evaluations
-        if comm_spec(problem) is not None:   # the search costs compute only: re-split data
-            found = found + [q for q in (_resplit_with_comm(problem, p) for p in found) if q]
-        for p in found:
-            add("search", p)
-            search_T = min(search_T or math.inf, step_time(problem, p))
-    if not cands:
+        evals, gens, search_T, pareto = _add_searched(cands, problem, cfg, deadline)
+    if not cands.items:
         why = _memory_why(problem)
         raise PlanError(f"problem '{problem.name}': no valid plan found (the static plan does not "
                         f"fit in memory and the search found nothing that does){why}; check the "
                         f"memory section or give more GPUs")
-    best_T = min(c[0] for c in cands)
-    cur = [c for c in cands if c[3] == "current"]
-    if cur and cfg.min_improvement > 0 and best_T > cur[0][0] * (1 - cfg.min_improvement):
-        best_T = cur[0][0]          # not worth a migration: the current plan is within the margin
-    tied = [c for c in cands if c[0] <= best_T * (1 + REL_TIE)]
-    T, mv, _, method, best = min(tied, key=lambda c: (c[1], c[2], c[0]))
+    T, mv, _, method, best = _pick(cands.items, cfg.min_improvement)
     note = "; ".join(n for n in (links_note(problem, method, T),
                                   gpu_links_note(problem, best)) if n) or None
     return PlanResult(

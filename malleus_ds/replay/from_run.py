@@ -28,9 +28,9 @@ what a replay needs, each from the run's own files:
 * **what its loop read** (``run_trace.RunRecord``): on the steps the replay runs on the run's
   plan, its loop reads the run's own ``compute_s`` and step seconds, the held ranks that probe
   are the ones that probed in the run, reading what their probes read, and a re-plan asked at
-  the step the run asked it is answered before the step the run's answer was taken at (a
-  planner's seconds that end just inside the run's step and just past the replay's moved a
-  switch by a step);
+  the step the run asked it is answered before the step the run's answer was taken at (else a
+  planner's seconds that end just inside the run's step and just past the replay's would move
+  a switch by a step);
 * **the switch costs**: a fixed part and a bandwidth fitted to its ``migrate`` events, the
   first step after a switch against the steps that follow (warm-up), and the planner's seconds
   its ``replan`` events took, each in its turn (``run_costs.py``).
@@ -137,20 +137,10 @@ def _batch(run: Path, cfg: dict, dp: int) -> tuple[int, int]:
     return G, B
 
 
-def build(run_dir: str | Path) -> RunReplay:
-    from ..adaptive.job import JobSpec
-    from ..adaptive.replan import job_memory, job_problem
-    from ..adaptive.settings import AdaptiveSettings
-    from ..job_layout import JobLayout
-    from ..models.base import head_layer_units, param_table
-    from ..models.llama import model_config
-    from ..plan import static_plan
-    from ..problem import ideal_slowdown
+def _read_steps(run: Path) -> tuple[list[dict], list[dict], int]:
+    """(step lines, event lines, world: the ranks the step lines' ``compute_s`` name)."""
     from ..report.metrics import MetricsError, read_run
-    from ..report.run_model import emulated_condition, stretches, throughput
 
-    run = Path(run_dir)
-    cfg = _config(run)
     try:
         steps, events = read_run(run)
     except MetricsError as e:
@@ -161,7 +151,35 @@ def build(run_dir: str | Path) -> RunReplay:
     if world < 2:
         raise FromRunError(f"{run}/metrics.jsonl: compute_s names {world} rank(s); a replay "
                            f"needs a run of at least 2")
-    m, tr, par = cfg.get("model") or {}, cfg.get("train") or {}, cfg.get("parallel") or {}
+    return steps, events, world
+
+
+@dataclass(frozen=True)
+class _Job:
+    """The job as the run's loop planned it: its planning problem, the plan it started on, the
+    loop's JobSpec and settings, and the GPUs per node."""
+
+    problem: Problem
+    plan: Plan
+    spec: object
+    settings: object
+    gpus_per_node: int
+
+
+def _build_job(run: Path, cfg: dict, world: int) -> _Job:
+    """The model (a Llama preset with the run's overrides), the batch, the static layout the
+    run started on, and the memory the loop would estimate, as the loop builds its planning
+    problem in training."""
+    from ..adaptive.job import JobSpec
+    from ..adaptive.replan import job_memory, job_problem
+    from ..adaptive.settings import AdaptiveSettings
+    from ..job_layout import JobLayout
+    from ..models.base import head_layer_units, param_table
+    from ..models.llama import model_config
+    from ..plan import static_plan
+    from ..problem import ideal_slowdown
+
+    m, par = cfg.get("model") or {}, cfg.get("parallel") or {}
     try:
         mc = model_config(m.get("name", "tiny"), **{k: m.get(k) for k in (
             "num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "max_seq_len",
@@ -186,33 +204,41 @@ def build(run_dir: str | Path) -> RunReplay:
     problem = job_problem(plan, job, ideal_slowdown(tp), mem, head)
     spec = JobSpec.of_model(mc, plan, world=world, job=job, seq_len=seq)
     settings = AdaptiveSettings.from_config(cfg.get("malleus") or {}, where="malleus")
+    return _Job(problem, plan, spec, settings, world // nodes)
 
-    # the loop saw the warm-up steps too (its first window, its fits, its cadence by step): the
-    # replay steps through them from the run's first step; the phases start after them
-    warm = int(tr.get("warmup_steps", 0) or 0)
-    w0 = next((i for i, s in enumerate(steps) if int(s["step"]) >= warm), len(steps))
-    mig = {}
+
+def _run_clock(steps: list[dict], events: list[dict]
+               ) -> tuple[dict[int, float], list[float], float]:
+    """The run's clock: (migration seconds by the step they preceded, each step's start, the
+    end): each step starts after the previous ones and the migrations before it."""
+    mig: dict[int, float] = {}
     for e in events:
         if e.get("event") == "migrate":
             mig[int(e["step"])] = mig.get(int(e["step"]), 0.0) + float(e.get("seconds", 0.0))
-    # the run's clock: each step starts after the previous ones and the migrations before it
     t, starts = 0.0, []
     for s in steps:
         t += mig.get(int(s["step"]), 0.0)
         starts.append(t)
         t += float(s["step_time_s"])
-    horizon = t
-    conds = [emulated_condition(s) for s in steps]
-    probes = probed(steps)
+    return mig, starts, t
+
+
+def _phases_and_pieces(steps: list[dict], events: list[dict], conds: list, w0: int,
+                       starts: list[float], horizon: float, window: int, probes: dict
+                       ) -> tuple[list[dict], list[Piece]]:
+    """Per phase of the emulated schedule after warm-up: its steps, run-clock window and
+    samples/s; per phase and plan the run ran it on, its piece of the trace at the rates the
+    ranks really ran at (a rank's real slowdown depends on its share)."""
+    from ..report.run_model import stretches, throughput
+
     phases: list[dict] = []
     pieces: list[Piece] = []
     for k, ph in enumerate(stretches(conds[w0:])):
         ph = type(ph)(ph.key, ph.lo + w0, ph.hi + w0)
         end = starts[ph.hi] if ph.hi < len(steps) else horizon
-        # the phase on each plan the run ran it on: a rank's real slowdown depends on its share
         for st in stretches([s.get("plan") for s in steps[ph.lo:ph.hi]]):
             a, b = ph.lo + st.lo, ph.lo + st.hi
-            got = realized(steps[a:b], settings.detect.window)
+            got = realized(steps[a:b], window)
             pieces.append(Piece(k, st.key, tuple(steps[a:b]), a, b,
                                 {g: got.get(g, r) for g, r in ph.key},
                                 probes={i: probes[i] for i in range(a, b) if i in probes}))
@@ -223,6 +249,35 @@ def build(run_dir: str | Path) -> RunReplay:
                        "condition": {str(g): r for g, r in ph.key},
                        "start_s": starts[ph.lo], "end_s": end,
                        "measured_samples_per_s": tput.samples_per_s})
+    return phases, pieces
+
+
+def _planning_seq(events: list[dict]) -> dict[str, list[float]]:
+    """The seconds of the run's re-plans, in order, by kind ("healthy" or "search")."""
+    plans: dict[str, list[float]] = {"healthy": [], "search": []}
+    for e in events:
+        if e.get("event") == "replan" and e.get("planning_s") is not None:
+            plans["healthy" if healthy_replan(e) else "search"].append(float(e["planning_s"]))
+    return plans
+
+
+def build(run_dir: str | Path) -> RunReplay:
+    """What a replay of the run needs, each from the run's own files (the module docstring)."""
+    from ..report.run_model import emulated_condition
+
+    run = Path(run_dir)
+    cfg = _config(run)
+    steps, events, world = _read_steps(run)
+    job = _build_job(run, cfg, world)
+    # the loop saw the warm-up steps too (its first window, its fits, its cadence by step): the
+    # replay steps through them from the run's first step; the phases start after them
+    warm = int((cfg.get("train") or {}).get("warmup_steps", 0) or 0)
+    w0 = next((i for i, s in enumerate(steps) if int(s["step"]) >= warm), len(steps))
+    mig, starts, horizon = _run_clock(steps, events)
+    conds = [emulated_condition(s) for s in steps]
+    probes = probed(steps)
+    phases, pieces = _phases_and_pieces(steps, events, conds, w0, starts, horizon,
+                                        job.settings.detect.window, probes)
     healthy = steady(steps[w0:], conds[w0:], set(mig))
     if len(healthy) < 2:
         raise FromRunError(f"{run}/metrics.jsonl: fewer than 2 healthy steps on the first plan "
@@ -231,17 +286,13 @@ def build(run_dir: str | Path) -> RunReplay:
     busiest = statistics.median(max(s["compute_s"]) for s in healthy)
     share = min(1.0, busiest / step_s)
     costs = switch_costs(steps, events)
-    plans: dict[str, list[float]] = {"healthy": [], "search": []}
-    for e in events:
-        if e.get("event") == "replan" and e.get("planning_s") is not None:
-            plans["healthy" if healthy_replan(e) else "search"].append(float(e["planning_s"]))
-    rr = RunReplay(problem, plan, spec, settings, None, step_s, share, costs,
+    rr = RunReplay(job.problem, job.plan, job.spec, job.settings, None, step_s, share, costs,
                    planner_stall(steps, events),
-                   SharedHost.calibrate(healthy, world // nodes, step_s, busiest,
+                   SharedHost.calibrate(healthy, job.gpus_per_node, step_s, busiest,
                                         sleeps=_method(cfg) == "sleep"),
-                   plans, phases, pieces, f"{run} schedule", tuple(sorted(mig)),
+                   _planning_seq(events), phases, pieces, f"{run} schedule", tuple(sorted(mig)),
                    RunRecord.of(steps, probes, _answers(steps, events)))
-    rr.trace = trace_of(rr.pieces, problem.num_gpus, rr.where)
+    rr.trace = trace_of(rr.pieces, job.problem.num_gpus, rr.where)
     return rr
 
 

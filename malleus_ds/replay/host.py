@@ -22,14 +22,12 @@ models that as fluid processor sharing:
   forward and a backward per micro-batch, 1F1B on a pipeline's stages), each once the spans it
   waits for have ended (a stage's forward waits for the previous stage's, its backward for the
   next's; a sleeping rank's span ends with its sleep, which comes before the send), wanting no
-  core while it waits; the compute part ends when the last rank is through. A 2-stage pipeline
-  with a light first stage at x4 beside two busy ranks, 4 on 2 cores (``worsens`` of
-  bench_adaptive): the run's step 0.451 s; the cost model's pipelined floor over dilated rates
-  gave 0.514 s, the spans on the schedule give 0.444 s;
+  core while it waits; the compute part ends when the last rank is through. The order matters
+  where a light stage waits on a busy one: its rank gives up its core while it waits, so the
+  step is not the cost model's pipelined floor over the dilated rates;
 * the rank that calibrates the probes times the probe block (``ProbeBlock.REF_RUNS`` runs, a
   cost unit each) after a step's all-reduce: it runs them before its next step's compute
-  (``lead``); a demo's calibrating rank computed 0.010-0.026 s more on its probe steps than on
-  the others, two units 0.014 s;
+  (``lead``), so its probe steps compute that much longer than the others;
 * the rest of the step (optimizer, reduction, Python: ``other_s`` CPU seconds per working rank)
   runs on every working rank at once, shared the same way.
 
@@ -182,44 +180,75 @@ def plan_graph(plan, num_ranks: int) -> list[tuple[Span, ...]]:
     return out
 
 
-def _shared(work: np.ndarray, duty: np.ndarray, cores: float,
-            fixed: Sequence[tuple[float, float, int]] = (), sleeps: bool = False,
-            graph: Sequence[Sequence[Span]] | None = None,
-            hosts: Sequence[int] | None = None,
-            lead: Sequence[float] | None = None) -> np.ndarray:
-    """Seconds until every rank with work is through it under fluid processor sharing of
-    each host's ``cores`` (``hosts``: each rank's host, default one): rank ``i`` runs its
-    spans (``graph[i]``, fractions of its ``work[i]`` CPU seconds; default one) in order,
-    each once the spans it waits for have ended, wanting ``duty[i]`` of a core while it runs
-    one (it progresses at ``sigma * duty[i]``) and none while it waits; each ``(demand,
-    until, host)`` of ``fixed`` wants ``demand`` until that second whatever it gets (a
-    time-boxed probe, the planner). A rank with work runs ``lead[i]`` CPU seconds first, as
-    a span that waits for nothing.
-
-    With ``sleeps`` a rank at ``duty < 1`` runs as the emulation runs it: each span at a
-    whole core's demand, getting ``sigma`` of one, then a sleep of ``1/duty - 1`` times that
-    span's wall, waits for a core included; its span ends with its sleep. Its first span runs
-    beside every busy rank, so its waits are a span's, not a share spread over the step.
-    Measured (``recover``, 4 data-parallel ranks on 2 cores, 2 micro-batches each, rank 3 at
-    x9.6): the slowed rank waited 0.029-0.035 s of its 0.165 s, its first forward's 0.0275 s
-    beside three busy ranks; spread over the step, 0.012 s."""
-    n = work.size
-    hid = np.zeros(n, dtype=int) if hosts is None else np.asarray(hosts, dtype=int)
-    nh = int(hid.max()) + 1 if n else 1
+def _span_rows(work: np.ndarray, graph: Sequence[Sequence[Span]] | None,
+               lead: Sequence[float] | None) -> list[list[tuple[float, tuple]]]:
+    """Each rank's spans as (CPU seconds, the spans it waits for): its lead first, then its
+    graph's fractions of its work (default: one span); none for a rank without work."""
     rows: list[list[tuple[float, tuple]]] = []
-    for i in range(n):
+    for i in range(work.size):
         g = list(graph[i]) if graph is not None and len(graph[i]) else [(1.0, ())]
         tot = float(sum(f for f, _ in g))
         first = [(float(lead[i]), ())] if lead is not None and lead[i] > 0 else []
         rows.append(first + [(float(work[i]) * f / tot, tuple(d)) for f, d in g]
                     if work[i] > 0 else [])
+    return rows
+
+
+def _speeds(hid: np.ndarray, run: np.ndarray, want: np.ndarray,
+            fixed: Sequence[tuple[float, float, int]], t: float, nh: int, cores: float
+            ) -> np.ndarray:
+    """Each rank's progress per second at ``t``: its want times its host's share ``sigma =
+    min(1, cores / demand)``, the demand of the running spans and of the fixed loads still
+    on."""
+    demand = np.bincount(hid[run], weights=want[run], minlength=nh).astype(np.float64)
+    for d, until, h in fixed:
+        if until > t:
+            demand[h] += d
+    sigma = np.minimum(1.0, cores / np.maximum(demand, 1e-300))
+    return sigma[hid] * want
+
+
+def _next_event(run_left: np.ndarray, sleep_left: np.ndarray,
+                fixed: Sequence[tuple[float, float, int]], t: float) -> float | None:
+    """Seconds from ``t`` to the next event: a running span's end, a sleeping rank's wake-up or
+    a fixed load's end (None: nothing is running, sleeping or timed)."""
+    cand = list(run_left) + list(sleep_left)
+    cand += [until - t for _, until, _ in fixed if t < until < np.inf]
+    return max(0.0, min(cand)) if cand else None
+
+
+#: a rank's state in :func:`_shared`: waiting for a span's inputs, running it, sleeping after
+#: it (the sleep emulation), through its work
+_WAIT, _RUN, _SLEEP, _DONE = 0, 1, 2, 3
+
+
+def _shared(work: np.ndarray, duty: np.ndarray, cores: float,
+            fixed: Sequence[tuple[float, float, int]] = (), sleeps: bool = False,
+            graph: Sequence[Sequence[Span]] | None = None,
+            hosts: Sequence[int] | None = None,
+            lead: Sequence[float] | None = None) -> np.ndarray:
+    """Seconds until every rank with work is through it under fluid processor sharing of each
+    host's ``cores`` (``hosts``: each rank's host, default one): rank ``i`` runs its spans
+    (``graph[i]``, fractions of its ``work[i]`` CPU seconds; default one) in order, each once
+    the spans it waits for have ended, wanting ``duty[i]`` of a core while it runs one (it
+    progresses at ``sigma * duty[i]``) and none while it waits; each ``(demand, until,
+    host)`` of ``fixed`` wants ``demand`` until that second whatever it gets (a time-boxed
+    probe, the planner). A rank with work first runs ``lead[i]`` CPU seconds, waiting for none.
+
+    With ``sleeps`` a rank at ``duty < 1`` runs as the emulation runs it: each span at a
+    whole core's demand, getting ``sigma`` of one, then a sleep of ``1/duty - 1`` times that
+    span's wall, waits for a core included; its span ends with its sleep. Its first span runs
+    beside every busy rank, so its waits are a span's, not a share spread over the step."""
+    n = work.size
+    hid = np.zeros(n, dtype=int) if hosts is None else np.asarray(hosts, dtype=int)
+    nh = int(hid.max()) + 1 if n else 1
+    rows = _span_rows(work, graph, lead)
     slept = (duty < 1.0) & (work > 0) if sleeps else np.zeros(n, dtype=bool)
     want = np.where(slept, 1.0, duty)           # a core's share while a span runs
     eps = 1e-12 * np.maximum(work, 1.0)
     done: set[tuple[int, int]] = set()          # spans ended (sleeps included)
     idx = np.zeros(n, dtype=int)
-    WAIT, RUN, SLEEP, DONE = 0, 1, 2, 3
-    state = np.where(work > 0, WAIT, DONE)
+    state = np.where(work > 0, _WAIT, _DONE)
     left, began, wake, fin = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
     t = 0.0
 
@@ -227,37 +256,29 @@ def _shared(work: np.ndarray, duty: np.ndarray, cores: float,
         done.add((i, int(idx[i])))
         idx[i] += 1
         if idx[i] == len(rows[i]):
-            state[i], fin[i] = DONE, at
+            state[i], fin[i] = _DONE, at
         else:
-            state[i] = WAIT
+            state[i] = _WAIT
 
     while True:
-        for i in np.flatnonzero(state == WAIT):
+        for i in np.flatnonzero(state == _WAIT):
             w, deps = rows[i][idx[i]]
             if all(d in done for d in deps):
-                state[i], left[i], began[i] = RUN, w, t
-        if (state == DONE).all():
+                state[i], left[i], began[i] = _RUN, w, t
+        if (state == _DONE).all():
             return fin
-        run = state == RUN
-        demand = np.bincount(hid[run], weights=want[run], minlength=nh).astype(np.float64)
-        for d, until, h in fixed:
-            if until > t:
-                demand[h] += d
-        sigma = np.minimum(1.0, cores / np.maximum(demand, 1e-300))
-        speed = sigma[hid] * want
-        cand = list(left[run] / speed[run])
-        cand += list(wake[state == SLEEP] - t)
-        cand += [until - t for _, until, _ in fixed if t < until < np.inf]
-        if not cand:
-            stuck = [(int(i), int(idx[i])) for i in np.flatnonzero(state == WAIT)]
+        run = state == _RUN
+        speed = _speeds(hid, run, want, fixed, t, nh, cores)
+        dt = _next_event(left[run] / speed[run], wake[state == _SLEEP] - t, fixed, t)
+        if dt is None:
+            stuck = [(int(i), int(idx[i])) for i in np.flatnonzero(state == _WAIT)]
             raise ValueError(f"_shared: spans {stuck} wait for spans that never end")
-        dt = max(0.0, min(cand))
         left[run] -= speed[run] * dt
         t += dt
         for i in np.flatnonzero(run & (left <= eps)):
             if slept[i]:
-                state[i], wake[i] = SLEEP, t + (1.0 / duty[i] - 1.0) * (t - began[i])
+                state[i], wake[i] = _SLEEP, t + (1.0 / duty[i] - 1.0) * (t - began[i])
             else:
                 end_span(int(i), t)
-        for i in np.flatnonzero((state == SLEEP) & (wake <= t + 1e-12)):
+        for i in np.flatnonzero((state == _SLEEP) & (wake <= t + 1e-12)):
             end_span(int(i), max(t, float(wake[i])))

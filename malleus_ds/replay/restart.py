@@ -33,6 +33,7 @@ class RestartResult(PolicyResult):
 
 def run_restart(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings | None = None,
                 cost: RestartCost | None = None, progress=None) -> RestartResult:
+    """The ``restart`` policy over ``segs`` (the module docstring)."""
     settings = settings or AdaptiveSettings()
     cost = cost or RestartCost()
     N = rp.problem.num_gpus
@@ -56,20 +57,9 @@ def run_restart(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
         t0, samples = t, 0.0
         while t < s.end_s:
             if pending is not None and t >= pending[0]:
-                _, new, prates, det_s, plan_s = pending
-                pending = None
-                if new.id != plan.id:
-                    _close(out, t0, t, samples)
-                    stop = t + cost.seconds          # may run on into later segments
-                    out.restarts.append({"t": round(t, 3), "from": plan.id, "to": new.id,
-                                         "rates": prates, "seconds": cost.seconds,
-                                         "detection_s": round(det_s, 3),
-                                         "planning_s": round(plan_s, 3), **cost.terms()})
-                    out.plans[new.id] = new
-                    out.timeline.append((t, min(stop, horizon), 0.0))
-                    out.switches += 1
-                    out.migration_s += cost.seconds
-                    t, plan = stop, new
+                ready, pending = pending, None
+                if ready[1].id != plan.id:
+                    t, plan = _restart(out, ready, plan, t, t0, samples, cost, horizon), ready[1]
                     t0, samples = t, 0.0
                     # a restart starts a fresh window: the steps before it ran another plan
                     window.clear()
@@ -86,14 +76,7 @@ def run_restart(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                     break
             window.append(vec)
             if len(window) >= cfg.window and (step + 1) % cfg.every == 0 and pending is None:
-                trig = det.check(np.median(np.stack(window), axis=0))
-                if trig is not None:
-                    r = {d: float(x) for d, x in enumerate(trig.rates) if x > 1.0}
-                    new = rp.best_plan(r)
-                    planning = rp.plan_seconds.get(tuple(sorted(r.items())), 0.0)
-                    det.planned_for(list(trig.rates))
-                    pending = (t + step_s + planning, new, {str(k): v for k, v in r.items()},
-                               t + step_s - s.start_s, planning)
+                pending = _detect(det, window, rp, t, step_s, s.start_s)
             frac = min(1.0, (s.end_s - t) / step_s) if si == len(segs) - 1 else 1.0
             samples += rp.samples_per_step * frac
             t += step_s
@@ -104,6 +87,41 @@ def run_restart(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
             progress(1)
     out.seconds = horizon
     return out
+
+
+def _restart(out: RestartResult, ready: tuple, plan, t: float, t0: float, samples: float,
+             cost: RestartCost, horizon: float) -> float:
+    """Restart at ``t`` from ``plan`` into the plan ``ready`` holds (ready at, plan, rates,
+    detection s, planning s): close the stretch so far and record the restart and its pause;
+    the second the job resumes (it may run on into later segments)."""
+    _, new, prates, det_s, plan_s = ready
+    _close(out, t0, t, samples)
+    stop = t + cost.seconds
+    out.restarts.append({"t": round(t, 3), "from": plan.id, "to": new.id,
+                         "rates": prates, "seconds": cost.seconds,
+                         "detection_s": round(det_s, 3),
+                         "planning_s": round(plan_s, 3), **cost.terms()})
+    out.plans[new.id] = new
+    out.timeline.append((t, min(stop, horizon), 0.0))
+    out.switches += 1
+    out.migration_s += cost.seconds
+    return stop
+
+
+def _detect(det: Detector, window: deque, rp: Replay, t: float, step_s: float,
+            seg_start: float) -> tuple | None:
+    """The detector's check on the window's median rates; on a trigger, the planner's plan for
+    them, ready after this step and the planner's seconds: (ready at, plan, rates, detection s,
+    planning s); None without a trigger."""
+    trig = det.check(np.median(np.stack(window), axis=0))
+    if trig is None:
+        return None
+    r = {d: float(x) for d, x in enumerate(trig.rates) if x > 1.0}
+    new = rp.best_plan(r)
+    planning = rp.plan_seconds.get(tuple(sorted(r.items())), 0.0)
+    det.planned_for(list(trig.rates))
+    return (t + step_s + planning, new, {str(k): v for k, v in r.items()},
+            t + step_s - seg_start, planning)
 
 
 def _close(out: PolicyResult, t0: float, t1: float, samples: float) -> None:

@@ -110,6 +110,87 @@ def stragglers(trace: Trace) -> list[tuple[float, dict[int, float], int]]:
     return [tuple(v) for v in out.values()]
 
 
+def _run_policies(rp: Replay, segs: Sequence[Segment], names: Sequence[str], runners: dict,
+                  progress: bool) -> dict[str, PolicyResult]:
+    """Each policy's result over ``segs``, in order, with a progress bar when asked."""
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(segs) * len(names), desc="replay", unit="segment", leave=False)
+    tick = bar.update if bar else None
+    try:
+        results: dict[str, PolicyResult] = {}
+        for n in names:
+            if bar is not None:
+                bar.set_description(f"replay: {n}")
+            results[n] = runners[n](rp, segs, tick)
+    finally:
+        if bar is not None:
+            bar.close()
+    return results
+
+
+def _policy_rows(results: dict[str, PolicyResult], base: PolicyResult, healthy: float,
+                 trace: Trace) -> dict[str, dict]:
+    """Per policy: samples/s against static and healthy, switches, migration seconds, GPU hours
+    lost, its share of the oracle's gain; the malleus loop's planning seconds and steps."""
+    hours = trace.horizon_s / 3600.0
+    pol = {}
+    for n, r in results.items():
+        pol[n] = {"samples_per_s": round(r.samples_per_s, 6),
+                  "vs_static": round(r.samples_per_s / base.samples_per_s, 6),
+                  "vs_healthy": round(r.samples_per_s / healthy, 6),
+                  "switches": r.switches, "migration_s": round(r.migration_s, 3),
+                  "gpu_hours_lost": round(trace.num_gpus * hours
+                                          * (1.0 - r.samples_per_s / healthy), 3)}
+    if "oracle" in pol:
+        gain = pol["oracle"]["vs_static"] - 1.0
+        for n, p in pol.items():
+            p["of_oracle_gain"] = round((p["vs_static"] - 1.0) / gain, 4) if gain > 1e-9 \
+                else None
+    if "malleus" in results:
+        m = results["malleus"]
+        pol["malleus"].update({"planning_s": round(m.planning_s, 3), "steps": m.steps,
+                               "stepped_steps": m.stepped})
+    return pol
+
+
+def _segment_rows(rp: Replay, segs: Sequence[Segment], results: dict[str, PolicyResult],
+                  base: PolicyResult) -> list[dict]:
+    """Per segment: its slow GPUs and each fixed policy's step there, from its timeline."""
+    spp = rp.samples_per_step
+    seg_rows = []
+    for k, s in enumerate(segs):
+        rates = s.rate_map()
+        ev = {"start_s": s.start_s, "end_s": s.end_s, "slow_gpus": len(rates),
+              "worst_rate": max(rates.values(), default=1.0),
+              "static_step_s": round(spp / base.timeline[k][2], 6)}
+        if "rebalance-data" in results:
+            ev["rebalance_step_s"] = round(spp / results["rebalance-data"].timeline[k][2], 6)
+        if "oracle" in results:
+            ev["oracle_step_s"] = round(spp / results["oracle"].timeline[k][2], 6)
+            ev["planning_s"] = round(rp.plan_seconds.get(tuple(sorted(rates.items())), 0.0), 3)
+        seg_rows.append(ev)
+    return seg_rows
+
+
+def _break_even_rows(rp: Replay, trace: Trace, events: list[dict], settings: AdaptiveSettings,
+                     switch_costs: MigrationCost, step_s: float, how_many: int) -> list[dict]:
+    """The break-even of the trace's ``how_many`` most frequent stragglers, with the malleus
+    loop's median detection seconds (without a detection: the detector's own latency)."""
+    detect = sorted(e["detection_s"] for e in events
+                    if e["policy"] == "malleus" and e["detection_s"] is not None)
+    detect_s = detect[len(detect) // 2] if detect else \
+        (settings.detect.window // 2 + settings.detect.confirm) * settings.detect.every * step_s
+    be = []
+    for rate, rates, count in sorted(stragglers(trace), key=lambda x: (-x[2], -x[0]))[:how_many]:
+        d, terms = break_even_s(rp, rates, switch_costs, detect_s)
+        be.append({"gpus": len(rates), "rate": rate, "count": count,
+                   "break_even_s": None if d == float("inf") else round(d, 1), **terms})
+    return be
+
+
 def replay(problem, trace: Trace, step_s: float, policies: Sequence[str] = POLICIES,
            planner_time_limit_s: float | None = None, seed: int = 0,
            settings: AdaptiveSettings | None = None, switch_costs: MigrationCost | None = None,
@@ -136,73 +217,23 @@ def replay(problem, trace: Trace, step_s: float, policies: Sequence[str] = POLIC
                           f"memory.embedding_mb; add them, or leave malleus out of --policies")
     rp = Replay(problem, step_s, planner_time_limit_s, seed)
     segs = trace.segments()
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(segs) * len(names), desc="replay", unit="segment", leave=False)
-    tick = bar.update if bar else None
     runners = dict(RUNNERS)
     runners["malleus"] = lambda rp_, segs_, prog: run_malleus(
         rp_, segs_, settings, switch_costs, zero_stage, charge=charge, progress=prog)
     runners["restart"] = lambda rp_, segs_, prog: run_restart(
         rp_, segs_, settings, restart_costs, prog)
-    try:
-        results: dict[str, PolicyResult] = {}
-        for n in names:
-            if bar is not None:
-                bar.set_description(f"replay: {n}")
-            results[n] = runners[n](rp, segs, tick)
-    finally:
-        if bar is not None:
-            bar.close()
+    results = _run_policies(rp, segs, names, runners, progress)
     healthy = rp.healthy_samples_per_s
     base = results.get("static") or run_static(rp, segs)
-    hours = trace.horizon_s / 3600.0
-    pol = {}
-    for n, r in results.items():
-        pol[n] = {"samples_per_s": round(r.samples_per_s, 6),
-                  "vs_static": round(r.samples_per_s / base.samples_per_s, 6),
-                  "vs_healthy": round(r.samples_per_s / healthy, 6),
-                  "switches": r.switches, "migration_s": round(r.migration_s, 3),
-                  "gpu_hours_lost": round(trace.num_gpus * hours
-                                          * (1.0 - r.samples_per_s / healthy), 3)}
-    if "oracle" in pol:
-        gain = pol["oracle"]["vs_static"] - 1.0
-        for n, p in pol.items():
-            p["of_oracle_gain"] = round((p["vs_static"] - 1.0) / gain, 4) if gain > 1e-9 \
-                else None
-    if "malleus" in results:
-        m = results["malleus"]
-        pol["malleus"].update({"planning_s": round(m.planning_s, 3), "steps": m.steps,
-                               "stepped_steps": m.stepped})
-    spp = rp.samples_per_step
-    seg_rows = []
-    for k, s in enumerate(segs):        # each fixed policy's step there, from its timeline
-        rates = s.rate_map()
-        ev = {"start_s": s.start_s, "end_s": s.end_s, "slow_gpus": len(rates),
-              "worst_rate": max(rates.values(), default=1.0),
-              "static_step_s": round(spp / base.timeline[k][2], 6)}
-        if "rebalance-data" in results:
-            ev["rebalance_step_s"] = round(spp / results["rebalance-data"].timeline[k][2], 6)
-        if "oracle" in results:
-            ev["oracle_step_s"] = round(spp / results["oracle"].timeline[k][2], 6)
-            ev["planning_s"] = round(rp.plan_seconds.get(tuple(sorted(rates.items())), 0.0), 3)
-        seg_rows.append(ev)
+    pol = _policy_rows(results, base, healthy, trace)
+    seg_rows = _segment_rows(rp, segs, results, base)
     events = _events(rp, segs, results)
-    detect = sorted(e["detection_s"] for e in events
-                    if e["policy"] == "malleus" and e["detection_s"] is not None)
-    detect_s = detect[len(detect) // 2] if detect else \
-        (settings.detect.window // 2 + settings.detect.confirm) * settings.detect.every * step_s
-    be = []
-    for rate, rates, count in sorted(stragglers(trace), key=lambda x: (-x[2], -x[0]))[
-            :break_even_max if problem.memory is not None else 0]:
-        d, terms = break_even_s(rp, rates, switch_costs, detect_s)
-        be.append({"gpus": len(rates), "rate": rate, "count": count,
-                   "break_even_s": None if d == float("inf") else round(d, 1), **terms})
+    be = _break_even_rows(rp, trace, events, settings, switch_costs, step_s,
+                          break_even_max if problem.memory is not None else 0)
     bound = capacity_bound(segs, trace.num_gpus)
-    return {"problem": problem.name, "num_gpus": trace.num_gpus, "hours": round(hours, 6),
-            "step_s": step_s, "samples_per_step": spp,
+    return {"problem": problem.name, "num_gpus": trace.num_gpus,
+            "hours": round(trace.horizon_s / 3600.0, 6),
+            "step_s": step_s, "samples_per_step": rp.samples_per_step,
             "healthy_samples_per_s": round(healthy, 6),
             "capacity_bound": round(bound, 6),
             "capacity_samples_per_s": round(healthy * bound, 6),

@@ -272,25 +272,10 @@ def _bottom_panel(ax, run: RunData, regions: Sequence[Region], title: str | None
     ax.grid(True, alpha=0.35)
 
 
-def draw(runs: Sequence[RunData], out: str | Path, title: str, window: int = 5) -> Path:
-    """Write the figure for ``runs`` (one run, or a multirun's jobs) to ``out`` (PNG)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
+def _throughput_lines(ax, runs: Sequence[RunData], window: int) -> tuple[float, list]:
+    """Each run's throughput per step and its rolling median (one colour per job of a
+    multirun), with its event lines; (the highest throughput, the event labels to place)."""
     single = len(runs) == 1
-    with_rates = [r for r in runs if r.measured_rates is not None]
-    bottom_run = runs[0] if single else (with_rates[0] if len(with_rates) == 1 else None)
-    fig = Figure(figsize=FIGSIZE if bottom_run is not None else FIGSIZE_ONE_PANEL, dpi=DPI)
-    FigureCanvasAgg(fig)
-    if bottom_run is not None:
-        ax, ax2 = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    else:
-        ax, ax2 = fig.subplots(1, 1), None
-    regions = straggler_regions(runs)
-    _shade(ax, regions, labels=True)
-    lregions = link_regions(runs)
-    _shade(ax, lregions, labels=True, color=LINK_COLOR, text_color="navy", y=0.10)
     data_max = 0.0
     job_colors = _rank_colors(len(runs))
     label_items = []
@@ -317,15 +302,45 @@ def draw(runs: Sequence[RunData], out: str | Path, title: str, window: int = 5) 
             # replan text to the left of its line, migrate (and a missed check) to the right:
             # the usual replan -> migrate pair one step apart then spreads apart
             label_items.append((ev.step, ev.label, "right" if ev.kind == "replan" else "left", c))
-    if single:
-        _draw_whatif(ax, runs[0])
+    return data_max, label_items
+
+
+def _top_handles(ax, runs: Sequence[RunData], stragglers: bool, slow_links: bool) -> list:
+    """The top panel's legend entries: its lines, the shaded regions, the event kinds."""
+    from matplotlib.patches import Patch
+
     handles, _ = ax.get_legend_handles_labels()
-    if regions:
+    if stragglers:
         handles.append(Patch(color=STRAGGLER_COLOR, alpha=0.15, label="emulated straggler"))
-    if lregions:
+    if slow_links:
         handles.append(Patch(color=LINK_COLOR, alpha=0.15, label="slow link"))
     all_events = [e for r in runs for e in r.events]
-    handles += _event_proxies(all_events, color=None if single else "0.35")
+    handles += _event_proxies(all_events, color=None if len(runs) == 1 else "0.35")
+    return handles
+
+
+def draw(runs: Sequence[RunData], out: str | Path, title: str, window: int = 5) -> Path:
+    """Write the figure for ``runs`` (one run, or a multirun's jobs) to ``out`` (PNG)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    single = len(runs) == 1
+    with_rates = [r for r in runs if r.measured_rates is not None]
+    bottom_run = runs[0] if single else (with_rates[0] if len(with_rates) == 1 else None)
+    fig = Figure(figsize=FIGSIZE if bottom_run is not None else FIGSIZE_ONE_PANEL, dpi=DPI)
+    FigureCanvasAgg(fig)
+    if bottom_run is not None:
+        ax, ax2 = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    else:
+        ax, ax2 = fig.subplots(1, 1), None
+    regions = straggler_regions(runs)
+    _shade(ax, regions, labels=True)
+    lregions = link_regions(runs)
+    _shade(ax, lregions, labels=True, color=LINK_COLOR, text_color="navy", y=0.10)
+    data_max, label_items = _throughput_lines(ax, runs, window)
+    if single:
+        _draw_whatif(ax, runs[0])
+    handles = _top_handles(ax, runs, bool(regions), bool(lregions))
     ax.set_ylabel("throughput (samples/s)")
     ax.grid(True, alpha=0.35)
     steps_all = np.concatenate([r.steps for r in runs])

@@ -61,7 +61,7 @@ job's own wall time over these steps that the stragglers cost it:
 (this run), ``Z = (T_bound - T_healthy) / T_bound`` (the least loss any layout could achieve,
 so ``Z <= X``). A run without straggler phases says "no straggler in this run".
 
-**Slow links** (issue 35). A step's slow links (:func:`link_state`): the measured ones of its
+**Slow links.** A step's slow links (:func:`link_state`): the measured ones of its
 ``link_rates`` (rank 0's link watch, slow from ``detect.link_healthy``), else "emulated" where
 the slow-link emulation waited (``link_emulated_s``). They split the phases further, and a
 phase's label names them (``link 0-1 at 20``). For such a phase ``static`` is what the run
@@ -79,7 +79,6 @@ promise of 0.430 s -> re-planned: back to plan-...)``; none for a run without th
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -87,35 +86,19 @@ from typing import Mapping, Sequence
 from .check_events import Check, checks_line, checks_of
 from ..cost import capacity_of_rates
 from .metrics import MetricsError, metrics_path, read_run
-from .run_model import (emulated_condition, emulated_rates, events_in, stretches, throughput,
-                        world_of)
+from .run_model import (Throughput, emulated_condition, emulated_rates, events_in, stretches,
+                        throughput, world_of)
 from .phases import rate_phases
-from ..adaptive.detect import HEALTHY  # a rate below this counts as healthy (DESIGN.md §6)
-from ..adaptive.detect import DetectConfig
-
-#: a measured link rate below this counts as healthy (``detect.link_healthy``'s default)
-LINK_HEALTHY = DetectConfig().link_healthy
+# re-exported as this module's interface: HEALTHY, link_state, Layout, layout_from_config,
+# static_model, static_keep
+from .whatif_rates import (HEALTHY, link_state, phase_links, phase_rates, rate_source,
+                           readings)
+from .whatif_static import (Layout, StaticModel, layout_from_config, link_bound, static_keep,
+                            static_model)
 
 
 class WhatIfError(ValueError):
     """The records hold nothing to account for; the message says why (file and line if any)."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The static plan a static job runs: ``plan.static_plan`` of these numbers."""
-
-    tp: int
-    pp: int
-    dp: int
-    num_layers: int
-    global_batch_size: int
-    micro_batch_size: int
-
-    def describe(self) -> str:
-        m = self.global_batch_size // self.micro_batch_size
-        return (f"tp={self.tp} pp={self.pp} dp={self.dp}, {self.num_layers} layers, "
-                f"{m} micro-batches")
 
 
 @dataclass(frozen=True)
@@ -189,192 +172,6 @@ class Account:
         return self._share(self.t_bound, self.t_healthy)
 
 
-# ---------------------------------------------------------------------------------------------
-# rates and phases
-
-
-def _compute_rates(r: Mapping) -> list[float] | None:
-    c = r.get("compute_s")
-    if not isinstance(c, list) or len(c) < 2 or any(x is None for x in c):
-        return None
-    lo = min(float(x) for x in c)
-    return [float(x) / lo for x in c] if lo > 0 else None
-
-
-def rate_source(records: Sequence[Mapping]) -> str:
-    """Where this run's rates come from (see the module docstring)."""
-    if any(any(x is not None for x in r.get("measured_rates") or ()) for r in records
-           if isinstance(r.get("measured_rates"), list)):
-        return "measured"
-    if any(emulated_rates(r) for r in records):
-        return "emulated"
-    if any(_compute_rates(r) for r in records):
-        return "compute_s"
-    return "none"
-
-
-def _readings(r: Mapping, source: str, world: int) -> list[float | None]:
-    """Per rank this step's reading as recorded, not yet thresholded (None: not known)."""
-    if source == "measured":
-        m = r.get("measured_rates")
-        v = list(m) if isinstance(m, list) else []
-    elif source == "emulated":
-        e = emulated_rates(r)
-        v = [float(e.get(str(d), e.get(d, 1.0))) for d in range(world)]
-    elif source == "compute_s":
-        v = _compute_rates(r) or []
-    else:
-        v = []
-    return [None if x is None else float(x) for x in (v + [None] * world)[:world]]
-
-
-def _rate_vector(r: Mapping, source: str, world: int) -> list[float | None]:
-    """Per rank this step's rate, a rate below HEALTHY read as 1.0 (None: not known)."""
-    return [None if x is None else (1.0 if x < HEALTHY else x)
-            for x in _readings(r, source, world)]
-
-
-def _phase_rates(rs: Sequence[Mapping], source: str, world: int
-                 ) -> tuple[tuple[int, float], ...]:
-    out = []
-    vecs = [_rate_vector(r, source, world) for r in rs]
-    for d in range(world):
-        xs = [v[d] for v in vecs if v[d] is not None]
-        x = statistics.median(xs) if xs else 1.0
-        if x >= HEALTHY:
-            out.append((d, round(x, 4)))
-    return tuple(out)
-
-
-#: a GPU link's name in a phase's links (its key in ``gpu_link_rates`` after it)
-GPU_LINK = "GPUs "
-
-
-def link_state(r: Mapping) -> tuple[str, ...]:
-    """A step line's slow links: the measured ones (``link_rates``, node pairs ``"a-b"``, and
-    ``gpu_link_rates``, pairs of a node's GPUs ``"GPUs r-s"``; read as the adaptive loop reads
-    them: slow from ``detect.link_healthy``), else ``("emulated",)`` where the slow-link
-    emulation waited on some rank (``link_emulated_s``), else ``()``."""
-    slow: list[str] = []
-    for field, prefix in (("link_rates", ""), ("gpu_link_rates", GPU_LINK)):
-        lr = r.get(field)
-        if isinstance(lr, Mapping):
-            slow += sorted(prefix + k for k, v in lr.items()
-                           if isinstance(v, (int, float)) and v >= LINK_HEALTHY)
-    if slow:
-        return tuple(slow)
-    le = r.get("link_emulated_s")
-    if isinstance(le, list) and any(isinstance(x, (int, float)) and x > 0 for x in le):
-        return ("emulated",)
-    return ()
-
-
-def _phase_links(rs: Sequence[Mapping], key: tuple[str, ...]
-                 ) -> tuple[tuple[str, float | None], ...]:
-    """A phase's slow links with their median measured rate (None: emulated, not measured)."""
-    out = []
-    for name in key:
-        field, k = (("gpu_link_rates", name[len(GPU_LINK):]) if name.startswith(GPU_LINK)
-                    else ("link_rates", name))
-        xs = [float(r[field][k]) for r in rs if isinstance(r.get(field), Mapping) and k in r[field]]
-        out.append((name, round(statistics.median(xs), 4) if xs else None))
-    return tuple(out)
-
-
-def link_bound(layout: Layout | None, cluster: tuple[int, int] | None, comm: Mapping | None,
-               rates: Mapping[int, float], links: Sequence[tuple[str, float | None]]
-               ) -> float | None:
-    """``link_capacity / f`` (``malleus_ds/capacity.py``) for a phase with slow links: how
-    much further than the compute bound the links bring a perfect layout down; None when it
-    cannot be told (no layout, node shape, measured ``comm`` section or link rate). Slow GPU
-    links are left out (the bound only loosens: ``capacity.py``): with those alone, 1.0."""
-    if layout is None or cluster is None or not comm or not links:
-        return None
-    if any(x is None or "-" not in n for n, x in links):
-        return None
-    links = [(n, x) for n, x in links if not n.startswith(GPU_LINK)]
-    if not links:
-        return 1.0
-    from ..capacity import link_capacity
-    from ..cost import capacity_fraction
-    from ..plan import PlanError
-    from ..problem import Problem
-
-    nodes, gpn = cluster
-    try:
-        pr = Problem(name="whatif", nodes=nodes, gpus_per_node=gpn,
-                     num_layers=layout.num_layers, global_batch_size=layout.global_batch_size,
-                     micro_batch_size=layout.micro_batch_size, tp=layout.tp, pp=layout.pp,
-                     dp=layout.dp, tp_slowdown={1: 1.0}, memory=None, rates=dict(rates),
-                     extra={"comm": dict(comm)}).with_link_rates(
-                         {n: max(1.0, float(x)) for n, x in links})
-        return link_capacity(pr) / capacity_fraction(pr)
-    except (PlanError, ValueError, KeyError):
-        return None
-
-
-# ---------------------------------------------------------------------------------------------
-# the static plan under rates
-
-
-@dataclass(frozen=True)
-class StaticModel:
-    """The static plan's step in model units: healthy, under the rates, and the compute one
-    rank does per healthy step (the busiest rank's)."""
-
-    healthy: float
-    slowed: float
-    busy: float
-    how: str
-
-
-def static_model(layout: Layout | None, rates: Mapping[int, float], world: int) -> StaticModel:
-    """The static plan's simulated 1F1B step time (``simulate.build_timeline``) healthy and under
-    ``rates``; without a usable layout, the slowest rank's pace (1 unit of compute per step,
-    ``max rate`` units under ``rates``)."""
-    x = max(rates.values(), default=1.0)
-    if layout is None:
-        return StaticModel(1.0, x, 1.0, "slowest rank's pace (layout not recorded: exact for "
-                                        "pp=1)")
-    from ..plan import PlanError
-    from ..problem import Problem
-    from ..simulate import build_timeline
-
-    n = layout.tp * layout.pp * layout.dp
-    if n != world:
-        return StaticModel(1.0, x, 1.0, f"slowest rank's pace (the layout {layout.describe()} "
-                                        f"has {n} ranks, the run {world})")
-    try:
-        prob = Problem(name="static", nodes=1, gpus_per_node=world, num_layers=layout.num_layers,
-                       global_batch_size=layout.global_batch_size,
-                       micro_batch_size=layout.micro_batch_size, tp=layout.tp, pp=layout.pp,
-                       dp=layout.dp, tp_slowdown={1: 1.0}, memory=None, rates={})
-        plan = prob.static_plan()
-        h = build_timeline(prob, plan)
-        r = build_timeline(prob.with_rates(dict(rates)), plan) if rates else h
-    except (PlanError, ValueError) as e:
-        return StaticModel(1.0, x, 1.0, f"slowest rank's pace ({e})")
-    return StaticModel(h.step_time, r.step_time, max(b for bs in h.busy for b in bs),
-                       f"simulated 1F1B step of the static plan ({layout.describe()})")
-
-
-def static_keep(model: StaticModel, step_s: float, compute_s: float | None) -> float:
-    """``k``: the share of healthy throughput the static plan keeps. With the healthy step's
-    busiest-rank compute seconds ``compute_s``, only compute slows: the extra model units cost
-    ``compute_s / busy`` seconds each on top of the healthy ``step_s``; without it the whole
-    step scales with the model."""
-    if compute_s and compute_s > 0 and step_s > 0:
-        return step_s / (step_s + compute_s / model.busy * (model.slowed - model.healthy))
-    return model.healthy / model.slowed
-
-
-def _compute(rs: Sequence[Mapping], pick=max) -> float | None:
-    """Mean over ``rs`` of ``pick`` over ranks of ``compute_s`` (None: not recorded)."""
-    xs = [pick(float(x) for x in r["compute_s"]) for r in rs
-          if isinstance(r.get("compute_s"), list) and r["compute_s"]
-          and all(isinstance(x, (int, float)) for x in r["compute_s"])]
-    return sum(xs) / len(xs) if xs else None
-
 
 # ---------------------------------------------------------------------------------------------
 # the account
@@ -396,13 +193,53 @@ def _samples(rs: Sequence[Mapping]) -> float:
     return throughput(rs).samples
 
 
-def account(records: Sequence[Mapping], events: Sequence[Mapping] = (),
-            layout: Layout | None = None, warmup: int = 0,
-            cluster: tuple[int, int] | None = None) -> Account:
-    """The what-if account of one run (definitions: the module docstring). ``records``: step
-    lines (event lines among them are moved to ``events``); ``cluster``: (nodes, GPUs per
-    node), for the capacity bound with slow links."""
-    events = list(events) + [r for r in records if "event" in r]
+def _compute(rs: Sequence[Mapping], pick=max) -> float | None:
+    """Mean over ``rs`` of ``pick`` over ranks of ``compute_s`` (None: not recorded)."""
+    xs = [pick(float(x) for x in r["compute_s"]) for r in rs
+          if isinstance(r.get("compute_s"), list) and r["compute_s"]
+          and all(isinstance(x, (int, float)) for x in r["compute_s"])]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _before_after(events: Sequence[Mapping], g: Sequence[Mapping]
+                  ) -> tuple[int | None, list[Mapping], list[Mapping]]:
+    """(the phase's first plan switch, its steps before it, its steps from it on); without a
+    switch: (None, all its steps, [])."""
+    s = _switch_step(events, g[0]["step"], g[-1]["step"])
+    if s is None:
+        return None, list(g), []
+    return s, [r for r in g if r["step"] < s], [r for r in g if r["step"] >= s]
+
+
+@dataclass(frozen=True)
+class _Phase:
+    """One phase as read from the step lines: its steps, slowed ranks, slow links, throughput
+    (migrations included) and the static plan under its rates."""
+
+    steps: list[Mapping]
+    rates: tuple[tuple[int, float], ...]
+    links: tuple[tuple[str, float | None], ...]
+    tp: Throughput
+    model: StaticModel
+
+    @property
+    def slow(self) -> bool:
+        return bool(self.rates or self.links)
+
+
+@dataclass(frozen=True)
+class _Pace:
+    """The healthy pace: samples/s ``H``, the busiest rank's compute seconds per healthy step
+    ``C`` (None: not recorded), healthy seconds per step ``t_h``, and where they come from."""
+
+    samples_s: float
+    compute: float | None
+    step_s: float
+    source: str
+
+
+def _kept_steps(records: Sequence[Mapping], warmup: int) -> tuple[list[Mapping], list[Mapping]]:
+    """(all step lines by step, those after the warm-up); a WhatIfError when none is left."""
     steps = sorted((r for r in records if "event" not in r), key=lambda r: r["step"])
     if not steps:
         raise WhatIfError("no step lines (an empty metrics.jsonl, or events only): nothing "
@@ -412,97 +249,136 @@ def account(records: Sequence[Mapping], events: Sequence[Mapping] = (),
     if not kept:
         raise WhatIfError(f"all {len(steps)} step lines are warm-up steps (warmup={warmup}): "
                           f"nothing left to account for")
-    world = world_of(steps)         # run_model.world_of
-    source = rate_source(steps)
-    emulated = any(emulated_rates(r) for r in steps)
-    groups: list[list[Mapping]]
-    if emulated:    # the known schedule: exact onsets, and no measurement noise in the split
+    return steps, kept
+
+
+def _rate_groups(steps: Sequence[Mapping], kept: list[Mapping], source: str, world: int
+                 ) -> tuple[list[list[Mapping]], list[tuple[tuple[int, float], ...]]]:
+    """The kept steps cut into phases of one straggler condition, with each phase's rates."""
+    if any(emulated_rates(r) for r in steps):
+        # the known schedule: exact onsets, and no measurement noise in the split
         sts = stretches(emulated_condition(r, HEALTHY) for r in kept)
         groups = [kept[st.lo:st.hi] for st in sts]
         conds = [st.key for st in sts]
         # a straggler phase the measurement missed (it lags the onset) keeps its emulated rates
-        rates = [(_phase_rates(g, source, world) or c) if c else ()
+        rates = [(phase_rates(g, source, world) or c) if c else ()
                  for g, c in zip(groups, conds)]
-    else:           # measured: read as the adaptive loop reads it (phases.py)
-        ph = rate_phases([int(r["step"]) for r in kept],
-                         [_readings(r, source, world) for r in kept], world=world)
-        groups = [kept[p.lo:p.hi] for p in ph]
-        rates = [p.rates for p in ph]
-    # slow links split the phases further (their own state per step, ``link_state``)
-    split_g, split_r, lkeys = [], [], []
+        return groups, rates
+    # measured: read as the adaptive loop reads it (phases.py)
+    ph = rate_phases([int(r["step"]) for r in kept],
+                     [readings(r, source, world) for r in kept], world=world)
+    return [kept[p.lo:p.hi] for p in ph], [p.rates for p in ph]
+
+
+def _split_by_links(groups: list[list[Mapping]], rates: list[tuple[tuple[int, float], ...]]
+                    ) -> list[tuple[list[Mapping], tuple[tuple[int, float], ...],
+                                    tuple[tuple[str, float | None], ...]]]:
+    """Slow links split the phases further (their own state per step, ``link_state``):
+    (steps, rates, slow links) per phase."""
+    out = []
     for g, x in zip(groups, rates):
         for st in stretches(link_state(r) for r in g):
-            split_g.append(g[st.lo:st.hi])
-            split_r.append(x)
-            lkeys.append(st.key)
-    groups, rates = split_g, split_r
-    links = [_phase_links(g, k) for g, k in zip(groups, lkeys)]
-    comm = next((e["comm"] for e in events if e.get("event") == "replan"
-                 and isinstance(e.get("comm"), Mapping)), None)
-    tps = [throughput(g, events) for g in groups]      # W_p: step times + migrations
-    models = [static_model(layout, dict(x), world) for x in rates]
-    static_source = next((mo.how for mo, x in zip(models, rates) if x), models[0].how)
+            part = g[st.lo:st.hi]
+            out.append((part, x, phase_links(part, st.key)))
+    return out
 
-    def before_after(g):
-        s = _switch_step(events, g[0]["step"], g[-1]["step"])
-        if s is None:
-            return None, g, []
-        return s, [r for r in g if r["step"] < s], [r for r in g if r["step"] >= s]
 
-    healthy = [r for g, x, ln in zip(groups, rates, links) if not x and not ln for r in g]
+def _estimated_pace(first: _Phase, events: Sequence[Mapping]
+                    ) -> tuple[float, float | None, str, list[Mapping]]:
+    """Without a healthy phase: the first phase's steps before any switch ran the static plan
+    (assumed), less its modelled extra; (H, C, source, the steps read)."""
+    _, pre, post = _before_after(events, first.steps)
+    pre = pre or post
+    t = _seconds(pre) / len(pre)
+    comp = _compute(pre, min)       # the fastest rank is a healthy one
+    mo = first.model
+    t_h = t - comp / mo.busy * (mo.slowed - mo.healthy) if comp else 0.0
+    if not t_h > 0:
+        t_h, comp = t * mo.healthy / mo.slowed, None
+    H = _samples(pre) / len(pre) / t_h
+    source = (f"estimated (no healthy phase): steps {pre[0]['step']}-"
+              f"{pre[-1]['step']} less the static plan's modelled extra "
+              + ("compute" if comp else "step time"))
+    return H, comp, source, pre
+
+
+def _healthy_pace(phases: Sequence[_Phase], events: Sequence[Mapping]) -> _Pace:
+    """The healthy pace, from the healthy phases, else estimated (:func:`_estimated_pace`)."""
+    healthy = [r for ph in phases if not ph.slow for r in ph.steps]
     if healthy:
         t = _seconds(healthy)
         if t <= 0:
             raise WhatIfError(f"the healthy steps' step_time_s add up to {t}: no pace to "
                               f"compare with")
-        H = _samples(healthy) / t
-        comp = _compute(healthy)
-        healthy_source = "healthy phases"
-    else:   # the first phase's steps before any switch ran the static plan (assumed)
-        _, pre, post = before_after(groups[0])
-        pre = pre or post
-        t = _seconds(pre) / len(pre)
-        comp = _compute(pre, min)       # the fastest rank is a healthy one
-        mo = models[0]
-        t_h = t - comp / mo.busy * (mo.slowed - mo.healthy) if comp else 0.0
-        if not t_h > 0:
-            t_h, comp = t * mo.healthy / mo.slowed, None
-        H = _samples(pre) / len(pre) / t_h
-        healthy_source = (f"estimated (no healthy phase): steps {pre[0]['step']}-"
-                          f"{pre[-1]['step']} less the static plan's modelled extra "
-                          + ("compute" if comp else "step time"))
+        H, comp, source, base = _samples(healthy) / t, _compute(healthy), "healthy phases", healthy
+    else:
+        H, comp, source, base = _estimated_pace(phases[0], events)
     if not H > 0:
         raise WhatIfError(f"healthy throughput {H} samples/s (samples or step times add up to "
                           f"0?): no pace to compare with")
-    step_h = _samples(healthy or pre) / len(healthy or pre) / H     # healthy seconds per step
-    if comp is None:
-        static_source += "; no compute_s: the whole step scales"
-    out = []
-    first_plan = steps[0].get("plan")
-    for g, x, tp, mo, ln in zip(groups, rates, tps, models, links):
-        k = static_keep(mo, step_h, comp)
-        detect = None
-        if x or ln:
-            s, pre, post = before_after(g)
-            if s is not None and post and _samples(post) > 0:
-                detect = max(0.0, _seconds(pre) - _samples(pre) * _seconds(post) / _samples(post))
-            if ln:
-                # a static job under a slow link: what this run's steps of the phase measured
-                # on the first plan, before any switch (a static run: all of them)
-                static_steps = [r for r in pre if r.get("plan") == first_plan] if s is not None \
-                    else [r for r in g if r.get("plan") == first_plan]
-                if len(static_steps) >= 2 and _seconds(static_steps) > 0:
-                    k = min(k, _samples(static_steps) / _seconds(static_steps) / H)
-        f = capacity_of_rates(dict(x), world)
-        b = step_h / (step_h + comp * (1 / f - 1)) if comp else f
+    return _Pace(H, comp, _samples(base) / len(base) / H, source)
+
+
+def _detect_s(s: int | None, pre: Sequence[Mapping], post: Sequence[Mapping]) -> float | None:
+    """The seconds lost before the phase's first switch ``s`` (None: no switch, or no step
+    after it)."""
+    if s is not None and post and _samples(post) > 0:
+        return max(0.0, _seconds(pre) - _samples(pre) * _seconds(post) / _samples(post))
+    return None
+
+
+def _phase_account(ph: _Phase, pace: _Pace, events: Sequence[Mapping], first_plan: object,
+                   world: int, lbound: float | None) -> PhaseAccount:
+    """One phase's numbers; ``lbound``: :func:`link_bound` for a phase with slow links."""
+    g, x, ln = ph.steps, ph.rates, ph.links
+    H, comp, step_h = pace.samples_s, pace.compute, pace.step_s
+    k = static_keep(ph.model, step_h, comp)
+    detect = None
+    if ph.slow:
+        s, pre, post = _before_after(events, g)
+        detect = _detect_s(s, pre, post)
         if ln:
-            lb = link_bound(layout, cluster, comm, dict(x), ln)
-            b = b * lb if lb is not None else b
-        out.append(PhaseAccount(int(g[0]["step"]), int(g[-1]["step"]), x, tp.steps, tp.samples,
-                                tp.seconds, H, k * H, b * H, detect, tp.migrate_s, f, ln))
+            # a static job under a slow link: what this run's steps of the phase measured on
+            # the first plan, before any switch (a static run: all of them)
+            static_steps = [r for r in pre if r.get("plan") == first_plan]
+            if len(static_steps) >= 2 and _seconds(static_steps) > 0:
+                k = min(k, _samples(static_steps) / _seconds(static_steps) / H)
+    f = capacity_of_rates(dict(x), world)
+    b = step_h / (step_h + comp * (1 / f - 1)) if comp else f
+    if ln and lbound is not None:
+        b = b * lbound
+    tp = ph.tp
+    return PhaseAccount(int(g[0]["step"]), int(g[-1]["step"]), x, tp.steps, tp.samples,
+                        tp.seconds, H, k * H, b * H, detect, tp.migrate_s, f, ln)
+
+
+def account(records: Sequence[Mapping], events: Sequence[Mapping] = (),
+            layout: Layout | None = None, warmup: int = 0,
+            cluster: tuple[int, int] | None = None) -> Account:
+    """The what-if account of one run (definitions: the module docstring). ``records``: step
+    lines (event lines among them are moved to ``events``); ``cluster``: (nodes, GPUs per
+    node), for the capacity bound with slow links."""
+    events = list(events) + [r for r in records if "event" in r]
+    steps, kept = _kept_steps(records, warmup)
+    world = world_of(steps)         # run_model.world_of
+    source = rate_source(steps)
+    split = _split_by_links(*_rate_groups(steps, kept, source, world))
+    comm = next((e["comm"] for e in events if e.get("event") == "replan"
+                 and isinstance(e.get("comm"), Mapping)), None)
+    phases = [_Phase(g, x, ln, throughput(g, events), static_model(layout, dict(x), world))
+              for g, x, ln in split]
+    static_source = next((ph.model.how for ph in phases if ph.rates), phases[0].model.how)
+    pace = _healthy_pace(phases, events)
+    if pace.compute is None:
+        static_source += "; no compute_s: the whole step scales"
+    first_plan = steps[0].get("plan")
+    out = [_phase_account(ph, pace, events, first_plan, world,
+                          link_bound(layout, cluster, comm, dict(ph.rates), ph.links)
+                          if ph.links else None)
+           for ph in phases]
     adaptive = any(e.get("event") == "migrate" for e in events) or \
         len({r.get("plan") for r in steps if r.get("plan")}) > 1
-    return Account(tuple(out), world, source, static_source, healthy_source, adaptive,
+    return Account(tuple(out), world, source, static_source, pace.source, adaptive,
                    t_healthy=sum(p.samples / p.healthy for p in out),
                    t_static=sum(p.samples / p.static for p in out),
                    t_bound=sum(p.samples / p.bound for p in out),
@@ -548,24 +424,6 @@ def format_account(a: Account, indent: str = "  ") -> str:
 
 # ---------------------------------------------------------------------------------------------
 # run folders
-
-
-def layout_from_config(conf: Mapping, world: int) -> Layout | None:
-    """The static layout of a Hydra ``config.yaml`` (``parallel``, ``model``, ``train``; dp null
-    = world / (tp pp)); None when a needed number is missing (num_layers only matters for
-    pp > 1)."""
-    try:
-        par, tr = conf.get("parallel") or {}, conf.get("train") or {}
-        tp, pp = int(par.get("tp") or 1), int(par.get("pp") or 1)
-        dp = int(par.get("dp") or world // (tp * pp))
-        layers = (conf.get("model") or {}).get("num_layers")
-        layers = int(layers) if layers else (pp if pp == 1 else None)
-        if layers is None:
-            return None
-        return Layout(tp, pp, dp, layers, int(tr.get("global_batch_size", 8)),
-                      int(tr.get("micro_batch_size", 1)))
-    except (TypeError, ValueError, AttributeError, ZeroDivisionError):
-        return None
 
 
 def read_config(run_dir: str | Path) -> Mapping | None:

@@ -210,6 +210,13 @@ def resume_point(cfg: RunConfig) -> Saved | None:
                               f"saved (no run.json): engine=malleus continues it under any "
                               f"plan; with engine={cfg.engine}, continue it in that script")
         return saved
+    _check_record(cfg, saved)
+    return saved
+
+
+def _check_record(cfg: RunConfig, saved: Saved) -> None:
+    """The saved record against this run's, key by key (:data:`COMMON`, and :data:`STRICT` for
+    the engine); a ConfigError names the first key that differs and how to resume."""
     now = run_record(cfg, saved.step)
     for k in COMMON + STRICT.get(cfg.engine, ()):
         was, is_ = saved.meta.get(k), now[k]
@@ -217,41 +224,49 @@ def resume_point(cfg: RunConfig) -> Saved | None:
             was = _legacy_data_record(saved.meta)
         if was == is_:
             continue
-        if k == "engine":
-            if (was, is_) == ("deepspeed", "malleus"):
-                continue            # MalleusEngine reads stock DeepSpeed's files
-            raise ConfigError(f"checkpoint {saved.path} was saved by engine={was}, this run has "
-                              f"engine={is_}; resume with engine={was}"
-                              + (" (engine=malleus continues engine=deepspeed checkpoints, not "
-                                 "the other way)" if is_ == "deepspeed" else ""))
-        if k == "model":
-            diff = [f"model.{f}={(was or {}).get(f)!r} there, {v!r} here"
-                    for f, v in is_.items() if (was or {}).get(f) != v]
-            raise ConfigError(f"checkpoint {saved.path} holds another model: {'; '.join(diff)}")
-        if k == "data":
-            was = was if isinstance(was, dict) else {}
-            diff = [f"{f}={was.get(f)!r} there, {v!r} here" for f, v in is_.items()
-                    if was.get(f) != v]
-            raise ConfigError(f"checkpoint {saved.path} was trained on other data "
-                              f"({_fmt_data(was)}), this run has {_fmt_data(is_)}: "
-                              f"{'; '.join(diff)}; the data position of step {saved.step} belongs "
-                              f"to the saved data: resume with the same data=, data.path (the file "
-                              f"unchanged) and data.seq_len")
-        if k in STRICT.get(cfg.engine, ()) and saved.meta.get("universal"):
-            continue                # a universal checkpoint loads under any DeepSpeed layout
-        if k in STRICT.get(cfg.engine, ()):
-            m = saved.meta
-            raise ConfigError(
-                f"checkpoint {saved.path} was saved by engine={cfg.engine} with {FIELD[k]} "
-                f"{_fmt(was)}, this run has {_fmt(is_)}: stock DeepSpeed checkpoints load only "
-                f"under the layout that saved them ({m.get('world_size')} ranks, "
-                f"{_fmt(m.get('parallel'))}, ZeRO stage {m.get('zero_stage')}, "
-                f"{m.get('precision')}); resume with that layout, or use engine=malleus, whose "
-                f"checkpoints load under any plan and world size")
-        raise ConfigError(f"checkpoint {saved.path} has {FIELD[k]}={was}, this run {is_}: the "
-                          f"data position of step {saved.step} and the optimizer state belong to "
-                          f"{FIELD[k]}={was}; resume with it")
-    return saved
+        err = _mismatch(cfg, saved, k, was, is_)
+        if err is not None:
+            raise err
+
+
+def _mismatch(cfg: RunConfig, saved: Saved, k: str, was: Any, is_: Any) -> ConfigError | None:
+    """The error for record key ``k`` saved as ``was`` against this run's ``is_``; None where
+    the run continues anyway (engine=malleus reads stock DeepSpeed's files; a universal
+    checkpoint loads under any DeepSpeed layout)."""
+    if k == "engine":
+        if (was, is_) == ("deepspeed", "malleus"):
+            return None             # MalleusEngine reads stock DeepSpeed's files
+        return ConfigError(f"checkpoint {saved.path} was saved by engine={was}, this run has "
+                           f"engine={is_}; resume with engine={was}"
+                           + (" (engine=malleus continues engine=deepspeed checkpoints, not "
+                              "the other way)" if is_ == "deepspeed" else ""))
+    if k == "model":
+        diff = [f"model.{f}={(was or {}).get(f)!r} there, {v!r} here"
+                for f, v in is_.items() if (was or {}).get(f) != v]
+        return ConfigError(f"checkpoint {saved.path} holds another model: {'; '.join(diff)}")
+    if k == "data":
+        was = was if isinstance(was, dict) else {}
+        diff = [f"{f}={was.get(f)!r} there, {v!r} here" for f, v in is_.items()
+                if was.get(f) != v]
+        return ConfigError(f"checkpoint {saved.path} was trained on other data "
+                           f"({_fmt_data(was)}), this run has {_fmt_data(is_)}: "
+                           f"{'; '.join(diff)}; the data position of step {saved.step} belongs "
+                           f"to the saved data: resume with the same data=, data.path (the file "
+                           f"unchanged) and data.seq_len")
+    if k in STRICT.get(cfg.engine, ()) and saved.meta.get("universal"):
+        return None                 # a universal checkpoint loads under any DeepSpeed layout
+    if k in STRICT.get(cfg.engine, ()):
+        m = saved.meta
+        return ConfigError(
+            f"checkpoint {saved.path} was saved by engine={cfg.engine} with {FIELD[k]} "
+            f"{_fmt(was)}, this run has {_fmt(is_)}: stock DeepSpeed checkpoints load only "
+            f"under the layout that saved them ({m.get('world_size')} ranks, "
+            f"{_fmt(m.get('parallel'))}, ZeRO stage {m.get('zero_stage')}, "
+            f"{m.get('precision')}); resume with that layout, or use engine=malleus, whose "
+            f"checkpoints load under any plan and world size")
+    return ConfigError(f"checkpoint {saved.path} has {FIELD[k]}={was}, this run {is_}: the "
+                       f"data position of step {saved.step} and the optimizer state belong to "
+                       f"{FIELD[k]}={was}; resume with it")
 
 
 def latest_note(ckpt_dir: str | None) -> str:

@@ -68,6 +68,7 @@ class ResplitLoader:
         self.step_split: Split | None = None    # the split of the step being served
         self.last_ids: tuple[int, ...] = ()     # the sample ids of the last micro-batch yielded
         self._served = 0                        # micro-batches of the current step yielded
+        self.tput_timer = None                  # DeepSpeed's throughput timer, started per batch
         self._order: list[int] | None = None
         if self.steps_per_epoch() < 1:
             raise ValueError(f"the dataset's {len(dataset)} samples over {split.world} ranks "
@@ -120,6 +121,8 @@ class ResplitLoader:
             b = split.global_batch
             for k, ids in enumerate(split.rank_ids(order[step * b:(step + 1) * b], self.rank)):
                 self.last_ids, self._served = ids, k + 1
+                if self.tput_timer is not None:
+                    self.tput_timer.start()
                 yield self.collate_fn([self.dataset[i] for i in ids])
         self.step_split, self._served = None, 0
 

@@ -13,7 +13,8 @@ normalised over the whole step that needs no weight). The engine adds only that 
 (:meth:`MalleusDPEngine.set_split`, the same split on every rank). A new split moves no state:
 every rank keeps its ZeRO shards and runs every micro-batch, only their sizes change.
 
-The loss must go through ``engine.backward(loss)``: a direct ``loss.backward()`` is not weighted.
+The loss must go through ``engine.backward(loss)``: a direct ``loss.backward()`` is not weighted,
+and is refused while the split is uneven.
 
 :func:`initialize` builds the engine the way ``deepspeed.initialize`` builds
 ``DeepSpeedEngine`` for data parallelism, and returns the same four values; its dataloader is a
@@ -100,6 +101,16 @@ class MalleusDPEngine(DeepSpeedEngine):
         returns (the weighted loss, divided by the accumulation steps)."""
         w = self.loss_weight()
         return super().backward(loss if w == 1.0 else loss * w, *args, **kwargs)
+
+    def _backward_prologue(self):
+        # DeepSpeed runs this from hooks on the forward's outputs when the user calls
+        # ``loss.backward()`` directly (ZeRO only): that loss is not weighted, so its gradient
+        # would be silently wrong under an uneven split
+        if not self._running_engine_backward and self.loss_weight() != 1.0:
+            raise RuntimeError(f"under the split {list(self._split.shares)} each rank's loss "
+                               f"must be weighted by its share: call engine.backward(loss), "
+                               f"not loss.backward()")
+        super()._backward_prologue()
 
     # --- reporting --------------------------------------------------------------------------
 

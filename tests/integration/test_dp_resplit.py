@@ -3,9 +3,10 @@
 A tiny MLP regression, the same ds_config (AdamW, gradient clipping that bites), the same global
 batch of 8 in 2 micro-batches per rank: stock ``deepspeed.initialize`` with its own dataloader,
 against ``malleus_ds.dp.initialize`` with a fixed uneven split (3 + 1 samples per micro-batch:
-rank 1 at the minimum share) and with a split changed mid-run (3 + 1, then 1 + 3). The per-step
-global-batch losses, the gradient norms DeepSpeed clips by and the final parameters agree to
-rtol 1e-5. All stages run in one
+rank 1 at the minimum share), with a split changed mid-run (3 + 1, then 1 + 3), and (ZeRO-3)
+with a summed loss. The per-step global-batch losses, the gradient norms DeepSpeed clips by and
+the final parameters agree to rtol 1e-5. ``set_split`` refuses another batch or a step already
+started, and the engine refuses an unweighted ``loss.backward()``. All of it runs in one
 ``run_distributed`` call (the ranks are built once); the tests compare its results.
 """
 from __future__ import annotations
@@ -59,9 +60,20 @@ def _params(eng):
         return {k: v.detach().clone() for k, v in eng.module.named_parameters()}
 
 
-def _train(eng, loader, global_loss, at_step=None):
+def _mean_loss(out, y):
     import torch.nn.functional as F
 
+    return F.mse_loss(out, y)
+
+
+def _summed_loss(out, y):
+    """The sum over the micro-batch's samples of each one's mean squared error."""
+    import torch.nn.functional as F
+
+    return F.mse_loss(out, y, reduction="sum") / y.shape[1]
+
+
+def _train(eng, loader, global_loss, at_step=None, loss_fn=_mean_loss):
     it, losses, sizes, norms = iter(loader), [], [], []
     for step in range(STEPS):
         if at_step is not None:
@@ -70,7 +82,7 @@ def _train(eng, loader, global_loss, at_step=None):
         for _ in range(GAS):
             b = next(it)
             sizes.append(len(b["x"]))
-            loss = F.mse_loss(eng(b["x"]), b["y"])
+            loss = loss_fn(eng(b["x"]), b["y"])
             eng.backward(loss)
             eng.step()
             mine.append(loss.item())
@@ -121,11 +133,19 @@ def _ranks(rank, world):
                                        split=Split(UNEVEN, GAS))
         out[stage, "resplit"] = _train(eng, loader, eng.global_loss, flip)
         assert eng.split.shares == FLIPPED
+
+        if stage == 3:
+            m = _model()
+            eng, _, loader, _ = initialize(model=m, model_parameters=m.parameters(),
+                                           training_data=_Data(), config=_ds_config(stage),
+                                           split=Split(UNEVEN, GAS), loss="sum")
+            out[stage, "sum"] = _train(eng, loader, eng.global_loss, loss_fn=_summed_loss)
     return out
 
 
 def _refusals(eng, loader):
-    """set_split's errors: another batch; mid-step (engine, then its loader)."""
+    """set_split's errors: another batch; mid-step (engine, then its loader); an unweighted
+    ``loss.backward()``."""
     import torch.nn.functional as F
 
     from malleus_ds.dp.split import Split
@@ -138,6 +158,10 @@ def _refusals(eng, loader):
             out.append(str(e))
     it = iter(loader)
     b = next(it)
+    try:                                                # ZeRO allows loss.backward()
+        F.mse_loss(eng(b["x"]), b["y"]).backward()
+    except RuntimeError as e:
+        out.append(str(e))
     try:
         eng.set_split(Split((2, 2), GAS))               # the loader is mid-step
     except ValueError as e:
@@ -189,12 +213,22 @@ def test_a_resplit_mid_run_keeps_equal_to_stock(stage):
         assert res[r][stage, "resplit"][2] == [UNEVEN[r]] * half + [FLIPPED[r]] * half
 
 
-def test_set_split_refuses_another_batch_and_mid_step():
+@pytest.mark.parametrize("stage", STAGES)
+def test_set_split_refuses_another_batch_and_mid_step_and_an_unweighted_backward(stage):
     for r in range(2):
-        got = _results()[r][1, "refused"]
-        assert len(got) == 4, got
+        got = _results()[r][stage, "refused"]
+        assert len(got) == 5, got
         assert "covers 2 ranks, a batch of 4 in 1 micro-batches; this engine has 2 " \
                "data-parallel ranks, train_batch_size=8 and gradient_accumulation_steps=2" \
                in got[0]
         assert "covers 3 ranks" in got[1]
-        assert all("set_split at a step boundary" in x for x in got[2:])
+        assert "under the split [3, 1] each rank's loss must be weighted by its share: call " \
+               "engine.backward(loss), not loss.backward()" in got[2]
+        assert all("set_split at a step boundary" in x for x in got[3:])
+
+
+def test_a_summed_loss_under_zero3_equals_stock():
+    """loss="sum": each rank's loss sums its samples' losses; weighted by world / M."""
+    res = _results()
+    for r in range(2):
+        _close(res[r][3, "sum"], res[0][3, "stock"], f"rank {r} summed loss {UNEVEN}")

@@ -1,13 +1,14 @@
-"""malleus_ds.dp on 2 gloo ranks equals stock DeepSpeed under ZeRO-1, 2 and 3 (fp32).
+"""malleus_ds.dp on 2 gloo ranks equals stock DeepSpeed under ZeRO-1, 2 and 3.
 
 A tiny MLP regression, the same ds_config (AdamW, gradient clipping that bites), the same global
 batch of 8 in 2 micro-batches per rank: stock ``deepspeed.initialize`` with its own dataloader,
 against ``malleus_ds.dp.initialize`` with a fixed uneven split (3 + 1 samples per micro-batch:
 rank 1 at the minimum share), with a split changed mid-run (3 + 1, then 1 + 3), and (ZeRO-3)
-with a summed loss. The per-step global-batch losses, the gradient norms DeepSpeed clips by and
-the final parameters agree to rtol 1e-5. ``set_split`` refuses another batch or a step already
-started, and the engine refuses an unweighted ``loss.backward()``. All of it runs in one
-``run_distributed`` call (the ranks are built once); the tests compare its results.
+with a summed loss. In fp32 the per-step global-batch losses, the gradient norms DeepSpeed clips
+by and the final parameters agree to rtol 1e-5; in bf16, to bf16's rounding. ``set_split``
+refuses another batch or a step already started, and the engine refuses an unweighted
+``loss.backward()``. All of it runs in one ``run_distributed`` call (the ranks are built once);
+the tests compare its results.
 """
 from __future__ import annotations
 
@@ -46,6 +47,19 @@ class _Data:
         return {"x": self.x[i], "y": self.y[i]}
 
 
+class _Bf16Data(_Data):
+    """The same samples, inputs in bf16 (DeepSpeed's bf16 does not cast a module's inputs)."""
+
+    def __getitem__(self, i):
+        import torch
+
+        return {"x": self.x[i].to(torch.bfloat16), "y": self.y[i]}
+
+
+def _bf16_config(stage):
+    return {**_ds_config(stage), "bf16": {"enabled": True}}
+
+
 def _model():
     import torch
 
@@ -63,7 +77,7 @@ def _params(eng):
 def _mean_loss(out, y):
     import torch.nn.functional as F
 
-    return F.mse_loss(out, y)
+    return F.mse_loss(out.float(), y)
 
 
 def _summed_loss(out, y):
@@ -133,6 +147,18 @@ def _ranks(rank, world):
                                        split=Split(UNEVEN, GAS))
         out[stage, "resplit"] = _train(eng, loader, eng.global_loss, flip)
         assert eng.split.shares == FLIPPED
+
+        m = _model()
+        eng, _, loader, _ = deepspeed.initialize(model=m, model_parameters=m.parameters(),
+                                                 training_data=_Bf16Data(),
+                                                 config=_bf16_config(stage))
+        loader.num_local_io_workers = 0
+        out[stage, "stock-bf16"] = _train(eng, loader, _stock_loss)
+        m = _model()
+        eng, _, loader, _ = initialize(model=m, model_parameters=m.parameters(),
+                                       training_data=_Bf16Data(), config=_bf16_config(stage),
+                                       split=Split(UNEVEN, GAS))
+        out[stage, "uneven-bf16"] = _train(eng, loader, eng.global_loss)
 
         if stage == 3:
             m = _model()
@@ -232,3 +258,21 @@ def test_a_summed_loss_under_zero3_equals_stock():
     res = _results()
     for r in range(2):
         _close(res[r][3, "sum"], res[0][3, "stock"], f"rank {r} summed loss {UNEVEN}")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_uneven_split_in_bf16_equals_stock_to_bf16_rounding(stage):
+    """bf16 rounds each rank's partial gradients (and ZeRO-1 accumulates them in bf16), so an
+    uneven split's sums differ from stock's by rounding: losses to 2e-3, parameters to about one
+    bf16 ulp (2^-8 relative), gradient norms to 2e-3."""
+    res = _results()
+    (wl, wp, _, wn) = res[0][stage, "stock-bf16"]
+    for r in range(2):
+        gl, gp, sizes, gn = res[r][stage, "uneven-bf16"]
+        assert sizes == [UNEVEN[r]] * STEPS * GAS
+        np.testing.assert_allclose(gl, wl, rtol=2e-3, err_msg=f"rank {r} losses")
+        np.testing.assert_allclose(gn, wn, rtol=2e-3, err_msg=f"rank {r} gradient norms")
+        for k in wp:
+            want = wp[k].float().numpy()
+            np.testing.assert_allclose(gp[k].float().numpy(), want, rtol=2 ** -7,
+                                       atol=2 ** -8 * np.abs(want).max(), err_msg=k)

@@ -7,7 +7,8 @@ rank 1 at the minimum share), with a split changed mid-run (3 + 1, then 1 + 3), 
 with a summed loss. In fp32 the per-step global-batch losses, the gradient norms DeepSpeed clips
 by and the final parameters agree to rtol 1e-5; in bf16, to bf16's rounding. ``set_split``
 refuses another batch or a step already started, and the engine refuses an unweighted
-``loss.backward()``. All of it runs in one ``run_distributed`` call (the ranks are built once);
+``loss.backward()``. DeepSpeed's own ``save_checkpoint`` / ``load_checkpoint`` resume a ZeRO-3
+run with an uneven split. All of it runs in one ``run_distributed`` call (the ranks are built once);
 the tests compare its results.
 """
 from __future__ import annotations
@@ -87,9 +88,11 @@ def _summed_loss(out, y):
     return F.mse_loss(out, y, reduction="sum") / y.shape[1]
 
 
-def _train(eng, loader, global_loss, at_step=None, loss_fn=_mean_loss):
+def _train(eng, loader, global_loss, at_step=None, loss_fn=_mean_loss, steps=STEPS, skip=0):
     it, losses, sizes, norms = iter(loader), [], [], []
-    for step in range(STEPS):
+    for _ in range(skip * GAS):                         # the steps a resumed run has done
+        next(it)
+    for step in range(skip, skip + steps):
         if at_step is not None:
             at_step(eng, step)
         mine = []
@@ -114,7 +117,35 @@ def _stock_loss(losses):
     return float(t) / dist.get_world_size()
 
 
-def _ranks(rank, world):
+def _resumed(ckpt):
+    """ZeRO-3, the uneven split: 2 steps, save_checkpoint; an engine from another init loads
+    it and runs steps 3 and 4."""
+    import torch
+
+    from malleus_ds.dp.engine import initialize
+    from malleus_ds.dp.split import Split
+
+    runs = []
+    for first in (True, False):
+        m = _model()
+        if not first:
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.add_(1.0)                         # not the weights it resumes
+        eng, _, loader, _ = initialize(model=m, model_parameters=m.parameters(),
+                                       training_data=_Data(), config=_ds_config(3),
+                                       split=Split(UNEVEN, GAS))
+        if not first:
+            eng.load_checkpoint(ckpt)
+        runs.append(_train(eng, loader, eng.global_loss, steps=STEPS // 2,
+                           skip=0 if first else STEPS // 2))
+        if first:
+            eng.save_checkpoint(ckpt)
+    (l1, _, s1, n1), (l2, p2, s2, n2) = runs
+    return l1 + l2, p2, s1 + s2, n1 + n2
+
+
+def _ranks(rank, world, ckpt):
     import deepspeed
 
     from malleus_ds import dp
@@ -166,6 +197,7 @@ def _ranks(rank, world):
                                            training_data=_Data(), config=_ds_config(stage),
                                            split=Split(UNEVEN, GAS), loss="sum")
             out[stage, "sum"] = _train(eng, loader, eng.global_loss, loss_fn=_summed_loss)
+    out[3, "resumed"] = _resumed(ckpt)
     return out
 
 
@@ -203,7 +235,10 @@ def _refusals(eng, loader):
 
 @functools.lru_cache(maxsize=1)
 def _results():
-    return run_distributed(_ranks, 2, timeout=180)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_distributed(_ranks, 2, tmp, timeout=180)
 
 
 def _close(got, want, what):
@@ -276,3 +311,9 @@ def test_uneven_split_in_bf16_equals_stock_to_bf16_rounding(stage):
             want = wp[k].float().numpy()
             np.testing.assert_allclose(gp[k].float().numpy(), want, rtol=2 ** -7,
                                        atol=2 ** -8 * np.abs(want).max(), err_msg=k)
+
+
+def test_deepspeeds_checkpoint_resumes_an_uneven_run_under_zero3():
+    res = _results()
+    for r in range(2):
+        _close(res[r][3, "resumed"], res[r][3, "uneven"], f"rank {r} saved and resumed")

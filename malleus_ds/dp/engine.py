@@ -48,6 +48,7 @@ class MalleusDPEngine(DeepSpeedEngine):
                              f"loss given to backward is normalised)")
         super().__init__(*args, **kwargs)
         self.loss_kind = loss
+        self._backward_at = -1      # micro_steps when backward last ran (its step() pending)
         self._split = Split.equal(self.dp_world_size, self.train_batch_size(),
                                   self.gradient_accumulation_steps())
         if split is not None:
@@ -66,8 +67,9 @@ class MalleusDPEngine(DeepSpeedEngine):
         return dist.get_rank(group=self.data_parallel_group)
 
     def at_step_boundary(self) -> bool:
-        """No micro-batch of the current step has run its ``step()`` yet."""
-        return self.micro_steps % self.gradient_accumulation_steps() == 0
+        """No micro-batch of the current step has run its ``backward`` or ``step()`` yet."""
+        return (self.micro_steps % self.gradient_accumulation_steps() == 0
+                and self._backward_at != self.micro_steps)
 
     def set_split(self, split: Split) -> None:
         """Use ``split`` from the next micro-batch on. Call it at a step boundary, with the same
@@ -81,11 +83,14 @@ class MalleusDPEngine(DeepSpeedEngine):
                              f"data-parallel ranks, train_batch_size={want[1]} and "
                              f"gradient_accumulation_steps={want[2]}")
         loader = self.training_dataloader
-        if not self.at_step_boundary() or (isinstance(loader, ResplitLoader)
-                                           and loader.mid_step()):
-            raise ValueError(f"set_split at a step boundary: {self.micro_steps} micro-steps "
-                             f"run, gradient_accumulation_steps="
-                             f"{self.gradient_accumulation_steps()}")
+        gas, done = self.gradient_accumulation_steps(), self.micro_steps
+        why = ("a backward ran and its step() has not" if self._backward_at == done else
+               f"{done % gas} of the step's {gas} micro-batches have run" if done % gas else
+               "its dataloader has started the step"
+               if isinstance(loader, ResplitLoader) and loader.mid_step() else None)
+        if why:
+            raise ValueError(f"set_split at a step boundary: {why} (micro-step {done}, "
+                             f"gradient_accumulation_steps={gas})")
         self._split = split
         if isinstance(loader, ResplitLoader):
             loader.set_split(split)
@@ -100,6 +105,7 @@ class MalleusDPEngine(DeepSpeedEngine):
         """DeepSpeed's ``backward`` of ``loss * loss_weight()``; returns what DeepSpeed's
         returns (the weighted loss, divided by the accumulation steps)."""
         w = self.loss_weight()
+        self._backward_at = self.micro_steps
         return super().backward(loss if w == 1.0 else loss * w, *args, **kwargs)
 
     def _backward_prologue(self):

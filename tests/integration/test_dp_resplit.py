@@ -202,34 +202,34 @@ def _ranks(rank, world, ckpt):
 
 
 def _refusals(eng, loader):
-    """set_split's errors: another batch; mid-step (engine, then its loader); an unweighted
-    ``loss.backward()``."""
+    """What the engine refuses, in order: splits of another batch (2); an unweighted
+    ``loss.backward()``; set_split after a backward whose step() has not run, after a step()
+    mid-step, and while its loader is mid-step."""
     import torch.nn.functional as F
 
     from malleus_ds.dp.split import Split
 
-    out = []
-    for bad in (Split((2, 2), 1), Split((2, 2, 2), 2)):
+    out, x, y = [], _Data().x[:3], _Data().y[:3]
+
+    def refused(fn, *a):
         try:
-            eng.set_split(bad)
-        except ValueError as e:
+            fn(*a)
+        except (ValueError, RuntimeError) as e:
             out.append(str(e))
-    it = iter(loader)
-    b = next(it)
-    try:                                                # ZeRO allows loss.backward()
-        F.mse_loss(eng(b["x"]), b["y"]).backward()
-    except RuntimeError as e:
-        out.append(str(e))
-    try:
-        eng.set_split(Split((2, 2), GAS))               # the loader is mid-step
-    except ValueError as e:
-        out.append(str(e))
-    eng.backward(F.mse_loss(eng(b["x"]), b["y"]))
+
+    for bad in (Split((2, 2), 1), Split((2, 2, 2), 2)):
+        refused(eng.set_split, bad)
+    refused(lambda: F.mse_loss(eng(x), y).backward())  # ZeRO allows loss.backward()
+    even = Split((2, 2), GAS)
+    eng.backward(F.mse_loss(eng(x), y))
+    refused(eng.set_split, even)
     eng.step()
-    try:
-        eng.set_split(Split((2, 2), GAS))               # so is the engine
-    except ValueError as e:
-        out.append(str(e))
+    refused(eng.set_split, even)
+    eng.backward(F.mse_loss(eng(x), y))
+    eng.step()                                          # a step boundary again
+    eng.set_split(Split(UNEVEN, GAS))
+    next(iter(loader))
+    refused(eng.set_split, even)
     return out
 
 
@@ -278,7 +278,7 @@ def test_a_resplit_mid_run_keeps_equal_to_stock(stage):
 def test_set_split_refuses_another_batch_and_mid_step_and_an_unweighted_backward(stage):
     for r in range(2):
         got = _results()[r][stage, "refused"]
-        assert len(got) == 5, got
+        assert len(got) == 6, got
         assert "covers 2 ranks, a batch of 4 in 1 micro-batches; this engine has 2 " \
                "data-parallel ranks, train_batch_size=8 and gradient_accumulation_steps=2" \
                in got[0]
@@ -286,6 +286,9 @@ def test_set_split_refuses_another_batch_and_mid_step_and_an_unweighted_backward
         assert "under the split [3, 1] each rank's loss must be weighted by its share: call " \
                "engine.backward(loss), not loss.backward()" in got[2]
         assert all("set_split at a step boundary" in x for x in got[3:])
+        assert "a backward ran and its step() has not" in got[3]
+        assert "1 of the step's 2 micro-batches have run" in got[4]
+        assert "its dataloader has started the step" in got[5]
 
 
 def test_a_summed_loss_under_zero3_equals_stock():

@@ -33,16 +33,13 @@ def global_order(n: int, world: int, shuffle: bool = True, seed: int = 0, epoch:
         def __len__(self):
             return n
 
-    per_rank = []
-    for r in range(world):
-        s = DistributedSampler(_Sized(), num_replicas=world, rank=r, shuffle=shuffle, seed=seed,
-                               drop_last=drop_last)
-        s.set_epoch(epoch)
-        per_rank.append(list(s))
-    out: list[int] = []
-    for i in range(len(per_rank[0])):
-        out.extend(per_rank[r][i] for r in range(world))
-    return out
+    s = DistributedSampler(_Sized(), num_replicas=world, rank=0, shuffle=shuffle, seed=seed,
+                           drop_last=drop_last)
+    s.set_epoch(epoch)
+    # torch's own shuffle and padding to world ranks, once: as one replica that takes every
+    # position (rather than one sampler and one permutation per rank)
+    s.num_replicas, s.num_samples = 1, s.total_size
+    return list(s)
 
 
 class ResplitLoader:

@@ -23,6 +23,7 @@ class _Data(torch.utils.data.Dataset):
 
 
 @pytest.mark.parametrize("n,world,drop", [(20, 2, False), (21, 4, False), (21, 4, True),
+                                          (1001, 8, False), (1001, 8, True),
                                           (3, 4, False)])
 def test_global_order_is_what_each_ranks_sampler_takes(n, world, drop):
     for epoch in (0, 3):

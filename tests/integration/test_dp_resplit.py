@@ -20,6 +20,9 @@ import pytest
 
 from tests.integration.harness import run_distributed
 
+#: the shared run (15 engines on 2 ranks) takes 20 s or more on 2 cores, paid by the first test
+pytestmark = pytest.mark.slow
+
 STAGES, STEPS, N, MBS, GAS = (1, 2, 3), 4, 32, 2, 2
 UNEVEN, FLIPPED = (3, 1), (1, 3)
 

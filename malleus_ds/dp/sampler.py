@@ -66,6 +66,7 @@ class ResplitLoader:
         self.last_ids: tuple[int, ...] = ()     # the sample ids of the last micro-batch yielded
         self._served = 0                        # micro-batches of the current step yielded
         self.tput_timer = None                  # DeepSpeed's throughput timer, started per batch
+        self._start = 0                         # the step the next iteration starts at
         self._order: list[int] | None = None
         if self.steps_per_epoch() < 1:
             raise ValueError(f"the dataset's {len(dataset)} samples over {split.world} ranks "
@@ -84,6 +85,14 @@ class ResplitLoader:
             raise ValueError(f"a new split must keep the world, global batch and micro-batches: "
                              f"{split.json()} against {cur.json()}")
         self._split = split
+
+    def resume_at(self, step: int) -> None:
+        """The next iteration starts at step ``step`` of the epoch (after a checkpoint's load:
+        the steps before it are not yielded, nor read)."""
+        if not 0 <= step < self.steps_per_epoch():
+            raise ValueError(f"step {step} is not in an epoch of {self.steps_per_epoch()} "
+                             f"steps")
+        self._start = step
 
     def set_epoch(self, epoch: int) -> None:
         """As ``DistributedSampler.set_epoch``: the next iteration's permutation."""
@@ -112,8 +121,8 @@ class ResplitLoader:
         return self._split.rank_ids(self.order()[step * b:(step + 1) * b], self.rank)
 
     def __iter__(self):
-        order = self.order()
-        for step in range(self.steps_per_epoch()):
+        order, start, self._start = self.order(), self._start, 0
+        for step in range(start, self.steps_per_epoch()):
             split = self.step_split = self._split
             b = split.global_batch
             for k, ids in enumerate(split.rank_ids(order[step * b:(step + 1) * b], self.rank)):

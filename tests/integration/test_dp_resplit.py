@@ -92,9 +92,9 @@ def _summed_loss(out, y):
 
 
 def _train(eng, loader, global_loss, at_step=None, loss_fn=_mean_loss, steps=STEPS, skip=0):
+    if skip:
+        loader.resume_at(skip)                          # the steps a resumed run has done
     it, losses, sizes, norms = iter(loader), [], [], []
-    for _ in range(skip * GAS):                         # the steps a resumed run has done
-        next(it)
     for step in range(skip, skip + steps):
         if at_step is not None:
             at_step(eng, step)

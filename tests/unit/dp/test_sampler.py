@@ -75,6 +75,17 @@ def test_an_uneven_split_covers_every_step_once_and_changes_at_a_step_boundary()
     assert len(loaders[0]) == 10
 
 
+def test_resume_at_a_step_yields_the_rest_of_the_epoch_once():
+    data, split = _Data(40), split_for([1.0, 2.0], 8, 2)
+    full = [b["id"].tolist() for b in ResplitLoader(data, split, 1)]
+    x = ResplitLoader(data, split, 1)
+    x.resume_at(3)
+    assert [b["id"].tolist() for b in x] == full[3 * 2:]
+    assert [b["id"].tolist() for b in x] == full             # the next epoch from its start
+    with pytest.raises(ValueError, match="step 5 is not in an epoch of 5 steps"):
+        x.resume_at(5)
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="rank 2 is not in a split of 2 ranks"):
         ResplitLoader(_Data(8), Split.equal(2, 4, 1), 2)

@@ -1,0 +1,231 @@
+"""``MalleusDPEngine``: DeepSpeed's own engine (ZeRO-1/2/3, ``forward`` / ``backward`` /
+``step``, ``save_checkpoint`` / ``load_checkpoint``) with each step's batch split unevenly.
+
+DeepSpeed averages the ranks' gradients (it divides by the world size with no per-rank weight,
+and refuses ``gradient_allreduce_op: "sum"`` under ZeRO-3), and divides every micro-batch's loss
+by ``gradient_accumulation_steps``. When rank ``r`` runs ``n_r`` of the ``M`` samples of each
+micro-batch slot and its loss is the mean over its ``n_r`` samples, backpropagating
+``loss * n_r * world / M`` on each rank makes DeepSpeed's averaged gradient exactly the mean
+gradient over the step's global batch, and gradient clipping sees that true global gradient
+(:meth:`~malleus_ds.dp.split.Split.weight`, which also covers a summed loss, and a loss already
+normalised over the whole step that needs no weight). The engine adds only that weight, in
+:meth:`MalleusDPEngine.backward`, and the split it comes from, set at a step boundary
+(:meth:`MalleusDPEngine.set_split`, the same split on every rank). A new split moves no state:
+every rank keeps its ZeRO shards and runs every micro-batch, only their sizes change.
+
+The loss must go through ``engine.backward(loss)``: a direct ``loss.backward()`` is not weighted,
+and is refused while the split is uneven.
+
+:func:`initialize` builds the engine the way ``deepspeed.initialize`` builds
+``DeepSpeedEngine`` for data parallelism, and returns the same four values; its dataloader is a
+:class:`~malleus_ds.dp.sampler.ResplitLoader` over stock's global sample order.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+from malleus_ds.dp.sampler import ResplitLoader
+from malleus_ds.dp.split import LOSS_KINDS, Split
+
+
+class MalleusDPEngine(DeepSpeedEngine):
+    """A ``DeepSpeedEngine`` whose ranks each weight their loss by their share of the step.
+
+    Constructed as ``DeepSpeedEngine`` is (use :func:`initialize`), plus ``split`` (None:
+    stock's equal split) and ``loss``: how the loss given to :meth:`backward` is normalised
+    (``"mean"`` over the rank's micro-batch samples, the default; ``"sum"`` over them;
+    ``"global"``: already normalised over the step, weighted by nothing; see
+    :meth:`Split.weight <malleus_ds.dp.split.Split.weight>`).
+    """
+
+    def __init__(self, *args, split: Split | None = None, loss: str = "mean", **kwargs):
+        if loss not in LOSS_KINDS:
+            raise ValueError(f"loss={loss!r}: must be one of {', '.join(LOSS_KINDS)} (how the "
+                             f"loss given to backward is normalised)")
+        super().__init__(*args, **kwargs)
+        self.loss_kind = loss
+        self._backward_at = -1      # micro_steps when backward last ran (its step() pending)
+        self._split = Split.equal(self.dp_world_size, self.train_batch_size(),
+                                  self.gradient_accumulation_steps())
+        if split is not None:
+            self.set_split(split)
+
+    # --- the split --------------------------------------------------------------------------
+
+    @property
+    def split(self) -> Split:
+        """The split of the current step (the same on every rank)."""
+        return self._split
+
+    def dp_rank(self) -> int:
+        from deepspeed import comm as dist
+
+        return dist.get_rank(group=self.data_parallel_group)
+
+    def at_step_boundary(self) -> bool:
+        """No micro-batch of the current step has run its ``backward`` or ``step()`` yet."""
+        return (self.micro_steps % self.gradient_accumulation_steps() == 0
+                and self._backward_at != self.micro_steps)
+
+    def set_split(self, split: Split) -> None:
+        """Use ``split`` from the next micro-batch on. Call it at a step boundary, with the same
+        split on every rank; it must keep DeepSpeed's batch (world, ``train_batch_size``,
+        ``gradient_accumulation_steps``)."""
+        want = (self.dp_world_size, self.train_batch_size(), self.gradient_accumulation_steps())
+        got = (split.world, split.global_batch, split.micro_batches)
+        if got != want:
+            raise ValueError(f"split {split.json()} covers {got[0]} ranks, a batch of {got[1]} "
+                             f"in {got[2]} micro-batches; this engine has {want[0]} "
+                             f"data-parallel ranks, train_batch_size={want[1]} and "
+                             f"gradient_accumulation_steps={want[2]}")
+        loader = self.training_dataloader
+        gas, done = self.gradient_accumulation_steps(), self.micro_steps
+        why = ("a backward ran and its step() has not" if self._backward_at == done else
+               f"{done % gas} of the step's {gas} micro-batches have run" if done % gas else
+               "its dataloader has started the step"
+               if isinstance(loader, ResplitLoader) and loader.mid_step() else None)
+        if why:
+            raise ValueError(f"set_split at a step boundary: {why} (micro-step {done}, "
+                             f"gradient_accumulation_steps={gas})")
+        self._split = split
+        if isinstance(loader, ResplitLoader):
+            loader.set_split(split)
+
+    def loss_weight(self) -> float:
+        """What :meth:`backward` multiplies this rank's loss by under the current split."""
+        return self._split.weight(self.dp_rank(), self.loss_kind)
+
+    # --- the only change to DeepSpeed's training loop ---------------------------------------
+
+    def backward(self, loss, *args, **kwargs):
+        """DeepSpeed's ``backward`` of ``loss * loss_weight()``; returns what DeepSpeed's
+        returns (the weighted loss, divided by the accumulation steps)."""
+        w = self.loss_weight()
+        self._backward_at = self.micro_steps
+        return super().backward(loss if w == 1.0 else loss * w, *args, **kwargs)
+
+    def _backward_prologue(self):
+        # DeepSpeed runs this from hooks on the forward's outputs when the user calls
+        # ``loss.backward()`` directly (ZeRO only): that loss is not weighted, so its gradient
+        # would be silently wrong under an uneven split
+        if not self._running_engine_backward and self.loss_weight() != 1.0:
+            raise RuntimeError(f"under the split {list(self._split.shares)} each rank's loss "
+                               f"must be weighted by its share: call engine.backward(loss), "
+                               f"not loss.backward()")
+        super()._backward_prologue()
+
+    # --- reporting --------------------------------------------------------------------------
+
+    def global_loss(self, losses: Sequence[Any]) -> float:
+        """The step's loss over its global batch, on every rank (one all-reduce): ``losses`` are
+        this rank's unweighted losses of the step's ``gradient_accumulation_steps``
+        micro-batches, normalised as ``loss`` says. For ``"mean"`` this is the mean over the
+        global batch, what stock DeepSpeed's loss averaged over ranks and micro-batches is.
+        Call it before a new split replaces the step's."""
+        from deepspeed import comm as dist
+
+        vals = [float(x) for x in losses]
+        s, gas = self._split, self.gradient_accumulation_steps()
+        if len(vals) != gas:
+            raise ValueError(f"{len(vals)} losses for a step of {gas} micro-batches")
+        if self.loss_kind == "mean":
+            local = sum(vals) * s.shares[self.dp_rank()] / s.global_batch
+        elif self.loss_kind == "sum":
+            local = sum(vals) / s.global_batch
+        else:
+            local = sum(vals) / (s.world * gas)
+        t = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(t, group=self.data_parallel_group)
+        return float(t.item())
+
+
+def initialize(args: Any = None, model: torch.nn.Module = None,
+               optimizer: Any = None, model_parameters: Any = None,
+               training_data: Optional[torch.utils.data.Dataset] = None,
+               lr_scheduler: Any = None, distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
+               mpu: Any = None, dist_init_required: Optional[bool] = None,
+               collate_fn: Optional[Callable] = None, config: Any = None,
+               mesh_param: Any = None, config_params: Any = None, *,
+               split: Split | None = None, loss: str = "mean"):
+    """``deepspeed.initialize`` for pure data parallelism (ZeRO-0/1/2/3), building a
+    :class:`MalleusDPEngine`: the same arguments, the same four results ``(engine, optimizer,
+    training_dataloader, lr_scheduler)``. ``training_dataloader`` (when ``training_data``, a
+    map-style dataset, is given) is a :class:`ResplitLoader` over stock's sample order that
+    follows the engine's split. ``split``: the first split (None: equal, stock's); ``loss``:
+    see :class:`MalleusDPEngine`.
+
+    Refused, naming what to use instead: a ``PipelineModule``, an ``mpu``, ``mesh_param`` or
+    sequence parallelism, the hybrid engine, AutoTP, curriculum learning."""
+    import deepspeed
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime import zero
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.tensor_parallel import init_utils
+
+    if loss not in LOSS_KINDS:
+        raise ValueError(f"loss={loss!r}: must be one of {', '.join(LOSS_KINDS)} (how the "
+                         f"loss given to backward is normalised)")
+    if model is None:
+        raise ValueError("malleus_ds.dp.initialize requires a model")
+    other = "use deepspeed.initialize (or Malleus's pipeline engine) for it"
+    if isinstance(model, PipelineModule):
+        raise ValueError(f"a PipelineModule is not data parallel: {other}")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError(f"mpu / mesh_param set model or sequence parallel groups; "
+                         f"malleus_ds.dp is pure data parallel: {other}")
+    if config is None and config_params is not None:
+        config = config_params
+    if getattr(args, "deepspeed_config", None) is not None:
+        if config is not None:
+            raise ValueError("a ds_config in both args.deepspeed_config and config=")
+        config = args.deepspeed_config
+    if config is None:
+        raise ValueError("malleus_ds.dp.initialize needs a ds_config (config= or "
+                         "args.deepspeed_config)")
+    if not isinstance(config, dict):
+        config = init_utils.load_ds_config(config)
+    if config.get("sequence_parallel_size", 1) not in (1, None):
+        raise ValueError(f"ds_config sequence_parallel_size="
+                         f"{config['sequence_parallel_size']}: sequence parallelism is not "
+                         f"pure data parallel: {other}")
+    if (config.get("tensor_parallel") or {}).get("autotp_size", 0) or \
+            init_utils._TP_MODEL_INIT_ARGS is not None:
+        raise ValueError(f"tensor parallelism (AutoTP / tp_model_init) is not pure data "
+                         f"parallel: {other}")
+    if training_data is not None and (
+            isinstance(training_data, torch.utils.data.IterableDataset)
+            or not (hasattr(training_data, "__getitem__") and hasattr(training_data, "__len__"))):
+        raise ValueError("training_data must be a map-style dataset (__getitem__ and __len__): "
+                         "each step's samples are dealt by index")
+
+    zero.partition_parameters.shutdown_init_context()
+    dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                          distributed_port=distributed_port,
+                          dist_init_required=dist_init_required)
+    config_class = DeepSpeedConfig(config, None, mesh_device=None)
+    if config_class.hybrid_engine.enabled:
+        raise ValueError(f"the hybrid engine (RLHF generation) is not supported: {other}")
+    deepspeed.set_optimizer_flags(config_class, model)
+    engine = MalleusDPEngine(args=args, model=model, optimizer=optimizer,
+                             model_parameters=model_parameters, training_data=None,
+                             lr_scheduler=lr_scheduler, mpu=None,
+                             dist_init_required=dist_init_required, collate_fn=collate_fn,
+                             config=config, mesh_device=None, config_class=config_class,
+                             split=split, loss=loss)
+    zero.partition_parameters.restore_init_context()
+    engine._configure_python_gc()
+    if training_data is not None:
+        if engine.curriculum_learning_enabled():
+            raise ValueError("curriculum learning picks its own samples per step; it cannot be "
+                             f"re-split: {other}")
+        loader = ResplitLoader(training_data, engine.split, engine.dp_rank(), collate_fn,
+                               drop_last=engine.dataloader_drop_last())
+        loader.tput_timer = engine.tput_timer
+        engine.training_data, engine.training_dataloader = training_data, loader
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

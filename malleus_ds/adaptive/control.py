@@ -21,7 +21,7 @@ Data flows one way:
 This module holds the loop's state (its settings: ``settings.py``; when a rank probes:
 ``probe.py``). It reads no engine: it is built from a :class:`~malleus_ds.adaptive.job.JobSpec`
 (plain values), the plan the job starts under, and a probe block to time (the engine's,
-``engine/probe_block.py``, or none), and is driven through its step hooks (``engine/hooks.py``),
+``engine/probe_block.py``, or none), and is driven through its step hooks (``steploop.py``),
 which the engine calls at fixed points of ``train_batch`` once the app has attached it
 (``app/loop.py``). A test or a simulator drives the same hooks with synthetic timings.
 """
@@ -41,14 +41,14 @@ from . import probe as probing
 from .job import JobSpec
 from .settings import AdaptiveSettings
 from ..problem import Problem
-from .replan import (Decision, decide, fit_running_plan, fit_switch_seconds, job_memory,
-                     job_problem)
+from .replan import decide, fit_running_plan, fit_switch_seconds, job_memory, job_problem
 from .held import HOLD, held_ranks, probe_reference
 from .detect import Detector, trigger_kind
 from .link_watch import Links, LinkWatch, watches_gpu_links
 from .rates import RateEstimator, as_list
 from .work import cost_shape, cost_units
 from ..problem import given_slowdown, ideal_slowdown
+from ..steploop import ReplanDecision
 
 #: link probes (``engine/link_probe.py``): links are probed every step for this many steps at
 #: the job's start (the probes' healthy reference needs ``link_rates.MIN_HISTORY`` readings)
@@ -66,7 +66,7 @@ ONE_TRIP_RATE = 100.0
 
 
 class Controller:
-    """One per rank. The step hooks (``engine/hooks.py``), in step order: :meth:`contribute`
+    """One per rank. The step hooks (``steploop.py``), in step order: :meth:`contribute`
     (values for the step's all-reduce), :meth:`observe` (after it), :meth:`after_reduce` (the
     probe), :meth:`step_done` (wall time), :meth:`before_step` (collective, at the next step
     boundary: ready decisions and forced re-plans → plans to switch to), :meth:`switched` /
@@ -123,7 +123,7 @@ class Controller:
         self._carried_at: int | None = None     # the step a carried-rates re-plan is due (carry)
         self.ready = False                # every rank: rank 0 flagged a decision in an all-reduce
         self._pending: dict | None = None  # rank 0: the request the worker is planning
-        self._result: Decision | None = None   # rank 0: a decision not yet flagged
+        self._result: ReplanDecision | None = None   # rank 0: a decision not yet flagged
         self._generation = 0              # bumped by every switch: older requests are stale
         self._problem: Problem | None = None
         self._first_plan = plan            # the user's layout: the problem's static baseline
@@ -365,11 +365,10 @@ class Controller:
 
     # -- at a step boundary (collective) ------------------------------------------------------
 
-    def before_step(self, step: int) -> list[tuple[dict, dict | None]]:
+    def before_step(self, step: int) -> list[ReplanDecision]:
         """Decisions to apply before ``step``, the same on every rank, in order: a background
-        result rank 0 flagged in an earlier all-reduce, then a forced re-plan due now. Each is
-        (replan event, plan JSON or None). The engine skips one planned against a plan that is
-        no longer running (``event["from"]``)."""
+        result rank 0 flagged in an earlier all-reduce, then a forced re-plan due now. The
+        engine skips one planned against a plan that is no longer running (``from_plan``)."""
         out = []
         if self.ready:
             obj = [None]
@@ -378,9 +377,8 @@ class Controller:
             self._broadcast(obj)
             self.ready = False
             if obj[0] is not None:
-                ev = obj[0].event        # detected before step ev['step'], adopted now
-                out.append((dict(ev, step=step, detected=ev["step"]), obj[0].plan))
-                self._event_links.append(_event_links(ev))
+                out.append(obj[0].at(step))     # detected before its step, adopted now
+                self._event_links.append(_event_links(obj[0]))
         while self.forced and self.forced[0] < step:
             self.forced.pop(0)                       # resumed past it
         if self.forced and self.forced[0] == step:
@@ -390,8 +388,8 @@ class Controller:
             if self.rank == 0:
                 obj[0] = self._forced(step, trigger)
             self._broadcast(obj)
-            out.append((obj[0].event, obj[0].plan))
-            self._event_links.append(_event_links(obj[0].event))
+            out.append(obj[0])
+            self._event_links.append(_event_links(obj[0]))
         return out
 
     def _broadcast(self, obj: list) -> None:
@@ -633,18 +631,19 @@ class Controller:
         t_prev, t_cur = self._model_s(prev, rates), self._model_s(self.plan, rates)
         return t_prev is not None and t_cur is not None and t_prev <= t_cur * (1 + m)
 
-    def _back_out(self, res: Decision, cur: Plan, step_s: float | None) -> Decision:
+    def _back_out(self, res: ReplanDecision, cur: Plan,
+                  step_s: float | None) -> ReplanDecision:
         """After a missed promise: the planner's better plan if it found one, else the plan that
         ran before this one when it is worth going back to (:meth:`_can_go_back`)."""
-        if res.plan is not None or not self._can_go_back(res.event["measured_rates"], step_s):
+        if res.plan is not None or not self._can_go_back(res.measured, step_s):
             return res
         prev, prev_s, prev_rates = self._previous
-        ev = dict(res.event, to=prev.id, adopted=True, rates_for=prev_rates,
-                  predicted_step_s=[round(step_s, 4), round(prev_s, 4)],
-                  reason=f"missed its promise and the planner found nothing better "
-                         f"({res.event['reason']}); back to {prev.id}, measured "
-                         f"{prev_s:.3f} s/step against {step_s:.3f} s now")
-        return Decision(ev, prev.to_json())
+        return replace(res, to_plan=prev.id, adopted=True, rates_for=tuple(prev_rates),
+                       predicted_step_s=(round(step_s, 4), round(prev_s, 4)),
+                       reason=f"missed its promise and the planner found nothing better "
+                              f"({res.reason}); back to {prev.id}, measured "
+                              f"{prev_s:.3f} s/step against {step_s:.3f} s now",
+                       plan=prev.to_json())
 
     # -- rank 0 internals ---------------------------------------------------------------------
 
@@ -729,18 +728,17 @@ class Controller:
         if p.get("check"):           # acting on a missed promise (``_act_on_miss``)
             if p["trigger"] == "missed":
                 res = self._back_out(res, cur, step_s)
-            res.event["reason"] = f"{p['check']}: re-planned at once; {res.event['reason']}"
-            res.event["check_step"] = p["check_step"]      # the check event that missed
+            res = replace(res, reason=f"{p['check']}: re-planned at once; {res.reason}",
+                          check_step=p["check_step"])      # the check event that missed
             self.check.acted(changed=res.plan is not None)
         if p.get("note"):
-            res.event["reason"] = f"{p['note']}; {res.event['reason']}"
+            res = replace(res, reason=f"{p['note']}; {res.reason}")
         if self.links.active:
-            res.event.update(p["links"].json())
-            res.event.update({f"measured_{k}": v
-                              for k, v in self.links.measured_map().json().items()})
+            res = replace(res, **_links_fields(p["links"].json()),
+                          **_links_fields(self.links.measured_map().json(), "measured_"))
         if p["links"]:
             self.links.comm = p["comm"]
-            res.event["comm"] = {k: round(v, 6) for k, v in p["comm"].items()}
+            res = replace(res, comm={k: round(v, 6) for k, v in p["comm"].items()})
         self._result = res
 
     def _overtaken(self, p: dict) -> bool:
@@ -771,7 +769,7 @@ class Controller:
                       why=p["check"], check_step=p["check_step"], note=note)
         return True
 
-    def _forced(self, step: int, trigger: str = "forced") -> Decision:
+    def _forced(self, step: int, trigger: str = "forced") -> ReplanDecision:
         if self._client is None:
             return self._error(trigger, step, "no planner (a single rank)")
         if self._pending is not None:              # finish (and drop) what is in flight
@@ -783,9 +781,8 @@ class Controller:
         res, self._result = self._result, None
         return res
 
-    def _error(self, trigger: str, step: int, why: str) -> Decision:
-        return Decision({"event": "replan", "step": step, "trigger": trigger, "adopted": False,
-                         "reason": why, "measured_rates": as_list(self.measured)}, None)
+    def _error(self, trigger: str, step: int, why: str) -> ReplanDecision:
+        return ReplanDecision.failed(trigger, step, why, as_list(self.measured))
 
     def _seconds_per_unit(self, pr: Problem) -> float | None:
         """Seconds of one cost-model unit: the healthy pace, else the last re-plan's
@@ -828,9 +825,14 @@ class Controller:
         return fixed + nbytes / bw
 
 
-def _event_links(ev: dict) -> Links | None:
-    """The slow links a decision's event was made for (None: it names none: links are not
+def _event_links(d: ReplanDecision) -> Links | None:
+    """The slow links a decision was made for (None: it names none: links are not
     watched)."""
-    if "link_rates" not in ev:
+    if d.link_rates is None:
         return None
-    return Links.from_json(ev.get("link_rates"), ev.get("gpu_link_rates"))
+    return Links.from_json(d.link_rates, d.gpu_link_rates)
+
+
+def _links_fields(links: dict, prefix: str = "") -> dict:
+    """``Links.json()``'s ``link_rates`` / ``gpu_link_rates`` as decision fields."""
+    return {f"{prefix}{k}": v for k, v in links.items()}

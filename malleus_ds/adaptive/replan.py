@@ -4,17 +4,19 @@ Used by the adaptive loop (``control.py``) on rank 0: :func:`job_problem` turns 
 (plan, world, node shape, nominal TP, TP slowdown table, memory model) into the planner's
 :class:`~malleus_ds.problem.Problem`; :func:`memory_model` estimates the memory terms from the
 model's real sizes; :func:`fit_running_plan` makes sure the plan that is running counts as valid;
-:func:`decide` compares the running plan with the planner's answer and returns the ``replan``
-event (DESIGN.md §6) and the plan to move to, if any. No torch.distributed, no process groups.
+:func:`decide` compares the running plan with the planner's answer and returns the decision
+(``steploop.ReplanDecision``: its ``replan`` line, DESIGN.md §6, and the plan to move to, if
+any). No torch.distributed, no process groups.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Mapping
 
 from ..job_layout import JobLayout
 from ..plan import Plan, PlanError
 from ..problem import Memory, Problem
+from ..steploop import ReplanDecision
 
 
 def nominal_shape(plan: Plan, world: int, tp: int) -> tuple[int, int]:
@@ -139,17 +141,9 @@ def fit_switch_seconds(switches) -> tuple[float, float] | None:
     return max(0.0, float(t.mean() - slope * b.mean())), slope
 
 
-@dataclass(frozen=True)
-class Decision:
-    """Rank 0's answer to a trigger; broadcast to every rank."""
-
-    event: dict                  # the ``replan`` line of metrics.jsonl
-    plan: dict | None            # plan JSON to switch to, None = stay
-
-
 def decide(problem: Problem, current: Plan, new: Plan, trigger: str, rates: list[float],
            step: int, planning_s: float, step_s: float | None, nbytes: int, migrate_s: float,
-           horizon_steps: int) -> Decision:
+           horizon_steps: int) -> ReplanDecision:
     """The cost rule (pure): adopt ``new`` iff it differs and its predicted gain over
     ``horizon_steps`` exceeds the predicted migration seconds (forced: always). Step times are
     the cost model's (``problem`` carries the measured rates), in seconds calibrated so that the
@@ -177,10 +171,10 @@ def decide(problem: Problem, current: Plan, new: Plan, trigger: str, rates: list
     else:
         adopt, why = False, (f"gain {gain_s:.2f} s over {horizon_steps} steps <= "
                              f"migration {migrate_s:.2f} s")
-    event = {"event": "replan", "step": step, "trigger": trigger,
-             "measured_rates": [round(float(r), 3) for r in rates],
-             "from": current.id, "to": new.id if adopt else current.id, "planned": new.id,
-             "planning_s": round(planning_s, 4), "predicted_step_s": pred,
-             "predicted_migration_s": round(migrate_s, 4), "bytes": int(nbytes),
-             "adopted": adopt, "reason": why}
-    return Decision(event, new.to_json() if adopt else None)
+    return ReplanDecision(
+        step=step, trigger=trigger, adopted=adopt, reason=why,
+        plan=new.to_json() if adopt else None,
+        trigger_rates=tuple(round(float(r), 3) for r in rates), from_plan=current.id,
+        to_plan=new.id if adopt else current.id, planned=new.id,
+        planning_s=round(planning_s, 4), predicted_step_s=tuple(pred),
+        predicted_migration_s=round(migrate_s, 4), bytes=int(nbytes))

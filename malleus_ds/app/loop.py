@@ -5,7 +5,7 @@ engine and the loop import nothing from each other).
 measures the TP slowdown table on the job's own device when asked (``engine/tp_cost.py``: a
 collective, every rank calls it), hands the loop the engine's probe block
 (``engine/probe_block.py``) and link probe (``engine/link_probe.py``), and attaches the loop
-to the engine's step hooks (``engine/hooks.py``). ``malleus_ds.initialize`` and the malleus
+to the engine's step hooks (``steploop.py``). ``malleus_ds.initialize`` and the malleus
 runner call it right after they build the engine, with the settings they parsed before it
 (``adaptive/settings.py``).
 """

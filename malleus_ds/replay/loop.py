@@ -2,7 +2,7 @@
 
 Nothing of the loop is re-implemented here. One rank-0 :class:`~malleus_ds.adaptive.control.
 Controller` is built from the problem alone (``replay/job.py``) with the loop's settings, and
-driven through the hooks an engine calls each step (``engine/hooks.py``), as the engine-less
+driven through the hooks an engine calls each step (``steploop.py``), as the engine-less
 tests drive it (``tests/unit/adaptive/test_loop_synthetic.py``):
 
 * **Timings.** Each step, every rank's compute seconds are its cost units under the running
@@ -51,6 +51,7 @@ from ..adaptive.probe import BUDGET, FIRST_BUDGET_S, HELD_LOAD
 from ..adaptive.probe import budget as probe_budget
 from ..adaptive.settings import AdaptiveSettings
 from ..plan import Plan
+from ..steploop import StepSums
 from .costs import MigrationCost
 from .host import SharedHost, plan_graph
 from .job import problem_job
@@ -176,9 +177,7 @@ class LoopResult(PolicyResult):
     step_ends: list = field(default_factory=list)  # on the step clock: each step's end (s)
 
 
-def _sums(ready: bool, comp: np.ndarray, probes: np.ndarray):
-    from ..engine.step_reduce import StepSums
-
+def _sums(ready: bool, comp: np.ndarray, probes: np.ndarray) -> StepSums:
     return StepSums(loss=0.0, overflow=False, ready=ready, compute_s=comp, probe_s=probes)
 
 
@@ -250,11 +249,12 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
         while (step if on_steps else clock.now) < horizon:
             planner.step = step
             # -- at the step boundary: decisions ready now (the engine's before_step) -----------
-            for ev, pj in ctl.before_step(step):
-                d = Switch(clock.now, step, ev.get("trigger", ""), pj is not None,
-                           ev.get("from", plan.id), ev.get("to", plan.id),
+            for dec in ctl.before_step(step):
+                pj = dec.plan
+                d = Switch(clock.now, step, dec.trigger, pj is not None,
+                           dec.from_plan or plan.id, dec.to_plan or plan.id,
                            planner.charged[-1] if planner.charged else 0.0, 0.0,
-                           int(ev.get("bytes", 0)), reason=ev.get("reason", ""),
+                           dec.bytes, reason=dec.reason,
                            requested_t=planner.requested[-1] if planner.requested else None)
                 if pj is not None:
                     new = Plan.from_json(pj)
@@ -270,7 +270,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                     stretch_t0, stretch_samples = clock.now, 0.0
                     out.switches += 1
                     out.migration_s += mig.seconds
-                    ctl.switched(new, ev.get("rates_for", ev.get("measured_rates")),
+                    ctl.switched(new, dec.made_for,
                                  migration=SimpleNamespace(bytes=mig.bytes, seconds=mig.seconds))
                     plan = new
                     own.clear()
@@ -280,7 +280,7 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
                     graph = plan_graph(plan, N)
                     since_change = 0
                 else:
-                    ctl.considered(ev.get("measured_rates"))
+                    ctl.considered(dec.measured)
                 out.decisions.append(d)
             here = step if on_steps else clock.now
             if here >= horizon:

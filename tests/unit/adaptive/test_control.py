@@ -2,6 +2,7 @@
 planning problem of a running job, the cost rule, the planner worker, and the controller driven
 by synthetic timings through detection → background re-plan → decision."""
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,7 +12,7 @@ from malleus_ds.job_layout import JobLayout
 from malleus_ds.adaptive.control import Controller
 from malleus_ds.adaptive.job import JobSpec
 from malleus_ds.adaptive.settings import AdaptiveSettings
-from malleus_ds.engine.step_reduce import StepSums
+from malleus_ds.steploop import StepSums
 from malleus_ds.engine.probe_block import ProbeBlock
 from malleus_ds.adaptive.replan import decide, job_problem, memory_model, nominal_shape
 from malleus_ds.cost import step_time
@@ -101,7 +102,7 @@ def test_cost_rule():
     assert new.id != cur.id and step_time(pr, new) < step_time(pr, cur) / 2
     s = 10                                        # horizon_steps
     d = decide(pr, cur, new, "onset", [1, 1, 1, 5], 9, 0.4, 1.0, 10**6, 0.5, s)
-    ev = d.event
+    ev = d.line()
     assert d.plan == new.to_json() and ev["adopted"] and ev["to"] == new.id
     assert ev["predicted_step_s"][0] == 1.0          # calibrated on the measured step time
     assert ev["predicted_step_s"][1] == pytest.approx(step_time(pr, new) / step_time(pr, cur),
@@ -111,8 +112,8 @@ def test_cost_rule():
     # the same gain does not repay a migration longer than it
     gain = (1.0 - ev["predicted_step_s"][1]) * 10
     d = decide(pr, cur, new, "onset", [1, 1, 1, 5], 9, 0.4, 1.0, 10**9, gain + 0.1, s)
-    assert d.plan is None and not d.event["adopted"] and d.event["to"] == cur.id
-    assert "migration" in d.event["reason"]
+    assert d.plan is None and not d.adopted and d.to_plan == cur.id
+    assert "migration" in d.reason
     # forced always moves; the same plan never does; no step time yet: stay
     assert decide(pr, cur, new, "forced", [1] * 4, 5, 0.1, 1.0, 1, 1e9, s).plan is not None
     assert decide(pr, cur, cur, "change", [1] * 4, 5, 0.1, 1.0, 0, 0.0, s).plan is None
@@ -120,7 +121,7 @@ def test_cost_rule():
     # rates a checkpoint carried: adopted before any step is timed (the planner only answers
     # with a plan min_improvement better), and never the running plan again
     carried = decide(pr, cur, new, "carried", [1, 1, 1, 5], 6, 0.1, None, 1, 0.0, s)
-    assert carried.plan is not None and "carried" in carried.event["reason"]
+    assert carried.plan is not None and "carried" in carried.reason
     assert decide(pr, cur, cur, "carried", [1, 1, 1, 5], 6, 0.1, None, 1, 0.0, s).plan is None
 
 
@@ -211,7 +212,7 @@ def test_controller_detects_plans_in_the_background_and_decides():
                 break
             time.sleep(0.02)                   # training goes on while the worker plans
         assert requested is not None and requested <= 5, "detected within the first window"
-        ev = ctl._result.event
+        ev = ctl._result.line()
         assert ev["trigger"] == "onset" and ev["adopted"], ev
         assert ev["measured_rates"][3] == pytest.approx(5.0, rel=0.15)
         new = Plan.from_json(ctl._result.plan)
@@ -414,7 +415,7 @@ def test_a_readmitted_rank_still_slow_breaks_the_promise_and_the_loop_replans_at
                 break
             time.sleep(0.02)
         assert missed_at is not None and missed_at <= 1 + ctl.s.check.patience + 1, missed_at
-        ev = ctl._result.event
+        ev = ctl._result.line()
         assert ev["trigger"] == "missed" and ev["adopted"], ev
         assert ev["measured_rates"][3] > 5.0, ev            # re-measured since the switch
         new = Plan.from_json(ctl._result.plan)
@@ -425,22 +426,22 @@ def test_a_readmitted_rank_still_slow_breaks_the_promise_and_the_loop_replans_at
 
 
 def test_a_missed_promise_with_nothing_better_goes_back_to_the_faster_previous_plan():
-    from malleus_ds.adaptive.replan import Decision
+    from malleus_ds.steploop import ReplanDecision
 
     plan = static_plan(4, 8, 1, 1, 1, 4)
     light = _light_plan(1)
     validate_plan(light, JobLayout.one_node(4))
     ctl = _loop(_engine(light), AdaptiveSettings())
     try:
-        kept = Decision({"event": "replan", "trigger": "missed", "adopted": False,
-                         "from": light.id, "to": light.id, "reason": "the running plan is "
-                         "still the best", "measured_rates": [1.0, 1.8, 1.0, 1.0]}, None)
+        kept = ReplanDecision(step=0, trigger="missed", adopted=False, from_plan=light.id,
+                              to_plan=light.id, reason="the running plan is still the best",
+                              trigger_rates=(1.0, 1.8, 1.0, 1.0))
         ctl._previous = (plan, 0.35, [1.0, 10.0, 1.0, 1.0])
         back = ctl._back_out(kept, light, 0.57)          # the previous plan ran faster
         assert back.plan is not None and Plan.from_json(back.plan).id == plan.id
-        assert back.event["adopted"] and back.event["to"] == plan.id
-        assert back.event["rates_for"] == [1.0, 10.0, 1.0, 1.0]
-        assert "back to" in back.event["reason"] and "0.350" in back.event["reason"]
+        assert back.adopted and back.to_plan == plan.id
+        assert back.line()["rates_for"] == [1.0, 10.0, 1.0, 1.0]
+        assert "back to" in back.reason and "0.350" in back.reason
         assert ctl._back_out(kept, light, 0.30) is kept   # it ran slower: stay
         ctl._previous = None
         assert ctl._back_out(kept, light, 0.57) is kept   # nothing to go back to
@@ -450,7 +451,7 @@ def test_a_missed_promise_with_nothing_better_goes_back_to_the_faster_previous_p
         ctl.close()
         ctl = _loop(_engine(nominal), AdaptiveSettings())
         ctl._previous = (suspended, 0.35, [1.0, 1.0, 1.0, 10.0])
-        healthy = Decision(dict(kept.event, measured_rates=[1.0] * 4), None)
+        healthy = replace(kept, trigger_rates=(1.0,) * 4)
         assert ctl._back_out(healthy, nominal, 0.47) is healthy
     finally:
         ctl.close()
@@ -573,7 +574,7 @@ def test_a_decision_overtaken_by_the_rates_is_asked_again_for_todays():
         ctl._request("onset", [1.0, 1.0, 1.0, 5.0], 6)
         _healthy_steps(ctl, plan, [1, 1, 1, 5], 6, 1, rng)
         ctl._collect({"plan": light.to_json()})             # one step since: too few to say
-        assert ctl._result is not None and ctl._result.event["trigger"] == "onset"
+        assert ctl._result is not None and ctl._result.trigger == "onset"
         ctl._result = None
         ctl._request("onset", [1.0, 1.0, 1.0, 5.0], 7)
         _healthy_steps(ctl, plan, [1, 1, 1, 1], 7, 3, rng)  # rank 3 healthy again meanwhile
@@ -584,7 +585,7 @@ def test_a_decision_overtaken_by_the_rates_is_asked_again_for_todays():
         assert p["rates"] == [1.0, 1.0, 1.0, 1.0] and p["step"] == 10
         _healthy_steps(ctl, plan, [1, 1, 1, 6], 10, 3, rng)  # moved again: taken as it comes
         ctl._collect({"plan": plan.to_json()})
-        ev = ctl._result.event
+        ev = ctl._result.line()
         assert "rates moved from [1.0, 1.0, 1.0, 5.0] to [1.0, 1.0, 1.0, 1.0]" in ev["reason"]
         assert ev["measured_rates"] == [1.0, 1.0, 1.0, 1.0]
     finally:

@@ -14,7 +14,7 @@ from malleus_ds.adaptive.job import JobSpec
 from malleus_ds.adaptive.link_watch import Links, LinkWatch
 from malleus_ds.adaptive.settings import AdaptiveSettings
 from malleus_ds.adaptive.work import cost_units
-from malleus_ds.engine.step_reduce import StepSums
+from malleus_ds.steploop import StepSums
 from malleus_ds.job_layout import JobLayout
 from malleus_ds.models.llama import PRESETS
 from malleus_ds.plan import static_plan

@@ -9,6 +9,8 @@ step (DESIGN.md §6), below the engine, the adaptive loop and the replay.
   slot layout is ``engine/step_reduce.py``).
 * :class:`ReplanDecision`: the loop's answer to a re-plan, broadcast to every rank at a step
   boundary, and its metrics.jsonl ``replan`` line (:meth:`ReplanDecision.line`).
+* :class:`Prober`: the probe block a rank times to stay measured without work (the engine's
+  ``engine/probe_block.py``; a replay reads simulated probes), and :data:`REF_RUNS`.
 
 numpy only: no torch, no DeepSpeed.
 """
@@ -174,6 +176,21 @@ class StepLoop(Protocol):
     def measured_rates(self) -> list[float | None]: ...
 
     def close(self) -> None: ...
+
+
+#: the calibrating rank times this many runs of the probe block per probe (it works every step:
+#: warm, no warm-up after its first probe); a replay charges their seconds to its compute
+REF_RUNS = 2
+
+
+@runtime_checkable
+class Prober(Protocol):
+    """The probe block a rank times: ``measure(sustain, budget_s)`` -> seconds per run (held
+    busy first when ``sustain``, all within ``budget_s``), ``release()`` frees it."""
+
+    def measure(self, sustain: bool, budget_s: float) -> float: ...
+
+    def release(self) -> None: ...
 
 
 class NoLoop:

@@ -70,22 +70,22 @@ SWITCH_BUFFERS = 2
 def job_memory(table, cfg, micro_batch_size: int, seq_len: int, mixed: bool,
                device_mb: float | None, device, ranks_on_host: int,
                migrate_bucket_mb: float) -> Memory:
-    """:func:`memory_model` of a job: ``device_mb`` (``malleus.device_mb``) or, when None, the
-    device's memory (:func:`device_memory_mb`), and the migration's staging buffers. The one
-    construction the adaptive loop (``control.py``) and the start-up check
-    (``app/runners/fit.py``) share."""
-    dev = device_mb or device_memory_mb(device, ranks_on_host)
+    """:func:`memory_model` of a job: ``device_mb`` (``malleus.device_mb``, else the device's
+    memory as the app measured it) or, when None, on CPU the host's RAM shared by its ranks
+    (:func:`host_memory_mb`); and the migration's staging buffers. The one construction the
+    adaptive loop (``control.py``) and the start-up check (``app/runners/fit.py``) share."""
+    if not device_mb and device is not None and str(device).startswith("cuda"):
+        raise ValueError(f"device_mb: the memory of device {device} was not given (the app "
+                         f"measures it: app/loop.device_memory_mb)")
+    dev = device_mb or host_memory_mb(ranks_on_host)
     return memory_model(table, cfg, micro_batch_size, seq_len, mixed, dev,
                         switch_buffer_mb=SWITCH_BUFFERS * migrate_bucket_mb)
 
 
-def device_memory_mb(device, ranks_on_host: int) -> float:
-    """Memory one rank may use: the GPU's, or on CPU this host's RAM shared by its ranks."""
+def host_memory_mb(ranks_on_host: int) -> float:
+    """Memory one rank may use on CPU: this host's RAM shared by its ranks."""
     import os
 
-    if device is not None and str(device).startswith("cuda"):
-        import torch
-        return torch.cuda.get_device_properties(device).total_memory / 2 ** 20
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return total / 2 ** 20 / max(1, ranks_on_host)
 

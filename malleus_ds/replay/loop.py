@@ -49,9 +49,10 @@ import numpy as np
 from ..adaptive.control import Controller
 from ..adaptive.probe import BUDGET, FIRST_BUDGET_S, HELD_LOAD
 from ..adaptive.probe import budget as probe_budget
+from ..adaptive.probing import probing_ranks
 from ..adaptive.settings import AdaptiveSettings
 from ..plan import Plan
-from ..steploop import StepSums
+from ..steploop import REF_RUNS, StepSums
 from .costs import MigrationCost
 from .host import SharedHost, plan_graph
 from .job import problem_job
@@ -66,10 +67,7 @@ PROBE_WALL_S = FIRST_BUDGET_S / 2
 #: a probe that does not sustain (``ProbeBlock._can_be_capped``: not under the sleep emulation)
 #: runs the block this many times (``ProbeBlock``: one untimed, ``REF_RUNS`` timed), each one
 #: layer on one micro-batch: one cost unit of CPU, ``Replay.scale`` seconds
-PROBE_RUNS = 3
-#: timed runs of the probe block on the calibrating rank (``ProbeBlock.REF_RUNS``): their
-#: seconds ride in its ``compute_s`` of the step they follow (``ComputeClock`` times them)
-REF_RUNS = 2
+PROBE_RUNS = 1 + REF_RUNS
 #: steps after a change of the plan or of the true rates before a fast-forward may start: the
 #: work model's history (``RateEstimator.FIT_STEPS``) must hold only steps like the next ones
 SETTLE = 48
@@ -357,23 +355,17 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
             # next step's (Controller.after_reduce): the rate at that moment, read a step later
             probes, timed = timed, np.full(N, np.nan)
             own.append(comp)
-            if step % every == 0 and ctl.probe_ref is not None:    # as Controller.probe_due
-                # a held rank probes while its own compute leaves it slack (probe.light)
-                light = (np.median(own, axis=0) < HELD_LOAD * np.median(ctl.step_times)
-                         if ctl.step_times else np.ones(N, dtype=bool))
-                if reads is not None:          # the held ranks that probed in the run
-                    light = np.zeros(N, dtype=bool)
-                    light[list(reads)] = True
-                who = (units <= 0) | (ctl.held & light)
-                sustained = who.copy()         # the calibrating rank's probe is short
-                who[ctl.probe_ref] = True
-                calib = ctl.probe_ref
-                timed[who] = PROBE_S * at_end[who]
-                for g, r in (reads or {}).items():
-                    if who[g] and g != ctl.probe_ref:
-                        timed[g] = PROBE_S * r * at_end[ctl.probe_ref]
-            else:
-                sustained, calib = np.zeros(N, dtype=bool), -1
+            who = probing_ranks(step, every, units, ctl.held, ctl.probe_ref,
+                                _light(ctl, own, reads, N) if step % every == 0 else
+                                np.zeros(N, dtype=bool))
+            calib = ctl.probe_ref if who.any() and ctl.probe_ref is not None else -1
+            sustained = who.copy()             # the calibrating rank's probe is short
+            if calib >= 0:
+                sustained[calib] = False
+            timed[who] = PROBE_S * at_end[who]
+            for g, r in (reads or {}).items():
+                if who[g] and calib >= 0 and g != calib:
+                    timed[g] = PROBE_S * r * at_end[calib]
             frac = 1.0 if on_steps else min(1.0, (horizon - clock.now) / step_s)
             clock.now += step_s              # the all-reduce ends the step: hooks run then
             if on_steps:
@@ -399,6 +391,19 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     out.seconds = end if on_steps else horizon
     out.planning_s = sum(planner.charged)
     return out
+
+
+def _light(ctl: Controller, own, reads: dict | None, n: int) -> np.ndarray:
+    """Per rank: does its own compute leave it slack for a probe (``probe.light``, from each
+    rank's compute this plan, ``own``)? Where a recorded run says which held ranks probed
+    (``reads``), those."""
+    if reads is not None:
+        light = np.zeros(n, dtype=bool)
+        light[list(reads)] = True
+        return light
+    if not ctl.step_times:
+        return np.ones(n, dtype=bool)
+    return np.median(own, axis=0) < HELD_LOAD * np.median(ctl.step_times)
 
 
 def _less_probes(ran: np.ndarray, reads: dict | None, ref: int | None, unit_s: np.ndarray,

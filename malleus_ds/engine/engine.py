@@ -127,6 +127,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         self.build_engine_state(plan, cfg, settings, zero_stage, data)
         self.migrations: list = []          # MigrationReport of every switch, in order
         self._pending_switches = list(settings.switch)
+        self._boundary_at: int | None = None   # the step whose boundary was applied last
         self.control: StepLoop = NoLoop(self.world_size)    # the step hooks: attach_loop
         self.reduction = StepReduction(self.world_size, self.global_rank)   # step_reduce.py
         self.events: list[dict] = []        # replan / migrate events not yet taken (take_events)
@@ -396,7 +397,11 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         first, a runner may call it earlier to time it apart from the step): the adaptive loop's
         ready decisions and forced re-plans (``control.py``), then the ``malleus.switch`` entry
         due now. Their ``replan`` / ``migrate`` events go to :meth:`take_events`. Returns the
-        last MigrationReport or None."""
+        last MigrationReport or None. Once per step: a second call before the same step (the
+        runner's, then ``train_batch``'s) does nothing."""
+        if self._boundary_at == self.global_steps:
+            return None
+        self._boundary_at = self.global_steps
         report = None
         for d in self.control.before_step(self.global_steps):
             if d.plan is not None and d.from_plan != self.plan.id:

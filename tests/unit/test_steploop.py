@@ -53,3 +53,17 @@ def test_the_no_loop_and_the_adaptive_loop_implement_the_hooks():
     hooks = [m for m in vars(StepLoop) if not m.startswith("_")]
     assert "measures_links" in hooks and "before_step" in hooks and len(hooks) == 11
     assert [m for m in hooks if not hasattr(Controller, m)] == []
+
+
+def test_the_replays_loop_imports_nothing_from_the_engine():
+    """The replay drives the loop through the contract (``StepSums``, ``ReplanDecision``,
+    ``REF_RUNS``), not the engine's modules."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "malleus_ds" / "replay"
+    for name in ("loop.py", "sim_planner.py"):
+        tree = ast.parse((root / name).read_text())
+        mods = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in mods if m.split(".")[-1] == "engine" or ".engine" in f".{m}"
+                    or m.startswith("engine")], (name, mods)

@@ -39,7 +39,8 @@ class StepSums:
     comm: Sequence = ()
 
 
-Rates = tuple  # per rank: a rate (1.0 healthy), None where not measured
+#: per rank: a rate (1.0 healthy), None where not measured
+Rates = tuple[float | None, ...]
 
 
 def _rates(x: Sequence | None) -> Rates | None:

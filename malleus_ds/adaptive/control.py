@@ -32,7 +32,7 @@ simulator drives the same hooks with synthetic timings.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -42,6 +42,7 @@ from ..steploop import Prober, ReplanDecision, StepSums
 from .detect import Detector
 from .job import JobSpec
 from .link_watch import Links, LinkWatch, watches_gpu_links
+from .pace_check import PaceCheck
 from .probing import Probing
 from .promise import Promise
 from .rates import RateEstimator, as_list
@@ -65,7 +66,8 @@ class Controller:
 
     def __init__(self, job: JobSpec, settings: AdaptiveSettings, plan: Plan,
                  prober: Prober | None = None, tp_measured: dict[int, float] | None = None,
-                 planner=None, link_prober=None, broadcast: Broadcast | None = None) -> None:
+                 planner: Any = None, link_prober: Any = None,
+                 broadcast: Broadcast | None = None) -> None:
         """``job``: the job, frozen at start; ``plan``: the plan it starts under; ``prober``: the
         block a rank times to stay measured without work (None: such a rank reads nothing);
         ``tp_measured``: the TP slowdown table measured at start-up (``engine/tp_cost.py``), if
@@ -139,7 +141,7 @@ class Controller:
         return self.session.forced
 
     @property
-    def check(self):
+    def check(self) -> PaceCheck | None:
         """Rank 0: the running plan's promise against its measured steps (``pace_check.py``)."""
         return self.promise.check
 

@@ -18,7 +18,7 @@ The probe block and the link prober are the engine's (``engine/probe_block.py``,
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -58,7 +58,7 @@ class Probing:
     """One rank's probes: when it times the probe block and with what budget, and the link
     probes it joins (module doc). Reads the loop's running work and step times."""
 
-    def __init__(self, loop: LoopView, block: Prober | None, link_prober) -> None:
+    def __init__(self, loop: LoopView, block: Prober | None, link_prober: Any) -> None:
         """``block``: the probe block (``measure(sustain, budget_s)`` -> seconds per run,
         ``release()``; None: this rank reads nothing); ``link_prober``: what times round trips
         across a link (``exchange(a, b, mb, trips)``; None: a link held slow is not probed)."""

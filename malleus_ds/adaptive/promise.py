@@ -12,6 +12,7 @@ plan that ran before when that one was measured clearly faster (:meth:`Promise.b
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Sequence
 
 import numpy as np
 
@@ -53,7 +54,7 @@ class Promise:
                 if lp.session.idle and not lp.ready:
                     self.act_on_miss(lp.last_step)
 
-    def switched(self, step_times, planned) -> None:
+    def switched(self, step_times: Sequence[float], planned: Sequence[float]) -> None:
         """Before a switch: the plan running now and its measured pace (to go back to), when a
         step was measured; the new plan's judging starts afresh."""
         lp = self.loop
@@ -66,7 +67,7 @@ class Promise:
         out, self.events = self.events, []
         return out
 
-    def model_s(self, plan: Plan, rates) -> float | None:
+    def model_s(self, plan: Plan, rates: Sequence[float | None]) -> float | None:
         """The cost model's step time of ``plan`` under ``rates`` (model units), or None."""
         from ..cost import step_time
 
@@ -145,7 +146,7 @@ class Promise:
             kind = "missed"
         lp.session.request(kind, lp.normalised(), step + 1, why=why, check_step=ev["step"])
 
-    def can_go_back(self, rates, step_s: float | None) -> bool:
+    def can_go_back(self, rates: Sequence[float | None], step_s: float | None) -> bool:
         """Is the plan that ran before this one worth going back to: measured clearly faster
         (by the check's margin) than this one runs now, and under ``rates`` (re-measured) not
         predicted slower than this one by more than that margin? (A host that got slower for

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -36,7 +36,7 @@ class PlannerSession:
     #: seconds a forced re-plan waits for the planner worker
     FORCED_TIMEOUT_S = 120.0
 
-    def __init__(self, loop: LoopView, planner, forced: list[int],
+    def __init__(self, loop: LoopView, planner: Any, forced: list[int],
                  broadcast: Callable[[list], None] | None = None) -> None:
         """``planner``: rank 0's planner (``request`` / ``poll`` / ``wait`` / ``close``, as
         :class:`~malleus_ds.planner.client.PlannerClient`; None: no planner); ``broadcast``:
@@ -60,7 +60,7 @@ class PlannerSession:
         """Nothing asked and nothing decided that is not yet flagged."""
         return self.pending is None and self.result is None
 
-    def switched(self, migration, tp_changed: bool) -> None:
+    def switched(self, migration: Any, tp_changed: bool) -> None:
         """After a switch: requests and results planned against the old plan are stale."""
         if migration is not None:
             self.migrations.append(migration)

@@ -10,7 +10,7 @@ numpy only: no torch, no torch.distributed, no deepspeed, no omegaconf.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -77,8 +77,8 @@ class RunningWork:
     ``held.held_ranks``) with the rates it was made for (``floor``); and the rank that
     calibrates their probes (``held.probe_reference``). The same on every rank."""
 
-    def __init__(self, plan: Plan, world: int, tp: int, tp_slowdown, tp_measured, head: float,
-                 recompute: bool) -> None:
+    def __init__(self, plan: Plan, world: int, tp: int, tp_slowdown: Any,
+                 tp_measured: Mapping[int, float] | None, head: float, recompute: bool) -> None:
         """``tp_slowdown``: the user's ``tp_slowdown`` setting; ``tp_measured``: the table
         measured at start-up (``engine/tp_cost.py``), if any; ``head``: the last stage's output
         head in layers; ``recompute``: activation checkpointing (a recomputed layer does

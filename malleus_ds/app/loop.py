@@ -27,7 +27,7 @@ def job_spec(engine):
                    device_mb=device_memory_mb(engine.device, engine.job.gpus_per_node))
 
 
-def device_memory_mb(device, ranks_on_host: int) -> float:
+def device_memory_mb(device: object, ranks_on_host: int) -> float:
     """Memory one rank may use: the GPU's, or on CPU this host's RAM shared by its ranks."""
     if device is not None and str(device).startswith("cuda"):
         import torch

@@ -339,7 +339,7 @@ def replay(rec: dict, *, head: float | None = None, shape: bool = True, window: 
             shp = tuple(cost_shape(p, world).T)
             if cur is not None:             # Controller.switched(plan, rates=None)
                 rates = as_list(measured)
-                held = held_ranks(units, rates, max(HOLD, HEALTHY))   # Controller._hold
+                held = held_ranks(units, rates, max(HOLD, HEALTHY))   # RunningWork.hold
                 floor = np.where(held, [0.0 if r is None else r for r in rates], 0.0)
             cur, skip = k, 1
         if skip:

@@ -267,7 +267,8 @@ def part_malleus(gpu: bool) -> list[dict]:
     from malleus_ds.cost import stage_memory_terms
     from malleus_ds.models.llama import build_model, lm_loss, model_config
     from malleus_ds.plan import Plan
-    from malleus_ds.adaptive.replan import device_memory_mb, memory_model
+    from malleus_ds.adaptive.replan import memory_model
+    from malleus_ds.app.loop import device_memory_mb
 
     calls = []
     real = E.warm_up_pack

@@ -32,6 +32,9 @@ class JobSpec:
     device: str = "cpu"          # where the model runs (its memory, when malleus.device_mb is unset)
     migrate_bucket_mb: float = 256.0   # the migration's staging buffers
     recompute: bool = False      # activation checkpointing: a layer recomputed in backward
+    #: the memory (MB) one rank may use on its device, as the app measured it
+    #: (``app/loop.device_memory_mb``; None: on CPU, the host's RAM shared by its ranks)
+    device_mb: float | None = None
     #: a job known only as a planning problem (a replay, ``replay/job.py``): the loop plans with
     #: this problem (its memory, TP slowdowns, output head) instead of building one from the
     #: model's sizes; ``param_table`` then stands for its state, ``model_cfg`` may be None

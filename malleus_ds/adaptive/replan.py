@@ -4,17 +4,19 @@ Used by the adaptive loop (``control.py``) on rank 0: :func:`job_problem` turns 
 (plan, world, node shape, nominal TP, TP slowdown table, memory model) into the planner's
 :class:`~malleus_ds.problem.Problem`; :func:`memory_model` estimates the memory terms from the
 model's real sizes; :func:`fit_running_plan` makes sure the plan that is running counts as valid;
-:func:`decide` compares the running plan with the planner's answer and returns the ``replan``
-event (DESIGN.md §6) and the plan to move to, if any. No torch.distributed, no process groups.
+:func:`decide` compares the running plan with the planner's answer and returns the decision
+(``steploop.ReplanDecision``: its ``replan`` line, DESIGN.md §6, and the plan to move to, if
+any). No torch.distributed, no process groups.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Mapping
 
 from ..job_layout import JobLayout
 from ..plan import Plan, PlanError
 from ..problem import Memory, Problem
+from ..steploop import ReplanDecision
 
 
 def nominal_shape(plan: Plan, world: int, tp: int) -> tuple[int, int]:
@@ -68,22 +70,22 @@ SWITCH_BUFFERS = 2
 def job_memory(table, cfg, micro_batch_size: int, seq_len: int, mixed: bool,
                device_mb: float | None, device, ranks_on_host: int,
                migrate_bucket_mb: float) -> Memory:
-    """:func:`memory_model` of a job: ``device_mb`` (``malleus.device_mb``) or, when None, the
-    device's memory (:func:`device_memory_mb`), and the migration's staging buffers. The one
-    construction the adaptive loop (``control.py``) and the start-up check
-    (``app/runners/fit.py``) share."""
-    dev = device_mb or device_memory_mb(device, ranks_on_host)
+    """:func:`memory_model` of a job: ``device_mb`` (``malleus.device_mb``, else the device's
+    memory as the app measured it) or, when None, on CPU the host's RAM shared by its ranks
+    (:func:`host_memory_mb`); and the migration's staging buffers. The one construction the
+    adaptive loop (``control.py``) and the start-up check (``app/runners/fit.py``) share."""
+    if not device_mb and device is not None and str(device).startswith("cuda"):
+        raise ValueError(f"device_mb: the memory of device {device} was not given (the app "
+                         f"measures it: app/loop.device_memory_mb)")
+    dev = device_mb or host_memory_mb(ranks_on_host)
     return memory_model(table, cfg, micro_batch_size, seq_len, mixed, dev,
                         switch_buffer_mb=SWITCH_BUFFERS * migrate_bucket_mb)
 
 
-def device_memory_mb(device, ranks_on_host: int) -> float:
-    """Memory one rank may use: the GPU's, or on CPU this host's RAM shared by its ranks."""
+def host_memory_mb(ranks_on_host: int) -> float:
+    """Memory one rank may use on CPU: this host's RAM shared by its ranks."""
     import os
 
-    if device is not None and str(device).startswith("cuda"):
-        import torch
-        return torch.cuda.get_device_properties(device).total_memory / 2 ** 20
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return total / 2 ** 20 / max(1, ranks_on_host)
 
@@ -139,17 +141,9 @@ def fit_switch_seconds(switches) -> tuple[float, float] | None:
     return max(0.0, float(t.mean() - slope * b.mean())), slope
 
 
-@dataclass(frozen=True)
-class Decision:
-    """Rank 0's answer to a trigger; broadcast to every rank."""
-
-    event: dict                  # the ``replan`` line of metrics.jsonl
-    plan: dict | None            # plan JSON to switch to, None = stay
-
-
 def decide(problem: Problem, current: Plan, new: Plan, trigger: str, rates: list[float],
            step: int, planning_s: float, step_s: float | None, nbytes: int, migrate_s: float,
-           horizon_steps: int) -> Decision:
+           horizon_steps: int) -> ReplanDecision:
     """The cost rule (pure): adopt ``new`` iff it differs and its predicted gain over
     ``horizon_steps`` exceeds the predicted migration seconds (forced: always). Step times are
     the cost model's (``problem`` carries the measured rates), in seconds calibrated so that the
@@ -177,10 +171,10 @@ def decide(problem: Problem, current: Plan, new: Plan, trigger: str, rates: list
     else:
         adopt, why = False, (f"gain {gain_s:.2f} s over {horizon_steps} steps <= "
                              f"migration {migrate_s:.2f} s")
-    event = {"event": "replan", "step": step, "trigger": trigger,
-             "measured_rates": [round(float(r), 3) for r in rates],
-             "from": current.id, "to": new.id if adopt else current.id, "planned": new.id,
-             "planning_s": round(planning_s, 4), "predicted_step_s": pred,
-             "predicted_migration_s": round(migrate_s, 4), "bytes": int(nbytes),
-             "adopted": adopt, "reason": why}
-    return Decision(event, new.to_json() if adopt else None)
+    return ReplanDecision(
+        step=step, trigger=trigger, adopted=adopt, reason=why,
+        plan=new.to_json() if adopt else None,
+        trigger_rates=tuple(round(float(r), 3) for r in rates), from_plan=current.id,
+        to_plan=new.id if adopt else current.id, planned=new.id,
+        planning_s=round(planning_s, 4), predicted_step_s=tuple(pred),
+        predicted_migration_s=round(migrate_s, 4), bytes=int(nbytes))

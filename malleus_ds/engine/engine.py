@@ -37,8 +37,8 @@ global-batch mean loss on every rank), ``local_shards()``, ``local_state()`` /
 ``switch_plan(plan)`` (live migration, ``switch.py``), ``save_checkpoint`` / ``load_checkpoint``
 (per-rank slices; load under any plan, ZeRO stage, precision or world size: ``checkpoint.py``;
 a Hugging Face folder is ``malleus_ds.export_engine(engine, out_dir)``),
-``set_compute_clock``, ``attach_loop`` (step hooks, ``hooks.py``: the app attaches the adaptive
-loop, ``malleus_ds/app/loop.py``; ``malleus_ds.initialize`` does), ``measured_rates`` and
+``set_compute_clock``, ``attach_loop`` (step hooks, ``steploop.py``: the app attaches the
+adaptive loop, ``malleus_ds/app/loop.py``; ``malleus_ds.initialize`` does), ``measured_rates`` and
 ``take_events()`` (``replan`` / ``migrate`` events). bf16 and fp16 (with
 static or dynamic loss scaling) train with fp32 masters, fp32 gradient accumulation and reduction
 (``precision.py``). Not supported: ZeRO-3, DeepSpeed's ``forward/backward/step`` loop (use
@@ -66,7 +66,7 @@ from ..job_layout import JobLayout, JobLayoutError
 from ..plan import Plan, PlanError
 from ..resilience.watchdog import phase
 from .groups import GROUPS, plan_rank_sets
-from .hooks import NoLoop
+from ..steploop import NoLoop, StepLoop
 from .mpu import PlanMPU
 from .p2p import PipelineP2P
 from .plan_check import check_job_plan
@@ -126,7 +126,8 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         self.build_engine_state(plan, cfg, settings, zero_stage, data)
         self.migrations: list = []          # MigrationReport of every switch, in order
         self._pending_switches = list(settings.switch)
-        self.control = NoLoop(self.world_size)    # the step hooks (hooks.py): attach_loop
+        self._boundary_at: int | None = None   # the step whose boundary was applied last
+        self.control: StepLoop = NoLoop(self.world_size)    # the step hooks: attach_loop
         self.reduction = StepReduction(self.world_size, self.global_rank)   # step_reduce.py
         self.events: list[dict] = []        # replan / migrate events not yet taken (take_events)
 
@@ -395,22 +396,22 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         first, a runner may call it earlier to time it apart from the step): the adaptive loop's
         ready decisions and forced re-plans (``control.py``), then the ``malleus.switch`` entry
         due now. Their ``replan`` / ``migrate`` events go to :meth:`take_events`. Returns the
-        last MigrationReport or None."""
+        last MigrationReport or None. Once per step: a second call before the same step (the
+        runner's, then ``train_batch``'s) does nothing."""
+        if self._boundary_at == self.global_steps:
+            return None
+        self._boundary_at = self.global_steps
         report = None
-        for event, plan in self.control.before_step(self.global_steps):
-            if plan is not None and event.get("from") != self.plan.id:
-                event = dict(event, adopted=False, to=self.plan.id,
-                             reason=f"stale: planned against {event.get('from')}, "
-                                    f"running {self.plan.id}")
-                plan = None
-            self.events.append(event)
-            if plan is not None:
+        for d in self.control.before_step(self.global_steps):
+            if d.plan is not None and d.from_plan != self.plan.id:
+                d = d.stale(self.plan.id)
+            self.events.append(d.line())
+            if d.plan is not None:
                 # a step back to an earlier plan (a missed promise) carries the rates that
                 # plan was made for
-                report = self.switch_plan(plan, rates=event.get("rates_for",
-                                                                event.get("measured_rates")))
+                report = self.switch_plan(d.plan, rates=d.made_for)
             else:
-                self.control.considered(event.get("measured_rates"))
+                self.control.considered(d.measured)
         while self._pending_switches and self._pending_switches[0].step < self.global_steps:
             self._pending_switches.pop(0)           # resumed past it
         if self._pending_switches and self._pending_switches[0].step == self.global_steps:
@@ -429,8 +430,8 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         return self.control.measured_rates()
 
     def attach_loop(self, loop) -> None:
-        """Drive ``loop`` through the step hooks (``hooks.py``) from now on (the app attaches
-        the adaptive loop: ``malleus_ds/app/loop.py``); every rank attaches one alike."""
+        """Drive ``loop`` through the step hooks (``steploop.StepLoop``) from now on (the app
+        attaches the adaptive loop: ``malleus_ds/app/loop.py``); every rank attaches one alike."""
         self.control.close()
         self.control = loop
         self._log_comm()
@@ -444,7 +445,7 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         clock, loop = getattr(self, "clock", None), getattr(self, "control", None)
         if clock is None:
             return
-        want = bool(getattr(loop, "measures_links", False))
+        want = loop is not None and bool(loop.measures_links)
         if want and clock.comm_log is None:
             clock.comm_log = CommLog(lambda r: self.job.node_of(r))
         elif not want:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 
+from ..steploop import REF_RUNS
+
 
 class ProbeBlock:
     """The block (built on first use, fixed seed, the caller's RNG untouched) and its timing."""
@@ -25,7 +27,7 @@ class ProbeBlock:
     MIN_TIMED_S = 0.05
     #: the calibrating rank (it works every step: warm) times this many runs, no warm-up after
     #: its first probe: the same cost as one warm-up and one timed run, half the timer noise
-    REF_RUNS = 2
+    REF_RUNS = REF_RUNS
 
     #: a sustained reading this many times its early one is a cap (a CPU quota, a power cap:
     #: the first milliseconds after idling run at full speed), and is reported instead. Below

@@ -19,31 +19,18 @@ slot                        what each rank puts there (the sum is what every ran
 
 :class:`StepReduction` owns the layout: the engine fills its own slots (:meth:`vector`,
 :meth:`add_nonfinite`), runs the all-reduce and reads the sums back once as a
-:class:`StepSums`, which the adaptive loop (``control.py``) observes. Nothing else knows an index.
+:class:`~malleus_ds.steploop.StepSums`, which the attached loop observes. Nothing else knows an
+index.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
 
+from ..steploop import StepSums
 from .comm_log import SLOTS, CommOps
 
-
-@dataclass(frozen=True)
-class StepSums:
-    """One step's all-reduced values, read back once."""
-
-    loss: float                 # the global batch's loss sum
-    overflow: bool              # some summed gradient element is non-finite
-    ready: bool                 # rank 0 has a decision to broadcast
-    compute_s: np.ndarray       # per rank: compute seconds this step
-    probe_s: np.ndarray         # per rank: probe seconds per cost unit, NaN where none
-    #: the step's timed communication, ``(kind, ranks, MB, seconds)`` each (``comm_log.decode``,
-    #: decoded when first read; empty: not logged)
-    comm: Sequence = ()
+__all__ = ["StepReduction", "StepSums"]
 
 
 class StepReduction:

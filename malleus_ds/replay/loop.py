@@ -2,7 +2,7 @@
 
 Nothing of the loop is re-implemented here. One rank-0 :class:`~malleus_ds.adaptive.control.
 Controller` is built from the problem alone (``replay/job.py``) with the loop's settings, and
-driven through the hooks an engine calls each step (``engine/hooks.py``), as the engine-less
+driven through the hooks an engine calls each step (``steploop.py``), as the engine-less
 tests drive it (``tests/unit/adaptive/test_loop_synthetic.py``):
 
 * **Timings.** Each step, every rank's compute seconds are its cost units under the running
@@ -38,20 +38,22 @@ tests drive it (``tests/unit/adaptive/test_loop_synthetic.py``):
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ..adaptive.control import Controller
 from ..adaptive.probe import BUDGET, FIRST_BUDGET_S, HELD_LOAD
 from ..adaptive.probe import budget as probe_budget
+from ..adaptive.probing import probing_ranks
 from ..adaptive.settings import AdaptiveSettings
 from ..plan import Plan
+from ..steploop import REF_RUNS, ReplanDecision, StepSums
 from .costs import MigrationCost
+from .sim_planner import SimClock, SimPlanner
 from .host import SharedHost, plan_graph
 from .job import problem_job
 from .run import PolicyResult, Replay, rate_vector
@@ -65,85 +67,10 @@ PROBE_WALL_S = FIRST_BUDGET_S / 2
 #: a probe that does not sustain (``ProbeBlock._can_be_capped``: not under the sleep emulation)
 #: runs the block this many times (``ProbeBlock``: one untimed, ``REF_RUNS`` timed), each one
 #: layer on one micro-batch: one cost unit of CPU, ``Replay.scale`` seconds
-PROBE_RUNS = 3
-#: timed runs of the probe block on the calibrating rank (``ProbeBlock.REF_RUNS``): their
-#: seconds ride in its ``compute_s`` of the step they follow (``ComputeClock`` times them)
-REF_RUNS = 2
+PROBE_RUNS = 1 + REF_RUNS
 #: steps after a change of the plan or of the true rates before a fast-forward may start: the
 #: work model's history (``RateEstimator.FIT_STEPS``) must hold only steps like the next ones
 SETTLE = 48
-
-
-@dataclass
-class SimClock:
-    """The replay's clock: seconds since the job started."""
-
-    now: float = 0.0
-
-
-class SimPlanner:
-    """The loop's planner on the simulated clock (the interface of ``planner/client.py``).
-
-    ``request`` runs the planner here and now (``planner/worker.answer``, through the worker's
-    answer cache, as the training job's worker would) and holds the answer until the clock has
-    passed the request's moment plus ``charge(wall seconds, request)``; ``charge`` defaults to
-    the wall seconds themselves. The seconds charged per request are kept in :attr:`charged`."""
-
-    def __init__(self, clock: SimClock, charge: Callable[[float, dict], float] | None = None,
-                 cache=None) -> None:
-        from ..planner.worker import AnswerCache
-
-        self.clock = clock
-        self.charge = charge or (lambda wall, req: wall)
-        self.cache = cache if cache is not None else AnswerCache()
-        # (ready at, answer, a search?, ready before this step: None, by the clock)
-        self._held: list[tuple[float, dict, bool, int | None]] = []
-        self.charged: list[float] = []          # seconds charged per request
-        self.requested: list[float] = []        # the clock at each request
-        self.step = 0                           # the step the loop is at (set by the loop)
-        #: the step before which a request asked after ``step`` is answered, where a recorded
-        #: run says so (``RunRecord.answered``); None: by the clock
-        self.anchor: Callable[[int], int | None] = lambda step: None
-
-    def request(self, req: dict) -> None:
-        t0 = time.perf_counter()
-        ans = self.cache.answer(req)
-        s = float(self.charge(time.perf_counter() - t0, req))
-        self.charged.append(s)
-        self.requested.append(self.clock.now)
-        self._held.append((self.clock.now + s, ans, is_search(req), self.anchor(self.step)))
-
-    def searching(self) -> bool:
-        """Is the planner searching at the clock's moment (a request in flight with a rank
-        slower than healthy: a request with every rank healthy is answered without a search)?
-        An answer taken before step ``at`` arrived during the step before it."""
-        return any(search and (self.clock.now < t if at is None else self.step < at)
-                   for t, _, search, at in self._held)
-
-    def poll(self) -> dict | None:
-        """The next answer, if it has arrived (polled as a step's all-reduce starts: an answer
-        polled at step ``k`` is taken before step ``k + 1``)."""
-        if self._held:
-            t, ans, _, at = self._held[0]
-            if (self.clock.now >= t if at is None else self.step >= at - 1):
-                return self._held.pop(0)[1]
-        return None
-
-    def wait(self, timeout_s: float) -> dict:
-        """A forced re-plan's answer (the loop waits for it; the replay forces none)."""
-        if not self._held:
-            return {"error": "no request in flight"}
-        return self._held.pop(0)[1]
-
-    def close(self) -> None:
-        self._held.clear()
-
-
-def is_search(req: dict) -> bool:
-    """Does the planner search for this request (some rank slower than healthy)? One with every
-    rank healthy is answered by the user's layout, without a search."""
-    rates = (req.get("problem") or {}).get("rates") or {}
-    return any(float(v) > 1.0 for v in rates.values())
 
 
 @dataclass
@@ -176,10 +103,31 @@ class LoopResult(PolicyResult):
     step_ends: list = field(default_factory=list)  # on the step clock: each step's end (s)
 
 
-def _sums(ready: bool, comp: np.ndarray, probes: np.ndarray):
-    from ..engine.step_reduce import StepSums
-
+def _sums(ready: bool, comp: np.ndarray, probes: np.ndarray) -> StepSums:
     return StepSums(loss=0.0, overflow=False, ready=ready, compute_s=comp, probe_s=probes)
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """How :func:`run_malleus` replays the loop (its parameters, as one value)."""
+
+    settings: AdaptiveSettings = field(default_factory=AdaptiveSettings)
+    costs: MigrationCost = field(default_factory=MigrationCost)
+    zero_stage: int = 1
+    #: (planner wall seconds, the request) -> seconds on the clock (None: as measured)
+    charge: Callable[[float, dict], float] | None = None
+    fast_forward: bool = True         # skip steady stretches (not on a shared host)
+    progress: Callable[[int], None] | None = None
+    spec: Any = None                 # the loop's job (None: from the problem, ``job.py``)
+    plan: Plan | None = None         # the first plan (None: the problem's static plan)
+    planner_stall: float = 0.0       # how much longer a step takes while the planner searches
+    host: SharedHost | None = None   # the ranks share a host's CPU cores
+    on_steps: bool = False           # the segments' bounds are step indices
+    record: Any = None               # what a recorded run's loop read (``run_trace.RunRecord``)
+
+    def __post_init__(self) -> None:
+        if not self.planner_stall >= 0.0:
+            raise ValueError(f"planner_stall={self.planner_stall!r} must be >= 0")
 
 
 def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings | None = None,
@@ -203,202 +151,265 @@ def run_malleus(rp: Replay, segs: Sequence[Segment], settings: AdaptiveSettings 
     at a step the replay runs on the run's plan, its loop reads the run's ``compute_s``
     (``record.compute_s(step, plan_id)``; where the run recorded its probes, the probers' and
     the calibrating rank's less their probe's seconds, which ride in it), and where the run
-    recorded its probes
-    (``record.probes(step, plan_id)``), the held ranks that probed after that step are the
-    ones that probed in the run, and each idle or held rank that probes reads what the run's
-    probe read, against the reference probe, instead of its rate in the trace: a probe's
-    reading is not its rank's compute rate (a 6x straggler's probe read 4.4 once). There too
-    its pace check reads the run's step seconds (``record.step_s``; the replay's clock keeps
-    its own), and an answer to a re-plan the run asked at the same step is taken before the
-    step the run took it at (``record.answered``; elsewhere the clock decides)."""
-    if not planner_stall >= 0.0:
-        raise ValueError(f"planner_stall={planner_stall!r} must be >= 0")
-    settings = settings or AdaptiveSettings()
-    costs = costs or MigrationCost()
-    fast_forward = fast_forward and host is None     # a shared host's steps vary with probes
-    pr, N = rp.problem, rp.problem.num_gpus
-    plan = plan or rp.static
-    clock = SimClock()
-    planner = SimPlanner(clock, charge)
-    spec = spec or problem_job(pr, plan, zero_stage)
-    ctl = Controller(spec, settings, plan, prober=None, tp_measured=dict(pr.tp_slowdown),
-                     planner=planner)
-    out = LoopResult("malleus")
-    out.plans[plan.id] = plan
-    out.units[plan.id] = units = ctl.units
-    out.refs[plan.id] = ctl.probe_ref
-    graph = plan_graph(plan, N)              # each rank's compute spans (a shared host's)
-    horizon = segs[-1].end_s if segs else 0.0     # seconds, or steps on the step clock
-    gbs = rp.samples_per_step
-    every = settings.detect.probe_every
-    period = ctl.period()
-    si = 0                                   # the segment the clock is in
-    rate = np.ones(N)
-    rate_seg = -1
-    steps_cache: dict[tuple, float] = {}
-    key_at: tuple[int, tuple | None] | None = None
-    since_change = 0
-    stretch_t0, stretch_samples = 0.0, 0.0
-    step = 0
-    timed = np.full(N, np.nan)               # the probes timed after the last step's reduce
-    own: deque = deque(maxlen=ctl.compute_times.maxlen)   # each rank's compute_times
-    sustained = np.zeros(N, dtype=bool)      # ...of them, the sustained probes (idle, held)
-    calib = -1                               # ...and the calibrating rank's (-1: none)
-    if record is not None:             # the run's answers arrived when they did
-        planner.anchor = lambda k: record.answered(k, plan.id)
-    try:
-        while (step if on_steps else clock.now) < horizon:
-            planner.step = step
-            # -- at the step boundary: decisions ready now (the engine's before_step) -----------
-            for ev, pj in ctl.before_step(step):
-                d = Switch(clock.now, step, ev.get("trigger", ""), pj is not None,
-                           ev.get("from", plan.id), ev.get("to", plan.id),
-                           planner.charged[-1] if planner.charged else 0.0, 0.0,
-                           int(ev.get("bytes", 0)), reason=ev.get("reason", ""),
-                           requested_t=planner.requested[-1] if planner.requested else None)
-                if pj is not None:
-                    new = Plan.from_json(pj)
-                    first = rp.step_seconds(new, segs[si].rate_map())
-                    mig = costs.of_switch(spec, plan, new, first)
-                    d.migration_s, d.bytes, d.terms = mig.seconds, mig.bytes, mig.terms
-                    d.to_plan = new.id
-                    _close_stretch(out, stretch_t0, clock.now, stretch_samples)
-                    clock.now += mig.seconds                               # the job waits
-                    if not on_steps:
-                        clock.now = min(horizon, clock.now)
-                    out.timeline.append((d.t, clock.now, 0.0))
-                    stretch_t0, stretch_samples = clock.now, 0.0
-                    out.switches += 1
-                    out.migration_s += mig.seconds
-                    ctl.switched(new, ev.get("rates_for", ev.get("measured_rates")),
-                                 migration=SimpleNamespace(bytes=mig.bytes, seconds=mig.seconds))
-                    plan = new
-                    own.clear()
-                    out.plans[plan.id] = plan
-                    out.units[plan.id] = units = ctl.units
-                    out.refs[plan.id] = ctl.probe_ref
-                    graph = plan_graph(plan, N)
-                    since_change = 0
-                else:
-                    ctl.considered(ev.get("measured_rates"))
-                out.decisions.append(d)
-            here = step if on_steps else clock.now
-            if here >= horizon:
-                break
-            # -- the true rates now -------------------------------------------------------------
-            while si + 1 < len(segs) and here >= segs[si].end_s:
-                si += 1
-            if si != rate_seg:
-                if rate_seg >= 0:
-                    _close_stretch(out, stretch_t0, clock.now, stretch_samples)
-                    stretch_t0, stretch_samples = clock.now, 0.0
-                rate = rate_vector(segs[si], N)
-                rate_seg, since_change = si, 0
-                if progress is not None:
-                    progress(1)
-            searching = planner.searching()
-            if host is not None:             # a probe's share of the shared cores
-                probe_wall = (round(min(PROBE_WALL_S, BUDGET * float(np.median(ctl.step_times)))
-                                    if ctl.step_times else PROBE_WALL_S, 4)
-                              if host.probes_sustain else PROBE_RUNS * rp.scale)
+    recorded its probes (``record.probes(step, plan_id)``), the held ranks that probed after
+    that step are the ones that probed in the run, and each idle or held rank that probes
+    reads what the run's probe read, against the reference probe, instead of its rate in the
+    trace: a probe's reading is not its rank's compute rate. There too its pace check reads
+    the run's step seconds (``record.step_s``; the replay's clock keeps its own), and an
+    answer to a re-plan the run asked at the same step is taken before the step the run took
+    it at (``record.answered``; elsewhere the clock decides)."""
+    opts = LoopOptions(settings or AdaptiveSettings(), costs or MigrationCost(), zero_stage,
+                       charge, fast_forward and host is None, progress, spec, plan,
+                       planner_stall, host, on_steps, record)
+    return LoopReplay(rp, segs, opts).run()
 
-            def seconds(seg: Segment) -> float:
-                """This step of the running plan, had it run wholly in ``seg``."""
-                if host is None:
-                    key = (plan.id, seg.start_s)
-                    if key not in steps_cache:
-                        steps_cache[key] = rp.step_seconds(plan, seg.rate_map())
-                    return steps_cache[key]
-                key = (plan.id, seg.start_s, searching, sustained.tobytes(), probe_wall, calib)
-                if key not in steps_cache:
-                    lead = np.zeros(N)
-                    if calib >= 0:           # it probes before its compute: a run a unit
-                        lead[calib] = REF_RUNS * rp.scale
-                    steps_cache[key] = host.step_seconds(
-                        units * rp.scale, rate_vector(seg, N), sustained, probe_wall,
-                        searching, graph=graph, lead=lead)
-                return steps_cache[key]
-            step_s = seconds(segs[si])
-            # -- fast-forward a steady stretch -------------------------------------------------
-            if fast_forward and since_change >= SETTLE and step % period == 0:
-                key = ctl.steady_key()
-                if key is not None and key_at is not None and key_at == (step - period, key):
-                    room = (int(segs[si].end_s) - step if on_steps else
-                            int((segs[si].end_s - clock.now) / step_s)) - 1
-                    n = (room // period) * period
-                    if n > 0:
-                        ctl.skip(n)
-                        if on_steps:
-                            out.step_ends += [clock.now + (i + 1) * step_s for i in range(n)]
-                        clock.now += n * step_s
-                        stretch_samples += n * gbs
-                        out.steps += n
-                        step += n
-                        since_change += n
-                        key_at = (step, key)
-                        continue
-                key_at = (step, key) if key is not None else None
-            # -- one step through the loop's hooks ----------------------------------------------
-            eff, before, at_end = rate, 1.0, rate
-            if not on_steps and clock.now + step_s > segs[si].end_s and si + 1 < len(segs):
-                step_s, eff, before, at_end = _crossing(seconds, segs, si, clock.now, N)
-            if planner_stall and searching and host is None:
-                step_s *= 1.0 + planner_stall
-            comp = units * eff * rp.scale
-            reads = (record.probes(step, plan.id)
-                     if record is not None and step % every == 0 else None)
-            ran = record.compute_s(step, plan.id) if record is not None else None
-            if ran is not None:              # what the run's loop read here: its compute_s,
-                ran = _less_probes(             # less the probes timed after the step (theirs
-                    np.array(ran, dtype=np.float64), reads, ctl.probe_ref,   # ride in it)
-                    rp.scale * rate, ctl.step_times, own)
-                comp = ran
-            # a probe is timed right after a step's all-reduce and its reading rides in the
-            # next step's (Controller.after_reduce): the rate at that moment, read a step later
-            probes, timed = timed, np.full(N, np.nan)
-            own.append(comp)
-            if step % every == 0 and ctl.probe_ref is not None:    # as Controller.probe_due
-                # a held rank probes while its own compute leaves it slack (probe.light)
-                light = (np.median(own, axis=0) < HELD_LOAD * np.median(ctl.step_times)
-                         if ctl.step_times else np.ones(N, dtype=bool))
-                if reads is not None:          # the held ranks that probed in the run
-                    light = np.zeros(N, dtype=bool)
-                    light[list(reads)] = True
-                who = (units <= 0) | (ctl.held & light)
-                sustained = who.copy()         # the calibrating rank's probe is short
-                who[ctl.probe_ref] = True
-                calib = ctl.probe_ref
-                timed[who] = PROBE_S * at_end[who]
-                for g, r in (reads or {}).items():
-                    if who[g] and g != ctl.probe_ref:
-                        timed[g] = PROBE_S * r * at_end[ctl.probe_ref]
+
+class LoopReplay:
+    """One replay of the loop over a trace (:func:`run_malleus`): the loop, its simulated
+    planner and clock, and the replay's bookkeeping, stepped by :meth:`run`."""
+
+    def __init__(self, rp: Replay, segs: Sequence[Segment], opts: LoopOptions) -> None:
+        self.rp, self.segs, self.o = rp, segs, opts
+        pr, self.n = rp.problem, rp.problem.num_gpus
+        self.plan = opts.plan or rp.static
+        self.clock = SimClock()
+        self.planner = SimPlanner(self.clock, opts.charge)
+        self.spec = opts.spec or problem_job(pr, self.plan, opts.zero_stage)
+        self.ctl = Controller(self.spec, opts.settings, self.plan, prober=None,
+                              tp_measured=dict(pr.tp_slowdown), planner=self.planner)
+        self.out = LoopResult("malleus")
+        self.horizon = segs[-1].end_s if segs else 0.0    # seconds, or steps on the step clock
+        self.every = opts.settings.detect.probe_every
+        self.period = self.ctl.period()
+        self.si, self.rate, self.rate_seg = 0, np.ones(self.n), -1   # the segment, its rates
+        self.steps_cache: dict[tuple, float] = {}
+        self.key_at: tuple[int, tuple | None] | None = None
+        self.since_change = 0
+        self.stretch_t0, self.stretch_samples = 0.0, 0.0
+        self.step = 0
+        self.timed = np.full(self.n, np.nan)     # the probes timed after the last step's reduce
+        self.own: deque = deque(maxlen=self.ctl.compute_times.maxlen)   # each rank's compute
+        self.sustained = np.zeros(self.n, dtype=bool)   # ...of them, the sustained probes
+        self.calib = -1                          # ...and the calibrating rank's (-1: none)
+        self.searching, self.probe_wall = False, 0.0
+        self._ran_plan()
+        if opts.record is not None:             # the run's answers arrived when they did
+            self.planner.anchor = lambda k: opts.record.answered(k, self.plan.id)
+
+    def run(self) -> LoopResult:
+        """Step the loop to the trace's end; the result."""
+        o, out = self.o, self.out
+        try:
+            while (self.step if o.on_steps else self.clock.now) < self.horizon:
+                self.planner.step = self.step
+                self._boundary()
+                if (self.step if o.on_steps else self.clock.now) >= self.horizon:
+                    break
+                self._rates_now()
+                step_s = self._seconds(self.segs[self.si])
+                if o.fast_forward and o.host is None and self._fast_forward(step_s):
+                    continue
+                self._one_step(step_s)
+        finally:
+            self.ctl.close()
+        end = self.clock.now if o.on_steps else min(self.clock.now, self.horizon)
+        self._close_stretch(end)
+        out.seconds = end if o.on_steps else self.horizon
+        out.planning_s = sum(self.planner.charged)
+        return out
+
+    def _ran_plan(self) -> None:
+        """The running plan's units and calibrating rank, kept in the result."""
+        out = self.out
+        out.plans[self.plan.id] = self.plan
+        out.units[self.plan.id] = self.units = self.ctl.units
+        out.refs[self.plan.id] = self.ctl.probe_ref
+        self.graph = plan_graph(self.plan, self.n)   # each rank's compute spans (a shared host's)
+
+    def _close_stretch(self, t1: float) -> None:
+        _close_stretch(self.out, self.stretch_t0, t1, self.stretch_samples)
+        self.stretch_t0, self.stretch_samples = t1, 0.0
+
+    def _boundary(self) -> None:
+        """At the step boundary: the decisions ready now (the engine's before_step)."""
+        pl = self.planner
+        for dec in self.ctl.before_step(self.step):
+            d = Switch(self.clock.now, self.step, dec.trigger, dec.plan is not None,
+                       dec.from_plan or self.plan.id, dec.to_plan or self.plan.id,
+                       pl.charged[-1] if pl.charged else 0.0, 0.0, dec.bytes, reason=dec.reason,
+                       requested_t=pl.requested[-1] if pl.requested else None)
+            if dec.plan is not None:
+                self._switch(dec, d)
             else:
-                sustained, calib = np.zeros(N, dtype=bool), -1
-            frac = 1.0 if on_steps else min(1.0, (horizon - clock.now) / step_s)
-            clock.now += step_s              # the all-reduce ends the step: hooks run then
-            if on_steps:
-                out.step_ends.append(clock.now)
-            if before < 1.0:                 # its work before the change counts before it
-                stretch_samples += gbs * before
-                _close_stretch(out, stretch_t0, segs[si].end_s, stretch_samples)
-                stretch_t0, stretch_samples = segs[si].end_s, gbs * max(0.0, frac - before)
-            else:
-                stretch_samples += gbs * frac
-            ready, _ = ctl.contribute(float(comp[0]), 0.0)
-            ctl.observe(step, _sums(ready, comp, probes))
-            read_s = record.step_s(step, plan.id) if record is not None else None
-            ctl.step_done(step_s if read_s is None else read_s)
-            out.steps += 1
-            out.stepped += 1
-            step += 1
-            since_change += 1
-    finally:
-        ctl.close()
-    end = clock.now if on_steps else min(clock.now, horizon)
-    _close_stretch(out, stretch_t0, end, stretch_samples)
-    out.seconds = end if on_steps else horizon
-    out.planning_s = sum(planner.charged)
-    return out
+                self.ctl.considered(dec.measured)
+            self.out.decisions.append(d)
+
+    def _switch(self, dec: ReplanDecision, d: Switch) -> None:
+        """Switch to ``dec``'s plan: the job waits for the migration's seconds."""
+        new = Plan.from_json(dec.plan)
+        first = self.rp.step_seconds(new, self.segs[self.si].rate_map())
+        mig = self.o.costs.of_switch(self.spec, self.plan, new, first)
+        d.migration_s, d.bytes, d.terms = mig.seconds, mig.bytes, mig.terms
+        d.to_plan = new.id
+        self._close_stretch(self.clock.now)
+        self.clock.now += mig.seconds                               # the job waits
+        if not self.o.on_steps:
+            self.clock.now = min(self.horizon, self.clock.now)
+        self.out.timeline.append((d.t, self.clock.now, 0.0))
+        self.stretch_t0 = self.clock.now
+        self.out.switches += 1
+        self.out.migration_s += mig.seconds
+        self.ctl.switched(new, dec.made_for,
+                          migration=SimpleNamespace(bytes=mig.bytes, seconds=mig.seconds))
+        self.plan = new
+        self.own.clear()
+        self._ran_plan()
+        self.since_change = 0
+
+    def _rates_now(self) -> None:
+        """The true rates now (the segment the clock is in), whether the planner searches, and
+        on a shared host a probe's share of its cores."""
+        here = self.step if self.o.on_steps else self.clock.now
+        while self.si + 1 < len(self.segs) and here >= self.segs[self.si].end_s:
+            self.si += 1
+        if self.si != self.rate_seg:
+            if self.rate_seg >= 0:
+                self._close_stretch(self.clock.now)
+            self.rate = rate_vector(self.segs[self.si], self.n)
+            self.rate_seg, self.since_change = self.si, 0
+            if self.o.progress is not None:
+                self.o.progress(1)
+        self.searching = self.planner.searching()
+        host, st = self.o.host, self.ctl.step_times
+        if host is not None:
+            self.probe_wall = (round(min(PROBE_WALL_S, BUDGET * float(np.median(st)))
+                                     if st else PROBE_WALL_S, 4)
+                               if host.probes_sustain else PROBE_RUNS * self.rp.scale)
+
+    def _seconds(self, seg: Segment) -> float:
+        """This step of the running plan, had it run wholly in ``seg``."""
+        host, cache = self.o.host, self.steps_cache
+        if host is None:
+            key = (self.plan.id, seg.start_s)
+            if key not in cache:
+                cache[key] = self.rp.step_seconds(self.plan, seg.rate_map())
+            return cache[key]
+        key = (self.plan.id, seg.start_s, self.searching, self.sustained.tobytes(),
+               self.probe_wall, self.calib)
+        if key not in cache:
+            lead = np.zeros(self.n)
+            if self.calib >= 0:           # it probes before its compute: a run a unit
+                lead[self.calib] = REF_RUNS * self.rp.scale
+            cache[key] = host.step_seconds(
+                self.units * self.rp.scale, rate_vector(seg, self.n), self.sustained,
+                self.probe_wall, self.searching, graph=self.graph, lead=lead)
+        return cache[key]
+
+    def _fast_forward(self, step_s: float) -> bool:
+        """Skip whole periods of a steady stretch (``Controller.steady_key``); True if it did."""
+        step, period = self.step, self.period
+        if not (self.since_change >= SETTLE and step % period == 0):
+            return False
+        key = self.ctl.steady_key()
+        if key is not None and self.key_at is not None and self.key_at == (step - period, key):
+            end = self.segs[self.si].end_s
+            room = (int(end) - step if self.o.on_steps else
+                    int((end - self.clock.now) / step_s)) - 1
+            n = (room // period) * period
+            if n > 0:
+                self.ctl.skip(n)
+                if self.o.on_steps:
+                    self.out.step_ends += [self.clock.now + (i + 1) * step_s for i in range(n)]
+                self.clock.now += n * step_s
+                self.stretch_samples += n * self.rp.samples_per_step
+                self.out.steps += n
+                self.step += n
+                self.since_change += n
+                self.key_at = (self.step, key)
+                return True
+        self.key_at = (step, key) if key is not None else None
+        return False
+
+    def _one_step(self, step_s: float) -> None:
+        """One step through the loop's hooks."""
+        o, segs, si, ctl = self.o, self.segs, self.si, self.ctl
+        eff, before, at_end = self.rate, 1.0, self.rate
+        if not o.on_steps and self.clock.now + step_s > segs[si].end_s and si + 1 < len(segs):
+            step_s, eff, before, at_end = _crossing(self._seconds, segs, si, self.clock.now,
+                                                    self.n)
+        if o.planner_stall and self.searching and o.host is None:
+            step_s *= 1.0 + o.planner_stall
+        comp, reads = self._compute(eff)
+        # a probe is timed right after a step's all-reduce and its reading rides in the
+        # next step's (Controller.after_reduce): the rate at that moment, read a step later
+        probes, self.timed = self.timed, np.full(self.n, np.nan)
+        self.own.append(comp)
+        self._probe(reads, at_end)
+        self._advance(step_s, before)
+        ready, _ = ctl.contribute(float(comp[0]), 0.0)
+        ctl.observe(self.step, _sums(ready, comp, probes))
+        read_s = o.record.step_s(self.step, self.plan.id) if o.record is not None else None
+        ctl.step_done(step_s if read_s is None else read_s)
+        self.out.steps += 1
+        self.out.stepped += 1
+        self.step += 1
+        self.since_change += 1
+
+    def _compute(self, eff: np.ndarray) -> tuple[np.ndarray, dict | None]:
+        """Each rank's compute seconds the loop reads this step, and a recorded run's probe
+        readings after it (None: not recorded, or not a probe step)."""
+        rec, step, pid = self.o.record, self.step, self.plan.id
+        comp = self.units * eff * self.rp.scale
+        reads = rec.probes(step, pid) if rec is not None and step % self.every == 0 else None
+        ran = rec.compute_s(step, pid) if rec is not None else None
+        if ran is not None:              # what the run's loop read here: its compute_s, less
+            comp = _less_probes(         # the probes timed after the step (theirs ride in it)
+                np.array(ran, dtype=np.float64), reads, self.ctl.probe_ref,
+                self.rp.scale * self.rate, self.ctl.step_times, self.own)
+        return comp, reads
+
+    def _probe(self, reads: dict | None, at_end: np.ndarray) -> None:
+        """The probes timed after this step (``probing.probing_ranks``): each at its rank's
+        rate at the step's end, or what the recorded run's probe read."""
+        ctl, n, step = self.ctl, self.n, self.step
+        who = probing_ranks(step, self.every, self.units, ctl.held, ctl.probe_ref,
+                            _light(ctl, self.own, reads, n) if step % self.every == 0 else
+                            np.zeros(n, dtype=bool))
+        self.calib = calib = ctl.probe_ref if who.any() and ctl.probe_ref is not None else -1
+        self.sustained = who.copy()             # the calibrating rank's probe is short
+        if calib >= 0:
+            self.sustained[calib] = False
+        self.timed[who] = PROBE_S * at_end[who]
+        for g, r in (reads or {}).items():
+            if who[g] and calib >= 0 and g != calib:
+                self.timed[g] = PROBE_S * r * at_end[calib]
+
+    def _advance(self, step_s: float, before: float) -> None:
+        """The clock past the step, and its samples on each side of a change it crossed."""
+        gbs, o = self.rp.samples_per_step, self.o
+        frac = 1.0 if o.on_steps else min(1.0, (self.horizon - self.clock.now) / step_s)
+        self.clock.now += step_s              # the all-reduce ends the step: hooks run then
+        if o.on_steps:
+            self.out.step_ends.append(self.clock.now)
+        if before < 1.0:                 # its work before the change counts before it
+            self.stretch_samples += gbs * before
+            self._close_stretch(self.segs[self.si].end_s)
+            self.stretch_samples = gbs * max(0.0, frac - before)
+        else:
+            self.stretch_samples += gbs * frac
+
+
+def _light(ctl: Controller, own, reads: dict | None, n: int) -> np.ndarray:
+    """Per rank: does its own compute leave it slack for a probe (``probe.light``, from each
+    rank's compute this plan, ``own``)? Where a recorded run says which held ranks probed
+    (``reads``), those."""
+    if reads is not None:
+        light = np.zeros(n, dtype=bool)
+        light[list(reads)] = True
+        return light
+    if not ctl.step_times:
+        return np.ones(n, dtype=bool)
+    return np.median(own, axis=0) < HELD_LOAD * np.median(ctl.step_times)
 
 
 def _less_probes(ran: np.ndarray, reads: dict | None, ref: int | None, unit_s: np.ndarray,

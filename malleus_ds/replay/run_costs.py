@@ -102,7 +102,7 @@ def charge(planning: dict, seq: dict | None = None):
     seconds of each, in order; a search's seconds vary with what shares the host, 1.0-1.8 s in
     one run), past them the run's median for the kind (``planning``), else the planner's wall
     time here."""
-    from .loop import is_search
+    from .sim_planner import is_search
 
     turn = {"search": 0, "healthy": 0}
 

@@ -230,7 +230,7 @@ def test_the_adaptive_loop_counts_recomputed_layers_in_its_units():
         ctl = Controller(job_spec(eng), AdaptiveSettings(enabled=False, tp_slowdown="ideal"),
                          plan)
         got[ac] = ctl
-        assert ctl._job_problem().activation_checkpointing is ac
+        assert ctl.session.job_problem().activation_checkpointing is ac
     head = got[True].head
     assert head > 0
     assert list(got[True].units) == pytest.approx(

@@ -5,7 +5,7 @@ a layout of fewer ranks holds more of the model on each. Before the engine alloc
 every rank asks the planner's memory model (``replan.memory_model``: the model's real sizes, the
 micro-batch's activations, or only each layer's input under activation checkpointing, the
 migration's staging buffers) whether the starting plan fits the
-memory of one device (``malleus.device_mb``, else detected: ``replan.device_memory_mb``):
+memory of one device (``malleus.device_mb``, else detected: ``app/loop.device_memory_mb``):
 
 - it fits: the run starts under it, unchanged;
 - it does not, but another layout of these ranks does: rank 0 plans one (the planner, every rate
@@ -40,6 +40,7 @@ def start_problem(cfg: RunConfig, plan: Plan, ds_config: dict, device: str | Non
     from ...engine.precision import Precision
     from ...models.base import head_layer_units, param_table
     from ...adaptive.replan import job_memory, job_problem
+    from ..loop import device_memory_mb
     from ...problem import given_slowdown, ideal_slowdown
     from .job import job_layout
 
@@ -51,8 +52,9 @@ def start_problem(cfg: RunConfig, plan: Plan, ds_config: dict, device: str | Non
     job = job_layout(cfg, plan)
     table = param_table(cfg.model)
     seq_len = cfg.data.resolved_seq_len(cfg.model)
+    device_mb = loop.device_mb or device_memory_mb(device, job.gpus_per_node)
     mem = job_memory(table, cfg.model, plan.micro_batch_size, seq_len, mixed,
-                     loop.device_mb, device, job.gpus_per_node, cfg.malleus.migrate_bucket_mb)
+                     device_mb, device, job.gpus_per_node, cfg.malleus.migrate_bucket_mb)
     head = head_layer_units(table, seq_len, cfg.model.hidden_size)
     slowdown = given_slowdown(loop.tp_slowdown, job.tp) or ideal_slowdown(job.tp)
     pr = job_problem(plan, job, slowdown, mem, head, activation_checkpointing=recompute)

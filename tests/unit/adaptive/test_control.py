@@ -2,6 +2,7 @@
 planning problem of a running job, the cost rule, the planner worker, and the controller driven
 by synthetic timings through detection → background re-plan → decision."""
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,7 +12,7 @@ from malleus_ds.job_layout import JobLayout
 from malleus_ds.adaptive.control import Controller
 from malleus_ds.adaptive.job import JobSpec
 from malleus_ds.adaptive.settings import AdaptiveSettings
-from malleus_ds.engine.step_reduce import StepSums
+from malleus_ds.steploop import StepSums
 from malleus_ds.engine.probe_block import ProbeBlock
 from malleus_ds.adaptive.replan import decide, job_problem, memory_model, nominal_shape
 from malleus_ds.cost import step_time
@@ -101,7 +102,7 @@ def test_cost_rule():
     assert new.id != cur.id and step_time(pr, new) < step_time(pr, cur) / 2
     s = 10                                        # horizon_steps
     d = decide(pr, cur, new, "onset", [1, 1, 1, 5], 9, 0.4, 1.0, 10**6, 0.5, s)
-    ev = d.event
+    ev = d.line()
     assert d.plan == new.to_json() and ev["adopted"] and ev["to"] == new.id
     assert ev["predicted_step_s"][0] == 1.0          # calibrated on the measured step time
     assert ev["predicted_step_s"][1] == pytest.approx(step_time(pr, new) / step_time(pr, cur),
@@ -111,8 +112,8 @@ def test_cost_rule():
     # the same gain does not repay a migration longer than it
     gain = (1.0 - ev["predicted_step_s"][1]) * 10
     d = decide(pr, cur, new, "onset", [1, 1, 1, 5], 9, 0.4, 1.0, 10**9, gain + 0.1, s)
-    assert d.plan is None and not d.event["adopted"] and d.event["to"] == cur.id
-    assert "migration" in d.event["reason"]
+    assert d.plan is None and not d.adopted and d.to_plan == cur.id
+    assert "migration" in d.reason
     # forced always moves; the same plan never does; no step time yet: stay
     assert decide(pr, cur, new, "forced", [1] * 4, 5, 0.1, 1.0, 1, 1e9, s).plan is not None
     assert decide(pr, cur, cur, "change", [1] * 4, 5, 0.1, 1.0, 0, 0.0, s).plan is None
@@ -120,7 +121,7 @@ def test_cost_rule():
     # rates a checkpoint carried: adopted before any step is timed (the planner only answers
     # with a plan min_improvement better), and never the running plan again
     carried = decide(pr, cur, new, "carried", [1, 1, 1, 5], 6, 0.1, None, 1, 0.0, s)
-    assert carried.plan is not None and "carried" in carried.event["reason"]
+    assert carried.plan is not None and "carried" in carried.reason
     assert decide(pr, cur, cur, "carried", [1, 1, 1, 5], 6, 0.1, None, 1, 0.0, s).plan is None
 
 
@@ -134,12 +135,12 @@ def test_the_migration_prediction_fits_a_fixed_part_and_a_bandwidth():
     plan = static_plan(4, 8, 1, 1, 1, 4)
     ctl = Controller(JobSpec.of_model(PRESETS["tiny"], plan), AdaptiveSettings(
         enabled=False, migrate_gbps=2.0), plan)
-    assert ctl._migrate_s_for(4 * 10**9) == pytest.approx(0.05 + 2.0)
+    assert ctl.session.migrate_s_for(4 * 10**9) == pytest.approx(0.05 + 2.0)
     ctl.migrations.append(NS(bytes=0, seconds=11.0))
-    assert ctl._migrate_s_for(4 * 10**9) == pytest.approx(11.0 + 2.0)
+    assert ctl.session.migrate_s_for(4 * 10**9) == pytest.approx(11.0 + 2.0)
     ctl.migrations.append(NS(bytes=10**12, seconds=31.0))
-    assert ctl._migrate_s_for(2 * 10**12) == pytest.approx(51.0)
-    assert ctl._migrate_s_for(0) == pytest.approx(11.0)
+    assert ctl.session.migrate_s_for(2 * 10**12) == pytest.approx(51.0)
+    assert ctl.session.migrate_s_for(0) == pytest.approx(11.0)
 
 
 def test_worker_forced_gives_another_valid_plan_and_errors_are_answers():
@@ -201,20 +202,20 @@ def test_controller_detects_plans_in_the_background_and_decides():
     rng = np.random.default_rng(0)
     try:
         for _ in _drive(ctl, plan, [1, 1, 1, 1], 30, rng):
-            assert ctl._pending is None and ctl._result is None      # healthy: nothing
+            assert ctl.session.pending is None and ctl.session.result is None      # healthy: nothing
         requested = None
         for k in _drive(ctl, plan, [1, 1, 1, 5], 200, rng):
-            if ctl._pending is not None and requested is None:
+            if ctl.session.pending is not None and requested is None:
                 requested = k
-                assert ctl._pending["trigger"] == "onset"
+                assert ctl.session.pending["trigger"] == "onset"
             if ctl.ready:
                 break
             time.sleep(0.02)                   # training goes on while the worker plans
         assert requested is not None and requested <= 5, "detected within the first window"
-        ev = ctl._result.event
+        ev = ctl.session.result.line()
         assert ev["trigger"] == "onset" and ev["adopted"], ev
         assert ev["measured_rates"][3] == pytest.approx(5.0, rel=0.15)
-        new = Plan.from_json(ctl._result.plan)
+        new = Plan.from_json(ctl.session.result.plan)
         assert new.locate(3) is None or new.pipelines[new.locate(3)[0]].micro_batches < 2
     finally:
         ctl.close()
@@ -281,9 +282,9 @@ def test_a_rank_without_work_sustains_its_probe_and_reports_one_run():
     try:
         assert not idle.working
         t0 = time.perf_counter()
-        per_run = idle.probe(2)
+        per_run = idle.probing.measure(2)
         wall = time.perf_counter() - t0
-        runs = idle._probe.engine.runs[0]
+        runs = idle.probing.block.engine.runs[0]
         # warm-up + sustain (>= 60 ms) + timed repeats (~100 ms at the last run's pace)
         assert runs >= 1 + 2 + 2 and wall >= 0.12, (runs, wall)
         assert 0.01 <= per_run < 0.1
@@ -292,17 +293,17 @@ def test_a_rank_without_work_sustains_its_probe_and_reports_one_run():
     ref = _loop(_probing_engine(plan, 0, 0.01), AdaptiveSettings())
     try:
         assert ref.working
-        per_run = ref.probe(2)      # first probe: a warm-up, then ProbeBlock.REF_RUNS timed
-        assert ref._probe.engine.runs[0] == 1 + ProbeBlock.REF_RUNS and 0.01 <= per_run < 0.1
-        ref.probe(4)                # later ones: warm already (it works every step)
-        assert ref._probe.engine.runs[0] == 1 + 2 * ProbeBlock.REF_RUNS
+        per_run = ref.probing.measure(2)    # first probe: a warm-up, then REF_RUNS timed
+        assert ref.probing.block.engine.runs[0] == 1 + ProbeBlock.REF_RUNS and 0.01 <= per_run < 0.1
+        ref.probing.measure(4)                # later ones: warm already (it works every step)
+        assert ref.probing.block.engine.runs[0] == 1 + 2 * ProbeBlock.REF_RUNS
     finally:
         ref.close()
     short = _loop(_probing_engine(plan, 3, 0.01), AdaptiveSettings())
     try:
         short.step_times.extend([0.04] * 5)        # 40 ms steps: a probe gets at most 20 ms
-        short.probe(2)
-        assert short._probe.engine.runs[0] <= 1 + 2 + 2, short._probe.engine.runs[0]
+        short.probing.measure(2)
+        assert short.probing.block.engine.runs[0] <= 1 + 2 + 2, short.probing.block.engine.runs[0]
     finally:
         short.close()
 
@@ -322,20 +323,21 @@ def test_a_held_rank_with_slack_sustains_its_probe_within_its_slack():
         c.compute_times.extend([0.2] * 5)         # slack 0.8 s: room for the whole probe
         assert c.probe_due(2) and not c.probe_due(3)
         t0 = time.perf_counter()
-        per_run = c.probe(2)
+        per_run = c.probing.measure(2)
         wall = time.perf_counter() - t0
-        assert c._probe.engine.runs[0] >= 1 + 2 + 2 and wall >= 0.12, (c._probe.engine.runs[0], wall)
+        runs = c.probing.block.engine.runs[0]
+        assert runs >= 1 + 2 + 2 and wall >= 0.12, (runs, wall)
         assert 0.01 <= per_run < 0.1
         c.compute_times.extend([0.9] * 5)         # busy: its training reads it under load
         assert not c.probe_due(2)
         c.step_times.extend([0.3] * 5)
         c.compute_times.extend([0.1] * 5)         # slack 0.2 s: the probe gets at most 0.1 s
-        c._probe.engine.runs[0] = 0
+        c.probing.block.engine.runs[0] = 0
         assert c.probe_due(2)
-        c.probe(2)
+        c.probing.measure(2)
         # warm-up + sustain (<= 50 ms of >= 10 ms runs, and the one that crosses it) + timed
         # repeats (50 ms at the pace of the last run, >= 10 ms): counted, not timed (load-proof)
-        assert c._probe.engine.runs[0] <= 1 + 6 + 5, c._probe.engine.runs[0]
+        assert c.probing.block.engine.runs[0] <= 1 + 6 + 5, c.probing.block.engine.runs[0]
         c.switched(plan, [1.0, 1.0, 1.0, 1.0])
         assert not c.held.any() and c.probe_ref is None and not c.probe_due(2)
     finally:
@@ -347,7 +349,7 @@ def test_carried_rates_schedule_a_replan_before_the_first_resumed_step():
     ctl = _loop(_engine(plan), AdaptiveSettings(replan_at=(9,)))
     try:
         assert ctl.carry([1.0, 4.2, None, 1.05], 6)
-        assert ctl.forced == [6, 9] and ctl._carried_at == 6
+        assert ctl.forced == [6, 9] and ctl.session.carried_at == 6
         assert ctl.measured[1] == 4.2 and np.isnan(ctl.measured[2])
         healthy = _loop(_engine(plan), AdaptiveSettings())
         assert not healthy.carry([1.0, 1.1, 1.0, None], 6) and healthy.forced == []
@@ -399,7 +401,7 @@ def test_a_readmitted_rank_still_slow_breaks_the_promise_and_the_loop_replans_at
     try:
         for _ in _drive(ctl, plan, [1, 1, 1, 1], 12, rng):
             pass
-        assert ctl.pace.seconds is not None                  # the healthy pace is known
+        assert ctl.promise.pace.seconds is not None                  # the healthy pace is known
         light = _light_plan(3)
         eng.plan = light
         ctl.switched(light, [1.0, 1.0, 1.0, 3.0])
@@ -414,10 +416,10 @@ def test_a_readmitted_rank_still_slow_breaks_the_promise_and_the_loop_replans_at
                 break
             time.sleep(0.02)
         assert missed_at is not None and missed_at <= 1 + ctl.s.check.patience + 1, missed_at
-        ev = ctl._result.event
+        ev = ctl.session.result.line()
         assert ev["trigger"] == "missed" and ev["adopted"], ev
         assert ev["measured_rates"][3] > 5.0, ev            # re-measured since the switch
-        new = Plan.from_json(ctl._result.plan)
+        new = Plan.from_json(ctl.session.result.plan)
         work = lambda p: cost_units(p, 4, 1, {1: 1.0})[3]    # noqa: E731
         assert work(new) < work(light), (new, light)
     finally:
@@ -425,33 +427,33 @@ def test_a_readmitted_rank_still_slow_breaks_the_promise_and_the_loop_replans_at
 
 
 def test_a_missed_promise_with_nothing_better_goes_back_to_the_faster_previous_plan():
-    from malleus_ds.adaptive.replan import Decision
+    from malleus_ds.steploop import ReplanDecision
 
     plan = static_plan(4, 8, 1, 1, 1, 4)
     light = _light_plan(1)
     validate_plan(light, JobLayout.one_node(4))
     ctl = _loop(_engine(light), AdaptiveSettings())
     try:
-        kept = Decision({"event": "replan", "trigger": "missed", "adopted": False,
-                         "from": light.id, "to": light.id, "reason": "the running plan is "
-                         "still the best", "measured_rates": [1.0, 1.8, 1.0, 1.0]}, None)
-        ctl._previous = (plan, 0.35, [1.0, 10.0, 1.0, 1.0])
-        back = ctl._back_out(kept, light, 0.57)          # the previous plan ran faster
+        kept = ReplanDecision(step=0, trigger="missed", adopted=False, from_plan=light.id,
+                              to_plan=light.id, reason="the running plan is still the best",
+                              trigger_rates=(1.0, 1.8, 1.0, 1.0))
+        ctl.promise.previous = (plan, 0.35, [1.0, 10.0, 1.0, 1.0])
+        back = ctl.promise.back_out(kept, light, 0.57)          # the previous plan ran faster
         assert back.plan is not None and Plan.from_json(back.plan).id == plan.id
-        assert back.event["adopted"] and back.event["to"] == plan.id
-        assert back.event["rates_for"] == [1.0, 10.0, 1.0, 1.0]
-        assert "back to" in back.event["reason"] and "0.350" in back.event["reason"]
-        assert ctl._back_out(kept, light, 0.30) is kept   # it ran slower: stay
-        ctl._previous = None
-        assert ctl._back_out(kept, light, 0.57) is kept   # nothing to go back to
+        assert back.adopted and back.to_plan == plan.id
+        assert back.line()["rates_for"] == [1.0, 10.0, 1.0, 1.0]
+        assert "back to" in back.reason and "0.350" in back.reason
+        assert ctl.promise.back_out(kept, light, 0.30) is kept   # it ran slower: stay
+        ctl.promise.previous = None
+        assert ctl.promise.back_out(kept, light, 0.57) is kept   # nothing to go back to
         # the host got slower for everyone on the healthy layout: the plan that suspended a
         # straggler (gone now) ran faster back then, but the model says it is worse today
         nominal, suspended = static_plan(4, 8, 1, 1, 1, 4), static_plan(4, 8, 1, 1, 1, 3)
         ctl.close()
         ctl = _loop(_engine(nominal), AdaptiveSettings())
-        ctl._previous = (suspended, 0.35, [1.0, 1.0, 1.0, 10.0])
-        healthy = Decision(dict(kept.event, measured_rates=[1.0] * 4), None)
-        assert ctl._back_out(healthy, nominal, 0.47) is healthy
+        ctl.promise.previous = (suspended, 0.35, [1.0, 1.0, 1.0, 10.0])
+        healthy = replace(kept, trigger_rates=(1.0,) * 4)
+        assert ctl.promise.back_out(healthy, nominal, 0.47) is healthy
     finally:
         ctl.close()
 
@@ -468,11 +470,12 @@ def test_a_probe_reads_its_faster_reading_unless_its_sustained_runs_show_a_cap()
         block = lambda n, late=late: 0.02 if n <= 3 else 0.02 * late  # noqa: E731
         idle = _loop(_probing_engine(plan, 3, block), AdaptiveSettings())
         try:
-            got = idle.probe(2)
-            early, sustained = idle._probe.last
+            got = idle.probing.measure(2)
+            early, sustained = idle.probing.block.last
             ratio = sustained / early
-            assert (1.2 < ratio < 1.1 * late) if late > 1 else (ratio < 0.9), idle._probe.last
-            assert got == (early if expect == "early" else sustained), (late, idle._probe.last)
+            last = idle.probing.block.last
+            assert (1.2 < ratio < 1.1 * late) if late > 1 else (ratio < 0.9), last
+            assert got == (early if expect == "early" else sustained), (late, last)
         finally:
             idle.close()
 
@@ -487,11 +490,11 @@ def test_a_sudden_straggler_on_the_first_plan_is_planned_for_within_two_steps():
     try:
         for _ in _drive(ctl, plan, [1, 1, 1, 1], 12, rng):
             pass
-        assert ctl.check.expected_s == pytest.approx(ctl.pace.seconds) and ctl.check.severe_only
+        assert ctl.check.expected_s == pytest.approx(ctl.promise.pace.seconds) and ctl.check.severe_only
         for k in _drive(ctl, plan, [1, 1, 1, 10], 2, rng):
             pass
-        assert ctl._pending is not None and ctl._pending["trigger"] == "onset", ctl._pending
-        assert ctl._pending["rates"][3] > 5.0
+        assert ctl.session.pending is not None and ctl.session.pending["trigger"] == "onset", ctl.session.pending
+        assert ctl.session.pending["rates"][3] > 5.0
         assert ctl.det.streak == 0          # the detector had not confirmed anything yet
     finally:
         ctl.close()
@@ -510,7 +513,7 @@ def test_a_host_slow_for_everyone_is_no_reason_to_plan():
         for rates in ([2.5] * 4,) * 6 + ([1, 1, 1, 1],) * 30:
             for _ in _drive(ctl, plan, rates, 1, rng):
                 missed += [e for e in ctl.take_events() if e["outcome"] == "missed"]
-                assert ctl._pending is None and ctl._result is None
+                assert ctl.session.pending is None and ctl.session.result is None
         assert missed, "the slow host was seen"
     finally:
         ctl.close()
@@ -526,9 +529,9 @@ def test_a_rank_slowed_by_sleeping_has_no_cap_to_sustain_for():
         idle = _loop(_probing_engine(plan, 3, 0.01), AdaptiveSettings())
         try:
             sched = StragglerSchedule.parse([{"rank": 3, "rate": 2.0}], method=method)
-            idle._probe.engine.clock.straggler = SimpleNamespace(schedule=sched)
-            idle.probe(2)
-            assert (idle._probe.last[1] is not None) == sustains, (method, idle._probe.last)
+            idle.probing.block.engine.clock.straggler = SimpleNamespace(schedule=sched)
+            idle.probing.measure(2)
+            assert (idle.probing.block.last[1] is not None) == sustains, (method, idle.probing.block.last)
         finally:
             idle.close()
 
@@ -565,27 +568,27 @@ def test_a_decision_overtaken_by_the_rates_is_asked_again_for_todays():
     plan = static_plan(4, 8, 1, 1, 1, 4)
     ctl = _loop(_engine(plan), AdaptiveSettings(detect=DetectConfig(every=1)))
     ctl.close()
-    ctl._client = fake = _HeldAnswers()
+    ctl.session.client = fake = _HeldAnswers()
     rng = np.random.default_rng(3)
     light = _light_plan(3)
     try:
         _healthy_steps(ctl, plan, [1, 1, 1, 5], 0, 6, rng)
-        ctl._request("onset", [1.0, 1.0, 1.0, 5.0], 6)
+        ctl.session.request("onset", [1.0, 1.0, 1.0, 5.0], 6)
         _healthy_steps(ctl, plan, [1, 1, 1, 5], 6, 1, rng)
-        ctl._collect({"plan": light.to_json()})             # one step since: too few to say
-        assert ctl._result is not None and ctl._result.event["trigger"] == "onset"
-        ctl._result = None
-        ctl._request("onset", [1.0, 1.0, 1.0, 5.0], 7)
+        ctl.session.collect({"plan": light.to_json()})             # one step since: too few to say
+        assert ctl.session.result is not None and ctl.session.result.trigger == "onset"
+        ctl.session.result = None
+        ctl.session.request("onset", [1.0, 1.0, 1.0, 5.0], 7)
         _healthy_steps(ctl, plan, [1, 1, 1, 1], 7, 3, rng)  # rank 3 healthy again meanwhile
-        ctl._collect({"plan": light.to_json()})
-        assert ctl._result is None and len(fake.asked) == 3
-        p = ctl._pending
+        ctl.session.collect({"plan": light.to_json()})
+        assert ctl.session.result is None and len(fake.asked) == 3
+        p = ctl.session.pending
         assert p["trigger"] == "onset"                     # nothing was planned for rank 3 yet
         assert p["rates"] == [1.0, 1.0, 1.0, 1.0] and p["step"] == 10
         _healthy_steps(ctl, plan, [1, 1, 1, 6], 10, 3, rng)  # moved again: taken as it comes
-        ctl._collect({"plan": plan.to_json()})
-        ev = ctl._result.event
+        ctl.session.collect({"plan": plan.to_json()})
+        ev = ctl.session.result.line()
         assert "rates moved from [1.0, 1.0, 1.0, 5.0] to [1.0, 1.0, 1.0, 1.0]" in ev["reason"]
         assert ev["measured_rates"] == [1.0, 1.0, 1.0, 1.0]
     finally:
-        ctl._client = None
+        ctl.session.client = None

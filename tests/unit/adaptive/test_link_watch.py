@@ -14,7 +14,7 @@ from malleus_ds.adaptive.job import JobSpec
 from malleus_ds.adaptive.link_watch import Links, LinkWatch
 from malleus_ds.adaptive.settings import AdaptiveSettings
 from malleus_ds.adaptive.work import cost_units
-from malleus_ds.engine.step_reduce import StepSums
+from malleus_ds.steploop import StepSums
 from malleus_ds.job_layout import JobLayout
 from malleus_ds.models.llama import PRESETS
 from malleus_ds.plan import static_plan
@@ -245,7 +245,7 @@ def test_link_probes_take_each_kind_of_link_in_turn():
     """2 nodes of 2 GPUs with TP=2: node links and GPU links are both read, each with its own
     probe reference (``link_rates.MIN_HISTORY`` probes): the warm-up probes them in turn,
     every step, for LINK_WARMUP steps per kind."""
-    from malleus_ds.adaptive.control import LINK_WARMUP
+    from malleus_ds.adaptive.probing import LINK_WARMUP
 
     plan = static_plan(4, 8, 1, 2, 1, 2)
     spec = JobSpec.of_model(PRESETS["tiny"], plan, world=4, job=JobLayout(4, 2, 2))
@@ -253,14 +253,14 @@ def test_link_probes_take_each_kind_of_link_in_turn():
                      link_prober=_Prober())
     try:
         assert ctl.measures_links
-        got = [ctl._link_to_probe(s) for s in range(2 * LINK_WARMUP)]
+        got = [ctl.probing.link_to_probe(s) for s in range(2 * LINK_WARMUP)]
         assert got == [((0, 2), None), ((0, 1), None)] * LINK_WARMUP, got
-        ctl._seen = 2 * LINK_WARMUP           # warmed up: every 5 x probe_every steps
-        assert [s for s in range(40) if ctl._link_to_probe(s) is not None] == [0, 10, 20, 30]
+        ctl.seen = 2 * LINK_WARMUP           # warmed up: every 5 x probe_every steps
+        assert [s for s in range(40) if ctl.probing.link_to_probe(s) is not None] == [0, 10, 20, 30]
         # held links: every step for LINK_WARMUP steps, three round trips; then every
         # probe_every steps, one round trip for a link held at ONE_TRIP_RATE or more
-        ctl.held_links, ctl._held_since = Links({(0, 1): 150.0}, {(2, 3): 20.0}), 100
-        got = [ctl._link_to_probe(s) for s in range(100, 100 + LINK_WARMUP + 8)]
+        ctl.probing.held_links, ctl.probing.held_since = Links({(0, 1): 150.0}, {(2, 3): 20.0}), 100
+        got = [ctl.probing.link_to_probe(s) for s in range(100, 100 + LINK_WARMUP + 8)]
         assert got[:LINK_WARMUP] == [((0, 2), None), ((2, 3), None)] * (LINK_WARMUP // 2)
         assert [g for g in got[LINK_WARMUP:] if g] == [((0, 2), 1), ((2, 3), None)] * 2, got
     finally:

@@ -1,6 +1,6 @@
 """The adaptive loop with no engine and no process group (issue 32): one rank-0 loop driven for
 hundreds of steps by synthetic per-rank timings under a straggler schedule, through the same
-step hooks an engine calls (``engine/hooks.py``), with the real detector, probes' arithmetic,
+step hooks an engine calls (``steploop.py``), with the real detector, probes' arithmetic,
 planner process and cost rule. Checked against the schedule: detection, the re-plan, the slow
 rank's work cut (suspended or a light share), never let back while slow, and re-admission to
 full work once healthy, twice in one run."""
@@ -15,7 +15,7 @@ from malleus_ds.adaptive.detect import DetectConfig
 from malleus_ds.adaptive.job import JobSpec
 from malleus_ds.adaptive.settings import AdaptiveSettings
 from malleus_ds.adaptive.work import cost_units
-from malleus_ds.engine.step_reduce import StepSums
+from malleus_ds.steploop import StepSums
 from malleus_ds.models.llama import PRESETS
 from malleus_ds.plan import Plan, static_plan
 
@@ -48,14 +48,14 @@ def apply_decisions(ctl: Controller, step: int, plan: Plan, events: list) -> Pla
     """What an engine does at the boundary before ``step``: the loop's decisions, each switched
     to (a 1 MB, 10 ms migration) or considered; their events go to ``events``. Returns the plan
     that runs ``step``."""
-    for ev, pj in ctl.before_step(step):
-        events.append(ev)
-        if pj is not None:
-            plan = Plan.from_json(pj)
-            ctl.switched(plan, ev.get("rates_for", ev.get("measured_rates")),
+    for d in ctl.before_step(step):
+        events.append(d.line())
+        if d.plan is not None:
+            plan = Plan.from_json(d.plan)
+            ctl.switched(plan, d.made_for,
                          migration=SimpleNamespace(bytes=1 << 20, seconds=0.01))
         else:
-            ctl.considered(ev.get("measured_rates"))
+            ctl.considered(d.measured)
     return plan
 
 

@@ -478,7 +478,7 @@ def test_the_loop_reads_the_runs_own_step_seconds_where_it_ran_the_runs_plan(mon
     def spy(self, seconds):
         read.append(seconds)
         orig(self, seconds)
-        missed.extend(e for e in self._events if e.get("outcome") == "missed"
+        missed.extend(e for e in self.promise.events if e.get("outcome") == "missed"
                       and e not in missed)
     monkeypatch.setattr(control.Controller, "step_done", spy)
     tr = make_trace([Event(10, 60, 3, 4.0)], 4, hours=60 / 3600)

@@ -5,14 +5,15 @@
 every rank with only ``world_size`` known, so a bad input fails everywhere with the same message
 instead of hanging a collective. Messages name the field and the numbers and say what to do.
 
-The schema (``RunConfig`` and its sections, ``ConfigError``) is :mod:`malleus_ds.app.run_config`,
-re-exported here; the model and data sections are checked by ``models/parse.py`` and
-``data/parse.py``, the device setting by ``device.py``.
+The ``deepspeed.*`` section (the ds_config and what is resolved against it) is parsed by
+``config_deepspeed.py``; the schema (``RunConfig`` and its sections, ``ConfigError``) is
+``run_config.py``; the model and data sections are checked by ``models/parse.py`` and
+``data/parse.py``, the device setting by ``device.py``. The names of all of these that callers
+use are re-exported here.
 """
 from __future__ import annotations
 
 import difflib
-import json
 import os
 from dataclasses import fields, replace
 from pathlib import Path
@@ -20,10 +21,19 @@ from typing import Any, Mapping
 
 from ..adaptive.settings import ADAPTIVE_KEYS, AdaptiveSettings
 from ..interop.malleus_section import section_keys
-from ..interop.sections import activation_checkpointing_source
 from ..engine.settings import MalleusSettings, parse_switch, positive
 from ..data.parse import parse_data
 from ..data.tokens import DataError
+from .config_deepspeed import (  # noqa: F401  (re-exported)
+    DS_GRADIENT_CLIPPING,
+    activation_checkpointing_note,
+    check_even_batch,
+    ds_source,
+    fill_auto,
+    load_ds_config,
+    parse_deepspeed,
+    resolve_activation_checkpointing,
+    review_for_malleus)
 from .device import DeviceError, check_device
 from ..emulation.straggler import StragglerError, StragglerSchedule
 from ..job_layout import JobLayout, JobLayoutError
@@ -63,7 +73,7 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
         raise ConfigError(str(e)) from None
     parallel = _parallel(d.get("parallel") or {}, world_size, model,
                          elastic=elastic and engine == "malleus")
-    ds = _deepspeed(d.get("deepspeed") or {}, ds_search_dirs)
+    ds = parse_deepspeed(d.get("deepspeed") or {}, ds_search_dirs)
     train, batch_notes = _train(d.get("train") or {}, ds, parallel.dp)
     cluster = _cluster(d.get("cluster") or {}, world_size, local_world_size or world_size, parallel)
     straggler = _straggler(d.get("straggler") or {}, world_size)
@@ -72,11 +82,11 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
         raise ConfigError(f"straggler.link_schedule slows links of engine=malleus's messages and "
                           f"reductions; engine={engine} sends its own: use engine=malleus, or "
                           f"leave straggler.link_schedule empty")
-    train = _activation_checkpointing(train, (d.get("train") or {}).get("activation_checkpointing"),
-                                      ds)
-    ds = _auto(ds, train, model, parallel)
+    train = resolve_activation_checkpointing(
+        train, (d.get("train") or {}).get("activation_checkpointing"), ds)
+    ds = fill_auto(ds, train, model, parallel)
     if engine == "malleus":
-        batch_notes += _review(ds)
+        batch_notes += review_for_malleus(ds)
     if batch_notes:
         ds = replace(ds, notes=tuple(batch_notes) + ds.notes)
     if train.num_micro_batches < parallel.dp:
@@ -254,7 +264,7 @@ def _malleus(m: Mapping[str, Any], engine: str, ds: DeepSpeedSection) -> Malleus
         return MalleusConfig()
     sec = ds.config.get("malleus") or {}
     if not isinstance(sec, Mapping):
-        raise ConfigError(f"ds_config{_ds_file(ds)} malleus must be an object, got {sec!r}")
+        raise ConfigError(f"ds_config{ds_source(ds)} malleus must be an object, got {sec!r}")
     merged = {**{k: v for k, v in sec.items() if k in MALLEUS_KEYS and v is not None}, **out}
     try:
         own = MalleusSettings.from_config(sec)  # the ds_config's own section, in its own words
@@ -362,42 +372,6 @@ def _train(t: Mapping[str, Any], ds: DeepSpeedSection, dp: int) -> tuple[TrainCo
     return tc, notes
 
 
-def _activation_checkpointing(t: TrainConfig, asked: Any, ds: DeepSpeedSection) -> TrainConfig:
-    """``train.activation_checkpointing`` (true | false | null) resolved against the ds_config:
-    null follows the ds_config (on when it enables DeepSpeed's activation checkpointing:
-    ``interop.sections.activation_checkpointing_source``); true turns it on either way; false
-    with a ds_config that turns it on is a contradiction, refused naming both."""
-    try:
-        src = activation_checkpointing_source(ds.config)
-    except ValueError as e:
-        raise ConfigError(f"{e}{_ds_file(ds)}") from None
-    if asked is False and src is not None:
-        raise ConfigError(f"train.activation_checkpointing=false, but the ds_config{_ds_file(ds)} "
-                          f"turns activation checkpointing on with its {src}; drop "
-                          f"train.activation_checkpointing (null follows the ds_config) or take "
-                          f"the {src.split('=')[0]} out of the ds_config")
-    on = bool(asked) or src is not None
-    return replace(t, activation_checkpointing=on) if on != t.activation_checkpointing else t
-
-
-def activation_checkpointing_note(cfg: RunConfig) -> str | None:
-    """The start-up words for ``train.activation_checkpointing`` when it is on (None when off),
-    naming the ds_config field when that is what turned it on."""
-    if not cfg.train.activation_checkpointing:
-        return None
-    src = activation_checkpointing_source(cfg.deepspeed.config)
-    why = f"the ds_config's {src}" if src is not None else "train.activation_checkpointing=true"
-    return (f"activation checkpointing on ({why}): each decoder layer's activations are "
-            f"recomputed in backward")
-
-
-def _ds_file(ds: DeepSpeedSection) -> str:
-    """Where the ds_config came from, for messages (inline ``deepspeed.config`` fields are
-    merged over the file)."""
-    return f" (deepspeed.config_file={ds.config_file} and deepspeed.config)" \
-        if ds.config_file else ""
-
-
 def _parallel(p: Mapping[str, Any], world: int, model: ModelConfig,
               elastic: bool = False) -> ParallelConfig:
     unknown = sorted(set(p) - {"tp", "pp", "dp"})
@@ -459,121 +433,6 @@ def _cluster(c: Mapping[str, Any], world: int, local_world: int,
         raise ConfigError(f"parallel.tp={par.tp} does not divide cluster.gpus_per_node={gpn}: "
                           f"a TP group must stay inside one node")
     return ClusterConfig(gpn, nodes)
-
-
-def load_ds_config(path: str | Path) -> dict:
-    """Read a ds_config JSON file; malformed JSON -> ConfigError with file, line and column."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"deepspeed.config_file={str(path)!r}: file not found")
-    from ..files.safe_load import MAX_JSON_BYTES
-
-    if p.stat().st_size > MAX_JSON_BYTES:
-        raise ConfigError(f"deepspeed.config_file={str(p)!r} is {p.stat().st_size / 2**20:.1f} "
-                          f"MiB; refused unread (a ds_config is at most "
-                          f"{MAX_JSON_BYTES / 2**20:.0f} MiB)")
-    try:
-        d = json.loads(p.read_bytes())
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"deepspeed.config_file={str(p)!r} is not text ({e})") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"deepspeed.config_file={str(p)!r} is not valid JSON: {e.msg} at line "
-                          f"{e.lineno} column {e.colno}") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"deepspeed.config_file={str(p)!r} must hold a JSON object, "
-                          f"got {type(d).__name__}")
-    return d
-
-
-#: DeepSpeed's ``gradient_clipping`` when a ds_config leaves it out (its runtime/constants.py)
-DS_GRADIENT_CLIPPING = 1.0
-
-
-def _deepspeed(s: Mapping[str, Any], search: tuple[str | Path, ...]) -> DeepSpeedSection:
-    unknown = sorted(set(s) - {"config_file", "config"})
-    if unknown:
-        raise ConfigError(f"deepspeed has unknown fields {unknown}; allowed: "
-                          f"['config', 'config_file']")
-    f = s.get("config_file")
-    cfg: dict = {}
-    path = None
-    if f:
-        cand = [Path(f)] if os.path.isabs(f) else [Path(d) / f for d in search] + [Path(f)]
-        hit = next((c for c in cand if c.is_file()), None)
-        if hit is None:
-            raise ConfigError(f"deepspeed.config_file={f!r}: file not found (looked in "
-                              f"{[str(c) for c in cand]})")
-        path = str(hit.resolve())
-        cfg = load_ds_config(hit)
-    inline = s.get("config") or {}
-    if not isinstance(inline, Mapping):
-        raise ConfigError(f"deepspeed.config must be a mapping of ds_config fields, got {inline!r}")
-    cfg = _merge(cfg, inline)
-    zo = cfg.get("zero_optimization", {})
-    if not isinstance(zo, Mapping):
-        raise ConfigError(f"ds_config zero_optimization must be an object, got {zo!r}")
-    stage = zo.get("stage", 0)
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
-        raise ConfigError(f"ds_config zero_optimization.stage={stage!r} must be 0, 1, 2 or 3")
-    notes = ()
-    if path is not None and "gradient_clipping" not in cfg:
-        # a ds_config file means what it means to DeepSpeed, whose default clips at 1.0 (the
-        # runners' 0.0 default is for configs given inline; the presets say 0.0 themselves)
-        cfg = dict(cfg, gradient_clipping=DS_GRADIENT_CLIPPING)
-        notes = (f"gradient_clipping: not in {f}, so {DS_GRADIENT_CLIPPING}, DeepSpeed's default "
-                 f"(set it to 0.0 for no clipping)",)
-    return DeepSpeedSection(config_file=path, config=cfg, notes=notes)
-
-
-def _auto(ds: DeepSpeedSection, train: TrainConfig, model, parallel: ParallelConfig
-          ) -> DeepSpeedSection:
-    """The ds_config with every ``"auto"`` filled from ``train.*`` and the model, as the Hugging
-    Face Trainer and accelerate fill it (``interop/auto.py``); one note per value."""
-    from ..interop.auto import resolve_auto
-
-    cfg, notes = resolve_auto(ds.config, train, model.hidden_size, parallel.dp,
-                              error=ConfigError)
-    return DeepSpeedSection(ds.config_file, cfg, ds.notes + tuple(notes)) if notes else ds
-
-
-def _review(ds: DeepSpeedSection) -> list[str]:
-    """What MalleusEngine does with each key of the ds_config (``interop/config_keys.py``): a note
-    per key it ignores, a ConfigError for one it refuses."""
-    from ..interop.config_keys import review
-
-    try:
-        return review(ds.config)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def check_even_batch(t: TrainConfig, p: ParallelConfig, ds: DeepSpeedSection) -> None:
-    """Stock DeepSpeed needs the same micro-batch count on every replica, and batch fields in
-    the ds_config that agree with ``train.*``. Raises ConfigError otherwise."""
-    n = t.num_micro_batches
-    if n % p.dp:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} / "
-                          f"train.micro_batch_size={t.micro_batch_size} = {n} micro-batches do "
-                          f"not split evenly over parallel.dp={p.dp} replicas; use a global batch "
-                          f"that is a multiple of {t.micro_batch_size * p.dp}")
-    c = ds.config
-    from ..interop.compat import batch_keys
-
-    want = batch_keys(t.micro_batch_size, n // p.dp, p.dp)
-    for k, v in want.items():
-        if k in c and c[k] not in (None, "auto") and c[k] != v:
-            raise ConfigError(f"ds_config {k}={c[k]} contradicts the run: train.global_batch_size="
-                              f"{t.global_batch_size}, train.micro_batch_size={t.micro_batch_size}, "
-                              f"dp={p.dp} give {k}={v}; remove it from the JSON (train.* sets it) "
-                              f"or set it to \"auto\"")
-
-
-def _merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) \
-            else v
-    return out
 
 
 def _int(v: Any, where: str) -> int:

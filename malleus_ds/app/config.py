@@ -18,10 +18,12 @@ from __future__ import annotations
 import difflib
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 from ..data.parse import parse_data
 from ..data.tokens import DataError
+from ..models.llama import ModelConfig
+from ..models.parse import ModelError, parse_model
 from .config_deepspeed import (  # noqa: F401  (re-exported)
     DS_GRADIENT_CLIPPING,
     activation_checkpointing_note,
@@ -42,9 +44,8 @@ from .config_sections import (  # noqa: F401  (re-exported)
     parse_straggler,
     parse_train)
 from .config_sections import elastic_pp as _elastic_pp  # noqa: F401  (the name tests use)
-from ..models.parse import ModelError, parse_model
 from .device import DeviceError, check_device
-from .run_config import (
+from .run_config import (  # noqa: F401  (re-exported)
     ENGINES,
     CheckpointConfig,
     ClusterConfig,
@@ -55,6 +56,8 @@ from .run_config import (
     RunConfig,
     TrainConfig)
 
+_T = TypeVar("_T")
+
 
 def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size: int | None = None,
                      run_dir: str | None = None,
@@ -64,50 +67,89 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
 
     ``ds_search_dirs``: where a relative ``deepspeed.config_file`` is looked up (before the CWD).
     ``elastic``: the ranks run under torchrun's elastic agent, whose restarts may bring fewer (or
-    more) ranks than the layout was written for (``_elastic_pp``).
+    more) ranks than the layout was written for (``config_sections.elastic_pp``).
+    The sections are parsed in a fixed order, each with what the earlier ones gave; the first
+    mistake found is the one reported.
     """
-    if world_size < 1:
-        raise ConfigError(f"world_size={world_size} must be >= 1")
-    engine = str(d.get("engine", "torch"))
-    if engine not in ENGINES:
-        raise ConfigError(f"engine={engine!r} is not known; choose one of {list(ENGINES)}")
-    _refuse_unknown_keys(d)
-    try:
-        model = parse_model(d.get("model") or {})
-    except ModelError as e:
-        raise ConfigError(str(e)) from None
+    engine = _engine(d, world_size)
+    model = _reraised(ModelError, parse_model, d.get("model") or {})
     parallel = parse_parallel(d.get("parallel") or {}, world_size, model,
                               elastic=elastic and engine == "malleus")
     ds = parse_deepspeed(d.get("deepspeed") or {}, ds_search_dirs)
     train, batch_notes = parse_train(d.get("train") or {}, ds, parallel.dp)
     cluster = parse_cluster(d.get("cluster") or {}, world_size, local_world_size or world_size,
                             parallel)
-    straggler = parse_straggler(d.get("straggler") or {}, world_size)
-    links = parse_links(d.get("straggler") or {}, world_size, cluster.gpus_per_node)
+    straggler, links = _stragglers(d.get("straggler") or {}, world_size, cluster.gpus_per_node,
+                                   engine)
+    train = resolve_activation_checkpointing(
+        train, (d.get("train") or {}).get("activation_checkpointing"), ds)
+    ds = _resolve_ds_config(ds, train, model, parallel, engine, batch_notes)
+    _check_replicas_fed(train, parallel)
+    data = _reraised(DataError, parse_data, d.get("data") or {}, model, train.global_batch_size)
+    device = _reraised(DeviceError, check_device, d.get("device", "auto"))
+    top = _top_level_settings(d, engine)
+    return RunConfig(engine=engine, model=model, train=train, parallel=parallel, cluster=cluster,
+                     straggler=straggler, links=links, deepspeed=ds, world_size=world_size,
+                     run_dir=run_dir, device=device, data=data, **top,
+                     malleus=parse_malleus(d.get("malleus") or {}, engine, ds))
+
+
+def _reraised(error: type[Exception], parse: Callable[..., _T], *args: Any) -> _T:
+    """``parse(*args)``, its own ``error`` turned into a ConfigError with the same words."""
+    try:
+        return parse(*args)
+    except error as e:
+        raise ConfigError(str(e)) from None
+
+
+def _engine(d: Mapping[str, Any], world_size: int) -> str:
+    """The world size and ``engine`` checked, and every top-level key known."""
+    if world_size < 1:
+        raise ConfigError(f"world_size={world_size} must be >= 1")
+    engine = str(d.get("engine", "torch"))
+    if engine not in ENGINES:
+        raise ConfigError(f"engine={engine!r} is not known; choose one of {list(ENGINES)}")
+    _refuse_unknown_keys(d)
+    return engine
+
+
+def _stragglers(s: Mapping[str, Any], world_size: int, gpus_per_node: int, engine: str):
+    """``straggler.*``: the slow ranks' schedule and the slow links' (engine=malleus only: the
+    emulation slows the messages and reductions that engine sends)."""
+    straggler = parse_straggler(s, world_size)
+    links = parse_links(s, world_size, gpus_per_node)
     if links and engine != "malleus":
         raise ConfigError(f"straggler.link_schedule slows links of engine=malleus's messages and "
                           f"reductions; engine={engine} sends its own: use engine=malleus, or "
                           f"leave straggler.link_schedule empty")
-    train = resolve_activation_checkpointing(
-        train, (d.get("train") or {}).get("activation_checkpointing"), ds)
+    return straggler, links
+
+
+def _resolve_ds_config(ds: DeepSpeedSection, train: TrainConfig, model: ModelConfig,
+                       parallel: ParallelConfig, engine: str,
+                       batch_notes: list[str]) -> DeepSpeedSection:
+    """The ds_config with its ``"auto"`` values filled and, for engine=malleus, its keys
+    reviewed; the batch and review notes go first among its notes."""
     ds = fill_auto(ds, train, model, parallel)
     if engine == "malleus":
         batch_notes += review_for_malleus(ds)
     if batch_notes:
         ds = replace(ds, notes=tuple(batch_notes) + ds.notes)
+    return ds
+
+
+def _check_replicas_fed(train: TrainConfig, parallel: ParallelConfig) -> None:
+    """Every data-parallel replica gets at least one micro-batch per step."""
     if train.num_micro_batches < parallel.dp:
         raise ConfigError(f"train.global_batch_size={train.global_batch_size} / "
                           f"train.micro_batch_size={train.micro_batch_size} = "
                           f"{train.num_micro_batches} micro-batches cannot feed parallel.dp="
                           f"{parallel.dp} replicas (each needs >= 1)")
-    try:
-        data = parse_data(d.get("data") or {}, model, train.global_batch_size)
-    except DataError as e:
-        raise ConfigError(str(e)) from None
-    try:
-        device = check_device(d.get("device", "auto"))
-    except DeviceError as e:
-        raise ConfigError(str(e)) from None
+
+
+def _top_level_settings(d: Mapping[str, Any], engine: str) -> dict[str, Any]:
+    """The top-level keys that are not sections, checked in order, plus ``checkpoint.*`` (which
+    ``max_restarts`` depends on): RunConfig's fields they set, by name."""
     plan = _plan(d.get("plan", "static"), engine)
     _nproc_per_node(d.get("nproc_per_node", 1))
     ckpt = parse_checkpoint(d.get("checkpoint") or {})
@@ -120,14 +162,8 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
     log_every = d.get("log_every", RunConfig.log_every)
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
         raise ConfigError(f"log_every={log_every!r} must be an integer >= 1 (steps)")
-    return RunConfig(engine=engine, model=model, train=train, parallel=parallel, cluster=cluster,
-                     straggler=straggler, links=links, deepspeed=ds, world_size=world_size,
-                     plan=plan,
-                     run_dir=run_dir, device=device, progress=bool(d.get("progress", True)),
-                     malleus=parse_malleus(d.get("malleus") or {}, engine, ds),
-                     checkpoint=ckpt, data=data,
-                     comm_timeout_s=comm,
-                     hang_timeout_s=hang, log_every=log_every)
+    return dict(plan=plan, checkpoint=ckpt, comm_timeout_s=comm, hang_timeout_s=hang,
+                log_every=log_every, progress=bool(d.get("progress", True)))
 
 
 #: Top-level keys of the composed app config (conf/config.yaml; the experiment overlays only
@@ -211,4 +247,3 @@ def _seconds(v: Any, name: str, zero_ok: bool) -> float:
         bound = ">= 0 (0 = off)" if zero_ok else "> 0"
         raise ConfigError(f"{name}={v!r} must be a finite number of seconds {bound}")
     return x
-

@@ -5,31 +5,47 @@
 every rank with only ``world_size`` known, so a bad input fails everywhere with the same message
 instead of hanging a collective. Messages name the field and the numbers and say what to do.
 
-The schema (``RunConfig`` and its sections, ``ConfigError``) is :mod:`malleus_ds.app.run_config`,
-re-exported here; the model and data sections are checked by ``models/parse.py`` and
-``data/parse.py``, the device setting by ``device.py``.
+This module holds the entry point and the top-level keys (``engine``, ``plan``, ``compare``,
+the timeouts, ...). The sections are parsed by ``config_sections.py`` (train, parallel,
+cluster, straggler, checkpoint, malleus) and ``config_deepspeed.py`` (the ds_config and what is
+resolved against it); the schema (``RunConfig`` and its sections, ``ConfigError``) is
+``run_config.py``; the model and data sections are checked by ``models/parse.py`` and
+``data/parse.py``, the device setting by ``device.py``. The names of all of these that callers
+use are re-exported here.
 """
 from __future__ import annotations
 
 import difflib
-import json
-import os
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
-from ..adaptive.settings import ADAPTIVE_KEYS, AdaptiveSettings
-from ..interop.malleus_section import section_keys
-from ..interop.sections import activation_checkpointing_source
-from ..engine.settings import MalleusSettings, parse_switch, positive
 from ..data.parse import parse_data
 from ..data.tokens import DataError
-from .device import DeviceError, check_device
-from ..emulation.straggler import StragglerError, StragglerSchedule
-from ..job_layout import JobLayout, JobLayoutError
 from ..models.llama import ModelConfig
-from ..models.parse import ModelError, check_layout, parse_model
-from .run_config import (
+from ..models.parse import ModelError, parse_model
+from .config_deepspeed import (  # noqa: F401  (re-exported)
+    DS_GRADIENT_CLIPPING,
+    activation_checkpointing_note,
+    check_even_batch,
+    fill_auto,
+    load_ds_config,
+    parse_deepspeed,
+    resolve_activation_checkpointing,
+    review_for_malleus)
+from .config_sections import (  # noqa: F401  (re-exported)
+    MALLEUS_KEYS,
+    STRAGGLER_KEYS,
+    parse_checkpoint,
+    parse_cluster,
+    parse_links,
+    parse_malleus,
+    parse_parallel,
+    parse_straggler,
+    parse_train)
+from .config_sections import elastic_pp as _elastic_pp  # noqa: F401  (the name tests use)
+from .device import DeviceError, check_device
+from .run_config import (  # noqa: F401  (re-exported)
     ENGINES,
     CheckpointConfig,
     ClusterConfig,
@@ -40,6 +56,8 @@ from .run_config import (
     RunConfig,
     TrainConfig)
 
+_T = TypeVar("_T")
+
 
 def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size: int | None = None,
                      run_dir: str | None = None,
@@ -49,52 +67,92 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
 
     ``ds_search_dirs``: where a relative ``deepspeed.config_file`` is looked up (before the CWD).
     ``elastic``: the ranks run under torchrun's elastic agent, whose restarts may bring fewer (or
-    more) ranks than the layout was written for (``_elastic_pp``).
+    more) ranks than the layout was written for (``config_sections.elastic_pp``).
+    The sections are parsed in a fixed order, each with what the earlier ones gave; the first
+    mistake found is the one reported.
     """
+    engine = _engine(d, world_size)
+    model = _reraised(ModelError, parse_model, d.get("model") or {})
+    parallel = parse_parallel(d.get("parallel") or {}, world_size, model,
+                              elastic=elastic and engine == "malleus")
+    ds = parse_deepspeed(d.get("deepspeed") or {}, ds_search_dirs)
+    train, batch_notes = parse_train(d.get("train") or {}, ds, parallel.dp)
+    cluster = parse_cluster(d.get("cluster") or {}, world_size, local_world_size or world_size,
+                            parallel)
+    straggler, links = _stragglers(d.get("straggler") or {}, world_size, cluster.gpus_per_node,
+                                   engine)
+    train = resolve_activation_checkpointing(
+        train, (d.get("train") or {}).get("activation_checkpointing"), ds)
+    ds = _resolve_ds_config(ds, train, model, parallel, engine, batch_notes)
+    _check_replicas_fed(train, parallel)
+    data = _reraised(DataError, parse_data, d.get("data") or {}, model, train.global_batch_size)
+    device = _reraised(DeviceError, check_device, d.get("device", "auto"))
+    top = _top_level_settings(d, engine)
+    return RunConfig(engine=engine, model=model, train=train, parallel=parallel, cluster=cluster,
+                     straggler=straggler, links=links, deepspeed=ds, world_size=world_size,
+                     run_dir=run_dir, device=device, data=data, **top,
+                     malleus=parse_malleus(d.get("malleus") or {}, engine, ds))
+
+
+def _reraised(error: type[Exception], parse: Callable[..., _T], *args: Any) -> _T:
+    """``parse(*args)``, its own ``error`` turned into a ConfigError with the same words."""
+    try:
+        return parse(*args)
+    except error as e:
+        raise ConfigError(str(e)) from None
+
+
+def _engine(d: Mapping[str, Any], world_size: int) -> str:
+    """The world size and ``engine`` checked, and every top-level key known."""
     if world_size < 1:
         raise ConfigError(f"world_size={world_size} must be >= 1")
     engine = str(d.get("engine", "torch"))
     if engine not in ENGINES:
         raise ConfigError(f"engine={engine!r} is not known; choose one of {list(ENGINES)}")
     _refuse_unknown_keys(d)
-    try:
-        model = parse_model(d.get("model") or {})
-    except ModelError as e:
-        raise ConfigError(str(e)) from None
-    parallel = _parallel(d.get("parallel") or {}, world_size, model,
-                         elastic=elastic and engine == "malleus")
-    ds = _deepspeed(d.get("deepspeed") or {}, ds_search_dirs)
-    train, batch_notes = _train(d.get("train") or {}, ds, parallel.dp)
-    cluster = _cluster(d.get("cluster") or {}, world_size, local_world_size or world_size, parallel)
-    straggler = _straggler(d.get("straggler") or {}, world_size)
-    links = _links(d.get("straggler") or {}, world_size, cluster.gpus_per_node)
+    return engine
+
+
+def _stragglers(s: Mapping[str, Any], world_size: int, gpus_per_node: int, engine: str):
+    """``straggler.*``: the slow ranks' schedule and the slow links' (engine=malleus only: the
+    emulation slows the messages and reductions that engine sends)."""
+    straggler = parse_straggler(s, world_size)
+    links = parse_links(s, world_size, gpus_per_node)
     if links and engine != "malleus":
         raise ConfigError(f"straggler.link_schedule slows links of engine=malleus's messages and "
                           f"reductions; engine={engine} sends its own: use engine=malleus, or "
                           f"leave straggler.link_schedule empty")
-    train = _activation_checkpointing(train, (d.get("train") or {}).get("activation_checkpointing"),
-                                      ds)
-    ds = _auto(ds, train, model, parallel)
+    return straggler, links
+
+
+def _resolve_ds_config(ds: DeepSpeedSection, train: TrainConfig, model: ModelConfig,
+                       parallel: ParallelConfig, engine: str,
+                       batch_notes: list[str]) -> DeepSpeedSection:
+    """The ds_config with its ``"auto"`` values filled and, for engine=malleus, its keys
+    reviewed; the batch and review notes go first among its notes."""
+    ds = fill_auto(ds, train, model, parallel)
     if engine == "malleus":
-        batch_notes += _review(ds)
+        batch_notes += review_for_malleus(ds)
     if batch_notes:
         ds = replace(ds, notes=tuple(batch_notes) + ds.notes)
+    return ds
+
+
+def _check_replicas_fed(train: TrainConfig, parallel: ParallelConfig) -> None:
+    """Every data-parallel replica gets at least one micro-batch per step."""
     if train.num_micro_batches < parallel.dp:
         raise ConfigError(f"train.global_batch_size={train.global_batch_size} / "
                           f"train.micro_batch_size={train.micro_batch_size} = "
                           f"{train.num_micro_batches} micro-batches cannot feed parallel.dp="
                           f"{parallel.dp} replicas (each needs >= 1)")
-    try:
-        data = parse_data(d.get("data") or {}, model, train.global_batch_size)
-    except DataError as e:
-        raise ConfigError(str(e)) from None
-    try:
-        device = check_device(d.get("device", "auto"))
-    except DeviceError as e:
-        raise ConfigError(str(e)) from None
+
+
+def _top_level_settings(d: Mapping[str, Any], engine: str) -> dict[str, Any]:
+    """The top-level keys that are not sections, checked in order, plus ``checkpoint.*`` (which
+    ``max_restarts`` depends on): RunConfig's fields they set, by name."""
     plan = _plan(d.get("plan", "static"), engine)
     _nproc_per_node(d.get("nproc_per_node", 1))
-    ckpt = _checkpoint(d.get("checkpoint") or {})
+    ckpt = parse_checkpoint(d.get("checkpoint") or {})
     _max_restarts(d.get("max_restarts", 0), ckpt)
     compare_engines(d.get("compare"))
     comm = _seconds(d.get("comm_timeout_s", RunConfig.comm_timeout_s), "comm_timeout_s",
@@ -104,14 +162,8 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
     log_every = d.get("log_every", RunConfig.log_every)
     if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
         raise ConfigError(f"log_every={log_every!r} must be an integer >= 1 (steps)")
-    return RunConfig(engine=engine, model=model, train=train, parallel=parallel, cluster=cluster,
-                     straggler=straggler, links=links, deepspeed=ds, world_size=world_size,
-                     plan=plan,
-                     run_dir=run_dir, device=device, progress=bool(d.get("progress", True)),
-                     malleus=_malleus(d.get("malleus") or {}, engine, ds),
-                     checkpoint=ckpt, data=data,
-                     comm_timeout_s=comm,
-                     hang_timeout_s=hang, log_every=log_every)
+    return dict(plan=plan, checkpoint=ckpt, comm_timeout_s=comm, hang_timeout_s=hang,
+                log_every=log_every, progress=bool(d.get("progress", True)))
 
 
 #: Top-level keys of the composed app config (conf/config.yaml; the experiment overlays only
@@ -185,38 +237,6 @@ def compare_engines(v: Any) -> tuple[str, ...]:
     return out
 
 
-STRAGGLER_KEYS = ("schedule", "method", "link_schedule")
-
-
-def _links(s: Mapping[str, Any], world_size: int, gpus_per_node: int):
-    """``straggler.link_schedule``: emulated slow links (``emulation/links.py``), between the
-    job layout's nodes (``cluster.gpus_per_node`` ranks each) or two ranks of a node."""
-    from ..emulation.links import LinkSchedule
-
-    try:
-        return LinkSchedule.parse(s.get("link_schedule") if isinstance(s, Mapping) else None,
-                                  world_size, gpus_per_node)
-    except StragglerError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _straggler(s: Mapping[str, Any], world_size: int) -> StragglerSchedule:
-    """``straggler.schedule`` and ``straggler.method`` (sleep | quota | compete; emulation/straggler.py).
-    Whether this machine can apply ``quota`` or ``compete`` is checked at runner start-up
-    (``app/runners/__init__.py``)."""
-    if not isinstance(s, Mapping):
-        raise ConfigError(f"straggler must be a mapping with key 'schedule', got {s!r} "
-                          f"(allowed keys: {list(STRAGGLER_KEYS)})")
-    unknown = sorted(set(s) - set(STRAGGLER_KEYS))
-    if unknown:
-        raise ConfigError(f"straggler has unknown fields {unknown}; allowed: "
-                          f"{list(STRAGGLER_KEYS)}")
-    try:
-        return StragglerSchedule.parse(s.get("schedule"), world_size, s.get("method") or "sleep")
-    except StragglerError as e:
-        raise ConfigError(str(e)) from None
-
-
 def _seconds(v: Any, name: str, zero_ok: bool) -> float:
     """A finite number of seconds, > 0 (or >= 0 with ``zero_ok``: 0 turns the feature off)."""
     try:
@@ -227,365 +247,3 @@ def _seconds(v: Any, name: str, zero_ok: bool) -> float:
         bound = ">= 0 (0 = off)" if zero_ok else "> 0"
         raise ConfigError(f"{name}={v!r} must be a finite number of seconds {bound}")
     return x
-
-
-#: The app's ``malleus.*`` keys (the engine's own ds_config ``malleus`` section has more), from
-#: :class:`MalleusConfig`'s fields: its ``loop`` stands for the loop's keys
-MALLEUS_KEYS = tuple(k for f in section_keys(MalleusConfig)
-                     for k in (ADAPTIVE_KEYS if f == "loop" else (f,)))
-
-
-def _malleus(m: Mapping[str, Any], engine: str, ds: DeepSpeedSection) -> MalleusConfig:
-    """``malleus.*``, parsed once into :class:`MalleusConfig` (errors name ``malleus.<key>``).
-    The ds_config's own ``malleus`` section (``malleus_ds.initialize``'s way to set these)
-    supplies the keys the app leaves unset (null); the app's win. A switch or a forced re-plan
-    with another engine is refused."""
-    if not isinstance(m, Mapping):
-        raise ConfigError(f"malleus must be a mapping with keys {list(MALLEUS_KEYS)}, got {m!r}")
-    unknown = sorted(set(m) - set(MALLEUS_KEYS))
-    if unknown:
-        raise ConfigError(f"malleus has unknown fields {unknown}; allowed: {list(MALLEUS_KEYS)}")
-    out = {k: v for k, v in m.items() if v is not None}
-    for k, what in (("switch", "live plan switches"), ("replan_at", "forced re-plans")):
-        if out.get(k) and engine != "malleus":
-            raise ConfigError(f"malleus.{k} is set but engine={engine}: {what} need "
-                              f"engine=malleus")
-    if engine != "malleus":
-        return MalleusConfig()
-    sec = ds.config.get("malleus") or {}
-    if not isinstance(sec, Mapping):
-        raise ConfigError(f"ds_config{_ds_file(ds)} malleus must be an object, got {sec!r}")
-    merged = {**{k: v for k, v in sec.items() if k in MALLEUS_KEYS and v is not None}, **out}
-    try:
-        own = MalleusSettings.from_config(sec)  # the ds_config's own section, in its own words
-        return MalleusConfig(   # an empty malleus.switch (the YAML's []) keeps the ds_config's
-            switch=parse_switch(out["switch"], "malleus.switch") if out.get("switch")
-            else own.switch,
-            migrate_bucket_mb=positive(merged, "migrate_bucket_mb",
-                                       MalleusConfig.migrate_bucket_mb, "malleus"),
-            migrate_timeout_s=positive(merged, "migrate_timeout_s",
-                                       MalleusConfig.migrate_timeout_s, "malleus"),
-            loop=AdaptiveSettings.from_config(merged, "malleus"))
-    except ValueError as e:
-        raise ConfigError(f"engine=malleus: {e}") from None
-
-
-def _checkpoint(c: Mapping[str, Any]) -> CheckpointConfig:
-    """``checkpoint.*``. ``dir`` is made absolute here (against the CWD every rank shares), so
-    the summary and the saved files name one folder whatever the ranks' later CWD."""
-    allowed = [f.name for f in fields(CheckpointConfig)]
-    if not isinstance(c, Mapping):
-        raise ConfigError(f"checkpoint must be a mapping with keys {allowed}, got {c!r}")
-    unknown = sorted(set(c) - set(allowed))
-    if unknown:
-        raise ConfigError(f"checkpoint has unknown fields {unknown}; allowed: {allowed}")
-    d = c.get("dir")
-    if isinstance(d, int) and not isinstance(d, bool):
-        d = str(d)                      # Hydra reads `checkpoint.dir=2024` as a number
-    if d is not None and (not isinstance(d, (str, os.PathLike)) or not str(d).strip()):
-        raise ConfigError(f"checkpoint.dir={d!r} must be a folder path (or null for none)")
-    every = _int(0 if c.get("every") is None else c["every"], "checkpoint.every")
-    if every < 0:
-        raise ConfigError(f"checkpoint.every={every} must be >= 0 (0 = save only at the end "
-                          f"of the run)")
-    resume = False if c.get("resume") is None else c["resume"]
-    if isinstance(resume, str) and resume.strip().lower() == "auto":
-        resume = "auto"
-    elif not isinstance(resume, bool):
-        raise ConfigError(f"checkpoint.resume={resume!r} must be true, false or auto (continue "
-                          f"from checkpoint.dir/latest if there is one, else start fresh)")
-    if d is None and (every > 0 or resume):
-        what = (f"checkpoint.every={every}" if every > 0 else
-                f"checkpoint.resume={'auto' if resume == 'auto' else 'true'}")
-        raise ConfigError(f"{what} needs checkpoint.dir (the folder to save to / resume from); "
-                          f"set checkpoint.dir=PATH")
-    background = True if c.get("background") is None else c["background"]
-    if not isinstance(background, bool):
-        raise ConfigError(f"checkpoint.background={background!r} must be true or false")
-    keep = _int(0 if c.get("keep") is None else c["keep"], "checkpoint.keep")
-    if keep < 0:
-        raise ConfigError(f"checkpoint.keep={keep} must be >= 0 (the newest N checkpoints stay, "
-                          f"older ones are deleted; 0 = keep all)")
-    return CheckpointConfig(dir=None if d is None else os.path.abspath(os.fspath(d)),
-                            every=every, resume=resume, background=background, keep=keep)
-
-
-def _train(t: Mapping[str, Any], ds: DeepSpeedSection, dp: int) -> tuple[TrainConfig, list]:
-    """``train.*`` -> TrainConfig, and a note per batch field taken from the ds_config: a batch
-    field left out (or null) comes from the ds_config's batch keys where it has them
-    (``interop.batch.resolve_batch``; one that contradicts them is refused, naming both)."""
-    from ..interop.batch import resolve_batch
-
-    t = {k: v for k, v in t.items() if v is not None or k == "data_seed"}
-    allowed = {f.name for f in fields(TrainConfig)}
-    unknown = sorted(set(t) - allowed)
-    if unknown:
-        raise ConfigError(f"train has unknown fields {unknown}; allowed: {sorted(allowed)}")
-    for k in ("global_batch_size", "micro_batch_size"):
-        if k in t:
-            t[k] = _int(t[k], f"train.{k}")
-    t["global_batch_size"], t["micro_batch_size"], notes = resolve_batch(
-        ds.config, t, dp, ConfigError,
-        (TrainConfig.global_batch_size, TrainConfig.micro_batch_size))
-    for k in ("steps", "seed", "warmup_steps"):
-        if k in t:
-            t[k] = _int(t[k], f"train.{k}")
-    for k in ("lr", "eps", "weight_decay"):
-        if k in t:
-            t[k] = _float(t[k], f"train.{k}")
-    if "betas" in t:
-        b = t["betas"]
-        if not isinstance(b, (list, tuple)) or len(b) != 2:
-            raise ConfigError(f"train.betas={b!r} must be a pair [beta1, beta2]")
-        t["betas"] = (_float(b[0], "train.betas[0]"), _float(b[1], "train.betas[1]"))
-    if t.get("data_seed") is not None:
-        t["data_seed"] = _int(t["data_seed"], "train.data_seed")
-    ac = t.pop("activation_checkpointing", None)     # resolved against the ds_config later
-    if ac is not None and not isinstance(ac, bool):
-        raise ConfigError(f"train.activation_checkpointing={ac!r} must be true, false or null "
-                          f"(null: on when the ds_config enables DeepSpeed's activation "
-                          f"checkpointing)")
-    tc = TrainConfig(**t)
-    if tc.steps < 1:
-        raise ConfigError(f"train.steps={tc.steps} must be >= 1")
-    for k in ("global_batch_size", "micro_batch_size"):
-        if getattr(tc, k) < 1:
-            raise ConfigError(f"train.{k}={getattr(tc, k)} must be >= 1")
-    if tc.global_batch_size % tc.micro_batch_size:
-        raise ConfigError(f"train.global_batch_size={tc.global_batch_size} is not a multiple of "
-                          f"train.micro_batch_size={tc.micro_batch_size}")
-    if tc.lr <= 0:
-        raise ConfigError(f"train.lr={tc.lr} must be > 0")
-    if tc.warmup_steps < 0:
-        raise ConfigError(f"train.warmup_steps={tc.warmup_steps} must be >= 0 (steps left out of "
-                          f"the throughput summary; 0 = count every step)")
-    return tc, notes
-
-
-def _activation_checkpointing(t: TrainConfig, asked: Any, ds: DeepSpeedSection) -> TrainConfig:
-    """``train.activation_checkpointing`` (true | false | null) resolved against the ds_config:
-    null follows the ds_config (on when it enables DeepSpeed's activation checkpointing:
-    ``interop.sections.activation_checkpointing_source``); true turns it on either way; false
-    with a ds_config that turns it on is a contradiction, refused naming both."""
-    try:
-        src = activation_checkpointing_source(ds.config)
-    except ValueError as e:
-        raise ConfigError(f"{e}{_ds_file(ds)}") from None
-    if asked is False and src is not None:
-        raise ConfigError(f"train.activation_checkpointing=false, but the ds_config{_ds_file(ds)} "
-                          f"turns activation checkpointing on with its {src}; drop "
-                          f"train.activation_checkpointing (null follows the ds_config) or take "
-                          f"the {src.split('=')[0]} out of the ds_config")
-    on = bool(asked) or src is not None
-    return replace(t, activation_checkpointing=on) if on != t.activation_checkpointing else t
-
-
-def activation_checkpointing_note(cfg: RunConfig) -> str | None:
-    """The start-up words for ``train.activation_checkpointing`` when it is on (None when off),
-    naming the ds_config field when that is what turned it on."""
-    if not cfg.train.activation_checkpointing:
-        return None
-    src = activation_checkpointing_source(cfg.deepspeed.config)
-    why = f"the ds_config's {src}" if src is not None else "train.activation_checkpointing=true"
-    return (f"activation checkpointing on ({why}): each decoder layer's activations are "
-            f"recomputed in backward")
-
-
-def _ds_file(ds: DeepSpeedSection) -> str:
-    """Where the ds_config came from, for messages (inline ``deepspeed.config`` fields are
-    merged over the file)."""
-    return f" (deepspeed.config_file={ds.config_file} and deepspeed.config)" \
-        if ds.config_file else ""
-
-
-def _parallel(p: Mapping[str, Any], world: int, model: ModelConfig,
-              elastic: bool = False) -> ParallelConfig:
-    unknown = sorted(set(p) - {"tp", "pp", "dp"})
-    if unknown:
-        raise ConfigError(f"parallel has unknown fields {unknown}; allowed: ['dp', 'pp', 'tp']")
-    tp = _int(1 if p.get("tp") is None else p["tp"], "parallel.tp")
-    pp = _int(1 if p.get("pp") is None else p["pp"], "parallel.pp")
-    for k, v in (("tp", tp), ("pp", pp)):
-        if v < 1:
-            raise ConfigError(f"parallel.{k}={v} must be >= 1")
-    asked = None
-    if p.get("dp") is None and elastic and world % (tp * pp) and world % tp == 0:
-        asked, pp = pp, _elastic_pp(world // tp, pp, model.num_layers)
-    if p.get("dp") is None:
-        if world % (tp * pp):
-            raise ConfigError(f"parallel.tp={tp} x parallel.pp={pp} = {tp * pp} does not divide "
-                              f"the world size {world}; launch a multiple of {tp * pp} ranks")
-        dp = world // (tp * pp)
-    else:
-        dp = _int(p["dp"], "parallel.dp")
-        if dp < 1:
-            raise ConfigError(f"parallel.dp={dp} must be >= 1")
-        if tp * pp * dp != world:
-            raise ConfigError(f"parallel layout tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} ranks "
-                              f"does not match the world size {world} (ranks launched); set "
-                              f"parallel.dp=null to infer dp, or launch {tp * pp * dp} ranks")
-    try:
-        check_layout(model, tp, pp)
-    except ValueError as e:             # ModelError, TPError
-        raise ConfigError(str(e)) from None
-    return ParallelConfig(tp, pp, dp, asked_pp=asked)
-
-
-def _elastic_pp(groups: int, pp: int, num_layers: int) -> int:
-    """Stages for a world of ``groups`` TP groups that ``pp`` does not tile (an elastic restart
-    after a node left or joined): the fewest stages >= ``pp`` that tile it (no more layers per
-    rank than the layout was written for), else the most that do (more layers per rank: the
-    start-up memory check, ``app/runners/fit.py``, says whether they still fit)."""
-    tiles = [s for s in range(1, min(groups, num_layers) + 1) if groups % s == 0]
-    return min((s for s in tiles if s >= pp), default=max(tiles))
-
-
-def _cluster(c: Mapping[str, Any], world: int, local_world: int,
-             par: ParallelConfig) -> ClusterConfig:
-    unknown = sorted(set(c) - {"gpus_per_node", "nodes"})
-    if unknown:
-        raise ConfigError(f"cluster has unknown fields {unknown}; allowed: "
-                          f"['gpus_per_node', 'nodes']")
-    gpn = c.get("gpus_per_node")
-    gpn = local_world if gpn is None else _int(gpn, "cluster.gpus_per_node")
-    try:
-        nodes = JobLayout(world, gpn).nodes
-    except JobLayoutError as e:
-        raise ConfigError(f"cluster.{e.detail}") from None
-    if c.get("nodes") is not None and _int(c["nodes"], "cluster.nodes") != nodes:
-        raise ConfigError(f"cluster.nodes={c['nodes']} but world size {world} / "
-                          f"cluster.gpus_per_node={gpn} = {nodes} nodes")
-    if gpn % par.tp:
-        raise ConfigError(f"parallel.tp={par.tp} does not divide cluster.gpus_per_node={gpn}: "
-                          f"a TP group must stay inside one node")
-    return ClusterConfig(gpn, nodes)
-
-
-def load_ds_config(path: str | Path) -> dict:
-    """Read a ds_config JSON file; malformed JSON -> ConfigError with file, line and column."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"deepspeed.config_file={str(path)!r}: file not found")
-    from ..files.safe_load import MAX_JSON_BYTES
-
-    if p.stat().st_size > MAX_JSON_BYTES:
-        raise ConfigError(f"deepspeed.config_file={str(p)!r} is {p.stat().st_size / 2**20:.1f} "
-                          f"MiB; refused unread (a ds_config is at most "
-                          f"{MAX_JSON_BYTES / 2**20:.0f} MiB)")
-    try:
-        d = json.loads(p.read_bytes())
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"deepspeed.config_file={str(p)!r} is not text ({e})") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"deepspeed.config_file={str(p)!r} is not valid JSON: {e.msg} at line "
-                          f"{e.lineno} column {e.colno}") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"deepspeed.config_file={str(p)!r} must hold a JSON object, "
-                          f"got {type(d).__name__}")
-    return d
-
-
-#: DeepSpeed's ``gradient_clipping`` when a ds_config leaves it out (its runtime/constants.py)
-DS_GRADIENT_CLIPPING = 1.0
-
-
-def _deepspeed(s: Mapping[str, Any], search: tuple[str | Path, ...]) -> DeepSpeedSection:
-    unknown = sorted(set(s) - {"config_file", "config"})
-    if unknown:
-        raise ConfigError(f"deepspeed has unknown fields {unknown}; allowed: "
-                          f"['config', 'config_file']")
-    f = s.get("config_file")
-    cfg: dict = {}
-    path = None
-    if f:
-        cand = [Path(f)] if os.path.isabs(f) else [Path(d) / f for d in search] + [Path(f)]
-        hit = next((c for c in cand if c.is_file()), None)
-        if hit is None:
-            raise ConfigError(f"deepspeed.config_file={f!r}: file not found (looked in "
-                              f"{[str(c) for c in cand]})")
-        path = str(hit.resolve())
-        cfg = load_ds_config(hit)
-    inline = s.get("config") or {}
-    if not isinstance(inline, Mapping):
-        raise ConfigError(f"deepspeed.config must be a mapping of ds_config fields, got {inline!r}")
-    cfg = _merge(cfg, inline)
-    zo = cfg.get("zero_optimization", {})
-    if not isinstance(zo, Mapping):
-        raise ConfigError(f"ds_config zero_optimization must be an object, got {zo!r}")
-    stage = zo.get("stage", 0)
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
-        raise ConfigError(f"ds_config zero_optimization.stage={stage!r} must be 0, 1, 2 or 3")
-    notes = ()
-    if path is not None and "gradient_clipping" not in cfg:
-        # a ds_config file means what it means to DeepSpeed, whose default clips at 1.0 (the
-        # runners' 0.0 default is for configs given inline; the presets say 0.0 themselves)
-        cfg = dict(cfg, gradient_clipping=DS_GRADIENT_CLIPPING)
-        notes = (f"gradient_clipping: not in {f}, so {DS_GRADIENT_CLIPPING}, DeepSpeed's default "
-                 f"(set it to 0.0 for no clipping)",)
-    return DeepSpeedSection(config_file=path, config=cfg, notes=notes)
-
-
-def _auto(ds: DeepSpeedSection, train: TrainConfig, model, parallel: ParallelConfig
-          ) -> DeepSpeedSection:
-    """The ds_config with every ``"auto"`` filled from ``train.*`` and the model, as the Hugging
-    Face Trainer and accelerate fill it (``interop/auto.py``); one note per value."""
-    from ..interop.auto import resolve_auto
-
-    cfg, notes = resolve_auto(ds.config, train, model.hidden_size, parallel.dp,
-                              error=ConfigError)
-    return DeepSpeedSection(ds.config_file, cfg, ds.notes + tuple(notes)) if notes else ds
-
-
-def _review(ds: DeepSpeedSection) -> list[str]:
-    """What MalleusEngine does with each key of the ds_config (``interop/config_keys.py``): a note
-    per key it ignores, a ConfigError for one it refuses."""
-    from ..interop.config_keys import review
-
-    try:
-        return review(ds.config)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def check_even_batch(t: TrainConfig, p: ParallelConfig, ds: DeepSpeedSection) -> None:
-    """Stock DeepSpeed needs the same micro-batch count on every replica, and batch fields in
-    the ds_config that agree with ``train.*``. Raises ConfigError otherwise."""
-    n = t.num_micro_batches
-    if n % p.dp:
-        raise ConfigError(f"train.global_batch_size={t.global_batch_size} / "
-                          f"train.micro_batch_size={t.micro_batch_size} = {n} micro-batches do "
-                          f"not split evenly over parallel.dp={p.dp} replicas; use a global batch "
-                          f"that is a multiple of {t.micro_batch_size * p.dp}")
-    c = ds.config
-    from ..interop.compat import batch_keys
-
-    want = batch_keys(t.micro_batch_size, n // p.dp, p.dp)
-    for k, v in want.items():
-        if k in c and c[k] not in (None, "auto") and c[k] != v:
-            raise ConfigError(f"ds_config {k}={c[k]} contradicts the run: train.global_batch_size="
-                              f"{t.global_batch_size}, train.micro_batch_size={t.micro_batch_size}, "
-                              f"dp={p.dp} give {k}={v}; remove it from the JSON (train.* sets it) "
-                              f"or set it to \"auto\"")
-
-
-def _merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) \
-            else v
-    return out
-
-
-def _int(v: Any, where: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
-        raise ConfigError(f"{where}={v!r} must be an integer")
-    return int(v)
-
-
-def _float(v: Any, where: str) -> float:
-    if isinstance(v, bool):
-        raise ConfigError(f"{where}={v!r} must be a number")
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}={v!r} must be a number") from None

@@ -40,7 +40,7 @@ class TrainConfig:
     weight_decay: float = 0.0           # AdamW's decoupled weight decay
     warmup_steps: int = 1               # steps left out of throughput summaries (not of training)
     #: recompute each decoder layer's activations in backward (resolved against the ds_config by
-    #: config._activation_checkpointing: True/False here, never None)
+    #: config_deepspeed.resolve_activation_checkpointing: True/False here, never None)
     activation_checkpointing: bool = False
 
     @property
@@ -65,7 +65,8 @@ class ParallelConfig:
     pp: int = 1                         # pipeline stages
     dp: int = 1                         # data-parallel replicas (config null: world/(tp*pp))
     #: the ``parallel.pp`` asked for when an elastic restart's world size could not be tiled by
-    #: it and engine=malleus took ``pp`` stages instead (``config._elastic_pp``); None otherwise
+    #: it and engine=malleus took ``pp`` stages instead (``config_sections.elastic_pp``); None
+    #: otherwise
     asked_pp: int | None = None
 
 
@@ -108,9 +109,10 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class MalleusConfig:
-    """``malleus.*`` (engine=malleus), parsed once by ``config._malleus``: the scripted switches
-    with their plans read, the migration limits, and the adaptive loop's settings (``loop``:
-    its keys are the loop's, at the top of ``malleus.*``; ``interop/malleus_section.py``).
+    """``malleus.*`` (engine=malleus), parsed once by ``config_sections.parse_malleus``: the
+    scripted switches with their plans read, the migration limits, and the adaptive loop's
+    settings (``loop``: its keys are the loop's, at the top of ``malleus.*``;
+    ``interop/malleus_section.py``).
     Defaults are the engine's and the loop's own (``MalleusSettings``, ``AdaptiveSettings``);
     conf/config.yaml repeats them for ``--help`` and overrides, and a test holds the two equal."""
 

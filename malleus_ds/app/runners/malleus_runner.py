@@ -140,9 +140,9 @@ def engine_ds_config(cfg: RunConfig) -> DsConfig:
 def engine_settings(cfg: RunConfig, plan: Plan, ds_config: dict | DsConfig):
     """MalleusEngine's settings for this run, from the typed run config: the job's shape, the
     seed, the scripted switches, the migration limits, activation checkpointing as
-    ``config._activation_checkpointing`` resolved it; the precision from ``ds_config``
-    (``MalleusEngine.build_settings``; a dict is decoded there, which refuses what the engine
-    cannot run)."""
+    ``config_deepspeed.resolve_activation_checkpointing`` resolved it; the precision from
+    ``ds_config`` (``MalleusEngine.build_settings``; a dict is decoded there, which refuses what
+    the engine cannot run)."""
     from ...engine.engine import MalleusEngine
     from ...engine.settings import MalleusSettings
 

@@ -89,8 +89,8 @@ def test_bad_values_name_the_field(train, ds, match):
 
 
 def test_engine_malleus_hands_it_to_the_engine_in_its_settings():
-    """Resolved once (``config._activation_checkpointing``) and handed over in the engine's
-    settings, not written back into the ds_config."""
+    """Resolved once (``config_deepspeed.resolve_activation_checkpointing``) and handed over in
+    the engine's settings, not written back into the ds_config."""
     from malleus_ds.engine.engine import MalleusEngine
     from malleus_ds.app.runners.job import load_plan
     from malleus_ds.app.runners.malleus_runner import build_ds_config, engine_settings

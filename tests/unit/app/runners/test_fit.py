@@ -1,5 +1,5 @@
 """engine=malleus's start-up memory check (app/runners/fit.py) and the layout an elastic restart
-takes when ``parallel.pp`` does not tile its world (config._elastic_pp); no processes."""
+takes when ``parallel.pp`` does not tile its world (config_sections.elastic_pp); no processes."""
 from __future__ import annotations
 
 import pytest

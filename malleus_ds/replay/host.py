@@ -3,9 +3,9 @@
 On a GPU cluster a rank's compute runs on its own device; the host's cores only feed it, and
 the replay's step is the cost model's (``run.Replay.step_seconds``). A CPU run is different:
 its ranks' compute *is* CPU work, and on a host with fewer cores than busy processes they take
-turns. 4 ranks on 2 cores each wait about as long as they compute (``wait_s`` of a step line);
-a rank that sleeps (an emulated straggler) or has no work hands its core to the others; the
-planner's search and a suspended rank's sustained probe take cores too. :class:`SharedHost`
+turns. With twice as many busy ranks as cores, each waits about as long as it computes
+(``wait_s`` of a step line); a rank that sleeps (an emulated straggler) or has no work hands its
+core to the others; the planner's search and a suspended rank's sustained probe take cores too. :class:`SharedHost`
 models that as fluid processor sharing:
 
 * each rank ``i`` has ``a_i`` CPU seconds of compute (its cost units x the replay's seconds per

@@ -12,7 +12,7 @@ from .costs import MigrationCost
 
 
 #: a job's first healthy steps run slow while it starts (the planner's worker importing, first
-#: touch of memory): demo 1's first four after warm-up took 1.2-1.7x the ones after its recovery.
+#: touch of memory), well past the noise of the steps after them.
 #: The healthy steps before the first within this factor of their median are left out
 START_BAND = 1.1
 
@@ -22,8 +22,8 @@ def steady(steps, conds, switched=()) -> list[dict]:
     straggler condition, empty when healthy), less the first after a switch (``switched``:
     their step numbers) and the start-up: the leading steps slower than :data:`START_BAND`
     times their median (at least two are kept). The healthy step is their median: a run's pace
-    drifts (demo 1's steps after its recovery ran 13% faster than the median of the ones before
-    its straggler), and a median over both ends is the least moved by either."""
+    drifts (the steps after a recovery can run faster than the ones before the straggler), and
+    a median over both ends is the least moved by either."""
     plan0 = steps[0].get("plan") if steps else None
     sw = {int(k) for k in switched}
     ok = [s for s, c in zip(steps, conds)
@@ -99,8 +99,8 @@ def switch_costs(steps, events) -> MigrationCost:
 def charge(planning: dict, seq: dict | None = None):
     """Seconds charged per request, by its kind (every rank healthy: the planner answers without
     a search): the seconds of the run's own request of that kind in the same turn (``seq``: the
-    seconds of each, in order; a search's seconds vary with what shares the host, 1.0-1.8 s in
-    one run), past them the run's median for the kind (``planning``), else the planner's wall
+    seconds of each, in order; a search's seconds vary with what shares the host, so the
+    run's own seconds for that turn are the best guess), past them the run's median for the kind (``planning``), else the planner's wall
     time here."""
     from .sim_planner import is_search
 

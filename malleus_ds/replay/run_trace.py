@@ -4,8 +4,7 @@ ran at, on the step clock (its bounds are step indices from the run's first step
 
 The run's emulated schedule says which rank was slowed when and by how much; what it ran at
 differs. An emulated CPU straggler runs slower than scheduled (its compute, between its sleeps,
-finds its caches cold: rank 1 scheduled at 3 measured 3.2-3.7 in the demo, more on a light
-share). The loop decides on those readings, and the replay is asked to predict the run the loop
+finds its caches cold, and more so on a light share). The loop decides on those readings, and the replay is asked to predict the run the loop
 really ran, so its trace carries them:
 
 * the schedule is cut into :class:`Piece` s, a phase of the schedule on one plan of the run;
@@ -16,15 +15,15 @@ really ran, so its trace carries them:
   its healthy peers' (:func:`refine`), leaving out steps that held a probe or followed a switch;
 * on those plans and steps, every working rank's rate step by step: its ``compute_s`` per cost
   unit over the healthy steps' (``Replay.scale``). A rank the schedule leaves alone runs slow
-  too at times (demo 8: rank 0 computed 1.45x its healthy pace for the first two slow steps,
-  whatever shared its core), and the loop read the straggler's rate against it (2.43 where
-  the straggler ran at 3, then a re-plan when it read 3.2); the replay's loop reads the same;
+  too at times (whatever shares its core), and the loop reads the straggler's rate against it,
+  low while that lasts, so its re-plans come when the rates it read say; the replay's loop
+  reads the same;
 * where the run's step lines carry its probes' readings (``probe_rates``, idle and held ranks),
   what each probe read, by the step it was timed after (:func:`probed`), for the replay's loop
-  to read there (:class:`RunRecord`): a held rank on a light share whose probe read 1.22, just
-  above the healthy 1.2, stayed held in the run for two more steps (demo 5), where a replay
-  reading exactly 1.0 let it back. A probe's reading is not its rank's compute rate (a 6x
-  straggler's probe read 4.4 once), so it stays out of the trace;
+  to read there (:class:`RunRecord`): a held rank whose probe reads just above the healthy
+  threshold stays held, where a replay reading exactly 1.0 would let it back. A probe's reading
+  is not its rank's compute rate (a probe is short, and a throttled rank's can land in the
+  fast part of its quota period), so it stays out of the trace;
 * :func:`trace_of` writes the pieces as a :class:`~malleus_ds.replay.trace.Trace`, one event per
   rank while its rate stays.
 
@@ -32,15 +31,15 @@ What the run's own loop read, step by step (:class:`RunRecord`), is what the rep
 where it runs the run's plan (``run_malleus(record=)``):
 
 * the ranks' ``compute_s``. The trace's rates are the run's slowdowns against its healthy
-  step, at least 1, so a rank that computed faster than that (rank 0, later in a run) reads 1,
-  and the straggler's rate against it comes out low: 3.46 where the run read 3.56, either side
-  of a tie between two plans, and the replay picked the other plan (demo 2);
+  step, at least 1, so a rank that computed faster than that (later in a run) reads 1, and the
+  straggler's rate against it comes out low; near a tie between two plans that is enough for
+  the replay to pick the other plan;
 * each step's seconds, which its pace check judged, and when each re-plan's answer was taken
   (``answers``: the step after which it asked, and the step before which it took the answer);
 * which held ranks probed, and what their probes read. A held rank probes while its own
   compute leaves it slack (``probe.light``), a judgement on each rank's own timings that the
-  replay's can only approach: demo 4's held rank probed two steps earlier in the run than
-  in the replay, and came back two steps earlier (-29% in that phase).
+  replay's can only approach, so the run's record says when each one probed (a held rank
+  that probes a step earlier comes back a step earlier).
 """
 from __future__ import annotations
 
@@ -212,9 +211,8 @@ def realized(steps, window: int) -> dict[int, float]:
     """Per rank, the slowdown it really ran at over ``steps`` (a phase of the schedule on one
     plan): the median of the loop's measured rates once its window holds only these steps (in
     fewer steps than the window: the last one's). On CPU an emulated straggler runs slower than
-    its schedule says (its compute, between its sleeps, finds its caches cold: rank 1 scheduled
-    at 3 measured 3.2-3.7 in the demo, more on a light share), and the trace is what the job ran
-    through. Ranks never read: absent (their scheduled rate holds)."""
+    its schedule says (its compute, between its sleeps, finds its caches cold, more so on a
+    light share), and the trace is what the job ran through. Ranks never read: absent (their scheduled rate holds)."""
     out: dict[int, float] = {}
     rows = [s.get("measured_rates") for s in steps[min(window, len(steps) - 1):]]
     for g in range(max((len(r) for r in rows if r), default=0)):

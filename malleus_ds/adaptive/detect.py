@@ -33,8 +33,8 @@ class DetectConfig:
     cooldown: int = 2       # detections skipped after a planning attempt
     probe_every: int = 2    # a rank without work times its probe every N steps
     #: a link's smoothed rate below this counts as healthy (``link_watch.py``): the waits on a
-    #: collective scatter far more from step to step than compute (healthy readings of a
-    #: 0.2 MB all-reduce of 4 ranks on 2 cores spanned 0.6-2.7x their median)
+    #: collective scatter far more from step to step than compute (a small all-reduce on a
+    #: loaded host reads well over twice its median now and then on a healthy link)
     link_healthy: float = 2.0
     #: MB a link held slow is probed with (a round trip every ``probe_every`` steps, one held
     #: link at a time: ``engine/link_probe.py``); 0: not probed
@@ -109,8 +109,9 @@ class Detector:
             return None
         r, p = self.normalise(rates), self.planned
         # a move by `change` (relative), or a rank planned as slow that now reads healthy: a
-        # plan made for 1.2-1.43 could otherwise never see its rank recover (1.0 is the floor,
-        # and 1.0 is not 30% below 1.42: a spurious 1.43 once kept a healthy rank out for good)
+        # plan made for a rate under 1 / (1 - change) could otherwise never see its rank
+        # recover (1.0 is the floor, and 1.0 is not `change` below it), so one spurious
+        # reading just over `healthy` would keep a healthy rank out for good)
         moved = (np.abs(r - p) >= self.cfg.change * p) | ((p > 1.0) & (r == 1.0))
         if idle is not None:
             moved &= ~np.asarray(idle, dtype=bool) | (r < p)

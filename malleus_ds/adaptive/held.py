@@ -16,8 +16,8 @@ import numpy as np
 
 #: a working rank planned at least this slow is held (:func:`held_ranks`): its share is light
 #: enough (2/3 of a full one or less) for a cap to hide in it. Below, its training reads it:
-#: probing a rank planned at 1.2-1.5 (often a noisy reading) cost a bench run ~25% of its
-#: steps on a shared CPU, for a share nearly full anyway
+#: a rank planned just over healthy is often a noisy reading, and probing it costs steps on a
+#: shared CPU for a share that is nearly full anyway
 HOLD = 1.5
 
 

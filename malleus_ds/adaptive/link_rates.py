@@ -1,4 +1,4 @@
-"""Per-link straggling rates from per-step communication timings (issue: slow links).
+"""Per-link straggling rates from per-step communication timings: which links are slow.
 
 A *comm op* is one timed communication of a step (:class:`CommOp`): a pipeline send or receive
 between two ranks, one group's data-parallel reduction, one TP collective, with the megabytes it
@@ -33,8 +33,9 @@ Attribution (:class:`LinkEstimator`), one step at a time:
    belief), so a link the running plan holds as slow is judged against its healthy speed, and
    a false alarm is undone at once. It says only whether such a link recovered, not by how
    much: its messages are smaller than the reductions the belief was read from, and a
-   congested link slows small and large messages differently (under the emulation at rate
-   30, reductions read 13.5x and the probe's round trips 3.8x). So its reading of a link held
+   congested link slows small and large messages differently (under the emulation a
+   throttled link's reductions read several times slower than the probe's round trips). So
+   its reading of a link held
    slow is at least the belief while it reads slow (its own reading where higher, so a plan
    made for a link read at 2.5 on its way to 7 does not pin it at 2.5 under the rule of the
    fastest op), and 1.0 once two of its last ``window`` readings are quick (a wait only adds
@@ -55,11 +56,11 @@ import numpy as np
 from .detect import HEALTHY
 
 #: the reference is this quantile of a kind's healthy-scope history (seconds per MB): the
-#: median, so a healthy op reads 1.0 typically (a low quantile made the typical healthy
-#: reading of a noisy all-reduce 1.6x)
+#: median, so a healthy op reads 1.0 typically (a low quantile would make the typical healthy
+#: reading of a noisy kind, such as an all-reduce, well over 1)
 REF_QUANTILE = 0.5
-#: ops of a kind and scope needed in the history before its reference counts (with 5, a loaded
-#: host's first steps once set a reference that read a healthy link 3.2x slow)
+#: ops of a kind and scope needed in the history before its reference counts (too few, and a
+#: loaded host's first steps set a reference that reads a healthy link several times slow)
 MIN_HISTORY = 10
 
 
@@ -164,8 +165,8 @@ class LinkEstimator:
             s = 1.0 if ref is None else spm / ref
             # the reference learns from every op across links that read as they are believed
             # to be (healthy, or the belief within the margin), whatever the op's own reading:
-            # learning only the ops that read healthy trimmed the upper tail of a noisy kind
-            # and biased its median low (healthy all-reduces on a loaded host then read 2-4x)
+            # learning only the ops that read healthy would trim the upper tail of a noisy kind
+            # and bias its median low (healthy all-reduces on a loaded host would then read slow)
             w = max([now.get(ln, 1.0) for ln in links] + [1.0])
             if key[0] in self.recovery_kinds:
                 if b == 1.0 and w < self.healthy:         # healthy probes only (rule 4)
@@ -187,11 +188,11 @@ class LinkEstimator:
     def _quick(self, links: frozenset, s: float) -> bool:
         """Does the held link the probe ``s`` (the newest) crosses read recovered: are two of
         its last ``window`` probe readings quick? Waits only add to a round trip, so two quick
-        ones say the link is fast (a majority took up to 21 steps on a loaded host whose round
-        trips scatter around twice their healthy median). Quick: below ``healthy``, or below
-        the probes' own level while held (the median of its first ``window`` readings then)
-        over ``healthy``: a link whose probes read 46x while throttled read 3-5x once freed,
-        on a loaded host, for 20 steps."""
+        ones say the link is fast (a majority can take many steps on a loaded host, whose
+        round trips scatter around twice their healthy median). Quick: below ``healthy``, or
+        below the probes' own level while held (the median of its first ``window`` readings
+        then) over ``healthy``: on a loaded host a freed link's probes can read well over
+        ``healthy`` for many steps, yet far below what they read while it was throttled."""
         ok = []
         for ln in links:
             d = self._recent.setdefault(ln, deque(maxlen=self._window))

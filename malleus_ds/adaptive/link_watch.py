@@ -1,4 +1,4 @@
-"""The adaptive loop's view of the job's links (issue 35): timed communication -> link rates ->
+"""The adaptive loop's view of the job's links: timed communication -> link rates ->
 detection -> the planning problem's ``link_rates``, ``gpu_link_rates`` and ``comm`` section.
 
 Rank 0 of the loop (``control.py``) keeps one :class:`LinkWatch`, which watches two kinds of
@@ -46,14 +46,14 @@ from .link_rates import CommOp, Link, LinkEstimator
 #: collectives (a TP group across nodes, summed over the step: the member whose peers were
 #: never late) and the link probes. A pipeline
 #: receive's wait is its peer's lateness (bubbles, a stage upstream) far more than its wire's
-#: time: the least seconds per MB of a step's 4 KB receives, 4 ranks as 2 nodes of 2, ran
-#: 5-680 ms/MB from step to step on a healthy link, and a plan that moved the boundary onto a
-#: slow link read it as recovered. Receives are timed and logged; they are not evidence.
+#: time: even the least seconds per MB of a step's small receives swings by orders of
+#: magnitude from step to step on a healthy link, and a plan that moved the boundary onto a
+#: slow link would read it as recovered. Receives are timed and logged; they are not evidence.
 READ_KINDS = ("dp", "tp", "probe")
 #: ...and the kinds the links between a node's GPUs are read from: the TP collectives (a
 #: step's quickest of many) and the probes (the quickest of three). A reduction inside a node
-#: is one wait a step: two members' reductions on a loaded host read 2.2-4x on healthy links
-#: and set off re-plans for nothing
+#: is one wait a step: on a loaded host it reads several times slow on a healthy link and
+#: would set off re-plans for nothing
 GPU_READ_KINDS = ("tp", "probe")
 
 
@@ -129,8 +129,9 @@ class _Scope:
         if trig is None:
             return None
         # where the links are heading: the median of the window's newer half. A link that
-        # slows 30x reads through the window's median in a few steps, and planning for the
-        # median's first 2.5 kept the plan, then cooled down: detected 9 steps after the onset
+        # slows sharply climbs through the window's median over a few steps; planning for the
+        # median's first, low reading would keep the plan and then cool down, so the real
+        # slowdown would be acted on many steps after its onset
         recent = self.est.rates(last=self.det.cfg.window // 2 + 1)
         now = self.det.normalise([recent.get(ln, np.nan) for ln in self.links])
         return self.slow(np.maximum(np.asarray(trig.rates), now)
@@ -182,8 +183,8 @@ class LinkWatch:
                 if k in READ_KINDS]
         # no op is left out for a rank slow in compute: a reduction
         # reads as its last-arriving member's wait, which holds no wait for a slow peer, and a
-        # probe runs after the step. Leaving them out let a loaded host's misread compute
-        # rates (1.5-1.7 on healthy ranks) hide a 15x slow link for 40 steps.
+        # probe runs after the step. Leaving them out would let a loaded host's misread
+        # compute rates (healthy ranks read somewhat slow) hide a slow link for many steps.
         planned = self.planned()
         for sc, believed in ((self.node, planned.nodes), (self.gpu, planned.gpus)):
             if sc.det is not None:

@@ -37,7 +37,7 @@ def _weighted_nanmedian(r: np.ndarray, w: np.ndarray) -> np.ndarray:
     """``np.nanmedian(r, axis=-1, keepdims=True)`` where column ``j`` of ``r`` stands for
     ``w[j]`` (an integer count) equal columns: the median of the expanded rows, the mean of the
     two middle values for an even count, NaN for a row with no value. Sorting once, not
-    ``nanmedian``'s per-row loop (issue 33: the fit at 1,024 ranks took 0.1 s per grid)."""
+    ``nanmedian``'s per-row loop, which dominates the fit's time at a thousand ranks."""
     if np.all(w == 1.0):                             # every column once: positions by count
         rs = np.sort(r, axis=-1)                     # NaN last
         n = np.sum(~np.isnan(r), axis=-1, keepdims=True)
@@ -59,7 +59,7 @@ def probe_reading(probes: np.ndarray) -> np.ndarray:
     """Per rank (column), the reading of its probe rates over the window (rows, oldest first;
     NaN = no probe): the slower of its last two probes. A rank comes back only when two probes
     in a row agree that it is fit (one that ran in a lucky moment never lets a slow rank back:
-    the rate-10 rank of issue 31 probed once at 3.3), and a recovered rank waits at most one
+    a heavily throttled rank's probe can now and then read a fraction of its rate), and a recovered rank waits at most one
     more probe for an unlucky one to pass. NaN for a rank probed fewer than twice in the window
     (it keeps the rate its plan was made for)."""
     out = np.full(probes.shape[1], np.nan)
@@ -114,8 +114,8 @@ class RateEstimator:
     #: refit every this many steps within a plan (and at every new plan)
     FIT_EVERY = 4
     #: distinct rank histories the fit reads at most: beyond, an even sample of them (the terms
-    #: are shared by every stage of a shape; at 1,024 ranks with noise a fit of all took 0.3 s
-    #: on rank 0, every FIT_EVERY steps)
+    #: are shared by every stage of a shape, and a fit of all of them at a thousand ranks would
+    #: cost rank 0 a noticeable share of a step every FIT_EVERY steps)
     FIT_COLUMNS = 256
     #: the largest per-micro-batch term fitted, in layer units (a micro-batch's fixed cost or
     #: a first stage's embedding worth more than 4 layers is not a shape effect)
@@ -123,8 +123,9 @@ class RateEstimator:
     #: a rank's log-distance from its step's median counts at most this much in the fit
     CAP = 0.15
     #: ...and this much where it is *faster* than the median: nothing runs faster than healthy,
-    #: so terms that make a rank read fast explain a straggler away (issue 31 part 1: two light
-    #: first stages, one 3x slow, read 1.0 and 0.3 under terms that traded one for the other)
+    #: so terms that make a rank read fast explain a straggler away (of two light first
+    #: stages, one slow, terms that trade one for the other would read the slow one healthy
+    #: and the healthy one impossibly fast)
     FAST_CAP = 2 * CAP
     #: per measurement and unit of beta + gamma: a pull to 0 where the plans cannot tell
     PULL = 1e-3
@@ -326,7 +327,7 @@ class RateEstimator:
         # a held rank is as slow as its sustained probe says, whatever its light load reads
         # (inside a throughput cap a light load reads healthy); and healthy once two probes in a
         # row say so, whatever its light load reads (on shared cores a light share computes only
-        # while every peer does, so its training reads 1.5-2x for a healthy rank: issue 31)
+        # while every peer does, so its training reads slow for a healthy rank)
         h = self._held
         with np.errstate(invalid="ignore"):
             fit = h & (probe < self.healthy)

@@ -31,8 +31,8 @@ class ProbeBlock:
 
     #: a sustained reading this many times its early one is a cap (a CPU quota, a power cap:
     #: the first milliseconds after idling run at full speed), and is reported instead. Below
-    #: it the early reading stands: a process kept busy reads 1.3-1.7x slow next to processes
-    #: that wake from communication waits on an oversubscribed CPU (the scheduler favours the
+    #: it the early reading stands: a process kept busy reads somewhat slow (well under
+    #: CAP_SIGNAL) next to processes that wake from communication waits on an oversubscribed CPU (the scheduler favours the
     #: sleepers), and the reference, which times at the same moment, is not kept busy
     CAP_SIGNAL = 2.0
 
@@ -112,7 +112,8 @@ class ProbeBlock:
         """Could this rank run under a throughput cap the sustained reading exists to see? Not
         when the straggler emulation slows it by sleeping (``straggler.method=sleep``): that
         slows every run alike, and on a shared CPU a sustained window then only adds noise (a
-        rate-10 rank's sustained reading varied 0.9-7x its early one, and read 52 as a 'cap')."""
+        heavily slowed rank's sustained reading can land anywhere from below to far above its
+        early one, and a far-above one would be misread as a cap)."""
         st = getattr(getattr(self.engine, "clock", None), "straggler", None)
         return st is None or not st.schedule or getattr(st.schedule, "method", "sleep") != "sleep"
 

@@ -1,5 +1,5 @@
-"""Attaching the adaptive loop to a running MalleusEngine (issue 32: the app does it, so the
-engine and the loop import nothing from each other).
+"""Attaching the adaptive loop to a running MalleusEngine. The app does it, so the engine and
+the loop import nothing from each other.
 
 :func:`attach_loop` describes the engine's job in plain values (``adaptive.job.JobSpec``),
 measures the TP slowdown table on the job's own device when asked (``engine/tp_cost.py``: a

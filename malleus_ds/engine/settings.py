@@ -14,18 +14,9 @@ from ..interop.sections import (ACT_IGNORED, ZERO_STAGES,  # noqa: F401  (the en
                                 activation_checkpointing_source, check_scheduler,
                                 check_unsupported, check_zero_stage, load_config,
                                 optimizer_settings)
-from ..interop.malleus_section import KEY, section_keys
+from ..interop.malleus_section import ADAPTIVE_KEYS, KEY, section_keys
 from ..plan import Plan
 from .precision import Precision
-
-# ------------------------------------------------------------------ the adaptive loop's keys
-
-#: the ``malleus`` keys of the adaptive loop (``adaptive/settings.py``'s ``ADAPTIVE_KEYS``,
-#: derived from its dataclass, which this layer cannot import; a test holds the two equal): the
-#: engine accepts them and leaves them to the loop the app attaches, which parses them
-LOOP_KEYS = ("adaptive", "detect", "check", "horizon_steps", "replan_at", "planner_time_limit_s",
-             "min_improvement", "migrate_gbps", "tp_slowdown", "device_mb")
-
 
 # ------------------------------------------------------------------ the whole malleus section
 
@@ -62,9 +53,10 @@ class MalleusSettings:
     def from_config(sec: Mapping[str, Any] | None,
                     where: str = "ds_config.malleus") -> "MalleusSettings":
         """Parse and check ``sec``; errors name ``<where>.<key>`` and the value. The loop's keys
-        (:data:`LOOP_KEYS`) are accepted and left to the loop."""
+        (``ADAPTIVE_KEYS``, from its ``AdaptiveSettings`` in ``interop/malleus_section.py``) are
+        accepted and left to the loop the app attaches, which parses them."""
         sec = dict(sec or {})
-        known = {*section_keys(MalleusSettings), *LOOP_KEYS}
+        known = {*section_keys(MalleusSettings), *ADAPTIVE_KEYS}
         unknown = sorted(set(sec) - known)
         if unknown:
             raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(known)}")

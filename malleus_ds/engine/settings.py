@@ -14,7 +14,7 @@ from ..interop.sections import (ACT_IGNORED, ZERO_STAGES,  # noqa: F401  (the en
                                 activation_checkpointing_source, check_scheduler,
                                 check_unsupported, check_zero_stage, load_config,
                                 optimizer_settings)
-from ..interop.malleus_section import ADAPTIVE_KEYS, KEY, section_keys
+from ..interop.malleus_section import ADAPTIVE_KEYS, KEY, MIGRATE_BUCKET_MB, section_keys
 from ..plan import Plan
 from .precision import Precision
 
@@ -43,7 +43,8 @@ class MalleusSettings:
     #: from the stock "fp16" / "bf16" sections (build_settings), not a key of this section
     precision: Precision = field(default=Precision(), metadata={KEY: None})
     switch: tuple[SwitchAt, ...] = ()   # scripted plan switches, by step (runner: malleus.switch)
-    migrate_bucket_mb: float = 256.0    # packed bytes in flight per rank during a migration (MB)
+    #: packed bytes in flight per rank during a migration (MB)
+    migrate_bucket_mb: float = MIGRATE_BUCKET_MB
     migrate_timeout_s: float = 300.0    # a migration transfer not done by then fails the job (s)
     #: recompute each decoder layer in backward (build_settings: the ds_config turns it on,
     #: :func:`activation_checkpointing_source`), not a key of this section

@@ -38,6 +38,12 @@ def section_keys(cls) -> tuple[str, ...]:
     return tuple(out)
 
 
+#: ``malleus.migrate_bucket_mb``'s default: packed migration bytes in flight per rank (MB). The
+#: engine's ``MalleusSettings`` reads the key; the loop's ``JobSpec`` and the replay, which plan
+#: the migration's staging buffers without an engine, take the same default from here
+MIGRATE_BUCKET_MB = 256.0
+
+
 # ------------------------------------------------------------ malleus.detect.*, malleus.check.*
 
 #: a smoothed measured rate below this counts as healthy (1.0): DESIGN.md §6; the default of

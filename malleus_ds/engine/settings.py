@@ -14,7 +14,8 @@ from ..interop.sections import (ACT_IGNORED, ZERO_STAGES,  # noqa: F401  (the en
                                 activation_checkpointing_source, check_scheduler,
                                 check_unsupported, check_zero_stage, load_config,
                                 optimizer_settings)
-from ..interop.malleus_section import ADAPTIVE_KEYS, KEY, MIGRATE_BUCKET_MB, section_keys
+from ..interop.malleus_section import (ADAPTIVE_KEYS, KEY, MIGRATE_BUCKET_MB, positive,
+                                       section_keys)
 from ..plan import Plan
 from .precision import Precision
 
@@ -92,16 +93,6 @@ def parse_straggler(strag, where: str = "ds_config.malleus.straggler") -> tuple:
     except StragglerError as e:
         raise ValueError(str(e)) from None
     return RawSchedule(tuple(strag or ()), method)
-
-
-def positive(sec: Mapping[str, Any], key: str, default: float,
-             where: str = "ds_config.malleus") -> float:
-    """``sec[key]`` (``default`` if absent) as a float > 0; else ValueError naming
-    ``<where>.<key>`` and the value."""
-    v = sec.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise ValueError(f"{where}.{key}={v!r} must be a number > 0")
-    return float(v)
 
 
 def parse_switch(entries, where: str = "ds_config.malleus.switch") -> tuple[SwitchAt, ...]:

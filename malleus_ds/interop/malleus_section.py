@@ -38,6 +38,25 @@ def section_keys(cls) -> tuple[str, ...]:
     return tuple(out)
 
 
+def number(sec: Mapping[str, Any], key: str, default, ok, need: str, optional: bool = False,
+           where: str = "ds_config.malleus"):
+    """``sec[key]`` (``default`` if absent) as a float that satisfies ``ok``, or None when
+    ``optional`` and null; else ValueError ``<where>.<key>=<value> must be <need>``."""
+    v = sec.get(key, default)
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+        raise ValueError(f"{where}.{key}={v!r} must be {need}")
+    return float(v)
+
+
+def positive(sec: Mapping[str, Any], key: str, default: float,
+             where: str = "ds_config.malleus") -> float:
+    """``sec[key]`` (``default`` if absent) as a float > 0; else ValueError naming
+    ``<where>.<key>`` and the value (the engine's migration limits)."""
+    return number(sec, key, default, lambda v: v > 0, "a number > 0", where=where)
+
+
 #: ``malleus.migrate_bucket_mb``'s default: packed migration bytes in flight per rank (MB). The
 #: engine's ``MalleusSettings`` reads the key; the loop's ``JobSpec`` and the replay, which plan
 #: the migration's staging buffers without an engine, take the same default from here
@@ -120,18 +139,6 @@ class CheckConfig:
 
 _INT_DETECT = ("every", "window", "confirm", "cooldown", "probe_every")
 _BOOL_DETECT = ("gpu_links",)
-
-
-def number(sec: Mapping[str, Any], key: str, default, ok, need: str, optional: bool = False,
-           where: str = "ds_config.malleus"):
-    """``sec[key]`` (``default`` if absent) as a float that satisfies ``ok``, or None when
-    ``optional`` and null; else ValueError ``<where>.<key>=<value> must be <need>``."""
-    v = sec.get(key, default)
-    if v is None and optional:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
-        raise ValueError(f"{where}.{key}={v!r} must be {need}")
-    return float(v)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 A rate below ``healthy`` counts as 1.0; a re-plan needs some rate to differ from the one the
 current plan was made for by ``change`` (relative), in ``confirm`` consecutive detections, and
-none is raised during a ``cooldown`` after planning (:class:`Detector`, :class:`DetectConfig`).
+none is raised during a ``cooldown`` after planning (:class:`Detector`; its settings,
+:class:`DetectConfig` and :data:`HEALTHY`, live with the ``malleus`` section's in
+``interop/malleus_section.py`` and are re-exported here).
 
 numpy only.
 """
@@ -13,51 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ..interop.malleus_section import HEALTHY, DetectConfig  # noqa: F401  (the loop's names)
 from .work import per_rank
-
-
-#: a smoothed measured rate below this counts as healthy (1.0): DESIGN.md §6; the default of
-#: :attr:`DetectConfig.healthy`, and the threshold ``whatif.py`` and ``malleus-plot`` use
-HEALTHY = 1.2
-
-
-@dataclass(frozen=True)
-class DetectConfig:
-    """When a measured rate shift triggers re-planning (Malleus's defaults)."""
-
-    every: int = 1          # run detection every N steps (cheap: numpy on rank 0)
-    window: int = 5         # median over the last N per-step rates (smoothing)
-    healthy: float = HEALTHY  # a smoothed rate below this counts as healthy (1.0)
-    change: float = 0.3     # re-plan when |r - p| >= change * p for some rank (relative)...
-    confirm: int = 2        # ...in this many consecutive detections (hysteresis)
-    cooldown: int = 2       # detections skipped after a planning attempt
-    probe_every: int = 2    # a rank without work times its probe every N steps
-    #: a link's smoothed rate below this counts as healthy (``link_watch.py``): the waits on a
-    #: collective scatter far more from step to step than compute (a small all-reduce on a
-    #: loaded host reads well over twice its median now and then on a healthy link)
-    link_healthy: float = 2.0
-    #: MB a link held slow is probed with (a round trip every ``probe_every`` steps, one held
-    #: link at a time: ``engine/link_probe.py``); 0: not probed
-    link_probe_mb: float = 0.1
-    #: also read the links between the GPUs of a node (TP collectives, reductions inside a
-    #: node: ``link_watch.py``): true, false, or None (the default): where the job's nominal
-    #: TP degree is above 1, whose collectives cross those links on every layer
-    gpu_links: bool | None = None
-
-    def check(self) -> None:
-        """Raise ``ValueError`` naming ``malleus.detect.<field>=<value>`` for a bad field."""
-        rules = (("every", self.every >= 1, ">= 1"), ("window", self.window >= 1, ">= 1"),
-                 ("healthy", self.healthy >= 1.0, ">= 1.0 (1.0 = healthy)"),
-                 ("change", self.change > 0, "> 0 (relative, e.g. 0.3 = 30%)"),
-                 ("confirm", self.confirm >= 1, ">= 1"), ("cooldown", self.cooldown >= 0, ">= 0"),
-                 ("probe_every", self.probe_every >= 1, ">= 1"),
-                 ("link_healthy", self.link_healthy >= 1.0, ">= 1.0 (1.0 = healthy)"),
-                 ("link_probe_mb", self.link_probe_mb >= 0, ">= 0 (0: links are not probed)"),
-                 ("gpu_links", self.gpu_links in (None, True, False),
-                  "true, false or null (null: where the job's TP degree is above 1)"))
-        for name, ok, need in rules:
-            if not ok:  # NaN fails every comparison, so it is rejected too
-                raise ValueError(f"detect.{name}={getattr(self, name)!r} must be {need}")
 
 
 @dataclass(frozen=True)

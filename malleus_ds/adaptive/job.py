@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..interop.malleus_section import MIGRATE_BUCKET_MB
 from ..job_layout import JobLayout
 from ..layout import ParamTable
 
@@ -30,7 +31,7 @@ class JobSpec:
     param_bytes: int = 4         # bytes of one parameter as trained (2 under bf16 / fp16)
     zero_stage: int = 1
     device: str = "cpu"          # where the model runs (its memory, when malleus.device_mb is unset)
-    migrate_bucket_mb: float = 256.0   # the migration's staging buffers
+    migrate_bucket_mb: float = MIGRATE_BUCKET_MB   # the migration's staging buffers
     recompute: bool = False      # activation checkpointing: a layer recomputed in backward
     #: the memory (MB) one rank may use on its device, as the app measured it
     #: (``app/loop.device_memory_mb``; None: on CPU, the host's RAM shared by its ranks)

@@ -25,40 +25,18 @@ The same check catches a healthy rank kept on a light share: its plan promised t
 job with a straggler, the job runs slower than that with no straggler to explain it, and going
 back to the previous plan gives the rank full work, where its training timings read the truth.
 
+Its settings, :class:`CheckConfig` (``malleus.check.*``), live with the rest of the ``malleus``
+section in ``interop/malleus_section.py``; this module re-exports the name.
+
 Pure Python + numpy: no torch, no process groups.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
-
-@dataclass(frozen=True)
-class CheckConfig:
-    """When a measured step time breaks the plan's promise (``malleus.check.*``)."""
-
-    margin: float = 0.3      # measured > expected × (1 + margin) is a miss...
-    patience: int = 3        # ...in this many judged steps in a row
-    kept_after: int = 6      # judged steps without a miss: the promise is kept
-    backoff: int = 8         # judged steps after a miss before the next may count (doubles)
-    severe: float = 2.0      # a step this many times its promise...
-    severe_patience: int = 2  # ...in this many judged steps in a row is a miss at once
-    enabled: bool = True
-
-    def check(self) -> None:
-        """Raise ``ValueError`` naming ``malleus.check.<field>=<value>`` for a bad field."""
-        rules = (("margin", self.margin > 0, "> 0 (relative, e.g. 0.3 = 30% slower)"),
-                 ("patience", self.patience >= 1, ">= 1"),
-                 ("kept_after", self.kept_after >= self.patience, ">= patience"),
-                 ("backoff", self.backoff >= 0, ">= 0"),
-                 ("severe", self.severe > 1 + self.margin, "> 1 + margin"),
-                 ("severe_patience", self.severe_patience >= 1, ">= 1"))
-        for name, ok, need in rules:
-            if not ok:
-                raise ValueError(f"check.{name}={getattr(self, name)!r} must be {need}"
-                                 + (f" ({self.patience})" if name == "kept_after" else ""))
+from ..interop.malleus_section import CheckConfig
 
 
 class HealthyPace:

@@ -13,10 +13,9 @@ import os
 from dataclasses import fields
 from typing import Any, Mapping
 
-from ..adaptive.settings import ADAPTIVE_KEYS, AdaptiveSettings
 from ..emulation.straggler import StragglerError, StragglerSchedule
-from ..engine.settings import MalleusSettings, parse_switch, positive
-from ..interop.malleus_section import section_keys
+from ..engine.settings import MalleusSettings, parse_switch
+from ..interop.malleus_section import ADAPTIVE_KEYS, AdaptiveSettings, positive, section_keys
 from ..job_layout import JobLayout, JobLayoutError
 from ..models.llama import ModelConfig
 from ..models.parse import check_layout

@@ -7,7 +7,7 @@ collective, every rank calls it), hands the loop the engine's probe block
 (``engine/probe_block.py``) and link probe (``engine/link_probe.py``), and attaches the loop
 to the engine's step hooks (``steploop.py``). ``malleus_ds.initialize`` and the malleus
 runner call it right after they build the engine, with the settings they parsed before it
-(``adaptive/settings.py``).
+(``AdaptiveSettings``, ``interop/malleus_section.py``).
 """
 from __future__ import annotations
 

@@ -14,18 +14,10 @@ from ..interop.sections import (ACT_IGNORED, ZERO_STAGES,  # noqa: F401  (the en
                                 activation_checkpointing_source, check_scheduler,
                                 check_unsupported, check_zero_stage, load_config,
                                 optimizer_settings)
-from ..interop.malleus_section import KEY, section_keys
+from ..interop.malleus_section import (ADAPTIVE_KEYS, KEY, MIGRATE_BUCKET_MB, positive,
+                                       section_keys)
 from ..plan import Plan
 from .precision import Precision
-
-# ------------------------------------------------------------------ the adaptive loop's keys
-
-#: the ``malleus`` keys of the adaptive loop (``adaptive/settings.py``'s ``ADAPTIVE_KEYS``,
-#: derived from its dataclass, which this layer cannot import; a test holds the two equal): the
-#: engine accepts them and leaves them to the loop the app attaches, which parses them
-LOOP_KEYS = ("adaptive", "detect", "check", "horizon_steps", "replan_at", "planner_time_limit_s",
-             "min_improvement", "migrate_gbps", "tp_slowdown", "device_mb")
-
 
 # ------------------------------------------------------------------ the whole malleus section
 
@@ -52,7 +44,8 @@ class MalleusSettings:
     #: from the stock "fp16" / "bf16" sections (build_settings), not a key of this section
     precision: Precision = field(default=Precision(), metadata={KEY: None})
     switch: tuple[SwitchAt, ...] = ()   # scripted plan switches, by step (runner: malleus.switch)
-    migrate_bucket_mb: float = 256.0    # packed bytes in flight per rank during a migration (MB)
+    #: packed bytes in flight per rank during a migration (MB)
+    migrate_bucket_mb: float = MIGRATE_BUCKET_MB
     migrate_timeout_s: float = 300.0    # a migration transfer not done by then fails the job (s)
     #: recompute each decoder layer in backward (build_settings: the ds_config turns it on,
     #: :func:`activation_checkpointing_source`), not a key of this section
@@ -62,9 +55,10 @@ class MalleusSettings:
     def from_config(sec: Mapping[str, Any] | None,
                     where: str = "ds_config.malleus") -> "MalleusSettings":
         """Parse and check ``sec``; errors name ``<where>.<key>`` and the value. The loop's keys
-        (:data:`LOOP_KEYS`) are accepted and left to the loop."""
+        (``ADAPTIVE_KEYS``, from its ``AdaptiveSettings`` in ``interop/malleus_section.py``) are
+        accepted and left to the loop the app attaches, which parses them."""
         sec = dict(sec or {})
-        known = {*section_keys(MalleusSettings), *LOOP_KEYS}
+        known = {*section_keys(MalleusSettings), *ADAPTIVE_KEYS}
         unknown = sorted(set(sec) - known)
         if unknown:
             raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(known)}")
@@ -99,16 +93,6 @@ def parse_straggler(strag, where: str = "ds_config.malleus.straggler") -> tuple:
     except StragglerError as e:
         raise ValueError(str(e)) from None
     return RawSchedule(tuple(strag or ()), method)
-
-
-def positive(sec: Mapping[str, Any], key: str, default: float,
-             where: str = "ds_config.malleus") -> float:
-    """``sec[key]`` (``default`` if absent) as a float > 0; else ValueError naming
-    ``<where>.<key>`` and the value."""
-    v = sec.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise ValueError(f"{where}.{key}={v!r} must be a number > 0")
-    return float(v)
 
 
 def parse_switch(entries, where: str = "ds_config.malleus.switch") -> tuple[SwitchAt, ...]:

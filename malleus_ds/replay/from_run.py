@@ -173,6 +173,7 @@ def _build_job(run: Path, cfg: dict, world: int) -> _Job:
     from ..adaptive.job import JobSpec
     from ..adaptive.replan import job_memory, job_problem
     from ..adaptive.settings import AdaptiveSettings
+    from ..interop.malleus_section import MIGRATE_BUCKET_MB
     from ..job_layout import JobLayout
     from ..models.base import head_layer_units, param_table
     from ..models.llama import model_config
@@ -200,7 +201,8 @@ def _build_job(run: Path, cfg: dict, world: int) -> _Job:
     table = param_table(mc)
     head = head_layer_units(table, seq, mc.hidden_size)
     mem = job_memory(table, mc, B, seq, False, None, "cpu", world // nodes,
-                     float((cfg.get("malleus") or {}).get("migrate_bucket_mb", 256)))
+                     float((cfg.get("malleus") or {}).get("migrate_bucket_mb",
+                                                          MIGRATE_BUCKET_MB)))
     problem = job_problem(plan, job, ideal_slowdown(tp), mem, head)
     spec = JobSpec.of_model(mc, plan, world=world, job=job, seq_len=seq)
     settings = AdaptiveSettings.from_config(cfg.get("malleus") or {}, where="malleus")

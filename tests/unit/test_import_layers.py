@@ -203,14 +203,6 @@ def test_no_import_crosses_a_layer():
     assert gone == [], f"these crossings are gone: take them off KNOWN_CROSSINGS: {gone}"
 
 
-def test_the_engine_passes_over_exactly_the_loops_keys():
-    """engine/settings.py cannot import adaptive/: the two key lists are held equal here."""
-    from malleus_ds.adaptive.settings import ADAPTIVE_KEYS
-    from malleus_ds.engine.settings import LOOP_KEYS
-
-    assert LOOP_KEYS == ADAPTIVE_KEYS
-
-
 def test_every_package_is_in_a_layer_and_the_contracts_stay_few():
     named = set().union(*LAYERS)
     packages = _packages(PKG)

@@ -2,9 +2,12 @@
 (``interop/malleus_section.py``): a field is its key, renamed or left out by its metadata."""
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass, field
 
-from malleus_ds.interop.malleus_section import KEY, section_keys
+import pytest
+
+from malleus_ds.interop.malleus_section import ADAPTIVE_KEYS, KEY, section_keys
 
 
 def test_a_field_is_its_key_unless_its_metadata_says_otherwise():
@@ -31,3 +34,15 @@ def test_the_three_views_keys():
                                                   "migrate_timeout_s"}
     assert AdaptiveSettings.from_config({}) == AdaptiveSettings()     # defaults written once
     assert MalleusSettings.from_config({}) == MalleusSettings()
+
+
+def test_the_engine_accepts_exactly_its_keys_and_the_loops():
+    """The engine reads its own keys and leaves the loop's (derived from ``AdaptiveSettings``,
+    which lives below both) to the loop: a section may hold any of them, and nothing else."""
+    from malleus_ds.engine.settings import MalleusSettings
+
+    with pytest.raises(ValueError, match=r"unknown keys \['nope'\]") as e:
+        MalleusSettings.from_config({"nope": 1})
+    allowed = ast.literal_eval(str(e.value).split("allowed: ", 1)[1])
+    assert allowed == sorted({*section_keys(MalleusSettings), *ADAPTIVE_KEYS})
+    assert MalleusSettings.from_config(dict.fromkeys(ADAPTIVE_KEYS)) == MalleusSettings()

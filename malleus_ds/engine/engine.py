@@ -11,7 +11,9 @@ would be wrong here: config parsing and checks, device placement, timers, monito
 engine, LR schedulers (``_scheduler_from_config``) and ``gradient_clipping``. What its single DP
 group cannot express lives in this subclass, each in its own module:
 
-* the 1F1B schedule per heterogeneous pipeline (``schedule.py``, dispatched by ``train_batch``),
+* one global step (``train_step.py``): the 1F1B schedule per heterogeneous pipeline
+  (``schedule.py``), the step's one world all-reduce (``step_reduce.py``), the world-wide skip
+  decision, clipping and the update; ``train_batch`` reads as its sequence,
 * Megatron TP per stage, any group size dividing heads and FFN (``tensor_parallel.py``),
 * per-layer / per-finest-shard gradient SUM (``grad_sync.py``; stock averages over one group),
 * ZeRO-1/2 across each replica set with torch AdamW (``optimizer.py``),
@@ -56,10 +58,9 @@ from torch import nn
 
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
-from deepspeed.utils import log_dist
 from malleus_ds_kernels.pack import warm_up as warm_up_pack
 
-from ..samples import loss_share, pipeline_micro_batches
+from ..samples import pipeline_micro_batches
 from ..interop.compat import init_deepspeed_comm
 from ..models.base import param_table, tied_params
 from ..job_layout import JobLayout, JobLayoutError
@@ -79,10 +80,10 @@ from ..interop.ds_config import DsConfig, decode
 from .settings import MalleusSettings, activation_checkpointing_source, as_plan, base_ds_config
 from ..schedule import Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad
 from .model_input import model_builder
-from .wire import wire_calls
+from .train_step import TrainStep
 
 
-class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
+class MalleusEngine(RunningPlan, TrainStep, PipelineP2P, EngineState, DeepSpeedEngine):
     """One engine per rank, built from a plan (DESIGN.md §5).
 
     ``model``: a model config with the interface of ``malleus_ds/models/base.py`` (our
@@ -233,23 +234,6 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         self.optimizer.loss_scaler = self.loss_scaler     # like DeepSpeed's fp16 optimizers
         self.optimizer.overflow = False
 
-    def _accumulate_grads(self) -> None:
-        """After a micro-batch's backward: gradients into the fp32 buckets (BF16_Optimizer's
-        update_hp_grads; already done per parameter with immediate_grad_update)."""
-        if not self.precision.immediate_grad_update:
-            self.runtime.accumulate()
-
-    def _sync_tied(self) -> None:
-        """Both copies of a tied pair get the pipeline's summed gradient, read out of and written
-        back into the buckets (only the ranks ``TiedSync`` involves pay for it)."""
-        tied = self.runtime.tied
-        names = tied.names()
-        if names:
-            grads = {n: self.grad_sync.read(n) for n in names}
-            tied(grads)
-            for n in names:
-                self.grad_sync.write(n, grads[n])
-
     @property
     def cur_scale(self) -> float:
         """The fp16 loss scale now (1.0 without fp16)."""
@@ -291,105 +275,19 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
         ``data_iter`` yielding ``(inputs, targets)`` for *this rank's pipeline's* micro-batches
         in order; first and last stages read it once per micro-batch.
         """
-        if getattr(self, "_broken", None):
-            from ..migrate.transport import MigrationError
-            raise MigrationError(self._broken)
-        if data_iter is None and self.data is None:
-            raise ValueError("MalleusEngine.train_batch: the engine was built without data= and "
-                             "no data_iter was passed; give one (malleus_ds.initialize defaults "
-                             "data to the shipped byte corpus)")
+        self._check_trainable(data_iter)
         self.apply_scheduled_switch()
         t_step = time.perf_counter()
-        step = self.global_steps if step is None else step
-        self._data_iter = data_iter
-        self._loss_sum = 0.0
-        self._step = step
-        if self._own_clock:
-            self.clock.start_step(step)
-        self._loss_mult = self.cur_scale       # fp16: this step's loss scale (1.0 otherwise)
-        if self.located is not None:
-            for p in self.named.values():
-                p.grad = None
-            self.grad_sync.zero_()
-            self._step, self._ids = step, self.my_micro_batches(step)
-            self._inputs, self._outputs, self._grads_in, self._grads_out = {}, {}, {}, {}
-            self._sends: list = []
-            for call in wire_calls(self.schedule):     # NCCL-safe cut (engine/wire.py)
-                if len(call) == 2:
-                    self._exec_send_recv(*call)
-                else:
-                    self._dispatch[type(call[0])](call[0])
-            for h, _ in self._sends:
-                h.wait()
-            self._sends = []
-            with phase("all-reduce"):
-                self._sync_tied()               # tied embedding/head: one gradient (tied.py)
-                flats = self.grad_sync.reduce(self.clock)   # fp32, summed over replicas
-        else:
-            flats = []
-        # One world all-reduce (engine/step_reduce.py): the global-batch loss, the non-finite
-        # count of the summed gradients (fp16/bf16: every rank takes the same skip decision),
-        # and the adaptive loop's per-rank timings and rank 0's "decision ready" flag.
-        compute_s = self.clock.compute_s
-        ready, probe = self.control.contribute(compute_s)
-        log = self.clock.comm_log
-        red = self.reduction.vector(ready=ready, compute_s=compute_s, probe_per_unit=probe,
-                                    device=self.device,
-                                    comm=log.values() if log is not None else None)
-        if self.is_last_stage and self.tp_rank == 0:
-            self.reduction.set_loss(red, self._loss_sum)   # on the device until now
-        if self.precision.check_overflow:        # counted on the device: no host sync per bucket
-            self.reduction.add_nonfinite(red, flats)
-        with phase("all-reduce"):
-            tdist.all_reduce(red)
-            sums = self.reduction.read(red)      # the step's one read of it (waits on GPU)
-        loss, overflow = sums.loss, sums.overflow
+        step = self._begin_step(data_iter, step)
+        # a rank without a stage in the plan runs no schedule; it joins the world collectives
+        flats = self._run_schedule(step) if self.located is not None else []
+        sums = self._reduce_step(flats)
         self.control.observe(step, sums)
         self.control.after_reduce(step)     # every prober at the same moment
-        self.optimizer.overflow = overflow
-        if self.loss_scaler is not None:
-            self.loss_scaler.update_scale(overflow)   # DeepSpeed's static/dynamic scaler
-        if overflow:
-            self._finish_step(loss, skipped=True)
-            self.control.step_done(time.perf_counter() - t_step)
-            return loss
-        if self._loss_mult != 1.0:                    # unscale in fp32 (a power of 2: exact)
-            for f, _ in flats:
-                f.mul_(1.0 / self._loss_mult)
-        coef = 1.0
-        clip = self.gradient_clipping()
-        if clip and clip > 0:
-            # on the device: one all-reduce and one host read per step (the norm, for the
-            # coefficient and the logs)
-            sq = self.optimizer.owned_sq_norm(flats, self.runtime.tied.skip_in_norm).reshape(1)
-            with phase("all-reduce"):
-                tdist.all_reduce(sq)
-                self._global_grad_norm = float(sq.sqrt())
-            coef = min(1.0, clip / (self._global_grad_norm + 1e-6))
-        self.optimizer.step(flats, coef)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self._finish_step(loss, skipped=False)
+        self._apply_update(flats, sums.overflow)
+        self._finish_step(sums.loss, skipped=sums.overflow)
         self.control.step_done(time.perf_counter() - t_step)
-        return loss
-
-    def _finish_step(self, loss: float, skipped: bool) -> None:
-        """Counters, monitor and log (a skipped step still counts in global_steps, not in the
-        LR schedule: DeepSpeedEngine._take_model_step)."""
-        if skipped:
-            self.skipped_steps += 1
-            if self.global_rank == 0:
-                log_dist(f"step={self.global_steps}: non-finite gradients, step skipped "
-                         f"({self.precision.name}; loss scale now {self.cur_scale:g})", ranks=[0])
-        self.global_steps += 1
-        self.global_samples += self.plan.global_batch_size
-        if self.global_rank == 0:
-            if self.monitor.enabled:
-                self.monitor.write_events([("Train/Samples/train_loss", loss, self.global_samples)])
-            every = self.steps_per_print()
-            if every and self.global_steps % every == 0:
-                log_dist(f"step={self.global_steps} loss={loss:.6f} "
-                         f"lr={self.optimizer.param_groups[0]['lr']:.3e}", ranks=[0])
+        return sums.loss
 
     def apply_scheduled_switch(self):
         """At the boundary before step ``global_steps`` (collective; ``train_batch`` calls it
@@ -499,45 +397,6 @@ class MalleusEngine(RunningPlan, PipelineP2P, EngineState, DeepSpeedEngine):
     def compute_seconds(self) -> float:
         """This rank's compute seconds in the current (or last) step, emulated slowdown included."""
         return self.clock.compute_s
-
-    def _timed(self, fn):
-        with self.clock.compute():
-            return fn()
-
-    def _exec_forward(self, ins: Forward) -> None:
-        k = ins.micro_batch
-        x = y = None
-        if self.is_first_stage or self.is_last_stage:
-            batch = next(self._data_iter) if self._data_iter is not None \
-                else self.data.batch(self._ids[k])
-            x, y = (t.to(self.device) for t in batch)       # (B, T) tokens, (B, T) targets
-        if not self.is_first_stage:
-            x = self._inputs[k]                             # (B, T, H), requires grad
-        scale = loss_share(self.plan.micro_batch_size, self.plan.global_batch_size)
-
-        def run():
-            out = self.module(x)
-            return self.model_cfg.loss(out, y) * scale if self.is_last_stage else out
-
-        out = self._timed(run)
-        if self.is_last_stage:
-            # summed in fp64 on the device, as one process adds the fp32 ``.item()`` values
-            self._loss_sum = self._loss_sum + out.detach().double()
-            if self._loss_mult != 1.0:      # fp16 loss scaling (fp32 loss, power-of-2 scale)
-                out = out * self._loss_mult
-        self._outputs[k] = out
-
-    def _exec_backward(self, ins: Backward) -> None:
-        k = ins.micro_batch
-        out = self._outputs.pop(k)
-        grad = None if self.is_last_stage else self._grads_out.pop(k)
-        def run():
-            out.backward(grad)
-            self._accumulate_grads()
-
-        self._timed(run)
-        if not self.is_first_stage:
-            self._grads_in[k] = self._inputs.pop(k).grad
 
     # ------------------------------------------------------------------ stock API
 

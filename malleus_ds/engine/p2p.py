@@ -1,6 +1,6 @@
 """Pipeline point-to-point for MalleusEngine: the activation and gradient sends and receives
 that ``train_batch`` dispatches for ``SendAct`` / ``RecvAct`` / ``SendGrad`` / ``RecvGrad``
-(``schedule.py``). The schedule loop is engine.py; the wire is here (a mixin: it reads the
+(``schedule.py``). The schedule loop is ``train_step.py``; the wire is here (a mixin: it reads the
 engine's per-plan peers ``act_src`` / ``act_dsts`` / ``grad_src`` / ``grad_dsts`` and its
 per-step buffers ``_outputs`` / ``_inputs`` / ``_grads_in`` / ``_grads_out`` / ``_sends``)."""
 from __future__ import annotations

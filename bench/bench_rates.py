@@ -214,9 +214,10 @@ def child(argv: list[str]) -> None:
     o_observe = control.Controller.observe
 
     def observe(self, step, sums):
-        ck = self._probe.engine.clock      # the loop reads no engine; its probe block does
-        rec = {"step": int(step), "skip": bool(self._skip), "cpu": getattr(ck, "_b_cpu", 0.0),
-               "wall": float(ck.compute_s), "emu": float(ck.emulated_s)}
+        ck = self.probing.block.engine.clock   # the loop reads no engine; its probe block does
+        rec = {"step": int(step), "skip": bool(self.skip_steps),
+               "cpu": getattr(ck, "_b_cpu", 0.0), "wall": float(ck.compute_s),
+               "emu": float(ck.emulated_s)}
         if self.rank == 0:
             rec.update(compute=[float(x) for x in sums.compute_s],
                        probe=[None if not np.isfinite(x) or x <= 0 else float(x)

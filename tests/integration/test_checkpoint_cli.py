@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.cases import plan_json
 from tests.cases import HETERO
@@ -59,6 +60,7 @@ def _ok(p: subprocess.CompletedProcess) -> None:
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
 
 
+@pytest.mark.slow
 def test_malleus_resumes_under_another_plan_and_world_size(tmp_path):
     """4 ranks on HETERO save after 3 steps; 2 ranks resume under the static dp=2 plan with a
     scripted switch before the resumed step (skipped) and one after it (applied) to step 6."""
@@ -95,6 +97,7 @@ def test_malleus_resumes_under_another_plan_and_world_size(tmp_path):
     assert (ck / "latest").read_text() == "global_step6"
 
 
+@pytest.mark.slow
 def test_deepspeed_zero1_resumes_under_the_same_layout_only(tmp_path):
     ck, a, b = tmp_path / "ck", tmp_path / "a", tmp_path / "b"
     ds = ["engine=deepspeed", "deepspeed=zero1", f"checkpoint.dir={ck}"]

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from malleus_ds.resilience.procs import descendants, is_running, rank_pid
 
@@ -114,6 +115,7 @@ def test_a_frozen_rank_is_named_and_the_job_exits_within_the_bound_under_load(tm
     assert "killed frozen rank 1" in err, err[-3000:]
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_wrapper_checkpoints_stops_every_rank_and_resumes(tmp_path):
     out, ck = tmp_path / "run", tmp_path / "ck"
     base = [sys.executable, TRAIN, *TINY, "nproc_per_node=2", "engine=malleus",

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.integration.harness import run_distributed
 from tests.cases import CFG, check, ds_config, plan_json
@@ -167,6 +168,7 @@ def test_adaptive_run_detects_replans_migrates_recovers_and_keeps_the_math():
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_forced_replans_from_the_command_line_log_events_and_plot(tmp_path):
     """A Hugging Face model (transformers' LlamaDecoderLayer) through the whole loop: measured
     rates, the planner on its parameter table, live migration, the events, the plot; the losses

@@ -99,6 +99,7 @@ def _refused_by_resume(tmp, ck, eng, marker, *over, nproc=2, expect="refused"):
     return errs[0]
 
 
+@pytest.mark.slow
 def test_malleus_rank_file_is_refused_by_resume_any_world_and_export(saved, tmp_path):
 
     marker = tmp_path / "PWNED"
@@ -117,6 +118,7 @@ def test_malleus_rank_file_is_refused_by_resume_any_world_and_export(saved, tmp_
     assert not marker.exists() and _digest(ck) == before
 
 
+@pytest.mark.slow
 def test_torch_and_deepspeed_files_are_refused_by_resume(saved, tmp_path):
     marker = tmp_path / "PWNED"
     ck = _copy(saved, "torch", tmp_path)

@@ -105,6 +105,7 @@ def test_bad_layout_fails_cleanly_on_every_rank(tmp_path):
     assert "does not match the world size" not in p.stdout
 
 
+@pytest.mark.slow
 def test_multirun_launches_ranks_per_job(tmp_path):
     """The README's sweep, then launch/summarize.py: job 0 is healthy, job 1 has rank 1 emulated
     at rate 2 throughout. 8 steps (7 after the warm-up): enough for a measured straggler phase

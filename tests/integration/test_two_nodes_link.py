@@ -50,6 +50,7 @@ def _steps(path: Path) -> int:
     return sum(1 for x in _lines(path) if "step_time_s" in x)
 
 
+@pytest.mark.slow
 def test_a_throttled_link_is_planned_around_and_left_when_free(tmp_path):
     why = _namespaces()
     if why:

@@ -3,7 +3,7 @@ own commands, ``tests/test_readme_commands.py``) starts processes and is marked
 ``integration``; ``tests/unit/`` starts none (the planner worker of the adaptive loop aside:
 it is the loop's own process). ``slow``: a single test that takes 20 s or more on 2 cores.
 
-    pytest tests/unit                      # the fast part while working (< 2 min on 2 cores)
+    pytest tests/unit                      # the fast part while working (about 3 min on 2 cores)
     pytest -m "not slow"                   # everything but the slowest tests
     bash scripts/test.sh                   # everything (CI)
 """

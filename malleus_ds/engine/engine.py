@@ -77,7 +77,8 @@ from .state import EngineState
 from .step_reduce import StepReduction
 from .comm_log import tensor_mb
 from ..interop.ds_config import DsConfig, decode
-from .settings import MalleusSettings, activation_checkpointing_source, as_plan, base_ds_config
+from ..interop.sections import activation_checkpointing_source
+from .settings import MalleusSettings, as_plan, base_ds_config
 from ..schedule import Backward, Forward, RecvAct, RecvGrad, SendAct, SendGrad
 from .model_input import model_builder
 from .train_step import TrainStep

@@ -1,6 +1,6 @@
 """The engine's view of the ``"malleus"`` section of a ds_config (``interop/malleus_section.py``),
 and the config the base engine gets; the stock sections MalleusEngine reads itself are decoded
-in ``interop/sections.py`` (their names are re-exported here).
+in ``interop/sections.py``.
 
 Pure parsing (no process groups): every rank raises the same error for a bad config before any
 collective, so bad input never hangs.
@@ -10,10 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..interop.sections import (ACT_IGNORED, ZERO_STAGES,  # noqa: F401  (the engine's names)
-                                activation_checkpointing_source, check_scheduler,
-                                check_unsupported, check_zero_stage, load_config,
-                                optimizer_settings)
 from ..interop.malleus_section import (ADAPTIVE_KEYS, KEY, MIGRATE_BUCKET_MB, positive,
                                        section_keys)
 from ..plan import Plan
@@ -48,7 +44,7 @@ class MalleusSettings:
     migrate_bucket_mb: float = MIGRATE_BUCKET_MB
     migrate_timeout_s: float = 300.0    # a migration transfer not done by then fails the job (s)
     #: recompute each decoder layer in backward (build_settings: the ds_config turns it on,
-    #: :func:`activation_checkpointing_source`), not a key of this section
+    #: ``interop.sections.activation_checkpointing_source``), not a key of this section
     recompute: bool = field(default=False, metadata={KEY: None})
 
     @staticmethod

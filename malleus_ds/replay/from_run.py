@@ -115,7 +115,7 @@ def _batch(run: Path, cfg: dict, dp: int) -> tuple[int, int]:
     among the shipped ``conf/deepspeed`` presets, as launch/train.py looks it up, with
     ``deepspeed.config`` over it)."""
     from ..interop.batch import DEFAULT_BATCH, resolve_batch
-    from ..engine.settings import load_config
+    from ..interop.sections import load_config
 
     tr = cfg.get("train") or {}
     if tr.get("global_batch_size") is not None and tr.get("micro_batch_size") is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from malleus_ds.engine.settings import optimizer_settings
+from malleus_ds.interop.sections import optimizer_settings
 from malleus_ds.optim import OptimConfig, make_optimizer
 
 

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from malleus_ds.engine.settings import MalleusSettings, base_ds_config, optimizer_settings
+from malleus_ds.engine.settings import MalleusSettings, base_ds_config
+from malleus_ds.interop.sections import optimizer_settings
 from malleus_ds.plan import Plan
 from tests.cases import HETERO
 

@@ -19,7 +19,7 @@ def test_both_precisions_rejected_before_launch():
 
 def test_zero3_rejected_before_launch_with_the_engines_own_rule():
     from malleus_ds.engine.optimizer import ShardedOptimizer
-    from malleus_ds.engine.settings import optimizer_settings
+    from malleus_ds.interop.sections import optimizer_settings
 
     msg = r"zero_optimization.stage=3: MalleusEngine supports 0, 1 and 2 .*deepspeed=zero1"
     c = cfg(world=2, engine="malleus", plan="static",

@@ -8,7 +8,6 @@ step counters, the loss scaler, the LR schedule, the data) stays on the engine.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -16,6 +15,7 @@ import torch
 from torch import nn
 
 from ..layout import Bucket, ParamTable, build_buckets
+from ..models.base import on_meta
 from ..plan import Plan
 from .grad_sync import GradSync
 from .groups import GROUPS
@@ -61,7 +61,7 @@ def build_stage(plan: Plan, spec: StageSpec, make_stage: Callable[..., nn.Module
     if reuse is None:
         module = make_stage(st.start, st.end, True)
     else:
-        with torch.device("meta"), _no_default_init():
+        with on_meta():
             module = make_stage(st.start, st.end, False)
     apply_tp(module, spec.tp_group, spec.tp_rank, spec.tp_size)
     if precision.mixed:
@@ -79,26 +79,6 @@ def build_stage(plan: Plan, spec: StageSpec, make_stage: Callable[..., nn.Module
             owner, _, leaf = name.rpartition(".")
             setattr(module.get_submodule(owner) if owner else module, leaf, old)
     return module
-
-
-_INIT_FNS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
-             "xavier_uniform_", "xavier_normal_", "constant_", "ones_", "zeros_")
-
-
-@contextmanager
-def _no_default_init():
-    """``torch.nn.init`` fills as no-ops while a stage is built on the meta device: torch's
-    layers still run ``reset_parameters`` there (through decompositions, time paid at every
-    build), for weights the migration overwrites anyway — what transformers'
-    ``no_init_weights`` does. Module construction happens on the training thread only."""
-    saved = {n: getattr(torch.nn.init, n) for n in _INIT_FNS if hasattr(torch.nn.init, n)}
-    try:
-        for n in saved:
-            setattr(torch.nn.init, n, lambda t, *a, **k: t)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch.nn.init, n, f)
 
 
 @dataclass(eq=False)

@@ -88,10 +88,11 @@ def expected_tensors(config) -> dict[str, tuple[int, ...]]:
     device; a tied model's ``lm_head.weight`` left out)."""
     import copy
 
+    from ..models.base import on_meta
     from ..models.hf import FAMILIES, _modeling
 
     cls = getattr(_modeling(config.model_type), f"{FAMILIES[config.model_type]}ForCausalLM")
-    with torch.device("meta"):
+    with on_meta():
         lm = cls(copy.deepcopy(config))
     out = {k: tuple(v.shape) for k, v in lm.state_dict().items()}
     if is_tied(config):

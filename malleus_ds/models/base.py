@@ -27,7 +27,8 @@ the slice map never needs a model's parameter names.
 """
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -137,14 +138,36 @@ def enable_activation_checkpointing(model: nn.Module, fn: Callable | None = None
     return model
 
 
+_INIT_FNS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+             "xavier_uniform_", "xavier_normal_", "constant_", "ones_", "zeros_")
+
+
+@contextmanager
+def on_meta() -> Iterator[None]:
+    """Build modules on the meta device with ``torch.nn.init``'s fills as no-ops (what
+    transformers' ``no_init_weights`` does): a meta tensor holds no values, yet torch's layers
+    still run ``reset_parameters``, and ``normal_`` on a meta tensor goes through
+    ``torch._refs``, whose first call imports ``torch._dynamo`` (seconds of start-up in every
+    process that reads a model's shapes). Module construction happens on the main thread only."""
+    saved = {n: getattr(torch.nn.init, n) for n in _INIT_FNS if hasattr(torch.nn.init, n)}
+    try:
+        for n in saved:
+            setattr(torch.nn.init, n, lambda t, *a, **k: t)
+        with torch.device("meta"):
+            yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
 def param_table(cfg):
     """The whole model's :class:`~malleus_ds.layout.ParamTable` (global name, full shape, TP
     split dim, owner), read off pieces built on the meta device (no memory, no init). Every
     decoder layer has the parameters of layer 0 (true of the Llama family)."""
     from ..layout import ParamSpec, ParamTable
 
-    with torch.device("meta"):
-        emb, blk, head = (cfg.build_layer(i, 0, init=False) for i in (EMBED, 0, HEAD))
+    with on_meta():
+        emb, blk, head = [cfg.build_layer(i, 0, init=False) for i in (EMBED, 0, HEAD)]
     plan = cfg.tp_plan
     specs = [ParamSpec(f"embed.{n}", tuple(p.shape), None, EMBED) for n, p in emb.named_parameters()]
     block = [(n, tuple(p.shape), plan.get(n)) for n, p in blk.named_parameters()]

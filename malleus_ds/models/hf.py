@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..interop.names import global_name, hf_name  # noqa: F401  (models.hf.hf_name: callers)
-from .base import EMBED, HEAD, TPError, check_tp_divides, lm_loss
+from .base import EMBED, HEAD, TPError, check_tp_divides, lm_loss, on_meta
 from .llama import _layer_seed        # the same per-layer seeding as our decoder
 
 #: model_type -> class-name prefix in transformers (``LlamaDecoderLayer`` ...).
@@ -180,7 +180,7 @@ class HFModel:
         self._index: dict[str, str] | None = None
         #: what this process read of ``path`` so far (the app's start-up line reports it)
         self.load_stats = {"tensors": 0, "bytes": 0, "files": set(), "of_files": 0, "seconds": 0.0}
-        with torch.device("meta"):
+        with on_meta():
             attn = self._layer_cls(config, 0)
         self._biases = {n for n, _ in attn.named_parameters() if n.endswith(".bias")}
 

@@ -26,7 +26,7 @@ from malleus_ds.resilience.procs import descendants
 from tests.integration.test_checkpoint_cli import ARGS, TRAIN, _rows
 
 STEPS = 24
-GROW_STEPS = 100
+GROW_STEPS = 56
 
 
 def _free_port() -> int:
@@ -40,13 +40,16 @@ def _agent(port: int, run: Path, ck: Path, cwd: Path, log: Path, *extra: str,
     # torch 2.13's agent publishes the workers' store address (MASTER_ADDR/PORT) only in the
     # first round it hosts it: a node joining later waits for it in vain (DistStoreError ...
     # MASTER_ADDR). Without the shared store, rank 0's agent publishes it in every round.
+    # A node without a keep-alive for 1 s x 3 is dead to the rendezvous (torch's default: 5 s x 3,
+    # which only makes the survivors' next round wait longer).
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", LOGLEVEL="INFO",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
-           "--rdzv-conf=last_call_timeout=5", "--max-restarts=3", "--monitor-interval=0.2",
+           "--rdzv-conf=last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
+           "--max-restarts=3", "--monitor-interval=0.2",
            TRAIN, *ARGS, "engine=malleus", "plan=static", f"train.steps={steps}",
            f"checkpoint.dir={ck}", "checkpoint.every=2", "checkpoint.resume=auto",
            f"hydra.run.dir={run}", "hang_timeout_s=30", *extra]
@@ -139,8 +142,9 @@ def test_a_node_rejoins_and_the_job_grows_back(tmp_path):
     starts again while they train: torchrun's agent sees a node waiting, stops its workers (SIGTERM: they stop at a step boundary and save), and
     the next rendezvous takes both nodes in; the job continues on 4 ranks with the same math."""
     run, ck, port = tmp_path / "run", tmp_path / "ck", _free_port()
-    # 32 samples a step: slow enough that the node is back well before the end (fp32 rounding
-    # of 4 and 2 ranks against one process stays within 1e-5 for ~150 steps of this model)
+    # 32 samples a step: slow enough that the node is back well before the end (it was back by
+    # step 17-20 of 56 on 2 loaded cores; fp32 rounding of 4 and 2 ranks against one process
+    # stays within 1e-5 for ~150 steps of this model)
     steps, big = GROW_STEPS, ("train.global_batch_size=32",)
     a = _agent(port, run, ck, tmp_path, tmp_path / "a.log", *big, steps=steps)
     _hosting(port, a)

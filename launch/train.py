@@ -37,7 +37,7 @@ if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
 _LAUNCHED = ("RANK", "LOCAL_RANK")  # env vars torchrun / the deepspeed launcher set per rank
 FATAL_NAME = "fatal.txt"     # in the run folder: why a rank ended the restarts
 _END_RESTARTS_WAIT_S = 30.0  # under restarts, how long other ranks wait for local rank 0
-_CONFIG_ERROR_GRACE_S = 3.0  # a rank with a config error waits this long before exiting
+_CONFIG_ERROR_GRACE_S = 3.0  # a rank with a config error waits at most this long for the others
 _STOP_GRACE_S = 120.0  # after SIGTERM/SIGINT, ranks get this long to checkpoint and exit
 
 
@@ -306,12 +306,11 @@ def main() -> None:
             sys.exit(0 if quiet else e.exit_code)
         except ConfigError as e:
             _line(f"[malleus_ds] config error (rank {env.rank}): {e}")
-            if env.world_size > 1:
-                # torchrun stops the other ranks as soon as one exits; the checks are the same
-                # everywhere, so linger a moment and let every rank print its own message
-                # (rank 0 reaches them last: it sets up the Hydra run folder first)
-                import time
-                time.sleep(_CONFIG_ERROR_GRACE_S)
+            # torchrun stops the other ranks as soon as one exits; the checks are the same
+            # everywhere, so every rank prints its own message before they leave together
+            # (rank 0 reaches them last: it sets up the Hydra run folder first)
+            from malleus_ds.app.runners.said import leave_together
+            leave_together(env, _CONFIG_ERROR_GRACE_S)
             if env.restartable:         # every attempt would fail so: no restart loop
                 from malleus_ds.app.runners.elastic import end_restarts
                 end_restarts(env, f"config error: {e}", _line)

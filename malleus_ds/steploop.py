@@ -16,7 +16,7 @@ numpy only: no torch, no DeepSpeed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -25,9 +25,18 @@ if TYPE_CHECKING:
     from .plan import Plan
 
 
+def _none() -> np.ndarray:
+    return np.zeros(0)
+
+
 @dataclass(frozen=True)
 class StepSums:
-    """One step's all-reduced values, read back once."""
+    """One step's all-reduced values, read back once.
+
+    The per-rank clock numbers are each rank's as of the all-reduce. ``late``: some rank may
+    time more of the step after it (the loop's probes, :meth:`StepLoop.timed_after_reduce`;
+    the same on every rank), so they are not yet the step's whole: a report of the step
+    (metrics.jsonl) reads the clocks once it is done."""
 
     loss: float                 # the global batch's loss sum
     overflow: bool              # some summed gradient element is non-finite
@@ -37,6 +46,14 @@ class StepSums:
     #: the step's timed communication, ``(kind, ranks, MB, seconds)`` each (``comm_log.decode``,
     #: decoded when first read; empty: not logged)
     comm: Sequence = ()
+    #: per rank: the straggler emulation's seconds inside ``compute_s`` (empty: not carried)
+    emulated_s: np.ndarray = field(default_factory=_none)
+    #: per rank: seconds inside compute spans waiting for a core (empty: not carried)
+    wait_s: np.ndarray = field(default_factory=_none)
+    #: per rank: seconds the slow-link emulation slept (empty: not carried)
+    link_s: np.ndarray = field(default_factory=_none)
+    stop: int = 0               # the largest stop signal any rank raised (0: none)
+    late: bool = False          # some rank may time more of the step after the all-reduce
 
 
 #: per rank: a rate (1.0 healthy), None where not measured
@@ -143,6 +160,8 @@ class StepLoop(Protocol):
       is ready" flag and a probe reading (seconds per cost unit, 0.0: none);
     * :meth:`observe`: after that all-reduce, every rank's numbers (:class:`StepSums`);
     * :meth:`after_reduce`: right after it, when every rank leaves it at once (probes run here);
+      :meth:`timed_after_reduce`: may any rank's clock have timed more of the step there (the
+      same on every rank: the step's numbers in :class:`StepSums` are then ``late``);
     * :meth:`step_done`: the step's wall time;
     * :meth:`before_step`: collective, at the boundary before ``step``: the decisions to apply,
       the same on every rank;
@@ -162,6 +181,8 @@ class StepLoop(Protocol):
     def observe(self, step: int, sums: StepSums) -> None: ...
 
     def after_reduce(self, step: int) -> None: ...
+
+    def timed_after_reduce(self, step: int) -> bool: ...
 
     def step_done(self, seconds: float) -> None: ...
 
@@ -210,6 +231,9 @@ class NoLoop:
 
     def after_reduce(self, step: int) -> None:
         pass
+
+    def timed_after_reduce(self, step: int) -> bool:
+        return False
 
     def step_done(self, seconds: float) -> None:
         pass

@@ -192,6 +192,12 @@ class Controller:
         same moment, under the same contention."""
         self.probing.after_reduce(step)
 
+    def timed_after_reduce(self, step: int) -> bool:
+        """May any rank have timed more of step ``step`` in :meth:`after_reduce` (a probe,
+        whose seconds count in its rank's clock for the step)? The same on every rank
+        (``probing.Probing.may_time``)."""
+        return self.probing.may_time(step)
+
     def contribute(self, compute_s: float, probe_s: float | None = None) -> tuple[bool, float]:
         """This rank's adaptive-loop values for the step's all-reduce
         (``engine/step_reduce.py``): rank 0's "decision ready" flag, and the probe timed after

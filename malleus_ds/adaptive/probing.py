@@ -92,6 +92,18 @@ class Probing:
             ends, trips = got
             self.link_prober.exchange(*ends, self.loop.s.detect.link_probe_mb, trips=trips)
 
+    def may_time(self, step: int) -> bool:
+        """May any rank time something after step ``step``'s all-reduce (:meth:`after_reduce`):
+        a compute probe (a probe step of a plan with ranks without work or held ones; the
+        calibrating rank probes beside them) or a link probe? Read from what every rank
+        shares, never from one rank's own timings, so the same on every rank: true where no
+        rank ends up timing anything can happen (a held rank without slack), false where one
+        does cannot."""
+        lp = self.loop
+        if step % lp.s.detect.probe_every == 0 and ((lp.units <= 0).any() or lp.held.any()):
+            return True
+        return self.link_to_probe(step) is not None
+
     def take(self) -> float:
         """The probe timed after the last all-reduce (seconds per run; 0.0: none), once."""
         out, self.probe_s = self.probe_s, 0.0

@@ -39,7 +39,8 @@ global-batch mean loss on every rank), ``local_shards()``, ``local_state()`` /
 ``switch_plan(plan)`` (live migration, ``switch.py``), ``save_checkpoint`` / ``load_checkpoint``
 (per-rank slices; load under any plan, ZeRO stage, precision or world size: ``checkpoint.py``;
 a Hugging Face folder is ``malleus_ds.export_engine(engine, out_dir)``),
-``set_compute_clock``, ``attach_loop`` (step hooks, ``steploop.py``: the app attaches the
+``set_compute_clock``, ``set_stop_source`` and ``last_sums`` (the step's all-reduced numbers,
+for a runner's report), ``attach_loop`` (step hooks, ``steploop.py``: the app attaches the
 adaptive loop, ``malleus_ds/app/loop.py``; ``malleus_ds.initialize`` does), ``measured_rates`` and
 ``take_events()`` (``replan`` / ``migrate`` events). bf16 and fp16 (with
 static or dynamic loss scaling) train with fp32 masters, fp32 gradient accumulation and reduction
@@ -131,6 +132,8 @@ class MalleusEngine(RunningPlan, TrainStep, PipelineP2P, EngineState, DeepSpeedE
         self._boundary_at: int | None = None   # the step whose boundary was applied last
         self.control: StepLoop = NoLoop(self.world_size)    # the step hooks: attach_loop
         self.reduction = StepReduction(self.world_size, self.global_rank)   # step_reduce.py
+        self._stop_source: Callable[[], int] = lambda: 0     # set_stop_source
+        self._last_sums = None              # the last step's StepSums (last_sums)
         self.events: list[dict] = []        # replan / migrate events not yet taken (take_events)
 
     # ------------------------------------------------------------------ build steps
@@ -285,6 +288,7 @@ class MalleusEngine(RunningPlan, TrainStep, PipelineP2P, EngineState, DeepSpeedE
         sums = self._reduce_step(flats)
         self.control.observe(step, sums)
         self.control.after_reduce(step)     # every prober at the same moment
+        self._keep_sums(step, sums)
         self._apply_update(flats, sums.overflow)
         self._finish_step(sums.loss, skipped=sums.overflow)
         self.control.step_done(time.perf_counter() - t_step)

@@ -10,7 +10,9 @@ precision):
    ``p2p.py``, cut into NCCL-safe calls (``wire.py``); then the tied pair and the replica sum
    of the gradients (``tied.py``, ``grad_sync.py``), in fp32;
 3. :meth:`TrainStep._reduce_step`: the step's one world all-reduce (``step_reduce.py``): the
-   global-batch loss, the non-finite count of the summed gradients and the step loop's slots;
+   global-batch loss, the non-finite count of the summed gradients, the step loop's slots and
+   each rank's clock numbers and stop signal, kept for a runner's report
+   (:attr:`TrainStep.last_sums`);
 4. :meth:`TrainStep._apply_update`: the loss scaler sees the overflow flag; a step with
    non-finite gradients is skipped on every rank alike, otherwise unscale, clip (one more world
    all-reduce), the optimizer's step and the LR schedule's;
@@ -20,6 +22,8 @@ The order of the collectives is the order every rank issues them; NCCL matches t
 order alone (docs/DESIGN.md §8b), so no part may add, drop or move one.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch.distributed as tdist
 
@@ -140,14 +144,18 @@ class TrainStep:
     def _reduce_step(self, flats):
         """The step's one world all-reduce (``step_reduce.py``), read back once: the global-batch
         loss, the non-finite count of the summed gradients (fp16/bf16: every rank takes the same
-        skip decision), and the step loop's per-rank timings and rank 0's "decision ready" flag.
+        skip decision), the step loop's per-rank timings and rank 0's "decision ready" flag,
+        and each rank's clock numbers and stop signal (a runner's report: :attr:`last_sums`).
         Returns the :class:`~malleus_ds.steploop.StepSums`."""
-        compute_s = self.clock.compute_s
+        clock = self.clock
+        compute_s = clock.compute_s             # first: on CUDA it reads the step's events
         ready, probe = self.control.contribute(compute_s)
-        log = self.clock.comm_log
+        log = clock.comm_log
         red = self.reduction.vector(ready=ready, compute_s=compute_s, probe_per_unit=probe,
                                     device=self.device,
-                                    comm=log.values() if log is not None else None)
+                                    comm=log.values() if log is not None else None,
+                                    emulated_s=clock.emulated_s, wait_s=clock.wait_s,
+                                    link_s=clock.link_emulated_s, stop=self._stop_source())
         if self.is_last_stage and self.tp_rank == 0:
             self.reduction.set_loss(red, self._loss_sum)   # on the device until now
         if self.precision.check_overflow:        # counted on the device: no host sync per bucket
@@ -155,6 +163,27 @@ class TrainStep:
         with phase("all-reduce"):
             tdist.all_reduce(red)
             return self.reduction.read(red)      # the step's one read of it (waits on GPU)
+
+    def _keep_sums(self, step: int, sums) -> None:
+        """Keep the step's sums for :attr:`last_sums`, marked ``late`` when the loop may have
+        timed more of the step after the all-reduce (its probes; the same on every rank)."""
+        if self.control.timed_after_reduce(step):
+            sums = replace(sums, late=True)
+        self._last_sums = sums
+
+    @property
+    def last_sums(self):
+        """The last step's all-reduced :class:`~malleus_ds.steploop.StepSums` (None before the
+        first): every rank's clock numbers as of the all-reduce (whole unless ``late``) and the
+        stop signal every rank agrees on. A runner reports the step from them
+        (``StepReporter.step_done(sums=)``) with no collective of its own."""
+        return self._last_sums
+
+    def set_stop_source(self, read) -> None:
+        """``read()`` -> this rank's stop signal (0: none), read just before each step's
+        all-reduce; the largest any rank raised is every rank's ``last_sums.stop``, so all stop
+        after the same step. A signal raised after a step's all-reduce shows in the next one's."""
+        self._stop_source = read
 
     def _apply_update(self, flats, overflow: bool) -> None:
         """The loss scaler sees ``overflow`` (DeepSpeed's static/dynamic scaler); a step with it

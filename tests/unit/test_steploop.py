@@ -51,7 +51,7 @@ def test_the_no_loop_and_the_adaptive_loop_implement_the_hooks():
 
     assert isinstance(NoLoop(2), StepLoop) and NoLoop(2).measures_links is False
     hooks = [m for m in vars(StepLoop) if not m.startswith("_")]
-    assert "measures_links" in hooks and "before_step" in hooks and len(hooks) == 11
+    assert "measures_links" in hooks and "before_step" in hooks and len(hooks) == 12
     assert [m for m in hooks if not hasattr(Controller, m)] == []
 
 

@@ -20,8 +20,9 @@ The runner interface (what ``malleus_ds/app/runners/<name>_runner.py`` implement
         #       ck.finish(steps, write, reporter), reporter.finish(**ck.summary())
         #   StepReporter(cfg, env, first_step=ck.start): reporter.step_done(step,
         #       global_mean_loss, step_time_s, clock) on EVERY rank each step (it all-gathers
-        #       compute seconds; rank 0 writes cfg.run_dir/metrics.jsonl and the progress
-        #       bar); return reporter.finish(**ck.summary()).
+        #       compute seconds, or reads them from sums=, a step all-reduce's StepSums; rank 0
+        #       writes cfg.run_dir/metrics.jsonl and the progress bar);
+        #       return reporter.finish(**ck.summary()).
         # The loss passed to step_done is the global-batch mean (DESIGN.md §5), same on all ranks.
 
 ``cfg`` is a frozen :class:`malleus_ds.app.config.RunConfig`: ``cfg.model`` (ModelConfig),

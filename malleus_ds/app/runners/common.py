@@ -81,9 +81,10 @@ def shown_live(ev: dict) -> bool:
 
 
 class StepReporter:
-    """Gathers per-rank compute seconds each step; rank 0 writes metrics.jsonl, a tqdm bar (a
-    terminal), progress lines (stdout not a terminal) + train.log and events to the DeepSpeed
-    ``monitor`` the runner passes (``app/runners/stream.py``)."""
+    """Every rank's clock numbers each step (from the step's all-reduce, else gathered:
+    :meth:`step_done`); rank 0 writes metrics.jsonl, a tqdm bar (a terminal), progress lines
+    (stdout not a terminal) + train.log and events to the DeepSpeed ``monitor`` the runner
+    passes (``app/runners/stream.py``)."""
 
     def __init__(self, cfg: RunConfig, env: DistEnv, group=None, first_step: int = 0,
                  monitor=None) -> None:
@@ -130,30 +131,20 @@ class StepReporter:
 
     def step_done(self, step: int, loss: float, step_time_s: float, clock: ComputeClock,
                   plan: str | None = None, measured_rates=None, link_rates=None,
-                  gpu_link_rates=None, probe_rates=None) -> None:
-        import torch
-        import torch.distributed as dist
-
-        from .guard import STOP
-
-        link_s = getattr(clock, "link_emulated_s", 0.0)
-        comp = [clock.compute_s] * self.env.world_size
-        emu = [clock.emulated_s] * self.env.world_size
-        wait = [clock.wait_s] * self.env.world_size
-        links = [link_s] * self.env.world_size
-        self.stop_signal = STOP.signum
-        if dist.is_initialized() and self.env.world_size > 1:
-            # a signal any rank received rides along: every rank stops after the same step
-            mine = torch.tensor([clock.compute_s, clock.emulated_s, clock.wait_s, STOP.signum,
-                                 link_s], dtype=torch.float64, device=self.env.device)
-            out = [torch.zeros_like(mine) for _ in range(self.env.world_size)]
-            with phase("all-gather"):
-                dist.all_gather(out, mine, group=self.group)
-            comp = [float(t[0]) for t in out]
-            emu = [float(t[1]) for t in out]
-            wait = [float(t[2]) for t in out]
-            self.stop_signal = int(max(float(t[3]) for t in out))
-            links = [float(t[4]) for t in out]
+                  gpu_link_rates=None, probe_rates=None, sums=None) -> None:
+        """Record step ``step`` with every rank's clock numbers (compute, emulated, wait and
+        slow-link seconds) and the stop signal some rank got (``guard.STOP``; every rank reads
+        the same, so all stop after the same step). ``sums``: the step's all-reduced
+        :class:`~malleus_ds.steploop.StepSums` (engine=malleus: ``engine.last_sums``), which
+        carry them: no collective here. Without them (the deepspeed and torch runners: no step
+        all-reduce of ours), or when they are ``late`` (a rank timed more of the step after
+        its all-reduce, a probe: the same on every rank), the ranks all-gather their clocks."""
+        if sums is not None and not sums.late:
+            comp, emu, wait, links = (x.tolist() for x in (sums.compute_s, sums.emulated_s,
+                                                           sums.wait_s, sums.link_s))
+            self.stop_signal = sums.stop
+        else:
+            comp, emu, wait, links = self._gather(clock)
         self.losses.append(float(loss))
         self.times.append(float(step_time_s))
         rates = {str(r): x for r, x in self.cfg.straggler.rates(step, self.env.world_size).items()}
@@ -171,6 +162,26 @@ class StepReporter:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}", step_s=f"{step_time_s:.3f}", refresh=False)
+
+    def _gather(self, clock: ComputeClock) -> tuple[list, list, list, list]:
+        """Every rank's (compute, emulated, wait, slow-link) seconds, one all-gather; the stop
+        signal any rank got rides along (:attr:`stop_signal`)."""
+        import torch
+        import torch.distributed as dist
+
+        from .guard import STOP
+
+        mine = [clock.compute_s, clock.emulated_s, clock.wait_s,
+                getattr(clock, "link_emulated_s", 0.0)]
+        self.stop_signal = STOP.signum
+        if not (dist.is_initialized() and self.env.world_size > 1):
+            return tuple([x] * self.env.world_size for x in mine)
+        t = torch.tensor(mine + [STOP.signum], dtype=torch.float64, device=self.env.device)
+        out = [torch.zeros_like(t) for _ in range(self.env.world_size)]
+        with phase("all-gather"):
+            dist.all_gather(out, t, group=self.group)
+        self.stop_signal = int(max(float(x[4]) for x in out))
+        return tuple([float(x[i]) for x in out] for i in range(4))
 
     def close(self) -> None:
         """Flush and close metrics.jsonl and the bar (the end of a run, or a stop)."""

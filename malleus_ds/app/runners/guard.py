@@ -2,11 +2,13 @@
 SIGTERM / SIGINT.
 
 Signals: the first SIGTERM or SIGINT a rank receives only raises a flag (:data:`STOP`). The flag
-rides in the per-step all-gather every runner already does (``StepReporter.step_done``), so all
-ranks agree on the same step boundary; there, with ``checkpoint.dir`` set, they save a
-checkpoint (what SLURM and Kubernetes expect after SIGTERM), metrics.jsonl is flushed and
-closed, and :class:`Stopped` unwinds the run: the app prints one line and exits with 128 + the
-signal number. A second signal acts at once (SIGINT: KeyboardInterrupt; SIGTERM: exit).
+rides in the per-step collective every runner already does (engine=malleus: the step's
+all-reduce, ``MalleusEngine.set_stop_source``; the others: ``StepReporter.step_done``'s
+all-gather), where every rank reads the largest, so all ranks agree on the same step boundary
+(a flag raised after that collective shows in the next step's); there, with ``checkpoint.dir``
+set, they save a checkpoint (what SLURM and Kubernetes expect after SIGTERM), metrics.jsonl is
+flushed and closed, and :class:`Stopped` unwinds the run: the app prints one line and exits
+with 128 + the signal number. A second signal acts at once (SIGINT: KeyboardInterrupt; SIGTERM: exit).
 
 A launcher that dies without signalling its ranks (the ``deepspeed`` runner does not pass
 SIGTERM on to ``deepspeed.launcher.launch``; any launcher can be killed with -9) must not leave
@@ -30,7 +32,7 @@ from ...resilience.watchdog import Watchdog, watchdog_store
 
 
 #: the stop code a rank raises when its launcher is gone (SIGHUP: "the controlling side hung
-#: up"); a real SIGTERM/SIGINT on any rank outranks it in the step's all-gather (max)
+#: up"); a real SIGTERM/SIGINT on any rank outranks it in the step's collective (max)
 LAUNCHER_GONE = int(signal.SIGHUP)
 
 

@@ -25,6 +25,7 @@ from ...plan import Plan, PlanError
 from .base import DistEnv, RunSummary
 from .checkpoint import Checkpointer, engine_writer
 from .fit import check_fits
+from .guard import STOP
 from .resume import carried_rates
 from .common import ComputeClock, StepReporter, monitors_to_run_dir
 from .job import job_layout, load_plan
@@ -224,6 +225,7 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
     clock = ComputeClock(cfg, env)
     reporter = StepReporter(cfg, env, first_step=ck.start, monitor=engine.monitor)
     engine.set_compute_clock(clock)                     # timing + straggler emulation
+    engine.set_stop_source(lambda: STOP.signum)         # rides in the step's all-reduce
     tp_cost = loop.tp_cost_event(engine.global_steps)   # the TP slowdown measured at start-up
     if tp_cost is not None and ck.start < cfg.train.steps:
         reporter.note(tp_cost)
@@ -239,7 +241,7 @@ def run(cfg: RunConfig, env: DistEnv) -> RunSummary:
                            measured_rates=engine.measured_rates,
                            link_rates=links.get("link_rates"),
                            gpu_link_rates=links.get("gpu_link_rates"),
-                           probe_rates=loop.probe_rates())
+                           probe_rates=loop.probe_rates(), sums=engine.last_sums)
         ck.after_step(step + 1, write, reporter)
     ck.finish(cfg.train.steps, write, reporter)
     loop.close()

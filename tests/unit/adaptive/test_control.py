@@ -344,6 +344,31 @@ def test_a_held_rank_with_slack_sustains_its_probe_within_its_slack():
         c.close()
 
 
+def test_whether_a_rank_times_after_the_all_reduce_is_known_alike_on_every_rank():
+    """``timed_after_reduce`` (the step's clock numbers in its sums are then ``late``): read
+    from the plan every rank shares, the same on every rank whatever each one's own timings;
+    true on every step after which some rank probes, false on every step of a healthy plan."""
+    plan = static_plan(4, 8, 1, 1, 1, 4)          # 4 pipelines, every rank works
+    loops = [_loop(_engine(plan, rank=r), AdaptiveSettings()) for r in range(4)]
+    try:
+        every = loops[0].s.detect.probe_every
+        steps = range(3 * every)
+        assert not any(c.timed_after_reduce(s) or c.probe_due(s) for c in loops for s in steps)
+        for r, c in enumerate(loops):
+            c.considered([1.0, 1.0, 1.0, 3.5])    # rank 3 held, rank 0 calibrates
+            c.step_times.extend([1.0] * 5)
+            c.compute_times.extend([0.2 if r == 3 else 0.9] * 5)
+        for s in steps:
+            said = {c.timed_after_reduce(s) for c in loops}
+            assert said == {s % every == 0}, (s, said)
+            assert any(c.probe_due(s) for c in loops) == (s % every == 0)
+        loops[3].compute_times.extend([0.9] * 5)  # busy: rank 3 no longer probes; rank 0 does
+        assert {c.timed_after_reduce(0) for c in loops} == {True} and loops[0].probe_due(0)
+    finally:
+        for c in loops:
+            c.close()
+
+
 def test_carried_rates_schedule_a_replan_before_the_first_resumed_step():
     plan = static_plan(4, 8, 1, 1, 1, 4)
     ctl = _loop(_engine(plan), AdaptiveSettings(replan_at=(9,)))

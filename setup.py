@@ -35,8 +35,9 @@ setup(
     extras_require={
         # HF's hub-kernels package (``kernels``): newer transformers require it, so the suite
         # always runs with it present and a name clash with our kernels cannot come back unseen
-        "dev": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.100", "kernels>=0.4",
-                "pyarrow>=14"],
+        # (pytest-xdist: scripts/test.sh spreads tests/unit over the cores)
+        "dev": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "hypothesis>=6.100",
+                "kernels>=0.4", "pyarrow>=14"],
         # data=text from .parquet files and datasets save_to_disk folders (malleus_ds/data/
         # text_files.py); .jsonl and .txt need nothing extra
         "text": ["pyarrow>=14"],

@@ -71,11 +71,13 @@ def _poison(f: Path, marker: Path) -> None:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """One checkpoint per engine (2 ranks; engine=torch saves one file)."""
+    """One checkpoint per engine (2 ranks; engine=torch saves one file whatever the world size,
+    so one process writes it)."""
     tmp = tmp_path_factory.mktemp("saved")
     for eng in ("malleus", "deepspeed", "torch"):
         extra = ["malleus.adaptive=false"] if eng == "malleus" else []
-        _train(tmp, eng, f"engine={eng}", f"checkpoint.dir={tmp / eng}", *extra)
+        _train(tmp, eng, f"engine={eng}", f"checkpoint.dir={tmp / eng}", *extra,
+               nproc=1 if eng == "torch" else 2)
     return tmp
 
 

@@ -56,6 +56,7 @@ class InFlight:
 
     tag: str
     path: Path
+    step: int = 0                   # the steps done that it saves
     thread: threading.Thread | None = None
     error: str | None = None
     write_s: float = 0.0

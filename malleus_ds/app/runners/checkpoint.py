@@ -13,6 +13,12 @@ One folder per ``checkpoint.dir``::
 What ``run.json`` holds and how a run resumes from it: :mod:`.resume`. Saving
 (:class:`Checkpointer`) writes the engine's files, then ``run.json``, then ``latest``; with
 ``checkpoint.background`` the write runs on a thread of its own (:mod:`.background_save`).
+
+A save that fails (a full or read-only disk, on any rank: every rank learns it) does not end the
+job: ``latest`` still names the last committed checkpoint, the half-written folder is removed,
+every rank warns, and the save is tried again after 1, 2, 4, ... steps (at most
+``checkpoint.every``). The saves a run cannot go on without, at its end and on a stop, are tried
+:data:`MUST_TRIES` times before the error ends the job.
 """
 from __future__ import annotations
 
@@ -47,6 +53,12 @@ def _barrier(env: DistEnv) -> None:
 
 class CheckpointSaveError(RuntimeError):
     """Saving a checkpoint failed (on some rank); raised on every rank."""
+
+
+#: a save the run cannot go on without (its end, a stop) is tried this many times...
+MUST_TRIES = 3
+#: ...waiting this many seconds before the second try, twice as long before each next one
+MUST_WAIT_S = 2.0
 
 
 #: ``write(root, tag, step)``: the engine's save of its state after ``step`` steps into
@@ -105,7 +117,12 @@ class Checkpointer:
         self.resumed = resume_point(cfg)
         self.start = self.resumed.step if self.resumed else 0
         self.last_saved: int | None = self.start if self.resumed else None
+        self.committed: int | None = self.last_saved     # the newest step ``latest`` names
         self.tags: list[str] = []
+        #: saves that failed: ``{"step", "error"}`` each (the summary lists them)
+        self.failed: list[dict] = []
+        self._retry_at: int | None = None   # after a failed save: the step to try again at
+        self._backoff = 1                   # ...and how many steps the next failure waits
         #: rank 0: more of ``run.json`` at each save (engine=malleus: the measured rates)
         self.extra: Callable[[], dict] | None = None
         c = cfg.checkpoint
@@ -125,36 +142,125 @@ class Checkpointer:
                       file=sys.stderr, flush=True)
 
     def after_step(self, done: int, write: Writer, reporter=None) -> None:
-        """Save if ``checkpoint.every`` divides ``done`` (steps done)."""
+        """Save if ``checkpoint.every`` divides ``done`` (steps done), or a failed save is due
+        again; a stop some rank was asked for saves (a save it must make) and raises
+        :class:`~.guard.Stopped`."""
         c = self.cfg.checkpoint
-        if c.enabled and c.every > 0 and done % c.every == 0:
-            self.save(done, write, reporter)
+        due = c.enabled and ((c.every > 0 and done % c.every == 0)
+                             or (self._retry_at is not None and done >= self._retry_at))
+        if due:
+            self._try(done, lambda: self.save(done, write, reporter), reporter)
         if reporter is not None and reporter.stop_signal:     # agreed by every rank
             from .guard import Stopped
 
-            if c.enabled and self.last_saved != done:
-                self.save(done, write, reporter)
-            self.wait(reporter)                 # the checkpoint named below is committed
+            self._must(done, write, reporter)   # the checkpoint named below is committed
             reporter.close()
             raise Stopped(reporter.stop_signal, done,
                           str(Path(c.dir) / tag_of(done)) if c.enabled else None)
 
     def finish(self, done: int, write: Writer, reporter=None) -> None:
         """The end-of-run save (when ``checkpoint.dir`` is set and it has not just saved)."""
-        if self.cfg.checkpoint.enabled and done > self.start and self.last_saved != done:
-            self.save(done, write, reporter)
-        self.wait(reporter)
+        self._must(done, write, reporter)
 
-    def wait(self, reporter=None) -> None:
-        """The background save in flight (``checkpoint.background``), written and committed;
-        its error raised on every rank. No-op without one."""
+    def _must(self, done: int, write: Writer, reporter) -> None:
+        """Nothing in flight, and ``done`` saved and committed where the run saves and trained
+        since its start: tried :data:`MUST_TRIES` times (every rank the same, since every rank
+        learns each failure), then the error raised."""
+        wait_s = MUST_WAIT_S
+        for attempt in range(1, MUST_TRIES + 1):
+            last = attempt == MUST_TRIES
+            then = "no tries left" if last else f"trying again in {wait_s:g} s"
+            try:
+                self.wait(reporter, then=then)
+                c = self.cfg.checkpoint
+                if c.enabled and done > self.start and self.committed != done:
+                    try:
+                        self.save(done, write, reporter)
+                    except CheckpointSaveError as e:
+                        self._note_failure(done, str(e), reporter, then)
+                        raise
+                    self.wait(reporter, then=then)
+                return
+            except CheckpointSaveError as e:
+                if last:
+                    raise CheckpointSaveError(f"{e} ({MUST_TRIES} tries; the latest checkpoint "
+                                              f"is {self._latest_text()})") from None
+                time.sleep(wait_s)
+                wait_s *= 2
+
+    def wait(self, reporter=None, then: str | None = None) -> None:
+        """The background save in flight (``checkpoint.background``), written and committed.
+        Its failure (the same on every rank) is noted; then, without ``then``, it is a warning
+        and the save is tried again after a few steps; with ``then`` (what happens next, for
+        the warning) it is raised. No-op without a save in flight."""
         if self._background is None or self._background.current is None:
             return
+        step = self._background.current.step
         with phase("checkpoint"):       # patient: a big write is slow, not hung
-            job = self._background.wait()
+            try:
+                job = self._background.wait()
+            except CheckpointSaveError as e:
+                if then is not None:
+                    self._note_failure(step, str(e), reporter, then)
+                    raise
+                self._failed(step, str(e), reporter)
+                return
+        self._committed_at(job.step)
         self.tags.append(job.tag)
         if reporter is not None:
             reporter.note(dict(job.event, write_s=round(job.write_s, 6)))
+
+    def _try(self, done: int, save: Callable[[], None], reporter) -> None:
+        try:
+            save()
+        except CheckpointSaveError as e:
+            self._failed(done, str(e), reporter)
+
+    def _committed_at(self, step: int) -> None:
+        self.committed = step
+        self._retry_at, self._backoff = None, 1
+
+    def _failed(self, step: int, err: str, reporter) -> None:
+        """A periodic save of ``step`` failed: training goes on, and the save is tried again
+        after 1, 2, 4, ... steps from now (at most ``checkpoint.every``)."""
+        now = max(step, self.last_saved or 0)
+        self._retry_at = now + self._backoff
+        self._backoff = min(2 * self._backoff, max(1, self.cfg.checkpoint.every))
+        self._note_failure(step, err, reporter,
+                           f"training goes on; trying again after step {self._retry_at}")
+
+    def _note_failure(self, step: int, err: str, reporter, then: str) -> None:
+        """Every rank: the failed save of ``step`` forgotten (rank 0 removes its half-written
+        folder), an event line, and rank 0's warning saying ``then``, what happens next."""
+        self.last_saved = self.committed
+        self.failed.append({"step": step, "error": err})
+        if self.env.is_rank0:
+            self._drop_partial(step)
+            print(f"[malleus_ds] warning: {err}; {then}; the latest checkpoint is "
+                  f"{self._latest_text()}", file=sys.stderr, flush=True)
+        if reporter is not None:
+            reporter.note({"event": "checkpoint_failed", "step": step, "error": err,
+                           "then": then, "latest": self._latest_tag()})
+
+    def _latest_tag(self) -> str | None:
+        """The tag ``latest`` names on disk now (what a restart would load), or None."""
+        try:
+            return (Path(self.cfg.checkpoint.dir) / LATEST).read_text().strip() or None
+        except OSError:
+            return None
+
+    def _latest_text(self) -> str:
+        tag = self._latest_tag()
+        return "none yet" if tag is None else str(Path(self.cfg.checkpoint.dir) / tag)
+
+    def _drop_partial(self, step: int) -> None:
+        """Rank 0: remove the uncommitted folder of a failed save (space back on a full disk),
+        unless ``latest`` names it (a folder of an earlier run, then overwritten)."""
+        import shutil
+
+        tag = tag_of(step)
+        if self._latest_tag() != tag:
+            shutil.rmtree(Path(self.cfg.checkpoint.dir) / tag, ignore_errors=True)
 
     def save(self, done: int, write: Writer, reporter=None) -> None:
         """``write`` the engine state into ``dir/global_step{done}``, then rank 0 commits it:
@@ -200,7 +306,7 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - the engine agreed it on every rank
                 raise CheckpointSaveError(f"saving checkpoint {root / tag} failed: {e}") from None
             pause = time.perf_counter() - t0
-            job = InFlight(tag, root / tag,
+            job = InFlight(tag, root / tag, step=done,
                            event=dict(event, seconds=round(pause, 6), background=True))
             self._background.start(job, persist, commit)
             return
@@ -212,6 +318,7 @@ class Checkpointer:
         if self.env.is_rank0:
             err = commit()
         _raise_first_error(err, f"saving checkpoint {root / tag}")
+        self._committed_at(done)
         self.tags.append(tag)
         if reporter is not None:
             reporter.note(dict(event, seconds=round(time.perf_counter() - t0, 6)))
@@ -223,4 +330,6 @@ class Checkpointer:
             out["resumed_from"] = {"step": self.resumed.step, "path": str(self.resumed.path)}
         if self.tags:
             out["checkpoints"] = {"dir": self.cfg.checkpoint.dir, "tags": list(self.tags)}
+        if self.failed:
+            out["failed_saves"] = list(self.failed)
         return out

@@ -248,6 +248,11 @@ def format_summary(cfg: RunConfig, s: RunSummary) -> str:
         shown = ", ".join(tags) if len(tags) <= 4 else f"{tags[0]}, ..., {tags[-1]}"
         lines.append(f"  checkpoints: {len(tags)} saved to {ck['dir']} ({shown}; "
                      f"latest = {tags[-1]})")
+    failed = s.extra.get("failed_saves")
+    if failed:
+        steps = ", ".join(str(f["step"]) for f in failed)
+        lines.append(f"  checkpoint saves that failed and were tried again: {len(failed)} "
+                     f"(steps {steps}; the last: {failed[-1]['error']})")
     if s.metrics_path:
         lines.append(f"  metrics: {s.metrics_path}")
     return "\n".join(lines)

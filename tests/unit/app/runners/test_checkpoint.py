@@ -315,7 +315,7 @@ def test_a_background_save_commits_after_training_went_on_and_never_half(tmp_pat
                                                    "global_step6"]
 
 
-def test_a_failed_background_write_is_raised_at_the_next_wait_and_commits_nothing(tmp_path):
+def test_a_failed_background_write_is_raised_by_a_wait_that_must_and_commits_nothing(tmp_path):
     _save(tmp_path, 2)
     c = cfg(checkpoint={"dir": str(tmp_path), "every": 2}, train={"steps": 6})
     ck, w = Checkpointer(c, DistEnv()), _SlowWriter(fail_at=4)
@@ -323,9 +323,9 @@ def test_a_failed_background_write_is_raised_at_the_next_wait_and_commits_nothin
     w.go[4].set()
     with pytest.raises(CheckpointSaveError, match=r"global_step4\) failed on rank\(s\) \[0\]: "
                                                   r"rank 0: rank 0 could not write"):
-        ck.wait()
+        ck.wait(then="no tries left")
     assert (tmp_path / "latest").read_text() == "global_step2"
-    assert not (tmp_path / "global_step4" / RUN_FILE).exists()
+    assert not (tmp_path / "global_step4").exists()          # the half-written folder: gone
     sync = cfg(checkpoint={"dir": str(tmp_path), "background": False})
     assert not sync.checkpoint.background
     seen = []
@@ -333,3 +333,98 @@ def test_a_failed_background_write_is_raised_at_the_next_wait_and_commits_nothin
     assert seen == [8] and (tmp_path / "latest").read_text() == "global_step8"
 
 
+
+
+class _Notes:
+    """A reporter's ``note`` (the metrics.jsonl event lines)."""
+
+    stop_signal = 0
+
+    def __init__(self):
+        self.lines = []
+
+    def note(self, obj):
+        self.lines.append(obj)
+
+
+def _flaky(fail: set[int], seen: list):
+    def write(root, tag, done):
+        seen.append(done)
+        (root / tag / "engine.pt").write_text(str(done))     # half a save is on disk...
+        if done in fail:
+            raise OSError(28, "No space left on device")     # ...when the disk fills up
+    return write
+
+
+def test_a_failed_periodic_save_warns_and_is_tried_again_while_training_goes_on(tmp_path, capsys):
+    """Steps 2 and 3 cannot be saved (a full disk): training goes on, the save is tried again
+    after 1 then 2 steps, ``latest`` names the last committed checkpoint throughout, each
+    half-written folder is removed, and the summary and metrics.jsonl say what happened."""
+    _save(tmp_path, 0)
+    c = cfg(checkpoint={"dir": str(tmp_path), "every": 4, "background": False},
+            train={"steps": 8})
+    ck, seen, notes = Checkpointer(c, DistEnv()), [], _Notes()
+    write = _flaky({4, 5}, seen)
+    for done in range(1, 9):
+        ck.after_step(done, write, notes)
+        if done in (4, 5, 6):
+            assert (tmp_path / "latest").read_text() == ("global_step0" if done < 7 else "")
+    ck.finish(8, write, notes)
+    assert seen == [4, 5, 7, 8]          # 4 failed: again after 1 step; 5 failed: after 2
+    assert (tmp_path / "latest").read_text() == "global_step8"
+    assert not (tmp_path / "global_step4").exists() and not (tmp_path / "global_step5").exists()
+    failed = [n for n in notes.lines if n["event"] == "checkpoint_failed"]
+    assert [(n["step"], n["latest"]) for n in failed] == [(4, "global_step0"), (5, "global_step0")]
+    assert "No space left on device" in failed[0]["error"]
+    assert failed[0]["then"] == "training goes on; trying again after step 5"
+    assert failed[1]["then"] == "training goes on; trying again after step 7"
+    err = capsys.readouterr().err
+    assert err.count("[malleus_ds] warning: saving checkpoint") == 2, err
+    assert f"the latest checkpoint is {tmp_path / 'global_step0'}" in err
+    summary = ck.summary()
+    assert [f["step"] for f in summary["failed_saves"]] == [4, 5]
+    assert summary["checkpoints"]["tags"] == ["global_step7", "global_step8"]
+    text = format_summary(c, RunSummary(engine="torch", losses=(1.0,), step_times_s=(0.1,),
+                                        samples_per_step=8, extra=summary))
+    assert "checkpoint saves that failed and were tried again: 2 (steps 4, 5; the last: " in text
+
+
+def test_the_end_of_run_save_is_tried_again_then_raised(tmp_path, monkeypatch):
+    import malleus_ds.app.runners.checkpoint as ckmod
+
+    slept = []
+    monkeypatch.setattr(ckmod.time, "sleep", slept.append)
+    _save(tmp_path, 2)
+    c = cfg(checkpoint={"dir": str(tmp_path), "background": False}, train={"steps": 4})
+    seen = []
+    ck = Checkpointer(c, DistEnv())
+    ck.after_step(3, _flaky({4}, seen))
+    with pytest.raises(CheckpointSaveError, match=r"No space left on device \(3 tries; the "
+                                                  r"latest checkpoint is .*global_step2\)"):
+        ck.finish(4, _flaky({4}, seen))
+    assert seen == [4, 4, 4] and slept == [ckmod.MUST_WAIT_S, 2 * ckmod.MUST_WAIT_S]
+    assert (tmp_path / "latest").read_text() == "global_step2"
+    # a disk that is back for the second try: the run ends with its checkpoint
+    seen.clear()
+    slept.clear()
+    ck = Checkpointer(c, DistEnv())
+    tries = iter([True, False])
+    ck.finish(4, lambda root, tag, done: _flaky({4} if next(tries) else set(), seen)(
+        root, tag, done))
+    assert seen == [4, 4] and slept == [ckmod.MUST_WAIT_S]
+    assert (tmp_path / "latest").read_text() == "global_step4"
+
+
+def test_a_failed_background_save_is_tried_again_by_the_next_one(tmp_path):
+    _save(tmp_path, 2)
+    c = cfg(checkpoint={"dir": str(tmp_path), "every": 2}, train={"steps": 6})
+    ck, w, notes = Checkpointer(c, DistEnv()), _SlowWriter(fail_at=4), _Notes()
+    ck.after_step(4, w, notes)
+    w.go[4].set()
+    ck.after_step(5, w, notes)                   # the failure is not known before a wait
+    w.go[6].set()
+    ck.after_step(6, w, notes)                   # ...which the next save makes: noted, and on
+    ck.finish(6, w, notes)
+    assert (tmp_path / "latest").read_text() == "global_step6"
+    assert [n["step"] for n in notes.lines if n["event"] == "checkpoint_failed"] == [4]
+    assert [f["step"] for f in ck.summary()["failed_saves"]] == [4]

@@ -59,6 +59,7 @@ from torch import nn
 
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils import log_dist
 from malleus_ds_kernels.pack import warm_up as warm_up_pack
 
 from ..samples import pipeline_micro_batches
@@ -76,6 +77,7 @@ from .runtime import PlanRuntime, RunningPlan, StageSpec, build_runtime, build_s
 from .precision import Precision
 from .state import EngineState
 from .step_reduce import StepReduction
+from .clip_norm import first_stage_layers, norm_skip
 from .comm_log import tensor_mb
 from ..interop.ds_config import DsConfig, decode
 from ..interop.sections import activation_checkpointing_source
@@ -201,6 +203,13 @@ class MalleusEngine(RunningPlan, TrainStep, PipelineP2P, EngineState, DeepSpeedE
         self.precision = settings.precision
         self.act_dtype = self.precision.dtype
         self.loss_scaler = self.precision.make_loss_scaler()
+        # what the clipping norm leaves out: stock DeepSpeed's fp32 ZeRO-0 pipeline counts its
+        # first stage's gradients only (clip_norm.py); fixed for the engine's life
+        self.norm_skip = norm_skip(plan, self.param_table, zero_stage, self.precision.mixed)
+        if self.norm_skip and self.gradient_clipping() and self.global_rank == 0:
+            log_dist(f"gradient_clipping: the norm counts the first stage's parameters only "
+                     f"(layers {first_stage_layers(plan)}), as stock DeepSpeed's fp32 ZeRO-0 "
+                     f"pipeline does", ranks=[0])
         self.skipped_steps = 0
         self.runtime = None
         self.adopt(self.build_plan_runtime(plan, self.module, locate(plan, self.global_rank),

@@ -201,7 +201,10 @@ class TrainStep:
         if clip and clip > 0:
             # on the device: one all-reduce and one host read per step (the norm, for the
             # coefficient and the logs)
-            sq = self.optimizer.owned_sq_norm(flats, self.runtime.tied.skip_in_norm).reshape(1)
+            # (without the tied head copies, and, for stock DeepSpeed's fp32 ZeRO-0 pipeline,
+            # without what its first stage does not hold: clip_norm.py)
+            skip = self.runtime.tied.skip_in_norm | self.norm_skip
+            sq = self.optimizer.owned_sq_norm(flats, skip).reshape(1)
             with phase("all-reduce"):
                 tdist.all_reduce(sq)
                 self._global_grad_norm = float(sq.sqrt())

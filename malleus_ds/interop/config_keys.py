@@ -62,7 +62,9 @@ TOP: dict[str, tuple[str, str]] = {
     "torch_autocast": (IF_ON, "use the bf16 or fp16 section: MalleusEngine casts each stage "
                               "and keeps fp32 masters; it does not autocast"),
     # -- gradients
-    "gradient_clipping": (SAME, "clips the global gradient norm, as DeepSpeed"),
+    "gradient_clipping": (SAME, "clips the global gradient norm, as DeepSpeed; in fp32 with "
+                                "ZeRO stage 0 and a pipeline, the norm of the first stage's "
+                                "gradients, as DeepSpeed's PipelineEngine (engine/clip_norm.py)"),
     "prescale_gradients": (OWN, _MEAN),
     "gradient_predivide_factor": (OWN, _MEAN),
     "gradient_allreduce_op": (SAME, "\"mean\" is what MalleusEngine computes; \"sum\" is "

@@ -60,7 +60,14 @@ def optimizer_settings(user_cfg: dict):
     mode = params.pop("adam_w_mode", True)
     if not isinstance(mode, bool):
         raise ValueError(f"ds_config.optimizer.params.adam_w_mode={mode!r} must be true or false")
-    params.pop("torch_adam", None)          # we always run torch's Adam/AdamW
+    # DeepSpeed's _configure_basic_optimizer: type "AdamW" is AdamW whatever adam_w_mode says;
+    # only type "Adam" with adam_w_mode=false is Adam with an L2 term
+    mode = mode or typ.lower() == "adamw"
+    # we always run torch's Adam/AdamW. DeepSpeed's own (FusedAdam, DeepSpeedCPUAdam) default
+    # weight_decay to 0, as OptimConfig does; with torch_adam DeepSpeed passes the params to
+    # torch.optim.AdamW, whose default is 0.01 (torch.optim.Adam's is 0)
+    if params.pop("torch_adam", False) and mode:
+        params.setdefault("weight_decay", 0.01)
     if "max_grad_norm" in params:           # DeepSpeed warns and ignores it too
         warnings.warn(f"ds_config.optimizer.params.max_grad_norm={params.pop('max_grad_norm')!r} "
                       f"is ignored, as DeepSpeed ignores it; gradient_clipping sets the clip")

@@ -1,4 +1,4 @@
-"""MalleusEngine == single-process reference (DESIGN.md §5), on 4-6 CPU gloo ranks.
+"""MalleusEngine == single-process reference (DESIGN.md §5), on 2-6 CPU gloo ranks.
 
 Per-step losses (rtol 1e-5, 10 steps) and every rank's final parameter shards (max rel err
 <= 1e-5 against the matching slice of the reference) for non-uniform plans. Several plans share
@@ -6,6 +6,7 @@ one process launch to keep the suite fast.
 """
 import random
 
+import numpy as np
 import pytest
 
 from tests.integration.harness import run_distributed
@@ -103,3 +104,43 @@ def test_activation_checkpointing_keeps_the_math_across_tp2_and_a_switch():
         plain = _layer_calls(HETERO, rank, SWITCH_AT) + \
             _layer_calls(SUSPENDED, rank, STEPS - SWITCH_AT)
         assert calls == 2 * plain, (rank, calls, plain)
+
+
+# fp32 ZeRO-0 with clipping that bites: a two-stage pipeline, and two one-stage replicas
+PP2 = plan_json([(8, [([0], (0, 2)), ([1], (2, 4))])])
+DP2 = plan_json([(4, [([0], (0, 4))]), (4, [([1], (0, 4))])])
+CLIP = 0.05
+
+
+def _first_stage_clipping(rank, world):
+    """Losses of three engines: PP2 throughout, PP2 switched to DP2 at ``SWITCH_AT``, DP2."""
+    import malleus_ds
+    from malleus_ds.plan import Plan
+    from tests.cases import CFG, ds_config
+
+    out = []
+    for start, after in ((PP2, None), (PP2, DP2), (DP2, None)):
+        eng, *_ = malleus_ds.initialize(model=CFG, config=ds_config(0, clip=CLIP),
+                                        plan=Plan.from_json(start))
+        losses = []
+        for step in range(STEPS):
+            if after is not None and step == SWITCH_AT:
+                eng.switch_plan(Plan.from_json(after))
+            losses.append(eng.train_batch())
+        out.append(losses)
+    return out
+
+
+def test_fp32_zero0_pipeline_clips_by_the_first_stage_across_a_switch():
+    """Stock DeepSpeed's fp32 ZeRO-0 PipelineEngine clips by its first stage's gradient norm
+    (``engine/clip_norm.py``; against stock itself: test_third_party_ds_configs.py). The set the
+    starting plan gives is kept by a switch to a layout without a pipeline, so re-planning does
+    not change the math; an engine that starts without a pipeline clips by the whole norm, the
+    one-process reference."""
+    from tests.cases import reference
+
+    (kept, switched, dp), _ = run_distributed(_first_stage_clipping, 2, timeout=300)
+    ref_losses, _ = reference(8, 1, STEPS, EPS, CLIP)
+    np.testing.assert_allclose(switched, kept, rtol=1e-5)
+    np.testing.assert_allclose(dp, ref_losses, rtol=1e-5)
+    assert np.max(np.abs(np.subtract(kept, ref_losses)) / np.abs(ref_losses)) > 1e-4

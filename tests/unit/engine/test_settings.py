@@ -146,3 +146,53 @@ def test_optimizer_keys_of_other_peoples_configs():
         optimizer_settings({"optimizer": {"params": {"lr": "auto"}}})
     with pytest.raises(ValueError, match="adam_w_mode='no' must be true or false"):
         optimizer_settings({"optimizer": {"params": {"adam_w_mode": "no"}}})
+
+
+def _stock_optimizer(sec: dict, params):
+    """What stock DeepSpeed's ``_configure_basic_optimizer`` builds for the optimizer section
+    ``sec`` (torch_adam: no JIT compile), called on a stand-in with the methods it reads."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    typ = sec["type"].lower() if sec["type"].lower() in DEEPSPEED_OPTIMIZERS else sec["type"]
+    me = SimpleNamespace(optimizer_params=lambda: dict(sec["params"]),
+                         optimizer_name=lambda: typ, zero_use_cpu_optimizer=lambda: False)
+    me.get_optimizer_configuration = (
+        lambda *a, **k: DeepSpeedEngine.get_optimizer_configuration(me, *a, **k))
+    return DeepSpeedEngine._configure_basic_optimizer(me, params)
+
+
+@pytest.mark.parametrize("typ,params", [
+    ("Adam", {}), ("AdamW", {}), ("Adam", {"adam_w_mode": False}),
+    ("AdamW", {"adam_w_mode": False}), ("adamw", {"adam_w_mode": False}),
+    ("Adam", {"weight_decay": 0.1}), ("Adam", {"adam_w_mode": False, "weight_decay": 0.1})])
+@pytest.mark.parametrize("torch_adam", [True, False])
+def test_adam_and_adamw_as_deepspeed_builds_them(typ, params, torch_adam):
+    """The class, decay mode and defaults of DeepSpeed's optimizer for ``type`` Adam/AdamW:
+    type AdamW is AdamW whatever ``adam_w_mode`` says; ``weight_decay`` left out is 0 in
+    DeepSpeed's own Adams (FusedAdam, DeepSpeedCPUAdam: their signatures, as building them
+    compiles) and 0.01 with ``torch_adam`` in AdamW mode (torch.optim.AdamW's default)."""
+    import inspect
+
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    p = [torch.nn.Parameter(torch.ones(2))]
+    sec = {"type": typ, "params": dict(params, lr=0.1, **({"torch_adam": True} if torch_adam
+                                                            else {}))}
+    ours = optimizer_settings({"optimizer": sec})[1](p)
+    if torch_adam:
+        stock = _stock_optimizer(sec, p)
+        cls, wd = type(stock), stock.param_groups[0]["weight_decay"]
+    else:
+        w_mode = typ.lower() == "adamw" or params.get("adam_w_mode", True)
+        cls = torch.optim.AdamW if w_mode else torch.optim.Adam
+        default = {inspect.signature(c.__init__).parameters["weight_decay"].default
+                   for c in (FusedAdam, DeepSpeedCPUAdam)}
+        assert default == {0.0}
+        wd = params.get("weight_decay", 0.0)
+    assert type(ours) is cls
+    assert ours.param_groups[0]["weight_decay"] == wd
+    assert ours.param_groups[0]["lr"] == 0.1

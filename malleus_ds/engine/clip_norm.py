@@ -15,11 +15,7 @@ its stages), and its rank 0 is the first stage, so only the first stage's gradie
 embedding and the decoder layers it holds) make the norm; the later stages' add nothing, and
 every stage's gradients are then scaled by ``max_norm / (that norm + 1e-6)``. (ZeRO-1 and the
 fp16/bf16 optimizers use the *tensor* parallel rank, ``bwc_tensor_model_parallel_rank``, and get
-the whole norm.) Checked against DeepSpeed 0.19.8 with DeepSpeedExamples' pipeline config, which
-leaves ``gradient_clipping`` at its default 1.0 (pp=2 on 2 ranks, the tiny model, 8 samples in
-micro-batches of 2): with the whole norm our loss was 2.7e-4 relative off stock's at step 3,
-the first step whose update depends on the clipping coefficient's size (Adam's first update is
-the same for any scale of the gradient), with this rule at most 1.4e-7 over 5 steps.
+the whole norm.)
 
 The parameters counted are those the first stage of the engine's *starting* plan holds, when
 every pipeline of it has two or more stages and all their first stages hold the same layers (the

@@ -48,6 +48,7 @@ setup(
             "malleus-sim=malleus_ds.app.cli:sim_main",
             "malleus-plot=malleus_ds.report.plot:main",
             "malleus-export=malleus_ds.app.cli:export_main",
+            "malleus-chaos=malleus_ds.chaos.cli:main",
         ],
     },
 )

@@ -39,6 +39,8 @@ FATAL_NAME = "fatal.txt"     # in the run folder: why a rank ended the restarts
 _END_RESTARTS_WAIT_S = 30.0  # under restarts, how long other ranks wait for local rank 0
 _CONFIG_ERROR_GRACE_S = 3.0  # a rank with a config error waits at most this long for the others
 _STOP_GRACE_S = 120.0  # after SIGTERM/SIGINT, ranks get this long to checkpoint and exit
+#: what _launch_ranks returns after SIGTERM / SIGINT reached it (128 + the signal number)
+_STOPPED_BY_SIGNAL = (128 + signal.SIGTERM, 128 + signal.SIGINT)
 
 
 
@@ -273,7 +275,7 @@ def main() -> None:
             restarts = cfg.get("max_restarts", 0)
             rc = _launch_ranks(nproc, list(hc.overrides.task), hc.runtime.output_dir, restarts)
             if rc != 0:
-                if restarts:
+                if restarts and rc not in _STOPPED_BY_SIGNAL:   # a stop says its own last line
                     _gave_up(plain, restarts, hc.runtime.output_dir)
                 sys.exit(rc)
             return

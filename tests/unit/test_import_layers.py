@@ -31,7 +31,8 @@ LAYERS = (
     {"planner", "migrate", "engine", "adaptive",   # 2: core
      "dp"},
     {"report", "data", "export", "replay"},        # 3: reading runs, data, exports, replays
-    {"app"},                                       # 4: the application at the edge
+    {"app", "chaos"},                              # 4: the application at the edge, and the
+                                                   #    fault campaign run against it
 )
 #: the contracts at the top of malleus_ds/ stay few (issue 32: "at most about 12")
 MAX_CONTRACTS = 12

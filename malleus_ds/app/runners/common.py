@@ -107,8 +107,11 @@ class StepReporter:
         # torchrun started this job again: after a failure (its restart count), or after a
         # node joined or left (the count stays; the job's folder already has its lines)
         if env.is_rank0 and (env.restart > 0 or (env.elastic and w.kept_lines + w.dropped_steps)):
+            # torchrun_restarts: the agent's count (0: a start of the same command again, or
+            # a node joining or leaving, not a failure)
             ev = {"event": "restart", "attempt": w.restarts_before + 1, "from_step": first_step,
-                  "world": env.world_size, "lost_steps": w.dropped_steps}
+                  "world": env.world_size, "lost_steps": w.dropped_steps,
+                  "torchrun_restarts": env.restart}
             self.event(ev)
             print(f"[malleus_ds] {format_event(ev)}", flush=True)
         if env.is_rank0 and cfg.progress:

@@ -1,0 +1,150 @@
+"""A fault schedule drawn from a seed: which faults hit a job, where, and for how long.
+
+Every kind of fault the job handles, on one machine:
+
+==============  =====================================================  ======================
+kind            what happens                                           what it may cost
+==============  =====================================================  ======================
+straggler       a rank emulated ``rate`` x slower for some steps       nothing (re-planned)
+                (``straggler.schedule``, given at launch)
+slow_link       a pair of ranks' messages emulated ``rate`` x slower   nothing
+                (``straggler.link_schedule``, given at launch)
+quota           a rank's process capped to 1/``rate`` of a core by a   nothing
+                cgroup, from one step to a later one
+freeze          a rank stopped (SIGSTOP) for ``seconds``, shorter      nothing
+                than the hang timeout, then continued
+hang            a rank stopped for good: longer than the hang timeout  one restart
+kill            a rank killed (SIGKILL)                                one restart
+sigterm         the launcher gets SIGTERM; the same command again      a stop and a rerun
+planner_kill    rank 0's planner process killed                        nothing
+disk_full       the checkpoint disk filled to the last byte for        nothing
+                some steps
+==============  =====================================================  ======================
+
+A schedule is pure data: the same seed gives the same faults (:func:`draw`), printed before the
+run (:meth:`Schedule.lines`). Steps are the job's optimizer steps; a fault fires once the job
+has reported that step (event-driven: the runner reads metrics.jsonl).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+
+#: every fault kind, in the order the table lists them
+KINDS = ("straggler", "slow_link", "quota", "freeze", "hang", "kill", "sigterm", "planner_kill",
+         "disk_full")
+#: the kinds that end a rank's process: each may cost one restart of the job
+DEATHS = ("hang", "kill")
+#: the kinds set on the command line rather than done to a running job
+AT_LAUNCH = ("straggler", "slow_link")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: ``kind`` at step ``step`` (until ``until``, where it lasts), on ``rank``."""
+
+    kind: str
+    step: int
+    rank: int = 0
+    until: int | None = None        # the step it ends at (straggler, slow_link, quota, disk_full)
+    rate: float | None = None       # how much slower (straggler, slow_link, quota)
+    seconds: float | None = None    # how long (freeze)
+    peer: int | None = None         # the other end of a slow link
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"fault kind {self.kind!r}: one of {', '.join(KINDS)}")
+
+    def text(self) -> str:
+        at = f"step {self.step}" + (f"-{self.until}" if self.until is not None else "")
+        what = {"straggler": lambda: f"rank {self.rank} at rate {self.rate:g}",
+                "slow_link": lambda: f"link {self.rank}-{self.peer} at rate {self.rate:g}",
+                "quota": lambda: f"rank {self.rank} capped to 1/{self.rate:g} of a core",
+                "freeze": lambda: f"rank {self.rank} stopped for {self.seconds:g} s",
+                "hang": lambda: f"rank {self.rank} stopped for good",
+                "kill": lambda: f"rank {self.rank} killed",
+                "sigterm": lambda: "SIGTERM to the launcher, then the same command again",
+                "planner_kill": lambda: "rank 0's planner process killed",
+                "disk_full": lambda: "the checkpoint disk full"}[self.kind]()
+        return f"{at:>12}  {self.kind:<12} {what}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The faults of one run, by step."""
+
+    seed: int
+    steps: int
+    world: int
+    faults: tuple[Fault, ...] = field(default=())
+
+    def count(self, kind: str) -> int:
+        return sum(f.kind == kind for f in self.faults)
+
+    @property
+    def deaths(self) -> int:
+        return sum(f.kind in DEATHS for f in self.faults)
+
+    def at_launch(self) -> list[Fault]:
+        return [f for f in self.faults if f.kind in AT_LAUNCH]
+
+    def live(self) -> list[Fault]:
+        """The faults done to the running job, in step order."""
+        return sorted((f for f in self.faults if f.kind not in AT_LAUNCH),
+                      key=lambda f: (f.step, KINDS.index(f.kind)))
+
+    def lines(self) -> list[str]:
+        head = f"seed {self.seed}: {len(self.faults)} fault(s), {self.steps} steps, " \
+               f"{self.world} ranks"
+        return [head] + ["  " + f.text() for f in sorted(self.faults, key=lambda f: f.step)]
+
+    def json(self) -> dict:
+        return {"seed": self.seed, "steps": self.steps, "world": self.world,
+                "faults": [{k: v for k, v in asdict(f).items() if v is not None}
+                           for f in self.faults]}
+
+
+def draw(seed: int, steps: int, world: int, kinds: tuple[str, ...] = KINDS,
+         faults: tuple[int, int] = (2, 4), max_deaths: int = 2) -> Schedule:
+    """A schedule of ``faults[0]..faults[1]`` faults of ``kinds`` for a job of ``world`` ranks
+    and ``steps`` steps, from ``seed`` alone. Live faults land in the middle of the run (after
+    the first checkpoint, before the last steps); at most ``max_deaths`` of them end a process;
+    one ``sigterm`` at most (its rerun is the run's second half)."""
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise ValueError(f"fault kinds {bad}: not among {', '.join(KINDS)}")
+    if world < 2 or steps < 12:
+        raise ValueError(f"a campaign job needs 2 or more ranks and 12 or more steps, got "
+                         f"world={world}, steps={steps}")
+    rng = random.Random(seed)
+    lo, hi = 3, steps - 4
+    out: list[Fault] = []
+    deaths = sigterms = 0
+    for _ in range(rng.randint(*faults)):
+        kind = rng.choice(kinds)
+        if (kind in DEATHS and deaths >= max_deaths) or (kind == "sigterm" and sigterms):
+            kind = "straggler"
+        deaths += kind in DEATHS
+        sigterms += kind == "sigterm"
+        step = rng.randint(lo, hi)
+        rank = rng.randrange(world)
+        span = rng.randint(3, 8)
+        if kind == "straggler":
+            out.append(Fault(kind, step, rank, until=min(steps, step + span),
+                             rate=rng.choice((2.0, 3.0, 5.0))))
+        elif kind == "slow_link":
+            peer = rng.choice([r for r in range(world) if r != rank])
+            out.append(Fault(kind, step, rank, until=min(steps, step + span),
+                             rate=rng.choice((5.0, 20.0)), peer=peer))
+        elif kind == "quota":
+            out.append(Fault(kind, step, rank, until=min(steps, step + span),
+                             rate=rng.choice((3.0, 10.0))))
+        elif kind == "freeze":
+            out.append(Fault(kind, step, rank, seconds=rng.choice((1.0, 3.0))))
+        elif kind == "disk_full":
+            out.append(Fault(kind, step, until=min(steps - 1, step + span)))
+        elif kind in ("sigterm", "planner_kill"):
+            out.append(Fault(kind, step))
+        else:                       # hang, kill
+            out.append(Fault(kind, step, rank))
+    return Schedule(seed, steps, world, tuple(sorted(out, key=lambda f: (f.step, f.kind))))

@@ -1,11 +1,13 @@
-"""The user-facing entry point ``malleus_ds.initialize``: one call, the engine picked from the model.
+"""The user-facing entry point ``malleus_ds.initialize``: the engine picked from the model.
 
 * a plain ``torch.nn.Module`` (not a ``StageModule``): data parallel inside DeepSpeed's own
   engine, ZeRO-0/1/2/3 and offload as the ds_config says (``malleus_ds.dp``:
   ``MalleusDPEngine``), with each step's global batch split across ranks by speed. It takes
   what ``deepspeed.initialize`` takes for that (``args``, ``optimizer``, ``model_parameters``,
   ``training_data``, ``lr_scheduler``, ``collate_fn``, ``config`` / ``config_params``,
-  ``dist_init_required``) plus ``loss`` (how the loss given to ``backward`` is normalised);
+  ``dist_init_required``) plus ``loss`` (how the loss given to ``backward`` is normalised); the
+  re-split loop (``app/dp_loop.py``: rank 0 decides from every rank's measured seconds per
+  sample, one small all-reduce per step) is attached unless ``malleus.adaptive`` is false;
 * a model config (our ``ModelConfig``, a Hugging Face ``HFModel``), a ``StageModule`` or a stage
   builder: ``MalleusEngine`` (``malleus_ds/engine/``), pipelines and tensor parallelism by
   ``plan``, re-planned and migrated by the adaptive loop (``app/loop.py``). The engine knows no
@@ -54,14 +56,7 @@ def initialize(model=None, config=None, plan=None, *, data=None, args=None, opti
                                ("dist_init_required", dist_init_required)) if v is not None}
     if kind == "dp":
         _refuse_malleus_engine_arguments(plan, data)
-        _say(f"MalleusDPEngine ({why}: data parallel under DeepSpeed's ZeRO-"
-             f"{_zero_stage(cfg)}; each step's batch is split across ranks unevenly as "
-             f"set_split says)")
-        from ..dp.engine import initialize as dp_initialize
-
-        given.setdefault("loss", "mean")
-        return dp_initialize(args=args, model=model, config=None if from_args else cfg,
-                             **given)
+        return _dp_engine(model, cfg, args, from_args, given, why)
     if given:
         raise ValueError(f"{', '.join(f'{k}=' for k in given)} given with {why}: "
                          f"{'it is' if len(given) == 1 else 'they are'} for a torch.nn.Module "
@@ -133,6 +128,26 @@ def _checked_config(config) -> dict:
 
 def _zero_stage(cfg: dict) -> object:
     return (cfg.get("zero_optimization") or {}).get("stage", 0)
+
+
+def _dp_engine(model, cfg: dict, args, from_args: bool, given: dict, why: str):
+    """``malleus_ds.dp.initialize`` with the re-split loop attached (``app/dp_loop.py``) unless
+    ``malleus.adaptive`` is false; the ``malleus`` section is checked before any process
+    group."""
+    from ..dp.settings import DPSettings
+    from .dp_loop import attach_dp_loop
+
+    settings = DPSettings.from_config(cfg.get("malleus"))
+    how = ("each step's batch is split by measured speed" if settings.adaptive else
+           "the split stays equal (ds_config.malleus.adaptive is false)")
+    _say(f"MalleusDPEngine ({why}: data parallel under DeepSpeed's ZeRO-{_zero_stage(cfg)}; "
+         f"{how})")
+    from ..dp.engine import initialize as dp_initialize
+
+    given.setdefault("loss", "mean")
+    out = dp_initialize(args=args, model=model, config=None if from_args else cfg, **given)
+    attach_dp_loop(out[0], settings)
+    return out
 
 
 def _malleus_engine(model, cfg: dict, plan, data, args, why: str):

@@ -13,6 +13,7 @@ import torch
 
 import malleus_ds
 from malleus_ds.app import api
+from malleus_ds.app.dp_loop import SpeedSplit
 from tests.cases import CFG
 
 DS = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
@@ -25,9 +26,13 @@ def built(monkeypatch):
     args))."""
     calls = []
 
+    class _Engine:
+        def attach_loop(self, policy):
+            calls.append(("loop", policy))
+
     def dp(**kw):
         calls.append(("dp", kw))
-        return "engine", "optimizer", "loader", "scheduler"
+        return _Engine(), "optimizer", "loader", "scheduler"
 
     def malleus(model, cfg, plan, data, args, why):
         calls.append(("malleus", (model, cfg, plan, data, args, why)))
@@ -46,16 +51,16 @@ def test_a_plain_module_goes_to_the_data_parallel_engine(built, capsys, monkeypa
     data, params, collate = [1, 2], list(m.parameters()), (lambda b: b)
     out = malleus_ds.initialize(model=m, config=DS, model_parameters=params,
                                 training_data=data, collate_fn=collate)
-    assert out == ("engine", "optimizer", "loader", "scheduler")
-    [(kind, kw)] = built
+    assert out[1:] == ("optimizer", "loader", "scheduler")
+    [(kind, kw), (loop, policy)] = built
+    assert loop == "loop" and isinstance(policy, SpeedSplit)
     assert kind == "dp" and kw["model"] is m and kw["model_parameters"] is params
     assert kw["training_data"] is data and kw["collate_fn"] is collate
     assert kw["config"] == DS and kw["config"] is not DS      # a checked copy
     assert kw["loss"] == "mean" and kw["args"] is None
     lines = capsys.readouterr().out.splitlines()
     assert lines == ["[malleus_ds] engine: MalleusDPEngine (a torch.nn.Module: data parallel "
-                     "under DeepSpeed's ZeRO-2; each step's batch is split across ranks "
-                     "unevenly as set_split says)"]
+                     "under DeepSpeed's ZeRO-2; each step's batch is split by measured speed)"]
 
 
 def test_deepspeeds_other_keywords_and_loss_pass_through(built):
@@ -63,7 +68,7 @@ def test_deepspeeds_other_keywords_and_loss_pass_through(built):
     opt, sched = object(), object()
     malleus_ds.initialize(model=m, config_params=DS, optimizer=opt, lr_scheduler=sched,
                           dist_init_required=False, loss="sum")
-    [(_, kw)] = built
+    [(_, kw), _] = built
     assert kw["optimizer"] is opt and kw["lr_scheduler"] is sched
     assert kw["dist_init_required"] is False and kw["loss"] == "sum" and kw["config"] == DS
 
@@ -73,7 +78,7 @@ def test_a_config_in_args_is_left_to_deepspeeds_reading(built, tmp_path):
     path.write_text(json.dumps(DS))
     args = types.SimpleNamespace(deepspeed_config=str(path))
     malleus_ds.initialize(model=torch.nn.Linear(2, 2), args=args)
-    [(_, kw)] = built
+    [(_, kw), _] = built
     assert kw["args"] is args and kw["config"] is None
 
 
@@ -165,3 +170,27 @@ def test_auto_in_args_deepspeed_config_is_refused_too(built, tmp_path):
     with pytest.raises(ValueError, match=r'gradient_clipping="auto"'):
         malleus_ds.initialize(model=torch.nn.Linear(2, 2),
                               args=types.SimpleNamespace(deepspeed_config=str(path)))
+
+
+def test_adaptive_false_attaches_no_loop_and_says_so(built, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    malleus_ds.initialize(model=torch.nn.Linear(2, 2),
+                          config={**DS, "malleus": {"adaptive": False}})
+    assert [k for k, _ in built] == ["dp"]
+    assert capsys.readouterr().out.strip().endswith(
+        "ZeRO-2; the split stays equal (ds_config.malleus.adaptive is false))")
+
+
+@pytest.mark.parametrize("sec,match", [
+    ({"plan": "p.json", "switch": []}, r"ds_config.malleus: plan, switch not read by the "
+                                       r"data-parallel engine .* it reads straggler, adaptive, "
+                                       r"detect"),
+    ({"detect": {"window": 0}}, r"ds_config.malleus.detect.window=0 must be >= 1"),
+    ({"adaptive": "yes"}, r"ds_config.malleus.adaptive='yes' must be true or false"),
+    ({"straggler": [{"rank": 1, "rate": 0.5}]}, r"straggler.schedule\[0\].rate"),
+    ({"straggler": {"method": "nap"}}, r"ds_config.malleus.straggler.method='nap'"),
+])
+def test_the_malleus_section_is_checked_before_any_process_group(built, sec, match):
+    with pytest.raises(ValueError, match=match):
+        malleus_ds.initialize(model=torch.nn.Linear(2, 2), config={**DS, "malleus": sec})
+    assert built == []

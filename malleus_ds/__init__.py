@@ -3,8 +3,13 @@
 Kept light: importing ``malleus_ds`` imports neither torch nor deepspeed. Names below load on
 first use:
 
-- ``malleus_ds.initialize(model=..., config=ds_config, plan=...)`` — MalleusEngine, shaped like
-  ``deepspeed.initialize`` (``malleus_ds.app.api``: the shipped byte corpus is the default data);
+- ``malleus_ds.initialize(model=..., config=ds_config, ...)`` — shaped like
+  ``deepspeed.initialize``, the engine picked from the model (``malleus_ds.app.api``): a plain
+  ``torch.nn.Module`` trains data parallel under DeepSpeed's own ZeRO-0/1/2/3 with each step's
+  batch split across ranks by speed (``MalleusDPEngine``, ``malleus_ds/dp/``; DeepSpeed's
+  ``optimizer``, ``model_parameters``, ``training_data``, ... keywords); a ``ModelConfig`` /
+  ``HFModel`` / ``StageModule`` gets MalleusEngine, pipelines and TP by ``plan=``, re-planned and
+  migrated (the shipped byte corpus is the default ``data=``);
 - ``malleus_ds.export_engine(engine, out_dir)`` — a running engine as a Hugging Face folder
   (collective; ``malleus_ds/export/``);
 - ``malleus_ds.build_run_config`` / ``RunConfig`` — the app's validated run configuration;

@@ -16,6 +16,14 @@ every rank keeps its ZeRO shards and runs every micro-batch, only their sizes ch
 The loss must go through ``engine.backward(loss)``: a direct ``loss.backward()`` is not weighted,
 and is refused while the split is uneven.
 
+Each ``forward`` (in training mode) and ``backward`` is a compute span of the rank's
+:class:`~malleus_ds.engine.clock.ComputeClock`, its step started by the step's first one;
+DeepSpeed's communication inside them is left out (``dp/timing.py``), and the straggler
+emulation of ``ds_config.malleus.straggler`` slows the rank through it. With a policy attached
+(:meth:`MalleusDPEngine.attach_loop`; ``malleus_ds.initialize`` attaches one), each optimizer
+step's boundary runs the re-split loop (``dp/loop.py``): one small all-reduce, and the split
+rank 0 decided from every rank's seconds per sample, on every rank.
+
 :func:`initialize` builds the engine the way ``deepspeed.initialize`` builds
 ``DeepSpeedEngine`` for data parallelism, and returns the same four values; its dataloader is a
 :class:`~malleus_ds.dp.sampler.ResplitLoader` over stock's global sample order.
@@ -28,8 +36,11 @@ import torch
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from deepspeed.runtime.engine import DeepSpeedEngine
 
+from malleus_ds.dp.loop import ResplitLoop, SplitPolicy
 from malleus_ds.dp.sampler import ResplitLoader
+from malleus_ds.dp.settings import DPSettings, split_config
 from malleus_ds.dp.split import LOSS_KINDS, Split
+from malleus_ds.dp.timing import exclude_communication
 
 
 class MalleusDPEngine(DeepSpeedEngine):
@@ -39,10 +50,13 @@ class MalleusDPEngine(DeepSpeedEngine):
     stock's equal split) and ``loss``: how the loss given to :meth:`backward` is normalised
     (``"mean"`` over the rank's micro-batch samples, the default; ``"sum"`` over them;
     ``"global"``: already normalised over the step, weighted by nothing; see
-    :meth:`Split.weight <malleus_ds.dp.split.Split.weight>`).
+    :meth:`Split.weight <malleus_ds.dp.split.Split.weight>`); ``settings``: the ds_config's
+    ``malleus`` section as this engine reads it (:class:`~malleus_ds.dp.settings.DPSettings`;
+    its straggler emulation).
     """
 
-    def __init__(self, *args, split: Split | None = None, loss: str = "mean", **kwargs):
+    def __init__(self, *args, split: Split | None = None, loss: str = "mean",
+                 settings: DPSettings | None = None, **kwargs):
         if loss not in LOSS_KINDS:
             raise ValueError(f"loss={loss!r}: must be one of {', '.join(LOSS_KINDS)} (how the "
                              f"loss given to backward is normalised)")
@@ -53,6 +67,67 @@ class MalleusDPEngine(DeepSpeedEngine):
                                   self.gradient_accumulation_steps())
         if split is not None:
             self.set_split(split)
+        self.settings = settings or DPSettings()
+        self.clock = self._build_clock(self.settings)
+        self._clock_step = -1       # the step the clock was last started for
+        self._done_split: Split | None = None   # the split the last finished step ran under
+        self.loop: ResplitLoop | None = None
+
+    # --- the compute clock and the re-split loop --------------------------------------------
+
+    def _build_clock(self, settings: DPSettings):
+        from malleus_ds.emulation.straggler import Straggler, StragglerSchedule
+        from malleus_ds.engine.clock import ComputeClock
+
+        straggler = None
+        if settings.straggler:
+            from deepspeed import comm as dist
+
+            straggler = Straggler(StragglerSchedule.parse(settings.straggler,
+                                                          dist.get_world_size()),
+                                  dist.get_rank())
+        clock = ComputeClock(straggler, cuda=str(self.device).startswith("cuda"))
+        self.left_out_of_compute = exclude_communication(self, clock)   # "owner.name"s
+        return clock
+
+    def attach_loop(self, policy: SplitPolicy) -> ResplitLoop | None:
+        """Run the re-split loop (``dp/loop.py``) with rank 0's ``policy`` from the next step
+        boundary on; the same call on every rank. One rank alone has nothing to split: no loop
+        (returns None)."""
+        self.loop = ResplitLoop(self, policy) if self.dp_world_size > 1 else None
+        return self.loop
+
+    @property
+    def split_events(self) -> list[dict]:
+        """Every re-split the loop applied (``ResplitLoop.events``), in order."""
+        return self.loop.events if self.loop is not None else []
+
+    def _start_clock(self) -> None:
+        if self._clock_step != self.global_steps:
+            self._clock_step = self.global_steps
+            self.clock.start_step(self.global_steps)
+
+    def forward(self, *inputs, **kwargs):
+        """DeepSpeed's ``forward``, timed as compute in training mode."""
+        if not self.module.training:
+            return super().forward(*inputs, **kwargs)
+        self._start_clock()
+        with self.clock.compute():
+            return super().forward(*inputs, **kwargs)
+
+    def step(self, *args, **kwargs):
+        """DeepSpeed's ``step``; at the step's boundary, then the re-split loop's all-reduce
+        (with a loop attached)."""
+        boundary = self.is_gradient_accumulation_boundary()
+        split = self._split
+        out = super().step(*args, **kwargs)
+        if boundary:
+            self._done_split = split
+        if boundary and self.loop is not None:
+            compute_s = self.clock.compute_s if self._clock_step == self.global_steps - 1 \
+                else 0.0
+            self.loop.after_step(self.global_steps - 1, split, compute_s)
+        return out
 
     # --- the split --------------------------------------------------------------------------
 
@@ -106,7 +181,9 @@ class MalleusDPEngine(DeepSpeedEngine):
         returns (the weighted loss, divided by the accumulation steps)."""
         w = self.loss_weight()
         self._backward_at = self.micro_steps
-        return super().backward(loss if w == 1.0 else loss * w, *args, **kwargs)
+        self._start_clock()
+        with self.clock.compute():
+            return super().backward(loss if w == 1.0 else loss * w, *args, **kwargs)
 
     def _backward_prologue(self):
         # DeepSpeed runs this from hooks on the forward's outputs when the user calls
@@ -125,11 +202,15 @@ class MalleusDPEngine(DeepSpeedEngine):
         this rank's unweighted losses of the step's ``gradient_accumulation_steps``
         micro-batches, normalised as ``loss`` says. For ``"mean"`` this is the mean over the
         global batch, what stock DeepSpeed's loss averaged over ranks and micro-batches is.
-        Call it before a new split replaces the step's."""
+        Called at a step boundary, the losses are the step just finished, under the split it
+        ran (whatever split the loop or ``set_split`` put in force since); called before the
+        last micro-batch's ``step()``, the current step's."""
         from deepspeed import comm as dist
 
         vals = [float(x) for x in losses]
         s, gas = self._split, self.gradient_accumulation_steps()
+        if self.at_step_boundary() and self._done_split is not None:
+            s = self._done_split
         if len(vals) != gas:
             raise ValueError(f"{len(vals)} losses for a step of {gas} micro-batches")
         if self.loss_kind == "mean":
@@ -156,7 +237,10 @@ def initialize(args: Any = None, model: torch.nn.Module = None,
     training_dataloader, lr_scheduler)``. ``training_dataloader`` (when ``training_data``, a
     map-style dataset, is given) is a :class:`ResplitLoader` over stock's sample order that
     follows the engine's split. ``split``: the first split (None: equal, stock's); ``loss``:
-    see :class:`MalleusDPEngine`.
+    see :class:`MalleusDPEngine`. The ds_config's ``malleus`` section
+    (:class:`~malleus_ds.dp.settings.DPSettings`) is read here and not passed to DeepSpeed; its
+    straggler emulation applies. No re-split loop is attached here: ``malleus_ds.initialize``
+    attaches one (:meth:`MalleusDPEngine.attach_loop`) unless ``malleus.adaptive`` is false.
 
     Refused, naming what to use instead: a ``PipelineModule``, an ``mpu``, ``mesh_param`` or
     sequence parallelism, the hybrid engine, AutoTP, curriculum learning."""
@@ -190,6 +274,7 @@ def initialize(args: Any = None, model: torch.nn.Module = None,
                          "args.deepspeed_config)")
     if not isinstance(config, dict):
         config = init_utils.load_ds_config(config)
+    config, settings = split_config(config)
     if config.get("sequence_parallel_size", 1) not in (1, None):
         raise ValueError(f"ds_config sequence_parallel_size="
                          f"{config['sequence_parallel_size']}: sequence parallelism is not "
@@ -217,7 +302,7 @@ def initialize(args: Any = None, model: torch.nn.Module = None,
                              lr_scheduler=lr_scheduler, mpu=None,
                              dist_init_required=dist_init_required, collate_fn=collate_fn,
                              config=config, mesh_device=None, config_class=config_class,
-                             split=split, loss=loss)
+                             split=split, loss=loss, settings=settings)
     zero.partition_parameters.restore_init_context()
     engine._configure_python_gc()
     if training_data is not None:

@@ -22,7 +22,7 @@ class ComputeClock:
     ``compute_s`` (per step) includes the emulated sleep, as a slow GPU would show it;
     ``emulated_s`` is the sleep alone. Communication that happens *inside* a timed span
     (e.g. DeepSpeed reducing gradients in backward hooks, or a TP all-reduce) is left out: wrap it
-    in :meth:`excluded` (``app/runners/common.py:exclude_calls``), so a healthy rank waiting for a
+    in :meth:`excluded` (:func:`exclude_calls`), so a healthy rank waiting for a
     slow peer does not look slow itself.
 
     One clock, two time sources:
@@ -289,6 +289,26 @@ class ComputeClock:
                 slept *= seconds / wall if wall > 0 else 1.0
         self._compute_s += seconds + slept
         self.emulated_s += slept
+
+def exclude_calls(obj, names, clock: ComputeClock) -> list[str]:
+    """Wrap the bound methods ``names`` of ``obj`` (instance attributes shadow the class's, so
+    internal ``self.name(...)`` calls go through the wrapper; a name-mangled private method is
+    named as Python stores it, ``_Class__name``) in ``clock.excluded()``. A name ``obj`` lacks
+    is skipped. Returns the names wrapped."""
+    done = []
+    for name in names:
+        fn = getattr(obj, name, None)
+        if fn is None:
+            continue
+
+        def wrapped(*a, _fn=fn, **kw):
+            with clock.excluded():
+                return _fn(*a, **kw)
+
+        setattr(obj, name, wrapped)
+        done.append(name)
+    return done
+
 
 SCHEDSTAT = "/proc/thread-self/schedstat"
 

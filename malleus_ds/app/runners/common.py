@@ -20,6 +20,7 @@ import sys
 import time
 
 from ...engine.clock import ComputeClock as _ComputeClock
+from ...engine.clock import exclude_calls  # noqa: F401  (the runners' name for it)
 from ..run_config import RunConfig
 from ...emulation.straggler import Straggler
 from ...report.metrics import MetricsWriter, StepRecord, format_event, format_phases, phases
@@ -56,21 +57,6 @@ class ComputeClock(_ComputeClock):
     def __init__(self, cfg: RunConfig, env: DistEnv) -> None:
         super().__init__(Straggler(cfg.straggler, env.rank), env.device.startswith("cuda"),
                          links=cfg.links)
-
-
-def exclude_calls(obj, names, clock: ComputeClock) -> None:
-    """Wrap the bound methods ``names`` of ``obj`` (instance attributes shadow the class's, so
-    internal ``self.name(...)`` calls go through the wrapper) in ``clock.excluded()``."""
-    for name in names:
-        fn = getattr(obj, name, None)
-        if fn is None:
-            continue
-
-        def wrapped(*a, _fn=fn, **kw):
-            with clock.excluded():
-                return _fn(*a, **kw)
-
-        setattr(obj, name, wrapped)
 
 
 def shown_live(ev: dict) -> bool:

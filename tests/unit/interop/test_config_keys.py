@@ -141,9 +141,10 @@ def test_the_app_notes_and_refuses_before_any_rank_starts():
 
 
 def test_initialize_refuses_before_the_engine(monkeypatch):
-    """``malleus_ds.initialize`` reviews the ds_config before it builds anything (no process
-    group is needed to get the error)."""
+    """``malleus_ds.initialize`` reviews the ds_config for MalleusEngine (a model config) before
+    it builds anything (no process group is needed to get the error)."""
     import malleus_ds
+    from tests.cases import CFG
 
     with pytest.raises(ValueError, match=r"gradient_allreduce_op='sum'"):
-        malleus_ds.initialize(model=None, config={"gradient_allreduce_op": "sum"})
+        malleus_ds.initialize(model=CFG, config={"gradient_allreduce_op": "sum"})

@@ -1,0 +1,185 @@
+"""The data-parallel re-split loop on 2 gloo ranks (``dp/loop.py``, ``app/dp_loop.py``), built by
+``malleus_ds.initialize`` from a plain torch.nn.Module, with the user's loop unchanged.
+
+Under ZeRO-2 and ZeRO-3, rank 1 emulated 3x slower from step 2 (``malleus.straggler``, the
+sleep emulation through the compute clock): within the run the split moves samples off rank 1
+(its share per micro-batch drops below rank 0's; asserted by direction only, never on
+timings), the re-split is an event, and the per-step losses, gradient norms and final
+parameters still equal a stock ``deepspeed.initialize`` run on the same data (fp32, rtol 1e-5).
+That direction needs the healthy rank not to read slow: its waits inside DeepSpeed's
+collectives (ZeRO-2's gradient reduction, ZeRO-3's parameter all-gathers and gradient
+reduce-scatters, whose wrapping is checked by name) are left out of its compute. A healthy run
+re-splits nothing. The loop makes exactly one collective per
+optimizer step (an all-reduce, at the step's boundary) and none per micro-step: counted on
+``deepspeed.comm`` and ``torch.distributed`` by caller, and as the difference in DeepSpeed's
+all-reduce count against a run with ``malleus.adaptive: false``. One ``run_distributed`` call
+builds every engine; the tests read its results.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests.integration.harness import run_distributed
+from tests.integration.test_dp_resplit import _close, _ds_config, _model, _stock_loss, _train
+
+#: the shared run (8 engines on 2 ranks), paid by the first test: 10 s on a quiet 2-core
+#: machine, up to 25 s under load
+pytestmark = pytest.mark.slow
+
+STAGES, STEPS, GAS = (2, 3), 10, 2
+N = 8 * STEPS
+#: quick detection for a short run: a 3-step median, two detections in a row
+DETECT = {"window": 3, "confirm": 2, "cooldown": 2}
+SLOW = {"straggler": [{"rank": 1, "rate": 3.0, "start_step": 2}], "detect": DETECT}
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "broadcast", "barrier", "reduce", "all_to_all_single",
+               "broadcast_object_list", "all_gather_object", "send", "recv", "isend", "irecv")
+
+
+class _Data:
+    def __init__(self):
+        import torch
+
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(N, 6, generator=g)
+        self.y = torch.sin(self.x[:, :2] * 2) + 0.1 * torch.randn(N, 2, generator=g)
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+class _Count:
+    """Collective calls of ``deepspeed.comm`` and ``torch.distributed``: those made from the
+    loop's own files (with the engine's micro-step at each), and ``deepspeed.comm.all_reduce``
+    in all."""
+
+    LOOP_FILES = ("malleus_ds/dp/loop.py", "malleus_ds/app/dp_loop.py")
+
+    def __init__(self):
+        import sys
+
+        import torch.distributed as tdist
+        from deepspeed import comm
+
+        self.loop: list[tuple[str, int]] = []
+        self.all_reduce = 0
+        for mod in (comm, tdist):
+            for name in COLLECTIVES:
+                fn = getattr(mod, name, None)
+                if fn is not None:
+                    setattr(mod, name, self._wrap(mod is comm and name == "all_reduce", name,
+                                                  fn, sys))
+
+    def _wrap(self, total, name, fn, sys):
+        def call(*a, **k):
+            f = sys._getframe(1)
+            if f.f_code.co_filename.endswith(self.LOOP_FILES):
+                self.loop.append((name, f.f_locals["self"].engine.micro_steps))
+            if total:
+                self.all_reduce += 1
+            return fn(*a, **k)
+        return call
+
+    def take(self):
+        out = (self.loop, self.all_reduce)
+        self.loop, self.all_reduce = [], 0
+        return out
+
+
+def _ours(stage, malleus, count):
+    import malleus_ds
+
+    m = _model()
+    eng, _, loader, _ = malleus_ds.initialize(model=m, model_parameters=m.parameters(),
+                                              training_data=_Data(),
+                                              config={**_ds_config(stage), "malleus": malleus})
+    count.take()
+    seen = []
+
+    def record(eng, step):
+        if eng.loop is not None and step:
+            seen.append(list(eng.loop.last_seconds_per_sample))
+
+    run = _train(eng, loader, eng.global_loss, record, steps=STEPS)
+    record(eng, STEPS)
+    return {"run": run, "events": list(eng.split_events), "sps": seen, "calls": count.take(),
+            "left_out": eng.left_out_of_compute, "loop": eng.loop is not None}
+
+
+def _ranks(rank, world):
+    import deepspeed
+
+    count = _Count()
+    out = {}
+    for stage in STAGES:
+        m = _model()
+        eng, _, loader, _ = deepspeed.initialize(model=m, model_parameters=m.parameters(),
+                                                 training_data=_Data(), config=_ds_config(stage))
+        loader.num_local_io_workers = 0
+        out[stage, "stock"] = _train(eng, loader, _stock_loss, steps=STEPS)
+        out[stage, "slow"] = _ours(stage, SLOW, count)
+    out["healthy"] = _ours(2, {"detect": DETECT}, count)
+    out["off"] = _ours(2, {"detect": DETECT, "adaptive": False}, count)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _results():
+    return run_distributed(_ranks, 2, timeout=150)
+
+
+def test_a_slowed_rank_gets_fewer_samples_and_the_math_stays_stocks():
+    res = _results()
+    for stage in STAGES:
+        stock = res[0][stage, "stock"]
+        for r in range(2):
+            got = res[r][stage, "slow"]
+            _close(got["run"], stock, f"stage {stage} rank {r} re-split by speed")
+            # one event, the same on both ranks: rank 1's share drops below rank 0's
+            ev = got["events"]
+            assert ev == res[0][stage, "slow"]["events"], (stage, r)
+            assert len(ev) >= 1 and ev[0]["event"] == "resplit", ev
+            assert ev[0]["from"] == [2, 2] and ev[0]["to"][1] < ev[0]["to"][0], ev
+            assert ev[0]["rates"][1] > ev[0]["rates"][0], ev
+            assert 3 <= ev[0]["step"] < STEPS, ev
+            # the micro-batches each rank ran follow the events
+            sizes = got["run"][2]
+            first = ev[0]["step"]
+            assert sizes[:first * GAS] == [2] * first * GAS
+            assert sizes[first * GAS] == ev[0]["to"][r]
+
+
+def test_zero3s_parameter_gathers_and_reductions_are_left_out_of_compute():
+    for stage, want in ((2, {"engine.allreduce_gradients", "optimizer.reduce_ipg_grads",
+                             "optimizer.independent_gradient_partition_epilogue"}),
+                        (3, {"engine.allreduce_gradients", "coordinator.fetch_sub_module",
+                             "optimizer.independent_gradient_partition_epilogue",
+                             "optimizer._DeepSpeedZeroOptimizer_Stage3__reduce_and_partition"
+                             "_ipg_grads"})):
+        assert set(_results()[0][stage, "slow"]["left_out"]) == want
+
+
+def test_a_healthy_run_is_not_re_split():
+    for r in range(2):
+        got = _results()[r]["healthy"]
+        assert got["events"] == [], got["sps"]
+        assert got["run"][2] == [2] * STEPS * GAS
+        _close(got["run"], _results()[0][2, "stock"], f"rank {r} healthy")
+
+
+def test_the_loop_makes_one_collective_per_optimizer_step():
+    for r in range(2):
+        res = _results()[r]
+        for key in ((2, "slow"), (3, "slow"), "healthy"):
+            loop, _ = res[key]["calls"]
+            # one all-reduce per step, each at the step's boundary (after its GAS micro-steps)
+            assert loop == [("all_reduce", GAS * (k + 1)) for k in range(STEPS)], (key, loop)
+        off = res["off"]
+        assert not off["loop"] and off["calls"][0] == [] and off["events"] == []
+        # DeepSpeed's own all-reduces are the same with the loop and without
+        assert res["healthy"]["calls"][1] - off["calls"][1] == STEPS

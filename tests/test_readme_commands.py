@@ -61,6 +61,11 @@ SKIP: dict[str, dict[str, str]] = {
             "plots the run folder of the skipped adaptive-loop demo just above it",
     },
     "docs/operations.md": {
+        "malleus-chaos --seeds 0-4":
+            "five 4-rank jobs under faults, about a minute each on 2 cores; two short runs "
+            "with every fault kind are tests/integration/test_chaos.py",
+        "malleus-chaos --seeds 7 --kinds kill,freeze":
+            "a 4-rank job under faults; tests/integration/test_chaos.py runs both kinds",
         "python launch/train.py nproc_per_node=4 max_restarts=2 engine=malleus train.steps=1000 "
         "checkpoint.dir=ck checkpoint.every=10 checkpoint.keep=2 checkpoint.resume=auto":
             "1000 steps on 4 ranks; the same flags, with a rank killed mid-run and the job "

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Set up .venv (as scripts/run.sh), then run the whole test suite; it must stay under 20 minutes
-# on 2 cores. Two passes:
-#   1. tests/unit: one process per test, no ranks, spread over every core (pytest-xdist);
-#   2. everything else (tests that start ranks, launchers and the docs' commands), one test at a
-#      time: their ranks take the cores, and a test that reads timings must not share them.
+# on 2 cores. Three passes (pytest-xdist spreads the first two over the cores):
+#   1. tests/unit: one process per test, no ranks;
+#   2. the tests that start processes and check values only (losses, files, messages), two at a
+#      time: a rank waiting on its peers leaves a core to the other test;
+#   3. the tests that read timings (marked `alone`, tests/conftest.py), one at a time, with the
+#      cores to themselves.
 # The slowest tests of each pass are listed at its end. Extra arguments: one plain pytest run
 # with them instead (e.g. `bash scripts/test.sh tests/unit/planner -x`).
 set -euo pipefail
@@ -12,9 +14,10 @@ if [ "$#" -gt 0 ]; then
   exec python -m pytest -q "$@"
 fi
 workers="${MALLEUS_TEST_WORKERS:-$(nproc)}"
-unit=0
-python -m pytest -q -n "$workers" --durations=10 tests/unit || unit=$?
-rest=0
-python -m pytest -q --durations=25 --ignore=tests/unit || rest=$?
-echo "[test] tests/unit: exit $unit; the rest: exit $rest"
-[ "$unit" -eq 0 ] && [ "$rest" -eq 0 ]
+status=()
+python -m pytest -q -n "$workers" --durations=10 tests/unit && status+=(0) || status+=($?)
+python -m pytest -q -n "$workers" --durations=15 -m "not alone" --ignore=tests/unit \
+  && status+=(0) || status+=($?)
+python -m pytest -q --durations=15 -m alone --ignore=tests/unit && status+=(0) || status+=($?)
+echo "[test] exit status of the three passes (unit, shared, alone): ${status[*]}"
+[ "${status[*]}" = "0 0 0" ]

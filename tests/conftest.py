@@ -2,6 +2,10 @@
 own commands, ``tests/test_readme_commands.py``) starts processes and is marked
 ``integration``; ``tests/unit/`` starts none (the planner worker of the adaptive loop aside:
 it is the loop's own process). ``slow``: a single test that takes 20 s or more on 2 cores.
+``alone``: a test that starts processes and reads timings (rates, detection, deadlines, a
+throttled link): ``scripts/test.sh`` runs it with the cores to itself. Every integration test is
+``alone`` unless its file is in :data:`SHARE_CORES` (it checks values: losses, parameters,
+files, messages), so a new test runs alone until someone says it need not.
 
     pytest tests/unit                      # the fast part while working (about 3 min on 2 cores)
     pytest -m "not slow"                   # everything but the slowest tests
@@ -19,8 +23,30 @@ _HERE = Path(__file__).resolve().parent
 _INTEGRATION = (_HERE / "integration", _HERE / "test_readme_commands.py")
 
 
+#: integration test files whose tests may share the cores with another test (they check values,
+#: never timings): scripts/test.sh runs them two at a time
+SHARE_CORES = frozenset({
+    "test_checkpoint_cli.py", "test_data_text_engines.py", "test_data_tokens_engines.py",
+    "test_deepspeed_checkpoint_import.py", "test_deepspeed_equivalence.py",
+    "test_deepspeed_fp16_formats.py", "test_deepspeed_universal_export.py",
+    "test_deepspeed_user_checkpoint.py", "test_dp_initialize.py", "test_dp_resplit.py",
+    "test_gpu_check.py", "test_group_lifetime.py", "test_hf_equivalence.py",
+    "test_hf_roundtrip.py", "test_malleus_checkpoint.py", "test_malleus_cli.py",
+    "test_malleus_equivalence.py", "test_malleus_errors.py", "test_malleus_precision.py",
+    "test_malleus_schedulers.py", "test_malleus_switch.py", "test_p2p_order.py",
+    "test_pack_warmup.py", "test_planner_imports.py", "test_poisoned_checkpoints.py",
+    "test_readme_commands.py", "test_stream_logs.py", "test_summarize_cli.py",
+    "test_third_party_ds_configs.py",
+    "test_train_launch.py", "test_transformers_import.py",
+})
+#: tests of those files that read timings all the same (the demo's straggler must be re-planned)
+ALONE_TESTS = frozenset({"test_demo_twin_compares_deepspeed_and_malleus"})
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         p = Path(str(item.fspath)).resolve()
         if any(p == q or q in p.parents for q in _INTEGRATION):
             item.add_marker(pytest.mark.integration)
+            if p.name not in SHARE_CORES or item.originalname in ALONE_TESTS:
+                item.add_marker(pytest.mark.alone)

@@ -13,7 +13,8 @@ source "$(dirname "$0")/setup.sh"
 if [ "$#" -gt 0 ]; then
   exec python -m pytest -q "$@"
 fi
-workers="${MALLEUS_TEST_WORKERS:-$(nproc)}"
+# the cores this process may use (not `nproc`: it honours OMP_NUM_THREADS, which setup.sh sets to 1)
+workers="${MALLEUS_TEST_WORKERS:-$(python -c 'import os; print(len(os.sched_getaffinity(0)))')}"
 status=()
 python -m pytest -q -n "$workers" --durations=10 tests/unit && status+=(0) || status+=($?)
 python -m pytest -q -n "$workers" --durations=15 -m "not alone" --ignore=tests/unit \

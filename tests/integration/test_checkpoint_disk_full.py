@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from malleus_ds.chaos.inject import fill
 from malleus_ds.report.metrics import read_live
 from tests.integration.test_checkpoint_cli import ARGS, TRAIN, _reference, _rows
 
@@ -29,20 +30,6 @@ def _mount_tmpfs(where: Path, size: str) -> str | None:
     p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
                        capture_output=True, text=True)
     return None if p.returncode == 0 else f"cannot mount a tmpfs: {p.stderr.strip()}"
-
-
-def _fill(disk: Path) -> Path:
-    """Write zeros into ``disk`` until it has no byte left; returns the filler."""
-    f = disk / "filler"
-    with open(f, "wb") as out:
-        block = b"\0" * (1 << 16)
-        try:
-            while True:
-                out.write(block)
-                out.flush()
-        except OSError:
-            pass
-    return f
 
 
 @pytest.fixture
@@ -59,7 +46,7 @@ def small_disk(tmp_path):
 
 def test_a_full_checkpoint_disk_costs_warnings_and_retries_not_the_job(small_disk, tmp_path):
     ck, run = small_disk / "ck", tmp_path / "run"
-    filler = _fill(small_disk)
+    filler = fill(small_disk)
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)

@@ -22,6 +22,7 @@ import functools
 import pytest
 
 from tests.integration.harness import run_distributed
+from tests.integration.test_dp_resplit import _Data as _Samples
 from tests.integration.test_dp_resplit import _close, _ds_config, _model, _stock_loss, _train
 
 #: the shared run (8 engines on 2 ranks), paid by the first test: 10 s on a quiet 2-core
@@ -36,21 +37,6 @@ SLOW = {"straggler": [{"rank": 1, "rate": 3.0, "start_step": 2}], "detect": DETE
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                "reduce_scatter_tensor", "broadcast", "barrier", "reduce", "all_to_all_single",
                "broadcast_object_list", "all_gather_object", "send", "recv", "isend", "irecv")
-
-
-class _Data:
-    def __init__(self):
-        import torch
-
-        g = torch.Generator().manual_seed(7)
-        self.x = torch.randn(N, 6, generator=g)
-        self.y = torch.sin(self.x[:, :2] * 2) + 0.1 * torch.randn(N, 2, generator=g)
-
-    def __len__(self):
-        return N
-
-    def __getitem__(self, i):
-        return {"x": self.x[i], "y": self.y[i]}
 
 
 class _Count:
@@ -96,7 +82,7 @@ def _ours(stage, malleus, count):
 
     m = _model()
     eng, _, loader, _ = malleus_ds.initialize(model=m, model_parameters=m.parameters(),
-                                              training_data=_Data(),
+                                              training_data=_Samples(N),
                                               config={**_ds_config(stage), "malleus": malleus})
     count.take()
     seen = []
@@ -119,7 +105,8 @@ def _ranks(rank, world):
     for stage in STAGES:
         m = _model()
         eng, _, loader, _ = deepspeed.initialize(model=m, model_parameters=m.parameters(),
-                                                 training_data=_Data(), config=_ds_config(stage))
+                                                 training_data=_Samples(N),
+                                                 config=_ds_config(stage))
         loader.num_local_io_workers = 0
         out[stage, "stock"] = _train(eng, loader, _stock_loss, steps=STEPS)
         out[stage, "slow"] = _ours(stage, SLOW, count)

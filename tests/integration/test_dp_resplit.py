@@ -37,15 +37,17 @@ def _ds_config(stage):
 
 
 class _Data:
-    def __init__(self):
+    """``n`` samples of a small regression, the same for a given ``n`` in every process."""
+
+    def __init__(self, n: int = N):
         import torch
 
         g = torch.Generator().manual_seed(7)
-        self.x = torch.randn(N, 6, generator=g)
-        self.y = torch.sin(self.x[:, :2] * 2) + 0.1 * torch.randn(N, 2, generator=g)
+        self.x = torch.randn(n, 6, generator=g)
+        self.y = torch.sin(self.x[:, :2] * 2) + 0.1 * torch.randn(n, 2, generator=g)
 
     def __len__(self):
-        return N
+        return len(self.x)
 
     def __getitem__(self, i):
         return {"x": self.x[i], "y": self.y[i]}

@@ -69,10 +69,50 @@ class SpeedSplit:
         return None if new == split else (new, trig.rates)
 
 
+class KeepSplit:
+    """A policy that never re-splits: the loop runs for its facts only (``malleus.adaptive``
+    false with ``malleus.metrics_dir`` set)."""
+
+    def decide(self, step, seconds_per_sample, split):
+        return None
+
+
 def attach_dp_loop(engine, settings):
     """Attach :class:`SpeedSplit` under ``settings`` (``dp.settings.DPSettings``) to
-    ``engine`` (a ``MalleusDPEngine``) unless ``settings.adaptive`` is false; returns the loop
-    (None: none)."""
-    if not settings.adaptive:
+    ``engine`` (a ``MalleusDPEngine``), or :class:`KeepSplit` when ``settings.adaptive`` is
+    false but ``settings.metrics_dir`` asks for metrics; and the metrics writer
+    (:func:`write_metrics`). Returns the loop (None: none)."""
+    if settings.adaptive:
+        loop = engine.attach_loop(SpeedSplit(settings.detect))
+    elif settings.metrics_dir:
+        loop = engine.attach_loop(KeepSplit())
+    else:
         return None
-    return engine.attach_loop(SpeedSplit(settings.detect))
+    if loop is not None and settings.metrics_dir:
+        write_metrics(engine, loop, settings)
+    return loop
+
+
+def write_metrics(engine, loop, settings) -> None:
+    """Rank 0 writes ``settings.metrics_dir/metrics.jsonl`` (``report/metrics.py``'s
+    ``StepRecord`` lines, and each re-split as an event line after the step that decided it),
+    from every step's :class:`~malleus_ds.dp.loop.StepFacts`."""
+    from ..emulation.straggler import StragglerSchedule
+    from ..report.metrics import MetricsWriter, StepRecord
+
+    writer = MetricsWriter(settings.metrics_dir if loop.rank == 0 else None)
+    schedule = StragglerSchedule.parse(settings.straggler, loop.world) \
+        if settings.straggler else None
+    written = [0]                           # events of loop.events already written
+
+    def on_step(f) -> None:
+        rates = ({str(r): x for r, x in schedule.rates(f.step, loop.world).items()}
+                 if schedule is not None else {})
+        writer.write(StepRecord(f.step, f.loss, f.samples, f.step_time_s, f.compute_s,
+                                f.emulated_s, rates, plan="split-" + "-".join(
+                                    str(x) for x in f.shares)))
+        for ev in loop.events[written[0]:]:
+            writer.write_event(ev)
+        written[0] = len(loop.events)
+
+    loop.observers.append(on_step)

@@ -72,6 +72,8 @@ class MalleusDPEngine(DeepSpeedEngine):
         self._clock_step = -1       # the step the clock was last started for
         self._done_split: Split | None = None   # the split the last finished step ran under
         self.loop: ResplitLoop | None = None
+        self._loss_part = 0.0       # this rank's part of the step's loss (global_loss's weights)
+        self._step_t0: float | None = None      # when the step's first forward started
 
     # --- the compute clock and the re-split loop --------------------------------------------
 
@@ -104,7 +106,10 @@ class MalleusDPEngine(DeepSpeedEngine):
 
     def _start_clock(self) -> None:
         if self._clock_step != self.global_steps:
+            import time
+
             self._clock_step = self.global_steps
+            self._step_t0 = time.perf_counter()
             self.clock.start_step(self.global_steps)
 
     def forward(self, *inputs, **kwargs):
@@ -124,9 +129,12 @@ class MalleusDPEngine(DeepSpeedEngine):
         if boundary:
             self._done_split = split
         if boundary and self.loop is not None:
-            compute_s = self.clock.compute_s if self._clock_step == self.global_steps - 1 \
-                else 0.0
-            self.loop.after_step(self.global_steps - 1, split, compute_s)
+            timed = self._clock_step == self.global_steps - 1
+            self.loop.after_step(self.global_steps - 1, split,
+                                 self.clock.compute_s if timed else 0.0, self._loss_part,
+                                 self.clock.emulated_s if timed else 0.0, self._step_t0)
+        if boundary:
+            self._loss_part = 0.0
         return out
 
     # --- the split --------------------------------------------------------------------------
@@ -174,6 +182,16 @@ class MalleusDPEngine(DeepSpeedEngine):
         """What :meth:`backward` multiplies this rank's loss by under the current split."""
         return self._split.weight(self.dp_rank(), self.loss_kind)
 
+    def _loss_factor(self) -> float:
+        """What one unweighted micro-batch loss of this rank adds to the step's loss over the
+        global batch (:meth:`global_loss`'s weights)."""
+        s, gas = self._split, self.gradient_accumulation_steps()
+        if self.loss_kind == "mean":
+            return s.shares[self.dp_rank()] / s.global_batch
+        if self.loss_kind == "sum":
+            return 1.0 / s.global_batch
+        return 1.0 / (s.world * gas)
+
     # --- the only change to DeepSpeed's training loop ---------------------------------------
 
     def backward(self, loss, *args, **kwargs):
@@ -181,6 +199,8 @@ class MalleusDPEngine(DeepSpeedEngine):
         returns (the weighted loss, divided by the accumulation steps)."""
         w = self.loss_weight()
         self._backward_at = self.micro_steps
+        if self.loop is not None:       # its part of the step's loss, kept on the device
+            self._loss_part = self._loss_part + loss.detach().double() * self._loss_factor()
         self._start_clock()
         with self.clock.compute():
             return super().backward(loss if w == 1.0 else loss * w, *args, **kwargs)

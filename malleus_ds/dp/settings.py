@@ -1,6 +1,6 @@
 """The ``malleus`` section of a ds_config, as the data-parallel engine reads it.
 
-MalleusDPEngine reads three keys of the section (the rest lay out MalleusEngine's pipelines and
+MalleusDPEngine reads four keys of the section (the rest lay out MalleusEngine's pipelines and
 are refused here, naming them):
 
 * ``straggler``: the straggler emulation (a schedule of ``{rank, rate, start_step, end_step}``
@@ -9,7 +9,10 @@ are refused here, naming them):
 * ``adaptive``: re-split each step's batch by measured speed (default true; false keeps the
   split where ``set_split`` puts it);
 * ``detect``: when measured rates move enough to re-split (``DetectConfig``: ``window``,
-  ``healthy``, ``change``, ``confirm``, ``cooldown``, ``every``).
+  ``healthy``, ``change``, ``confirm``, ``cooldown``, ``every``);
+* ``metrics_dir``: a folder where rank 0 writes ``metrics.jsonl``, a line per optimizer step
+  and one per re-split, which ``launch/summarize.py``, ``malleus-plot`` and the what-if read
+  (default: none).
 
 Pure parsing, no process group: every rank raises the same error before any collective.
 """
@@ -21,7 +24,7 @@ from typing import Any, Mapping
 from ..interop.malleus_section import AdaptiveSettings, DetectConfig
 
 #: the section's keys the data-parallel engine reads
-DP_KEYS = ("straggler", "adaptive", "detect")
+DP_KEYS = ("straggler", "adaptive", "detect", "metrics_dir")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class DPSettings:
     straggler: tuple = ()       # the schedule's entries (emulation.RawSchedule: .method); none
     adaptive: bool = True       # re-split by measured speed
     detect: DetectConfig = field(default_factory=DetectConfig)
+    metrics_dir: str | None = None  # rank 0 writes metrics.jsonl here; none
 
     @staticmethod
     def from_config(sec: Mapping[str, Any] | None,
@@ -53,7 +57,11 @@ class DPSettings:
                                              if k in sec}, where)
         straggler = parse_straggler(sec.get("straggler"), f"{where}.straggler")
         StragglerSchedule.parse(straggler)      # the entries, checked here (the ranks: later)
-        return DPSettings(straggler=straggler, adaptive=loop.enabled, detect=loop.detect)
+        metrics = sec.get("metrics_dir")
+        if metrics is not None and (not isinstance(metrics, str) or not metrics):
+            raise ValueError(f"{where}.metrics_dir={metrics!r} must be a folder's path")
+        return DPSettings(straggler=straggler, adaptive=loop.enabled, detect=loop.detect,
+                          metrics_dir=metrics)
 
 
 def split_config(config: Mapping[str, Any]) -> tuple[dict, DPSettings]:

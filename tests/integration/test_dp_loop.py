@@ -18,7 +18,9 @@ builds every engine; the tests read its results.
 from __future__ import annotations
 
 import functools
+import json
 
+import numpy as np
 import pytest
 
 from tests.integration.harness import run_distributed
@@ -97,7 +99,7 @@ def _ours(stage, malleus, count):
             "left_out": eng.left_out_of_compute, "loop": eng.loop is not None}
 
 
-def _ranks(rank, world):
+def _ranks(rank, world, metrics_root):
     import deepspeed
 
     count = _Count()
@@ -109,15 +111,23 @@ def _ranks(rank, world):
                                                  config=_ds_config(stage))
         loader.num_local_io_workers = 0
         out[stage, "stock"] = _train(eng, loader, _stock_loss, steps=STEPS)
-        out[stage, "slow"] = _ours(stage, SLOW, count)
+        out[stage, "slow"] = _ours(stage, {**SLOW, "metrics_dir": f"{metrics_root}/z{stage}"},
+                                   count)
     out["healthy"] = _ours(2, {"detect": DETECT}, count)
     out["off"] = _ours(2, {"detect": DETECT, "adaptive": False}, count)
     return out
 
 
 @functools.lru_cache(maxsize=1)
+def _metrics_root() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="dp_loop_metrics_")
+
+
+@functools.lru_cache(maxsize=1)
 def _results():
-    return run_distributed(_ranks, 2, timeout=150)
+    return run_distributed(_ranks, 2, _metrics_root(), timeout=150)
 
 
 def test_a_slowed_rank_gets_fewer_samples_and_the_math_stays_stocks():
@@ -170,3 +180,34 @@ def test_the_loop_makes_one_collective_per_optimizer_step():
         assert not off["loop"] and off["calls"][0] == [] and off["events"] == []
         # DeepSpeed's own all-reduces are the same with the loop and without
         assert res["healthy"]["calls"][1] - off["calls"][1] == STEPS
+
+
+def test_metrics_jsonl_has_every_step_and_resplit_and_the_reports_read_it():
+    """``malleus.metrics_dir``: rank 0 writes a line per step (the loss over the global batch,
+    every rank's compute seconds, the emulated rates, the split as the step's ``plan``) and one
+    per re-split; summarize's reader, the what-if and the plot take it."""
+    from pathlib import Path
+
+    from malleus_ds.report.metrics import read_metrics_file
+    from malleus_ds.report.plot import main as plot_main
+    from malleus_ds.report.whatif import account_of_run, format_account
+
+    res = _results()
+    for stage in STAGES:
+        run = Path(_metrics_root()) / f"z{stage}"
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in rows if "event" not in r]
+        assert [r["step"] for r in steps] == list(range(STEPS)), rows
+        stock = res[0][stage, "stock"][0]
+        np.testing.assert_allclose([r["loss"] for r in steps], stock, rtol=1e-5)
+        assert all(len(r["compute_s"]) == 2 and r["samples"] == 8 for r in steps), steps[0]
+        assert steps[0]["plan"] == "split-2-2" and steps[-1]["plan"] != "split-2-2", steps[-1]
+        assert steps[-1]["emulated_rates"] == {"1": 3.0}
+        assert sum(steps[-1]["emulated_s"]) > 0 and steps[-1]["emulated_s"][0] == 0
+        events = [r for r in rows if r.get("event") == "resplit"]
+        assert events == res[0][stage, "slow"]["events"], events
+        at = rows.index(events[0])      # after the step that decided it, before its first
+        assert rows[at - 1]["step"] == events[0]["step"] - 1, rows[at - 2:at + 2]
+        read_metrics_file(run / "metrics.jsonl")
+        assert "stragglers would have cost" in format_account(account_of_run(run, warmup=1))
+        assert plot_main([str(run)]) in (0, None) and (run / "throughput.png").is_file()

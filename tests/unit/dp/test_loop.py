@@ -24,10 +24,12 @@ def _loop(rank, world=3):
 def test_each_rank_fills_its_own_slot_and_rank_0_its_decision():
     loops = [_loop(r) for r in range(3)]
     loops[0]._pending = (Split((4, 1, 3), 2), (1.0, 3.5, 1.25))
-    vecs = [lp.vector(0.5 * (r + 1)) for r, lp in enumerate(loops)]
-    assert vecs[1] == [0.0, 1.0, 0.0] + [0.0] * 6
-    assert vecs[0] == [0.5, 0.0, 0.0, 4.0, 1.0, 3.0, 1.0, 3.5, 1.25]
+    vecs = [lp.vector(0.5 * (r + 1), emulated_s=0.25 * r) for r, lp in enumerate(loops)]
+    # [seconds per sample x3 | next shares x3 | their rates x3 | emulated seconds x3 | loss]
+    assert vecs[1] == [0.0, 1.0, 0.0] + [0.0] * 6 + [0.0, 0.25, 0.0] + [0.0]
+    assert vecs[0] == [0.5, 0.0, 0.0, 4.0, 1.0, 3.0, 1.0, 3.5, 1.25] + [0.0] * 4
     sums = [sum(v) for v in zip(*vecs)]
+    assert sums[9:12] == [0.0, 0.25, 0.5]
     for lp in loops:                    # every rank reads the same
         sps, split, rates = lp.read(sums, 2)
         assert sps == [0.5, 1.0, 1.5]
@@ -36,7 +38,7 @@ def test_each_rank_fills_its_own_slot_and_rank_0_its_decision():
 
 def test_no_decision_reads_as_none():
     lp = _loop(1, world=2)
-    sps, split, rates = lp.read([0.25, 0.75, 0.0, 0.0, 0.0, 0.0], 4)
+    sps, split, rates = lp.read([0.25, 0.75] + [0.0] * 7, 4)
     assert sps == [0.25, 0.75] and split is None and rates == []
 
 
@@ -126,3 +128,19 @@ def test_the_section_as_the_data_parallel_engine_reads_it():
 def test_a_bad_section_names_the_key(sec, match):
     with pytest.raises(ValueError, match=match):
         split_config({"malleus": sec})
+
+
+def test_the_sections_keys_and_a_bad_metrics_dir():
+    import pytest
+
+    from malleus_ds.dp.settings import DPSettings
+
+    s = DPSettings.from_config({"metrics_dir": "runs/a", "adaptive": False})
+    assert s.metrics_dir == "runs/a" and not s.adaptive
+    assert DPSettings.from_config(None).metrics_dir is None
+    for bad in ("", 3, ["a"]):
+        with pytest.raises(ValueError, match=r"ds_config\.malleus\.metrics_dir=.* must be a "
+                                             r"folder's path"):
+            DPSettings.from_config({"metrics_dir": bad})
+    with pytest.raises(ValueError, match="plan not read by the data-parallel engine"):
+        DPSettings.from_config({"plan": "p.json"})

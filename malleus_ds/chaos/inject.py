@@ -41,9 +41,10 @@ def planner_process(launcher: int) -> int | None:
     return None
 
 
-def fill(disk: Path) -> Path:
-    """Write zeros into ``disk`` until no byte is left; returns the filler file."""
-    f = disk / "chaos-filler"
+def fill(disk: Path, name: str = "chaos-filler") -> Path:
+    """Write zeros into ``disk`` until no byte is left; returns the filler file (OSError: the
+    disk takes no file at all, e.g. read-only)."""
+    f = disk / name
     with open(f, "wb") as out:
         block = b"\0" * (1 << 16)
         try:
@@ -64,13 +65,27 @@ class Injection:
     note: str = ""
     _undo: list = field(default_factory=list)
 
-    def end(self) -> None:
-        """Undo what lasts (idempotent)."""
+    def end(self) -> bool:
+        """Undo what lasts; what cannot be undone now (a file on a disk another fault made
+        read-only) is kept for the next call. True when nothing is left."""
+        left = []
         while self._undo:
+            fn = self._undo.pop()
             try:
-                self._undo.pop()()
-            except Exception:  # noqa: BLE001 - the process may be gone: nothing to undo
-                pass
+                fn()
+            except ProcessLookupError:
+                pass                    # the process is gone: nothing to undo
+            except OSError:
+                left.append(fn)
+        self._undo = left[::-1]
+        return not left
+
+
+def _remount(disk: Path, mode: str) -> bool:
+    import subprocess
+
+    return subprocess.run(["mount", "-o", f"remount,{mode}", str(disk)],
+                          capture_output=True).returncode == 0
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -117,8 +132,23 @@ def inject(f: Fault, launcher: int, disk: Path | None) -> Injection:
         if disk is None:
             inj.note = "no checkpoint tmpfs to fill (mount failed)"
             return inj
-        filler = fill(disk)
+        try:
+            filler = fill(disk, f"chaos-filler-{f.step}")
+        except OSError as e:
+            inj.note = f"cannot fill {disk}: {e.strerror or e}"
+            return inj
         inj._undo.append(lambda: filler.unlink(missing_ok=True))
+    elif f.kind == "disk_ro":
+        if disk is None:
+            inj.note = "no checkpoint tmpfs to make read-only (mount failed)"
+            return inj
+        if not _remount(disk, "ro"):
+            inj.note = f"cannot remount {disk} read-only"
+            return inj
+        def writable() -> None:
+            if not _remount(disk, "rw"):
+                raise OSError(f"cannot remount {disk} read-write")
+        inj._undo.append(writable)
     elif f.kind == "sigterm":
         _signal(launcher, signal.SIGTERM)
     else:

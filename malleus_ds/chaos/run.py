@@ -3,7 +3,8 @@
 The job is the app's own launcher (``launch/train.py nproc_per_node=N max_restarts=R``,
 torchrun underneath) with the adaptive loop on, ``checkpoint.every=2``, ``checkpoint.keep=2``,
 ``checkpoint.resume=auto`` and a short hang timeout; its checkpoint folder is on a tmpfs of its
-own when this machine can mount one (a ``disk_full`` fault fills it). The runner watches
+own when this machine can mount one (a ``disk_full`` fault fills it, a ``disk_ro`` one makes it
+read-only). The runner watches
 metrics.jsonl and does each live fault once the job has reported its step; a SIGTERM stops the
 job, and the same command runs again. Then :func:`~malleus_ds.chaos.verdict.judge`.
 """
@@ -105,6 +106,12 @@ def run_one(sched: Schedule, out: Path, reference: list[float], opts: Options = 
             while p.poll() is None:
                 pids.update(descendants(p.pid))
                 step = _last_step(run)
+                # faults that are over end first: a disk made writable before the next fault
+                # fills it, a filler removed before the disk turns read-only
+                for inj in [i for i in active if i.fault.until is not None
+                            and i.fault.until <= step]:
+                    if inj.end():
+                        active.remove(inj)
                 for f in [f for f in pending if f.step <= step]:
                     pending.remove(f)
                     inj = inject(f, p.pid, disk if mounted else None)
@@ -113,10 +120,6 @@ def run_one(sched: Schedule, out: Path, reference: list[float], opts: Options = 
                     stopped |= f.kind == "sigterm" and inj.done
                     say(f"  seed {sched.seed}: step {step}: {f.kind}"
                         + ("" if inj.done else f" not done ({inj.note})"))
-                for inj in [i for i in active if i.fault.until is not None
-                            and i.fault.until <= step]:
-                    inj.end()
-                    active.remove(inj)
                 if time.monotonic() - t0 > opts.budget_s:
                     for pid in descendants(p.pid) + [p.pid]:
                         os.kill(pid, signal.SIGKILL)
@@ -129,7 +132,7 @@ def run_one(sched: Schedule, out: Path, reference: list[float], opts: Options = 
             say(f"  seed {sched.seed}: the job stopped (exit {codes[-1]}): the same command "
                 f"again")
     finally:
-        for inj in active:
+        for inj in active + active:     # twice: one undo may free what another needs
             inj.end()
         log.close()
     time.sleep(0.5)                 # a process the job left behind has had time to show itself

@@ -19,6 +19,7 @@ sigterm         the launcher gets SIGTERM; the same command again      a stop an
 planner_kill    rank 0's planner process killed                        nothing
 disk_full       the checkpoint disk filled to the last byte for        nothing
                 some steps
+disk_ro         the checkpoint disk read-only for some steps           nothing
 ==============  =====================================================  ======================
 
 A schedule is pure data: the same seed gives the same faults (:func:`draw`), printed before the
@@ -32,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 #: every fault kind, in the order the table lists them
 KINDS = ("straggler", "slow_link", "quota", "freeze", "hang", "kill", "sigterm", "planner_kill",
-         "disk_full")
+         "disk_full", "disk_ro")
 #: the kinds that end a rank's process: each may cost one restart of the job
 DEATHS = ("hang", "kill")
 #: the kinds set on the command line rather than done to a running job
@@ -46,7 +47,7 @@ class Fault:
     kind: str
     step: int
     rank: int = 0
-    until: int | None = None        # the step it ends at (straggler, slow_link, quota, disk_full)
+    until: int | None = None        # the step it ends at (straggler, slow_link, quota, disk_*)
     rate: float | None = None       # how much slower (straggler, slow_link, quota)
     seconds: float | None = None    # how long (freeze)
     peer: int | None = None         # the other end of a slow link
@@ -65,7 +66,8 @@ class Fault:
                 "kill": lambda: f"rank {self.rank} killed",
                 "sigterm": lambda: "SIGTERM to the launcher, then the same command again",
                 "planner_kill": lambda: "rank 0's planner process killed",
-                "disk_full": lambda: "the checkpoint disk full"}[self.kind]()
+                "disk_full": lambda: "the checkpoint disk full",
+                "disk_ro": lambda: "the checkpoint disk read-only"}[self.kind]()
         return f"{at:>12}  {self.kind:<12} {what}"
 
 
@@ -141,7 +143,7 @@ def draw(seed: int, steps: int, world: int, kinds: tuple[str, ...] = KINDS,
                              rate=rng.choice((3.0, 10.0))))
         elif kind == "freeze":
             out.append(Fault(kind, step, rank, seconds=rng.choice((1.0, 3.0))))
-        elif kind == "disk_full":
+        elif kind in ("disk_full", "disk_ro"):
             out.append(Fault(kind, step, until=min(steps - 1, step + span)))
         elif kind in ("sigterm", "planner_kill"):
             out.append(Fault(kind, step))

@@ -51,3 +51,20 @@ def test_the_printed_schedule_names_every_fault():
     assert len(lines) == 1 + len(s.faults)
     assert s.json()["faults"][0]["kind"] == sorted(s.faults, key=lambda f: f.step)[0].kind
     assert all(k in DEATHS or k not in ("hang", "kill") for k in KINDS)
+
+
+def test_an_undo_that_cannot_be_done_yet_is_kept_for_the_next_try():
+    from malleus_ds.chaos.inject import Injection
+
+    tries = []
+
+    def unlink():
+        tries.append(1)
+        if len(tries) == 1:
+            raise OSError(30, "Read-only file system")
+
+    inj = Injection(Fault("disk_full", 5, until=8), done=True)
+    inj._undo.append(unlink)
+    assert inj.end() is False and len(tries) == 1
+    assert inj.end() is True and len(tries) == 2
+    assert inj.end() is True and len(tries) == 2        # done once: never again

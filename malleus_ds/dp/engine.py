@@ -182,10 +182,10 @@ class MalleusDPEngine(DeepSpeedEngine):
         """What :meth:`backward` multiplies this rank's loss by under the current split."""
         return self._split.weight(self.dp_rank(), self.loss_kind)
 
-    def _loss_factor(self) -> float:
+    def _loss_factor(self, split: Split | None = None) -> float:
         """What one unweighted micro-batch loss of this rank adds to the step's loss over the
-        global batch (:meth:`global_loss`'s weights)."""
-        s, gas = self._split, self.gradient_accumulation_steps()
+        global batch under ``split`` (default: the current one)."""
+        s, gas = split or self._split, self.gradient_accumulation_steps()
         if self.loss_kind == "mean":
             return s.shares[self.dp_rank()] / s.global_batch
         if self.loss_kind == "sum":
@@ -233,13 +233,7 @@ class MalleusDPEngine(DeepSpeedEngine):
             s = self._done_split
         if len(vals) != gas:
             raise ValueError(f"{len(vals)} losses for a step of {gas} micro-batches")
-        if self.loss_kind == "mean":
-            local = sum(vals) * s.shares[self.dp_rank()] / s.global_batch
-        elif self.loss_kind == "sum":
-            local = sum(vals) / s.global_batch
-        else:
-            local = sum(vals) / (s.world * gas)
-        t = torch.tensor([local], dtype=torch.float64)
+        t = torch.tensor([sum(vals) * self._loss_factor(s)], dtype=torch.float64)
         dist.all_reduce(t, group=self.data_parallel_group)
         return float(t.item())
 

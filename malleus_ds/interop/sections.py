@@ -42,7 +42,9 @@ def check_zero_stage(stage) -> int:
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in ZERO_STAGES:
         raise ValueError(f"ds_config.zero_optimization.stage={stage!r}: MalleusEngine supports "
                          f"0, 1 and 2 (sharding across each layer's replicas), not ZeRO-3; use "
-                         f"one of those (e.g. deepspeed=zero1)")
+                         f"one of those (e.g. deepspeed=zero1), or, for ZeRO-3, give "
+                         f"malleus_ds.initialize your own torch.nn.Module (MalleusDPEngine: "
+                         f"DeepSpeed's ZeRO-3, each step's batch split by measured speed)")
     return stage
 
 

@@ -21,7 +21,8 @@ def test_zero3_rejected_before_launch_with_the_engines_own_rule():
     from malleus_ds.engine.optimizer import ShardedOptimizer
     from malleus_ds.interop.sections import optimizer_settings
 
-    msg = r"zero_optimization.stage=3: MalleusEngine supports 0, 1 and 2 .*deepspeed=zero1"
+    msg = (r"zero_optimization.stage=3: MalleusEngine supports 0, 1 and 2 .*deepspeed=zero1\), "
+           r"or, for ZeRO-3, give malleus_ds.initialize your own torch.nn.Module \(MalleusDPEngine")
     c = cfg(world=2, engine="malleus", plan="static",
             deepspeed={"config": {"zero_optimization": {"stage": 3}}})
     with pytest.raises(ConfigError, match="engine=malleus: ds_config." + msg):

@@ -48,7 +48,7 @@ SKIP: dict[str, dict[str, str]] = {
             "and Malleus, 48 steps each, about 100 s); its faster twin (the same preset, fewer "
             "steps) is test_demo_twin_compares_deepspeed_and_malleus below",
         "bash scripts/test.sh":
-            "runs the whole test suite (about 22 minutes on 2 cores), this file included",
+            "runs the whole test suite (about 20 minutes on 2 cores), this file included",
     },
     "docs/adaptive-loop.md": {
         "python launch/train.py engine=malleus nproc_per_node=4 train.steps=120 "

@@ -116,8 +116,8 @@ class Checkpointer:
         self.cfg, self.env = cfg, env
         self.resumed = resume_point(cfg)
         self.start = self.resumed.step if self.resumed else 0
-        self.last_saved: int | None = self.start if self.resumed else None
-        self.committed: int | None = self.last_saved     # the newest step ``latest`` names
+        #: the newest step this run has committed (``latest`` names it)
+        self.committed: int | None = self.start if self.resumed else None
         self.tags: list[str] = []
         #: saves that failed: ``{"step", "error"}`` each (the summary lists them)
         self.failed: list[dict] = []
@@ -222,17 +222,15 @@ class Checkpointer:
 
     def _failed(self, step: int, err: str, reporter) -> None:
         """A periodic save of ``step`` failed: training goes on, and the save is tried again
-        after 1, 2, 4, ... steps from now (at most ``checkpoint.every``)."""
-        now = max(step, self.last_saved or 0)
-        self._retry_at = now + self._backoff
+        after 1, 2, 4, ... steps (at most ``checkpoint.every``)."""
+        self._retry_at = step + self._backoff
         self._backoff = min(2 * self._backoff, max(1, self.cfg.checkpoint.every))
         self._note_failure(step, err, reporter,
                            f"training goes on; trying again after step {self._retry_at}")
 
     def _note_failure(self, step: int, err: str, reporter, then: str) -> None:
-        """Every rank: the failed save of ``step`` forgotten (rank 0 removes its half-written
+        """Every rank: the failed save of ``step`` recorded (rank 0 removes its half-written
         folder), an event line, and rank 0's warning saying ``then``, what happens next."""
-        self.last_saved = self.committed
         self.failed.append({"step": step, "error": err})
         if self.env.is_rank0:
             self._drop_partial(step)
@@ -298,7 +296,6 @@ class Checkpointer:
             return None
 
         event = {"event": "checkpoint", "step": done, "path": str(root / tag)}
-        self.last_saved = done
         if self._background is not None and getattr(write, "can_snapshot", False):
             from .background_save import InFlight
             try:

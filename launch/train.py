@@ -331,7 +331,12 @@ def main() -> None:
         sys.argv += _non_zero_rank_overrides()
     else:
         sys.argv += _restartable_run_dir(sys.argv, os.environ)
-    app()
+    from malleus_ds.app.quick_exit import exit_quickly
+    try:
+        app()
+    except SystemExit as e:
+        exit_quickly(e.code)
+    exit_quickly(0)
 
 
 if __name__ == "__main__":

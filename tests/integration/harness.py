@@ -7,8 +7,8 @@ rank's exception fails the test with that rank's traceback; a hard timeout kills
 so a hang fails instead of blocking CI. ``may_die``: ranks a test kills on purpose; dying without
 reporting is their result (:class:`Died`), not a failure.
 
-Ranks start from a fork server (``multiprocessing`` "forkserver") that imported torch, DeepSpeed
-and transformers' Llama-family modules once, with ``DS_ACCELERATOR=cpu`` and one thread: each
+Ranks start from a fork server (``multiprocessing`` "forkserver") that imported torch (with
+``torch._dynamo``), DeepSpeed and transformers' Llama-family modules once, with ``DS_ACCELERATOR=cpu`` and one thread: each
 rank is a fork of that clean single-threaded process, so it skips ~2.5 s of imports (7 s with
 transformers) that 4 ranks on 2 cores would otherwise pay per test. malleus_ds and
 ``malleus_ds_kernels`` are NOT preloaded: their import-time settings (``TRITON_INTERPRET``)
@@ -49,8 +49,10 @@ def _entry(fn, rank, world_size, init_file, queue, args, env):
                 pass
 
 
-PRELOAD = ["torch", "torch.distributed", "deepspeed", "transformers.models.llama.modeling_llama",
-           "transformers.models.qwen2.modeling_qwen2", "transformers.models.mistral.modeling_mistral"]
+#: torch._dynamo: torch imports it at the first optimizer a process builds (1.2 s per rank)
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "deepspeed",
+           "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+           "transformers.models.mistral.modeling_mistral"]
 _SERVER_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
 _CTX = None
 

@@ -77,7 +77,9 @@ TOP: dict[str, tuple[str, str]] = {
     "disable_allgather": (OWN, "ZeRO shards are gathered by MalleusEngine's own collective"),
     # -- memory and layout
     "zero_optimization": (SAME, "stage 0, 1 and 2 across each layer's replicas; stage 3 is "
-                                "refused; the other keys below"),
+                                "refused here (pipelines and TP), and trains as DeepSpeed's "
+                                "own ZeRO-3 when `malleus_ds.initialize` gets a plain "
+                                "`torch.nn.Module` (MalleusDPEngine); the other keys below"),
     "activation_checkpointing": (SAME, "recomputes each decoder layer from its input "
                                        "(settings.activation_checkpointing_source)"),
     "pipeline": (OWN, "the plan sets the stages, their layers and the micro-batches "
@@ -129,7 +131,8 @@ TOP: dict[str, tuple[str, str]] = {
 #: the ``zero_optimization`` keys: (kind, what MalleusEngine does)
 _ZERO_OWN = "MalleusEngine's ZeRO-1/2 reduces per layer with its own buckets"
 ZERO: dict[str, tuple[str, str]] = {
-    "stage": (SAME, "0, 1 or 2; 3 is refused"),
+    "stage": (SAME, "0, 1 or 2; 3 is refused (a plain torch.nn.Module through "
+                    "malleus_ds.initialize trains under DeepSpeed's own ZeRO-3)"),
     "offload_optimizer": (OWN, "device cpu: optimizer states stay on the device, sharded "
                                "across each layer's replicas (the planner's memory check, "
                                "malleus.device_mb, says whether a plan fits); device nvme is "

@@ -10,7 +10,6 @@ collective, so bad input never hangs.
 from __future__ import annotations
 
 import copy
-import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -70,9 +69,10 @@ def optimizer_settings(user_cfg: dict):
     # torch.optim.AdamW, whose default is 0.01 (torch.optim.Adam's is 0)
     if params.pop("torch_adam", False) and mode:
         params.setdefault("weight_decay", 0.01)
-    if "max_grad_norm" in params:           # DeepSpeed warns and ignores it too
-        warnings.warn(f"ds_config.optimizer.params.max_grad_norm={params.pop('max_grad_norm')!r} "
-                      f"is ignored, as DeepSpeed ignores it; gradient_clipping sets the clip")
+    if "max_grad_norm" in params:           # DeepSpeed refuses it too (_configure_basic_optimizer)
+        raise ValueError(f"ds_config.optimizer.params.max_grad_norm={params['max_grad_norm']!r} "
+                         f"is refused, as DeepSpeed refuses it: set the clip with the top-level "
+                         f"\"gradient_clipping\": {params['max_grad_norm']!r} instead")
     for k in ("lr", "eps", "weight_decay"):
         if k in params and (isinstance(params[k], bool)
                             or not isinstance(params[k], (int, float))):

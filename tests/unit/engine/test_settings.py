@@ -120,9 +120,8 @@ def test_deepspeed_autotp_is_refused_by_name():
 
 def test_optimizer_keys_of_other_peoples_configs():
     """``adam_w_mode=false`` is Adam with an L2 term (DeepSpeed's FusedAdam in that mode, torch's
-    Adam); the legacy ``max_grad_norm`` is ignored with a warning, as DeepSpeed ignores it;
+    Adam); the legacy ``max_grad_norm`` is refused, as DeepSpeed refuses it;
     ``torch_adam`` is accepted; a value that is no number (an unfilled "auto") is named."""
-    import warnings
 
     import torch
 
@@ -134,13 +133,10 @@ def test_optimizer_keys_of_other_peoples_configs():
     p.grad = torch.zeros(3)
     opt.step()          # L2: the decay enters the gradient, so Adam's step is a full lr
     assert torch.allclose(p.detach(), torch.full((3,), 0.9), atol=1e-6)
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        _, make = optimizer_settings({"optimizer": {"params": {"lr": 0.1,
-                                                               "max_grad_norm": 1.0}}})
-    assert any("max_grad_norm=1.0 is ignored, as DeepSpeed ignores it" in str(x.message)
-               for x in w)
-    assert type(make([torch.nn.Parameter(torch.ones(1))])) is torch.optim.AdamW
+    with pytest.raises(ValueError, match=r"optimizer.params.max_grad_norm=1.0 is refused, as "
+                                         r"DeepSpeed refuses it: set the clip with the top-level "
+                                         r"\"gradient_clipping\": 1.0 instead"):
+        optimizer_settings({"optimizer": {"params": {"lr": 0.1, "max_grad_norm": 1.0}}})
     with pytest.raises(ValueError, match=r"optimizer.params.lr='auto' must be a number "
                                          r"\(\"auto\" is filled by launch/train.py"):
         optimizer_settings({"optimizer": {"params": {"lr": "auto"}}})

@@ -13,8 +13,9 @@ logged one; in bf16 (the Trainer's SGD, see :data:`SGD`), to bf16's rounding. A 
 (by the loop's decision, and by ``set_split`` from a callback's ``on_step_end``) keeps them
 equal; ``set_split`` after the Trainer fetched the step's batches is refused. A checkpoint the
 stock Trainer saved resumes in MalleusTrainer and the reverse (ZeRO-3), both ending where the
-stock run ends. One 2-rank ``run_distributed`` call runs every Trainer; one 4-rank call checks
-ZeRO-3 with a 1 + 3 + 2 + 2 split (SGD).
+stock run ends. One 2-rank ``run_distributed`` call runs every Trainer and one test checks all of
+it (:data:`TWO_RANK_CHECKS`, each failure named); one 4-rank call checks ZeRO-3 with a
+1 + 3 + 2 + 2 split (SGD).
 
 One test reads timings (``tests/conftest.py`` ALONE_TESTS), in its own 2-rank call: the
 ds_config's ``malleus`` section as ``malleus_ds.initialize`` reads it, the re-split loop on by
@@ -33,7 +34,7 @@ import pytest
 
 from tests.integration.harness import run_distributed
 
-#: the shared 2-rank run (23 Trainers) takes about 35 s on 2 idle cores, paid by the first test
+#: the shared 2-rank run (25 Trainers) takes about 35 s on 2 idle cores, paid by the first test
 pytestmark = pytest.mark.slow
 
 STAGES, STEPS, MBS, GAS, N, SEQ, VOCAB = (1, 2, 3), 4, 2, 2, 24, 8, 32
@@ -89,6 +90,23 @@ def _llama():
     return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
                                         num_hidden_layers=1, num_attention_heads=2,
                                         num_key_value_heads=2, max_position_embeddings=SEQ))
+
+
+def _plain():
+    """The same tiny Llama in a module whose ``forward`` takes no loss keywords, so the Trainer
+    divides its mean loss by the accumulation steps itself (no ``num_items_in_batch``): loss
+    kind ``"mean"`` whatever ``average_tokens_across_devices`` says."""
+    import torch
+
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = _llama()
+
+        def forward(self, input_ids, labels):
+            return {"loss": self.lm(input_ids=input_ids, labels=labels).loss}
+
+    return Plain()
 
 
 class _Collate:
@@ -151,9 +169,11 @@ def _params(engine):
 
 
 def _train(root, name, stage, avg, *, ours=False, split=None, malleus=None, bf16=False,
-           save=False, resume=None, act=None, n=N, **training_args):
+           save=False, resume=None, act=None, n=N, model=_llama, masked=None,
+           **training_args):
     """One Trainer run (stock, or ``ours``: MalleusTrainer with ``split`` and the ds_config's
-    ``malleus`` section); ``act``: (event, fn) for a callback; ``resume``: a checkpoint folder."""
+    ``malleus`` section); ``act``: (event, fn) for a callback; ``resume``: a checkpoint folder;
+    ``masked``: partly masked labels (default: with ``avg``, average_tokens_across_devices)."""
     from transformers import Trainer, TrainingArguments
 
     from malleus_ds.hf import MalleusTrainer
@@ -177,7 +197,8 @@ def _train(root, name, stage, avg, *, ours=False, split=None, malleus=None, bf16
         calls.append(Act(*act))
     kw = {"split": split} if ours else {}
     trainer = (MalleusTrainer if ours else Trainer)(
-        model=_llama(), args=args, train_dataset=_Tokens(n, masked=avg), data_collator=collate,
+        model=model(), args=args, data_collator=collate,
+        train_dataset=_Tokens(n, masked=avg if masked is None else masked),
         callbacks=calls, **kw)
     for c in calls[1:]:
         c.trainer = trainer
@@ -244,6 +265,10 @@ def _ranks(rank, world, root):
                                           **SGD)
         out[stage, "ours-bf16"] = _train(root, f"z{stage}-ours-bf16", stage, True, bf16=True,
                                          ours=True, split=uneven, **SGD)
+
+    out["plain", "stock"] = _train(root, "plain-stock", 2, True, model=_plain, masked=False)
+    out["plain", "ours"] = _train(root, "plain-ours", 2, True, model=_plain, masked=False,
+                                  ours=True, split=uneven)
 
     def attach(trainer, step):
         trainer.model_wrapped.attach_loop(_FlipAt(0))
@@ -328,26 +353,34 @@ def _close(got, want, what, steps=slice(None)):
                                    atol=1e-5 * np.abs(w).max(), err_msg=f"{what}: {k}")
 
 
-@pytest.mark.parametrize("avg", (True, False), ids=("global", "mean"))
-@pytest.mark.parametrize("stage", STAGES)
-def test_an_uneven_split_equals_the_stock_trainer(stage, avg):
-    res = _results()
-    stock = res[0][stage, avg, "stock"]
-    assert stock["engine"] == "DeepSpeedEngine" and len(stock["losses"]) == STEPS
-    assert stock["losses"][-1] < stock["losses"][0]             # it trains
-    assert min(stock["norms"]) > 0.5                            # and clipping bites
+def an_uneven_split_equals_the_stock_trainer(res):
+    """ZeRO-1/2/3, average_tokens_across_devices on ("global") and off ("mean")."""
+    for stage in STAGES:
+        for avg in (True, False):
+            stock = res[0][stage, avg, "stock"]
+            assert stock["engine"] == "DeepSpeedEngine" and len(stock["losses"]) == STEPS
+            assert stock["losses"][-1] < stock["losses"][0]             # it trains
+            assert min(stock["norms"]) > 0.5                            # and clipping bites
+            for r in range(2):
+                ours = res[r][stage, avg, "ours"]
+                assert ours["engine"] == "MalleusDPEngine" and ours["events"] == []
+                _close(res[r][stage, avg, "stock"], stock, f"stage {stage} rank {r} stock")
+                _close(ours, stock, f"stage {stage} avg={avg} rank {r} split {UNEVEN}")
+                # accelerate's loader collates one micro-batch ahead of the one the Trainer runs
+                assert res[r][stage, avg, "stock"]["sizes"][:STEPS * GAS] == [MBS] * STEPS * GAS
+                assert ours["sizes"] == [UNEVEN[r]] * STEPS * GAS
+
+
+def a_model_without_loss_keywords_equals_the_stock_trainer(res):
+    """The Trainer divides such a model's mean loss by the accumulation steps (no
+    num_items_in_batch): the engine weights it by the rank's share ("mean")."""
+    stock = res[0]["plain", "stock"]
     for r in range(2):
-        ours = res[r][stage, avg, "ours"]
-        assert ours["engine"] == "MalleusDPEngine" and ours["events"] == []
-        _close(res[r][stage, avg, "stock"], stock, f"stage {stage} rank {r} stock")
-        _close(ours, stock, f"stage {stage} avg={avg} rank {r} split {UNEVEN}")
-        # accelerate's loader collates one micro-batch ahead of the one the Trainer runs
-        assert res[r][stage, avg, "stock"]["sizes"][:STEPS * GAS] == [MBS] * STEPS * GAS
-        assert ours["sizes"] == [UNEVEN[r]] * STEPS * GAS
+        _close(res[r]["plain", "ours"], stock, f"rank {r} plain module {UNEVEN}")
+        assert res[r]["plain", "ours"]["sizes"] == [UNEVEN[r]] * STEPS * GAS
 
 
-def test_metrics_jsonl_holds_the_stock_loss_and_the_straggler_emulation():
-    res = _results()
+def metrics_jsonl_holds_the_stock_loss_and_the_straggler_emulation(res):
     for stage in STAGES:
         for avg in (True, False):
             tag = f"z{stage}{'g' if avg else 'm'}"
@@ -363,28 +396,27 @@ def test_metrics_jsonl_holds_the_stock_loss_and_the_straggler_emulation():
             assert slowed == ([False, False, True, True] if tag == "z2m" else [False] * STEPS)
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_an_uneven_split_in_bf16_equals_the_stock_trainer_to_bf16_rounding(stage):
+def an_uneven_split_in_bf16_equals_the_stock_trainer_to_bf16_rounding(res):
     """bf16 rounds each rank's partial gradients (ZeRO-1 accumulates them in bf16), so the
     uneven split's sums differ from stock's by rounding: losses and gradient norms to 2e-3,
     parameters (SGD) to two bf16 ulps of the tensor's scale (measured: up to 1.2 ulps)."""
-    res = _results()
-    want = res[0][stage, "stock-bf16"]
-    for r in range(2):
-        got = res[r][stage, "ours-bf16"]
-        assert got["sizes"] == [UNEVEN[r]] * STEPS * GAS
-        np.testing.assert_allclose(got["losses"], want["losses"], rtol=2e-3)
-        np.testing.assert_allclose(got["norms"], want["norms"], rtol=2e-3)
-        for k, v in want["params"].items():
-            w = v.numpy()
-            np.testing.assert_allclose(got["params"][k].numpy(), w, rtol=2 ** -7,
-                                       atol=2 ** -7 * np.abs(w).max(), err_msg=k)
+    for stage in STAGES:
+        want = res[0][stage, "stock-bf16"]
+        for r in range(2):
+            got = res[r][stage, "ours-bf16"]
+            what = f"stage {stage} rank {r}"
+            assert got["sizes"] == [UNEVEN[r]] * STEPS * GAS, what
+            np.testing.assert_allclose(got["losses"], want["losses"], rtol=2e-3, err_msg=what)
+            np.testing.assert_allclose(got["norms"], want["norms"], rtol=2e-3, err_msg=what)
+            for k, v in want["params"].items():
+                w = v.numpy()
+                np.testing.assert_allclose(got["params"][k].numpy(), w, rtol=2 ** -7,
+                                           atol=2 ** -7 * np.abs(w).max(), err_msg=f"{what} {k}")
 
 
-def test_a_resplit_mid_run_keeps_equal_to_the_stock_trainer():
-    """The loop's decision after step 0 rides step 1's all-reduce and runs from step 2; a
-    callback's set_split at the end of step 2 runs from step 3."""
-    res = _results()
+def a_resplit_mid_run_keeps_equal_to_the_stock_trainer(res):
+    """The loop's decision after step 0 rides step 1's all-reduce; a callback's set_split at
+    on_step_end after 2 steps: both run from the third step on."""
     for r in range(2):
         got = res[r]["loop"]
         assert got["events"] == [{"event": "resplit", "step": 2, "from": list(UNEVEN),
@@ -396,19 +428,18 @@ def test_a_resplit_mid_run_keeps_equal_to_the_stock_trainer():
         _close(got, res[0][2, False, "stock"], f"rank {r} re-split from on_step_end")
 
 
-def test_set_split_after_the_step_was_fetched_and_an_iterable_dataset_are_refused():
+def set_split_after_the_step_was_fetched_and_an_iterable_dataset_are_refused(res):
     for r in range(2):
-        got = _results()[r]
+        got = res[r]
         assert "the split changed from [3, 1] to [1, 3] after the Trainer fetched the step's " \
                "batches: set a new split at a step's end (a callback's on_step_end)" \
                in got["refused"]
         assert "train_dataset is a Stream, not a map-style dataset" in got["iterable"]
 
 
-def test_checkpoints_resume_across_the_stock_trainer_and_ours():
+def checkpoints_resume_across_the_stock_trainer_and_ours(res):
     """ZeRO-3: each saved at step 2; the other Trainer resumes (the rest of epoch 0, then epoch
     1) and ends where the stock run ends."""
-    res = _results()
     stock = res[0][3, True, "stock"]
     for r in range(2):
         for key in ("ours-from-stock", "stock-from-ours"):
@@ -417,6 +448,30 @@ def test_checkpoints_resume_across_the_stock_trainer_and_ours():
         assert res[r]["ours-from-stock"]["engine"] == "MalleusDPEngine"
         assert res[r]["ours-from-stock"]["sizes"] == [UNEVEN[r]] * 2 * GAS
         assert res[r]["stock-from-ours"]["engine"] == "DeepSpeedEngine"
+
+
+#: what the 2-rank run is checked for, in order
+TWO_RANK_CHECKS = (an_uneven_split_equals_the_stock_trainer,
+                   a_model_without_loss_keywords_equals_the_stock_trainer,
+                   metrics_jsonl_holds_the_stock_loss_and_the_straggler_emulation,
+                   an_uneven_split_in_bf16_equals_the_stock_trainer_to_bf16_rounding,
+                   a_resplit_mid_run_keeps_equal_to_the_stock_trainer,
+                   set_split_after_the_step_was_fetched_and_an_iterable_dataset_are_refused,
+                   checkpoints_resume_across_the_stock_trainer_and_ours)
+
+
+def test_two_ranks_equal_the_stock_trainer():
+    """Every check of :data:`TWO_RANK_CHECKS` on the one 2-rank run, each failure reported by
+    the check's name. One test for the one launch: pytest-xdist (scripts/test.sh's shared pass)
+    hands a file's tests to both workers, and each would pay the launch."""
+    res = _results()
+    failed = []
+    for check in TWO_RANK_CHECKS:
+        try:
+            check(res)
+        except AssertionError as e:
+            failed.append(f"{check.__name__}: {e}")
+    assert not failed, "\n\n".join(failed)
 
 
 def test_four_ranks_under_zero3_with_one_rank_at_the_minimum_share():

@@ -1,21 +1,21 @@
 """``malleus_ds.hf.MalleusTrainer`` on gloo ranks equals the stock ``transformers.Trainer`` under
 DeepSpeed ZeRO-1, 2 and 3.
 
-A tiny Llama (built from its config, nothing downloaded), 24 token sequences (3 optimizer steps
-an epoch, so 4 steps cross an epoch), the same ``TrainingArguments`` and ds_config (``"auto"``
-values, the ds_config's AdamW, clipping that bites, 2 micro-batches of 2 per rank): the stock
-Trainer, against MalleusTrainer with a fixed uneven split (3 + 1 samples per micro-batch: rank 1
-at the minimum share), with ``average_tokens_across_devices`` on (labels partly masked, so the
-global token normalisation matters: loss kind ``"global"``) and off (``"mean"``). In fp32 the
-per-step logged losses and gradient norms agree to rtol 1e-5, the final parameters to rtol 1e-5
-plus 1e-5 of each tensor's scale, and ``metrics.jsonl``'s loss (``malleus.metrics_dir``) is the
-logged one; in bf16 (the Trainer's SGD, see :data:`SGD`), to bf16's rounding. A re-split mid-run
-(by the loop's decision, and by ``set_split`` from a callback's ``on_step_end``) keeps them
+A tiny Llama (built from its config, nothing downloaded), 24 token sequences (3 optimizer steps an
+epoch, so 4 steps cross an epoch), the same ``TrainingArguments`` and ds_config (a dict, or a JSON
+file's path; ``"auto"`` values, the ds_config's AdamW, clipping that bites, 2 micro-batches of 2
+per rank): the stock Trainer, against MalleusTrainer with a fixed uneven split (3 + 1 samples per
+micro-batch: rank 1 at the minimum share), with ``average_tokens_across_devices`` on (labels partly
+masked, so the global token normalisation matters: loss kind ``"global"``) and off (``"mean"``). In
+fp32 the per-step logged losses and gradient norms agree to rtol 1e-5, the final parameters to rtol
+1e-5 plus 1e-5 of each tensor's scale, and ``metrics.jsonl``'s loss (``malleus.metrics_dir``) is
+the logged one; in bf16 (the Trainer's SGD, see :data:`SGD`), to bf16's rounding. A re-split
+mid-run (by the loop's decision, and by ``set_split`` from a callback's ``on_step_end``) keeps them
 equal; ``set_split`` after the Trainer fetched the step's batches is refused. A checkpoint the
-stock Trainer saved resumes in MalleusTrainer and the reverse (ZeRO-3), both ending where the
-stock run ends. One 2-rank ``run_distributed`` call runs every Trainer and one test checks all of
-it (:data:`TWO_RANK_CHECKS`, each failure named); one 4-rank call checks ZeRO-3 with a
-1 + 3 + 2 + 2 split (SGD).
+stock Trainer saved resumes in MalleusTrainer and the reverse (ZeRO-3), both ending where the stock
+run ends. One 2-rank ``run_distributed`` call runs every Trainer and one test checks all of it
+(:data:`TWO_RANK_CHECKS`, each failure named); one 4-rank call checks ZeRO-3 with a 1 + 3 + 2 + 2
+split (SGD).
 
 One test reads timings (``tests/conftest.py`` ALONE_TESTS), in its own 2-rank call: the
 ds_config's ``malleus`` section as ``malleus_ds.initialize`` reads it, the re-split loop on by
@@ -169,11 +169,12 @@ def _params(engine):
 
 
 def _train(root, name, stage, avg, *, ours=False, split=None, malleus=None, bf16=False,
-           save=False, resume=None, act=None, n=N, model=_llama, masked=None,
+           save=False, resume=None, act=None, n=N, model=_llama, masked=None, as_file=False,
            **training_args):
     """One Trainer run (stock, or ``ours``: MalleusTrainer with ``split`` and the ds_config's
     ``malleus`` section); ``act``: (event, fn) for a callback; ``resume``: a checkpoint folder;
-    ``masked``: partly masked labels (default: with ``avg``, average_tokens_across_devices)."""
+    ``masked``: partly masked labels (default: with ``avg``, average_tokens_across_devices);
+    ``as_file``: the ds_config given as the path of a JSON file."""
     from transformers import Trainer, TrainingArguments
 
     from malleus_ds.hf import MalleusTrainer
@@ -184,6 +185,11 @@ def _train(root, name, stage, avg, *, ours=False, split=None, malleus=None, bf16
         del cfg["optimizer"]
     if malleus is not None:
         cfg["malleus"] = malleus
+    if as_file:
+        path = os.path.join(root, f"{name}-rank{os.environ['RANK']}.json")
+        with open(path, "w") as f:
+            json.dump(cfg, f)
+        cfg = path
     args = TrainingArguments(**{
         "output_dir": os.path.join(root, name), "per_device_train_batch_size": MBS,
         "gradient_accumulation_steps": GAS, "max_steps": STEPS, "logging_steps": 1,
@@ -268,7 +274,7 @@ def _ranks(rank, world, root):
 
     out["plain", "stock"] = _train(root, "plain-stock", 2, True, model=_plain, masked=False)
     out["plain", "ours"] = _train(root, "plain-ours", 2, True, model=_plain, masked=False,
-                                  ours=True, split=uneven)
+                                  ours=True, split=uneven, as_file=True)
 
     def attach(trainer, step):
         trainer.model_wrapped.attach_loop(_FlipAt(0))
@@ -373,7 +379,8 @@ def an_uneven_split_equals_the_stock_trainer(res):
 
 def a_model_without_loss_keywords_equals_the_stock_trainer(res):
     """The Trainer divides such a model's mean loss by the accumulation steps (no
-    num_items_in_batch): the engine weights it by the rank's share ("mean")."""
+    num_items_in_batch): the engine weights it by the rank's share ("mean"). Its ds_config is
+    a JSON file's path."""
     stock = res[0]["plain", "stock"]
     for r in range(2):
         _close(res[r]["plain", "ours"], stock, f"rank {r} plain module {UNEVEN}")

@@ -34,7 +34,7 @@ import pytest
 
 from tests.integration.harness import run_distributed
 
-#: the shared 2-rank run (25 Trainers) takes about 35 s on 2 idle cores, paid by the first test
+#: the shared 2-rank run (25 Trainers): 28-37 s on 2 cores shared with other work (load ~4)
 pytestmark = pytest.mark.slow
 
 STAGES, STEPS, MBS, GAS, N, SEQ, VOCAB = (1, 2, 3), 4, 2, 2, 24, 8, 32

@@ -37,7 +37,11 @@ setup(
         # always runs with it present and a name clash with our kernels cannot come back unseen
         # (pytest-xdist: scripts/test.sh spreads tests/unit over the cores)
         "dev": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "hypothesis>=6.100",
-                "kernels>=0.4", "pyarrow>=14"],
+                "kernels>=0.4", "pyarrow>=14", "accelerate>=1.16,<2"],
+        # malleus_ds.hf.MalleusTrainer: the Hugging Face Trainer under DeepSpeed builds its engine
+        # and dataloader through accelerate (tests/integration/test_hf_trainer.py, with the
+        # versions in constraints-cpu.txt)
+        "hf": ["transformers>=5.18,<6", "accelerate>=1.16,<2"],
         # data=text from .parquet files and datasets save_to_disk folders (malleus_ds/data/
         # text_files.py); .jsonl and .txt need nothing extra
         "text": ["pyarrow>=14"],

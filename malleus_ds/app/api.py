@@ -56,7 +56,7 @@ def initialize(model=None, config=None, plan=None, *, data=None, args=None, opti
                                ("dist_init_required", dist_init_required)) if v is not None}
     if kind == "dp":
         _refuse_malleus_engine_arguments(plan, data)
-        return _dp_engine(model, cfg, args, from_args, given, why)
+        return dp_engine(model, cfg, why, args=args, from_args=from_args, **given)
     if given:
         raise ValueError(f"{', '.join(f'{k}=' for k in given)} given with {why}: "
                          f"{'it is' if len(given) == 1 else 'they are'} for a torch.nn.Module "
@@ -130,10 +130,15 @@ def _zero_stage(cfg: dict) -> object:
     return (cfg.get("zero_optimization") or {}).get("stage", 0)
 
 
-def _dp_engine(model, cfg: dict, args, from_args: bool, given: dict, why: str):
+def dp_engine(model, cfg: dict, why: str, *, args=None, from_args: bool = False, **given):
     """``malleus_ds.dp.initialize`` with the re-split loop attached (``app/dp_loop.py``) unless
-    ``malleus.adaptive`` is false; the ``malleus`` section is checked before any process
-    group."""
+    ``malleus.adaptive`` is false: ``malleus_ds.initialize``'s data-parallel path, and the engine
+    that ``malleus_ds.hf.MalleusTrainer`` has accelerate build. ``cfg``: the ds_config (a dict,
+    its ``"auto"`` values filled); its ``malleus`` section is checked before any process group.
+    ``why``: what ``model`` is, for rank 0's line naming the engine. ``from_args``: the
+    ds_config is ``args.deepspeed_config`` (``cfg`` is then only read for the section).
+    ``given``: ``dp.initialize``'s other arguments (``loss`` defaults to ``"mean"``). Returns
+    ``dp.initialize``'s four values."""
     from ..dp.settings import DPSettings
     from .dp_loop import attach_dp_loop
 

@@ -14,7 +14,11 @@ normalised over the whole step that needs no weight). The engine adds only that 
 every rank keeps its ZeRO shards and runs every micro-batch, only their sizes change.
 
 The loss must go through ``engine.backward(loss)``: a direct ``loss.backward()`` is not weighted,
-and is refused while the split is uneven.
+and is refused while the split is uneven. Both of DeepSpeed's accumulation styles work: a
+``step()`` after every micro-batch's ``backward`` (DeepSpeed's own loop), or
+``set_gradient_accumulation_boundary`` and one ``step()`` per optimizer step (accelerate's, so the
+Hugging Face Trainer's): a step's boundary is where the boundary ``step()`` ran, counted in
+backwards, not in DeepSpeed's ``micro_steps``.
 
 Each ``forward`` (in training mode) and ``backward`` is a compute span of the rank's
 :class:`~malleus_ds.engine.clock.ComputeClock`, its step started by the step's first one;
@@ -63,6 +67,7 @@ class MalleusDPEngine(DeepSpeedEngine):
         super().__init__(*args, **kwargs)
         self.loss_kind = loss
         self._backward_at = -1      # micro_steps when backward last ran (its step() pending)
+        self._backwards = 0         # backward calls of the current step (0: at its boundary)
         self._split = Split.equal(self.dp_world_size, self.train_batch_size(),
                                   self.gradient_accumulation_steps())
         if split is not None:
@@ -127,7 +132,7 @@ class MalleusDPEngine(DeepSpeedEngine):
         split = self._split
         out = super().step(*args, **kwargs)
         if boundary:
-            self._done_split = split
+            self._done_split, self._backwards = split, 0
         if boundary and self.loop is not None:
             timed = self._clock_step == self.global_steps - 1
             self.loop.after_step(self.global_steps - 1, split,
@@ -150,9 +155,9 @@ class MalleusDPEngine(DeepSpeedEngine):
         return dist.get_rank(group=self.data_parallel_group)
 
     def at_step_boundary(self) -> bool:
-        """No micro-batch of the current step has run its ``backward`` or ``step()`` yet."""
-        return (self.micro_steps % self.gradient_accumulation_steps() == 0
-                and self._backward_at != self.micro_steps)
+        """No micro-batch of the current step has run its ``backward`` yet (the last step's
+        boundary ``step()`` has run)."""
+        return self._backwards == 0
 
     def set_split(self, split: Split) -> None:
         """Use ``split`` from the next micro-batch on. Call it at a step boundary, with the same
@@ -168,7 +173,8 @@ class MalleusDPEngine(DeepSpeedEngine):
         loader = self.training_dataloader
         gas, done = self.gradient_accumulation_steps(), self.micro_steps
         why = ("a backward ran and its step() has not" if self._backward_at == done else
-               f"{done % gas} of the step's {gas} micro-batches have run" if done % gas else
+               f"{self._backwards} of the step's {gas} micro-batches have run"
+               if self._backwards else
                "its dataloader has started the step"
                if isinstance(loader, ResplitLoader) and loader.mid_step() else None)
         if why:
@@ -196,11 +202,19 @@ class MalleusDPEngine(DeepSpeedEngine):
 
     def backward(self, loss, *args, **kwargs):
         """DeepSpeed's ``backward`` of ``loss * loss_weight()``; returns what DeepSpeed's
-        returns (the weighted loss, divided by the accumulation steps)."""
+        returns (the weighted loss, divided by the accumulation steps unless
+        ``scale_wrt_gas=False``). With ``scale_wrt_gas=False`` (accelerate's call) the caller has
+        divided the loss by the accumulation steps itself (the Trainer does), or normalised it
+        over the whole step: the weight is the same, and the step's loss (``metrics.jsonl``)
+        counts the loss times the accumulation steps."""
         w = self.loss_weight()
         self._backward_at = self.micro_steps
+        self._backwards += 1
         if self.loop is not None:       # its part of the step's loss, kept on the device
-            self._loss_part = self._loss_part + loss.detach().double() * self._loss_factor()
+            f = self._loss_factor()
+            if not _scale_wrt_gas(args, kwargs):
+                f *= self.gradient_accumulation_steps()
+            self._loss_part = self._loss_part + loss.detach().double() * f
         self._start_clock()
         with self.clock.compute():
             return super().backward(loss if w == 1.0 else loss * w, *args, **kwargs)
@@ -236,6 +250,14 @@ class MalleusDPEngine(DeepSpeedEngine):
         t = torch.tensor([sum(vals) * self._loss_factor(s)], dtype=torch.float64)
         dist.all_reduce(t, group=self.data_parallel_group)
         return float(t.item())
+
+
+def _scale_wrt_gas(args: tuple, kwargs: dict) -> bool:
+    """``DeepSpeedEngine.backward(loss, retain_graph=False, scale_wrt_gas=True)``'s third
+    argument, from the extra arguments given after ``loss``."""
+    if "scale_wrt_gas" in kwargs:
+        return bool(kwargs["scale_wrt_gas"])
+    return bool(args[1]) if len(args) > 1 else True
 
 
 def initialize(args: Any = None, model: torch.nn.Module = None,

@@ -31,8 +31,9 @@ LAYERS = (
     {"planner", "migrate", "engine", "adaptive",   # 2: core
      "dp"},
     {"report", "data", "export", "replay"},        # 3: reading runs, data, exports, replays
-    {"app", "chaos"},                              # 4: the application at the edge, and the
-                                                   #    fault campaign run against it
+    {"app", "chaos", "hf"},                        # 4: the application at the edge, the
+                                                   #    fault campaign run against it, the
+                                                   #    Hugging Face Trainer
 )
 #: the contracts at the top of malleus_ds/ stay few (issue 32: "at most about 12")
 MAX_CONTRACTS = 12

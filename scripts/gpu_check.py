@@ -30,7 +30,10 @@ Parts (GPU / dry run):
   called ``warm_up`` / the same over gloo on CPU with the GPU numbers not measured;
 * ``multi`` (>= 2 GPUs, one rank each): the 3-stage plan (>= 3 GPUs), TP=2 with a slowed rank,
   a plan switch's peak memory / on one GPU ``skipped: 1 GPU``; in the dry run not measured,
-  or with ``--multi-cpu-ranks 3`` the same worker on 3 gloo CPU ranks (~1.5 min on 2 cores).
+  or with ``--multi-cpu-ranks 3`` the same worker on 3 gloo CPU ranks (~1.5 min on 2 cores);
+* ``trainer``: the stock Hugging Face ``Trainer`` and ``malleus_ds.hf.MalleusTrainer`` on one GPU
+  under ZeRO-3 in bf16, the same model, data and arguments: equal logged losses, and the step
+  time ratio (target <= 1.05) / the losses in fp32 over gloo, the time not measured.
 """
 from __future__ import annotations
 
@@ -57,10 +60,11 @@ SECTIONS = {
     "malleus": "5. 1-rank engine=malleus, bf16",
     "multi": "6. Several GPUs",
     "comm": "7. Communication timed by CUDA events (link rates)",
+    "trainer": "8. 1-GPU Hugging Face Trainer: MalleusTrainer against the stock one, ZeRO-3",
 }
 # seconds each part may take (GPU run; the dry run's are the same, its sizes small)
 TIMEOUTS = {"triton": 90, "big": 60, "compile": 60, "bench": 60, "malleus": 120, "multi": 120,
-            "comm": 60}
+            "comm": 60, "trainer": 120}
 
 
 def row(section: str, what: str, number, unit: str, target: str, result: str) -> dict:
@@ -494,8 +498,86 @@ def part_comm(gpu: bool) -> list[dict]:
             row("comm", what_sync, synced, "calls", "0", verdict(synced == 0))]
 
 
+def part_trainer(gpu: bool) -> list[dict]:
+    """The stock ``transformers.Trainer`` and ``malleus_ds.hf.MalleusTrainer`` on one GPU under
+    ZeRO-3 (bf16; on CPU fp32 over gloo), the same small Llama, data and arguments, in turns."""
+    import torch
+    from transformers import (LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback,
+                              TrainingArguments)
+
+    from malleus_ds.hf import MalleusTrainer
+
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+    hidden, layers, seq, vocab, batch, steps = ((1024, 8, 512, 32000, 8, 8) if gpu
+                                                else (32, 2, 16, 64, 4, 3))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch * steps, seq), generator=g)
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": ids[i], "labels": ids[i]}
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.secs, self.losses = [], []
+
+        def on_step_begin(self, args, state, control, **kw):
+            if gpu:
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if gpu:
+                torch.cuda.synchronize()
+            self.secs.append(time.perf_counter() - self.t0)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                self.losses.append(logs["loss"])
+
+    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+          "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+          "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3},
+          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
+                                                    "torch_adam": True}}}
+    runs = {}
+    for name, cls in (("stock", Trainer), ("malleus", MalleusTrainer)):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+            num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+            num_key_value_heads=max(1, hidden // 64), max_position_embeddings=seq))
+        clock = Clock()
+        with tempfile.TemporaryDirectory() as out:
+            args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch,
+                                     max_steps=steps, logging_steps=1, learning_rate=1e-4,
+                                     bf16=gpu, deepspeed=ds, save_strategy="no", report_to=[],
+                                     disable_tqdm=True, use_cpu=not gpu, seed=0)
+            cls(model=model, args=args, train_dataset=Tokens(), callbacks=[clock]).train()
+        runs[name] = clock
+    diff = max(abs(a - b) / abs(b) for a, b in zip(runs["malleus"].losses,
+                                                    runs["stock"].losses))
+    tol = 1e-3 if gpu else 1e-5
+    rows = [row("trainer", f"MalleusTrainer's logged losses / the stock Trainer's, "
+                f"{steps} steps ({'bf16' if gpu else 'fp32'}, ZeRO-3, Llama {layers} layers x "
+                f"{hidden}): largest relative difference", f"{diff:.2e}", "relative",
+                f"<= {tol:g}", verdict(len(runs["stock"].losses) == steps and diff <= tol))]
+    if not gpu:
+        return rows + [row("trainer", "step time MalleusTrainer / the stock Trainer", "—",
+                           "ratio", "<= 1.05", NO_GPU)]
+    ours, stock = (statistics.median(runs[k].secs[2:]) for k in ("malleus", "stock"))
+    return rows + [row("trainer", f"step time MalleusTrainer {ours * 1e3:.0f} ms / the stock "
+                       f"Trainer {stock * 1e3:.0f} ms", round(ours / stock, 3), "ratio",
+                       "<= 1.05", verdict(ours / stock <= 1.05))]
+
+
 PARTS = {"triton": part_triton, "big": part_big, "compile": part_compile, "bench": part_bench,
-         "malleus": part_malleus, "multi": part_multi, "comm": part_comm}
+         "malleus": part_malleus, "multi": part_multi, "comm": part_comm,
+         "trainer": part_trainer}
 
 
 # ---------------------------------------------------------------------------------- driver
@@ -559,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="run what can run on CPU, small sizes; GPU numbers say not measured")
     ap.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)
     ap.add_argument("--only", default="", help="comma-separated parts (default: all)")
-    ap.add_argument("--budget-s", type=float, default=420,
+    ap.add_argument("--budget-s", type=float, default=480,
                     help="seconds for all parts together (each also has its own timeout)")
     ap.add_argument("--multi-cpu-ranks", type=int, default=0,
                     help="dry run: run the multi part on this many gloo CPU ranks (2..4)")

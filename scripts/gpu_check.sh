@@ -17,7 +17,7 @@
 # The stamp formula is setup.sh's (tests/integration/test_gpu_check.py keeps the two in step).
 #
 # Time: scripts/gpu_check.py gives each part its own timeout and the whole run a budget
-# (--budget-s, default 420 s), so one hang cannot eat the device time.
+# (--budget-s, default 480 s), so one hang cannot eat the device time.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

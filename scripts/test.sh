@@ -4,8 +4,9 @@
 #   1. tests/unit: one process per test, no ranks;
 #   2. the tests that start processes and check values only (losses, files, messages), two at a
 #      time: a rank waiting on its peers leaves a core to the other test. Each file's tests stay
-#      on one worker (--dist loadgroup, tests/conftest.py): most share one cached multi-rank run
-#      or a module fixture, which a second worker would run again;
+#      on one worker (--dist loadfile): most share one cached multi-rank run or a module
+#      fixture, which a second worker would run again (the longest file goes first:
+#      tests/conftest.py FIRST_FILES);
 #   3. the tests that read timings (marked `alone`, tests/conftest.py), one at a time, with the
 #      cores to themselves.
 # The slowest tests of each pass are listed at its end. Extra arguments: one plain pytest run
@@ -19,7 +20,7 @@ fi
 workers="${MALLEUS_TEST_WORKERS:-$(python -c 'import os; print(len(os.sched_getaffinity(0)))')}"
 status=()
 python -m pytest -q -n "$workers" --durations=10 tests/unit && status+=(0) || status+=($?)
-python -m pytest -q -n "$workers" --dist loadgroup --durations=15 -m "not alone" --ignore=tests/unit \
+python -m pytest -q -n "$workers" --dist loadfile --durations=15 -m "not alone" --ignore=tests/unit \
   && status+=(0) || status+=($?)
 python -m pytest -q --durations=15 -m alone --ignore=tests/unit && status+=(0) || status+=($?)
 echo "[test] exit status of the three passes (unit, shared, alone): ${status[*]}"

@@ -48,10 +48,9 @@ ALONE_TESTS = frozenset({"test_demo_twin_compares_deepspeed_and_malleus",
                          "test_a_slowed_rank_gets_fewer_samples_and_the_trainer_stays_stocks"})
 
 
-#: SHARE_CORES files whose tests share nothing (no cached run, no module fixture): pytest-xdist
-#: may spread them over its workers; every other file's tests run on one worker, which runs the
-#: file's cached multi-rank run or module fixture once (a second worker would run it again)
-SPREAD_FILES = frozenset({"test_readme_commands.py"})
+#: what the shared pass starts first: pytest-xdist (--dist loadfile) hands out whole files in
+#: collection order, so the longest file goes first and never runs alone at the end
+FIRST_FILES = ("test_readme_commands.py",)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -61,5 +60,4 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration)
             if p.name not in SHARE_CORES or item.originalname in ALONE_TESTS:
                 item.add_marker(pytest.mark.alone)
-            elif p.name not in SPREAD_FILES:    # scripts/test.sh: --dist loadgroup
-                item.add_marker(pytest.mark.xdist_group(name=p.name))
+    items.sort(key=lambda it: Path(str(it.fspath)).name not in FIRST_FILES)   # stable

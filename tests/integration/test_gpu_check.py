@@ -75,8 +75,10 @@ def test_dry_run_report(dry_run):
     malleus = by["1-rank engine=malleus, bf16"]
     assert [r[4] for r in malleus] == ["PASS", "PASS", NO_GPU, NO_GPU]
     assert "['bfloat16', 'float32']" in malleus[1][0]      # warm_up saw the job's dtypes
+    trainer = by["1-GPU Hugging Face Trainer: MalleusTrainer against the stock one, ZeRO-3"]
+    assert [r[4] for r in trainer] == ["PASS", NO_GPU]
     m = re.search(r"\*\*Summary: (\d+) PASS, 0 FAIL, (\d+) not measured", out)
-    assert m and int(m.group(1)) == 12, out[-500:]
+    assert m and int(m.group(1)) == 13, out[-500:]
 
 
 def test_without_gpu_or_dry_run_it_refuses():

@@ -24,9 +24,10 @@ _INTEGRATION = (_HERE / "integration", _HERE / "test_readme_commands.py")
 
 
 #: integration test files whose tests may share the cores with another test (they check values,
-#: never timings): scripts/test.sh runs them two at a time
+#: never timings): scripts/test.sh runs them beside tests/unit, a worker more than the cores
 SHARE_CORES = frozenset({
-    "test_checkpoint_cli.py", "test_data_text_engines.py", "test_data_tokens_engines.py",
+    "test_checkpoint_cli.py", "test_checkpoint_disk_full.py", "test_data_text_engines.py",
+    "test_data_tokens_engines.py",
     "test_deepspeed_checkpoint_import.py", "test_deepspeed_equivalence.py",
     "test_deepspeed_fp16_formats.py", "test_deepspeed_universal_export.py",
     "test_deepspeed_user_checkpoint.py", "test_dp_four_ranks.py", "test_dp_initialize.py",
@@ -34,7 +35,7 @@ SHARE_CORES = frozenset({
     "test_hf_roundtrip.py", "test_hf_trainer.py", "test_malleus_checkpoint.py",
     "test_malleus_cli.py", "test_malleus_equivalence.py", "test_malleus_errors.py",
     "test_malleus_precision.py", "test_malleus_schedulers.py", "test_malleus_switch.py",
-    "test_p2p_order.py", "test_pack_warmup.py", "test_planner_imports.py",
+    "test_p2p_order.py", "test_pack_warmup.py", "test_planner_imports.py", "test_step_collectives.py",
     "test_poisoned_checkpoints.py", "test_readme_commands.py", "test_stream_logs.py",
     "test_summarize_cli.py", "test_third_party_ds_configs.py", "test_train_cli.py",
     "test_train_launch.py", "test_transformers_import.py",

@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Stock DeepSpeed ZeRO and Malleus's re-split, side by side, with one rank under a real CPU quota.
 
-One process group of ``--world`` gloo ranks (default 4) trains a plain ``deepspeed.initialize``
-loop (``engine(x)``, ``engine.backward(loss)``, ``engine.step()``) of the same model on the same
-data twice per round: with stock ``deepspeed.initialize`` and with ``malleus_ds.initialize``
-(MalleusDPEngine, the re-split loop on, its default detection). In each run, rank
+One process group of ``--world`` gloo ranks (default 4) trains the same model on the same data
+twice per round: ``--loop plain``, a ``deepspeed.initialize`` loop (``engine(x)``,
+``engine.backward(loss)``, ``engine.step()``) with stock ``deepspeed.initialize`` and with
+``malleus_ds.initialize`` (MalleusDPEngine, the re-split loop on, its default detection);
+``--loop trainer``, the Hugging Face ``Trainer`` with a ds_config of "auto" values and
+``malleus_ds.hf.MalleusTrainer`` with the same arguments. In each run, rank
 ``--slow-rank`` is healthy for ``--healthy`` steps, then capped to ``1/--rate`` of a core by a
 cgroup (``emulation/cpu_quota.py``: a real slowdown from the OS, every thread of the process,
 its communication too) for ``--throttled`` steps, then released for ``--released`` steps. The
@@ -15,14 +17,16 @@ Printed, per engine: samples/s in each phase (the mean over the phase's steps, e
 detection and re-split included), and the ratios the issue sets targets for:
 
 * throttled: malleus / stock samples/s (target >= 1.5);
-* released: the steps malleus needs after the release to run at >= 0.85 of its healthy pace
-  (target <= 10);
+* released: the steps malleus needs after the release to run at >= 0.85 of its healthy pace,
+  three steps in a row on average (target <= 10);
 * healthy: malleus / stock samples/s (target >= 0.97);
 * the largest relative difference of a step's global-batch loss between the two (target <=
   1e-4).
 
-    python bench/bench_zero.py                       # 4 ranks, ZeRO-3, ~3 min on 2 cores
+    python bench/bench_zero.py                       # 4 ranks, ZeRO-3, the plain loop
     python bench/bench_zero.py --stage 2 --rounds 2
+    python bench/bench_zero.py --loop trainer --dim 256 --global-batch 32
+    python bench/bench_zero.py --slowdown sleep      # compute-only slowdown (a slow GPU)
 
 Needs root and the cgroup cpu controller (``python -m malleus_ds.emulation.cpu_quota
 --calibrate`` says whether this machine has them).
@@ -74,6 +78,35 @@ def _model(dim: int, layers: int):
     return torch.nn.Sequential(*mods, torch.nn.Linear(dim, 8))
 
 
+class _SlowCompute:
+    """The compute-only slowdown (``--slowdown sleep``): while ``rate`` > 1, each leaf module's
+    forward on this rank is followed by a sleep of ``(rate - 1) * 3`` times its seconds (its
+    backward taken as twice its forward), so the rank computes ``rate`` times slower and
+    communicates as fast as ever: a slow GPU, where the quota also slows the rank's share of
+    every gloo collective. Attached after the engine is built, so ZeRO-3's parameter fetch
+    (its own forward pre-hooks) runs before the clock starts."""
+
+    def __init__(self):
+        self.rate = 1.0
+        self._t0 = 0.0
+
+    def attach(self, model) -> None:
+        for m in model.modules():
+            if not list(m.children()):
+                m.register_forward_pre_hook(self._pre)
+                m.register_forward_hook(self._post)
+
+    def _pre(self, module, args):
+        self._t0 = time.perf_counter()
+
+    def _post(self, module, args, out):
+        if self.rate > 1.0 and module.training:
+            time.sleep((self.rate - 1.0) * 3.0 * (time.perf_counter() - self._t0))
+
+    def set_rate(self, rate: float) -> None:
+        self.rate = rate
+
+
 def _run(engine_name: str, a, quota, rank: int) -> dict:
     """One run of the plain loop under ``engine_name``; each step's wall seconds and loss."""
     import deepspeed
@@ -99,6 +132,8 @@ def _run(engine_name: str, a, quota, rank: int) -> dict:
         eng, _, loader, _ = malleus_ds.initialize(model=m, model_parameters=m.parameters(),
                                                   training_data=data, config=_config(a))
         global_loss = eng.global_loss
+    if isinstance(quota, _SlowCompute):     # after ZeRO-3's fetch hooks: compute only
+        quota.attach(eng.module)
     it = iter(loader)
     times, losses, shares = [], [], []
     dist.barrier()
@@ -123,18 +158,101 @@ def _run(engine_name: str, a, quota, rank: int) -> dict:
             "events": list(getattr(eng, "split_events", []))}
 
 
+class _Tokens:
+    """``n`` random token sequences of ``seq`` tokens, labels = inputs, the same in every rank."""
+
+    def __init__(self, n: int, seq: int, vocab: int):
+        import torch
+
+        g = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _trainer_config(a) -> dict:
+    """A Hugging Face ds_config with "auto" values, as users bring one."""
+    return {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "zero_optimization": {"stage": a.stage},
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto",
+                                                      "torch_adam": True}},
+            "steps_per_print": 10**9}
+
+
+def _run_trainer(engine_name: str, a, slow, rank: int) -> dict:
+    """One ``transformers.Trainer`` (stock) or ``MalleusTrainer`` run of a small Llama; each
+    optimizer step's wall seconds and logged loss."""
+    import tempfile
+
+    import torch
+    from transformers import (LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback,
+                              TrainingArguments)
+
+    from malleus_ds.hf import MalleusTrainer
+
+    total = a.healthy + a.throttled + a.released
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=a.vocab, hidden_size=a.dim, intermediate_size=a.dim * 8 // 3,
+        num_hidden_layers=a.layers, num_attention_heads=max(1, a.dim // 64),
+        num_key_value_heads=max(1, a.dim // 64), max_position_embeddings=a.seq))
+    out = {"times": [], "losses": [], "shares": [], "events": []}
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            if isinstance(slow, _SlowCompute):  # after ZeRO-3's fetch hooks: compute only
+                slow.attach(model)
+
+        def on_step_begin(self, args, state, control, **kw):
+            if slow is not None:
+                throttled = a.healthy <= state.global_step < a.healthy + a.throttled
+                slow.set_rate(a.rate if throttled else 1.0)
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            out["times"].append(time.perf_counter() - self.t0)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                out["losses"].append(logs["loss"])
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(
+            output_dir=tmp, per_device_train_batch_size=a.global_batch // (a.gas * a.world),
+            gradient_accumulation_steps=a.gas, max_steps=total, logging_steps=1,
+            learning_rate=1e-3, max_grad_norm=1.0, deepspeed=_trainer_config(a),
+            save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True, seed=0)
+        cls = Trainer if engine_name == "stock" else MalleusTrainer
+        trainer = cls(model=model, args=args, callbacks=[Clock()],
+                      train_dataset=_Tokens(a.global_batch * total, a.seq, a.vocab))
+        trainer.train()
+        eng = trainer.model_wrapped
+        out["events"] = list(getattr(eng, "split_events", []))
+    if slow is not None:
+        slow.set_rate(1.0)
+    return out
+
+
 def _ranks(rank, world, a):
     from malleus_ds.emulation.cpu_quota import CpuQuota
 
-    quota = CpuQuota() if rank == a.slow_rank else None
+    quota = None
+    if rank == a.slow_rank:
+        quota = CpuQuota() if a.slowdown == "quota" else _SlowCompute()
     try:
         out = []
         for r in range(a.rounds):
             order = ("stock", "malleus") if r % 2 == 0 else ("malleus", "stock")
-            out.append({e: _run(e, a, quota, rank) for e in order})
+            run = _run_trainer if a.loop == "trainer" else _run
+            out.append({e: run(e, a, quota, rank) for e in order})
         return out
     finally:
-        if quota is not None:
+        if isinstance(quota, CpuQuota):
             quota.close()
 
 
@@ -145,11 +263,13 @@ def _phase_rates(times, a) -> dict:
     return {k: a.global_batch * len(v) / sum(v) for k, v in parts.items()}
 
 
-def _recovery_steps(times, a, healthy_sps) -> int | None:
-    """Steps after the release until a step runs at >= 0.85 of the healthy pace (the first
-    step that does: 1 = the first released step)."""
-    for i, s in enumerate(times[a.healthy + a.throttled:]):
-        if a.global_batch / s >= 0.85 * healthy_sps:
+def _recovery_steps(times, a, healthy_sps, span: int = 3) -> int | None:
+    """Steps after the release until the pace holds at >= 0.85 of the healthy one: the first
+    released step from which ``span`` steps in a row run at that pace on average (1 = the first
+    released step); None: never."""
+    after = times[a.healthy + a.throttled:]
+    for i in range(len(after) - span + 1):
+        if a.global_batch * span / sum(after[i:i + span]) >= 0.85 * healthy_sps:
             return i + 1
     return None
 
@@ -160,6 +280,9 @@ def main() -> int:
     ap.add_argument("--stage", type=int, default=3, choices=(1, 2, 3))
     ap.add_argument("--slow-rank", type=int, default=1)
     ap.add_argument("--rate", type=float, default=10.0, help="the quota: 1/RATE of a core")
+    ap.add_argument("--slowdown", choices=("quota", "sleep"), default="quota",
+                    help="quota: a real cgroup CPU cap (compute and communication); sleep: "
+                         "compute only (each leaf module's forward, and its backward's share)")
     ap.add_argument("--healthy", type=int, default=10)
     ap.add_argument("--throttled", type=int, default=20)
     ap.add_argument("--released", type=int, default=15)
@@ -168,11 +291,17 @@ def main() -> int:
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--loop", choices=("plain", "trainer"), default="plain",
+                    help="plain: a deepspeed.initialize loop of an MLP (--dim, --layers); "
+                         "trainer: the Hugging Face Trainer (stock vs MalleusTrainer) of a "
+                         "small Llama (--dim hidden, --layers, --seq, --vocab)")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--json", help="write every step's times, losses and shares here")
     a = ap.parse_args()
     from malleus_ds.emulation.cpu_quota import unavailable_reason
 
-    why = unavailable_reason()
+    why = unavailable_reason() if a.slowdown == "quota" else None
     if why:
         print(f"bench_zero: no real CPU quota on this machine: {why}", file=sys.stderr)
         return 2
@@ -180,8 +309,11 @@ def main() -> int:
 
     t0 = time.time()
     res = run_distributed(_ranks, a.world, a, timeout=3600)[0]
+    what = (f"the HF Trainer, Llama {a.layers} layers x {a.dim}, seq {a.seq}"
+            if a.loop == "trainer" else f"a deepspeed.initialize loop, MLP {a.layers}x{a.dim}")
     print(f"bench_zero: {a.world} ranks, ZeRO-{a.stage}, global batch {a.global_batch} "
-          f"(gas {a.gas}), MLP {a.layers}x{a.dim}; rank {a.slow_rank} at 1/{a.rate:g} of a core "
+          f"(gas {a.gas}), {what}; rank {a.slow_rank} "
+          f"{'at 1/%g of a core' % a.rate if a.slowdown == 'quota' else 'computing %gx slower' % a.rate} "
           f"for steps {a.healthy}-{a.healthy + a.throttled - 1}; {a.rounds} round(s), "
           f"{time.time() - t0:.0f} s")
     rows = []

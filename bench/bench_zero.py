@@ -129,8 +129,9 @@ def _run(engine_name: str, a, quota, rank: int) -> dict:
             dist.all_reduce(t)
             return float(t) / dist.get_world_size()
     else:
+        cfg = {**_config(a), "malleus": {"adaptive": False}} if a.no_loop else _config(a)
         eng, _, loader, _ = malleus_ds.initialize(model=m, model_parameters=m.parameters(),
-                                                  training_data=data, config=_config(a))
+                                                  training_data=data, config=cfg)
         global_loss = eng.global_loss
     if isinstance(quota, _SlowCompute):     # after ZeRO-3's fetch hooks: compute only
         quota.attach(eng.module)
@@ -297,6 +298,9 @@ def main() -> int:
                          "small Llama (--dim hidden, --layers, --seq, --vocab)")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--no-loop", action="store_true",
+                    help="malleus.adaptive false: MalleusDPEngine without the re-split loop "
+                         "(the engine's own overhead; plain loop only)")
     ap.add_argument("--json", help="write every step's times, losses and shares here")
     a = ap.parse_args()
     from malleus_ds.emulation.cpu_quota import unavailable_reason

@@ -107,7 +107,7 @@ class _SlowCompute:
         self.rate = rate
 
 
-def _run(engine_name: str, a, quota, rank: int) -> dict:
+def _run(engine_name: str, a, slower, rank: int) -> dict:
     """One run of the plain loop under ``engine_name``; each step's wall seconds and loss."""
     import deepspeed
     import torch
@@ -133,15 +133,15 @@ def _run(engine_name: str, a, quota, rank: int) -> dict:
         eng, _, loader, _ = malleus_ds.initialize(model=m, model_parameters=m.parameters(),
                                                   training_data=data, config=cfg)
         global_loss = eng.global_loss
-    if isinstance(quota, _SlowCompute):     # after ZeRO-3's fetch hooks: compute only
-        quota.attach(eng.module)
+    if isinstance(slower, _SlowCompute):     # after ZeRO-3's fetch hooks: compute only
+        slower.attach(eng.module)
     it = iter(loader)
     times, losses, shares = [], [], []
     dist.barrier()
     for step in range(total):
         slow = a.healthy <= step < a.healthy + a.throttled
-        if quota is not None:
-            quota.set_rate(a.rate if slow else 1.0)
+        if slower is not None:
+            slower.set_rate(a.rate if slow else 1.0)
         t0 = time.perf_counter()
         mine = []
         for _ in range(a.gas):
@@ -153,8 +153,8 @@ def _run(engine_name: str, a, quota, rank: int) -> dict:
         losses.append(global_loss(mine))
         times.append(time.perf_counter() - t0)
         shares.append(list(eng.split.shares) if engine_name == "malleus" else None)
-    if quota is not None:
-        quota.set_rate(1.0)
+    if slower is not None:
+        slower.set_rate(1.0)
     return {"times": times, "losses": losses, "shares": shares,
             "events": list(getattr(eng, "split_events", []))}
 
@@ -185,7 +185,7 @@ def _trainer_config(a) -> dict:
             "steps_per_print": 10**9}
 
 
-def _run_trainer(engine_name: str, a, slow, rank: int) -> dict:
+def _run_trainer(engine_name: str, a, slower, rank: int) -> dict:
     """One ``transformers.Trainer`` (stock) or ``MalleusTrainer`` run of a small Llama; each
     optimizer step's wall seconds and logged loss."""
     import tempfile
@@ -206,13 +206,13 @@ def _run_trainer(engine_name: str, a, slow, rank: int) -> dict:
 
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kw):
-            if isinstance(slow, _SlowCompute):  # after ZeRO-3's fetch hooks: compute only
-                slow.attach(model)
+            if isinstance(slower, _SlowCompute):  # after ZeRO-3's fetch hooks: compute only
+                slower.attach(model)
 
         def on_step_begin(self, args, state, control, **kw):
-            if slow is not None:
+            if slower is not None:
                 throttled = a.healthy <= state.global_step < a.healthy + a.throttled
-                slow.set_rate(a.rate if throttled else 1.0)
+                slower.set_rate(a.rate if throttled else 1.0)
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
@@ -234,27 +234,27 @@ def _run_trainer(engine_name: str, a, slow, rank: int) -> dict:
         trainer.train()
         eng = trainer.model_wrapped
         out["events"] = list(getattr(eng, "split_events", []))
-    if slow is not None:
-        slow.set_rate(1.0)
+    if slower is not None:
+        slower.set_rate(1.0)
     return out
 
 
 def _ranks(rank, world, a):
     from malleus_ds.emulation.cpu_quota import CpuQuota
 
-    quota = None
+    slower = None
     if rank == a.slow_rank:
-        quota = CpuQuota() if a.slowdown == "quota" else _SlowCompute()
+        slower = CpuQuota() if a.slowdown == "quota" else _SlowCompute()
     try:
         out = []
         for r in range(a.rounds):
             order = ("stock", "malleus") if r % 2 == 0 else ("malleus", "stock")
             run = _run_trainer if a.loop == "trainer" else _run
-            out.append({e: run(e, a, quota, rank) for e in order})
+            out.append({e: run(e, a, slower, rank) for e in order})
         return out
     finally:
-        if isinstance(quota, CpuQuota):
-            quota.close()
+        if isinstance(slower, CpuQuota):
+            slower.close()
 
 
 def _phase_rates(times, a) -> dict:

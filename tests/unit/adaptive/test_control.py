@@ -244,10 +244,26 @@ class _WallClock:
         self.compute_s = 0.0
 
 
-def _probing_engine(plan, rank, block_s):
+class _VirtualTime:
+    """A clock that moves only when a probe run says so: the probe's readings are exactly the
+    run times the test sets, however loaded the machine is (sleeps overshoot there)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    def sleep(self, s):
+        self.now += s
+
+
+def _probing_engine(plan, rank, block_s, _time=None):
     """A fake engine whose probe block takes ``block_s`` seconds per run (a sleep inside
-    ``run_block``; a callable: of the run's number, from 1) and counts its runs."""
-    import time as _time
+    ``run_block``; a callable: of the run's number, from 1) and counts its runs. ``_time``: a
+    :class:`_VirtualTime` instead of the wall clock (patch ``probe_block.time`` with it too)."""
+    if _time is None:
+        import time as _time
 
     import torch
 
@@ -489,17 +505,21 @@ def test_a_probe_reads_its_faster_reading_unless_its_sustained_runs_show_a_cap()
     (busy next to processes that wake from waits). The faster is read, whichever it is; a
     sustained reading 5x the early one (a quota: full speed for the first milliseconds only)
     is a cap and is read."""
+    from malleus_ds.engine import probe_block
+
     plan = static_plan(4, 8, 1, 1, 1, 3)
     for late, expect in ((1.5, "early"), (0.6, "sustained"), (5.0, "sustained")):
         # warm-up and the two early runs at 20 ms, every later run `late` x that
         block = lambda n, late=late: 0.02 if n <= 3 else 0.02 * late  # noqa: E731
-        idle = _loop(_probing_engine(plan, 3, block), AdaptiveSettings())
+        clock = _VirtualTime()
+        idle = _loop(_probing_engine(plan, 3, block, _time=clock), AdaptiveSettings())
         try:
-            got = idle.probing.measure(2)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(probe_block, "time", clock)
+                got = idle.probing.measure(2)
             early, sustained = idle.probing.block.last
-            ratio = sustained / early
             last = idle.probing.block.last
-            assert (1.2 < ratio < 1.1 * late) if late > 1 else (ratio < 0.9), last
+            assert early == pytest.approx(0.02) and sustained == pytest.approx(0.02 * late), last
             assert got == (early if expect == "early" else sustained), (late, last)
         finally:
             idle.close()

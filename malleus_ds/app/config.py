@@ -79,8 +79,9 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
     train, batch_notes = parse_train(d.get("train") or {}, ds, parallel.dp)
     cluster = parse_cluster(d.get("cluster") or {}, world_size, local_world_size or world_size,
                             parallel)
-    straggler, links = _stragglers(d.get("straggler") or {}, world_size, cluster.gpus_per_node,
-                                   engine)
+    straggler_sec, left_out = _on_this_world(d.get("straggler") or {}, world_size,
+                                             cluster.gpus_per_node, elastic)
+    straggler, links = _stragglers(straggler_sec, world_size, cluster.gpus_per_node, engine)
     train = resolve_activation_checkpointing(
         train, (d.get("train") or {}).get("activation_checkpointing"), ds)
     ds = _resolve_ds_config(ds, train, model, parallel, engine, batch_notes)
@@ -90,7 +91,7 @@ def build_run_config(d: Mapping[str, Any], *, world_size: int, local_world_size:
     top = _top_level_settings(d, engine)
     return RunConfig(engine=engine, model=model, train=train, parallel=parallel, cluster=cluster,
                      straggler=straggler, links=links, deepspeed=ds, world_size=world_size,
-                     run_dir=run_dir, device=device, data=data, **top,
+                     run_dir=run_dir, device=device, data=data, emulation_notes=left_out, **top,
                      malleus=parse_malleus(d.get("malleus") or {}, engine, ds))
 
 
@@ -111,6 +112,43 @@ def _engine(d: Mapping[str, Any], world_size: int) -> str:
         raise ConfigError(f"engine={engine!r} is not known; choose one of {list(ENGINES)}")
     _refuse_unknown_keys(d)
     return engine
+
+
+def _on_this_world(s: Any, world: int, gpus_per_node: int,
+                   elastic: bool) -> tuple[Any, tuple[str, ...]]:
+    """Under torchrun's elastic agent a restart may bring fewer ranks than the emulation's
+    schedules were written for (a node was lost): their entries for ranks or nodes this start
+    does not have are left out, each said in one line, and apply again once the job is back to
+    its size. Otherwise (and for a malformed entry, which the parsers name) ``s`` as given."""
+    if not elastic or not isinstance(s, Mapping):
+        return s, ()
+    nodes = world // gpus_per_node if gpus_per_node > 0 else world
+    limits = {"rank": world, "ranks": world, "nodes": nodes}
+
+    def absent(e) -> str | None:
+        for key, limit in limits.items():
+            v = e.get(key) if isinstance(e, Mapping) else None
+            vs = v if isinstance(v, (list, tuple)) else [v]
+            if v is not None and all(isinstance(x, int) for x in vs) and max(vs) >= limit:
+                return f"{key}={v}"
+        return None
+
+    out, said = dict(s), []
+    for name in ("schedule", "link_schedule"):
+        entries = s.get(name)
+        if not isinstance(entries, (list, tuple)):
+            continue
+        keep = []
+        for i, e in enumerate(entries):
+            why = absent(e)
+            if why is None:
+                keep.append(e)
+            else:
+                said.append(f"straggler.{name}[{i}] ({why}) is left out: this elastic restart "
+                            f"has {world} ranks on {nodes} node(s); it applies again when the "
+                            f"job is back to its size")
+        out[name] = keep
+    return out, tuple(said)
 
 
 def _stragglers(s: Mapping[str, Any], world_size: int, gpus_per_node: int, engine: str):

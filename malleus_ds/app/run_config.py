@@ -147,3 +147,6 @@ class RunConfig:
     log_every: int = 10                 # progress line every N steps when stdout is no terminal
     #: ``straggler.link_schedule``: emulated slow links (emulation/links.py)
     links: LinkSchedule = field(default_factory=LinkSchedule, hash=False)
+    #: the emulation's entries an elastic restart on fewer ranks left out, one line each
+    #: (``config._on_this_world``), said at start-up
+    emulation_notes: tuple[str, ...] = field(default=(), hash=False)

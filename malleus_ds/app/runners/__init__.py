@@ -125,7 +125,7 @@ def execute(cfg: RunConfig, env: DistEnv | None = None) -> RunSummary:
                              activation_checkpointing_note(cfg)) if n]
         print(f"[malleus_ds] building engine={cfg.engine} model={cfg.model.name} on "
               f"{env.world_size} rank(s)" + "".join(f"; {n}" for n in notes), flush=True)
-        for n in cfg.deepspeed.notes:
+        for n in cfg.deepspeed.notes + cfg.emulation_notes:
             print(f"[malleus_ds] {n}", flush=True)
         line = start_line(cfg, saved)
         if line:

@@ -187,6 +187,30 @@ def test_straggler_schedule_parses():
                                                     "end_step": 100}])
 
 
+def test_an_elastic_restart_on_fewer_ranks_leaves_out_the_emulation_of_absent_ones():
+    """After a lost node the survivors restart on 2 of 4 ranks: the entries for ranks 2-3 (or
+    node 1) are left out and said; the job's own entries stay; the first start still refuses."""
+    d = {"engine": "malleus", "model": {"name": "tiny"},
+         "train": {"steps": 2, "global_batch_size": 8, "micro_batch_size": 1},
+         "straggler": {"schedule": [{"rank": 2, "rate": 3.0}, {"rank": 1, "rate": 2.0}],
+                       "link_schedule": [{"ranks": [2, 3], "rate": 5.0},
+                                         {"nodes": [0, 1], "rate": 5.0},
+                                         {"ranks": [0, 1], "rate": 4.0}]},
+         "cluster": {"gpus_per_node": 2}}
+    c = build_run_config(d, world_size=2, elastic=True)
+    assert [e.rank for e in c.straggler.entries] == [1]
+    assert [(e.ends, e.by_rank) for e in c.links.entries] == [((0, 1), True)]
+    tail = "this elastic restart has 2 ranks on 1 node(s); it applies again when the job is " \
+           "back to its size"
+    assert c.emulation_notes == (
+        f"straggler.schedule[0] (rank=2) is left out: {tail}",
+        f"straggler.link_schedule[0] (ranks=[2, 3]) is left out: {tail}",
+        f"straggler.link_schedule[1] (nodes=[0, 1]) is left out: {tail}")
+    assert build_run_config(d, world_size=4, elastic=True).emulation_notes == ()
+    with pytest.raises(ConfigError, match=r"schedule\[0\].rank=2 does not exist"):
+        build_run_config(d, world_size=2)
+
+
 NO_CGROUP = "no cgroup cpu controller is mounted (looked for /x/cpu/cpu.cfs_quota_us)"
 SLOW1 = [{"rank": 1, "rate": 3.0, "start_step": 2}]
 

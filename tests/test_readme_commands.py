@@ -66,6 +66,9 @@ SKIP: dict[str, dict[str, str]] = {
             "with every fault kind are tests/integration/test_chaos.py",
         "malleus-chaos --seeds 7 --kinds kill,freeze":
             "a 4-rank job under faults; tests/integration/test_chaos.py runs both kinds",
+        "malleus-chaos --seeds 0-9 --kinds straggler,quota,freeze --against-stock":
+            "twenty 4-rank jobs, about 12 minutes on 2 cores; the pace check is "
+            "tests/unit/chaos/test_verdict.py, the long campaign's are in bench/RESULTS.md",
         "python launch/train.py nproc_per_node=4 max_restarts=2 engine=malleus train.steps=1000 "
         "checkpoint.dir=ck checkpoint.every=10 checkpoint.keep=2 checkpoint.resume=auto":
             "1000 steps on 4 ranks; the same flags, with a rank killed mid-run and the job "

@@ -3,11 +3,14 @@
     malleus-chaos --seeds 0-4                      # five seeds, every fault kind, 4 ranks
     malleus-chaos --seeds 7 --kinds kill,freeze    # one seed, two kinds
     malleus-chaos --seeds 0-49 --json chaos.json   # a long campaign, its table as JSON too
+    malleus-chaos --seeds 0-9 --against-stock      # and stock DeepSpeed's pace beside each
 
 Each seed's schedule is printed before its run; at the end, one table row per seed (faults by
-kind, restarts, plan switches, failed checkpoint saves, seconds, verdict), the faults done in
-all, and for each failing seed what broke and the command that runs it again. Exit status 1 when
-a seed failed.
+kind, restarts, plan switches, failed checkpoint saves, seconds, verdict), one row per fault
+kind (done, not done, the runs it was in, how many of those failed), and for each failing seed
+what broke and the command that runs it again. With ``--against-stock`` each seed that slows a
+rank also runs under stock DeepSpeed (``engine=deepspeed``) with the same slowdowns, and its
+pace must be at least ``--min-pace`` x stock's. Exit status 1 when a seed failed.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from .schedule import KINDS, draw
+from .schedule import KINDS, SLOWDOWNS, draw
 
 
 def seeds_of(text: str) -> list[int]:
@@ -36,13 +39,34 @@ def seeds_of(text: str) -> list[int]:
 
 def table(rows: list[dict]) -> str:
     kinds = [k for k in KINDS if any(r["faults"].get(k) for r in rows)]
+    stock = any(r.get("vs_stock") is not None for r in rows)
     head = f"{'seed':>5}  " + "  ".join(f"{k[:9]:>9}" for k in kinds) + \
-        "  restarts  switches  failed saves  seconds  verdict"
+        "  restarts  switches  failed saves  seconds" + ("  vs stock" if stock else "") + \
+        "  verdict"
     lines = [head]
     for r in rows:
+        vs = r.get("vs_stock")
         lines.append(f"{r['seed']:>5}  " + "  ".join(f"{r['faults'].get(k, 0):>9}" for k in kinds)
                      + f"  {r['restarts']:>8}  {r['switches']:>8}  {r['failed_saves']:>12}"
-                     f"  {r['seconds']:>7.0f}  {'ok' if r['ok'] else 'FAILED'}")
+                     f"  {r['seconds']:>7.0f}"
+                     + ((f"  {vs:>7.2f}x" if vs is not None else f"  {'-':>8}") if stock else "")
+                     + f"  {'ok' if r['ok'] else 'FAILED'}")
+    return "\n".join(lines)
+
+
+def kinds_table(rows: list[dict]) -> str:
+    """One row per fault kind: how many were done and not done (and why not, the first
+    reason), in how many runs, and how many of those runs failed."""
+    lines = [f"{'kind':<13}{'done':>6}{'not done':>10}{'runs':>6}{'failed':>8}  why not"]
+    for k in KINDS:
+        runs = [r for r in rows if r["faults"].get(k)]
+        if not runs:
+            continue
+        missed = [n for r in runs for n in r["not_done"] if n.startswith(k + ":")]
+        done = sum(r["faults"][k] for r in runs) - len(missed)
+        why = missed[0].split(": ", 1)[1] if missed else ""
+        lines.append(f"{k:<13}{done:>6}{len(missed):>10}{len(runs):>6}"
+                     f"{sum(not r['ok'] for r in runs):>8}  {why}")
     return "\n".join(lines)
 
 
@@ -56,12 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", default="2-4", help="faults per run, a range (default 2-4)")
     ap.add_argument("--out", default="chaos", help="folder for the runs (default ./chaos)")
     ap.add_argument("--json", help="also write the table and every schedule as JSON here")
+    ap.add_argument("--against-stock", action="store_true",
+                    help="also run each seed that slows a rank under stock DeepSpeed with the "
+                         "same slowdowns, and compare the pace")
+    ap.add_argument("--min-pace", type=float, default=0.95,
+                    help="the least throughput against stock's that passes (default 0.95: two "
+                         "runs of the same job differ by a few percent on a shared machine)")
     a = ap.parse_args(argv)
     kinds = tuple(k.strip() for k in a.kinds.split(",") if k.strip())
     lo, _, hi = a.faults.partition("-")
-    from ..app.reference import reference_run
-    from ..models import model_config
-    from .run import Options, replay_line, run_one
+    from ..report.metrics import read_live
+    from .run import Options, batch_of, reference, replay_line, run_one
+    from .verdict import judge_pace
 
     try:
         scheds = [draw(s, a.steps, a.world, kinds, (int(lo), int(hi or lo))) for s in
@@ -69,29 +99,39 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"malleus-chaos: {e}", file=sys.stderr)
         return 2
-    ref, _ = reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=a.steps,
-                           global_batch_size=8, micro_batch_size=1)
     rows, done = [], Counter()
     for sched in scheds:
         print("\n".join(sched.lines()), flush=True)
-        v, injections = run_one(sched, Path(a.out) / f"seed{sched.seed}", list(ref), Options(),
-                                say=lambda m: print(m, flush=True))
+        say = lambda m: print(m, flush=True)        # noqa: E731
+        out = Path(a.out) / f"seed{sched.seed}"
+        opts = Options(global_batch_size=batch_of(sched))
+        v, injections = run_one(sched, out, reference(sched, opts), opts, say=say)
+        if a.against_stock and sched.slowdowns().faults:
+            say(f"  seed {sched.seed}: stock DeepSpeed under the same slowdowns")
+            run_one(sched.slowdowns(), Path(a.out) / f"seed{sched.seed}-stock",
+                    reference(sched, opts), opts, say=say, engine="deepspeed")
+            judge_pace(v, read_live(Path(a.out) / f"seed{sched.seed}-stock" / "run"),
+                       read_live(out / "run"), a.min_pace)
         done.update(i.fault.kind for i in injections if i.done)
         done.update(f.kind for f in sched.at_launch())
         rows.append({"seed": sched.seed, "faults": dict(Counter(f.kind for f in sched.faults)),
                      "restarts": v.restarts, "switches": v.switches,
                      "failed_saves": v.failed_saves, "seconds": round(v.seconds, 1),
                      "ok": v.ok, "broken": v.broken, "schedule": sched.json(),
+                     "vs_stock": (round(v.stock_pace / v.pace, 3)
+                                  if v.pace and v.stock_pace else None),
                      "not_done": [f"{i.fault.kind}: {i.note}" for i in injections
                                   if not i.done]})
         print(f"  seed {sched.seed}: {'ok' if v.ok else 'FAILED'} in {v.seconds:.0f} s",
               flush=True)
     print("\n" + table(rows))
+    print("\n" + kinds_table(rows))
     print("faults done: " + ", ".join(f"{k} {done[k]}" for k in KINDS if done[k]))
     failed = [r for r in rows if not r["ok"]]
     for r, sched in [(r, s) for r, s in zip(rows, scheds) if not r["ok"]]:
         print(f"seed {r['seed']} FAILED: " + "; ".join(r["broken"]))
-        print(f"  again: {replay_line(sched, a.world, a.steps)}")
+        print(f"  again: {replay_line(sched, a.world, a.steps)}"
+              + (" --against-stock" if a.against_stock else ""))
     if a.json:
         Path(a.json).write_text(json.dumps({"runs": rows, "faults_done": dict(done)},
                                            indent=1) + "\n")

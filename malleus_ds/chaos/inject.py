@@ -12,6 +12,7 @@ import signal
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from ..resilience.procs import cmdline, descendants, parent_of
 from .schedule import Fault
@@ -19,11 +20,12 @@ from .schedule import Fault
 PLANNER = "malleus_ds.planner.worker"
 
 
-def rank_process(launcher: int, rank: int) -> int | None:
-    """The training process of ``rank`` under ``launcher``: ``RANK=<rank>`` in its environment
-    and not the child of another such process (rank 0's planner inherits its environment)."""
+def rank_process(launchers: Sequence[int], rank: int) -> int | None:
+    """The training process of ``rank`` under ``launchers`` (one per node): ``RANK=<rank>`` in
+    its environment and not the child of another such process (rank 0's planner inherits its
+    environment)."""
     found = []
-    for pid in descendants(launcher):
+    for pid in [d for launcher in launchers for d in descendants(launcher)]:
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
@@ -34,8 +36,8 @@ def rank_process(launcher: int, rank: int) -> int | None:
     return top[0] if top else None
 
 
-def planner_process(launcher: int) -> int | None:
-    for pid in descendants(launcher):
+def planner_process(launchers: Sequence[int]) -> int | None:
+    for pid in [d for launcher in launchers for d in descendants(launcher)]:
         if any(PLANNER in a for a in cmdline(pid)):
             return pid
     return None
@@ -95,11 +97,13 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def inject(f: Fault, launcher: int, disk: Path | None) -> Injection:
-    """Do ``f`` to the job under ``launcher`` now (``disk``: its checkpoint tmpfs, or None)."""
+def inject(f: Fault, launchers: Sequence[int], disk: Path | None) -> Injection:
+    """Do ``f`` to the job under ``launchers`` now (the first: the one a SIGTERM goes to;
+    ``disk``: its checkpoint tmpfs, or None). A lost node is the job's to do
+    (``run.TwoNodes.lose_node``)."""
     inj = Injection(f)
     if f.kind in ("quota", "freeze", "hang", "kill"):
-        pid = rank_process(launcher, f.rank)
+        pid = rank_process(launchers, f.rank)
         if pid is None:
             inj.note = f"rank {f.rank} has no process now (restarting?)"
             return inj
@@ -123,7 +127,7 @@ def inject(f: Fault, launcher: int, disk: Path | None) -> Injection:
                 return inj
             inj._undo.append(q.close)
     elif f.kind == "planner_kill":
-        pid = planner_process(launcher)
+        pid = planner_process(launchers)
         if pid is None:
             inj.note = "no planner process now"
             return inj
@@ -150,7 +154,7 @@ def inject(f: Fault, launcher: int, disk: Path | None) -> Injection:
                 raise OSError(f"cannot remount {disk} read-write")
         inj._undo.append(writable)
     elif f.kind == "sigterm":
-        _signal(launcher, signal.SIGTERM)
+        _signal(launchers[0], signal.SIGTERM)
     else:
         inj.note = f"{f.kind} is set at launch, not injected"
         return inj

@@ -15,12 +15,25 @@ freeze          a rank stopped (SIGSTOP) for ``seconds``, shorter      nothing
                 than the hang timeout, then continued
 hang            a rank stopped for good: longer than the hang timeout  one restart
 kill            a rank killed (SIGKILL)                                one restart
+node_loss       the second of two nodes (its torchrun agent and        two restarts (shrink,
+                ranks) killed; started again some steps later          then grow back)
 sigterm         the launcher gets SIGTERM; the same command again      a stop and a rerun
 planner_kill    rank 0's planner process killed                        nothing
 disk_full       the checkpoint disk filled to the last byte for        nothing
                 some steps
 disk_ro         the checkpoint disk read-only for some steps           nothing
 ==============  =====================================================  ======================
+
+None of these is fatal to the job as the campaign runs it (``max_restarts`` 4, at most two
+deaths a run, every model fits the survivors). What is fatal, and how the job says so (one line,
+exit code 1): more deaths than ``max_restarts`` (torchrun gives up: "the job failed after N
+restart(s)"); survivors of a lost node that cannot hold the model ("cannot hold the model",
+tests/integration/test_elastic_nodes.py); the save at the run's end or at a stop failing 3
+tries in a row (``CheckpointSaveError``, naming the latest checkpoint on disk; a periodic save
+that fails costs a warning and a retry).
+
+A ``node_loss`` needs an even world of 4 or more: the job then runs as two torchrun agents
+(``chaos/nodes.py``) and no ``sigterm`` is drawn with it (there is no one launcher to signal).
 
 A schedule is pure data: the same seed gives the same faults (:func:`draw`), printed before the
 run (:meth:`Schedule.lines`). Steps are the job's optimizer steps; a fault fires once the job
@@ -32,10 +45,15 @@ import random
 from dataclasses import asdict, dataclass, field
 
 #: every fault kind, in the order the table lists them
-KINDS = ("straggler", "slow_link", "quota", "freeze", "hang", "kill", "sigterm", "planner_kill",
-         "disk_full", "disk_ro")
+KINDS = ("straggler", "slow_link", "quota", "freeze", "hang", "kill", "node_loss", "sigterm",
+         "planner_kill", "disk_full", "disk_ro")
 #: the kinds that end a rank's process: each may cost one restart of the job
-DEATHS = ("hang", "kill")
+DEATHS = ("hang", "kill", "node_loss")
+#: the restarts each death may cost: a lost node's return restarts the survivors once more
+RESTARTS = {"hang": 1, "kill": 1, "node_loss": 2}
+#: the kinds that slow the job without ending a process: what stock DeepSpeed is run under to
+#: compare throughput (``malleus-chaos --against-stock``)
+SLOWDOWNS = ("straggler", "slow_link", "quota", "freeze")
 #: the kinds set on the command line rather than done to a running job
 AT_LAUNCH = ("straggler", "slow_link")
 
@@ -46,8 +64,9 @@ class Fault:
 
     kind: str
     step: int
-    rank: int = 0
-    until: int | None = None        # the step it ends at (straggler, slow_link, quota, disk_*)
+    rank: int = 0                   # (node_loss: the node, 1: the second agent's ranks)
+    until: int | None = None        # the step it ends at (straggler, slow_link, quota, disk_*,
+                                    # node_loss: the node returns)
     rate: float | None = None       # how much slower (straggler, slow_link, quota)
     seconds: float | None = None    # how long (freeze)
     peer: int | None = None         # the other end of a slow link
@@ -64,6 +83,8 @@ class Fault:
                 "freeze": lambda: f"rank {self.rank} stopped for {self.seconds:g} s",
                 "hang": lambda: f"rank {self.rank} stopped for good",
                 "kill": lambda: f"rank {self.rank} killed",
+                "node_loss": lambda: f"node {self.rank} lost (agent and ranks killed), back "
+                                     f"at step {self.until}",
                 "sigterm": lambda: "SIGTERM to the launcher, then the same command again",
                 "planner_kill": lambda: "rank 0's planner process killed",
                 "disk_full": lambda: "the checkpoint disk full",
@@ -86,6 +107,21 @@ class Schedule:
     @property
     def deaths(self) -> int:
         return sum(f.kind in DEATHS for f in self.faults)
+
+    @property
+    def restarts_allowed(self) -> int:
+        """The most restarts the faults may cost (:data:`RESTARTS`)."""
+        return sum(RESTARTS.get(f.kind, 0) for f in self.faults)
+
+    @property
+    def two_nodes(self) -> bool:
+        """The job runs as two torchrun agents (a node is lost)."""
+        return any(f.kind == "node_loss" for f in self.faults)
+
+    def slowdowns(self) -> "Schedule":
+        """The same schedule with only its :data:`SLOWDOWNS` (what the stock run meets)."""
+        return Schedule(self.seed, self.steps, self.world,
+                        tuple(f for f in self.faults if f.kind in SLOWDOWNS))
 
     def at_launch(self) -> list[Fault]:
         return [f for f in self.faults if f.kind in AT_LAUNCH]
@@ -111,7 +147,8 @@ def draw(seed: int, steps: int, world: int, kinds: tuple[str, ...] = KINDS,
     """A schedule of ``faults[0]..faults[1]`` faults of ``kinds`` for a job of ``world`` ranks
     and ``steps`` steps, from ``seed`` alone. Live faults land in the middle of the run (after
     the first checkpoint, before the last steps); at most ``max_deaths`` of them end a process;
-    one ``sigterm`` at most (its rerun is the run's second half)."""
+    one ``sigterm`` at most (its rerun is the run's second half); one ``node_loss`` at most, only
+    on an even world of 4 or more, and never with a ``sigterm``."""
     bad = [k for k in kinds if k not in KINDS]
     if bad:
         raise ValueError(f"fault kinds {bad}: not among {', '.join(KINDS)}")
@@ -121,13 +158,15 @@ def draw(seed: int, steps: int, world: int, kinds: tuple[str, ...] = KINDS,
     rng = random.Random(seed)
     lo, hi = 3, steps - 4
     out: list[Fault] = []
-    deaths = sigterms = 0
+    deaths = sigterms = nodes = 0
     for _ in range(rng.randint(*faults)):
         kind = rng.choice(kinds)
-        if (kind in DEATHS and deaths >= max_deaths) or (kind == "sigterm" and sigterms):
+        if (kind in DEATHS and deaths >= max_deaths) or (kind == "sigterm" and (sigterms or nodes)) \
+                or (kind == "node_loss" and (nodes or sigterms or world < 4 or world % 2)):
             kind = "straggler"
         deaths += kind in DEATHS
         sigterms += kind == "sigterm"
+        nodes += kind == "node_loss"
         step = rng.randint(lo, hi)
         rank = rng.randrange(world)
         span = rng.randint(3, 8)
@@ -145,6 +184,11 @@ def draw(seed: int, steps: int, world: int, kinds: tuple[str, ...] = KINDS,
             out.append(Fault(kind, step, rank, seconds=rng.choice((1.0, 3.0))))
         elif kind in ("disk_full", "disk_ro"):
             out.append(Fault(kind, step, until=min(steps - 1, step + span)))
+        elif kind == "node_loss":
+            # in the first half, back 4-8 steps later: a returning agent takes 10-15 steps to
+            # start and join (two_nodes jobs run 4x the samples a step for that, run.batch_of)
+            step = min(step, max(lo, steps // 2 - 4))
+            out.append(Fault(kind, step, 1, until=min(steps - 2, step + max(span, 4))))
         elif kind in ("sigterm", "planner_kill"):
             out.append(Fault(kind, step))
         else:                       # hang, kill

@@ -6,8 +6,11 @@ files and processes, each failure one line saying what and where.
 3. ``latest`` names a complete checkpoint of the last step; no folder left half-written as it;
 4. no process of the job is left running;
 5. no step took longer than the hang timeout + 30 s;
-6. only a death (``schedule.DEATHS``) costs a restart: none without one, at most one per death;
-7. metrics.jsonl has every step once per attempt, in order, and the reports read it.
+6. only a death (``schedule.DEATHS``) costs a restart: none without one, at most one per death
+   (two for a lost node: it shrinks the job, and its return grows it back);
+7. metrics.jsonl has every step once per attempt, in order, and the reports read it;
+8. with ``--against-stock``: its pace (:func:`pace`) is at least ``min_pace`` x that of stock
+   DeepSpeed (``engine=deepspeed``) run under the same slowdowns (``schedule.SLOWDOWNS``).
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ class Verdict:
     switches: int = 0
     failed_saves: int = 0
     seconds: float = 0.0
+    pace: float | None = None           # seconds a step (:func:`pace`)
+    stock_pace: float | None = None     # the same, stock DeepSpeed under the same slowdowns
 
     @property
     def ok(self) -> bool:
@@ -50,6 +55,36 @@ def attempts(rows: Sequence[dict]) -> list[list[int]]:
                 out.append([])
             out[-1].append(r["step"])
     return [a for a in out if a]
+
+
+def pace(rows: Sequence[dict]) -> float | None:
+    """Seconds a step of training: each step's last record (a step re-done after a restart
+    counts once, as it ran last) plus every plan switch's pause, over the steps counted. The
+    first step of each attempt is left out (start-up: a restarted run has more of them than a
+    run without deaths). None without a step to count."""
+    starts = {a[0] for a in attempts(rows)}
+    last: dict[int, float] = {}
+    for r in rows:
+        if "event" not in r:
+            if r["step"] in starts:
+                last.pop(r["step"], None)
+            else:
+                last[r["step"]] = float(r["step_time_s"])
+    paused = sum(float(r.get("seconds", 0.0)) for r in rows if r.get("event") == "migrate")
+    return (sum(last.values()) + paused) / len(last) if last else None
+
+
+def judge_pace(v: Verdict, stock_rows: Sequence[dict], rows: Sequence[dict],
+               min_pace: float) -> None:
+    """Invariant 8 on ``v``: this run's pace against stock DeepSpeed's under the same slowdowns
+    (``min_pace``: the noise two runs of the same job show on this machine)."""
+    v.pace, v.stock_pace = pace(rows), pace(stock_rows)
+    if v.pace is None or v.stock_pace is None:
+        v.broken.append("no steps to compare with stock DeepSpeed's pace")
+    elif v.stock_pace / v.pace < min_pace:
+        v.broken.append(f"{v.stock_pace / v.pace:.2f}x stock DeepSpeed's throughput under the "
+                        f"same slowdowns ({v.pace:.3f} s a step against {v.stock_pace:.3f}), "
+                        f"under {min_pace:g}x")
 
 
 def judge(sched: Schedule, run: Path, ck: Path, codes: Sequence[int], reference: Sequence[float],
@@ -93,9 +128,9 @@ def judge(sched: Schedule, run: Path, ck: Path, codes: Sequence[int], reference:
     slow = [r["step"] for r in steps if r.get("step_time_s", 0) > hang_timeout_s + 30]
     if slow:
         bad(f"steps longer than the hang timeout + 30 s: {slow}")
-    if v.restarts > sched.deaths:
-        bad(f"{v.restarts} restart(s) for {sched.deaths} death(s): a fault that kills no "
-            f"process cost a restart")
+    if v.restarts > sched.restarts_allowed:
+        bad(f"{v.restarts} restart(s) for {sched.deaths} death(s) (at most "
+            f"{sched.restarts_allowed}): a fault that kills no process cost a restart")
     for a in attempts(rows):
         if a != list(range(a[0], a[0] + len(a))):
             bad(f"metrics.jsonl: steps out of order within an attempt: {a}")

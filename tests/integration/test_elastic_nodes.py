@@ -10,75 +10,29 @@ survivors cannot hold the model, every rank says so and the job ends without a r
 """
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from malleus_ds.chaos.nodes import agent_command, free_port, kill_tree, start_agent, wait_hosting
 from malleus_ds.report.metrics import read_live
-from malleus_ds.resilience.procs import descendants
 from tests.integration.test_checkpoint_cli import ARGS, TRAIN, _rows
 
 STEPS = 24
 GROW_STEPS = 56
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _agent(port: int, run: Path, ck: Path, cwd: Path, log: Path, *extra: str,
            steps: int = STEPS) -> subprocess.Popen:
-    # torch 2.13's agent publishes the workers' store address (MASTER_ADDR/PORT) only in the
-    # first round it hosts it: a node joining later waits for it in vain (DistStoreError ...
-    # MASTER_ADDR). Without the shared store, rank 0's agent publishes it in every round.
-    # A node without a keep-alive for 1 s x 3 is dead to the rendezvous (torch's default: 5 s x 3,
-    # which only makes the survivors' next round wait longer).
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", LOGLEVEL="INFO",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test",
-           "--rdzv-conf=last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3",
-           "--max-restarts=3", "--monitor-interval=0.2",
-           TRAIN, *ARGS, "engine=malleus", "plan=static", f"train.steps={steps}",
-           f"checkpoint.dir={ck}", "checkpoint.every=2", "checkpoint.resume=auto",
-           f"hydra.run.dir={run}", "hang_timeout_s=30", *extra]
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _hosting(port: int, a: subprocess.Popen, timeout: float = 120.0) -> None:
-    """Wait until agent ``a`` listens on the rendezvous port: the agent started first hosts the
-    store and must outlive the other node (a fixed delay is not enough on a loaded machine,
-    where the second agent could bind the port first and take the store down with it)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and a.poll() is None:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1.0):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise AssertionError(f"agent a does not listen on port {port} (exit code {a.poll()})")
-
-
-def _kill_node(p: subprocess.Popen) -> None:
-    """The node is lost: its agent and its workers (in sessions of their own), at once."""
-    for pid in [p.pid] + descendants(p.pid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    p.wait(30)
+    """One node: torchrun for 2 ranks of an elastic 1-2 node job (``malleus_ds/chaos/nodes.py``:
+    the rendezvous settings and why the agents do not share the store)."""
+    train = [TRAIN, *ARGS, "engine=malleus", "plan=static", f"train.steps={steps}",
+             f"checkpoint.dir={ck}", "checkpoint.every=2", "checkpoint.resume=auto",
+             f"hydra.run.dir={run}", "hang_timeout_s=30", *extra]
+    return start_agent(agent_command(port, 2, train, 3, rdzv_id="elastic-test"), cwd, log)
 
 
 def _wait_for(cond, deadline: float, procs) -> bool:
@@ -98,21 +52,21 @@ def _world_of(rows: list[dict]) -> dict[int, int]:
 def _lose_a_node(tmp_path: Path, *extra: str):
     """Two agents (a hosts the store), 4 ranks training past a checkpoint, then b's node is
     lost; returns (a's exit code, a's log, the run folder) once a has exited."""
-    run, ck, port = tmp_path / "run", tmp_path / "ck", _free_port()
+    run, ck, port = tmp_path / "run", tmp_path / "ck", free_port()
     a = _agent(port, run, ck, tmp_path, tmp_path / "a.log", *extra)
-    _hosting(port, a)                  # a hosts the rendezvous store: b starts after
+    wait_hosting(port, a)                  # a hosts the rendezvous store: b starts after
     b = _agent(port, run, ck, tmp_path, tmp_path / "b.log", *extra)
     deadline = time.monotonic() + 300
     try:
         assert _wait_for(lambda: [s for s in _world_of(read_live(run)).items()
                                   if s[0] >= 3 and s[1] == 4], deadline, [a, b]), \
             (tmp_path / "a.log").read_text()[-3000:]
-        _kill_node(b)
+        kill_tree(b)
         a.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for p in (a, b):
             if p.poll() is None:
-                _kill_node(p)
+                kill_tree(p)
     return a.returncode, (tmp_path / "a.log").read_text(), run
 
 
@@ -141,13 +95,13 @@ def test_a_node_rejoins_and_the_job_grows_back(tmp_path):
     restart on 2 ranks from the last checkpoint and train on with the same math. Its agent
     starts again while they train: torchrun's agent sees a node waiting, stops its workers (SIGTERM: they stop at a step boundary and save), and
     the next rendezvous takes both nodes in; the job continues on 4 ranks with the same math."""
-    run, ck, port = tmp_path / "run", tmp_path / "ck", _free_port()
+    run, ck, port = tmp_path / "run", tmp_path / "ck", free_port()
     # 32 samples a step: slow enough that the node is back well before the end (it was back by
     # step 17-20 of 56 on 2 loaded cores; fp32 rounding of 4 and 2 ranks against one process
     # stays within 1e-5 for ~150 steps of this model)
     steps, big = GROW_STEPS, ("train.global_batch_size=32",)
     a = _agent(port, run, ck, tmp_path, tmp_path / "a.log", *big, steps=steps)
-    _hosting(port, a)
+    wait_hosting(port, a)
     b = _agent(port, run, ck, tmp_path, tmp_path / "b.log", *big, steps=steps)
     deadline = time.monotonic() + 400
     b2 = None
@@ -155,7 +109,7 @@ def test_a_node_rejoins_and_the_job_grows_back(tmp_path):
         assert _wait_for(lambda: [s for s in _world_of(read_live(run)).items()
                                   if s[0] >= 3 and s[1] == 4], deadline, [a, b]), \
             (tmp_path / "a.log").read_text()[-3000:]
-        _kill_node(b)
+        kill_tree(b)
         shrunk = lambda: [s for s, w in _world_of(read_live(run)).items() if w == 2]  # noqa: E731
         assert _wait_for(lambda: len(shrunk()) >= 2, deadline, [a]), \
             (tmp_path / "a.log").read_text()[-3000:]
@@ -165,7 +119,7 @@ def test_a_node_rejoins_and_the_job_grows_back(tmp_path):
     finally:
         for p in (a, b, b2):
             if p is not None and p.poll() is None:
-                _kill_node(p)
+                kill_tree(p)
     log = (tmp_path / "a.log").read_text()
     assert a.returncode == 0 and b2.returncode == 0, \
         log[-3000:] + (tmp_path / "b2.log").read_text()[-3000:]

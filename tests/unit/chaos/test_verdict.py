@@ -45,8 +45,55 @@ def test_a_kill_costs_one_restart_and_redone_steps_must_keep_the_losses(tmp_path
     run, ck = _write(tmp_path, rows)
     assert judge(_sched(Fault("kill", 5, 1)), run, ck, [0], REF, set(), 12.0).ok
     v = judge(_sched(Fault("freeze", 5, 1, seconds=1.0)), run, ck, [0], REF, set(), 12.0)
-    assert v.broken == ["1 restart(s) for 0 death(s): a fault that kills no process cost a "
-                        "restart"]
+    assert v.broken == ["1 restart(s) for 0 death(s) (at most 0): a fault that kills no "
+                        "process cost a restart"]
+
+
+def test_a_lost_node_may_cost_two_restarts_its_loss_and_its_return(tmp_path):
+    rows = [_step(s) for s in range(6)] + [
+        {"event": "restart", "attempt": 1, "from_step": 4, "world": 1, "lost_steps": 2,
+         "torchrun_restarts": 1}] + [_step(s) for s in range(4, 8)] + [
+        {"event": "restart", "attempt": 2, "from_step": 8, "world": 2, "lost_steps": 0,
+         "torchrun_restarts": 1}] + [_step(s) for s in range(8, 12)]
+    run, ck = _write(tmp_path, rows)
+    v = judge(_sched(Fault("node_loss", 5, 1, until=7)), run, ck, [0], REF, set(), 12.0)
+    assert v.ok and v.restarts == 2, v.broken
+    v = judge(_sched(Fault("kill", 5, 1)), run, ck, [0], REF, set(), 12.0)
+    assert v.broken == ["2 restart(s) for 1 death(s) (at most 1): a fault that kills no "
+                        "process cost a restart"]
+
+
+def test_the_pace_counts_each_step_once_as_it_last_ran_and_every_switch_pause():
+    from malleus_ds.chaos.verdict import pace
+
+    def step(s, t):
+        return dict(_step(s), step_time_s=t)
+
+    # step 0 starts the run (left out); steps 4-5 ran twice: the second time counts; the
+    # restart's first step (4) is left out too
+    rows = [step(0, 9.0), step(1, 1.0), step(2, 1.0),
+            {"event": "migrate", "step": 3, "seconds": 2.0}, step(3, 1.0), step(4, 5.0),
+            step(5, 5.0), {"event": "restart", "attempt": 1, "from_step": 4,
+                           "torchrun_restarts": 1}, step(4, 7.0), step(5, 2.0)]
+    assert pace(rows) == (1.0 + 1.0 + 1.0 + 2.0 + 2.0) / 4
+    assert pace([step(0, 1.0)]) is None
+
+
+def test_against_stock_the_pace_must_keep_up(tmp_path):
+    from malleus_ds.chaos.verdict import Verdict, judge_pace
+
+    ours = [dict(_step(s), step_time_s=0.1) for s in range(12)]
+    stock = [dict(_step(s), step_time_s=0.2) for s in range(12)]
+    v = Verdict(0)
+    judge_pace(v, stock, ours, 0.95)
+    assert v.ok and v.stock_pace / v.pace == 2.0
+    v = Verdict(0)
+    judge_pace(v, ours, stock, 0.95)
+    assert v.broken == ["0.50x stock DeepSpeed's throughput under the same slowdowns "
+                        "(0.200 s a step against 0.100), under 0.95x"]
+    v = Verdict(0)
+    judge_pace(v, [], ours, 0.95)
+    assert v.broken == ["no steps to compare with stock DeepSpeed's pace"]
 
 
 def test_a_rerun_after_a_stop_is_no_restart(tmp_path):

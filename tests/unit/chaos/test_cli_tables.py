@@ -1,0 +1,31 @@
+"""The campaign's tables (``malleus-chaos``'s end of run), from rows as the runner writes them."""
+from __future__ import annotations
+
+from malleus_ds.chaos.cli import kinds_table, seeds_of, table
+
+
+def _row(seed, faults, ok=True, not_done=(), vs_stock=None):
+    return {"seed": seed, "faults": faults, "restarts": faults.get("kill", 0),
+            "switches": 1, "failed_saves": 0, "seconds": 30.0, "ok": ok,
+            "not_done": list(not_done), "vs_stock": vs_stock}
+
+
+def test_one_row_per_seed_and_per_kind():
+    rows = [_row(0, {"kill": 1, "quota": 1}, vs_stock=1.31),
+            _row(1, {"quota": 2, "node_loss": 1}, ok=False,
+                 not_done=["quota: rank 3 has no process now (restarting?)"])]
+    t = table(rows).splitlines()
+    assert t[0].split() == ["seed", "quota", "kill", "node_loss", "restarts", "switches",
+                            "failed", "saves", "seconds", "vs", "stock", "verdict"]
+    assert t[1].split() == ["0", "1", "1", "0", "1", "1", "0", "30", "1.31x", "ok"]
+    assert t[2].split()[-2:] == ["-", "FAILED"]
+    k = kinds_table(rows).splitlines()
+    assert k[0].split() == ["kind", "done", "not", "done", "runs", "failed", "why", "not"]
+    assert k[1].split()[:5] == ["quota", "2", "1", "2", "1"]
+    assert k[1].endswith("rank 3 has no process now (restarting?)")
+    assert [ln.split()[0] for ln in k[1:]] == ["quota", "kill", "node_loss"]
+    assert "vs stock" not in table([_row(0, {"kill": 1})])
+
+
+def test_seeds_are_numbers_and_ranges():
+    assert seeds_of("3") == [3] and seeds_of("0-2,7") == [0, 1, 2, 7]

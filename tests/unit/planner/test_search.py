@@ -111,9 +111,10 @@ def test_healthy_problem_returns_static_plan():
 
 def test_one_straggler_64gpu_is_fast_and_good():
     pr = example("problem_64gpu_one_slow")
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     res = plan(pr, seed=0, time_limit=2.0)
-    assert time.perf_counter() - t0 < 5.0  # target 2 s (bench); loose here: shared CPUs
+    # its CPU seconds (a wall clock reads the other tests' too): target 2 s (bench)
+    assert time.process_time() - t0 < 5.0
     validate_for_problem(pr, res.plan)
     assert res.method == "search" and res.efficiency > 0.95
 
@@ -128,9 +129,9 @@ def test_reproducible_from_seed():
 
 def test_tiny_time_limit_still_returns_a_valid_plan():
     pr = example("problem_64gpu_one_slow")
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     res = plan(pr, seed=0, time_limit=0.05)
-    assert time.perf_counter() - t0 < 3.0  # loose: shared CPUs
+    assert time.process_time() - t0 < 3.0  # its CPU seconds: loose
     validate_for_problem(pr, res.plan)
     best = min(step_time(pr, p) for p in all_baselines(pr).values() if p is not None)
     assert res.step_time <= best

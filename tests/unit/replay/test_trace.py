@@ -57,12 +57,12 @@ def test_a_hundred_thousand_rows_read_and_cut_fast(tmp_path):
     ev = [Event(float(i), float(i) + 40.0, i % 1024, 1.0 + (i % 7) / 3) for i in range(100_000)]
     p = tmp_path / "big.csv"
     assert write_csv(ev, p) == 100_000
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     tr = read_csv(p, 1024)
     segs = tr.segments()
     assert len(tr.events) == 100_000 and segs[-1].end_s == pytest.approx(100_039.0)
     assert max(len(s.rates) for s in segs) == 35       # 40 rows overlap, 1 in 7 at rate 1.0
-    assert time.perf_counter() - t0 < 60                                # seconds, not minutes
+    assert time.process_time() - t0 < 60                       # CPU seconds, not minutes
 
 
 def test_regimes_are_reproducible_and_read_back(tmp_path):

@@ -100,7 +100,7 @@ def test_watchdog_thread_reports_a_silent_rank_and_exits():
     hb0.beat("all-reduce", 4)
     t0 = time.monotonic()
     dog.start()
-    while not exits and time.monotonic() - t0 < 10:
+    while not exits and time.monotonic() - t0 < 60:        # at once, but for a starved CPU
         time.sleep(0.05)
     assert exits == [HANG_EXIT_CODE], "rank 0 never reported"
     assert logged and logged[0]["stuck"][0]["rank"] == 1 and logged[0]["stuck"][0]["step"] == 4

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, TypeVar
 
 from ..data.parse import parse_data
 from ..data.tokens import DataError
+from ..job_layout import JobLayout
 from ..models.llama import ModelConfig
 from ..models.parse import ModelError, parse_model
 from .config_deepspeed import (  # noqa: F401  (re-exported)
@@ -122,7 +123,7 @@ def _on_this_world(s: Any, world: int, gpus_per_node: int,
     its size. Otherwise (and for a malformed entry, which the parsers name) ``s`` as given."""
     if not elastic or not isinstance(s, Mapping):
         return s, ()
-    nodes = world // gpus_per_node if gpus_per_node > 0 else world
+    nodes = JobLayout(world, gpus_per_node).nodes      # parse_cluster has checked the shape
     limits = {"rank": world, "ranks": world, "nodes": nodes}
 
     def absent(e) -> str | None:

@@ -70,14 +70,24 @@ def kinds_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def given(a: argparse.Namespace, name: str) -> str | None:
+    """An option's value where it is not the default (for the replay line)."""
+    return None if getattr(a, name) == DEFAULTS[name] else getattr(a, name)
+
+
+#: the defaults of the options that change which schedule a seed draws
+DEFAULTS = {"kinds": ",".join(KINDS), "faults": "2-4"}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="malleus-chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", default="0-4", help="seeds: 3, 0-4 or 1,5,9 (default 0-4)")
     ap.add_argument("--world", type=int, default=4, help="ranks of the job (default 4)")
     ap.add_argument("--steps", type=int, default=36, help="steps of the job (default 36)")
-    ap.add_argument("--kinds", default=",".join(KINDS),
+    ap.add_argument("--kinds", default=DEFAULTS["kinds"],
                     help=f"fault kinds to draw from (default all: {','.join(KINDS)})")
-    ap.add_argument("--faults", default="2-4", help="faults per run, a range (default 2-4)")
+    ap.add_argument("--faults", default=DEFAULTS["faults"],
+                    help="faults per run, a range (default 2-4)")
     ap.add_argument("--out", default="chaos", help="folder for the runs (default ./chaos)")
     ap.add_argument("--json", help="also write the table and every schedule as JSON here")
     ap.add_argument("--against-stock", action="store_true",
@@ -130,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in rows if not r["ok"]]
     for r, sched in [(r, s) for r, s in zip(rows, scheds) if not r["ok"]]:
         print(f"seed {r['seed']} FAILED: " + "; ".join(r["broken"]))
-        print(f"  again: {replay_line(sched, a.world, a.steps)}"
+        again = replay_line(sched, a.world, a.steps, given(a, "kinds"), given(a, "faults"))
+        print(f"  again: {again}"
               + (" --against-stock" if a.against_stock else ""))
     if a.json:
         Path(a.json).write_text(json.dumps({"runs": rows, "faults_done": dict(done)},

@@ -197,9 +197,12 @@ class TwoNodes:
         return code
 
 
-def replay_line(sched: Schedule, world: int, steps: int) -> str:
-    """The command that runs this seed again."""
-    return f"malleus-chaos --seeds {sched.seed} --world {world} --steps {steps}"
+def replay_line(sched: Schedule, world: int, steps: int, kinds: str | None = None,
+                faults: str | None = None) -> str:
+    """The command that runs this seed again (with the campaign's ``--kinds`` and ``--faults``
+    where they were not the defaults: the same seed draws another schedule under others)."""
+    return f"malleus-chaos --seeds {sched.seed} --world {world} --steps {steps}" \
+        + (f" --kinds {kinds}" if kinds else "") + (f" --faults {faults}" if faults else "")
 
 
 def _mount(disk: Path, mb: int) -> bool:

@@ -29,3 +29,13 @@ def test_one_row_per_seed_and_per_kind():
 
 def test_seeds_are_numbers_and_ranges():
     assert seeds_of("3") == [3] and seeds_of("0-2,7") == [0, 1, 2, 7]
+
+
+def test_a_failing_seed_is_replayed_with_the_options_that_drew_it():
+    from malleus_ds.chaos.run import replay_line
+    from malleus_ds.chaos.schedule import draw
+
+    s = draw(7, 36, 4, faults=(4, 6))
+    assert replay_line(s, 4, 36) == "malleus-chaos --seeds 7 --world 4 --steps 36"
+    assert replay_line(s, 4, 36, "kill,freeze", "4-6") == \
+        "malleus-chaos --seeds 7 --world 4 --steps 36 --kinds kill,freeze --faults 4-6"

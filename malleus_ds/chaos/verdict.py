@@ -57,11 +57,16 @@ def attempts(rows: Sequence[dict]) -> list[list[int]]:
     return [a for a in out if a]
 
 
+#: the events whose ``seconds`` the ranks spent between steps: a plan switch, and a checkpoint
+#: save's blocking part (a rank frozen while the others save shows there, not in a step)
+BETWEEN_STEPS = ("migrate", "checkpoint", "checkpoint_failed")
+
+
 def pace(rows: Sequence[dict]) -> float | None:
     """Seconds a step of training: each step's last record (a step re-done after a restart
-    counts once, as it ran last) plus every plan switch's pause, over the steps counted. The
-    first step of each attempt is left out (start-up: a restarted run has more of them than a
-    run without deaths). None without a step to count."""
+    counts once, as it ran last) plus the seconds spent between steps (:data:`BETWEEN_STEPS`),
+    over the steps counted. The first step of each attempt is left out (start-up: a restarted
+    run has more of them than a run without deaths). None without a step to count."""
     starts = {a[0] for a in attempts(rows)}
     last: dict[int, float] = {}
     for r in rows:
@@ -70,7 +75,8 @@ def pace(rows: Sequence[dict]) -> float | None:
                 last.pop(r["step"], None)
             else:
                 last[r["step"]] = float(r["step_time_s"])
-    paused = sum(float(r.get("seconds", 0.0)) for r in rows if r.get("event") == "migrate")
+    paused = sum(float(r.get("seconds") or 0.0) for r in rows
+                 if r.get("event") in BETWEEN_STEPS)
     return (sum(last.values()) + paused) / len(last) if last else None
 
 

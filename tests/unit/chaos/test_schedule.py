@@ -48,6 +48,7 @@ def test_a_node_is_lost_only_from_an_even_world_of_four_and_never_with_a_sigterm
 
 def test_stock_meets_the_same_slowdowns_and_nothing_else():
     s = Schedule(4, 36, 4, (Fault("straggler", 3, 1, until=8, rate=3.0), Fault("kill", 5, 2),
+                            Fault("slow_link", 4, 0, until=7, rate=5.0, peer=1),
                             Fault("quota", 9, 0, until=12, rate=3.0),
                             Fault("freeze", 14, 1, seconds=1.0), Fault("disk_full", 20, until=24)))
     assert [f.kind for f in s.slowdowns().faults] == ["straggler", "quota", "freeze"]

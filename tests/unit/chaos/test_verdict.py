@@ -71,11 +71,13 @@ def test_the_pace_counts_each_step_once_as_it_last_ran_and_every_switch_pause():
 
     # step 0 starts the run (left out); steps 4-5 ran twice: the second time counts; the
     # restart's first step (4) is left out too
+    # a save's blocking part counts (a rank frozen while the others save shows there)
     rows = [step(0, 9.0), step(1, 1.0), step(2, 1.0),
+            {"event": "checkpoint", "step": 2, "seconds": 3.0},
             {"event": "migrate", "step": 3, "seconds": 2.0}, step(3, 1.0), step(4, 5.0),
             step(5, 5.0), {"event": "restart", "attempt": 1, "from_step": 4,
                            "torchrun_restarts": 1}, step(4, 7.0), step(5, 2.0)]
-    assert pace(rows) == (1.0 + 1.0 + 1.0 + 2.0 + 2.0) / 4
+    assert pace(rows) == (1.0 + 1.0 + 1.0 + 2.0 + 3.0 + 2.0) / 4
     assert pace([step(0, 1.0)]) is None
 
 

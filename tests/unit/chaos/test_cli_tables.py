@@ -39,3 +39,15 @@ def test_a_failing_seed_is_replayed_with_the_options_that_drew_it():
     assert replay_line(s, 4, 36) == "malleus-chaos --seeds 7 --world 4 --steps 36"
     assert replay_line(s, 4, 36, "kill,freeze", "4-6") == \
         "malleus-chaos --seeds 7 --world 4 --steps 36 --kinds kill,freeze --faults 4-6"
+
+
+def test_stock_is_compared_only_where_it_can_meet_the_same_slowdowns():
+    from malleus_ds.chaos.cli import comparable
+    from malleus_ds.chaos.schedule import Fault, Schedule
+
+    slow = Fault("straggler", 3, 1, until=8, rate=3.0)
+    assert comparable(Schedule(0, 36, 4, (slow, Fault("kill", 9, 2))))
+    assert not comparable(Schedule(0, 36, 4, (Fault("kill", 9, 2),)))         # nothing slowed
+    assert not comparable(Schedule(0, 36, 4, (slow, Fault("slow_link", 4, 0, until=7, rate=5.0,
+                                                           peer=1))))
+    assert not comparable(Schedule(0, 36, 4, (slow, Fault("node_loss", 5, 1, until=10))))

@@ -80,8 +80,8 @@ def script(sched: Schedule, run: Path, ck: Path, opts: Options,
     its overrides, without the launcher's (``nproc_per_node``, ``max_restarts``)."""
     strag = [{"rank": f.rank, "rate": f.rate, "start_step": f.step, "end_step": f.until}
              for f in sched.at_launch() if f.kind == "straggler"]
-    links = [{"ranks": [f.rank, f.peer], "rate": f.rate, "start_step": f.step,
-              "end_step": f.until} for f in sched.at_launch() if f.kind == "slow_link"]
+    links = [dict(_link_ends(sched, f.rank, f.peer), rate=f.rate, start_step=f.step,
+                  end_step=f.until) for f in sched.at_launch() if f.kind == "slow_link"]
     job = [a for a in JOB if not a.startswith("engine=")] + [f"engine={engine}"]
     batch = opts.global_batch_size or batch_of(sched)
     return [str(TRAIN), *job, f"train.steps={sched.steps}", f"train.global_batch_size={batch}",
@@ -89,6 +89,15 @@ def script(sched: Schedule, run: Path, ck: Path, opts: Options,
             "checkpoint.resume=auto", f"hang_timeout_s={opts.hang_timeout_s:g}",
             f"hydra.run.dir={run}", f"straggler.schedule={_literal(strag)}",
             f"straggler.link_schedule={_literal(links)}"]
+
+
+def _link_ends(sched: Schedule, a: int, b: int) -> dict:
+    """A slow link's ends as the job names them: two ranks of one node, or the two nodes of a
+    two-agent job (``straggler.link_schedule`` refuses ranks on different nodes)."""
+    per_node = sched.world // 2 if sched.two_nodes else sched.world
+    if a // per_node == b // per_node:
+        return {"ranks": [a, b]}
+    return {"nodes": sorted((a // per_node, b // per_node))}
 
 
 def command(sched: Schedule, run: Path, ck: Path, opts: Options,

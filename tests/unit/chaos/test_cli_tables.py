@@ -51,3 +51,18 @@ def test_stock_is_compared_only_where_it_can_meet_the_same_slowdowns():
     assert not comparable(Schedule(0, 36, 4, (slow, Fault("slow_link", 4, 0, until=7, rate=5.0,
                                                            peer=1))))
     assert not comparable(Schedule(0, 36, 4, (slow, Fault("node_loss", 5, 1, until=10))))
+
+
+def test_a_slow_link_across_the_two_nodes_of_a_lost_node_job_is_named_by_its_nodes(tmp_path):
+    """(seed 38 of the long campaign: ranks [3, 1] of a two-agent job were refused as a config
+    error on every rank)."""
+    from malleus_ds.chaos.run import Options, script
+    from malleus_ds.chaos.schedule import Fault, Schedule
+
+    link = Fault("slow_link", 19, 3, until=23, rate=5.0, peer=1)
+    two = Schedule(38, 36, 4, (Fault("node_loss", 14, 1, until=18), link))
+    one = Schedule(38, 36, 4, (link,))
+    arg = lambda s: next(a for a in script(s, tmp_path, tmp_path, Options())   # noqa: E731
+                         if a.startswith("straggler.link_schedule="))
+    assert arg(two) == 'straggler.link_schedule=[{nodes:[0, 1],rate:5.0,start_step:19,end_step:23}]'
+    assert arg(one) == 'straggler.link_schedule=[{ranks:[3, 1],rate:5.0,start_step:19,end_step:23}]'

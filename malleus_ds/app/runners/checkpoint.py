@@ -153,7 +153,14 @@ class Checkpointer:
         if reporter is not None and reporter.stop_signal:     # agreed by every rank
             from .guard import Stopped
 
-            self._must(done, write, reporter)   # the checkpoint named below is committed
+            try:
+                self._must(done, write, reporter)   # the checkpoint named below is committed
+            except CheckpointSaveError as e:
+                # the stop still stops (every rank learns the failure alike): an error here
+                # would have torchrun restart a job it was asked to end; the next run
+                # continues from the latest checkpoint and does the steps since again
+                reporter.close()
+                raise Stopped(reporter.stop_signal, done, unsaved=str(e)) from None
             reporter.close()
             raise Stopped(reporter.stop_signal, done,
                           str(Path(c.dir) / tag_of(done)) if c.enabled else None)

@@ -39,9 +39,15 @@ LAUNCHER_GONE = int(signal.SIGHUP)
 class Stopped(Exception):
     """Every rank stopped at the same step boundary after a signal (or its launcher's death)."""
 
-    def __init__(self, signum: int, step: int, checkpoint: str | None = None) -> None:
+    def __init__(self, signum: int, step: int, checkpoint: str | None = None,
+                 unsaved: str | None = None) -> None:
+        """``unsaved``: why the stop's own checkpoint could not be written (the error, which
+        names the latest checkpoint on disk); the stop happens all the same."""
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
         where = f"; checkpoint {checkpoint}" if checkpoint else ""
+        if unsaved:
+            where = f"; its checkpoint could not be written, so the next run continues from " \
+                    f"the latest one and does the steps since again: {unsaved}"
         why = (f"stopped after step {step}: the launcher exited without stopping the ranks"
                if signum == LAUNCHER_GONE else
                f"stopped by {signal.Signals(signum).name} after step {step}")

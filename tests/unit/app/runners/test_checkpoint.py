@@ -428,3 +428,31 @@ def test_a_failed_background_save_is_tried_again_by_the_next_one(tmp_path):
     assert (tmp_path / "latest").read_text() == "global_step6"
     assert [n["step"] for n in notes.lines if n["event"] == "checkpoint_failed"] == [4]
     assert [f["step"] for f in ck.summary()["failed_saves"]] == [4]
+
+
+def test_a_stop_whose_checkpoint_cannot_be_written_still_stops(tmp_path, monkeypatch):
+    """SIGTERM while the checkpoint disk is read-only (the long fault campaign's seed 27): the
+    stop's save fails its 3 tries, and the run stops all the same, saying which checkpoint the
+    next run continues from. (It raised CheckpointSaveError, and torchrun restarted the job it
+    had been asked to end.)"""
+    import signal
+
+    import malleus_ds.app.runners.checkpoint as ckmod
+    from malleus_ds.app.runners.guard import Stopped
+
+    monkeypatch.setattr(ckmod.time, "sleep", lambda s: None)
+    _save(tmp_path, 2)
+    c = cfg(checkpoint={"dir": str(tmp_path), "every": 0, "background": False},
+            train={"steps": 8})
+    ck, seen, notes = Checkpointer(c, DistEnv()), [], _Notes()
+    notes.stop_signal = signal.SIGTERM
+    notes.close = lambda: None
+    with pytest.raises(Stopped) as got:
+        ck.after_step(5, _flaky({5}, seen), notes)
+    assert seen == [5, 5, 5] and got.value.exit_code == 128 + signal.SIGTERM
+    assert got.value.checkpoint is None and got.value.step == 5
+    msg = str(got.value)
+    assert msg.startswith("stopped by SIGTERM after step 5; its checkpoint could not be written, "
+                          "so the next run continues from the latest one"), msg
+    assert "(3 tries; the latest checkpoint is " in msg and "global_step2" in msg
+    assert (tmp_path / "latest").read_text() == "global_step2"

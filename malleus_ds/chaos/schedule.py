@@ -28,9 +28,10 @@ None of these is fatal to the job as the campaign runs it (``max_restarts`` 4, a
 deaths a run, every model fits the survivors). What is fatal, and how the job says so (one line,
 exit code 1): more deaths than ``max_restarts`` (torchrun gives up: "the job failed after N
 restart(s)"); survivors of a lost node that cannot hold the model ("cannot hold the model",
-tests/integration/test_elastic_nodes.py); the save at the run's end or at a stop failing 3
-tries in a row (``CheckpointSaveError``, naming the latest checkpoint on disk; a periodic save
-that fails costs a warning and a retry).
+tests/integration/test_elastic_nodes.py); the save at the run's end failing 3 tries in a row
+(``CheckpointSaveError``, naming the latest checkpoint on disk; a periodic save that fails costs
+a warning and a retry, and a stop whose save fails stops all the same, naming the checkpoint
+the next run continues from).
 
 A ``node_loss`` needs an even world of 4 or more: the job then runs as two torchrun agents
 (``chaos/nodes.py``) and no ``sigterm`` is drawn with it (there is no one launcher to signal).

@@ -156,7 +156,6 @@ class TwoNodes:
         self.a = self.b = None
         self.lost: Fault | None = None
         self.returned = False
-        self.gone: list[subprocess.Popen] = []
 
     def start(self) -> None:
         self.a = start_agent(self.cmd, self.cwd, self.out / "job.log")
@@ -173,7 +172,6 @@ class TwoNodes:
         if self.lost is not None or self.b is None or self.b.poll() is not None:
             return Injection(f, note="the second node is not running")
         kill_tree(self.b)
-        self.gone.append(self.b)
         self.b, self.lost = None, f
         return Injection(f, done=True)
 

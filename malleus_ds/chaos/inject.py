@@ -20,12 +20,17 @@ from .schedule import Fault
 PLANNER = "malleus_ds.planner.worker"
 
 
+def _below(launchers: Sequence[int]) -> list[int]:
+    """Every process under any of ``launchers``."""
+    return [d for launcher in launchers for d in descendants(launcher)]
+
+
 def rank_process(launchers: Sequence[int], rank: int) -> int | None:
     """The training process of ``rank`` under ``launchers`` (one per node): ``RANK=<rank>`` in
     its environment and not the child of another such process (rank 0's planner inherits its
     environment)."""
     found = []
-    for pid in [d for launcher in launchers for d in descendants(launcher)]:
+    for pid in _below(launchers):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
@@ -37,7 +42,7 @@ def rank_process(launchers: Sequence[int], rank: int) -> int | None:
 
 
 def planner_process(launchers: Sequence[int]) -> int | None:
-    for pid in [d for launcher in launchers for d in descendants(launcher)]:
+    for pid in _below(launchers):
         if any(PLANNER in a for a in cmdline(pid)):
             return pid
     return None

@@ -94,6 +94,13 @@ def is_alive(pid: int, started: int | None) -> bool:
     return f is not None and f[0] != "Z" and (started is None or int(f[19]) == started)
 
 
+def is_stopped(pid: int, started: int | None) -> bool:
+    """``pid`` still names the process that started at ``started`` and is stopped (SIGSTOP, a
+    debugger: state T or t): it runs no thread, so nothing it hosts (a store) answers."""
+    f = _stat_fields(pid)
+    return f is not None and f[0] in ("T", "t") and (started is None or int(f[19]) == started)
+
+
 def is_running(pid: int) -> bool:
     """``pid`` exists and is not a zombie."""
     f = _stat_fields(pid)

@@ -16,6 +16,14 @@ every live rank prints it (which rank, step, phase, for how long), rank 0 append
 :data:`HANG_EXIT_CODE`, so a scheduler can restart the job from its last checkpoint. The other
 ranks also watch rank 0's tick, so a frozen rank 0 is reported too.
 
+The store itself can stop answering: with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (what a
+node that rejoins needs) it lives in rank 0's process, and a frozen rank 0 freezes it. Every
+rank's thread then finds no record to read, so each one counts how long the store has been
+silent; after ``hang_timeout_s`` it reports that (:meth:`Watchdog._store_lost_report`), ends a
+stopped peer on its own host, and exits like any other hang. A second thread judges that: a
+TCPStore call to a stopped host can block for good (``check`` waits past the client's timeout),
+and the thread inside it could never report.
+
 The process-group timeout (``comm_timeout_s``) stays the backstop for what this cannot see.
 The decision (:func:`find_stuck`) is pure and tested without processes.
 """
@@ -137,6 +145,9 @@ def format_hang(report: dict) -> str:
     wait = ", ".join(str(w["rank"]) for w in report.get("waiting", []))
     if report.get("gone"):        # Watchdog._gone_report: at once, not after hang_timeout_s
         return f"rank(s) gone: {stuck} — {report['reason']}; stopping the job"
+    if report.get("store_lost"):  # Watchdog._store_lost_report: no record could be read
+        return (f"hang: {report['reason']}" + (f"; stopped on this host: {stuck}" if stuck else "")
+                + "; stopping the job")
     return (f"hang: {stuck} — {report['reason']}; no progress for >= "
             f"{report['hang_timeout_s']} s (hang_timeout_s)"
             + (f"; ranks {wait} wait for it" if wait else "") + "; stopping the job")
@@ -159,16 +170,21 @@ class Watchdog:
         self._left = False        # this rank is exiting on a report: not itself a lost rank
         self._whoami = whoami()
         self._views: dict[int, RankView] = {}
+        self._store_ok_at = time.monotonic()    # when the store last answered this thread
         self._stop = threading.Event()
         self._fired = threading.Lock()      # one report per process: the thread's or the caller's
         self._thread = threading.Thread(target=self._run, name="malleus-watchdog", daemon=True)
+        self._judge = threading.Thread(target=self._watch_store, name="malleus-watchdog-store",
+                                       daemon=True)
 
     def key(self, r: int) -> str:
         return f"{self.prefix}/hb/{r}"
 
     def start(self) -> "Watchdog":
         self._publish()
+        self._store_ok_at = time.monotonic()
         self._thread.start()
+        self._judge.start()
         return self
 
     def stop(self) -> None:
@@ -177,8 +193,9 @@ class Watchdog:
         self._stop.set()
         # join before the process exits: a daemon thread left inside a store call while the
         # interpreter shuts down can abort the process after a run that succeeded
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
+        for t in (self._thread, self._judge):
+            if t.is_alive():
+                t.join(timeout=10)
         try:
             self._publish()
         except Exception:  # noqa: BLE001 - the store may be gone at exit
@@ -229,8 +246,18 @@ class Watchdog:
             try:
                 self._publish()
                 report = self._watch_all() if self.rank == 0 else self._watch_rank0()
-            except Exception:  # noqa: BLE001 - store unreachable: the job is ending anyway
+                self._store_ok_at = time.monotonic()
+            except Exception:  # noqa: BLE001 - store unreachable: _watch_store judges that
                 continue
+            if report is not None and not self._stop.is_set():
+                self._fire(report)
+                return
+
+    def _watch_store(self) -> None:
+        """The second thread: reports once the first has gone ``hang_timeout_s`` without a
+        round of store calls that all answered (it may be blocked inside one)."""
+        while not self._stop.wait(self.interval):
+            report = self._store_lost_report(time.monotonic())
             if report is not None and not self._stop.is_set():
                 self._fire(report)
                 return
@@ -299,6 +326,33 @@ class Watchdog:
                 "reason": "its process is gone (killed, out of memory or crashed)",
                 "hang_timeout_s": self.timeout}
 
+    def _store_lost_report(self, now: float) -> dict | None:
+        """The report once the store has not answered for ``hang_timeout_s`` (None before):
+        the process hosting it is stopped or gone, and no rank can read another's record.
+        Culprits: the ranks last seen on this host whose process is stopped (SIGSTOP), marked
+        frozen so :func:`end_frozen_peers` ends them (their launcher restarts the job);
+        elsewhere nobody can be named."""
+        from .procs import is_stopped
+
+        silent = now - self._store_ok_at
+        if silent < max(self.timeout, self.frozen_after) or self.hb.done:
+            return None
+        host = self._whoami.get("host")
+        stuck = [{"rank": r, "step": v.record.get("step"), "phase": v.record.get("phase"),
+                  "stalled_s": round(now - v.progress_at, 1), "frozen": True, "host": host,
+                  "pid": v.record["pid"], "started": v.record.get("started")}
+                 for r, v in sorted(self._views.items())
+                 if r != self.rank and v.record.get("host") == host and not v.record.get("done")
+                 and isinstance(v.record.get("pid"), int)
+                 and is_stopped(v.record["pid"], v.record.get("started"))]
+        addr = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        return {"event": "hang", "stuck": stuck, "waiting": [], "store_lost": True,
+                "reason": f"the job's store ({addr}) has not answered for {silent:.0f} s: the "
+                          f"process hosting it (rank 0's, with "
+                          f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1; else the launcher) is "
+                          f"stopped or gone",
+                "hang_timeout_s": self.timeout}
+
     def _watch_rank0(self) -> dict | None:
         if self.store.check([f"{self.prefix}/hang"]):
             return json.loads(self.store.get(f"{self.prefix}/hang"))
@@ -319,7 +373,8 @@ class Watchdog:
                 time.sleep(1.0)
         self._left = True
         try:            # the peers must not count this rank's exit as one more lost rank
-            self._publish()
+            if not report.get("store_lost"):       # else it would wait out the store's timeout
+                self._publish()
         except Exception:  # noqa: BLE001 - the store may be gone
             pass
         print(f"[malleus_ds] rank {self.rank}: {format_hang(report)}", file=sys.stderr,

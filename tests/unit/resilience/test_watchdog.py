@@ -1,5 +1,6 @@
 """The hung-rank watchdog's decision (pure) and its thread against an in-memory store."""
 import json
+import os
 import time
 
 import pytest
@@ -159,3 +160,84 @@ def test_the_report_says_where_a_frozen_rank_runs():
     rep = find_stuck(views, 100.0, hang_timeout_s=5, frozen_after_s=5)
     assert rep["stuck"] == [{"rank": 1, "step": 3, "phase": "forward/backward", "stalled_s": 20.0,
                              "frozen": True, "host": "h", "pid": 12, "started": 8}]
+
+
+class _Freezable:
+    """A store that stops answering when told (its host process SIGSTOPped): a call then blocks
+    until ``thaw`` (a TCPStore client's ``check`` to a stopped host blocks past its timeout)."""
+
+    def __init__(self):
+        import threading
+
+        import torch.distributed as dist
+
+        self.inner, self.frozen, self.thaw = dist.HashStore(), False, threading.Event()
+
+    def __getattr__(self, name):
+        fn = getattr(self.inner, name)
+
+        def call(*a, **k):
+            if self.frozen:
+                self.thaw.wait(120)
+                raise RuntimeError("store timeout (test)")
+            return fn(*a, **k)
+        return call
+
+
+def test_a_store_that_stops_answering_is_a_hang_and_a_stopped_host_on_this_host_is_ended():
+    """The long fault campaign's seed 45: rank 0 SIGSTOPped while it hosts the workers' store
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). No rank could read any record, so no watchdog
+    reported, for 400 s. Now every rank counts the store's silence: after hang_timeout_s it
+    reports, and a peer on rank 0's host ends the stopped process."""
+    import signal
+    import subprocess
+    import sys
+
+    from malleus_ds.resilience.procs import is_alive, start_time
+
+    host0 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    store, exits, dog = _Freezable(), [], None
+    try:
+        hb0 = Heartbeat()
+        hb0.beat("forward/backward", 13)
+        rank0 = Watchdog(store, 0, 2, 0.6, heartbeat=hb0, interval_s=0.05)
+        rank0._whoami = dict(rank0._whoami, pid=host0.pid, started=start_time(host0.pid))
+        rank0._publish()
+        reports = []
+        dog = Watchdog(store, 1, 2, 0.6, interval_s=0.05, exit=exits.append,
+                       heartbeat=Heartbeat(), on_hang=reports.append)
+        dog.start()
+        while 0 not in dog._views:             # it has seen rank 0's record (pid, host)
+            rank0._publish()                   # ticking: no ordinary report meanwhile
+            time.sleep(0.01)
+        os.kill(host0.pid, signal.SIGSTOP)
+        store.frozen = True
+        t0 = time.monotonic()
+        while not exits and time.monotonic() - t0 < 60:     # 0.6 s, but for a starved CPU
+            time.sleep(0.05)
+        assert exits == [HANG_EXIT_CODE], "the silent store was never reported"
+        assert reports[0]["store_lost"] and [x["rank"] for x in reports[0]["stuck"]] == [0]
+        host0.wait(timeout=30)
+        assert host0.returncode == -signal.SIGKILL, host0.returncode
+        assert not is_alive(host0.pid, None)
+    finally:
+        store.thaw.set()
+        if dog is not None:
+            dog.stop()
+        if host0.poll() is None:
+            host0.kill()
+            host0.wait()
+
+
+def test_the_silent_store_report_reads_as_one_line_and_names_nobody_elsewhere():
+    store, dog = _Freezable(), None
+    dog = Watchdog(store, 2, 4, 30.0, interval_s=0.05, heartbeat=Heartbeat())
+    dog._views[0] = RankView({"tick": 3, "progress": 5, "step": 13, "phase": "all-reduce",
+                              "host": "another-host", "pid": 1, "started": 1}, 0.0, 0.0)
+    now = dog._store_ok_at
+    assert dog._store_lost_report(now + 29.0) is None
+    rep = dog._store_lost_report(now + 31.0)
+    assert rep["stuck"] == [] and rep["store_lost"]
+    line = format_hang(rep)
+    assert line.startswith("hang: the job's store (") and "has not answered for 31 s" in line
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line and line.endswith("stopping the job")

@@ -233,6 +233,7 @@ def _last_step(rows: list[dict]) -> int:
 def run_one(sched: Schedule, out: Path, reference: list[float], opts: Options = Options(),
             say=print, engine: str = "malleus") -> tuple[Verdict, list[Injection]]:
     """Run ``sched`` in ``out`` (a fresh folder) on ``engine`` and judge it."""
+    out = out.resolve()     # the launchers run in ``out``: a relative path would nest there
     out.mkdir(parents=True, exist_ok=True)
     run, disk = out / "run", out / "disk"
     mounted = _mount(disk, opts.disk_mb)

@@ -4,6 +4,8 @@ on one machine, judged by the campaign's own invariants (``malleus_ds/chaos/verd
 long campaign's numbers are in bench/RESULTS.md."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from malleus_ds.chaos.run import Options, run_one
@@ -33,12 +35,13 @@ def _reference():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_a_short_campaign_keeps_every_invariant(case, tmp_path):
+def test_a_short_campaign_keeps_every_invariant(case, tmp_path, monkeypatch):
     sched = Schedule(0, STEPS, WORLD, CASES[case])
     said: list[str] = []
+    monkeypatch.chdir(tmp_path)     # a relative folder, as `malleus-chaos --out chaos` gives
     # a 20 s hang timeout: a rank of a loaded machine may go 12 s (the campaign's) without a
     # step, and then the watchdog would count a healthy rank as hung
-    v, done = run_one(sched, tmp_path / case, _reference(),
+    v, done = run_one(sched, Path(case), _reference(),
                       Options(hang_timeout_s=20.0, budget_s=300), say=said.append)
     log = (tmp_path / case / "job.log").read_text()
     assert v.ok, "\n".join(sched.lines() + said + v.broken) + "\n" + log[-3000:]

@@ -2,10 +2,12 @@
 own commands, ``tests/test_readme_commands.py``) starts processes and is marked
 ``integration``; ``tests/unit/`` starts none (the planner worker of the adaptive loop aside:
 it is the loop's own process). ``slow``: a single test that takes 20 s or more on 2 cores.
-``alone``: a test that starts processes and reads timings (rates, detection, deadlines, a
-throttled link): ``scripts/test.sh`` runs it with the cores to itself. Every integration test is
-``alone`` unless its file is in :data:`SHARE_CORES` (it checks values: losses, parameters,
-files, messages), so a new test runs alone until someone says it need not.
+``alone``: a test that starts processes and reads timings (rates, detection, a throttled
+link): ``scripts/test.sh`` runs it with the cores to itself. ``patient``: a test of
+:data:`PATIENT_FILES` (deaths, deadlines, restarts), run one at a time beside the shared pass.
+Every integration test is ``alone`` unless its file is in :data:`SHARE_CORES` (it checks values:
+losses, parameters, files, messages) or :data:`PATIENT_FILES`, so a new test runs alone until
+someone says it need not.
 
     pytest -n 2 tests/unit                 # the fast part while working (about 1.5 min on 2 cores)
     pytest -m "not slow"                   # everything but the slowest tests
@@ -49,6 +51,16 @@ ALONE_TESTS = frozenset({"test_demo_twin_compares_deepspeed_and_malleus",
                          "test_a_slowed_rank_gets_fewer_samples_and_the_trainer_stays_stocks"})
 
 
+#: integration test files that wait on deaths, deadlines and restarts but read no rates: their
+#: bounds hold on a loaded machine (the watchdog's hang timeout, the switch agreement's deadline,
+#: the campaign's budgets), and they leave most of the CPU idle while they wait, so
+#: scripts/test.sh runs them one at a time beside the shared pass (marked ``patient``, not
+#: ``alone``)
+PATIENT_FILES = frozenset({
+    "test_elastic_nodes.py", "test_chaos.py", "test_migration_failures.py", "test_guards.py",
+    "test_restart_parts.py", "test_watchdog.py", "test_harness.py", "test_launcher_watch.py",
+    "test_checkpoint_write_kill.py", "test_cpu_compete.py",
+})
 #: what the shared pass starts first: pytest-xdist (--dist loadfile) hands out whole files in
 #: collection order, so the longest file goes first and never runs alone at the end
 FIRST_FILES = ("test_readme_commands.py",)
@@ -59,6 +71,8 @@ def pytest_collection_modifyitems(config, items):
         p = Path(str(item.fspath)).resolve()
         if any(p == q or q in p.parents for q in _INTEGRATION):
             item.add_marker(pytest.mark.integration)
-            if p.name not in SHARE_CORES or item.originalname in ALONE_TESTS:
+            if p.name in PATIENT_FILES:
+                item.add_marker(pytest.mark.patient)
+            elif p.name not in SHARE_CORES or item.originalname in ALONE_TESTS:
                 item.add_marker(pytest.mark.alone)
     items.sort(key=lambda it: Path(str(it.fspath)).name not in FIRST_FILES)   # stable

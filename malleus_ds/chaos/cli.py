@@ -11,7 +11,7 @@ kind (done, not done, the runs it was in, how many of those failed), and for eac
 what broke and the command that runs it again. With ``--against-stock`` each seed that slows a
 rank also runs under stock DeepSpeed (``engine=deepspeed``) with the same slowdowns, and its
 pace must be at least ``--min-pace`` x stock's (not a seed with a slow link or a lost node,
-:func:`comparable`). Exit status 1 when a seed failed.
+``Schedule.comparable``). Exit status 1 when a seed failed.
 """
 from __future__ import annotations
 
@@ -71,14 +71,6 @@ def kinds_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def comparable(sched) -> bool:
-    """Whether stock DeepSpeed can run ``sched``'s slowdowns as they hit this job: it slows a
-    rank, has no slow link (engine=deepspeed has no slow-link emulation) and loses no node (the
-    job then runs a while on half the ranks, another job's pace on a shared CPU)."""
-    return bool(sched.slowdowns().faults) and not sched.count("slow_link") \
-        and not sched.two_nodes
-
-
 def given(a: argparse.Namespace, name: str) -> str | None:
     """An option's value where it is not the default (for the replay line)."""
     return None if getattr(a, name) == DEFAULTS[name] else getattr(a, name)
@@ -126,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(a.out) / f"seed{sched.seed}"
         opts = Options(global_batch_size=batch_of(sched))
         v, injections = run_one(sched, out, reference(sched, opts), opts, say=say)
-        if a.against_stock and comparable(sched):
+        if a.against_stock and sched.comparable:
             say(f"  seed {sched.seed}: stock DeepSpeed under the same slowdowns")
             run_one(sched.slowdowns(), Path(a.out) / f"seed{sched.seed}-stock",
                     reference(sched, opts), opts, say=say, engine="deepspeed")

@@ -102,10 +102,11 @@ def _link_ends(sched: Schedule, a: int, b: int) -> dict:
 
 def command(sched: Schedule, run: Path, ck: Path, opts: Options,
             engine: str = "malleus") -> list[str]:
-    """The job's command line for ``sched`` under the app's own launcher."""
+    """The job's command line for ``sched`` under the app's own launcher: :func:`script` with
+    the launcher's overrides first (Hydra reads overrides in any order)."""
     train, *args = script(sched, run, ck, opts, engine)
-    return [sys.executable, train, *args[:len(JOB)], f"nproc_per_node={sched.world}",
-            f"max_restarts={opts.max_restarts}", *args[len(JOB):]]
+    return [sys.executable, train, f"nproc_per_node={sched.world}",
+            f"max_restarts={opts.max_restarts}", *args]
 
 
 class OneLauncher:

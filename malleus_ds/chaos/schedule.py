@@ -121,6 +121,15 @@ class Schedule:
         """The job runs as two torchrun agents (a node is lost)."""
         return any(f.kind == "node_loss" for f in self.faults)
 
+    @property
+    def comparable(self) -> bool:
+        """Whether stock DeepSpeed can run this schedule's slowdowns as they hit the job: it
+        slows a rank, has no slow link (engine=deepspeed has no slow-link emulation) and loses
+        no node (the job then runs a while on half the ranks, another job's pace on a shared
+        CPU)."""
+        return bool(self.slowdowns().faults) and not self.count("slow_link") \
+            and not self.two_nodes
+
     def slowdowns(self) -> "Schedule":
         """The same schedule with only its :data:`SLOWDOWNS` (what the stock run meets)."""
         return Schedule(self.seed, self.steps, self.world,

@@ -42,8 +42,10 @@ def test_a_failing_seed_is_replayed_with_the_options_that_drew_it():
 
 
 def test_stock_is_compared_only_where_it_can_meet_the_same_slowdowns():
-    from malleus_ds.chaos.cli import comparable
     from malleus_ds.chaos.schedule import Fault, Schedule
+
+    def comparable(s):
+        return s.comparable
 
     slow = Fault("straggler", 3, 1, until=8, rate=3.0)
     assert comparable(Schedule(0, 36, 4, (slow, Fault("kill", 9, 2))))
@@ -66,3 +68,16 @@ def test_a_slow_link_across_the_two_nodes_of_a_lost_node_job_is_named_by_its_nod
                          if a.startswith("straggler.link_schedule="))
     assert arg(two) == 'straggler.link_schedule=[{nodes:[0, 1],rate:5.0,start_step:19,end_step:23}]'
     assert arg(one) == 'straggler.link_schedule=[{ranks:[3, 1],rate:5.0,start_step:19,end_step:23}]'
+
+
+def test_the_launcher_command_is_every_rank_s_script_with_the_launcher_s_overrides():
+    from pathlib import Path
+
+    from malleus_ds.chaos.run import Options, command, script
+    from malleus_ds.chaos.schedule import Fault, Schedule
+
+    sched = Schedule(3, 12, 2, (Fault("straggler", 2, 1, until=6, rate=3.0),))
+    ranks = script(sched, Path("run"), Path("ck"), Options(max_restarts=5), "deepspeed")
+    cmd = command(sched, Path("run"), Path("ck"), Options(max_restarts=5), "deepspeed")
+    assert cmd[1] == ranks[0] and cmd[2:4] == ["nproc_per_node=2", "max_restarts=5"]
+    assert cmd[4:] == ranks[1:] and "engine=deepspeed" in cmd and "engine=malleus" not in cmd

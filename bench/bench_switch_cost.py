@@ -16,10 +16,12 @@ switches, each followed by five timed steps:
 4. ``B -> A``, back to the earlier layout.
 
 After the rounds it switches through three more layouts (pipelines 0|2 and 1|3: none holds A's
-sets) and back to A, which must then create A's groups afresh (A is no longer among the last 3). It prints, per kind: the switch's pause
-(``MigrationReport.seconds``, max over ranks; median over rounds), bytes moved, groups created
-(``GroupCache.created`` and torch's own ``_world.group_count``, which must agree), and the first
-step after the switch over the median of the next three (the warm-up), median over rounds.
+sets) and back to A, which must then create A's groups afresh (A is no longer among the last 3).
+It prints, per kind: the switch's pause (``MigrationReport.seconds``, max over ranks; median
+over rounds), bytes moved, groups created (``GroupCache.created`` and torch's own
+``_world.group_count``, which must agree), and the first step after the switch over the median
+of the next three (the warm-up) beside the same ratio one step later (the noise), medians over
+the switches of a kind; and each kind's pause by phase.
 """
 from __future__ import annotations
 

@@ -24,12 +24,12 @@ of a layout (its TP group and the replica sets of the layers it holds), so keepi
 layouts' costs it at most three times the communicators of one. A switch that finds its groups
 cached does not pay their creation: ``communicators_s`` in ``replay/costs.py``, 5 s at 2,048
 GPUs (MegaScale), against the pause of a switch that moves nothing, a few tens of milliseconds
-on 4 CPU ranks (bench/RESULTS.md, session 33). A straggler's arrival and its recovery are two switches whose
-second goes back to the first's layout, and a flapping GPU makes the same pair again and
-again, so the previous layouts are the ones worth keeping; three of them (the running one and
-two before it) cover a straggler and its recovery, and a second straggler arriving before the
-first recovered, while bounding the groups alive at once to those of three layouts plus the
-singletons (plus any other live engine's), however many switches a run makes.
+on 4 CPU ranks (bench/RESULTS.md, session 33). A straggler's arrival and its recovery are two
+switches whose second goes back to the first's layout, and a flapping GPU makes the same pair
+again and again, so the previous layouts are the ones worth keeping; three of them (the running
+one and two before it) cover a straggler and its recovery, and a second straggler arriving
+before the first recovered, while bounding the groups alive at once to those of three layouts
+plus the singletons (plus any other live engine's), however many switches a run makes.
 """
 from __future__ import annotations
 

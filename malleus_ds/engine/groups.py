@@ -15,12 +15,12 @@ during a step: nothing else in malleus_ds creates a group, and DeepSpeed's base 
 switches).
 
 Lifetime rule (a group is destroyed at a switch boundary unless one of these uses it; the rule
-itself, its reason and its memory-for-time trade are in ``malleus_ds/rank_groups.py``, which the
-replay applies too):
+itself, its reason and its memory-for-time trade are in ``group_sets.py``, pure rank-set
+arithmetic that the replay applies too):
 
 * the running plan of every live engine: each engine *holds* its plan's sets (``hold`` at build,
   ``release_unused(..., owner=engine)`` at each switch replaces the holding);
-* the sets of the last ``rank_groups.RECENT_PLANS`` distinct layouts held (``hold`` records
+* the sets of the last ``group_sets.RECENT_PLANS`` distinct layouts held (``hold`` records
   each), so that a switch back to a recent layout creates no group;
 * an engine dropped on some rank but not yet on all (garbage collection runs at different times
   on different ranks): its holding stays until ``release_unused`` agrees, with one small
@@ -51,8 +51,8 @@ from typing import Iterable
 
 from ..layout import RankSet, owner_holders, sync_rank_sets  # noqa: F401 - re-exported
 from ..plan import Plan
-from ..rank_groups import RecentSets, doomed, missing, norm, order
-from ..rank_groups import plan_rank_sets, tp_rank_sets  # noqa: F401 - re-exported
+from .group_sets import RecentSets, doomed, missing, norm, order
+from .group_sets import plan_rank_sets, tp_rank_sets  # noqa: F401 - re-exported
 
 #: The stage holding ``layer`` in each pipeline (EMBED: first stages, HEAD: last stages).
 layer_holders = owner_holders
@@ -75,7 +75,7 @@ class GroupCache:
     def __init__(self) -> None:
         self._groups: dict[RankSet, object] = {}
         self._owners: list[tuple[weakref.ref, frozenset[RankSet]]] = []   # registration order
-        self._recent = RecentSets()         # the last layouts held (rank_groups.py)
+        self._recent = RecentSets()         # the last layouts held (group_sets.py)
         self._world = None          # the default group the cached groups belong to
         self.created = 0            # new_group calls made by this cache
         self.destroyed = 0          # destroy_process_group calls made by this cache

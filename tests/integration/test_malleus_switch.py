@@ -255,7 +255,7 @@ def test_fifty_switches_grow_neither_groups_nor_memory():
     for counts, _loss in res:
         (g1, t1, e1, c1), (g2, t2, e2, c2) = counts
         assert g1 == g2, f"process groups grew {g1} -> {g2}"
-        # back and forth between two layouts: the groups of both stay (rank_groups.py)
+        # back and forth between two layouts: the groups of both stay (group_sets.py)
         assert c1 == c2, f"switches back to a recent layout created {c2 - c1} groups"
         assert t2 <= t1 and e2 <= e1, f"live tensors grew: {t1} -> {t2}, bytes {e1} -> {e2}"
 

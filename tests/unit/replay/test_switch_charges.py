@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from malleus_ds.problem import Problem
-from malleus_ds.rank_groups import GroupMirror
+from malleus_ds.engine.group_sets import GroupMirror
 from malleus_ds.replay.costs import MigrationCost, keeps_buffers
 from malleus_ds.replay.job import problem_job
-from tests.unit.test_rank_groups import layouts
+from tests.unit.test_group_sets import layouts
 
 from .test_run import MEMORY
 

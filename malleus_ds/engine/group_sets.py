@@ -1,5 +1,6 @@
 """The rank sets a plan talks over, and how long their process groups live: pure rank-set
-arithmetic, no torch, no processes.
+arithmetic, no torch, no processes (``malleus_ds/engine/__init__.py`` imports nothing, so the
+replay imports this module without the engine's dependencies).
 
 The engine's :class:`~malleus_ds.engine.groups.GroupCache` turns these sets into process groups
 and applies the lifetime rule below with ``new_group`` / ``destroy_process_group``; the
@@ -35,8 +36,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .layout import RankSet, sync_rank_sets
-from .plan import Plan
+from ..layout import RankSet, sync_rank_sets
+from ..plan import Plan
 
 #: how many distinct layouts' groups a switch keeps, the running one included (module doc)
 RECENT_PLANS = 3

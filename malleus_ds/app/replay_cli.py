@@ -78,8 +78,9 @@ def _replay_parser(prog: str) -> argparse.ArgumentParser:
                     "defaults")
     ap.add_argument("--switch-costs", default="",
                     help="a live switch's terms, k=v,...: network_gbps, nvlink_gbps (per GPU, "
-                         "one direction), communicators_s, warmup_steps (default: H100/H200, "
-                         "docs/TRACES.md)")
+                         "one direction), communicators_s (where new groups), warmup_steps "
+                         "(where buffers change), warmup_kept_steps, fixed_s (default: "
+                         "H100/H200, docs/TRACES.md)")
     ap.add_argument("--restart-costs", default="",
                     help="a restart's seconds, k=v,...: save_s, transform_s, init_s, load_s "
                          "(default: docs/TRACES.md)")

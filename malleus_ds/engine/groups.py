@@ -14,10 +14,14 @@ during a step: nothing else in malleus_ds creates a group, and DeepSpeed's base 
 (tests/integration/test_group_lifetime.py checks torch's own group counter across build, steps and
 switches).
 
-Lifetime rule (a group is destroyed at a switch boundary unless one of these uses it):
+Lifetime rule (a group is destroyed at a switch boundary unless one of these uses it; the rule
+itself, its reason and its memory-for-time trade are in ``group_sets.py``, pure rank-set
+arithmetic that the replay applies too):
 
 * the running plan of every live engine: each engine *holds* its plan's sets (``hold`` at build,
   ``release_unused(..., owner=engine)`` at each switch replaces the holding);
+* the sets of the last ``group_sets.RECENT_PLANS`` distinct layouts held (``hold`` records
+  each), so that a switch back to a recent layout creates no group;
 * an engine dropped on some rank but not yet on all (garbage collection runs at different times
   on different ranks): its holding stays until ``release_unused`` agrees, with one small
   all-reduce over the registered engines, that every rank dropped it. The cache must stay the
@@ -37,15 +41,18 @@ Destruction: ``torch.distributed.destroy_process_group(group)`` for each unused 
 sorted order on every rank (it is not collective in torch, but NCCL's communicator teardown can
 be, so the order is fixed anyway). A destroyed set that a later plan needs is simply created
 again by the next ``ensure`` (torch names it afresh). So the live count is bounded by the sets
-of the running plans plus ``world_size``, however many switches a run makes.
+of the running plans and of the recent layouts plus ``world_size``, however many switches a run
+makes.
 """
 from __future__ import annotations
 
 import weakref
 from typing import Iterable
 
-from ..layout import RankSet, owner_holders, sync_rank_sets
+from ..layout import RankSet, owner_holders, sync_rank_sets  # noqa: F401 - re-exported
 from ..plan import Plan
+from .group_sets import RecentSets, doomed, missing, norm, order
+from .group_sets import plan_rank_sets, tp_rank_sets  # noqa: F401 - re-exported
 
 #: The stage holding ``layer`` in each pipeline (EMBED: first stages, HEAD: last stages).
 layer_holders = owner_holders
@@ -62,32 +69,13 @@ def check_world(plan: Plan, world: int) -> None:
                         f"plan made for {world}")
 
 
-def tp_rank_sets(plan: Plan) -> set[RankSet]:
-    return {tuple(sorted(s.ranks)) for p in plan.pipelines for s in p.stages if s.tp > 1}
-
-
-def _order(rs: RankSet) -> tuple:
-    return (len(rs), rs)
-
-
-def _norm(rank_sets: Iterable[Iterable[int]]) -> set[RankSet]:
-    return {tuple(sorted(s)) for s in rank_sets}
-
-
-def plan_rank_sets(plan: Plan, world_size: int) -> list[RankSet]:
-    """All sets ``MalleusEngine`` needs for ``plan``, in creation order: TP groups, sync groups
-    and one singleton per rank (the 1-rank "data parallel group" handed to the DeepSpeed base
-    engine; why every rank makes all of them: the module docstring)."""
-    sets = sync_rank_sets(plan) | tp_rank_sets(plan) | {(r,) for r in range(world_size)}
-    return sorted(sets, key=_order)
-
-
 class GroupCache:
     """Process groups keyed by sorted rank tuple, created and destroyed in one global order."""
 
     def __init__(self) -> None:
         self._groups: dict[RankSet, object] = {}
         self._owners: list[tuple[weakref.ref, frozenset[RankSet]]] = []   # registration order
+        self._recent = RecentSets()         # the last layouts held (group_sets.py)
         self._world = None          # the default group the cached groups belong to
         self.created = 0            # new_group calls made by this cache
         self.destroyed = 0          # destroy_process_group calls made by this cache
@@ -99,6 +87,7 @@ class GroupCache:
         if world is not self._world:
             self._groups.clear()
             self._owners.clear()
+            self._recent.clear()
             self._world = world
 
     def ensure(self, rank_sets: Iterable[Iterable[int]]) -> None:
@@ -106,7 +95,7 @@ class GroupCache:
         import torch.distributed as dist
 
         self._same_world(dist)
-        for rs in sorted(_norm(rank_sets) - set(self._groups), key=_order):
+        for rs in missing(self._groups, rank_sets):
             self._groups[rs] = dist.new_group(list(rs))
             self.created += 1
 
@@ -126,17 +115,19 @@ class GroupCache:
 
     def sets(self) -> list[RankSet]:
         """The cached rank sets, in creation order."""
-        return sorted(self._groups, key=_order)
+        return sorted(self._groups, key=order)
 
     def hold(self, owner, rank_sets: Iterable[Iterable[int]]) -> None:
         """``owner`` (an engine; kept by weak reference) uses exactly ``rank_sets`` from now on,
-        replacing what it held. Not collective, but every rank must make the same calls."""
-        sets = frozenset(_norm(rank_sets))
-        missing = sorted(sets - set(self._groups), key=_order)
-        if missing:
-            raise KeyError(f"GroupCache.hold: no process group for ranks {list(missing[0])} "
-                           f"({len(missing)} sets missing); GroupCache.ensure must create them "
+        replacing what it held; its layout becomes the most recent one. Not collective, but
+        every rank must make the same calls."""
+        sets = frozenset(norm(rank_sets))
+        absent = missing(self._groups, sets)
+        if absent:
+            raise KeyError(f"GroupCache.hold: no process group for ranks {list(absent[0])} "
+                           f"({len(absent)} sets missing); GroupCache.ensure must create them "
                            f"on every rank first")
+        self._recent.held(sets)
         for i, (ref, _) in enumerate(self._owners):
             if ref() is owner:
                 self._owners[i] = (ref, sets)
@@ -156,16 +147,16 @@ class GroupCache:
         ``owner`` are registered, none otherwise."""
         import torch.distributed as dist
 
-        keep = _norm(keep_sets)
+        keep = norm(keep_sets)
         if owner is not None:
             self.hold(owner, keep)          # raises, on every rank, before any collective
         self._forget_dropped(owner, device, dist)
-        used = keep.union(*(sets for _, sets in self._owners))
-        doomed = sorted((rs for rs in self._groups if rs not in used and len(rs) > 1), key=_order)
-        for rs in doomed:
+        used = keep.union(self._recent.sets(), *(sets for _, sets in self._owners))
+        gone = doomed(self._groups, used)
+        for rs in gone:
             dist.destroy_process_group(self._groups.pop(rs))
             self.destroyed += 1
-        return doomed
+        return gone
 
     def _forget_dropped(self, owner, device, dist) -> None:
         """Unregister the engines (other than ``owner``) that every rank has dropped."""

@@ -1,17 +1,33 @@
 """What a switch and a restart cost a replayed job, term by term, each number with its source.
 
-**A live switch** (the ``malleus`` policy) pauses the job at a step boundary for
+**A live switch** (the ``malleus`` policy) pauses the job at a step boundary for what the
+engine pays for it, term by term (each measured: bench/RESULTS.md, session 33):
 
 1. ``transfer``: the real transfer plan of the switch (``migrate/transfer.py``: who sends which
    slice to whom; every byte a GPU newly holds arrives once, the lower bound). Each GPU sends
    and receives its part over its own links at once, so the transfer takes the slowest GPU's
    ``max(sent, received)`` over the inter-node network plus ``max(sent, received)`` over
-   NVLink to GPUs of its own node;
-2. ``communicators``: creating the new plan's process groups (NCCL communicators);
+   NVLink to GPUs of its own node; a switch that moves no bytes (one that only re-splits the
+   micro-batches) has none;
+2. ``communicators``: creating process groups (NCCL communicators), charged only where the
+   new plan needs rank sets the job does not hold: the engine caches its groups by rank set
+   and keeps those of its recent layouts (``engine/group_sets.py``; the replay follows the same rule
+   with ``engine/group_sets.GroupMirror`` and passes what it holds as ``held``), so a re-split or a
+   switch back to a recent layout creates none;
 3. ``warmup``: the first step under the new plan, slower than the next ones (its buffers
-   allocated and first touched; up to 1.5x on our engine, ``adaptive/pace_check.py``), charged
-   as ``warmup_steps`` of its step time. The decision's broadcast rides in a step's all-reduce
-   and costs nothing measurable.
+   allocated and first touched, new shapes met; up to 1.5x on our engine,
+   ``adaptive/pace_check.py``), charged as ``warmup_steps`` of its step time where buffers
+   change: some rank holds another stage (layers, TP group) or the stages' rank sets differ
+   (gradient buckets and ZeRO partitions follow them). A switch that keeps every pipeline's
+   stages and changes only micro-batch counts (:func:`keeps_buffers`) runs the same kernels
+   on the same shapes in the same buffers, and is charged ``warmup_kept_steps`` (0: measured
+   on the engine, session 33);
+4. ``fixed``: what every switch costs besides (validation, the runtime's rebuild, the
+   agreement), ``fixed_s``: 0 at cluster scale (not measured there; on 4 CPU ranks a switch
+   that moves nothing pauses for a few tens of milliseconds, session 33); a ``--from-run``
+   replay fits it to the run's own switches (``run_costs.py``).
+
+The decision's broadcast rides in a step's all-reduce and costs nothing measurable.
 
 **A restart** (the ``restart`` policy) stops the job and starts it again under the new plan:
 checkpoint save, conversion to a layout-free (universal) checkpoint, process-group start-up,
@@ -26,6 +42,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..plan import Plan
+from ..engine.group_sets import plan_rank_sets
+
+
+def keeps_buffers(old: Plan, new: Plan) -> bool:
+    """Does the switch ``old`` -> ``new`` keep every rank's buffers (module doc, term 3): the
+    same pipelines' stages (layers and ranks, pipelines in any order), only micro-batch counts
+    changed?"""
+    def stages(p: Plan):
+        return sorted(tuple((s.layers, s.ranks) for s in p_.stages) for p_ in p.pipelines)
+    return stages(old) == stages(new)
 
 
 @dataclass(frozen=True)
@@ -64,14 +90,18 @@ class MigrationCost:
 
     network_gbps: float = 48.0      # one 400 Gb/s NDR NIC per GPU: 46-49 GB/s achieved
     nvlink_gbps: float = 370.0      # NCCL's effective NVLink 4 bandwidth per GPU
-    communicators_s: float = 5.0    # the new plan's process groups (MegaScale, 2,048 GPUs)
+    communicators_s: float = 5.0    # new process groups, where any (MegaScale, 2,048 GPUs)
     warmup_steps: float = 0.5       # the first step after a switch runs up to 1.5x its time
+    warmup_kept_steps: float = 0.0  # ...after one that keeps every buffer (a re-split)
+    fixed_s: float = 0.0            # every switch (a --from-run replay fits it)
 
     def check(self, flag: str = "--switch-costs") -> None:
         rules = (("network_gbps", self.network_gbps > 0, "> 0 (GB/s)"),
                  ("nvlink_gbps", self.nvlink_gbps > 0, "> 0 (GB/s)"),
                  ("communicators_s", self.communicators_s >= 0, ">= 0 (seconds)"),
-                 ("warmup_steps", self.warmup_steps >= 0, ">= 0 (steps)"))
+                 ("warmup_steps", self.warmup_steps >= 0, ">= 0 (steps)"),
+                 ("warmup_kept_steps", self.warmup_kept_steps >= 0, ">= 0 (steps)"),
+                 ("fixed_s", self.fixed_s >= 0, ">= 0 (seconds)"))
         for name, ok, need in rules:
             if not ok:     # NaN fails every comparison
                 raise ValueError(f"{flag}: {name}={getattr(self, name)!r} must be {need}")
@@ -80,9 +110,11 @@ class MigrationCost:
     def parse(text: str) -> "MigrationCost":
         return _parse(MigrationCost, text, "--switch-costs")
 
-    def of_switch(self, spec, old: Plan, new: Plan, new_step_s: float) -> Migration:
+    def of_switch(self, spec, old: Plan, new: Plan, new_step_s: float,
+                  held=None) -> Migration:
         """The switch from ``old`` to ``new`` of the job ``spec`` (a ``JobSpec``), whose first
-        step under ``new`` takes ``new_step_s`` seconds."""
+        step under ``new`` takes ``new_step_s`` seconds. ``held``: the rank sets whose groups
+        the job holds at the switch (``GroupMirror.live``; None: ``old``'s only)."""
         from ..migrate.transfer import Layout, transfer_plan
 
         tp = transfer_plan(Layout(old, spec.zero_stage), Layout(new, spec.zero_stage),
@@ -100,10 +132,16 @@ class MigrationCost:
         nvl = self.nvlink_gbps * 1e9
         transfer = max((max(sent[r][0], recv[r][0]) / net + max(sent[r][1], recv[r][1]) / nvl
                         for r in range(n)), default=0.0)
-        warm = self.warmup_steps * new_step_s
-        terms = {"transfer_s": round(transfer, 4), "communicators_s": self.communicators_s,
-                 "warmup_s": round(warm, 4)}
-        return Migration(tp.bytes, transfer + self.communicators_s + warm, terms)
+        if held is None:
+            held = plan_rank_sets(old, n)
+        new_sets = set(plan_rank_sets(new, n)) - set(held)
+        comm = self.communicators_s if new_sets else 0.0
+        kept = keeps_buffers(old, new)
+        warm = (self.warmup_kept_steps if kept else self.warmup_steps) * new_step_s
+        terms = {"transfer_s": round(transfer, 4), "communicators_s": comm,
+                 "warmup_s": round(warm, 4), "fixed_s": self.fixed_s,
+                 "new_groups": len(new_sets), "buffers_kept": kept}
+        return Migration(tp.bytes, transfer + comm + warm + self.fixed_s, terms)
 
 
 @dataclass(frozen=True)

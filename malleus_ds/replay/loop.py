@@ -25,7 +25,9 @@ tests drive it (``tests/unit/adaptive/test_loop_synthetic.py``):
   on this machine (a slow plan arrives late, while the job trains on under the old plan).
 * **Deciding** is the loop's own cost-aware rule, with the loop's own migration prediction.
 * **Switching** pauses the job for the seconds ``costs.MigrationCost`` gives the real transfer
-  plan of the switch; the loop is told the bytes and seconds, as the engine tells it.
+  plan of the switch, with communicators only for rank sets the job does not hold (the
+  engine's group cache and its lifetime rule, mirrored by ``engine/group_sets.GroupMirror``); the
+  loop is told the bytes and seconds, as the engine tells it.
 * **A trace on the step clock.** A recorded run's straggler schedule is by step
   (``straggler.schedule``'s ``start_step``), and its phases are measured over steps; its replay
   (``from_run.py``) gives bounds as step indices (``on_steps``): the rates change at those
@@ -51,6 +53,7 @@ from ..adaptive.probe import budget as probe_budget
 from ..adaptive.probing import probing_ranks
 from ..adaptive.settings import AdaptiveSettings
 from ..plan import Plan
+from ..engine.group_sets import GroupMirror
 from ..steploop import REF_RUNS, ReplanDecision, StepSums
 from .costs import MigrationCost
 from .sim_planner import SimClock, SimPlanner
@@ -178,6 +181,7 @@ class LoopReplay:
         self.ctl = Controller(self.spec, opts.settings, self.plan, prober=None,
                               tp_measured=dict(pr.tp_slowdown), planner=self.planner)
         self.out = LoopResult("malleus")
+        self.groups = GroupMirror(self.plan, self.n)   # the process groups the job holds
         self.horizon = segs[-1].end_s if segs else 0.0    # seconds, or steps on the step clock
         self.every = opts.settings.detect.probe_every
         self.period = self.ctl.period()
@@ -248,7 +252,8 @@ class LoopReplay:
         """Switch to ``dec``'s plan: the job waits for the migration's seconds."""
         new = Plan.from_json(dec.plan)
         first = self.rp.step_seconds(new, self.segs[self.si].rate_map())
-        mig = self.o.costs.of_switch(self.spec, self.plan, new, first)
+        mig = self.o.costs.of_switch(self.spec, self.plan, new, first, held=self.groups.live)
+        self.groups.switch(new)
         d.migration_s, d.bytes, d.terms = mig.seconds, mig.bytes, mig.terms
         d.to_plan = new.id
         self._close_stretch(self.clock.now)

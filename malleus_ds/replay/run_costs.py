@@ -73,7 +73,9 @@ def planner_stall(steps, events) -> float:
 def switch_costs(steps, events) -> MigrationCost:
     """A fixed part and a bandwidth fitted to the run's ``migrate`` events (least squares over
     their sizes; a single size: its seconds as the fixed part), and the warm-up: the first step
-    after a switch over the median of the next five, less one (median over switches)."""
+    after a switch over the median of the next five, less one (median over switches). The
+    fixed part is every switch's (``fixed_s``: the run's switches paid it whatever groups they
+    found cached), and the warm-up every switch's too (the fit does not tell re-splits apart)."""
     from ..adaptive.replan import fit_switch_seconds
 
     ms = [(float(e.get("bytes", 0)), float(e.get("seconds", 0.0))) for e in events
@@ -92,8 +94,9 @@ def switch_costs(steps, events) -> MigrationCost:
             nxt = [by_step[i] for i in range(k + 1, k + 6) if i in by_step]
             if k in by_step and len(nxt) >= 3:
                 warm.append(max(0.0, by_step[k] / statistics.median(nxt) - 1.0))
-    return MigrationCost(network_gbps=gbps, nvlink_gbps=gbps, communicators_s=fixed,
-                         warmup_steps=statistics.median(warm) if warm else 0.0)
+    w = statistics.median(warm) if warm else 0.0
+    return MigrationCost(network_gbps=gbps, nvlink_gbps=gbps, communicators_s=0.0, fixed_s=fixed,
+                         warmup_steps=w, warmup_kept_steps=w)
 
 
 def charge(planning: dict, seq: dict | None = None):

@@ -21,6 +21,7 @@ import bisect
 from typing import Sequence
 
 from ..adaptive.settings import AdaptiveSettings
+from ..engine.group_sets import GroupMirror
 from .costs import MigrationCost, RestartCost
 from .run import RUNNERS, PolicyResult, Replay, ReplayError, capacity_bound, run_static
 from .trace import Segment, Trace
@@ -71,8 +72,9 @@ def break_even_s(rp: Replay, rates: dict[int, float], costs: MigrationCost, dete
     planner's plan pays, with its terms. In: detection ``d``, planning ``p``, migration ``m1``
     (the job stands still) and then the plan's gain ``s1 - s0`` samples/s over static; out, at
     recovery: detection ``d`` again on the new plan (healthy, ``h1 <= h``) and migration ``m2``
-    back. ``net(D) = (D - d - p - m1)(s1 - s0) - m1 s0 - d (h - h1) - m2 h``, zero at ``D``.
-    ``inf`` where the plan is no faster than static."""
+    back (to a layout whose groups the job still holds: ``engine/group_sets.py``).
+    ``net(D) = (D - d - p - m1)(s1 - s0) - m1 s0 - d (h - h1) - m2 h``, zero at ``D``. ``inf``
+    where the plan is no faster than static."""
     from .job import problem_job
 
     spp = rp.samples_per_step
@@ -83,8 +85,12 @@ def break_even_s(rp: Replay, rates: dict[int, float], costs: MigrationCost, dete
     h = spp / rp.step_seconds(rp.static, {})
     h1 = spp / rp.step_seconds(new, {})
     spec = problem_job(rp.problem, rp.static)
-    m1 = costs.of_switch(spec, rp.static, new, rp.step_seconds(new, rates)).seconds
-    m2 = costs.of_switch(spec, new, rp.static, rp.step_seconds(rp.static, {})).seconds
+    groups = GroupMirror(rp.static, spec.world)     # back out: static's groups are still held
+    m1 = costs.of_switch(spec, rp.static, new, rp.step_seconds(new, rates),
+                         held=groups.live).seconds
+    groups.switch(new)
+    m2 = costs.of_switch(spec, new, rp.static, rp.step_seconds(rp.static, {}),
+                         held=groups.live).seconds
     terms = {"detect_s": round(detect_s, 3), "planning_s": round(p, 3),
              "migration_in_s": round(m1, 3), "migration_out_s": round(m2, 3),
              "gain_samples_per_s": round(s1 - s0, 6)}

@@ -1,5 +1,6 @@
-"""Process groups live only as long as a plan uses them (malleus_ds/engine/groups.py), on a real
-gloo world of 4 ranks with three engines in each process:
+"""Process groups live only as long as a plan uses them or their layout is one of the last 3 held
+(malleus_ds/engine/groups.py, malleus_ds/engine/group_sets.py), on a real gloo world of 4 ranks with
+three engines in each process:
 
 * ``keep`` (never switches, trains once at the end: its groups must survive everything);
 * ``drop`` (dropped before a different switch on each rank, as garbage collection would);
@@ -9,9 +10,11 @@ gloo world of 4 ranks with three engines in each process:
 Checked on every rank: nothing but ``GroupCache.ensure`` creates a group, at build or at a switch
 (torch's own counter ``_world.group_count`` moves only with ours; DeepSpeed's base engine makes
 none), a step creates or destroys none, after each switch the cache holds exactly the sets of the
-live engines' plans plus the singletons and torch's registry ``_world.pg_map`` exactly this rank's
-share of them; ``drop``'s sets go once every rank has dropped it; and the math is intact: ``eng``'s
-losses and final shards equal one run without switches, ``keep``'s first step equals its own.
+live engines' plans and of the last 3 layouts held plus the singletons and torch's registry
+``_world.pg_map`` exactly this rank's share of them; ``drop``'s sets go once every rank has dropped
+it and its layout is not recent; groups of a layout 5 switches old are destroyed; and the math is
+intact: ``eng``'s losses and final shards equal one run without switches, ``keep``'s first step
+equals its own.
 """
 from tests.integration.harness import run_distributed
 from tests.cases import CFG, EPS, check, ds_config
@@ -51,6 +54,14 @@ def _lifetime(rank, world, switches, every):
     def sets(pj):
         return set(plan_rank_sets(Plan.from_json(pj), world))
 
+    def recent(held, k=3):
+        """The sets of the last ``k`` distinct layouts in ``held`` (the rule, by hand)."""
+        fams = []
+        for pj in held:
+            f = frozenset(sets(pj))
+            fams = [x for x in fams if x != f] + [f]
+        return set().union(*fams[-k:])
+
     def step(e):
         s0 = snap()
         loss = e.train_batch()
@@ -61,7 +72,7 @@ def _lifetime(rank, world, switches, every):
     keep, drop, eng = build(HETERO), build(D), build(HETERO)
     drop_ref, drop_at = weakref.ref(drop), 10 + 5 * rank       # before switch 10, 15, 20, 25
     last_drop = 10 + 5 * (world - 1)
-    losses, counts = [step(eng)], []
+    losses, counts, held = [step(eng)], [], [HETERO, D, HETERO]
     for i in range(switches):
         if i == drop_at:
             del drop
@@ -71,8 +82,9 @@ def _lifetime(rank, world, switches, every):
         s0 = snap()
         eng.switch_plan(Plan.from_json(pj))
         s1 = snap()
+        held.append(pj)
         assert s1[0] - s0[0] == s1[2] - s0[2], f"switch made groups outside GroupCache: {s0}->{s1}"
-        live = sets(pj) | sets(HETERO) | (sets(D) if i < last_drop else set())
+        live = recent(held) | sets(HETERO) | (sets(D) if i < last_drop else set())
         assert set(GROUPS.sets()) == live, (i, sorted(set(GROUPS.sets()) ^ live))
         mine = [rs for rs in GROUPS.sets() if rank in rs]
         assert len(W.pg_map) == 1 + len(mine), (i, len(W.pg_map), mine)     # + the world group
@@ -86,12 +98,17 @@ def _lifetime(rank, world, switches, every):
 
 
 def test_fifty_switches_keep_groups_bounded_and_the_math():
+    from malleus_ds.engine.groups import plan_rank_sets
+    from malleus_ds.plan import Plan
+
+    sizes = [plan_rank_sets(Plan.from_json(pj), 4) for pj in PLANS]
     res = run_distributed(_lifetime, 4, SWITCHES, EVERY, timeout=180)
     steps = 1 + SWITCHES // EVERY
     assert {(i % len(PLANS)) for i in range(EVERY - 1, SWITCHES, EVERY)} == {0, 1, 2, 3}
     check(PLANS[(SWITCHES - 1) % len(PLANS)], [r[0] for r in res], steps=steps, eps=EPS)
     for rank, (run, kept_loss, counts, created, destroyed) in enumerate(res):
         assert abs(kept_loss - run[0][0]) <= 1e-6 * abs(run[0][0]), (rank, kept_loss, run[0][0])
-        assert max(g for g, _ in counts) <= 4 + 3 * 16, counts     # singletons + 3 plans' sets
+        # singletons + the sets of keep's, drop's and the 3 recent layouts (of 5 in turn)
+        assert max(g for g, _ in counts) <= 4 + 5 * max(len(s) - 4 for s in sizes), counts
         assert destroyed > 0 and created - destroyed == counts[-1][0], (created, destroyed)
     assert len({r[3] for r in res}) == 1          # every rank created the same number of groups

@@ -244,7 +244,8 @@ def _many(rank, world, n):
             # the whole allocation
             stores = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                       for t in live if t.device.type != "meta"}
-            counts.append((len(GROUPS._groups), len(live), sum(stores.values())))
+            counts.append((len(GROUPS._groups), len(live), sum(stores.values()),
+                           GROUPS.created))
             del live        # it would keep this plan's tensors alive into the next switches
     return counts, eng.train_batch()
 
@@ -252,8 +253,10 @@ def _many(rank, world, n):
 def test_fifty_switches_grow_neither_groups_nor_memory():
     res = run_distributed(_many, 4, 50, timeout=240)
     for counts, _loss in res:
-        (g1, t1, e1), (g2, t2, e2) = counts
+        (g1, t1, e1, c1), (g2, t2, e2, c2) = counts
         assert g1 == g2, f"process groups grew {g1} -> {g2}"
+        # back and forth between two layouts: the groups of both stay (group_sets.py)
+        assert c1 == c2, f"switches back to a recent layout created {c2 - c1} groups"
         assert t2 <= t1 and e2 <= e1, f"live tensors grew: {t1} -> {t2}, bytes {e1} -> {e2}"
 
 

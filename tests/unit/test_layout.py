@@ -209,35 +209,55 @@ def _plans(seed: int, world: int, n: int):
     return [Plan.from_json(random_plan(rng, world, G=12)) for _ in range(n)]
 
 
-def test_fifty_switches_keep_only_the_running_plans_groups(monkeypatch):
+def _recent(held, k=3):
+    """The rank sets of the last ``k`` distinct layouts in ``held`` (plans, in the order they
+    were held): the lifetime rule of malleus_ds/engine/group_sets.py, written out by hand."""
+    fams = []
+    for plan in held:
+        fam = frozenset(plan_rank_sets(plan, plan_world[0]))
+        if fam in fams:
+            fams.remove(fam)
+        fams.append(fam)
+    return set().union(*fams[-k:])
+
+
+plan_world = [6]
+
+
+def test_fifty_switches_keep_the_recent_layouts_groups(monkeypatch):
     from malleus_ds.engine.groups import GroupCache
 
-    world = 6
+    world = plan_world[0] = 6
     fake = _FakeDist(1)
     fake.install(monkeypatch)
     fake.local.rank = 0
     singles = {(r,) for r in range(world)}
-    plans = _plans(11, world, 51)
+    pool = _plans(11, world, 6)
+    rng = random.Random(3)
+    plans = [pool[0]] + [rng.choice(pool) for _ in range(50)]
     cache, eng = GroupCache(), _Engine()
     cache.ensure(plan_rank_sets(plans[0], world))
     cache.hold(eng, plan_rank_sets(plans[0], world))
-    peak = 0
-    for plan in plans[1:]:
+    peak, backs = 0, 0
+    for i, plan in enumerate(plans[1:], 1):
         before = cache.created
         sets = plan_rank_sets(plan, world)
+        recent = _recent(plans[:i])
         cache.ensure(sets)
         made = fake.created[0][len(fake.created[0]) - (cache.created - before):]
         assert made == sorted(made, key=lambda s: (len(s), s))      # one global order
+        assert set(made) == set(sets) - recent - singles         # a recent layout's: none
+        backs += plan in plans[max(0, i - 2):i] and plan != plans[i - 1]
         peak = max(peak, cache.count())
         gone = cache.release_unused(sets, owner=eng)
-        assert set(cache.sets()) == set(sets) | singles          # exactly the running plan's
+        assert set(cache.sets()) == _recent(plans[:i + 1]) | singles     # the last 3 layouts'
         assert not set(gone) & (set(sets) | singles)
         assert sorted(fake.live[0].values()) == sorted(cache.sets())   # torch's view agrees
+    assert backs > 5, "the sequence needs switches back to a recent layout"
     assert fake.reduces[0] == 0          # one engine: no agreement collective at all
     assert cache.destroyed > 0 and cache.created - cache.destroyed == cache.count()
-    bound = max(len(set(plan_rank_sets(a, world)) | set(plan_rank_sets(b, world)))
-                for a, b in zip(plans, plans[1:]))
-    assert peak <= bound                # mid-switch: old plan + new plan, never more
+    bound = max(len(_recent(plans[:i + 1], k=4) | singles) for i in range(len(plans)))
+    assert peak <= bound                # mid-switch: 3 recent layouts + the new one, never more
 
 
 def test_engines_dropped_at_different_times_keep_every_rank_in_step(monkeypatch):
@@ -250,7 +270,7 @@ def test_engines_dropped_at_different_times_keep_every_rank_in_step(monkeypatch)
     world = 4
     fake = _FakeDist(world)
     fake.install(monkeypatch)
-    pool = _plans(5, world, 4)
+    pool = _plans(5, world, 6)      # more layouts than the 3 recent ones kept
     a_plan, c_plan = pool[0], pool[1]
     seq = [pool[(i * 7 + i // 3) % len(pool)] for i in range(50)]
     singles = {(r,) for r in range(world)}
@@ -285,11 +305,14 @@ def test_engines_dropped_at_different_times_keep_every_rank_in_step(monkeypatch)
     assert owners[:32] == [3] * 32 and owners[32:] == [2] * 18
     c_sets = set(plan_rank_sets(c_plan, world))
     a_sets = set(plan_rank_sets(a_plan, world))
+    plan_world[0] = world
+    held = [a_plan, c_plan, a_plan]
     for i, (n, plan) in enumerate(zip(counts, seq)):
-        live = c_sets | set(plan_rank_sets(plan, world)) | singles | (a_sets if i < 32 else set())
+        held.append(plan)
+        live = c_sets | _recent(held) | singles | (a_sets if i < 32 else set())
         assert n == len(live), (i, n, len(live))
     # and A's sets that no one else uses were destroyed after the agreement
-    gone = a_sets - c_sets - singles - set(plan_rank_sets(seq[-1], world))
+    gone = a_sets - c_sets - singles - _recent(held)
     assert gone, "the test needs A to hold a set nobody else uses"
     for r in range(world):
         assert not gone & set(fake.live[r].values())

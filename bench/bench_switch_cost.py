@@ -12,7 +12,7 @@ switches, each followed by five timed steps:
 2. ``A2 -> A``, the re-split back;
 3. ``A -> B``, a layout switch: other stage cuts, state moves; B needs a rank set A does not
    have, so the first round creates groups and later rounds find them cached
-   (``engine/group_sets.py``: the last 3 layouts' groups are kept);
+   (``migrate/group_sets.py``: the last 3 layouts' groups are kept);
 4. ``B -> A``, back to the earlier layout.
 
 After the rounds it switches through three more layouts (pipelines 0|2 and 1|3: none holds A's

@@ -51,8 +51,8 @@ from typing import Iterable
 
 from ..layout import RankSet, owner_holders, sync_rank_sets  # noqa: F401 - re-exported
 from ..plan import Plan
-from .group_sets import RecentSets, doomed, missing, norm, order
-from .group_sets import plan_rank_sets, tp_rank_sets  # noqa: F401 - re-exported
+from ..migrate.group_sets import RecentSets, doomed, missing, norm, order
+from ..migrate.group_sets import plan_rank_sets, tp_rank_sets  # noqa: F401 - re-exported
 
 #: The stage holding ``layer`` in each pipeline (EMBED: first stages, HEAD: last stages).
 layer_holders = owner_holders

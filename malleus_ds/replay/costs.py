@@ -11,8 +11,8 @@ engine pays for it, term by term (each measured: bench/RESULTS.md, session 33):
    micro-batches) has none;
 2. ``communicators``: creating process groups (NCCL communicators), charged only where the
    new plan needs rank sets the job does not hold: the engine caches its groups by rank set
-   and keeps those of its recent layouts (``engine/group_sets.py``; the replay follows the same rule
-   with ``engine/group_sets.GroupMirror`` and passes what it holds as ``held``), so a re-split or a
+   and keeps those of its recent layouts (``migrate/group_sets.py``; the replay follows the same rule
+   with ``migrate/group_sets.GroupMirror`` and passes what it holds as ``held``), so a re-split or a
    switch back to a recent layout creates none;
 3. ``warmup``: the first step under the new plan, slower than the next ones (its buffers
    allocated and first touched, new shapes met; up to 1.5x on our engine,
@@ -42,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..plan import Plan
-from ..engine.group_sets import plan_rank_sets
+from ..migrate.group_sets import plan_rank_sets
 
 
 def keeps_buffers(old: Plan, new: Plan) -> bool:

@@ -26,7 +26,7 @@ tests drive it (``tests/unit/adaptive/test_loop_synthetic.py``):
 * **Deciding** is the loop's own cost-aware rule, with the loop's own migration prediction.
 * **Switching** pauses the job for the seconds ``costs.MigrationCost`` gives the real transfer
   plan of the switch, with communicators only for rank sets the job does not hold (the
-  engine's group cache and its lifetime rule, mirrored by ``engine/group_sets.GroupMirror``); the
+  engine's group cache and its lifetime rule, mirrored by ``migrate/group_sets.GroupMirror``); the
   loop is told the bytes and seconds, as the engine tells it.
 * **A trace on the step clock.** A recorded run's straggler schedule is by step
   (``straggler.schedule``'s ``start_step``), and its phases are measured over steps; its replay
@@ -53,7 +53,7 @@ from ..adaptive.probe import budget as probe_budget
 from ..adaptive.probing import probing_ranks
 from ..adaptive.settings import AdaptiveSettings
 from ..plan import Plan
-from ..engine.group_sets import GroupMirror
+from ..migrate.group_sets import GroupMirror
 from ..steploop import REF_RUNS, ReplanDecision, StepSums
 from .costs import MigrationCost
 from .sim_planner import SimClock, SimPlanner

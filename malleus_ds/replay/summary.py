@@ -21,7 +21,7 @@ import bisect
 from typing import Sequence
 
 from ..adaptive.settings import AdaptiveSettings
-from ..engine.group_sets import GroupMirror
+from ..migrate.group_sets import GroupMirror
 from .costs import MigrationCost, RestartCost
 from .run import RUNNERS, PolicyResult, Replay, ReplayError, capacity_bound, run_static
 from .trace import Segment, Trace
@@ -72,7 +72,7 @@ def break_even_s(rp: Replay, rates: dict[int, float], costs: MigrationCost, dete
     planner's plan pays, with its terms. In: detection ``d``, planning ``p``, migration ``m1``
     (the job stands still) and then the plan's gain ``s1 - s0`` samples/s over static; out, at
     recovery: detection ``d`` again on the new plan (healthy, ``h1 <= h``) and migration ``m2``
-    back (to a layout whose groups the job still holds: ``engine/group_sets.py``).
+    back (to a layout whose groups the job still holds: ``migrate/group_sets.py``).
     ``net(D) = (D - d - p - m1)(s1 - s0) - m1 s0 - d (h - h1) - m2 h``, zero at ``D``. ``inf``
     where the plan is no faster than static."""
     from .job import problem_job

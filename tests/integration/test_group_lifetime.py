@@ -1,5 +1,5 @@
 """Process groups live only as long as a plan uses them or their layout is one of the last 3 held
-(malleus_ds/engine/groups.py, malleus_ds/engine/group_sets.py), on a real gloo world of 4 ranks with
+(malleus_ds/engine/groups.py, malleus_ds/migrate/group_sets.py), on a real gloo world of 4 ranks with
 three engines in each process:
 
 * ``keep`` (never switches, trains once at the end: its groups must survive everything);

@@ -1,11 +1,11 @@
-"""The process groups' lifetime rule (malleus_ds/engine/group_sets.py), without processes: the
+"""The process groups' lifetime rule (malleus_ds/migrate/group_sets.py), without processes: the
 pure rule, its mirror for the replay, and the engine's GroupCache following the same rule."""
 import random
 
 import pytest
 
 from malleus_ds.plan import Plan
-from malleus_ds.engine.group_sets import (RECENT_PLANS, GroupMirror, RecentSets, doomed, missing,
+from malleus_ds.migrate.group_sets import (RECENT_PLANS, GroupMirror, RecentSets, doomed, missing,
                                     plan_rank_sets)
 from tests.cases import random_plan
 

@@ -211,7 +211,7 @@ def _plans(seed: int, world: int, n: int):
 
 def _recent(held, k=3):
     """The rank sets of the last ``k`` distinct layouts in ``held`` (plans, in the order they
-    were held): the lifetime rule of malleus_ds/engine/group_sets.py, written out by hand."""
+    were held): the lifetime rule of malleus_ds/migrate/group_sets.py, written out by hand."""
     fams = []
     for plan in held:
         fam = frozenset(plan_rank_sets(plan, plan_world[0]))

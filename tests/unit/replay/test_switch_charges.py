@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from malleus_ds.problem import Problem
-from malleus_ds.engine.group_sets import GroupMirror
+from malleus_ds.migrate.group_sets import GroupMirror
 from malleus_ds.replay.costs import MigrationCost, keeps_buffers
 from malleus_ds.replay.job import problem_job
 from tests.unit.test_group_sets import layouts

@@ -1,6 +1,6 @@
 """The rank sets a plan talks over, and how long their process groups live: pure rank-set
-arithmetic, no torch, no processes (``malleus_ds/engine/__init__.py`` imports nothing, so the
-replay imports this module without the engine's dependencies).
+arithmetic, no torch, no processes, beside the transfer plan (a switch's other pure half), so
+the replay charges a switch's communicators without importing the engine.
 
 The engine's :class:`~malleus_ds.engine.groups.GroupCache` turns these sets into process groups
 and applies the lifetime rule below with ``new_group`` / ``destroy_process_group``; the

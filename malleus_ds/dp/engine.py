@@ -219,9 +219,12 @@ class MalleusDPEngine(DeepSpeedEngine):
         return True
 
     def destroy(self):
-        """DeepSpeed's ``destroy``, the re-split loop's last all-reduce read first."""
-        if self.loop is not None:
-            self.loop.flush()
+        """DeepSpeed's ``destroy`` (also its ``__del__``'s), the re-split loop's last all-reduce
+        read first (given up after a minute, with one line: a peer gone)."""
+        loop = getattr(self, "loop", None)
+        if loop is not None and not loop.flush(timeout_s=60.0):
+            print(f"malleus_ds: step {loop._inflight.step}'s re-split all-reduce did not "
+                  f"complete within 60 s (a peer gone?): its facts are not read")
         super().destroy()
 
     # --- the split --------------------------------------------------------------------------
@@ -347,12 +350,10 @@ def _flush_at_exit(ref) -> None:
     if loop is None or loop._inflight is None:
         return
     try:
-        work = loop._inflight.work
-        if work is not None and not work.is_completed():
-            print("malleus_ds: the last step's re-split all-reduce did not complete before the "
-                  "exit: its metrics line is not written", file=sys.stderr)
-            return
-        loop.flush()
+        if not loop.flush(timeout_s=10.0):
+            print(f"malleus_ds: step {loop._inflight.step}'s re-split all-reduce did not "
+                  f"complete within 10 s of the exit: its metrics line is not written",
+                  file=sys.stderr)
     except Exception as e:  # noqa: BLE001 - the exit goes on
         print(f"malleus_ds: reading the last step's re-split all-reduce at exit failed: {e}",
               file=sys.stderr)

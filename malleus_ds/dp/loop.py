@@ -161,13 +161,21 @@ class ResplitLoop:
                                 "rates": [round(float(x), 3) for x in rates]})
             eng.set_split(new)
 
-    def flush(self) -> None:
+    def flush(self, timeout_s: float | None = None) -> bool:
         """Read the step's all-reduce still in flight (if any): the observers told, the policy's
-        decision made (applied at the next step boundary). No collective: every rank may call
-        it alone (the all-reduce was issued by all)."""
-        f, self._inflight = self._inflight, None
+        decision made (applied at the next step boundary). No collective of its own: every rank
+        may call it alone (it waits for the peers to issue theirs). ``timeout_s``: give up after
+        that long (a peer gone: the step is left unread, False), for a teardown."""
+        f = self._inflight
         if f is None:
-            return
+            return True
+        if f.work is not None and timeout_s is not None:
+            end = time.monotonic() + timeout_s
+            while not f.work.is_completed():
+                if time.monotonic() > end:
+                    return False
+                time.sleep(0.001)
+        self._inflight = None
         if f.work is not None:
             f.work.wait()
         sums = f.sums.tolist()
@@ -182,6 +190,7 @@ class ResplitLoop:
             for fn in self.observers:
                 fn(facts)
         self._decided = self.policy.decide(f.step, sps, eng.split)
+        return True
 
     # --- checkpoints --------------------------------------------------------------------------
 

@@ -232,3 +232,15 @@ def test_a_checkpoints_split_for_another_world_is_left_with_one_line(caplog):
     with pytest.raises(ValueError, match=r"'malleus_dp' state must hold world, global_batch, "
                                          r"micro_batches and shares; got \{'world': 2\}"):
         MalleusDPEngine.load_resplit_state(two, {"world": 2})
+
+
+def test_a_teardowns_flush_gives_up_on_an_all_reduce_a_peer_never_joined():
+    from malleus_ds.dp.loop import _InFlight
+
+    class Never:
+        def is_completed(self):
+            return False
+
+    lp = _loop(0, world=2)
+    lp._inflight = _InFlight(Never(), None, 7, Split((2, 2), 2), 0.1)
+    assert lp.flush(timeout_s=0.01) is False and lp._inflight.step == 7

@@ -78,8 +78,6 @@ class SplitPolicy(Protocol):
         next split and the rates it was made for (one per rank), or None to keep ``split``."""
 
 
-
-
 @dataclass
 class _InFlight:
     """A step's all-reduce, issued and not yet read."""

@@ -6,8 +6,9 @@
   what ``deepspeed.initialize`` takes for that (``args``, ``optimizer``, ``model_parameters``,
   ``training_data``, ``lr_scheduler``, ``collate_fn``, ``config`` / ``config_params``,
   ``dist_init_required``) plus ``loss`` (how the loss given to ``backward`` is normalised); the
-  re-split loop (``app/dp_loop.py``: rank 0 decides from every rank's measured seconds per
-  sample, one small all-reduce per step) is attached unless ``malleus.adaptive`` is false;
+  re-split loop (``app/dp_loop.py``: every rank decides the same from every rank's measured
+  seconds per sample, one small non-blocking all-reduce per step) is attached unless
+  ``malleus.adaptive`` is false;
 * a model config (our ``ModelConfig``, a Hugging Face ``HFModel``), a ``StageModule`` or a stage
   builder: ``MalleusEngine`` (``malleus_ds/engine/``), pipelines and tensor parallelism by
   ``plan``, re-planned and migrated by the adaptive loop (``app/loop.py``). The engine knows no

@@ -1,6 +1,6 @@
-"""Rank 0's re-split decision for the data-parallel engine, from the adaptive loop's own pieces,
-and attaching it (``dp/`` and ``adaptive/`` import nothing from each other; the app joins them,
-as ``app/loop.py`` does for MalleusEngine).
+"""The re-split decision for the data-parallel engine (every rank makes the same one), from the
+adaptive loop's own pieces, and attaching it (``dp/`` and ``adaptive/`` import nothing from each
+other; the app joins them, as ``app/loop.py`` does for MalleusEngine).
 
 :class:`SpeedSplit` is the ``dp.loop.SplitPolicy`` that ``malleus_ds.initialize`` attaches:
 
@@ -30,34 +30,39 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 
 class SpeedSplit:
-    """Rank 0's split decision (module doc) under ``detect`` (``DetectConfig``)."""
+    """The split decision (module doc) under ``detect`` (``DetectConfig``); deterministic, so
+    every rank's copy decides the same. ``state_dict`` / ``load_state_dict``: a checkpoint's."""
 
     def __init__(self, detect, min_share: int = 1):
+        from collections import deque
+
         detect.check()
         self.detect, self.min_share = detect, min_share
         self.est = self.det = None          # built for the world of the first step
         self._skip = 1                      # readings still to leave out (the first step's)
         self._last = None                   # the split of the last call
+        #: the readings the estimator keeps (its window), for a checkpoint
+        self._kept = deque(maxlen=detect.window)
 
     def decide(self, step: int, seconds_per_sample: Sequence[float], split):
         """``dp.loop.SplitPolicy.decide``: the next split and its rates, or None."""
-        from ..adaptive.detect import Detector
-        from ..adaptive.rates import RateEstimator
         from ..dp.split import split_for
 
         w = split.world
         if self.est is None:
-            self.est = RateEstimator(w, window=self.detect.window, healthy=self.detect.healthy)
-            self.det = Detector(w, self.detect)
+            self._build(w)
         skip, self._skip = self._skip, 0
         if self._last is not None and split != self._last:
             self._skip = 1                  # the next step is the new split's first
         self._last = split
         if skip:
             return None
-        self.est.add(list(seconds_per_sample), [1.0] * w)
+        if np.isfinite(self.est.add(list(seconds_per_sample), [1.0] * w)).any():
+            self._kept.append([float(x) for x in seconds_per_sample])     # the estimator kept it
         if (step + 1) % self.detect.every:
             return None
         trig = self.det.check(self.est.rates())
@@ -67,6 +72,56 @@ class SpeedSplit:
         new = split_for(trig.rates, split.global_batch, split.micro_batches,
                         min_share=self.min_share)
         return None if new == split else (new, trig.rates)
+
+    def _build(self, world: int) -> None:
+        from ..adaptive.detect import Detector
+        from ..adaptive.rates import RateEstimator
+
+        self.est = RateEstimator(world, window=self.detect.window, healthy=self.detect.healthy)
+        self.det = Detector(world, self.detect)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (plain values): the estimator's window of readings (it keeps
+        nothing else of them), the detector's planned rates, streak and cooldown, the readings
+        still to skip and the last split seen."""
+        last = self._last
+        return {"readings": [list(x) for x in self._kept], "skip": self._skip,
+                "last": None if last is None else {"shares": list(last.shares),
+                                                   "micro_batches": last.micro_batches},
+                "planned": None if self.det is None else [float(x) for x in self.det.planned],
+                "streak": 0 if self.det is None else self.det.streak,
+                "cooldown": 0 if self.det is None else self.det.cooldown}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The state :meth:`state_dict` gave (the same world): the estimator rebuilt from the
+        readings it kept, so the next decisions are the uninterrupted run's. ValueError naming
+        the field for a state of another world."""
+        from ..dp.split import Split
+
+        planned, last = state.get("planned"), state.get("last")
+        shares = None if last is None else last["shares"]
+        world = len(planned) if planned is not None else len(shares) if shares is not None \
+            else None
+        bad = [f"{k}={v!r}" for k, v in (("planned", planned), ("last.shares", shares))
+               if v is not None and len(v) != world]
+        bad += [f"readings[{i}]={r!r}" for i, r in enumerate(state.get("readings", []))
+                if len(r) != world]
+        if bad:
+            raise ValueError(f"the re-split policy's checkpoint state is for {world} ranks; "
+                             f"{', '.join(bad)}")
+        self.est = self.det = None
+        self._kept.clear()
+        self._skip = int(state.get("skip", 1))
+        self._last = None if last is None else Split(tuple(shares), last["micro_batches"])
+        if world is None:
+            return
+        self._build(world)
+        for r in state.get("readings", []):
+            self.est.add(list(r), [1.0] * world)
+            self._kept.append([float(x) for x in r])
+        self.det.planned = np.asarray(planned, dtype=np.float64) if planned is not None \
+            else self.det.planned
+        self.det.streak, self.det.cooldown = int(state["streak"]), int(state["cooldown"])
 
 
 class KeepSplit:
@@ -95,8 +150,9 @@ def attach_dp_loop(engine, settings):
 
 def write_metrics(engine, loop, settings) -> None:
     """Rank 0 writes ``settings.metrics_dir/metrics.jsonl`` (``report/metrics.py``'s
-    ``StepRecord`` lines, and each re-split as an event line after the step that decided it),
-    from every step's :class:`~malleus_ds.dp.loop.StepFacts`."""
+    ``StepRecord`` lines, and each re-split as an event line after the step before its first),
+    from every step's :class:`~malleus_ds.dp.loop.StepFacts` (told one step late: an event is
+    held until its step's predecessor is written)."""
     from ..emulation.straggler import StragglerSchedule
     from ..report.metrics import MetricsWriter, StepRecord
 
@@ -112,7 +168,9 @@ def write_metrics(engine, loop, settings) -> None:
                                 f.emulated_s, rates, plan="split-" + "-".join(
                                     str(x) for x in f.shares)))
         for ev in loop.events[written[0]:]:
+            if ev["step"] > f.step + 1:
+                break
             writer.write_event(ev)
-        written[0] = len(loop.events)
+            written[0] += 1
 
     loop.observers.append(on_step)

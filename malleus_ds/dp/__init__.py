@@ -10,9 +10,9 @@ step's global batch is re-split across ranks in proportion to their speed.
   ``deepspeed.initialize`` builds its engine.
 * ``timing.py``: DeepSpeed's communication inside forward and backward (ZeRO-1/2's reductions,
   ZeRO-3's parameter all-gathers and reduce-scatters), left out of the compute clock.
-* ``loop.py``: the re-split loop: at each optimizer step one small all-reduce of every rank's
-  seconds per sample and rank 0's decision, applied on every rank (the decision itself is a
-  policy the app passes in: ``app/dp_loop.py``).
+* ``loop.py``: the re-split loop: at each optimizer step one small non-blocking all-reduce of
+  every rank's seconds per sample, read a step later; every rank's policy decides the same and
+  applies it (the decision itself is a policy the app passes in: ``app/dp_loop.py``).
 * ``settings.py``: the ds_config ``malleus`` keys this engine reads (``straggler``,
   ``adaptive``, ``detect``).
 

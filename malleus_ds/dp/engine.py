@@ -25,8 +25,11 @@ Each ``forward`` (in training mode) and ``backward`` is a compute span of the ra
 DeepSpeed's communication inside them is left out (``dp/timing.py``), and the straggler
 emulation of ``ds_config.malleus.straggler`` slows the rank through it. With a policy attached
 (:meth:`MalleusDPEngine.attach_loop`; ``malleus_ds.initialize`` attaches one), each optimizer
-step's boundary runs the re-split loop (``dp/loop.py``): one small all-reduce, and the split
-rank 0 decided from every rank's seconds per sample, on every rank.
+step's boundary runs the re-split loop (``dp/loop.py``): one small all-reduce issued, the last
+step's read, and the split decided from every rank's seconds per sample, on every rank.
+``save_checkpoint`` keeps the split and the loop's state in DeepSpeed's model-states file;
+``load_checkpoint`` restores them (a checkpoint of another world size: the split kept, one
+line).
 
 :func:`initialize` builds the engine the way ``deepspeed.initialize`` builds
 ``DeepSpeedEngine`` for data parallelism, and returns the same four values; its dataloader is a
@@ -98,10 +101,16 @@ class MalleusDPEngine(DeepSpeedEngine):
         return clock
 
     def attach_loop(self, policy: SplitPolicy) -> ResplitLoop | None:
-        """Run the re-split loop (``dp/loop.py``) with rank 0's ``policy`` from the next step
-        boundary on; the same call on every rank. One rank alone has nothing to split: no loop
-        (returns None)."""
+        """Run the re-split loop (``dp/loop.py``) with ``policy`` from the next step boundary
+        on; the same call on every rank, each with its own policy (deterministic: every rank's
+        decides the same). One rank alone has nothing to split: no loop (returns None). The
+        process's exit reads the last step's all-reduce (its observers' facts)."""
         self.loop = ResplitLoop(self, policy) if self.dp_world_size > 1 else None
+        if self.loop is not None:
+            import atexit
+            import weakref
+
+            atexit.register(_flush_at_exit, weakref.ref(self.loop))
         return self.loop
 
     @property
@@ -141,6 +150,82 @@ class MalleusDPEngine(DeepSpeedEngine):
         if boundary:
             self._loss_part = 0.0
         return out
+
+    # --- checkpoints: the split and the loop's state go with DeepSpeed's --------------------
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
+        """DeepSpeed's ``save_checkpoint``, with the split in force and the re-split loop's
+        state (:meth:`resplit_state`) in the model-states file rank 0 writes, under
+        ``client_state["malleus_dp"]``: written with the checkpoint, or not at all."""
+        client_state = dict(client_state or {})
+        if STATE_KEY in client_state:
+            raise ValueError(f"client_state[{STATE_KEY!r}] is MalleusDPEngine's own (the split "
+                             f"and the re-split loop's state): use another key")
+        client_state[STATE_KEY] = self.resplit_state()
+        return super().save_checkpoint(save_dir, tag=tag, client_state=client_state,
+                                       save_latest=save_latest,
+                                       exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True,
+                        load_optimizer_states=True, load_lr_scheduler_states=True,
+                        load_module_only=False, custom_load_fn=None):
+        """DeepSpeed's ``load_checkpoint``; then the saved split and loop state are restored
+        (:meth:`load_resplit_state`; not with ``load_module_only``), and left out of the
+        returned client state."""
+        path, client = super().load_checkpoint(
+            load_dir, tag, load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+        state = client.pop(STATE_KEY, None) if isinstance(client, dict) else None
+        if state is not None and not load_module_only:
+            self.load_resplit_state(state)
+        return path, client
+
+    def resplit_state(self) -> dict:
+        """The split in force (the next step's) and, with a loop, its state
+        (``ResplitLoop.state_dict``: the decision for the step after, the policy's window):
+        plain values."""
+        s = self._split
+        return {"world": s.world, "global_batch": s.global_batch,
+                "micro_batches": s.micro_batches, "shares": list(s.shares),
+                "loop": self.loop.state_dict() if self.loop is not None else None}
+
+    def load_resplit_state(self, state: dict) -> bool:
+        """Take the split and loop state :meth:`resplit_state` gave, at a step boundary, on
+        every rank. Saved for another world or batch: one line (rank 0) and the current split
+        kept (the loop starts afresh). Returns whether it was taken."""
+        import logging
+
+        want = (self.dp_world_size, self.train_batch_size(), self.gradient_accumulation_steps())
+        try:
+            got = (state["world"], state["global_batch"], state["micro_batches"])
+            shares = state["shares"]
+        except (TypeError, KeyError) as e:
+            raise ValueError(f"the checkpoint's {STATE_KEY!r} state must hold world, "
+                             f"global_batch, micro_batches and shares; got {state!r}") from e
+        if tuple(got) != want:
+            if self.dp_rank() == 0:
+                logging.getLogger(__name__).warning(
+                    "the checkpoint's split %s is for %d data-parallel ranks, a batch of %d in "
+                    "%d micro-batches; this job has %d ranks, %d in %d: resuming from the "
+                    "split %s instead, the ranks' speeds re-measured", list(shares), *got,
+                    *want, list(self._split.shares))
+            return False
+        self.set_split(Split(tuple(shares), want[2]))
+        if self.loop is not None and state.get("loop") is not None:
+            self.loop.load_state_dict(state["loop"])
+        return True
+
+    def destroy(self):
+        """DeepSpeed's ``destroy`` (also its ``__del__``'s), the re-split loop's last all-reduce
+        read first (given up after a minute, with one line: a peer gone)."""
+        loop = getattr(self, "loop", None)
+        if loop is not None and not loop.flush(timeout_s=60.0):
+            print(f"malleus_ds: step {loop._inflight.step}'s re-split all-reduce did not "
+                  f"complete within 60 s (a peer gone?): its facts are not read")
+        super().destroy()
 
     # --- the split --------------------------------------------------------------------------
 
@@ -250,6 +335,28 @@ class MalleusDPEngine(DeepSpeedEngine):
         t = torch.tensor([sum(vals) * self._loss_factor(s)], dtype=torch.float64)
         dist.all_reduce(t, group=self.data_parallel_group)
         return float(t.item())
+
+
+#: the key of ``client_state`` under which a checkpoint keeps the split and the loop's state
+STATE_KEY = "malleus_dp"
+
+
+def _flush_at_exit(ref) -> None:
+    """At the process's exit: read the loop's last all-reduce (its observers write the last
+    step's facts), if it completed; one line if it cannot."""
+    import sys
+
+    loop = ref()
+    if loop is None or loop._inflight is None:
+        return
+    try:
+        if not loop.flush(timeout_s=10.0):
+            print(f"malleus_ds: step {loop._inflight.step}'s re-split all-reduce did not "
+                  f"complete within 10 s of the exit: its metrics line is not written",
+                  file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - the exit goes on
+        print(f"malleus_ds: reading the last step's re-split all-reduce at exit failed: {e}",
+              file=sys.stderr)
 
 
 def _scale_wrt_gas(args: tuple, kwargs: dict) -> bool:

@@ -20,11 +20,13 @@ callbacks, evaluation and checkpoints. Three things change, each in one override
   for logging carries the same weight, so the logged loss is the global batch's, as stock's.
 
 Checkpoints are DeepSpeed's own and the Trainer's files: one written here resumes in the stock
-Trainer and the reverse (the split is not saved: a resumed run starts from the first split and
-the loop re-learns the ranks' speeds). A new split takes effect at a step boundary: the loop's
-decisions do, and so does ``trainer.model_wrapped.set_split(split)`` from a callback's
-``on_step_end``; a split changed after the Trainer fetched a step's batches (``on_step_begin``)
-is refused at that step. Evaluation runs as in the stock Trainer.
+Trainer and the reverse. The split in force and the re-split loop's state ride in DeepSpeed's
+model-states file (``MalleusDPEngine.save_checkpoint``): a resumed run goes on with the split it
+had, and a checkpoint of another world size resumes from the first split, saying so. A new split
+takes effect at a step boundary: the loop's decisions do, and so does
+``trainer.model_wrapped.set_split(split)`` from a callback's ``on_step_end``; a split changed
+after the Trainer fetched a step's batches (``on_step_begin``) is refused at that step.
+Evaluation runs as in the stock Trainer.
 
 Refused before training, each with a ValueError naming the field (``hf/checks.py``): DeepSpeed
 off, pipeline / tensor / sequence parallelism, an IterableDataset, a sampler whose order is not
@@ -68,7 +70,11 @@ class MalleusTrainer(Trainer):
     def train(self, *args, **kwargs):
         """``Trainer.train``, with accelerate building ``MalleusDPEngine``."""
         with deepspeed_initialize_replaced(self._build_engine):
-            return super().train(*args, **kwargs)
+            out = super().train(*args, **kwargs)
+        loop = getattr(self.model_wrapped, "loop", None)
+        if loop is not None:
+            loop.flush()                    # the last step's all-reduce: its metrics line
+        return out
 
     def _build_engine(self, **kwargs):
         """What accelerate's ``deepspeed.initialize(**kwargs)`` call runs: ``malleus_ds``'s

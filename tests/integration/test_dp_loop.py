@@ -32,6 +32,8 @@ from tests.integration.test_dp_resplit import _close, _ds_config, _model, _stock
 pytestmark = pytest.mark.slow
 
 STAGES, STEPS, GAS = (2, 3), 10, 2
+#: the ZeRO-2 slowed run saves a checkpoint before this step; a second engine resumes from it
+SAVE_AT = 8
 N = 8 * STEPS
 #: quick detection for a short run: a 3-step median, two detections in a row
 DETECT = {"window": 3, "confirm": 2, "cooldown": 2}
@@ -79,7 +81,9 @@ class _Count:
         return out
 
 
-def _ours(stage, malleus, count):
+def _ours(stage, malleus, count, ckpt=None):
+    """``malleus_ds.initialize``'s engine trained STEPS steps; with ``ckpt``, saved there before
+    step SAVE_AT and resumed from it by a second engine (:func:`_resume`)."""
     import malleus_ds
 
     m = _model()
@@ -87,16 +91,44 @@ def _ours(stage, malleus, count):
                                               training_data=_Samples(N),
                                               config={**_ds_config(stage), "malleus": malleus})
     count.take()
-    seen = []
+    seen, saved = [], []
 
     def record(eng, step):
         if eng.loop is not None and step:
             seen.append(list(eng.loop.last_seconds_per_sample))
+        if ckpt is not None and step == SAVE_AT:
+            eng.save_checkpoint(ckpt)
+            saved.append(list(eng.split.shares))
 
     run = _train(eng, loader, eng.global_loss, record, steps=STEPS)
     record(eng, STEPS)
-    return {"run": run, "events": list(eng.split_events), "sps": seen, "calls": count.take(),
-            "left_out": eng.left_out_of_compute, "loop": eng.loop is not None}
+    eng.destroy()           # reads the last step's all-reduce (so would the process's exit)
+    out = {"run": run, "events": list(eng.split_events), "sps": seen, "calls": count.take(),
+           "left_out": eng.left_out_of_compute, "loop": eng.loop is not None}
+    if ckpt is not None:
+        out["saved"] = saved[0]
+        out["resumed"] = _resume(stage, {k: v for k, v in malleus.items()
+                                         if k != "metrics_dir"}, ckpt)
+    return out
+
+
+def _resume(stage, malleus, ckpt):
+    """Another engine (other weights) loads the checkpoint and runs steps SAVE_AT and on."""
+    import torch
+
+    import malleus_ds
+
+    m = _model()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    eng, _, loader, _ = malleus_ds.initialize(model=m, model_parameters=m.parameters(),
+                                              training_data=_Samples(N),
+                                              config={**_ds_config(stage), "malleus": malleus})
+    eng.load_checkpoint(ckpt)
+    first = list(eng.split.shares)
+    run = _train(eng, loader, eng.global_loss, steps=STEPS - SAVE_AT, skip=SAVE_AT)
+    return {"first": first, "run": run, "events": list(eng.split_events)}
 
 
 def _ranks(rank, world, metrics_root):
@@ -112,7 +144,7 @@ def _ranks(rank, world, metrics_root):
         loader.num_local_io_workers = 0
         out[stage, "stock"] = _train(eng, loader, _stock_loss, steps=STEPS)
         out[stage, "slow"] = _ours(stage, {**SLOW, "metrics_dir": f"{metrics_root}/z{stage}"},
-                                   count)
+                                   count, ckpt=f"{metrics_root}/ck" if stage == 2 else None)
     out["healthy"] = _ours(2, {"detect": DETECT}, count)
     out["off"] = _ours(2, {"detect": DETECT, "adaptive": False}, count)
     return out
@@ -211,3 +243,26 @@ def test_metrics_jsonl_has_every_step_and_resplit_and_the_reports_read_it():
         read_metrics_file(run / "metrics.jsonl")
         assert "stragglers would have cost" in format_account(account_of_run(run, warmup=1))
         assert plot_main([str(run)]) in (0, None) and (run / "throughput.png").is_file()
+
+
+def test_a_resumed_run_goes_on_with_the_split_and_decision_it_saved():
+    """ZeRO-2, rank 1 slowed: saved before step SAVE_AT (after the re-split), loaded by an engine
+    with other weights. Its first step runs the saved split, its second the decision read from
+    the step before the save (saved with it), and the losses and weights are stock's."""
+    res = _results()
+    stock = res[0][2, "stock"]
+    for r in range(2):
+        got = res[r][2, "slow"]
+        resumed = got["resumed"]
+        sizes = got["run"][2]
+        assert resumed["first"] == got["saved"] and got["saved"][r] == sizes[SAVE_AT * GAS]
+        # the saved split, then the held decision: the uninterrupted run's micro-batches
+        assert resumed["run"][2] == sizes[SAVE_AT * GAS:], (resumed["run"][2], sizes)
+        assert [e for e in resumed["events"] if e["step"] == SAVE_AT + 1] == \
+            [e for e in got["events"] if e["step"] == SAVE_AT + 1]
+        (gl, gp, _, gn), (wl, wp, _, wn) = resumed["run"], stock
+        np.testing.assert_allclose(gl, wl[SAVE_AT:], rtol=1e-5, err_msg=f"rank {r}: losses")
+        np.testing.assert_allclose(gn, wn[SAVE_AT:], rtol=1e-5, err_msg=f"rank {r}: norms")
+        for k in wp:
+            np.testing.assert_allclose(gp[k].numpy(), wp[k].numpy(), rtol=1e-5, atol=1e-7,
+                                       err_msg=f"rank {r} resumed: {k}")

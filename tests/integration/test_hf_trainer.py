@@ -295,6 +295,7 @@ def _ranks(rank, world, root):
     out["ours-from-stock"] = _train(root, "ours-from-stock", 3, True, ours=True, split=uneven,
                                     resume=stock_ck)
     out["stock-from-ours"] = _train(root, "stock-from-ours", 3, True, resume=ours_ck)
+    out["ours-from-ours"] = _train(root, "ours-from-ours", 3, True, ours=True, resume=ours_ck)
     return out
 
 
@@ -422,7 +423,7 @@ def an_uneven_split_in_bf16_equals_the_stock_trainer_to_bf16_rounding(res):
 
 
 def a_resplit_mid_run_keeps_equal_to_the_stock_trainer(res):
-    """The loop's decision after step 0 rides step 1's all-reduce; a callback's set_split at
+    """The loop's decision from step 0's timings, read at step 1's end; a callback's set_split at
     on_step_end after 2 steps: both run from the third step on."""
     for r in range(2):
         got = res[r]["loop"]
@@ -446,10 +447,12 @@ def set_split_after_the_step_was_fetched_and_an_iterable_dataset_are_refused(res
 
 def checkpoints_resume_across_the_stock_trainer_and_ours(res):
     """ZeRO-3: each saved at step 2; the other Trainer resumes (the rest of epoch 0, then epoch
-    1) and ends where the stock run ends."""
+    1) and ends where the stock run ends. MalleusTrainer resuming its own checkpoint (built
+    with no split: an equal one) goes on with the split saved in it."""
     stock = res[0][3, True, "stock"]
     for r in range(2):
-        for key in ("ours-from-stock", "stock-from-ours"):
+        assert res[r]["ours-from-ours"]["sizes"] == [UNEVEN[r]] * 2 * GAS
+        for key in ("ours-from-stock", "stock-from-ours", "ours-from-ours"):
             got = res[r][key]
             _close(got, stock, f"rank {r} {key}", steps=slice(2, None))
         assert res[r]["ours-from-stock"]["engine"] == "MalleusDPEngine"

@@ -67,3 +67,38 @@ def test_attach_follows_adaptive():
     assert attach_dp_loop(eng, DPSettings(adaptive=False)) is None and not hasattr(eng, "policy")
     assert attach_dp_loop(eng, DPSettings(detect=DetectConfig(window=4))) == "loop"
     assert eng.policy.detect.window == 4
+
+
+def test_a_policy_restored_from_its_state_decides_as_the_uninterrupted_one():
+    """A checkpoint's state (plain JSON values) taken after any step, loaded into a new policy:
+    every later decision and its rates are the uninterrupted policy's."""
+    import json
+
+    import pytest
+
+    rnd = random.Random(1)
+    readings = [[rnd.uniform(0.9, 1.1), rnd.uniform(0.9, 1.1) * (3.0 if 4 <= k < 14 else 1.0)]
+                for k in range(24)]
+    detect = DetectConfig(window=3, confirm=2, cooldown=2)
+    want, split, pol = [], EVEN, SpeedSplit(detect)
+    for step, sps in enumerate(readings):
+        d = pol.decide(step, sps, split)
+        if d is not None:
+            split = d[0]
+        want.append((split, None if d is None else list(d[1])))
+    assert len({s for s, _ in want}) > 1                    # it re-split, and back
+    for cut in range(len(readings)):
+        split, pol = EVEN, SpeedSplit(detect)
+        for step in range(cut + 1):
+            d = pol.decide(step, readings[step], split)
+            split = d[0] if d is not None else split
+        resumed = SpeedSplit(detect)
+        resumed.load_state_dict(json.loads(json.dumps(pol.state_dict())))
+        for step in range(cut + 1, len(readings)):
+            d = resumed.decide(step, readings[step], split)
+            split = d[0] if d is not None else split
+            assert (split, None if d is None else list(d[1])) == want[step], (cut, step)
+    bad = SpeedSplit(detect).state_dict() | {"planned": [1.0, 1.0, 1.0],
+                                             "last": {"shares": [2, 2], "micro_batches": 2}}
+    with pytest.raises(ValueError, match=r"state is for 3 ranks; last.shares=\[2, 2\]"):
+        SpeedSplit(detect).load_state_dict(bad)

@@ -1,7 +1,7 @@
-"""dp/loop.py's step vector (each rank's seconds per sample in its slot, rank 0's decision and
-its rates after them; read back as sums), dp/timing.py's wrapping of DeepSpeed's communication
-in the compute clock, and dp/settings.py's reading of the ``malleus`` section. No process group:
-a stand-in engine."""
+"""dp/loop.py's step vector (each rank's seconds per sample in its slot, the split every rank
+ran; read back as sums) and when a decision takes effect, MalleusDPEngine's restore of a
+checkpoint's split, dp/timing.py's wrapping of DeepSpeed's communication in the compute clock,
+and dp/settings.py's reading of the ``malleus`` section. No process group: stand-in engines."""
 from __future__ import annotations
 
 import types
@@ -16,30 +16,85 @@ from malleus_ds.engine.clock import ComputeClock
 from malleus_ds.interop.malleus_section import DetectConfig
 
 
-def _loop(rank, world=3):
+def _loop(rank, world=3, policy=None):
     eng = types.SimpleNamespace(dp_world_size=world, dp_rank=lambda: rank)
-    return ResplitLoop(eng, policy=None)
+    return ResplitLoop(eng, policy=policy)
 
 
-def test_each_rank_fills_its_own_slot_and_rank_0_its_decision():
+def test_each_rank_fills_its_own_slots_and_every_rank_its_split():
     loops = [_loop(r) for r in range(3)]
-    loops[0]._pending = (Split((4, 1, 3), 2), (1.0, 3.5, 1.25))
-    vecs = [lp.vector(0.5 * (r + 1), emulated_s=0.25 * r) for r, lp in enumerate(loops)]
-    # [seconds per sample x3 | next shares x3 | their rates x3 | emulated seconds x3 | loss]
-    assert vecs[1] == [0.0, 1.0, 0.0] + [0.0] * 6 + [0.0, 0.25, 0.0] + [0.0]
-    assert vecs[0] == [0.5, 0.0, 0.0, 4.0, 1.0, 3.0, 1.0, 3.5, 1.25] + [0.0] * 4
+    ran = Split((4, 1, 3), 2)
+    vecs = [lp.vector(0.5 * (r + 1), ran, emulated_s=0.25 * r) for r, lp in enumerate(loops)]
+    # [seconds per sample x3 | the split the step ran x3 | emulated seconds x3 | loss]
+    assert vecs[1] == [0.0, 1.0, 0.0] + [4.0, 1.0, 3.0] + [0.0, 0.25, 0.0] + [0.0]
     sums = [sum(v) for v in zip(*vecs)]
-    assert sums[9:12] == [0.0, 0.25, 0.5]
+    assert sums[6:9] == [0.0, 0.25, 0.5]
     for lp in loops:                    # every rank reads the same
-        sps, split, rates = lp.read(sums, 2)
-        assert sps == [0.5, 1.0, 1.5]
-        assert split == Split((4, 1, 3), 2) and rates == [1.0, 3.5, 1.25]
+        assert lp.read(sums, ran) == [0.5, 1.0, 1.5]
 
 
-def test_no_decision_reads_as_none():
-    lp = _loop(1, world=2)
-    sps, split, rates = lp.read([0.25, 0.75] + [0.0] * 7, 4)
-    assert sps == [0.25, 0.75] and split is None and rates == []
+def test_ranks_that_ran_different_splits_are_named():
+    loops = [_loop(r, world=2) for r in range(2)]
+    vecs = [loops[0].vector(0.1, Split((3, 1), 2)), loops[1].vector(0.2, Split((2, 2), 2))]
+    sums = [sum(v) for v in zip(*vecs)]
+    with pytest.raises(RuntimeError, match=r"ran different splits: rank 0 ran \[3, 1\], the "
+                                           r"ranks' shares sum to \[5.0, 3.0\] \(want "
+                                           r"\[6.0, 2.0\]"):
+        loops[0].read(sums, Split((3, 1), 2))
+
+
+class _Done:
+    """A finished collective's handle."""
+
+    def wait(self):
+        return True
+
+
+def test_a_decision_read_one_step_late_takes_effect_two_steps_after_its_timings():
+    """The all-reduce of step k is read at step k+1's boundary; the policy's answer from step
+    k's timings is applied there (step k+2 runs it); a flush (a checkpoint's) reads it early
+    and the state it gives carries the decision to the next boundary."""
+    import torch
+
+    class Policy:
+        seen: list = []
+
+        def decide(self, step, sps, split):
+            self.seen.append((step, list(sps), split.shares))
+            return (Split((3, 1), 2), [1.0, 3.0]) if step == 1 else None
+
+    class Engine(types.SimpleNamespace):
+        def set_split(self, s):
+            self.split = s
+
+    eng = Engine(dp_world_size=2, dp_rank=lambda: 0, split=Split((2, 2), 2), device="cpu",
+                 data_parallel_group=None)
+    lp = ResplitLoop(eng, Policy())
+    issued = []
+
+    def all_reduce(t, group=None, async_op=False):
+        assert async_op
+        t[1] = 0.5                      # rank 1's reading
+        t[2:4] *= 2                     # both ranks ran this split
+        issued.append(t)
+        return _Done()
+
+    import deepspeed.comm as dist
+
+    saved, dist.all_reduce = dist.all_reduce, all_reduce
+    try:
+        for k in range(3):
+            lp.after_step(k, eng.split, compute_s=0.4)
+            assert len(issued) == k + 1
+        # step 0's read at step 1's boundary, step 1's at step 2's: applied, step 3 runs it
+        assert Policy.seen == [(0, [0.1, 0.5], (2, 2)), (1, [0.1, 0.5], (2, 2))]
+        assert lp.events == [{"event": "resplit", "step": 3, "from": [2, 2], "to": [3, 1],
+                              "rates": [1.0, 3.0]}] and eng.split == Split((3, 1), 2)
+        state = lp.state_dict()         # reads step 2's all-reduce
+        assert Policy.seen[-1] == (2, [0.1, 0.5], (3, 1)) and state["decided"] is None
+        torch.testing.assert_close(issued[-1][-1], torch.tensor(0.0, dtype=torch.float64))
+    finally:
+        dist.all_reduce = saved
 
 
 class _Coordinator:
@@ -144,3 +199,48 @@ def test_the_sections_keys_and_a_bad_metrics_dir():
             DPSettings.from_config({"metrics_dir": bad})
     with pytest.raises(ValueError, match="plan not read by the data-parallel engine"):
         DPSettings.from_config({"plan": "p.json"})
+
+
+def test_a_checkpoints_split_for_another_world_is_left_with_one_line(caplog):
+    """MalleusDPEngine.load_resplit_state on a stand-in engine: the saved split taken when the
+    world and batch match; for another world, one warning naming both and the split kept."""
+    import logging
+
+    from malleus_ds.dp.engine import MalleusDPEngine
+
+    class Engine(types.SimpleNamespace):
+        def set_split(self, s):
+            self._split = s
+
+    def engine(world):
+        return Engine(dp_world_size=world, train_batch_size=lambda: 16,
+                      gradient_accumulation_steps=lambda: 2, dp_rank=lambda: 0, loop=None,
+                      _split=Split.equal(world, 16, 2))
+
+    saved = {"world": 2, "global_batch": 16, "micro_batches": 2, "shares": [7, 1],
+             "loop": None}
+    two = engine(2)
+    assert MalleusDPEngine.load_resplit_state(two, saved) and two._split == Split((7, 1), 2)
+    four = engine(4)
+    with caplog.at_level(logging.WARNING):
+        assert not MalleusDPEngine.load_resplit_state(four, saved)
+    assert four._split == Split((2, 2, 2, 2), 2)
+    assert [r.getMessage() for r in caplog.records] == [
+        "the checkpoint's split [7, 1] is for 2 data-parallel ranks, a batch of 16 in 2 "
+        "micro-batches; this job has 4 ranks, 16 in 2: resuming from the split [2, 2, 2, 2] "
+        "instead, the ranks' speeds re-measured"]
+    with pytest.raises(ValueError, match=r"'malleus_dp' state must hold world, global_batch, "
+                                         r"micro_batches and shares; got \{'world': 2\}"):
+        MalleusDPEngine.load_resplit_state(two, {"world": 2})
+
+
+def test_a_teardowns_flush_gives_up_on_an_all_reduce_a_peer_never_joined():
+    from malleus_ds.dp.loop import _InFlight
+
+    class Never:
+        def is_completed(self):
+            return False
+
+    lp = _loop(0, world=2)
+    lp._inflight = _InFlight(Never(), None, 7, Split((2, 2), 2), 0.1)
+    assert lp.flush(timeout_s=0.01) is False and lp._inflight.step == 7

@@ -42,6 +42,11 @@ def table(res: dict, top: int = 8) -> str:
                 row += f"{e['oracle_step_s']:>13.4g}{e['planning_s']:>8.2f}"
             lines.append(row)
     lines += _events(res["events"], top)
+    d = res.get("detection")
+    if d:
+        lines.append(f"detection (malleus, {d['events']} changes): median {d['median_steps']} "
+                     f"steps, longest {d['max_steps']}; the detector's own latency "
+                     f"{d['latency_steps']} steps, {d['over']} change(s) took longer")
     be = [b for b in res.get("break_even", ())]
     if be:
         lines += ["", "break-even straggler duration (switching pays for stragglers longer "
@@ -63,14 +68,15 @@ def _events(events: list[dict], top: int) -> list[str]:
     out = ["", "events (the change answered; detection, planning and pause seconds; what the "
                "switch won, in seconds of healthy training):",
            f"{'policy':<9}{'at s':>9}{'trigger':>10}{'adopted':>9}{'GPUs':>6}{'worst':>7}"
-           f"{'detect s':>10}{'plan s':>8}{'pause s':>9}{'won s':>9}"]
+           f"{'detect s':>10}{'steps':>7}{'plan s':>8}{'pause s':>9}{'won s':>9}"]
     for pol in dict.fromkeys(e["policy"] for e in events):
         rows = [e for e in events if e["policy"] == pol]
         for e in rows[:top]:
             det = "" if e["detection_s"] is None else f"{e['detection_s']:.1f}"
+            ds = "" if e.get("detection_steps") is None else str(e["detection_steps"])
             won = f"{e['won_s']:.0f}" if "won_s" in e else ""
             out.append(f"{pol:<9}{e['t_s']:>9.0f}{e['trigger']:>10}{str(e['adopted']):>9}"
-                       f"{e['slow_gpus']:>6d}{e['worst_rate']:>7.2f}{det:>10}"
+                       f"{e['slow_gpus']:>6d}{e['worst_rate']:>7.2f}{det:>10}{ds:>7}"
                        f"{e['planning_s']:>8.2f}{e['migration_s']:>9.1f}{won:>9}")
         if len(rows) > top:
             out.append(f"{pol:<9}... {len(rows) - top} more (--json has all)")

@@ -5,7 +5,8 @@ Beyond samples/s per policy, it accounts for what the re-planning policies did:
 
 * **events**: each decision of ``malleus`` (adopted or not) and each restart of ``restart``: the
   trace change it answered (the last change of the true rates before the loop asked; its
-  detection seconds are from that change to the request), the planner's seconds, the seconds
+  detection seconds are from that change to the request, its detection steps the loop's steps
+  that ended in between), the planner's seconds, the seconds
   the job stood still (migration or restart), and what the switch won or lost: the samples
   its new plan made until the next switch, against the samples the old plan would have made
   in the same time under the same true rates, less those the pause cost
@@ -13,7 +14,10 @@ Beyond samples/s per policy, it accounts for what the re-planning policies did:
 * **break-even**: per straggler of the trace (the rows that start and end together at one
   rate: a node, or one GPU), the shortest duration for which switching to the planner's plan
   pays: below it, detection, planning and both switches (in, and back out at recovery) cost
-  more samples than the faster plan wins (:func:`break_even_s`).
+  more samples than the faster plan wins (:func:`break_even_s`);
+* **detection**: the loop's detection delay in steps over its events, against the detector's
+  own latency (:func:`detection_summary`): per-step timings are exact in a replay, as on GPUs,
+  so at any scale a change should be answered within that many steps.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ from .run import RUNNERS, PolicyResult, Replay, ReplayError, capacity_bound, run
 from .trace import Segment, Trace
 
 POLICIES = ("static", "rebalance-data", "oracle", "malleus", "restart")
+#: the triggers of the loop's detector (``adaptive/detect.trigger_kind``)
+DETECTED = ("onset", "change", "recovery")
 
 
 def check_policies(names: Sequence[str]) -> list[str]:
@@ -237,6 +243,7 @@ def replay(problem, trace: Trace, step_s: float, policies: Sequence[str] = POLIC
     be = _break_even_rows(rp, trace, events, settings, switch_costs, step_s,
                           break_even_max if problem.memory is not None else 0)
     bound = capacity_bound(segs, trace.num_gpus)
+    detection = detection_summary(events, settings or AdaptiveSettings())
     return {"problem": problem.name, "num_gpus": trace.num_gpus,
             "hours": round(trace.horizon_s / 3600.0, 6),
             "step_s": step_s, "samples_per_step": rp.samples_per_step,
@@ -246,8 +253,31 @@ def replay(problem, trace: Trace, step_s: float, policies: Sequence[str] = POLIC
             "rows": len(trace.events), "segments": len(segs),
             "switch_costs": vars(switch_costs), "restart_costs": restart_costs.terms(),
             "policies": pol, "events": events, "segment_steps": seg_rows,
-            "break_even": be,
+            "break_even": be, "detection": detection,
             "timelines": {n: r.timeline for n, r in results.items()}}
+
+
+def detector_latency_steps(settings: AdaptiveSettings) -> int:
+    """The steps the loop's detector needs to answer a change in exact timings: the change
+    must hold the median of its ``window`` (half of it), then ``confirm`` checks in a row, one
+    every ``every`` steps, plus the check cadence the change may fall between."""
+    d = settings.detect
+    return (d.window // 2 + d.confirm) * d.every + d.every
+
+
+def detection_summary(events: list[dict], settings: AdaptiveSettings) -> dict | None:
+    """The malleus loop's detection delay in steps over the changes its detector answered
+    (:data:`DETECTED`; not its forced, carried or missed-promise re-plans): median, largest,
+    the detector's latency and how many events took longer. None without such an event."""
+    steps = sorted(e["detection_steps"] for e in events
+                   if e["policy"] == "malleus" and e.get("detection_steps") is not None
+                   and e["trigger"] in DETECTED)
+    if not steps:
+        return None
+    bound = detector_latency_steps(settings)
+    return {"events": len(steps), "median_steps": steps[len(steps) // 2],
+            "max_steps": steps[-1], "latency_steps": bound,
+            "over": sum(s > bound for s in steps)}
 
 
 def _events(rp: Replay, segs: Sequence[Segment], results: dict) -> list[dict]:
@@ -272,6 +302,9 @@ def _events(rp: Replay, segs: Sequence[Segment], results: dict) -> list[dict]:
                    "worst_rate": max(dict(seg.rates).values(), default=1.0),
                    "change_s": at,
                    "detection_s": None if d.requested_t is None else round(d.requested_t - at, 3),
+                   "detection_steps": None if d.requested_t is None else
+                   bisect.bisect_right(m.step_ends, d.requested_t)
+                   - bisect.bisect_right(m.step_ends, at),
                    "planning_s": round(d.planning_s, 3), "migration_s": round(d.migration_s, 3),
                    "bytes": d.bytes, **d.terms}
             if d.adopted:

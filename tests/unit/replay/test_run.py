@@ -9,7 +9,7 @@ import pytest
 from malleus_ds.app.cli import sim_main
 from malleus_ds.problem import Problem
 from malleus_ds.replay.run import ReplayError, capacity_bound
-from malleus_ds.replay.summary import replay
+from malleus_ds.replay.summary import DETECTED, replay
 from malleus_ds.replay.trace import Event, make_trace
 
 
@@ -112,6 +112,13 @@ def test_the_command_writes_a_trace_replays_it_and_writes_json_and_plot(tmp_path
     assert pol["oracle"]["vs_static"] >= pol["rebalance-data"]["vs_static"] - 1e-9
     assert pol["rebalance-data"]["vs_static"] >= 1.0 - 1e-9
     assert png.stat().st_size > 10_000
+    # detection in steps, per event and over the run (issue 52, item 4)
+    ev = [e for e in res["events"] if e["policy"] == "malleus" and e["trigger"] in DETECTED]
+    assert ev and all(isinstance(e["detection_steps"], int) and e["detection_steps"] >= 0
+                      for e in ev), ev
+    d = res["detection"]
+    assert d["events"] == len(ev) and d["max_steps"] == max(e["detection_steps"] for e in ev)
+    assert f"detection (malleus, {d['events']} changes): median {d['median_steps']} steps" in text
     # bad input: exit 2, one line naming the field
     assert sim_main(["replay", str(prob), str(csv), "--step-s", "2", "--hours", "1"]) == 2
     assert "after --hours=1" in capsys.readouterr().err
@@ -137,3 +144,20 @@ def test_the_commands_loop_and_cost_options_are_checked_by_name(tmp_path, capsys
     assert sim_main(base + ["--loop-config", str(cfg), "--policies", "static,malleus",
                             "--restart-costs", "init_s=10"]) == 0
     assert "malleus" in capsys.readouterr().out
+
+
+def test_the_detection_summary_counts_the_detectors_changes_against_its_latency():
+    from malleus_ds.adaptive.settings import AdaptiveSettings
+    from malleus_ds.replay.summary import detection_summary, detector_latency_steps
+
+    st = AdaptiveSettings()
+    lat = detector_latency_steps(st)
+    d = st.detect
+    assert lat == (d.window // 2 + d.confirm) * d.every + d.every
+    ev = [{"policy": "malleus", "trigger": t, "detection_steps": n}
+          for t, n in (("onset", 3), ("recovery", lat + 2), ("change", 1), ("forced", 99),
+                       ("missed", 50))]
+    ev.append({"policy": "restart", "trigger": "restart", "detection_steps": 70})
+    assert detection_summary(ev, st) == {"events": 3, "median_steps": 3, "max_steps": lat + 2,
+                                         "latency_steps": lat, "over": 1}
+    assert detection_summary(ev[3:], st) is None

@@ -37,7 +37,10 @@ if str(REPO) not in sys.path:  # run from a checkout without `pip install -e .`
 _LAUNCHED = ("RANK", "LOCAL_RANK")  # env vars torchrun / the deepspeed launcher set per rank
 FATAL_NAME = "fatal.txt"     # in the run folder: why a rank ended the restarts
 _END_RESTARTS_WAIT_S = 30.0  # under restarts, how long other ranks wait for local rank 0
-_CONFIG_ERROR_GRACE_S = 3.0  # a rank with a config error waits at most this long for the others
+#: a rank with a config error waits at most this long for the others to print theirs (they
+#: leave as soon as all have: runners/said.py). 3 s was too short on a loaded machine: rank 0,
+#: which sets up the Hydra run folder first, came 3+ s after its peer and was stopped unheard
+_CONFIG_ERROR_GRACE_S = 15.0
 _STOP_GRACE_S = 120.0  # after SIGTERM/SIGINT, ranks get this long to checkpoint and exit
 #: what _launch_ranks returns after SIGTERM / SIGINT reached it (128 + the signal number)
 _STOPPED_BY_SIGNAL = (128 + signal.SIGTERM, 128 + signal.SIGINT)

@@ -70,7 +70,8 @@ def main(argv=None) -> int:
                        "of_oracle": m.get("of_oracle_gain"), "switches": m.get("switches"),
                        "paused_s": m.get("migration_s"),
                        "plan_max_s": max((e["planning_s"] for e in res["events"]
-                                          if e["policy"] == "malleus"), default=None)}
+                                          if e["policy"] == "malleus"), default=None),
+                       "detection": res.get("detection")}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 for k, p in pol.items():

@@ -103,7 +103,7 @@ class LoopResult(PolicyResult):
     plans: dict = field(default_factory=dict)     # every plan it ran, by id
     units: dict = field(default_factory=dict)     # ...and its cost units per rank (the loop's)
     refs: dict = field(default_factory=dict)      # ...and the rank that calibrates its probes
-    step_ends: list = field(default_factory=list)  # on the step clock: each step's end (s)
+    step_ends: list = field(default_factory=list)  # each step's end on the clock (s)
 
 
 def _sums(ready: bool, comp: np.ndarray, probes: np.ndarray) -> StepSums:
@@ -323,8 +323,7 @@ class LoopReplay:
             n = (room // period) * period
             if n > 0:
                 self.ctl.skip(n)
-                if self.o.on_steps:
-                    self.out.step_ends += [self.clock.now + (i + 1) * step_s for i in range(n)]
+                self.out.step_ends += [self.clock.now + (i + 1) * step_s for i in range(n)]
                 self.clock.now += n * step_s
                 self.stretch_samples += n * self.rp.samples_per_step
                 self.out.steps += n
@@ -394,8 +393,7 @@ class LoopReplay:
         gbs, o = self.rp.samples_per_step, self.o
         frac = 1.0 if o.on_steps else min(1.0, (self.horizon - self.clock.now) / step_s)
         self.clock.now += step_s              # the all-reduce ends the step: hooks run then
-        if o.on_steps:
-            self.out.step_ends.append(self.clock.now)
+        self.out.step_ends.append(self.clock.now)
         if before < 1.0:                 # its work before the change counts before it
             self.stretch_samples += gbs * before
             self._close_stretch(self.segs[self.si].end_s)

@@ -118,6 +118,7 @@ def test_the_command_writes_a_trace_replays_it_and_writes_json_and_plot(tmp_path
                       for e in ev), ev
     d = res["detection"]
     assert d["events"] == len(ev) and d["max_steps"] == max(e["detection_steps"] for e in ev)
+    assert d["median_steps"] >= 1, ev     # a change is seen in a step's timings, at the earliest
     assert f"detection (malleus, {d['events']} changes): median {d['median_steps']} steps" in text
     # bad input: exit 2, one line naming the field
     assert sim_main(["replay", str(prob), str(csv), "--step-s", "2", "--hours", "1"]) == 2

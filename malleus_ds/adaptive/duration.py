@@ -52,7 +52,6 @@ class DurationModel:
         if not strength > 0:
             raise ValueError(f"duration prior strength={strength!r} must be > 0 (stragglers)")
         total = sum(k.weight for k in prior)
-        self.names = tuple(k.name for k in prior)
         self._n = [strength * k.weight / total for k in prior]
         self._sum = [n * k.mean_s for n, k in zip(self._n, prior)]
         self.seen: list[float] = []

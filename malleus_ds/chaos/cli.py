@@ -76,6 +76,12 @@ def given(a: argparse.Namespace, name: str) -> str | None:
     return None if getattr(a, name) == DEFAULTS[name] else getattr(a, name)
 
 
+def job_options(a: argparse.Namespace) -> str:
+    """The job-size options given (for the replay line)."""
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v, d in
+                    (("batch", a.batch, None), ("seq_len", a.seq_len, 16)) if v != d)
+
+
 #: the defaults of the options that change which schedule a seed draws
 DEFAULTS = {"kinds": ",".join(KINDS), "faults": "2-4"}
 
@@ -94,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against-stock", action="store_true",
                     help="also run each seed that slows a rank under stock DeepSpeed with the "
                          "same slowdowns, and compare the pace")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="samples a step (default 8; 32 when a node is lost)")
+    ap.add_argument("--seq-len", type=int, default=16,
+                    help="tokens a sample (default 16). With --against-stock, a bigger job "
+                         "(e.g. --batch 64 --seq-len 64) makes steps long enough that the pace "
+                         "measures the stragglers rather than each engine's fixed cost a step")
     ap.add_argument("--min-pace", type=float, default=0.95,
                     help="the least throughput against stock's that passes (default 0.95; on "
                          "this 2-core machine's 50-100 ms steps, two engines' healthy paces "
@@ -116,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(sched.lines()), flush=True)
         say = lambda m: print(m, flush=True)        # noqa: E731
         out = Path(a.out) / f"seed{sched.seed}"
-        opts = Options(global_batch_size=batch_of(sched))
+        opts = Options(global_batch_size=a.batch or batch_of(sched), seq_len=a.seq_len)
         v, injections = run_one(sched, out, reference(sched, opts), opts, say=say)
         if a.against_stock and sched.comparable:
             say(f"  seed {sched.seed}: stock DeepSpeed under the same slowdowns")
@@ -142,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in rows if not r["ok"]]
     for r, sched in [(r, s) for r, s in zip(rows, scheds) if not r["ok"]]:
         print(f"seed {r['seed']} FAILED: " + "; ".join(r["broken"]))
-        again = replay_line(sched, a.world, a.steps, given(a, "kinds"), given(a, "faults"))
+        again = replay_line(sched, a.world, a.steps, given(a, "kinds"), given(a, "faults"),
+                            job_options(a))
         print(f"  again: {again}"
               + (" --against-stock" if a.against_stock else ""))
     if a.json:

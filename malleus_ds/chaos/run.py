@@ -32,8 +32,9 @@ from .verdict import Verdict, judge
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "launch" / "train.py"
-#: the job: a small decoder, 8 samples a step in micro-batches of 1
-JOB = ("model=tiny", "model.max_seq_len=16", "progress=false", "engine=malleus")
+#: the job: a small decoder (``model.max_seq_len``: :attr:`Options.seq_len`), 8 samples a step
+#: in micro-batches of 1 (:func:`batch_of`)
+JOB = ("model=tiny", "progress=false", "engine=malleus")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class Options:
     budget_s: float = 420.0         # a run still going after this is killed and judged as is
     disk_mb: int = 32               # the checkpoint tmpfs
     global_batch_size: int | None = None    # None: :func:`batch_of` the schedule
+    #: tokens a sample; with a bigger batch, steps long enough that the pace against stock
+    #: measures the stragglers, not each engine's fixed cost a step (``--seq-len``)
+    seq_len: int = 16
 
 
 def batch_of(sched: Schedule) -> int:
@@ -54,19 +58,19 @@ def batch_of(sched: Schedule) -> int:
 
 
 @functools.lru_cache(maxsize=4)
-def _reference(steps: int, batch: int) -> tuple[float, ...]:
+def _reference(steps: int, batch: int, seq_len: int = 16) -> tuple[float, ...]:
     from ..app.reference import reference_run
     from ..models import model_config
 
-    ref, _ = reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=steps,
+    ref, _ = reference_run(model_config("tiny", max_seq_len=seq_len), seed=0, steps=steps,
                            global_batch_size=batch, micro_batch_size=1)
     return tuple(float(x) for x in ref)
 
 
 def reference(sched: Schedule, opts: "Options | None" = None) -> list[float]:
     """The fault-free one-process losses of ``sched``'s job, steps 0..steps-1."""
-    batch = (opts.global_batch_size if opts is not None else None) or batch_of(sched)
-    return list(_reference(sched.steps, batch))
+    opts = opts or Options()
+    return list(_reference(sched.steps, opts.global_batch_size or batch_of(sched), opts.seq_len))
 
 
 def _literal(entries: list[dict]) -> str:
@@ -84,7 +88,8 @@ def script(sched: Schedule, run: Path, ck: Path, opts: Options,
                   end_step=f.until) for f in sched.at_launch() if f.kind == "slow_link"]
     job = [a for a in JOB if not a.startswith("engine=")] + [f"engine={engine}"]
     batch = opts.global_batch_size or batch_of(sched)
-    return [str(TRAIN), *job, f"train.steps={sched.steps}", f"train.global_batch_size={batch}",
+    return [str(TRAIN), *job, f"model.max_seq_len={opts.seq_len}", f"train.steps={sched.steps}",
+            f"train.global_batch_size={batch}",
             f"checkpoint.dir={ck}", "checkpoint.every=2", "checkpoint.keep=2",
             "checkpoint.resume=auto", f"hang_timeout_s={opts.hang_timeout_s:g}",
             f"hydra.run.dir={run}", f"straggler.schedule={_literal(strag)}",
@@ -206,11 +211,13 @@ class TwoNodes:
 
 
 def replay_line(sched: Schedule, world: int, steps: int, kinds: str | None = None,
-                faults: str | None = None) -> str:
+                faults: str | None = None, job: str = "") -> str:
     """The command that runs this seed again (with the campaign's ``--kinds`` and ``--faults``
-    where they were not the defaults: the same seed draws another schedule under others)."""
+    where they were not the defaults: the same seed draws another schedule under others;
+    ``job``: the job-size options given, e.g. ``--batch 64 --seq-len 64``)."""
     return f"malleus-chaos --seeds {sched.seed} --world {world} --steps {steps}" \
-        + (f" --kinds {kinds}" if kinds else "") + (f" --faults {faults}" if faults else "")
+        + (f" --kinds {kinds}" if kinds else "") + (f" --faults {faults}" if faults else "") \
+        + (f" {job}" if job else "")
 
 
 def _mount(disk: Path, mb: int) -> bool:

@@ -41,6 +41,24 @@ def test_a_failing_seed_is_replayed_with_the_options_that_drew_it():
         "malleus-chaos --seeds 7 --world 4 --steps 36 --kinds kill,freeze --faults 4-6"
 
 
+def test_a_bigger_job_reaches_the_ranks_the_reference_and_the_replay_line(tmp_path):
+    import argparse
+
+    from malleus_ds.chaos.cli import job_options
+    from malleus_ds.chaos.run import Options, _reference, reference, script
+    from malleus_ds.chaos.schedule import Schedule
+
+    sched = Schedule(3, 2, 4, ())
+    args = script(sched, tmp_path, tmp_path, Options(global_batch_size=16, seq_len=24))
+    assert "model.max_seq_len=24" in args and "train.global_batch_size=16" in args
+    assert "model.max_seq_len=16" in script(sched, tmp_path, tmp_path, Options())
+    _reference.cache_clear()
+    big, small = reference(sched, Options(global_batch_size=16, seq_len=24)), reference(sched)
+    assert len(big) == len(small) == 2 and big != small
+    assert job_options(argparse.Namespace(batch=64, seq_len=64)) == "--batch 64 --seq-len 64"
+    assert job_options(argparse.Namespace(batch=None, seq_len=16)) == ""
+
+
 def test_stock_is_compared_only_where_it_can_meet_the_same_slowdowns():
     from malleus_ds.chaos.schedule import Fault, Schedule
 

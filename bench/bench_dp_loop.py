@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """The DP re-split loop's cost on healthy steps: stock DeepSpeed, malleus (the loop's all-reduce
-non-blocking, read a step later) and malleus with that all-reduce forced blocking (the loop
-before session 33), in one 4-rank gloo process group, the order rotated each round.
+non-blocking, read a step later), malleus with that all-reduce forced blocking (the loop before
+session 33) and stock with one extra non-blocking all-reduce of the loop's size a step and
+nothing else ("stock+ar": what the collective alone costs), in one 4-rank gloo process group,
+the order rotated each round.
 
 ``bench_zero.py``'s plain loop (ZeRO-3, its MLP, healthy steps only); "blocking" wraps
 ``deepspeed.comm.all_reduce`` for calls from ``malleus_ds/dp/loop.py`` only, so the rest of the
@@ -24,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-ORDERS = (("stock", "async", "blocking"), ("blocking", "async", "stock"),
-          ("async", "blocking", "stock"))
+#: a Latin square: each engine at each position once every 4 rounds
+ORDERS = (("stock", "async", "blocking", "stock+ar"), ("async", "stock+ar", "stock", "blocking"),
+          ("blocking", "stock", "stock+ar", "async"), ("stock+ar", "blocking", "async", "stock"))
 
 
 class _Done:
@@ -55,9 +58,10 @@ def _ranks(rank, world, a):
         res = {}
         for name in ORDERS[r % len(ORDERS)]:
             dcomm.all_reduce = blocking if name == "blocking" else real
+            a.extra_allreduce = name == "stock+ar"
             try:
-                res[name] = bench_zero._run("stock" if name == "stock" else "malleus", a, None,
-                                            rank)["times"]
+                res[name] = bench_zero._run("stock" if name.startswith("stock") else "malleus",
+                                            a, None, rank)["times"]
             finally:
                 dcomm.all_reduce = real
         out.append(res)
@@ -87,7 +91,8 @@ def main() -> int:
         m = {k: med(v[2:]) for k, v in rnd.items()}
         print(f"round {i + 1}: median step s " + ", ".join(f"{k} {v:.3f}" for k, v in m.items())
               + f"; stock/async {m['stock'] / m['async']:.3f}, "
-                f"stock/blocking {m['stock'] / m['blocking']:.3f}")
+                f"stock/blocking {m['stock'] / m['blocking']:.3f}, "
+                f"stock/stock+ar {m['stock'] / m['stock+ar']:.3f}")
     pooled = {k: med([s for rnd in res for s in rnd[k][2:]]) for k in res[0]}
 
     def geo(num, den):
@@ -97,7 +102,10 @@ def main() -> int:
           f"{pooled['stock'] / pooled['async']:.3f}, stock/blocking "
           f"{pooled['stock'] / pooled['blocking']:.3f}; per-round geometric means stock/async "
           f"{geo('stock', 'async'):.3f}, stock/blocking {geo('stock', 'blocking'):.3f}, "
-          f"blocking/async {geo('blocking', 'async'):.3f}")
+          f"blocking/async {geo('blocking', 'async'):.3f}; the collective alone: pooled "
+          f"stock/stock+ar {pooled['stock'] / pooled['stock+ar']:.3f}, per-round "
+          f"{geo('stock', 'stock+ar'):.3f}; the rest of the loop: stock+ar/async "
+          f"{geo('stock+ar', 'async'):.3f}")
     if x.json:
         Path(x.json).write_text(json.dumps(res))
     return 0

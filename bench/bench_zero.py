@@ -107,6 +107,30 @@ class _SlowCompute:
         self.rate = rate
 
 
+class _ExtraAllReduce:
+    """What the re-split loop adds to a step, without the loop: one non-blocking all-reduce of
+    its vector's size (3 x world + 1 float64), issued at each step's end and waited for at the
+    next (``bench_dp_loop.py``'s "stock+ar": how much of the loop's cost is that collective)."""
+
+    def __init__(self, world: int):
+        self.world, self.work = world, None
+
+    def step(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.zeros(3 * self.world + 1, dtype=torch.float64)
+        work = dist.all_reduce(t, async_op=True)
+        if self.work is not None:
+            self.work.wait()
+        self.work = work
+
+    def close(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
 def _run(engine_name: str, a, slower, rank: int) -> dict:
     """One run of the plain loop under ``engine_name``; each step's wall seconds and loss."""
     import deepspeed
@@ -137,6 +161,8 @@ def _run(engine_name: str, a, slower, rank: int) -> dict:
         slower.attach(eng.module)
     it = iter(loader)
     times, losses, shares = [], [], []
+    extra = _ExtraAllReduce(dist.get_world_size()) if getattr(a, "extra_allreduce", False) \
+        else None
     dist.barrier()
     for step in range(total):
         slow = a.healthy <= step < a.healthy + a.throttled
@@ -150,11 +176,15 @@ def _run(engine_name: str, a, slower, rank: int) -> dict:
             eng.backward(loss)
             eng.step()
             mine.append(loss.item())
+        if extra is not None:
+            extra.step()
         losses.append(global_loss(mine))
         times.append(time.perf_counter() - t0)
         shares.append(list(eng.split.shares) if engine_name == "malleus" else None)
     if slower is not None:
         slower.set_rate(1.0)
+    if extra is not None:
+        extra.close()
     return {"times": times, "losses": losses, "shares": shares,
             "events": list(getattr(eng, "split_events", []))}
 

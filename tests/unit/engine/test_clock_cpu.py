@@ -151,3 +151,29 @@ def test_thread_times_reads_schedstat_or_says_none(tmp_path):
     assert thread_times(str(f)) is None
 
 
+
+
+@pytest.mark.skipif(thread_times() is None, reason="no /proc/thread-self/schedstat here")
+def test_each_thread_and_a_forked_child_read_their_own_schedstat():
+    """The schedstat file stays open per thread: another thread, and a child forked after this
+    thread opened it, each read the file of their own thread."""
+    import os
+    import threading
+
+    def own() -> str:           # the task whose schedstat this thread's open file reads
+        thread_times()
+        return os.readlink(f"/proc/self/fd/{clock_mod._OWN.fd}")
+
+    assert own() == f"/proc/{os.getpid()}/task/{threading.get_native_id()}/schedstat"
+    got = {}
+    t = threading.Thread(target=lambda: got.update(path=own(), tid=threading.get_native_id()))
+    t.start()
+    t.join()
+    assert got["path"] == f"/proc/{os.getpid()}/task/{got['tid']}/schedstat"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(w, own().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 200).decode() == f"/proc/{pid}/task/{pid}/schedstat"

@@ -55,8 +55,9 @@ def test_a_bigger_job_reaches_the_ranks_the_reference_and_the_replay_line(tmp_pa
     _reference.cache_clear()
     big, small = reference(sched, Options(global_batch_size=16, seq_len=24)), reference(sched)
     assert len(big) == len(small) == 2 and big != small
-    assert job_options(argparse.Namespace(batch=64, seq_len=64)) == "--batch 64 --seq-len 64"
-    assert job_options(argparse.Namespace(batch=None, seq_len=16)) == ""
+    assert job_options(argparse.Namespace(batch=64, seq_len=64, rtol=1e-4)) == \
+        "--batch 64 --seq-len 64 --rtol 0.0001"
+    assert job_options(argparse.Namespace(batch=None, seq_len=16, rtol=1e-5)) == ""
 
 
 def test_stock_is_compared_only_where_it_can_meet_the_same_slowdowns():

@@ -69,11 +69,11 @@ def _flapping(f: Flapping, num_gpus: int, horizon: float, rng) -> list[Event]:
     out: list[Event] = []
     n = max(1, round(num_gpus / f.gpus_per_flapper))
     for g in rng.choice(num_gpus, size=min(n, num_gpus), replace=False):
+        rate = round(float(rng.uniform(*f.rate)), 3)
         now = float(rng.uniform(0.0, 60.0 * f.healthy_minutes[1]))
         while now < horizon:
             end = min(horizon, now + 60.0 * float(rng.uniform(*f.slow_minutes)))
-            out.append(Event(round(now, 3), round(end, 3), int(g),
-                             round(float(rng.uniform(*f.rate)), 3)))
+            out.append(Event(round(now, 3), round(end, 3), int(g), rate))
             now = end + 60.0 * float(rng.uniform(*f.healthy_minutes))
     return [e for e in out if e.end_s > e.start_s]
 

@@ -97,6 +97,7 @@ def test_flapping_gpus_alternate_slow_and_healthy_phases_of_minutes():
             assert 120.0 - 1e-3 <= a.end_s - a.start_s <= 240.0 + 1e-3
             assert 120.0 - 1e-3 <= b.start_s - a.end_s <= 240.0 + 1e-3     # healthy between
         assert mine[-1].end_s <= 4 * 3600.0
+        assert len({e.rate for e in mine}) == 1                  # one rate per GPU
     assert all(1.6 <= e.rate <= 1.9 for e in ev)
     assert len({e.gpu for e in generate("flapping", 64, 1.0, seed=0)}) == 1   # at least one
 

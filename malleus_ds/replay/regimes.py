@@ -55,8 +55,8 @@ class Transient:
 class Flapping:
     """GPUs that flap: one per ``gpus_per_flapper`` GPUs (at least one), each from a uniform
     time in its first healthy phase to the horizon alternating a slow phase (minutes uniform in
-    ``slow_minutes``, at one rate uniform in ``rate`` per phase) and a healthy one (minutes
-    uniform in ``healthy_minutes``)."""
+    ``slow_minutes``) and a healthy one (minutes uniform in ``healthy_minutes``); each GPU is
+    slow at one rate, uniform in ``rate``, every time."""
 
     gpus_per_flapper: int = 170
     slow_minutes: tuple[float, float] = (2.0, 4.0)

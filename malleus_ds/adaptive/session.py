@@ -42,7 +42,7 @@ from .view import LoopView
 
 
 #: the triggers answered first by a re-split of the running layout (module doc)
-FIRST_RESPONSE = ("onset", "change", "recovery")
+FIRST_RESPONSE = ("onset", "change", "recovery", "missed")
 
 
 class PlannerSession:
@@ -144,8 +144,11 @@ class PlannerSession:
         self.client.request({"problem": pr.to_json(), "seed": step, "forced": trigger == "forced",
                              "time_limit": lp.s.planner_time_limit_s,
                              "min_improvement": margin})
-        if trigger in FIRST_RESPONSE and why is None and not links:
+        if trigger in FIRST_RESPONSE and not links:
             self.result = self.first_response(pr, trigger, rates, step)
+            if self.result is not None and why:        # a missed promise, acted on at once
+                self.result = replace(self.result, check_step=check_step,
+                                      reason=f"{why}: {self.result.reason}")
 
     def first_response(self, pr: Problem, trigger: str, rates: list[float],
                        step: int) -> ReplanDecision | None:
@@ -186,10 +189,10 @@ class PlannerSession:
 
     def remaining(self, trigger: str, rates: list[float]):
         """The expected remaining duration of the youngest slowdown among the ranks slow in
-        ``rates`` (``stragglers.Remaining``), for a straggler's onset or change; None
-        otherwise (a recovery, a link, a missed promise: the fixed horizon)."""
+        ``rates`` (``stragglers.Remaining``), for a straggler's onset or change, or a missed
+        promise; None otherwise (a recovery, a link: the fixed horizon)."""
         watch = getattr(self.loop, "stragglers", None)
-        if trigger not in ("onset", "change") or watch is None:
+        if trigger not in ("onset", "change", "missed") or watch is None:
             return None
         return watch.remaining([d for d, r in enumerate(rates) if r > 1.0])
 
@@ -216,14 +219,14 @@ class PlannerSession:
 
         lp = self.loop
         cur = lp.plan
-        nbytes = self.bytes_for(new) if new.id != cur.id else 0
+        nbytes, busiest = self.bytes_for(new) if new.id != cur.id else (0, 0)
         step_s = self.step_s(p["problem"], cur)
         if lp.step_times:
             self.scale = step_s / step_time(p["problem"], cur)
         kept = new.id != cur.id and same_stages(cur, new)
         res = decide(p["problem"], cur, new, p["trigger"], p["rates"], p["step"],
                      time.perf_counter() - p["t0"], step_s, nbytes,
-                     self.migrate_s_for(nbytes, kept), lp.s.horizon_steps,
+                     self.migrate_s_for(nbytes, kept, busiest), lp.s.horizon_steps,
                      self.remaining(p["trigger"], p["rates"]))
         if p.get("check"):           # acting on a missed promise (``Promise.act_on_miss``)
             if p["trigger"] == "missed":
@@ -335,25 +338,32 @@ class PlannerSession:
         except (PlanError, ValueError):
             return None
 
-    def bytes_for(self, new: Plan) -> int:
-        """Bytes the switch from the running plan to ``new`` moves (its transfer plan)."""
+    def bytes_for(self, new: Plan) -> tuple[int, int]:
+        """Bytes the switch from the running plan to ``new`` moves (its transfer plan): in
+        all, and the most any one rank receives (each rank receives its part over its own
+        links, at once)."""
         from ..migrate.transfer import Layout, transfer_plan
 
         lp, j = self.loop, self.loop.spec
-        return transfer_plan(Layout(lp.plan, j.zero_stage), Layout(new, j.zero_stage),
-                             j.param_table, mixed=j.mixed, param_bytes=j.param_bytes,
-                             job=lp.job).bytes
+        tp = transfer_plan(Layout(lp.plan, j.zero_stage), Layout(new, j.zero_stage),
+                           j.param_table, mixed=j.mixed, param_bytes=j.param_bytes, job=lp.job)
+        got: dict[int, int] = {}
+        for t in tp.transfers:
+            got[t.dst] = got.get(t.dst, 0) + tp.bytes_of(t)
+        return tp.bytes, max(got.values(), default=0)
 
-    def migrate_s_for(self, nbytes: int, kept: bool = False) -> float:
+    def migrate_s_for(self, nbytes: int, kept: bool = False,
+                      busiest: int | None = None) -> float:
         """Predicted switch seconds. A re-split (``kept``: every pipeline keeps its stages):
         the median pause of the re-splits so far (0.05 s until one was measured). A layout
         change: ``fixed + nbytes / bandwidth`` over the layout changes so far (a re-split's
         pause says nothing of their communicators and warm-up), fitted (least squares) once
         they moved at least two different byte counts; before that, the fixed part is the
         seconds of one that moved nothing (0.05 s until one was measured) and the bandwidth
-        that of those that moved bytes (``migrate_gbps`` until one was measured). The fixed
-        part is kept apart from the bandwidth: folded in, it would overestimate a large switch
-        several times."""
+        that of those that moved bytes; until one was measured, ``migrate_gbps`` per rank for
+        the ``busiest`` rank's bytes where given (the ranks receive at once; ``nbytes`` in
+        all otherwise). The fixed part is kept apart from the bandwidth: folded in, it would
+        overestimate a large switch several times."""
         if kept:
             ms = [m.seconds for m in self.migrations if getattr(m, "kept", False)]
             return float(np.median(ms)) if ms else 0.05
@@ -362,10 +372,11 @@ class PlannerSession:
         if fit is not None:
             return fit[0] + fit[1] * nbytes
         done = [m for m in ms if m.bytes > 0 and m.seconds > 0]
-        bw = (sum(m.bytes for m in done) / sum(m.seconds for m in done)) if done \
-            else self.loop.s.migrate_gbps * 1e9
         fixed = min((m.seconds for m in ms if m.bytes == 0), default=0.05)
-        return fixed + nbytes / bw
+        if done:
+            return fixed + nbytes * sum(m.seconds for m in done) / sum(m.bytes for m in done)
+        moved = nbytes if busiest is None else busiest
+        return fixed + moved / (self.loop.s.migrate_gbps * 1e9)
 
     def close(self) -> None:
         if self.client is not None:

@@ -251,11 +251,13 @@ class Controller:
             ses.request("link", self.normalised(), step + 1, links=moved)
 
     def _track(self, step: int) -> None:
-        """Rank 0, at each detection once a full window is measured: which ranks read slow,
-        to the straggler watch (onsets, ends and their durations)."""
+        """Rank 0, at each detection once a full window is measured: the rates as read (no
+        hold) to the straggler watch (onsets, ends and their durations), and its holds of the
+        flapping ranks to the detector."""
         if (self.stragglers is not None and self.seen >= self.s.detect.window
                 and not (step + 1) % self.s.detect.every):
-            self.stragglers.update(self.det.normalise(self.measured) > 1.0)
+            self.stragglers.update(self.det.normalise(self.measured, held=False))
+            self.det.hold = self.stragglers.holds()
 
     def step_done(self, seconds: float) -> None:
         if self.stragglers is not None:
@@ -381,8 +383,15 @@ class Controller:
         if c is not None and not c.settled():
             return None
         return (self.plan.id, self.measured.tobytes(), self.est.beta, self.est.gamma,
-                self.held.tobytes(), self.probe_ref, d.planned.tobytes(), self.session.scale,
+                self.held.tobytes(), self.probe_ref, d.planned.tobytes(), d.hold.tobytes(),
+                self.session.scale,
                 pm.pace.seconds, None if c is None else c.state(), links)
+
+    def steady_for_s(self) -> float | None:
+        """Rank 0: seconds a steady stretch stays steady on the loop's own clock (a flapping
+        rank's hold released, ``stragglers.StragglerWatch.steady_s``); None: no limit. A
+        simulator skips no further."""
+        return self.stragglers.steady_s() if self.stragglers is not None else None
 
     def period(self) -> int:
         """Steps after which every periodic part of the loop (detection, probes, the work

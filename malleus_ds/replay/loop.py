@@ -323,6 +323,9 @@ class LoopReplay:
             end = self.segs[self.si].end_s
             room = (int(end) - step if self.o.on_steps else
                     int((end - self.clock.now) / step_s)) - 1
+            due = self.ctl.steady_for_s()      # the loop's own clock changes something then
+            if due is not None:
+                room = min(room, int(due / step_s) - 1)
             n = (room // period) * period
             if n > 0:
                 self.ctl.skip(n)

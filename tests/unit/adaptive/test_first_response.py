@@ -27,40 +27,41 @@ from .test_control import _problem
 
 def test_the_watch_tracks_onsets_and_ends_and_a_node_is_one_straggler():
     w = StragglerWatch(8)
-    assert w.update([False] * 8) == [] and w.age_s() is None and w.remaining() is None
+    H, S = 1.0, 2.0                                           # healthy, slow
+    assert w.update([H] * 8) == [] and w.age_s() is None and w.remaining() is None
     w.now_s = 60.0
-    assert w.update([True] * 4 + [False] * 4) == []          # a node-wide onset
+    assert w.update([S] * 4 + [H] * 4) == []          # a node-wide onset
     w.now_s = 120.0
-    w.update([True] * 4 + [False, False, True, False])        # rank 6 later
+    w.update([S] * 4 + [H, H, S, H])        # rank 6 later
     w.now_s = 300.0
     assert w.age_s([0, 1]) == 240.0 and w.age_s() == 180.0    # the youngest: rank 6's
     assert w.age_s([5]) is None and w.remaining([4, 5]) is None
     w.now_s = 660.0
-    ended = w.update([False] * 6 + [True, False])             # the node recovers at once
+    ended = w.update([H] * 6 + [S, H])             # the node recovers at once
     assert ended == [600.0] and w.model.seen == [600.0]       # one straggler, not four
     assert w.ended == [((0, 1, 2, 3), 60.0, 660.0)]
     assert w.age_s() == 540.0
     w.now_s = 700.0
-    w.update([True] + [False] * 7)                            # rank 0 again: a new onset
+    w.update([S] + [H] * 7)                            # rank 0 again: a new onset
     assert w.ended[-1][0] == (6,) and w.model.seen == [600.0, 580.0]
     assert w.age_s([0]) == 0.0
     with pytest.raises(ValueError, match="slow: 3 ranks, the watch has 8"):
-        w.update([True] * 3)
+        w.update([S] * 3)
 
 
 def test_the_remaining_estimate_learns_from_the_jobs_own_stragglers():
     """A slowdown 1 minute old is expected to last about half an hour under the prior (one in
     ten is a fault of hours); after twenty 3-minute stragglers of this job, a few minutes."""
     w = StragglerWatch(2)
-    w.update([True, False])
+    w.update([2.0, 1.0])
     w.now_s = 60.0
     prior = w.remaining([0])
     assert 20 * 60 < prior.seconds < 35 * 60 and prior.age_s == 60.0
     assert "left (transient 0.8" in prior.text and "0 ended seen" in prior.text
     for _ in range(20):
         w.now_s += 180.0
-        w.update([False, False])
-        w.update([True, False])
+        w.update([1.0, 1.0])
+        w.update([2.0, 1.0])
     w.now_s += 60.0
     learnt = w.remaining([0])
     assert learnt.seconds < 8 * 60 and "20 ended seen" in learnt.text
@@ -126,7 +127,7 @@ def _ctl(steps=6):
 def test_an_onset_is_answered_at_once_by_a_resplit_and_the_planner_after_it():
     ctl, plan = _ctl()
     ses = ctl.session
-    ctl.stragglers.update([False, False, False, True])
+    ctl.stragglers.update([1.0, 1.0, 1.0, 3.0])
     ctl.stragglers.now_s += 30.0
     ses.request("onset", [1.0, 1.0, 1.0, 3.0], 7)
     first = ses.result
@@ -226,3 +227,33 @@ def test_the_controller_tracks_stragglers_on_its_clock_at_each_detection():
     assert w.now_s == 140.0 and 20 <= onset <= 26
     assert len(w.ended) == 1 and w.ended[0][0] == (3,)
     assert 60 - 6 <= w.model.seen[0] <= 60 + 6 and w.age_s() is None
+
+
+def test_a_flapping_rank_is_held_slow_until_it_stays_healthy():
+    """Rank 2 slow at 1.8 twice within half an hour: held at 1.8 (the detector normalises its
+    healthy readings to it, so its flips trigger nothing); released once it has stayed
+    healthy for ``FLAP_S``. One straggler that ended once is no flapper."""
+    from malleus_ds.adaptive.detect import Detector
+    from malleus_ds.adaptive.stragglers import FLAP_S
+
+    w = StragglerWatch(4)
+    slow, healthy = [1.0, 1.0, 1.8, 1.0], [1.0] * 4
+    for t, r in ((0.0, slow), (180.0, healthy)):
+        w.now_s = t
+        w.update(r)
+    assert list(w.holds()) == [1.0] * 4 and w.steady_s() == FLAP_S
+    for t, r in ((360.0, slow), (540.0, healthy)):
+        w.now_s = t
+        w.update(r)
+    assert list(w.holds()) == [1.0, 1.0, 1.8, 1.0]
+    det = Detector(4, DetectConfig(every=1, confirm=1, cooldown=0))
+    det.hold = w.holds()
+    det.planned_for([1.0, 1.0, 1.8, 1.0])
+    assert list(det.normalise(healthy)) == [1.0, 1.0, 1.8, 1.0]
+    assert list(det.normalise(healthy, held=False)) == healthy
+    assert det.check(healthy) is None and det.check(slow) is None      # no trigger either way
+    assert w.steady_s() == pytest.approx(180.0 + FLAP_S - 540.0)
+    w.now_s = 540.0 + FLAP_S + 1.0
+    assert list(w.holds()) == healthy and w.steady_s() is None
+    det.hold = w.holds()
+    assert det.check(healthy).kind == "recovery"

@@ -199,9 +199,13 @@ class PlannerSession:
     def collect(self, answer: dict | None = None) -> None:
         """Turn the planner's answer (if any) into a decision (stale ones are dropped)."""
         p = self.pending
-        if p is None or self.result is not None:    # a first response not yet shared
+        if p is None:
             return
-        ans = answer if answer is not None else self.client.poll()
+        if self.result is not None:     # a first response not yet shared: the answer waits
+            if answer is not None:
+                p["answer"] = answer
+            return
+        ans = answer if answer is not None else p.pop("answer", None) or self.client.poll()
         if ans is None:
             return
         self.pending = None
@@ -306,7 +310,8 @@ class PlannerSession:
         if self.client is None:
             return self.error(trigger, step, "no planner (a single rank)")
         if self.pending is not None:
-            self.collect(self.client.wait(self.FORCED_TIMEOUT_S))
+            self.result = None                       # a first response not shared: dropped
+            self.collect(self._answer(self.FORCED_TIMEOUT_S))
             self.result = None
         self.request(trigger, self.loop.normalised(), step)
         if self.pending is not None:
@@ -315,9 +320,15 @@ class PlannerSession:
         return res
 
     def wait(self, timeout_s: float = FORCED_TIMEOUT_S) -> None:
-        """Block until the re-plan in flight, if any, is decided."""
-        if self.pending is not None and self.client is not None:
-            self.collect(self.client.wait(timeout_s))
+        """Block until the re-plan in flight, if any, is decided (with a first response not
+        yet shared, the answer waits for it: :meth:`collect`)."""
+        if self.pending is not None and self.client is not None and self.result is None:
+            self.collect(self._answer(timeout_s))
+
+    def _answer(self, timeout_s: float) -> dict:
+        """The answer to the request in flight: one taken while a first response waited to be
+        shared, else the planner's, waited for."""
+        return self.pending.pop("answer", None) or self.client.wait(timeout_s)
 
     def error(self, trigger: str, step: int, why: str) -> ReplanDecision:
         return ReplanDecision.failed(trigger, step, why, as_list(self.loop.measured))

@@ -141,12 +141,17 @@ def test_an_onset_is_answered_at_once_by_a_resplit_and_the_planner_after_it():
     assert first.line()["first"] is True
     ses.collect()                       # the first response is not shared yet: the answer waits
     assert ses.result is first and ses.pending is not None
+    ses.collect(answer(ses.client.asked[0]))    # ...also one handed over (a blocking wait)
+    assert ses.result is first and "answer" in ses.pending
+    ses.wait()                          # nothing to wait for before the first is shared
+    assert ses.result is first
     got = ses.share_result()
     assert got is first
     ctl.switched(new, list(first.made_for), migration=NS(bytes=0, seconds=0.03))
     assert ses.pending is not None      # a re-split keeps the request in flight
     assert ses.migrate_s_for(0, kept=True) == pytest.approx(0.03)
-    ses.collect()                       # the planner's answer, judged against the re-split
+    ses.client.answers.clear()
+    ses.wait()                          # the answer taken before, judged against the re-split
     later = ses.result
     assert later is not None and not later.first and later.from_plan == new.id
     assert later.reason == "the running plan is still the best" and not later.adopted

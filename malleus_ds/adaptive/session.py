@@ -155,7 +155,7 @@ class PlannerSession:
         """The running layout re-split for ``pr``'s rates, decided now by the cost rule
         against a re-split's predicted pause (module doc); None: no other split, none valid
         or one not worth it. The planner's answer to the same request follows."""
-        from ..cost import check_switch_memory, validate_for_problem
+        from ..cost import check_switch_memory, step_time, validate_for_problem
         from ..planner.baselines import resplit
 
         cur = self.loop.plan
@@ -167,7 +167,10 @@ class PlannerSession:
             check_switch_memory(pr, cur, new)
         except PlanError:
             return None
-        res = decide(pr, cur, new, trigger, rates, step, 0.0, self.step_s(pr, cur), 0,
+        step_s = self.step_s(pr, cur)
+        if self.loop.step_times:         # the calibration the planner's answer is judged by,
+            self.scale = step_s / step_time(pr, cur)     # after the re-split cleared them
+        res = decide(pr, cur, new, trigger, rates, step, 0.0, step_s, 0,
                      self.migrate_s_for(0, kept=True), self.loop.s.horizon_steps,
                      self.remaining(trigger, rates))
         if not res.adopted:
@@ -190,11 +193,14 @@ class PlannerSession:
     def remaining(self, trigger: str, rates: list[float]):
         """The expected remaining duration of the youngest slowdown among the ranks slow in
         ``rates`` (``stragglers.Remaining``), for a straggler's onset or change, or a missed
-        promise; None otherwise (a recovery, a link: the fixed horizon)."""
-        watch = getattr(self.loop, "stragglers", None)
+        promise; None otherwise (a recovery, a link: the fixed horizon). A flapping rank held
+        slow (``Detector.hold``) stays planned slow while it flaps, as a persistent straggler:
+        its slowdowns' ends are not the plan's."""
+        watch, det = getattr(self.loop, "stragglers", None), self.loop.det
         if trigger not in ("onset", "change", "missed") or watch is None:
             return None
-        return watch.remaining([d for d, r in enumerate(rates) if r > 1.0])
+        return watch.remaining([d for d, r in enumerate(rates)
+                                if r > 1.0 and not (det is not None and det.hold[d] > 1.0)])
 
     def collect(self, answer: dict | None = None) -> None:
         """Turn the planner's answer (if any) into a decision (stale ones are dropped)."""

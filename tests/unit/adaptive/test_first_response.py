@@ -149,6 +149,7 @@ def test_an_onset_is_answered_at_once_by_a_resplit_and_the_planner_after_it():
     assert got is first
     ctl.switched(new, list(first.made_for), migration=NS(bytes=0, seconds=0.03))
     assert ses.pending is not None      # a re-split keeps the request in flight
+    assert not ctl.step_times and ses.step_s(ses.pending["problem"], new) > 0   # calibrated
     assert ses.migrate_s_for(0, kept=True) == pytest.approx(0.03)
     ses.client.answers.clear()
     ses.wait()                          # the answer taken before, judged against the re-split

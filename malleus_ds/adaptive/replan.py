@@ -17,6 +17,7 @@ from ..job_layout import JobLayout
 from ..plan import Plan, PlanError
 from ..problem import Memory, Problem
 from ..steploop import ReplanDecision
+from .stragglers import Remaining
 
 
 def nominal_shape(plan: Plan, world: int, tp: int) -> tuple[int, int]:
@@ -141,7 +142,8 @@ def fit_switch_seconds(switches) -> tuple[float, float] | None:
     return max(0.0, float(t.mean() - slope * b.mean())), slope
 
 
-def horizon(horizon_steps: int, step_s: float | None, remaining=None) -> tuple[float, str]:
+def horizon(horizon_steps: int, step_s: float | None,
+            remaining: Remaining | None = None) -> tuple[float, str]:
     """The steps a switch's gain is counted over, and how the reason words them: the fixed
     ``horizon_steps``, capped by the slowdown's expected remaining duration where one is known
     (``remaining``: a ``stragglers.Remaining``; ``step_s``: the running plan's step seconds) --
@@ -156,7 +158,7 @@ def horizon(horizon_steps: int, step_s: float | None, remaining=None) -> tuple[f
 
 def decide(problem: Problem, current: Plan, new: Plan, trigger: str, rates: list[float],
            step: int, planning_s: float, step_s: float | None, nbytes: int, migrate_s: float,
-           horizon_steps: int, remaining=None) -> ReplanDecision:
+           horizon_steps: int, remaining: Remaining | None = None) -> ReplanDecision:
     """The cost rule (pure): adopt ``new`` iff it differs and its predicted gain over the
     horizon (:func:`horizon`: ``horizon_steps``, capped by the straggler's expected
     ``remaining`` duration where given) exceeds the predicted migration seconds (forced:
@@ -183,7 +185,8 @@ def decide(problem: Problem, current: Plan, new: Plan, trigger: str, rates: list
         adopt, why = False, "no measured step time yet"
     else:
         adopt = gain_s > migrate_s
-        why = f"gain {gain_s:.2f} s over {over} {'>' if adopt else '<='} migration {migrate_s:.2f} s"
+        why = (f"gain {gain_s:.2f} s over {over} {'>' if adopt else '<='} migration "
+               f"{migrate_s:.2f} s")
     return ReplanDecision(
         step=step, trigger=trigger, adopted=adopt, reason=why,
         plan=new.to_json() if adopt else None,

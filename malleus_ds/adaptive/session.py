@@ -16,11 +16,12 @@ no rank changes what it holds, so the switch moves no state and creates no group
 judged against that re-split: a layout change is adopted only if its extra gain over the
 straggler's expected remaining duration (``stragglers.StragglerWatch.remaining``: the job's
 own stragglers' durations over a prior, ``duration.py``), capped by ``horizon_steps``, pays for
-its move. A re-split's switch keeps the request in flight (:meth:`PlannerSession.switched`). An answer to rates that no longer hold is asked
-again (:meth:`PlannerSession.overtaken`); one planned against an older plan is dropped. Forced
-re-plans (``malleus.replan_at``, rates carried across a restart) are answered at once. Every
-rank holds one (the scheduled re-plans and the ready flag are the same everywhere); only rank
-0's has a planner.
+its move. A re-split's switch keeps the request in flight (:meth:`PlannerSession.switched`).
+
+An answer to rates that no longer hold is asked again (:meth:`PlannerSession.overtaken`); one
+planned against an older plan is dropped. Forced re-plans (``malleus.replan_at``, rates carried
+across a restart) are answered at once. Every rank holds one (the scheduled re-plans and the
+ready flag are the same everywhere); only rank 0's has a planner.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from ..steploop import ReplanDecision
 from .detect import trigger_kind
 from .link_watch import Links
 from .rates import as_list
+from .stragglers import Remaining
 from .replan import decide, fit_running_plan, fit_switch_seconds, job_memory, job_problem
 from .view import LoopView
 
@@ -190,7 +192,7 @@ class PlannerSession:
         unit = self.seconds_per_unit(pr)
         return unit * step_time(pr, cur) if unit else None
 
-    def remaining(self, trigger: str, rates: list[float]):
+    def remaining(self, trigger: str, rates: list[float]) -> Remaining | None:
         """The expected remaining duration of the youngest slowdown among the ranks slow in
         ``rates`` (``stragglers.Remaining``), for a straggler's onset or change, or a missed
         promise; None otherwise (a recovery, a link: the fixed horizon). A flapping rank held

@@ -209,6 +209,15 @@ class Plan(JsonFile):
 
 
 
+def same_stages(old: Plan, new: Plan) -> bool:
+    """Do ``old`` and ``new`` have the same pipelines' stages (layers and ranks, pipelines in
+    any order), differing at most in micro-batch counts? A switch between them moves no state
+    and keeps every rank's buffers: a re-split."""
+    def stages(p: Plan):
+        return sorted(tuple((s.layers, s.ranks) for s in q.stages) for q in p.pipelines)
+    return stages(old) == stages(new) and old.suspended == new.suspended
+
+
 def charged_layers(stage: Stage, last: bool, head: float, layer_cost: float = 1.0) -> float:
     """Layers' worth of compute ``stage`` does per micro-batch: its layers (each ``layer_cost``:
     ``cost.RECOMPUTE_FACTOR`` when activation checkpointing recomputes them), plus the output

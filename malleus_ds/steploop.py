@@ -99,6 +99,7 @@ class ReplanDecision:
     measured_gpu_link_rates: Mapping[str, float] | None = None
     comm: Mapping[str, float] | None = None     # the links' cost terms it planned with
     detected: int | None = None                 # the step it was decided before, if earlier
+    first: bool = False                         # a re-split decided at once, not planned
 
     @classmethod
     def failed(cls, trigger: str, step: int, reason: str,
@@ -139,6 +140,8 @@ class ReplanDecision:
                    "predicted_step_s": list(self.predicted_step_s),
                    "predicted_migration_s": self.predicted_migration_s, "bytes": self.bytes,
                    "adopted": self.adopted, "reason": self.reason}
+        if self.first:
+            out["first"] = True
         for key in ("rates_for", "check_step", "link_rates", "gpu_link_rates",
                     "measured_link_rates", "measured_gpu_link_rates", "comm", "detected"):
             v = getattr(self, key)

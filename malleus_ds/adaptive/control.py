@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..plan import Plan
+from ..plan import Plan, same_stages
 from ..problem import ideal_slowdown
 from ..steploop import Prober, ReplanDecision, StepSums
 from .detect import Detector
@@ -48,6 +48,7 @@ from .promise import Promise
 from .rates import RateEstimator, as_list
 from .session import PlannerSession
 from .settings import AdaptiveSettings
+from .stragglers import StragglerWatch
 from .work import RunningWork
 
 #: rank 0's value to every rank, in place (``broadcast_object_list(obj, src=0)``)
@@ -85,6 +86,8 @@ class Controller:
                                 _head(job), job.recompute)
         self.est = RateEstimator(self.world, settings.detect.window)
         self.det = Detector(self.world, settings.detect) if self.rank == 0 else None
+        #: rank 0: each straggler's onset and end, and how long the current one will last
+        self.stragglers = StragglerWatch(self.world) if self.rank == 0 else None
         #: rank 0: the links' rates and their detection (``link_watch.py``)
         self.links = LinkWatch(job, settings.detect) if self.rank == 0 else None
         self.measured = np.full(self.world, np.nan)
@@ -229,6 +232,7 @@ class Controller:
             self.links.add(sums.comm)
         self.seen += 1
         self.promise.since_switch += 1
+        self._track(step)
         ses = self.session
         if (self.promise.missed is not None and ses.client is not None and ses.idle
                 and not self.ready):
@@ -246,7 +250,18 @@ class Controller:
         elif moved is not None:
             ses.request("link", self.normalised(), step + 1, links=moved)
 
+    def _track(self, step: int) -> None:
+        """Rank 0, at each detection once a full window is measured: the rates as read (no
+        hold) to the straggler watch (onsets, ends and their durations), and its holds of the
+        flapping ranks to the detector."""
+        if (self.stragglers is not None and self.seen >= self.s.detect.window
+                and not (step + 1) % self.s.detect.every):
+            self.stragglers.update(self.det.normalise(self.measured, held=False))
+            self.det.hold = self.stragglers.holds()
+
     def step_done(self, seconds: float) -> None:
+        if self.stragglers is not None:
+            self.stragglers.now_s += seconds
         self.step_times.append(seconds)
         self.promise.step_done(seconds)
 
@@ -325,10 +340,11 @@ class Controller:
         go back to if the new one breaks its promise) and sets the new plan's promise."""
         if job is not None:
             self.job = job
+        kept = same_stages(self.plan, plan)
         self.promise.switched(self.step_times, self.det.planned if self.det is not None else ())
         self.plan = plan
         tp_changed = self.work.for_plan(plan, self.job.tp)
-        self.session.switched(migration, tp_changed)
+        self.session.switched(migration, tp_changed, kept)
         self.work.hold(rates if rates is not None else as_list(self.measured),
                        self.s.detect.healthy)
         self.step_times.clear()
@@ -367,8 +383,15 @@ class Controller:
         if c is not None and not c.settled():
             return None
         return (self.plan.id, self.measured.tobytes(), self.est.beta, self.est.gamma,
-                self.held.tobytes(), self.probe_ref, d.planned.tobytes(), self.session.scale,
+                self.held.tobytes(), self.probe_ref, d.planned.tobytes(), d.hold.tobytes(),
+                self.session.scale,
                 pm.pace.seconds, None if c is None else c.state(), links)
+
+    def steady_for_s(self) -> float | None:
+        """Rank 0: seconds a steady stretch stays steady on the loop's own clock (a flapping
+        rank's hold released, ``stragglers.StragglerWatch.steady_s``); None: no limit. A
+        simulator skips no further."""
+        return self.stragglers.steady_s() if self.stragglers is not None else None
 
     def period(self) -> int:
         """Steps after which every periodic part of the loop (detection, probes, the work
@@ -386,6 +409,8 @@ class Controller:
             raise ValueError(f"skip({steps}): not a multiple of the loop's period "
                              f"{self.period()}")
         self.seen += steps
+        if self.stragglers is not None and self.step_times:
+            self.stragglers.now_s += steps * float(np.median(self.step_times))
         self.promise.since_switch += steps
         self.last_step += steps
         if self.check is not None:

@@ -47,14 +47,18 @@ class Detector:
         self.planned = np.ones(world, dtype=np.float64)
         self.streak = 0       # consecutive detections with a shift
         self.cooldown = 0     # detections still to skip
+        #: per rank, a rate it is planned at however healthy it reads (a flapping rank,
+        #: ``stragglers.StragglerWatch.holds``; 1.0: none)
+        self.hold = np.ones(world, dtype=np.float64)
 
-    def normalise(self, rates: Sequence[float]) -> np.ndarray:
-        """A rate below ``healthy`` -> 1.0; NaN (no data) -> the planned value for that rank."""
+    def normalise(self, rates: Sequence[float], held: bool = True) -> np.ndarray:
+        """A rate below ``healthy`` -> 1.0; NaN (no data) -> the planned value for that rank;
+        ``held``: a held rank at least at its :attr:`hold`."""
         r = per_rank(rates, self.world, "rates").copy()
         nan = np.isnan(r)
         r[nan] = self.planned[nan]
         r[r < self.cfg.healthy] = 1.0
-        return r
+        return np.maximum(r, self.hold) if held else r
 
     def check(self, rates: Sequence[float], idle: Sequence[bool] | None = None
               ) -> Trigger | None:

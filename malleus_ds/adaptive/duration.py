@@ -52,6 +52,7 @@ class DurationModel:
         if not strength > 0:
             raise ValueError(f"duration prior strength={strength!r} must be > 0 (stragglers)")
         total = sum(k.weight for k in prior)
+        self.names = tuple(k.name for k in prior)
         self._n = [strength * k.weight / total for k in prior]
         self._sum = [n * k.mean_s for n, k in zip(self._n, prior)]
         self.seen: list[float] = []
@@ -95,6 +96,12 @@ class DurationModel:
         """The expected remaining seconds of a slowdown that has lasted ``age_s`` (memoryless
         within a kind, so each kind contributes its mean)."""
         return sum(p * m for p, m in zip(self.kinds_given_age(age_s), self.means_s))
+
+    def brief(self, age_s: float) -> str:
+        """The estimate in a few words, for a decision's ``reason``: ``expected 8.3 min left
+        (transient 0.93)``, the first kind's probability given the age."""
+        return (f"expected {_minutes(self.remaining_s(age_s))} left ({self.names[0]} "
+                f"{self.kinds_given_age(age_s)[0]:.2f})")
 
     def describe(self, age_s: float) -> str:
         """The estimate as the decision's ``reason`` shows it."""

@@ -17,6 +17,7 @@ from ..job_layout import JobLayout
 from ..plan import Plan, PlanError
 from ..problem import Memory, Problem
 from ..steploop import ReplanDecision
+from .stragglers import Remaining
 
 
 def nominal_shape(plan: Plan, world: int, tp: int) -> tuple[int, int]:
@@ -141,22 +142,39 @@ def fit_switch_seconds(switches) -> tuple[float, float] | None:
     return max(0.0, float(t.mean() - slope * b.mean())), slope
 
 
+def horizon(horizon_steps: int, step_s: float | None,
+            remaining: Remaining | None = None) -> tuple[float, str]:
+    """The steps a switch's gain is counted over, and how the reason words them: the fixed
+    ``horizon_steps``, capped by the slowdown's expected remaining duration where one is known
+    (``remaining``: a ``stragglers.Remaining``; ``step_s``: the running plan's step seconds) --
+    a layout made for a straggler gains only until it ends, and the loop re-plans then."""
+    if remaining is None or not step_s:
+        return float(horizon_steps), f"{horizon_steps} steps"
+    left = remaining.seconds / step_s
+    if left >= horizon_steps:
+        return float(horizon_steps), f"{horizon_steps} steps ({remaining.text})"
+    return left, f"{left:.1f} steps: {remaining.text}"
+
+
 def decide(problem: Problem, current: Plan, new: Plan, trigger: str, rates: list[float],
            step: int, planning_s: float, step_s: float | None, nbytes: int, migrate_s: float,
-           horizon_steps: int) -> ReplanDecision:
-    """The cost rule (pure): adopt ``new`` iff it differs and its predicted gain over
-    ``horizon_steps`` exceeds the predicted migration seconds (forced: always). Step times are
-    the cost model's (``problem`` carries the measured rates), in seconds calibrated so that the
-    running plan's prediction equals its measured ``step_s``. ``carried`` (rates a checkpoint
-    carried across a restart, before any step is timed): adopted when the planner found a plan,
-    which it does only ``min_improvement`` better than the running one."""
+           horizon_steps: int, remaining: Remaining | None = None) -> ReplanDecision:
+    """The cost rule (pure): adopt ``new`` iff it differs and its predicted gain over the
+    horizon (:func:`horizon`: ``horizon_steps``, capped by the straggler's expected
+    ``remaining`` duration where given) exceeds the predicted migration seconds (forced:
+    always). Step times are the cost model's (``problem`` carries the measured rates), in
+    seconds calibrated so that the running plan's prediction equals its measured ``step_s``.
+    ``carried`` (rates a checkpoint carried across a restart, before any step is timed):
+    adopted when the planner found a plan, which it does only ``min_improvement`` better than
+    the running one."""
     from ..cost import step_time
 
     old_T, new_T = step_time(problem, current), step_time(problem, new)
     scale = step_s / old_T if step_s and old_T > 0 else None
     pred = [round(old_T * scale, 4), round(new_T * scale, 4)] if scale else \
         [round(old_T, 4), round(new_T, 4)]
-    gain_s = (pred[0] - pred[1]) * horizon_steps if scale else None
+    steps, over = horizon(horizon_steps, step_s, remaining)
+    gain_s = (pred[0] - pred[1]) * steps if scale else None
     if new.id == current.id:
         adopt, why = False, "the running plan is still the best"
     elif trigger == "forced":
@@ -165,12 +183,10 @@ def decide(problem: Problem, current: Plan, new: Plan, trigger: str, rates: list
         adopt, why = True, "rates carried from before the restart; no step timed yet"
     elif gain_s is None:
         adopt, why = False, "no measured step time yet"
-    elif gain_s > migrate_s:
-        adopt, why = True, (f"gain {gain_s:.2f} s over {horizon_steps} steps > "
-                            f"migration {migrate_s:.2f} s")
     else:
-        adopt, why = False, (f"gain {gain_s:.2f} s over {horizon_steps} steps <= "
-                             f"migration {migrate_s:.2f} s")
+        adopt = gain_s > migrate_s
+        why = (f"gain {gain_s:.2f} s over {over} {'>' if adopt else '<='} migration "
+               f"{migrate_s:.2f} s")
     return ReplanDecision(
         step=step, trigger=trigger, adopted=adopt, reason=why,
         plan=new.to_json() if adopt else None,

@@ -6,28 +6,45 @@ with the rates to plan for and, where links are slow, their measured costs; the 
 its own process (``planner/client.py``; a replay passes one on its simulated clock) while
 training continues. An answer becomes a :class:`~malleus_ds.steploop.ReplanDecision` by the cost
 rule (``replan.decide``), with the switch's bytes (``migrate/transfer.py``) and predicted
-seconds (:meth:`PlannerSession.migrate_s_for`). An answer to rates that no longer hold is asked
-again (:meth:`PlannerSession.overtaken`); one planned against an older plan is dropped. Forced
-re-plans (``malleus.replan_at``, rates carried across a restart) are answered at once. Every
-rank holds one (the scheduled re-plans and the ready flag are the same everywhere); only rank
-0's has a planner.
+seconds (:meth:`PlannerSession.migrate_s_for`).
+
+**The first response costs nothing.** When a straggler comes, changes or goes, the running
+layout with its micro-batches re-split for the new rates (the planner's ``rebalance``
+candidate, ``planner.baselines.resplit``) is decided at once, without waiting for the planner:
+no rank changes what it holds, so the switch moves no state and creates no group
+(:meth:`PlannerSession.first_response`). The planner's answer, which arrives later, is then
+judged against that re-split: a layout change is adopted only if its extra gain over the
+straggler's expected remaining duration (``stragglers.StragglerWatch.remaining``: the job's
+own stragglers' durations over a prior, ``duration.py``), capped by ``horizon_steps``, pays for
+its move. A re-split's switch keeps the request in flight (:meth:`PlannerSession.switched`).
+
+An answer to rates that no longer hold is asked again (:meth:`PlannerSession.overtaken`); one
+planned against an older plan is dropped. Forced re-plans (``malleus.replan_at``, rates carried
+across a restart) are answered at once. Every rank holds one (the scheduled re-plans and the
+ready flag are the same everywhere); only rank 0's has a planner.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
 
-from ..plan import Plan, PlanError
+from ..plan import Plan, PlanError, same_stages
 from ..problem import Problem
 from ..steploop import ReplanDecision
 from .detect import trigger_kind
 from .link_watch import Links
 from .rates import as_list
+from .stragglers import Remaining
 from .replan import decide, fit_running_plan, fit_switch_seconds, job_memory, job_problem
 from .view import LoopView
+
+
+#: the triggers answered first by a re-split of the running layout (module doc)
+FIRST_RESPONSE = ("onset", "change", "recovery", "missed")
 
 
 class PlannerSession:
@@ -60,13 +77,17 @@ class PlannerSession:
         """Nothing asked and nothing decided that is not yet flagged."""
         return self.pending is None and self.result is None
 
-    def switched(self, migration: Any, tp_changed: bool) -> None:
-        """After a switch: requests and results planned against the old plan are stale."""
+    def switched(self, migration: Any, tp_changed: bool, kept: bool = False) -> None:
+        """After a switch: requests and results planned against the old plan are stale, but
+        for a request in flight across a switch that ``kept`` every pipeline's stages (a
+        re-split: the planner's answer is as good against it, and is judged against it)."""
         if migration is not None:
-            self.migrations.append(migration)
+            self.migrations.append(SimpleNamespace(bytes=migration.bytes,
+                                                   seconds=migration.seconds, kept=kept))
         if tp_changed:
             self.problem = None
-        self.generation += 1
+        if not kept:
+            self.generation += 1
         self.result = None                  # planned against the old plan, never flagged
 
     def job_problem(self) -> Problem | None:
@@ -125,13 +146,74 @@ class PlannerSession:
         self.client.request({"problem": pr.to_json(), "seed": step, "forced": trigger == "forced",
                              "time_limit": lp.s.planner_time_limit_s,
                              "min_improvement": margin})
+        if trigger in FIRST_RESPONSE and not links:
+            self.result = self.first_response(pr, trigger, rates, step)
+            if self.result is not None and why:        # a missed promise, acted on at once
+                self.result = replace(self.result, check_step=check_step,
+                                      reason=f"{why}: {self.result.reason}")
+
+    def first_response(self, pr: Problem, trigger: str, rates: list[float],
+                       step: int) -> ReplanDecision | None:
+        """The running layout re-split for ``pr``'s rates, decided now by the cost rule
+        against a re-split's predicted pause (module doc); None: no other split, none valid
+        or one not worth it. The planner's answer to the same request follows."""
+        from ..cost import check_switch_memory, step_time, validate_for_problem
+        from ..planner.baselines import resplit
+
+        cur = self.loop.plan
+        new = resplit(pr, cur)
+        if new is None or new.id == cur.id:
+            return None
+        try:
+            validate_for_problem(pr, new)
+            check_switch_memory(pr, cur, new)
+        except PlanError:
+            return None
+        step_s = self.step_s(pr, cur)
+        if self.loop.step_times:         # the calibration the planner's answer is judged by,
+            self.scale = step_s / step_time(pr, cur)     # after the re-split cleared them
+        res = decide(pr, cur, new, trigger, rates, step, 0.0, step_s, 0,
+                     self.migrate_s_for(0, kept=True), self.loop.s.horizon_steps,
+                     self.remaining(trigger, rates))
+        if not res.adopted:
+            return None
+        return replace(res, first=True,
+                       reason=f"re-split at once, no state moved: {res.reason}")
+
+    def step_s(self, pr: Problem, cur: Plan) -> float | None:
+        """The running plan's step seconds: the median of its measured steps; right after a
+        switch (none measured yet), the cost model's under ``pr``'s rates, in seconds by
+        :meth:`seconds_per_unit`; None: neither known."""
+        from ..cost import step_time
+
+        lp = self.loop
+        if lp.step_times:
+            return float(np.median(lp.step_times))
+        unit = self.seconds_per_unit(pr)
+        return unit * step_time(pr, cur) if unit else None
+
+    def remaining(self, trigger: str, rates: list[float]) -> Remaining | None:
+        """The expected remaining duration of the youngest slowdown among the ranks slow in
+        ``rates`` (``stragglers.Remaining``), for a straggler's onset or change, or a missed
+        promise; None otherwise (a recovery, a link: the fixed horizon). A flapping rank held
+        slow (``Detector.hold``) stays planned slow while it flaps, as a persistent straggler:
+        its slowdowns' ends are not the plan's."""
+        watch, det = getattr(self.loop, "stragglers", None), self.loop.det
+        if trigger not in ("onset", "change", "missed") or watch is None:
+            return None
+        return watch.remaining([d for d, r in enumerate(rates)
+                                if r > 1.0 and not (det is not None and det.hold[d] > 1.0)])
 
     def collect(self, answer: dict | None = None) -> None:
         """Turn the planner's answer (if any) into a decision (stale ones are dropped)."""
         p = self.pending
         if p is None:
             return
-        ans = answer if answer is not None else self.client.poll()
+        if self.result is not None:     # a first response not yet shared: the answer waits
+            if answer is not None:
+                p["answer"] = answer
+            return
+        ans = answer if answer is not None else p.pop("answer", None) or self.client.poll()
         if ans is None:
             return
         self.pending = None
@@ -149,13 +231,15 @@ class PlannerSession:
 
         lp = self.loop
         cur = lp.plan
-        nbytes = self.bytes_for(new) if new.id != cur.id else 0
-        step_s = float(np.median(lp.step_times)) if lp.step_times else None
-        if step_s:
+        nbytes, busiest = self.bytes_for(new) if new.id != cur.id else (0, 0)
+        step_s = self.step_s(p["problem"], cur)
+        if lp.step_times:
             self.scale = step_s / step_time(p["problem"], cur)
+        kept = new.id != cur.id and same_stages(cur, new)
         res = decide(p["problem"], cur, new, p["trigger"], p["rates"], p["step"],
                      time.perf_counter() - p["t0"], step_s, nbytes,
-                     self.migrate_s_for(nbytes), lp.s.horizon_steps)
+                     self.migrate_s_for(nbytes, kept, busiest), lp.s.horizon_steps,
+                     self.remaining(p["trigger"], p["rates"]))
         if p.get("check"):           # acting on a missed promise (``Promise.act_on_miss``)
             if p["trigger"] == "missed":
                 res = lp.promise.back_out(res, cur, step_s)
@@ -234,7 +318,8 @@ class PlannerSession:
         if self.client is None:
             return self.error(trigger, step, "no planner (a single rank)")
         if self.pending is not None:
-            self.collect(self.client.wait(self.FORCED_TIMEOUT_S))
+            self.result = None                       # a first response not shared: dropped
+            self.collect(self._answer(self.FORCED_TIMEOUT_S))
             self.result = None
         self.request(trigger, self.loop.normalised(), step)
         if self.pending is not None:
@@ -243,9 +328,15 @@ class PlannerSession:
         return res
 
     def wait(self, timeout_s: float = FORCED_TIMEOUT_S) -> None:
-        """Block until the re-plan in flight, if any, is decided."""
-        if self.pending is not None and self.client is not None:
-            self.collect(self.client.wait(timeout_s))
+        """Block until the re-plan in flight, if any, is decided (with a first response not
+        yet shared, the answer waits for it: :meth:`collect`)."""
+        if self.pending is not None and self.client is not None and self.result is None:
+            self.collect(self._answer(timeout_s))
+
+    def _answer(self, timeout_s: float) -> dict:
+        """The answer to the request in flight: one taken while a first response waited to be
+        shared, else the planner's, waited for."""
+        return self.pending.pop("answer", None) or self.client.wait(timeout_s)
 
     def error(self, trigger: str, step: int, why: str) -> ReplanDecision:
         return ReplanDecision.failed(trigger, step, why, as_list(self.loop.measured))
@@ -266,31 +357,45 @@ class PlannerSession:
         except (PlanError, ValueError):
             return None
 
-    def bytes_for(self, new: Plan) -> int:
-        """Bytes the switch from the running plan to ``new`` moves (its transfer plan)."""
+    def bytes_for(self, new: Plan) -> tuple[int, int]:
+        """Bytes the switch from the running plan to ``new`` moves (its transfer plan): in
+        all, and the most any one rank receives (each rank receives its part over its own
+        links, at once)."""
         from ..migrate.transfer import Layout, transfer_plan
 
         lp, j = self.loop, self.loop.spec
-        return transfer_plan(Layout(lp.plan, j.zero_stage), Layout(new, j.zero_stage),
-                             j.param_table, mixed=j.mixed, param_bytes=j.param_bytes,
-                             job=lp.job).bytes
+        tp = transfer_plan(Layout(lp.plan, j.zero_stage), Layout(new, j.zero_stage),
+                           j.param_table, mixed=j.mixed, param_bytes=j.param_bytes, job=lp.job)
+        got: dict[int, int] = {}
+        for t in tp.transfers:
+            got[t.dst] = got.get(t.dst, 0) + tp.bytes_of(t)
+        return tp.bytes, max(got.values(), default=0)
 
-    def migrate_s_for(self, nbytes: int) -> float:
-        """Predicted switch seconds, ``fixed + nbytes / bandwidth``: fitted (least squares) to
-        the switches so far once they moved at least two different byte counts; before that,
-        the fixed part is the seconds of a switch that moved nothing (0.05 s until one was
-        measured) and the bandwidth that of the switches that moved bytes (``migrate_gbps``
-        until one was measured). A switch's fixed part (new communicators, the first step's
-        warm-up) is kept apart from its bandwidth: folded in, it would overestimate a large
-        switch several times."""
-        fit = fit_switch_seconds((m.bytes, m.seconds) for m in self.migrations if m.seconds > 0)
+    def migrate_s_for(self, nbytes: int, kept: bool = False,
+                      busiest: int | None = None) -> float:
+        """Predicted switch seconds. A re-split (``kept``: every pipeline keeps its stages):
+        the median pause of the re-splits so far (0.05 s until one was measured). A layout
+        change: ``fixed + nbytes / bandwidth`` over the layout changes so far (a re-split's
+        pause says nothing of their communicators and warm-up), fitted (least squares) once
+        they moved at least two different byte counts; before that, the fixed part is the
+        seconds of one that moved nothing (0.05 s until one was measured) and the bandwidth
+        that of those that moved bytes; until one was measured, ``migrate_gbps`` per rank for
+        the ``busiest`` rank's bytes where given (the ranks receive at once; ``nbytes`` in
+        all otherwise). The fixed part is kept apart from the bandwidth: folded in, it would
+        overestimate a large switch several times."""
+        if kept:
+            ms = [m.seconds for m in self.migrations if getattr(m, "kept", False)]
+            return float(np.median(ms)) if ms else 0.05
+        ms = [m for m in self.migrations if not getattr(m, "kept", False)]
+        fit = fit_switch_seconds((m.bytes, m.seconds) for m in ms if m.seconds > 0)
         if fit is not None:
             return fit[0] + fit[1] * nbytes
-        done = [m for m in self.migrations if m.bytes > 0 and m.seconds > 0]
-        bw = (sum(m.bytes for m in done) / sum(m.seconds for m in done)) if done \
-            else self.loop.s.migrate_gbps * 1e9
-        fixed = min((m.seconds for m in self.migrations if m.bytes == 0), default=0.05)
-        return fixed + nbytes / bw
+        done = [m for m in ms if m.bytes > 0 and m.seconds > 0]
+        fixed = min((m.seconds for m in ms if m.bytes == 0), default=0.05)
+        if done:
+            return fixed + nbytes * sum(m.seconds for m in done) / sum(m.bytes for m in done)
+        moved = nbytes if busiest is None else busiest
+        return fixed + moved / (self.loop.s.migrate_gbps * 1e9)
 
     def close(self) -> None:
         if self.client is not None:

@@ -17,6 +17,7 @@ from .job import JobSpec
 from .link_watch import LinkWatch
 from .rates import RateEstimator
 from .settings import AdaptiveSettings
+from .stragglers import StragglerWatch
 from .work import RunningWork
 
 
@@ -40,6 +41,7 @@ class LoopView(Protocol):
     last_step: int                # the step observe() saw last
     session: Any                  # rank 0's planner session (``session.PlannerSession``)
     promise: Any                  # the promise and back-out (``promise.Promise``)
+    stragglers: StragglerWatch | None   # rank 0: each straggler's onset and end
 
     @property
     def rank(self) -> int: ...

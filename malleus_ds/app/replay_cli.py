@@ -1,6 +1,6 @@
 """``malleus-sim replay`` and ``malleus-sim trace`` (``malleus_ds/replay/``):
 
-    malleus-sim trace --gpus N --hours H --regime persistent|transient|mixed [--seed S]
+    malleus-sim trace --gpus N --hours H --regime persistent|transient|mixed|flapping [--seed S]
                       [--gpus-per-node 8] -o TRACE.csv
     malleus-sim replay PROBLEM.json TRACE.csv --step-s SEC [--hours H] [--policies static,oracle]
                        [--planner-time-limit SEC] [--seed S] [--json OUT] [--plot FILE.png]

@@ -156,7 +156,7 @@ class AdaptiveSettings:
     replan_at: tuple[int, ...] = ()      # forced re-plans before these steps (tests, demos)
     planner_time_limit_s: float | None = None   # None: the planner's automatic budget
     min_improvement: float = 0.05        # the planner keeps the running plan unless this much faster
-    migrate_gbps: float = 1.0            # bandwidth assumed before the first migration is measured
+    migrate_gbps: float = 1.0            # GB/s per rank, assumed until a switch is measured
     tp_slowdown: Mapping[int, float] | str = "measure"   # tp/g -> slowdown, "measure" or "ideal"
     device_mb: float | None = None       # memory per device for the planner; None: detected
 

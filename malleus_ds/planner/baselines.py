@@ -42,6 +42,14 @@ def _resplit(problem: Problem, pipes: list[Pipeline]) -> list[Pipeline] | None:
     return [replace(p, micro_batches=m[0]) for p, m in zip(pipes, ms)]
 
 
+def resplit(problem: Problem, plan: Plan) -> Plan | None:
+    """``plan``'s layout with its micro-batches re-split exactly for ``problem``'s rates (and
+    links: the stage times include communication); no rank changes what it holds, so a switch
+    to it moves no state. None when no split exists."""
+    pipes = _resplit(problem, list(plan.pipelines))
+    return None if pipes is None else replace(plan, pipelines=tuple(pipes))
+
+
 def data_only(problem: Problem) -> Plan | None:
     base = static(problem)
     if base is None:

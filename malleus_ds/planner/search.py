@@ -19,14 +19,13 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..cost import (capacity_fraction, check_memory, check_switch_memory, comm_spec,
-                    healthy_step_time, pipeline_stage_times, step_time, validate_for_problem)
+                    healthy_step_time, step_time, validate_for_problem)
 from ..cost import eta as cost_eta
 from ..plan import Plan, PlanError
 from ..problem import Problem, fmt_mb
-from .baselines import all_baselines
+from .baselines import all_baselines, resplit
 from .gpu_links import gpu_links_note, regroup_off_slow_gpu_links
 from .links import across_slow_links, links_note
-from .batch import FixedPipeline, split_batches
 from .config import PlannerConfig
 from .genetic import REL_TIE, ParetoPoint, genetic_search
 from .placement import moved_units, units_to_mb
@@ -62,20 +61,6 @@ class PlanResult:
                 f"suspended={len(self.plan.suspended)}{mv} | baselines eta: {bl} | "
                 f"{self.seconds:.2f}s, {self.evaluations} evals, {self.generations} gens"
                 + "".join(f"\n  note: {n}" for n in self.notes))
-
-
-def _resplit_with_comm(problem: Problem, p: Plan) -> Plan | None:
-    """``p`` with micro-batches re-split exactly for its stage times *including* communication
-    (the layout search optimises the reference compute model)."""
-    from dataclasses import replace
-
-    M = problem.global_batch_size // problem.micro_batch_size
-    models = [FixedPipeline(pipeline_stage_times(problem, q.stages)) for q in p.pipelines]
-    res = split_batches(models, [1] * len(models), M)
-    if res is None:
-        return None
-    return replace(p, pipelines=tuple(replace(q, micro_batches=m[0])
-                                      for q, m in zip(p.pipelines, res[1])))
 
 
 def auto_time_limit(problem: Problem) -> float:
@@ -133,7 +118,7 @@ def _add_fixed(cands: _Candidates, problem: Problem, bplans: Mapping[str, Plan |
                healthy: bool) -> None:
     """The candidates that need no search: the running plan; healthy, the static plan; else
     every baseline, the cut at the slow links, TP groups off slow GPU links, and the running
-    layout re-split for the links its pipelines cross."""
+    layout re-split for the rates and the links its pipelines cross."""
     old = problem.current_plan
     if old is not None:
         cands.add("current", old)
@@ -145,10 +130,11 @@ def _add_fixed(cands: _Candidates, problem: Problem, bplans: Mapping[str, Plan |
     cands.add("links", across_slow_links(problem))     # stage boundaries on the slow links
     for p in (old, bplans["static"]):                   # TP groups off the slow GPU links
         cands.add("regroup", regroup_off_slow_gpu_links(problem, p))
-    if old is not None and comm_spec(problem) is not None:
-        # the running layout, its micro-batches re-split for the links its pipelines
-        # cross: fewer for a pipeline whose boundary crosses a slow link
-        cands.add("rebalance", _resplit_with_comm(problem, old))
+    if old is not None:
+        # the running layout, its micro-batches re-split for the new rates (and the links its
+        # pipelines cross: fewer for a pipeline whose boundary crosses a slow link): no state
+        # moves, so the loop adopts it at once (adaptive/session.py)
+        cands.add("rebalance", resplit(problem, old))
 
 
 def _add_searched(cands: _Candidates, problem: Problem, cfg: PlannerConfig,
@@ -160,7 +146,7 @@ def _add_searched(cands: _Candidates, problem: Problem, cfg: PlannerConfig,
     found, gens, pareto = genetic_search(space, cfg, deadline, problem.current_plan)
     evals = space.evaluations
     if comm_spec(problem) is not None:   # the search costs compute only: re-split data
-        found = found + [q for q in (_resplit_with_comm(problem, p) for p in found) if q]
+        found = found + [q for q in (resplit(problem, p) for p in found) if q]
     search_T = None
     for p in found:
         cands.add("search", p)

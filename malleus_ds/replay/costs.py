@@ -41,17 +41,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..plan import Plan
+from ..plan import Plan, same_stages
 from ..migrate.group_sets import plan_rank_sets
 
 
 def keeps_buffers(old: Plan, new: Plan) -> bool:
     """Does the switch ``old`` -> ``new`` keep every rank's buffers (module doc, term 3): the
     same pipelines' stages (layers and ranks, pipelines in any order), only micro-batch counts
-    changed?"""
-    def stages(p: Plan):
-        return sorted(tuple((s.layers, s.ranks) for s in p_.stages) for p_ in p.pipelines)
-    return stages(old) == stages(new)
+    changed (``plan.same_stages``)?"""
+    return same_stages(old, new)
 
 
 @dataclass(frozen=True)

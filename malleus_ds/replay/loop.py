@@ -92,6 +92,7 @@ class Switch:
     terms: dict = field(default_factory=dict)
     reason: str = ""
     requested_t: float | None = None     # the clock when the loop asked the planner
+    first: bool = False                  # a re-split decided at once (not the planner's)
 
 
 @dataclass
@@ -240,8 +241,10 @@ class LoopReplay:
         for dec in self.ctl.before_step(self.step):
             d = Switch(self.clock.now, self.step, dec.trigger, dec.plan is not None,
                        dec.from_plan or self.plan.id, dec.to_plan or self.plan.id,
-                       pl.charged[-1] if pl.charged else 0.0, 0.0, dec.bytes, reason=dec.reason,
-                       requested_t=pl.requested[-1] if pl.requested else None)
+                       pl.charged[-1] if pl.charged and not dec.first else 0.0, 0.0,
+                       dec.bytes, reason=dec.reason,
+                       requested_t=pl.requested[-1] if pl.requested else None,
+                       first=dec.first)
             if dec.plan is not None:
                 self._switch(dec, d)
             else:
@@ -320,6 +323,9 @@ class LoopReplay:
             end = self.segs[self.si].end_s
             room = (int(end) - step if self.o.on_steps else
                     int((end - self.clock.now) / step_s)) - 1
+            due = self.ctl.steady_for_s()      # the loop's own clock changes something then
+            if due is not None:
+                room = min(room, int(due / step_s) - 1)
             n = (room // period) * period
             if n > 0:
                 self.ctl.skip(n)

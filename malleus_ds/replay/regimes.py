@@ -8,7 +8,9 @@ Regimes:
   steady from step to step);
 * ``transient``: many short compute stragglers, 1.2-2x, minutes long, node-wide (Alibaba,
   Greyhound, ATC'25: about 1.5% of nodes per 80 minutes, about 10 minutes on average);
-* ``mixed``: both at once.
+* ``mixed``: both at once;
+* ``flapping``: a few GPUs that alternate between slow and healthy every few minutes for the
+  whole trace (a stress case with no published rate: a loop that follows every flip thrashes).
 
 A seed makes a trace reproducible (numpy's PCG64). Stdlib + numpy.
 """
@@ -21,7 +23,7 @@ import numpy as np
 from ..job_layout import JobLayout
 from .trace import Event
 
-REGIMES = ("persistent", "transient", "mixed")
+REGIMES = ("persistent", "transient", "mixed", "flapping")
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,37 @@ class Transient:
     rate: tuple[float, float] = (1.2, 2.0)
 
 
+@dataclass(frozen=True)
+class Flapping:
+    """GPUs that flap: one per ``gpus_per_flapper`` GPUs (at least one), each from a uniform
+    time in its first healthy phase to the horizon alternating a slow phase (minutes uniform in
+    ``slow_minutes``) and a healthy one (minutes uniform in ``healthy_minutes``); each GPU is
+    slow at one rate, uniform in ``rate``, every time."""
+
+    gpus_per_flapper: int = 170
+    slow_minutes: tuple[float, float] = (2.0, 4.0)
+    healthy_minutes: tuple[float, float] = (2.0, 4.0)
+    rate: tuple[float, float] = (1.6, 1.9)
+
+
+def _flapping(f: Flapping, num_gpus: int, horizon: float, rng) -> list[Event]:
+    """The slow phases of ``f``'s flapping GPUs over ``horizon`` seconds."""
+    out: list[Event] = []
+    n = max(1, round(num_gpus / f.gpus_per_flapper))
+    for g in rng.choice(num_gpus, size=min(n, num_gpus), replace=False):
+        rate = round(float(rng.uniform(*f.rate)), 3)
+        now = float(rng.uniform(0.0, 60.0 * f.healthy_minutes[1]))
+        while now < horizon:
+            end = min(horizon, now + 60.0 * float(rng.uniform(*f.slow_minutes)))
+            out.append(Event(round(now, 3), round(end, 3), int(g), rate))
+            now = end + 60.0 * float(rng.uniform(*f.healthy_minutes))
+    return [e for e in out if e.end_s > e.start_s]
+
+
 def generate(regime: str, num_gpus: int, hours: float, seed: int = 0,
              gpus_per_node: int = 8, persistent: Persistent = Persistent(),
-             transient: Transient = Transient()) -> list[Event]:
+             transient: Transient = Transient(),
+             flapping: Flapping = Flapping()) -> list[Event]:
     """The events of one trace, sorted by start."""
     if regime not in REGIMES:
         raise ValueError(f"regime={regime!r}: one of {', '.join(REGIMES)}")
@@ -85,4 +115,6 @@ def generate(regime: str, num_gpus: int, hours: float, seed: int = 0,
                 for g in layout.node_ranks(node):
                     out.append(Event(start, end, g, rate))
             now += float(rng.exponential(1.0 / per_s))
+    if regime == "flapping":
+        out += _flapping(flapping, num_gpus, horizon, rng)
     return sorted(out, key=lambda e: (e.start_s, e.gpu))

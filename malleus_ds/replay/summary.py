@@ -268,10 +268,11 @@ def detector_latency_steps(settings: AdaptiveSettings) -> int:
 def detection_summary(events: list[dict], settings: AdaptiveSettings) -> dict | None:
     """The malleus loop's detection delay in steps over the changes its detector answered
     (:data:`DETECTED`; not its forced, carried or missed-promise re-plans): median, largest,
-    the detector's latency and how many events took longer. None without such an event."""
+    the detector's latency and how many events took longer. None without such an event. A
+    request answered first by a re-split at once counts once (by the planner's decision)."""
     steps = sorted(e["detection_steps"] for e in events
                    if e["policy"] == "malleus" and e.get("detection_steps") is not None
-                   and e["trigger"] in DETECTED)
+                   and e["trigger"] in DETECTED and not e.get("first"))
     if not steps:
         return None
     bound = detector_latency_steps(settings)
@@ -306,7 +307,7 @@ def _events(rp: Replay, segs: Sequence[Segment], results: dict) -> list[dict]:
                    bisect.bisect_right(m.step_ends, d.requested_t)
                    - bisect.bisect_right(m.step_ends, at),
                    "planning_s": round(d.planning_s, 3), "migration_s": round(d.migration_s, 3),
-                   "bytes": d.bytes, **d.terms}
+                   "bytes": d.bytes, "first": d.first, **d.terms}
             if d.adopted:
                 won = switch_gain(rp, segs, plans[d.from_plan], plans[d.to_plan], d.t,
                                   d.migration_s, ends[id(d)])

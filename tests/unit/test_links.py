@@ -218,7 +218,7 @@ def test_pipelines_across_a_slow_link_get_fewer_micro_batches():
     candidates include the running layout re-split, where the crossing pipelines run fewer
     micro-batches, and its answer is at least as fast."""
     from malleus_ds.plan import Pipeline, Plan, Stage
-    from malleus_ds.planner.search import _resplit_with_comm
+    from malleus_ds.planner.baselines import resplit
 
     def pipe(a, b, m):
         return Pipeline(m, (Stage((a,), (0, 8)), Stage((b,), (8, 16))))
@@ -226,7 +226,7 @@ def test_pipelines_across_a_slow_link_get_fewer_micro_batches():
     pr = Problem.from_json(dict(_problem(links={"0-1": 20.0}, grad_mb=0.0,
                                          activation_mb=64.0).to_json(),
                                 current_plan=running.to_json()))
-    re = _resplit_with_comm(pr, running)
+    re = resplit(pr, running)
     m = [p.micro_batches for p in re.pipelines]
     assert sum(m) == 64 and m[1] < m[0] and m[2] < m[0] and m[0] == m[3], m
     assert step_time(pr, re) < step_time(pr, running)

@@ -24,18 +24,21 @@ def _charge(wall: float, req: dict) -> float:
 
 def test_one_gpu_at_rate_2_the_loop_switches_in_and_back_out_between_static_and_oracle():
     """Pure DP, 4 GPUs, GPU 3 at rate 2 from 600 s to 3000 s of an hour, 1 s steps. The loop
-    sees it within a few steps, re-splits the micro-batches (no state moves in pure DP, no group
-    is created and every buffer is kept: the switch costs nothing, as on the engine), and goes
-    back to the user's layout after it ends."""
+    sees it within a few steps, re-splits the micro-batches at once, without waiting for the
+    planner (no state moves in pure DP, no group is created and every buffer is kept: the switch
+    costs nothing, as on the engine); the planner's answer, which comes after, finds nothing
+    better; the same again when it ends, back to the user's layout."""
     tr = make_trace([Event(600.0, 3000.0, 3, 2.0)], 4, hours=1.0)
     res = replay(dp_problem(), tr, step_s=1.0, planner_time_limit_s=2.0, charge=_charge)
     pol = res["policies"]
     m, st, orc = pol["malleus"], pol["static"], pol["oracle"]
     assert st["vs_healthy"] < m["vs_healthy"] < orc["vs_healthy"]
     assert m["switches"] == 2 and m["of_oracle_gain"] > 0.95
-    onset, back = [e for e in res["events"] if e["policy"] == "malleus"]
+    onset, kept, back, kept2 = [e for e in res["events"] if e["policy"] == "malleus"]
     assert onset["trigger"] == "onset" and onset["adopted"] and onset["change_s"] == 600.0
-    assert 0 < onset["detection_s"] <= 5 * 2.0 and onset["planning_s"] == FIXED   # 5 slow steps
+    assert 0 < onset["detection_s"] <= 5 * 2.0 and onset["planning_s"] == 0.0   # 5 slow steps
+    assert kept["trigger"] == "onset" and not kept["adopted"] and kept["planning_s"] == FIXED
+    assert kept2["trigger"] == "recovery" and not kept2["adopted"]
     assert onset["bytes"] == 0 and onset["transfer_s"] == 0.0
     assert onset["migration_s"] == 0.0 and back["migration_s"] == 0.0
     assert onset["new_groups"] == 0 and onset["buffers_kept"] and onset["communicators_s"] == 0
@@ -87,8 +90,10 @@ def test_on_the_step_clock_the_rates_change_at_the_named_steps():
     assert m.steps == len(m.step_ends) == 60
     assert m.step_ends[:12] == pytest.approx([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14])
     assert m.samples == 60 * rp.samples_per_step and m.seconds == pytest.approx(m.step_ends[-1])
-    onset, back = m.decisions
-    assert (onset.trigger, back.trigger) == ("onset", "recovery") and m.switches == 2
+    onset, kept, back, kept2 = m.decisions      # each re-split at once, then the planner's
+    assert [(d.trigger, d.adopted, d.first) for d in m.decisions] == [
+        ("onset", True, True), ("onset", False, False), ("recovery", True, True),
+        ("recovery", False, False)] and m.switches == 2
     # the switches' pauses lie between steps: the timeline ends with the last step
     assert m.timeline[-1][1] == pytest.approx(m.step_ends[-1])
     assert sum(b - a for a, b, _ in m.timeline) == pytest.approx(m.seconds)
@@ -234,16 +239,20 @@ def test_a_probe_that_does_not_sustain_costs_a_few_runs_of_the_block():
 
 
 def test_a_slow_planner_answers_late_on_the_simulated_clock():
-    """The planner's seconds are charged to the clock: at 40 s per plan the switch comes at
-    least 40 s after the loop asked, while the job trains on under the old plan."""
+    """The planner's seconds are charged to the clock: at 40 s per plan its answer comes at
+    least 40 s after the loop asked. The re-split it would find was adopted at once, before
+    the answer (the first response waits for no planner), so the slow planner costs the job
+    nothing here."""
     tr = make_trace([Event(300.0, 3000.0, 3, 2.0)], 4, hours=1.0)
     rp = Replay(dp_problem(), 1.0)
     fast = run_malleus(rp, tr.segments(), charge=lambda w, r: 0.0)
     slow = run_malleus(rp, tr.segments(), charge=lambda w, r: 40.0)
-    f, s = fast.decisions[0], slow.decisions[0]
+    f, s = [[d for d in r.decisions if not d.first][0] for r in (fast, slow)]
     assert s.requested_t == pytest.approx(f.requested_t)
     assert s.t - s.requested_t >= 40.0 > f.t - f.requested_t
-    assert slow.samples < fast.samples
+    a, b = fast.decisions[0], slow.decisions[0]
+    assert a.first and b.first and a.adopted and b.t == a.t < s.t
+    assert slow.samples == pytest.approx(fast.samples, rel=1e-9)
 
 
 def test_sim_planner_and_the_answer_cache():
@@ -408,12 +417,15 @@ def test_a_search_on_the_ranks_host_slows_the_steps_it_overlaps():
     calm = run_malleus(rp, tr.segments(), charge=lambda w, r: 40.0)
     slow = run_malleus(rp, tr.segments(), charge=lambda w, r: 40.0, planner_stall=0.5)
     onset = calm.decisions[0]
-    assert onset.trigger == "onset" and slow.decisions[0].trigger == "onset"
-    # the 40 s search under the static plan (2 s steps at rate 2, 28 samples each): 3 s steps,
-    # 13.3 steps instead of 20; a stalled step that starts inside the search runs whole, and
-    # the answer is taken at the next step boundary (up to 2 more steps at the old pace)
+    assert onset.trigger == "onset" and slow.decisions[0].trigger == "onset" and onset.first
+    # the re-split at once, 2 s after the request (one 2 s step at rate 2); the rest of the 40 s
+    # search under it (28 samples a step of st s): 1.5 st steps, 38 / (1.5 st) steps instead
+    # of 38 / st; a stalled step that starts inside the search runs whole, and the answer is
+    # taken at the next step boundary (up to 2 more steps at the old pace)
+    st = rp.step_seconds(calm.plans[onset.to_plan], {3: 2.0})
+    assert onset.t - onset.requested_t == pytest.approx(2.0) and st < 2.0
     lost = calm.samples - slow.samples
-    assert (20 - 40 / 3) * 28 <= lost <= (20 - 40 / 3 + 2) * 28
+    assert (38 / st - 38 / (1.5 * st)) * 28 <= lost <= (38 / st - 38 / (1.5 * st) + 2) * 28
     with pytest.raises(ValueError, match="planner_stall=-1 must be >= 0"):
         run_malleus(rp, tr.segments(), planner_stall=-1)
 
@@ -461,12 +473,15 @@ def test_a_recorded_runs_answer_is_taken_at_the_runs_step():
         return k + 7 if plan == rp.static.id else None
     late = run_malleus(rp, tr.segments(), charge=_charge, on_steps=True,
                        record=_Record(answered=answered))
-    first = [d.step for d in own.decisions if d.adopted]
-    anchored = [d.step for d in late.decisions if d.adopted]
+    # the planner's answers (the re-split decided at once, before them, waits for none)
+    first = [d.step for d in own.decisions if not d.first]
+    anchored = [d.step for d in late.decisions if not d.first]
     assert asked and anchored[0] == asked[0] + 7 != first[0], (asked, first, anchored)
+    assert [d.step for d in late.decisions if d.first] == [d.step for d in own.decisions
+                                                            if d.first]
     other = run_malleus(rp, tr.segments(), charge=_charge, on_steps=True,
                         record=_Record(answered=lambda k, plan: k + 7 if plan == "x" else None))
-    assert [d.step for d in other.decisions if d.adopted] == first
+    assert [d.step for d in other.decisions if not d.first] == first
 
 
 def test_the_loop_reads_the_runs_own_step_seconds_where_it_ran_the_runs_plan(monkeypatch):

@@ -66,7 +66,7 @@ def test_a_hundred_thousand_rows_read_and_cut_fast(tmp_path):
 
 
 def test_regimes_are_reproducible_and_read_back(tmp_path):
-    for regime in ("persistent", "transient", "mixed"):
+    for regime in ("persistent", "transient", "mixed", "flapping"):
         a = generate(regime, 256, 24.0, seed=3)
         assert a == generate(regime, 256, 24.0, seed=3) and a
         assert a != generate(regime, 256, 24.0, seed=4)
@@ -84,6 +84,22 @@ def test_regimes_are_reproducible_and_read_back(tmp_path):
     with pytest.raises(ValueError, match="regime='bursty'"):
         generate("bursty", 8, 1.0)
     assert make_trace([], 8, hours=1.0).segments()[0].rates == ()
+
+
+def test_flapping_gpus_alternate_slow_and_healthy_phases_of_minutes():
+    ev = generate("flapping", 1024, 4.0, seed=0)
+    gpus = sorted({e.gpu for e in ev})
+    assert len(gpus) == 6                                    # one per 170 GPUs
+    for g in gpus:
+        mine = sorted((e for e in ev if e.gpu == g), key=lambda e: e.start_s)
+        assert len(mine) >= 25                               # 4 h of 4-8 minute cycles
+        for a, b in zip(mine, mine[1:]):
+            assert 120.0 - 1e-3 <= a.end_s - a.start_s <= 240.0 + 1e-3
+            assert 120.0 - 1e-3 <= b.start_s - a.end_s <= 240.0 + 1e-3     # healthy between
+        assert mine[-1].end_s <= 4 * 3600.0
+        assert len({e.rate for e in mine}) == 1                  # one rate per GPU
+    assert all(1.6 <= e.rate <= 1.9 for e in ev)
+    assert len({e.gpu for e in generate("flapping", 64, 1.0, seed=0)}) == 1   # at least one
 
 
 def test_nodes_that_do_not_tile_the_job_are_named():

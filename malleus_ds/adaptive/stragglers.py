@@ -1,0 +1,115 @@
+"""Each straggler's onset and end, as the loop reads them, and what that says of the one now
+(pure; issue 52, item 2).
+
+Rank 0 keeps one :class:`StragglerWatch`, with the loop's clock (:attr:`StragglerWatch.now_s`:
+the seconds of the steps so far, which the loop adds). At each detection it is given the ranks
+that read slow (the detector's normalised rates above 1.0); a rank that turns slow
+starts a straggler, one that reads healthy again ends it. Ranks that turn slow at the same
+detection and recover at the same detection are one straggler (a node-wide slowdown is one
+event, not eight), and each ended straggler's duration goes to the job's
+:class:`~malleus_ds.adaptive.duration.DurationModel`. :meth:`StragglerWatch.remaining` is the
+model's expected remaining duration of the youngest slowdown among some ranks: a layout made
+for the rates of now pays only until that one ends (the loop re-plans then).
+
+**A rank that flaps** (:data:`FLAP_ENDS` slowdowns ended within :data:`FLAP_S`) is held at its
+last slow rate (:meth:`StragglerWatch.holds`) until it has stayed healthy for :data:`FLAP_S`:
+the loop plans for it as slow meanwhile, instead of following every flip a detection late (a
+plan for a rank that has just recovered, or the healthy plan for one slow again). Its ends are
+still observed: the model learns how short its slowdowns are.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .duration import DurationModel, _minutes
+
+#: a rank whose slowdowns ended this many times within :data:`FLAP_S` seconds flaps
+FLAP_ENDS = 2
+#: ...and is held slow until it has stayed healthy this long
+FLAP_S = 1800.0
+
+
+@dataclass(frozen=True)
+class Remaining:
+    """The expected remaining seconds of a slowdown, and the words a decision's reason gives it
+    (e.g. ``expected 8.3 min left (transient 0.93)``)."""
+
+    seconds: float
+    age_s: float
+    text: str
+
+
+class StragglerWatch:
+    """Per rank, the clock when its current slowdown began (NaN: healthy); the job's
+    :class:`DurationModel`, fed each ended straggler (module doc)."""
+
+    def __init__(self, world: int, model: DurationModel | None = None) -> None:
+        self.now_s = 0.0                  # the loop's clock: seconds of its steps so far
+        self.onset = np.full(world, np.nan)
+        self.model = model if model is not None else DurationModel()
+        self.ended: list[tuple[tuple[int, ...], float, float]] = []   # (ranks, start, end)
+        self.slow_rate = np.ones(world)     # each rank's last rate read slow
+        self.ends: dict[int, list[float]] = {}   # each rank's recent ends (within FLAP_S)
+
+    def update(self, rates: Sequence[float]) -> list[float]:
+        """One detection's reading at :attr:`now_s`: each rank's normalised rate (above 1.0:
+        slow). Returns the durations of the stragglers that ended now (each observed by the
+        model)."""
+        r = np.asarray(rates, dtype=np.float64)
+        now_s, s = self.now_s, r > 1.0
+        if s.shape != self.onset.shape:
+            raise ValueError(f"slow: {s.shape[0] if s.ndim else 0} ranks, the watch has "
+                             f"{self.onset.shape[0]}")
+        was = ~np.isnan(self.onset)
+        self.onset[s & ~was] = now_s
+        self.slow_rate[s] = r[s]
+        out = []
+        gone = was & ~s
+        for start in sorted(set(self.onset[gone].tolist())):
+            ranks = tuple(int(r) for r in np.flatnonzero(gone & (self.onset == start)))
+            dur = max(0.0, now_s - start)
+            self.model.observe(dur)
+            self.ended.append((ranks, start, now_s))
+            out.append(dur)
+        for g in np.flatnonzero(gone):
+            self.ends.setdefault(int(g), []).append(now_s)
+        self.onset[gone] = np.nan
+        return out
+
+    def holds(self) -> np.ndarray:
+        """Per rank, the rate to plan it at however healthy it reads (1.0: none): a flapping
+        rank's last slow rate, until :data:`FLAP_S` after its last end (module doc)."""
+        out = np.ones(self.onset.shape[0])
+        for g, ends in list(self.ends.items()):
+            ends[:] = [t for t in ends if self.now_s - t <= FLAP_S]
+            if not ends:
+                del self.ends[g]
+            elif len(ends) >= FLAP_ENDS:
+                out[g] = self.slow_rate[g]
+        return out
+
+    def steady_s(self) -> float | None:
+        """Seconds until :meth:`holds` changes with no new reading (a hold's release, a
+        recent end leaving the window); None: never."""
+        t = [max(0.0, ends[0] + FLAP_S - self.now_s) for ends in self.ends.values() if ends]
+        return min(t) if t else None
+
+    def age_s(self, ranks: Iterable[int] | None = None) -> float | None:
+        """Seconds the youngest current slowdown among ``ranks`` (None: all) has lasted; None
+        when none of them is slow."""
+        on = self.onset if ranks is None else self.onset[list(ranks)]
+        on = on[~np.isnan(on)]
+        return None if not on.size else max(0.0, self.now_s - float(on.max()))
+
+    def remaining(self, ranks: Iterable[int] | None = None) -> Remaining | None:
+        """The expected remaining duration of the youngest slowdown among ``ranks`` (None: no
+        such rank is slow)."""
+        age = self.age_s(ranks)
+        if age is None:
+            return None
+        m = self.model
+        return Remaining(m.remaining_s(age), age,
+                         f"{m.brief(age)}; lasted {_minutes(age)}, {len(m.seen)} ended seen")

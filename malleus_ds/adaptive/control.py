@@ -87,7 +87,8 @@ class Controller:
         self.est = RateEstimator(self.world, settings.detect.window)
         self.det = Detector(self.world, settings.detect) if self.rank == 0 else None
         #: rank 0: each straggler's onset and end, and how long the current one will last
-        self.stragglers = StragglerWatch(self.world) if self.rank == 0 else None
+        self.stragglers = (StragglerWatch(self.world, confirm=self.s.detect.confirm)
+                           if self.rank == 0 else None)
         #: rank 0: the links' rates and their detection (``link_watch.py``)
         self.links = LinkWatch(job, settings.detect) if self.rank == 0 else None
         self.measured = np.full(self.world, np.nan)

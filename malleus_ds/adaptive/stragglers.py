@@ -4,7 +4,8 @@
 Rank 0 keeps one :class:`StragglerWatch`, with the loop's clock (:attr:`StragglerWatch.now_s`:
 the seconds of the steps so far, which the loop adds). At each detection it is given the ranks
 that read slow (the detector's normalised rates above 1.0); a rank that turns slow
-starts a straggler, one that reads healthy again ends it. Ranks that turn slow at the same
+starts a straggler, one that reads healthy again ends it, each once the detector's ``confirm``
+readings in a row agree (dated from the first). Ranks that turn slow at the same
 detection and recover at the same detection are one straggler (a node-wide slowdown is one
 event, not eight), and each ended straggler's duration goes to the job's
 :class:`~malleus_ds.adaptive.duration.DurationModel`. :meth:`StragglerWatch.remaining` is the
@@ -26,8 +27,9 @@ import numpy as np
 
 from .duration import DurationModel, _minutes
 
-#: a rank whose slowdowns ended this many times within :data:`FLAP_S` seconds flaps
-FLAP_ENDS = 2
+#: a rank whose slowdowns ended this many times within :data:`FLAP_S` seconds flaps (two
+#: could be two stragglers, or one whose reading dipped for a moment: three is a pattern)
+FLAP_ENDS = 3
 #: ...and is held slow until it has stayed healthy this long
 FLAP_S = 1800.0
 
@@ -46,7 +48,12 @@ class StragglerWatch:
     """Per rank, the clock when its current slowdown began (NaN: healthy); the job's
     :class:`DurationModel`, fed each ended straggler (module doc)."""
 
-    def __init__(self, world: int, model: DurationModel | None = None) -> None:
+    def __init__(self, world: int, model: DurationModel | None = None, confirm: int = 1) -> None:
+        if confirm < 1:
+            raise ValueError(f"confirm={confirm!r}: readings in a row to turn a rank, >= 1")
+        self.confirm = confirm
+        self._count = np.zeros(world, dtype=np.int64)   # readings in a row against the state
+        self._since = np.full(world, np.nan)            # ... since this clock
         self.now_s = 0.0                  # the loop's clock: seconds of its steps so far
         self.onset = np.full(world, np.nan)
         self.model = model if model is not None else DurationModel()
@@ -56,26 +63,35 @@ class StragglerWatch:
 
     def update(self, rates: Sequence[float]) -> list[float]:
         """One detection's reading at :attr:`now_s`: each rank's normalised rate (above 1.0:
-        slow). Returns the durations of the stragglers that ended now (each observed by the
-        model)."""
+        slow). A rank turns slow, or healthy again, once :attr:`confirm` readings in a row say
+        so, dated from the first of them (one noisy reading is no onset and no end). Returns
+        the durations of the stragglers that ended now (each observed by the model)."""
         r = np.asarray(rates, dtype=np.float64)
         now_s, s = self.now_s, r > 1.0
         if s.shape != self.onset.shape:
             raise ValueError(f"slow: {s.shape[0] if s.ndim else 0} ranks, the watch has "
                              f"{self.onset.shape[0]}")
         was = ~np.isnan(self.onset)
-        self.onset[s & ~was] = now_s
         self.slow_rate[s] = r[s]
+        flip = s != was
+        self._count[~flip] = 0
+        self._since[flip & (self._count == 0)] = now_s
+        self._count[flip] += 1
+        go = flip & (self._count >= self.confirm)
+        self._count[go] = 0
+        self.onset[go & s] = self._since[go & s]
+        gone = go & ~s
         out = []
-        gone = was & ~s
-        for start in sorted(set(self.onset[gone].tolist())):
-            ranks = tuple(int(r) for r in np.flatnonzero(gone & (self.onset == start)))
-            dur = max(0.0, now_s - start)
+        for start, end in sorted({(float(a), float(b)) for a, b in
+                                  zip(self.onset[gone], self._since[gone])}):
+            ranks = tuple(int(d) for d in np.flatnonzero(gone & (self.onset == start)
+                                                         & (self._since == end)))
+            dur = max(0.0, end - start)
             self.model.observe(dur)
-            self.ended.append((ranks, start, now_s))
+            self.ended.append((ranks, start, end))
             out.append(dur)
         for g in np.flatnonzero(gone):
-            self.ends.setdefault(int(g), []).append(now_s)
+            self.ends.setdefault(int(g), []).append(float(self._since[g]))
         self.onset[gone] = np.nan
         return out
 

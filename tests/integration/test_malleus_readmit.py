@@ -60,11 +60,17 @@ def test_a_slow_rank_is_not_let_back_early_and_a_healthy_one_gets_its_work_back(
     check(STATIC, [r[0] for r in res], steps=STEPS, param_rtol=PARAM_RTOL)
     full = _work(STATIC, 1)
     adopted = [e for e in events if e["event"] == "replan" and e.get("adopted")]
+    # the first response: the running layout re-split at once (no state moved), which can
+    # leave the slow rank no fewer than one micro-batch; then the planner's layout
     first = next(e for e in adopted if e["step"] > SLOW[0])
-    assert first["step"] <= SLOW[0] + 8, first                     # planned for in time
+    assert first["step"] <= SLOW[0] + 8, first                     # answered in time
+    if first.get("first"):
+        assert _work(plans[first["step"]], 1) == _work(STATIC, 1) // 4, plans[first["step"]]
+    planned = next(e for e in adopted if e["step"] > SLOW[0] and not e.get("first"))
+    assert planned["step"] <= SLOW[0] + 8, planned                 # planned for in time
     # while still 10x slow: never back on more work than a rate-5 share (the probes agree,
     # a lucky one lets nobody back), and no plan made for it at a rate under 5
-    for k in range(first["step"], SLOW[1] + 1):
+    for k in range(planned["step"], SLOW[1] + 1):
         assert _work(plans[k], 1) <= full / 5 + 1e-9, (k, plans[k])
     for e in adopted:
         if first["step"] <= e["step"] <= SLOW[1]:

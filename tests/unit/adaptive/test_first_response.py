@@ -127,7 +127,8 @@ def _ctl(steps=6):
 def test_an_onset_is_answered_at_once_by_a_resplit_and_the_planner_after_it():
     ctl, plan = _ctl()
     ses = ctl.session
-    ctl.stragglers.update([1.0, 1.0, 1.0, 3.0])
+    for _ in range(ctl.s.detect.confirm):       # the watch turns a rank as the detector does
+        ctl.stragglers.update([1.0, 1.0, 1.0, 3.0])
     ctl.stragglers.now_s += 30.0
     ses.request("onset", [1.0, 1.0, 1.0, 3.0], 7)
     first = ses.result
@@ -236,18 +237,18 @@ def test_the_controller_tracks_stragglers_on_its_clock_at_each_detection():
 
 
 def test_a_flapping_rank_is_held_slow_until_it_stays_healthy():
-    """Rank 2 slow at 1.8 twice within half an hour: held at 1.8 (the detector normalises its
-    healthy readings to it, so its flips trigger nothing); released once it has stayed
-    healthy for ``FLAP_S``. One straggler that ended once is no flapper."""
+    """Rank 2 slow at 1.8 three times within half an hour: held at 1.8 (the detector normalises
+    its healthy readings to it, so its flips trigger nothing); released once it has stayed
+    healthy for ``FLAP_S``. Two stragglers that ended are no flapper yet."""
     from malleus_ds.adaptive.detect import Detector
     from malleus_ds.adaptive.stragglers import FLAP_S
 
     w = StragglerWatch(4)
     slow, healthy = [1.0, 1.0, 1.8, 1.0], [1.0] * 4
-    for t, r in ((0.0, slow), (180.0, healthy)):
+    for t, r in ((-360.0, slow), (-180.0, healthy), (0.0, slow), (180.0, healthy)):
         w.now_s = t
         w.update(r)
-    assert list(w.holds()) == [1.0] * 4 and w.steady_s() == FLAP_S
+    assert list(w.holds()) == [1.0] * 4 and w.steady_s() == FLAP_S - 360.0
     for t, r in ((360.0, slow), (540.0, healthy)):
         w.now_s = t
         w.update(r)
@@ -258,8 +259,34 @@ def test_a_flapping_rank_is_held_slow_until_it_stays_healthy():
     assert list(det.normalise(healthy)) == [1.0, 1.0, 1.8, 1.0]
     assert list(det.normalise(healthy, held=False)) == healthy
     assert det.check(healthy) is None and det.check(slow) is None      # no trigger either way
-    assert w.steady_s() == pytest.approx(180.0 + FLAP_S - 540.0)
+    assert w.steady_s() == pytest.approx(-180.0 + FLAP_S - 540.0)
     w.now_s = 540.0 + FLAP_S + 1.0
     assert list(w.holds()) == healthy and w.steady_s() is None
     det.hold = w.holds()
     assert det.check(healthy).kind == "recovery"
+
+
+def test_one_reading_is_no_onset_and_no_end_when_the_detector_confirms_over_two():
+    """With the detector's ``confirm`` = 2 a rank turns only on two readings in a row, dated
+    from the first: a slow rank's one healthy-looking reading (a quota enforced loosely) ends
+    nothing, so it cannot add up to a flapper's ends."""
+    w = StragglerWatch(2, confirm=2)
+    for t, r in ((0.0, 3.0), (10.0, 1.0), (20.0, 3.0), (30.0, 1.0)):   # blips, never two
+        w.now_s = t
+        assert w.update([1.0, r]) == []
+    assert w.age_s() is None                        # the first 3.0 was a blip too
+    w.now_s = 40.0
+    w.update([1.0, 3.0])
+    w.now_s = 50.0
+    w.update([1.0, 3.0])
+    assert w.age_s() == 10.0                        # slow since 40 s
+    w.now_s = 60.0
+    assert w.update([1.0, 1.0]) == [] and w.ends == {}
+    w.now_s = 70.0
+    w.update([1.0, 3.0])                            # the dip: no end
+    for t in (80.0, 90.0):
+        w.now_s = t
+        ended = w.update([1.0, 1.0])
+    assert ended == [40.0] and w.ended == [((1,), 40.0, 80.0)] and w.ends == {1: [80.0]}
+    with pytest.raises(ValueError, match="confirm=0"):
+        StragglerWatch(2, confirm=0)

@@ -77,10 +77,14 @@ def given(a: argparse.Namespace, name: str) -> str | None:
 
 
 def job_options(a: argparse.Namespace) -> str:
-    """The job-size options given (for the replay line)."""
+    """The job-size options given where they are not the job's defaults (for the replay
+    line)."""
+    from .run import Options
+
+    job = Options()
     return " ".join(f"--{k.replace('_', '-')} {v}" for k, v, d in
-                    (("batch", a.batch, None), ("seq_len", a.seq_len, 16),
-                     ("rtol", a.rtol, 1e-5)) if v != d)
+                    (("batch", a.batch, None), ("seq_len", a.seq_len, job.seq_len),
+                     ("rtol", a.rtol, job.rtol)) if v != d)
 
 
 #: the defaults of the options that change which schedule a seed draws
@@ -103,13 +107,16 @@ def main(argv: list[str] | None = None) -> int:
                          "same slowdowns, and compare the pace")
     ap.add_argument("--batch", type=int, default=None,
                     help="samples a step (default 8; 32 when a node is lost)")
-    ap.add_argument("--seq-len", type=int, default=16,
-                    help="tokens a sample (default 16). With --against-stock, a bigger job "
+    from .run import Options
+
+    job = Options()
+    ap.add_argument("--seq-len", type=int, default=job.seq_len,
+                    help=f"tokens a sample (default {job.seq_len}). With --against-stock, a bigger job "
                          "(e.g. --batch 64 --seq-len 64) makes steps long enough that the pace "
                          "measures the stragglers rather than each engine's fixed cost a step")
-    ap.add_argument("--rtol", type=float, default=1e-5,
+    ap.add_argument("--rtol", type=float, default=job.rtol,
                     help="each step's loss against the fault-free one-process run's (default "
-                         "1e-5; 1e-4 for --batch 64 --seq-len 64, where stock DeepSpeed itself "
+                         f"{job.rtol:g}; 1e-4 for --batch 64 --seq-len 64, where stock DeepSpeed itself "
                          "reads 4e-5 off at one step)")
     ap.add_argument("--min-pace", type=float, default=0.95,
                     help="the least throughput against stock's that passes (default 0.95; on "

@@ -26,8 +26,7 @@ ready flag are the same everywhere); only rank 0's has a planner.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
-from types import SimpleNamespace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -41,6 +40,16 @@ from .rates import as_list
 from .stragglers import Remaining
 from .replan import decide, fit_running_plan, fit_switch_seconds, job_memory, job_problem
 from .view import LoopView
+
+
+@dataclass(frozen=True)
+class Switched:
+    """One switch as the cost rule learns from it: bytes moved, seconds paused, and whether it
+    ``kept`` every pipeline's stages (a re-split)."""
+
+    bytes: int
+    seconds: float
+    kept: bool = False
 
 
 #: the triggers answered first by a re-split of the running layout (module doc)
@@ -69,7 +78,7 @@ class PlannerSession:
         self.generation = 0               # bumped by every switch: older requests are stale
         self.problem: Problem | None = None
         self.disabled_reason: str | None = None
-        self.migrations: list = []        # every switch's migration (.bytes, .seconds)
+        self.migrations: list[Switched] = []        # every switch's migration
         self.scale: float | None = None   # seconds per model unit, by the last re-plan
 
     @property
@@ -82,8 +91,7 @@ class PlannerSession:
         for a request in flight across a switch that ``kept`` every pipeline's stages (a
         re-split: the planner's answer is as good against it, and is judged against it)."""
         if migration is not None:
-            self.migrations.append(SimpleNamespace(bytes=migration.bytes,
-                                                   seconds=migration.seconds, kept=kept))
+            self.migrations.append(Switched(migration.bytes, migration.seconds, kept))
         if tp_changed:
             self.problem = None
         if not kept:
@@ -384,9 +392,9 @@ class PlannerSession:
         all otherwise). The fixed part is kept apart from the bandwidth: folded in, it would
         overestimate a large switch several times."""
         if kept:
-            ms = [m.seconds for m in self.migrations if getattr(m, "kept", False)]
+            ms = [m.seconds for m in self.migrations if m.kept]
             return float(np.median(ms)) if ms else 0.05
-        ms = [m for m in self.migrations if not getattr(m, "kept", False)]
+        ms = [m for m in self.migrations if not m.kept]
         fit = fit_switch_seconds((m.bytes, m.seconds) for m in ms if m.seconds > 0)
         if fit is not None:
             return fit[0] + fit[1] * nbytes

@@ -12,6 +12,7 @@ from malleus_ds.job_layout import JobLayout
 from malleus_ds.adaptive.control import Controller
 from malleus_ds.adaptive.job import JobSpec
 from malleus_ds.adaptive.settings import AdaptiveSettings
+from malleus_ds.adaptive.session import Switched
 from malleus_ds.steploop import StepSums
 from malleus_ds.engine.probe_block import ProbeBlock
 from malleus_ds.adaptive.replan import decide, job_problem, memory_model, nominal_shape
@@ -136,9 +137,9 @@ def test_the_migration_prediction_fits_a_fixed_part_and_a_bandwidth():
     ctl = Controller(JobSpec.of_model(PRESETS["tiny"], plan), AdaptiveSettings(
         enabled=False, migrate_gbps=2.0), plan)
     assert ctl.session.migrate_s_for(4 * 10**9) == pytest.approx(0.05 + 2.0)
-    ctl.migrations.append(NS(bytes=0, seconds=11.0))
+    ctl.migrations.append(Switched(0, 11.0))
     assert ctl.session.migrate_s_for(4 * 10**9) == pytest.approx(11.0 + 2.0)
-    ctl.migrations.append(NS(bytes=10**12, seconds=31.0))
+    ctl.migrations.append(Switched(10**12, 31.0))
     assert ctl.session.migrate_s_for(2 * 10**12) == pytest.approx(51.0)
     assert ctl.session.migrate_s_for(0) == pytest.approx(11.0)
 

@@ -15,6 +15,7 @@ from malleus_ds.adaptive.detect import DetectConfig
 from malleus_ds.adaptive.duration import DurationModel
 from malleus_ds.adaptive.job import JobSpec
 from malleus_ds.adaptive.replan import decide, horizon
+from malleus_ds.adaptive.session import Switched
 from malleus_ds.adaptive.settings import AdaptiveSettings
 from malleus_ds.adaptive.stragglers import Remaining, StragglerWatch
 from malleus_ds.cost import step_time
@@ -182,7 +183,7 @@ def test_before_any_layout_change_the_busiest_rank_sets_the_prediction():
     nothing of it."""
     ctl, _ = _ctl()
     ses = ctl.session
-    ses.migrations.append(NS(bytes=0, seconds=0.0, kept=True))
+    ses.migrations.append(Switched(0, 0.0, kept=True))
     assert ses.migrate_s_for(400 * 10**9, busiest=2 * 10**9) == pytest.approx(0.05 + 2.0)
     assert ses.migrate_s_for(400 * 10**9) == pytest.approx(0.05 + 400.0)
 

@@ -4,7 +4,8 @@ own commands, ``tests/test_readme_commands.py``) starts processes and is marked
 it is the loop's own process). ``slow``: a single test that takes 20 s or more on 2 cores.
 ``alone``: a test that starts processes and reads timings (rates, detection, a throttled
 link): ``scripts/test.sh`` runs it with the cores to itself. ``patient``: a test of
-:data:`PATIENT_FILES` (deaths, deadlines, restarts), run with the ``alone`` ones.
+:data:`PATIENT_FILES` (deaths, deadlines, restarts), run two files at a time after the shared
+pass.
 Every integration test is ``alone`` unless its file is in :data:`SHARE_CORES` (it checks values:
 losses, parameters, files, messages) or :data:`PATIENT_FILES`, so a new test runs alone until
 someone says it need not.
@@ -54,8 +55,9 @@ ALONE_TESTS = frozenset({"test_demo_twin_compares_deepspeed_and_malleus",
 #: integration test files that wait on deaths, deadlines and restarts but read no rates
 #: (marked ``patient``, not ``alone``): their bounds hold on a loaded machine (the watchdog's
 #: hang timeout, the switch agreement's deadline, the campaign's budgets: all 25 passed twice
-#: beside a full load). scripts/test.sh still runs them with the alone pass: beside the shared
-#: pass they moved as much CPU into it as they saved (bench/RESULTS.md, session 33)
+#: beside a full load). scripts/test.sh runs them after the shared pass, two files at a time:
+#: beside the shared pass they moved as much CPU into it as they saved (bench/RESULTS.md,
+#: session 33)
 PATIENT_FILES = frozenset({
     "test_elastic_nodes.py", "test_chaos.py", "test_migration_failures.py", "test_guards.py",
     "test_restart_parts.py", "test_watchdog.py", "test_harness.py", "test_launcher_watch.py",

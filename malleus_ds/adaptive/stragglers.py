@@ -58,7 +58,7 @@ class StragglerWatch:
         self.onset = np.full(world, np.nan)
         self.model = model if model is not None else DurationModel()
         self.ended: list[tuple[tuple[int, ...], float, float]] = []   # (ranks, start, end)
-        self.slow_rate = np.ones(world)     # each rank's last rate read slow
+        self.slow_rate = np.ones(world)     # each rank's last rate read while slow (confirmed)
         self.ends: dict[int, list[float]] = {}   # each rank's recent ends (within FLAP_S)
 
     def update(self, rates: Sequence[float]) -> list[float]:
@@ -72,12 +72,15 @@ class StragglerWatch:
             raise ValueError(f"slow: {s.shape[0] if s.ndim else 0} ranks, the watch has "
                              f"{self.onset.shape[0]}")
         was = ~np.isnan(self.onset)
-        self.slow_rate[s] = r[s]
         flip = s != was
         self._count[~flip] = 0
         self._since[flip & (self._count == 0)] = now_s
         self._count[flip] += 1
         go = flip & (self._count >= self.confirm)
+        # a slow reading of a rank slow by the watch's own count: a one-reading blip of a
+        # healthy rank sets no rate a flapper could later be held at
+        held = s & (was | go)
+        self.slow_rate[held] = r[held]
         self._count[go] = 0
         self.onset[go & s] = self._since[go & s]
         gone = go & ~s

@@ -267,6 +267,18 @@ def test_a_flapping_rank_is_held_slow_until_it_stays_healthy():
     assert det.check(healthy).kind == "recovery"
 
 
+def test_a_flapper_is_held_at_a_confirmed_slow_rate_never_at_a_blips():
+    """A rank that flapped at 1.8 three times, then reads one blip of 5.0 among healthy readings
+    (unconfirmed: the detector confirms over two): it is held at 1.8, not at 5.0."""
+    w = StragglerWatch(2, confirm=2)
+    t = 0.0
+    for r in [1.8, 1.8, 1.0, 1.0] * 3 + [1.0, 5.0, 1.0, 1.0]:
+        w.now_s, t = t, t + 60.0
+        w.update([1.0, r])
+    assert len(w.ended) == 3 and w.age_s() is None
+    assert list(w.holds()) == [1.0, 1.8]
+
+
 def test_one_reading_is_no_onset_and_no_end_when_the_detector_confirms_over_two():
     """With the detector's ``confirm`` = 2 a rank turns only on two readings in a row, dated
     from the first: a slow rank's one healthy-looking reading (a quota enforced loosely) ends

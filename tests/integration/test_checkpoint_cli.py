@@ -4,7 +4,10 @@ A run interrupted after k steps and resumed from its checkpoint (in a new proces
 engine=malleus under another plan and world size) gives the per-step losses of one run that
 never stopped (the single-process reference, rtol 1e-5), with step numbers continuing in the
 resumed run's metrics.jsonl. Bad input fails on every rank with exit code 2. Each launch costs
-~5-10 s of process start-up, so every test does as much as it can with few launches.
+~5-10 s of process start-up, so every test does as much as it can with few launches: the run
+that saves is the app's config run on harness ranks (tests/integration/app_run.py: the same
+Hydra composition and runner, without the launch), and every resume is a ``launch/train.py``
+launch (which saves again at its end).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import pytest
 
 from tests.cases import plan_json
 from tests.cases import HETERO
+from tests.integration.app_run import run_app
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "launch" / "train.py")
@@ -62,15 +66,16 @@ def _ok(p: subprocess.CompletedProcess) -> None:
 
 @pytest.mark.slow
 def test_malleus_resumes_under_another_plan_and_world_size(tmp_path):
-    """4 ranks on HETERO save after 3 steps; 2 ranks resume under the static dp=2 plan with a
-    scripted switch before the resumed step (skipped) and one after it (applied) to step 6."""
+    """4 ranks on HETERO save after 3 steps (the app's run, without its launch); 2 ranks resume
+    under the static dp=2 plan with a scripted switch before the resumed step (skipped) and one
+    after it (applied) to step 6."""
     hetero, tp2, pp2 = tmp_path / "hetero.json", tmp_path / "tp2.json", tmp_path / "pp2.json"
     hetero.write_text(json.dumps(dict(HETERO, global_batch_size=8)))
     tp2.write_text(json.dumps(TP2))
     pp2.write_text(json.dumps(PP2))
     ck, a, b = tmp_path / "ck", tmp_path / "a", tmp_path / "b"
-    _ok(_launch(4, ["engine=malleus", f"plan={hetero}", "train.steps=3", f"checkpoint.dir={ck}",
-                    "checkpoint.every=3", f"hydra.run.dir={a}"], tmp_path))
+    run_app(4, ([*ARGS, "engine=malleus", f"plan={hetero}", "train.steps=3",
+                 f"checkpoint.dir={ck}", "checkpoint.every=3"], a))
     assert (ck / "latest").read_text() == "global_step3"
     assert sorted(f.name for f in (ck / "global_step3").glob("malleus_rank*.pt")) == [
         f"malleus_rank{r:05d}.pt" for r in range(4)]
@@ -101,7 +106,7 @@ def test_malleus_resumes_under_another_plan_and_world_size(tmp_path):
 def test_deepspeed_zero1_resumes_under_the_same_layout_only(tmp_path):
     ck, a, b = tmp_path / "ck", tmp_path / "a", tmp_path / "b"
     ds = ["engine=deepspeed", "deepspeed=zero1", f"checkpoint.dir={ck}"]
-    _ok(_launch(2, ds + ["train.steps=2", f"hydra.run.dir={a}"], tmp_path))
+    run_app(2, ([*ARGS, *ds, "train.steps=2"], a))
     assert (ck / "latest").read_text() == "global_step2"
     assert (ck / "global_step2" / "mp_rank_00_model_states.pt").is_file()   # stock files
     _ok(_launch(2, ds + ["train.steps=4", "checkpoint.resume=true", f"hydra.run.dir={b}"],
@@ -115,12 +120,15 @@ def test_deepspeed_zero1_resumes_under_the_same_layout_only(tmp_path):
     assert p.returncode == 2, p.stderr[-2000:]
     assert ("saved by engine=deepspeed with world_size 2, this run has 1: stock DeepSpeed "
             "checkpoints load only under the layout that saved them") in p.stderr, p.stderr[-2000:]
+    # the bare launch's config error line (what checkpoint.every=-1 got before)
+    assert [ln for ln in p.stderr.splitlines() if "saved by engine=deepspeed" in ln][0] \
+        .startswith("[malleus_ds] config error (rank 0): "), p.stderr[-2000:]
 
 
 def test_torch_resume_and_nothing_left_to_run(tmp_path):
     ck, a, b = tmp_path / "ck", tmp_path / "a", tmp_path / "b"
     t = ["engine=torch", f"checkpoint.dir={ck}"]
-    _ok(_launch(0, t + ["train.steps=2", f"hydra.run.dir={a}"], tmp_path))
+    run_app(1, ([*ARGS, *t, "train.steps=2"], a))
     p = _launch(0, t + ["train.steps=4", "checkpoint.resume=true", f"hydra.run.dir={b}"],
                 tmp_path)
     _ok(p)
@@ -148,7 +156,6 @@ def test_bad_checkpoint_input_fails_on_every_rank(tmp_path):
                 f"does not exist: there is no checkpoint to continue from") in p.stderr, \
             p.stderr[-3000:]
     assert not missing.exists()
-    p = _launch(0, ["checkpoint.every=-1", f"hydra.run.dir={tmp_path / 'b'}"], tmp_path,
-                timeout=120)
-    assert p.returncode == 2
-    assert "config error (rank 0): checkpoint.every=-1 must be >= 0" in p.stderr
+    # a bare launch's config error (exit code 2, "config error (rank 0): ..."): the refused
+    # world size in test_deepspeed_zero1_resumes_under_the_same_layout_only; the checkpoint
+    # section's own checks (checkpoint.every=-1, ...): tests/unit/app/runners/test_checkpoint.py

@@ -4,11 +4,15 @@ engine=malleus from the step-N files under a non-uniform plan of another world s
 gives stock DeepSpeed's losses of steps N+1..N+M (weights, Adam moments and step, LR schedule,
 counters, loss scaler all carried). ZeRO-0, 1 and 2 saves in fp32, fp16 and bf16 (each of
 DeepSpeed's three optimizer formats without ZeRO), PipelineEngine with and without ZeRO; bad
-folders refused with a message."""
+folders refused with a message. Two shared runs make every save and continuation, an engine
+after another in the same ranks: one on 2 ranks saves each ZeRO format (:func:`ds_saves`), one
+on 4 ranks saves each PipelineEngine format and continues them all (:func:`continued`); the
+tests read their results."""
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,18 +42,28 @@ def _ds(zero: int, precision: str | None = None) -> dict:
             "steps_per_print": 10**9, **PRECISION[precision]}
 
 
-def _cpu_fp16(fused: bool) -> None:
+def _cpu_fp16(fused: bool):
     """Stock DeepSpeed runs fp16 on this CPU once told it may (its CPU accelerator asks oneDNN,
     which says no here; torch's CPU half kernels serve); ``fused``: it treats our client AdamW
-    as its FusedAdam, so it wraps it in FP16_Optimizer as on a GPU."""
+    as its FusedAdam, so it wraps it in FP16_Optimizer as on a GPU. Returns a function that
+    undoes both (the next engine of a shared run must not inherit them)."""
     import torch
+    import deepspeed.runtime.engine as ds_engine
     from deepspeed.accelerator import get_accelerator
 
-    type(get_accelerator()).is_fp16_supported = lambda self: True
+    cls = type(get_accelerator())
+    own, fused_adam = cls.__dict__.get("is_fp16_supported"), ds_engine.FusedAdam
+    cls.is_fp16_supported = lambda self: True
     if fused:
-        import deepspeed.runtime.engine as ds_engine
-
         ds_engine.FusedAdam = torch.optim.AdamW
+
+    def undo():
+        if own is None:
+            del cls.is_fp16_supported
+        else:
+            cls.is_fp16_supported = own
+        ds_engine.FusedAdam = fused_adam
+    return undo
 
 
 def _run(rank, world, engine, zero, steps, ckpt, resume, plan=None, precision=None, pp=1,
@@ -57,32 +71,56 @@ def _run(rank, world, engine, zero, steps, ckpt, resume, plan=None, precision=No
     from malleus_ds.app import runners
     from malleus_ds.app.config import build_run_config
 
+    undo = None
     if engine == "deepspeed" and precision and precision.startswith("fp16"):
-        _cpu_fp16(precision == "fp16-fused")
-    d = {"engine": engine, "progress": False, "model": MODEL,
-         "train": {"steps": steps, "global_batch_size": G, "micro_batch_size": 1, "seed": 3,
-                   "lr": 3e-3},
-         "deepspeed": {"config": _ds(zero, precision)}, "malleus": {"adaptive": False},
-         "checkpoint": {"dir": str(ckpt), "resume": resume, "background": False,
-                        "every": every}}
-    if plan is not None:
-        d["plan"] = str(plan)
-    if pp > 1:
-        d["parallel"] = {"tp": 1, "pp": pp, "dp": None}
-    cfg = build_run_config(d, world_size=world)
-    return list(runners.run(cfg, runners.DistEnv.from_environ("cpu")).losses)
+        undo = _cpu_fp16(precision == "fp16-fused")
+    try:
+        d = {"engine": engine, "progress": False, "model": MODEL,
+             "train": {"steps": steps, "global_batch_size": G, "micro_batch_size": 1, "seed": 3,
+                       "lr": 3e-3},
+             "deepspeed": {"config": _ds(zero, precision)}, "malleus": {"adaptive": False},
+             "checkpoint": {"dir": str(ckpt), "resume": resume, "background": False,
+                            "every": every}}
+        if plan is not None:
+            d["plan"] = str(plan)
+        if pp > 1:
+            d["parallel"] = {"tp": 1, "pp": pp, "dp": None}
+        cfg = build_run_config(d, world_size=world)
+        return list(runners.run(cfg, runners.DistEnv.from_environ("cpu")).losses)
+    finally:
+        if undo is not None:
+            undo()
 
 
-def deepspeed_run(tmp, zero: int, precision=None, pp: int = 1, world: int = 2):
-    """engine=deepspeed for N+M steps, saving at step N: its losses, and its folder with
-    ``latest`` at the step-N save (the step N+M save removed, as a user picks a tag)."""
-    ck = tmp / "ck"
-    full = run_distributed(_run, world, "deepspeed", zero, N + M, ck, False, None, precision, pp,
-                           N, timeout=300)[0]
-    assert (ck / f"global_step{N}").is_dir(), sorted(p.name for p in ck.iterdir())
-    shutil.rmtree(ck / f"global_step{N + M}")
-    (ck / "latest").write_text(f"global_step{N}")
-    return ck, full
+#: DeepSpeed's optimizer file formats saved by engine=deepspeed on 2 ranks: id -> (ZeRO stage,
+#: precision)
+FORMATS = {"zero0": (0, None), "zero1": (1, None), "zero2": (2, None), "zero1-bf16": (1, "bf16"),
+           "zero0-bf16": (0, "bf16"), "zero0-fp16-fused": (0, "fp16-fused"),
+           "zero2-fp16": (2, "fp16")}
+#: and by PipelineEngine (pp=2 x dp=2, 4 ranks)
+PIPELINE = {"zero1": (1, None), "zero0": (0, None), "zero0-fp16": (0, "fp16"),
+            "zero0-fp16-fused": (0, "fp16-fused"), "zero0-bf16": (0, "bf16")}
+
+
+def _save_each(rank, world, root, formats, pp=1):
+    """engine=deepspeed for N+M steps saving at step N, once per format in ``formats`` (one
+    process group, an engine after another), into ``root/<id>``: {id: its losses}. Rank 0 then
+    removes each step-N+M save and points ``latest`` at step N (as a user picks a tag)."""
+    import torch.distributed as dist
+
+    root = Path(root)
+    out = {fid: _run(rank, world, "deepspeed", zero, N + M, root / fid, False, None, precision,
+                     pp, N)
+           for fid, (zero, precision) in formats.items()}
+    dist.barrier()
+    if rank == 0:
+        for fid in formats:
+            ck = root / fid
+            assert (ck / f"global_step{N}").is_dir(), sorted(p.name for p in ck.iterdir())
+            shutil.rmtree(ck / f"global_step{N + M}")
+            (ck / "latest").write_text(f"global_step{N}")
+    dist.barrier()
+    return out
 
 
 def _other_plan(tmp):
@@ -96,24 +134,59 @@ def _other_plan(tmp):
     return p
 
 
-@pytest.fixture(scope="session")
-def ds_zero1(tmp_path_factory):
-    """engine=deepspeed ZeRO-1 on 2 ranks: its losses over N+M steps, and the checkpoint
-    folder of its first N (shared by the tests here and test_deepspeed_universal_export.py;
-    a test that changes it works on a copy, :func:`zero1_copy`)."""
-    return deepspeed_run(tmp_path_factory.mktemp("ds_zero1"), 1)
+@pytest.fixture(scope="module")
+def ds_saves(tmp_path_factory):
+    """engine=deepspeed on 2 ranks in each of :data:`FORMATS` (one shared run): {id: (its
+    folder of the first N steps, its losses over N+M steps)}. The folders stay as saved: a
+    test that changes one works on a copy (:func:`zero1_copy`)."""
+    root = tmp_path_factory.mktemp("ds_saves")
+    full = run_distributed(_save_each, 2, root, FORMATS, timeout=900)[0]
+    return {fid: (root / fid, full[fid]) for fid in FORMATS}
 
 
-def zero1_copy(ds_zero1, tmp_path):
-    shutil.copytree(ds_zero1[0], tmp_path / "ck")
+def zero1_copy(ds_saves, tmp_path):
+    shutil.copytree(ds_saves["zero1"][0], tmp_path / "ck")
     return tmp_path / "ck"
 
 
-def _continue(tmp_path, ck, full, precision=None, rtol=2e-5):
-    """engine=malleus from ``ck`` on 4 ranks under :func:`_other_plan`: DeepSpeed's losses of
-    steps N+1..N+M on every rank; returns the conversion's meta.json."""
-    got = run_distributed(_run, 4, "malleus", 0, N + M, ck, True, _other_plan(tmp_path),
-                          precision, timeout=300)
+def _continue_each(rank, world, pipe_root, folders, plan, init_ck):
+    """The 4-rank shared run: PipelineEngine's saves (:data:`PIPELINE`, into ``pipe_root``),
+    then engine=malleus continuing each of ``folders`` ({key: (folder, precision)}) from step N
+    under ``plan``, then a ``malleus_ds.initialize`` user's engine loading ``init_ck``."""
+    pipe = _save_each(rank, world, pipe_root, PIPELINE, pp=2)
+    cont = {key: _run(rank, world, "malleus", 0, N + M, ck, True, plan, precision)
+            for key, (ck, precision) in folders.items()}
+    return pipe, cont, _initialize_and_load(rank, world, init_ck, plan)
+
+
+@pytest.fixture(scope="module")
+def continued(tmp_path_factory, ds_saves):
+    """One 4-rank run (:func:`_continue_each`) under :func:`_other_plan`, for a copy of each
+    2-rank save and for each PipelineEngine save: {("ds" | "pipe", id): (folder, DeepSpeed's
+    losses over N+M steps, [engine=malleus's losses of steps N+1..N+M per rank])}, and
+    "init": [(global_steps, losses) per rank] of the ``initialize`` user's engine on a copy
+    of the ZeRO-1 save."""
+    root = tmp_path_factory.mktemp("continued")
+    folders = {}
+    for fid, (ck, _) in ds_saves.items():
+        shutil.copytree(ck, root / "ds" / fid)
+        folders["ds", fid] = (root / "ds" / fid, FORMATS[fid][1])
+    for fid, (_, precision) in PIPELINE.items():
+        folders["pipe", fid] = (root / "pipe" / fid, precision)
+    shutil.copytree(ds_saves["zero1"][0], root / "init")
+    got = run_distributed(_continue_each, 4, root / "pipe", folders, _other_plan(root),
+                          root / "init", timeout=1500)
+    pipe_full = got[0][0]
+    out = {key: (ck, ds_saves[key[1]][1] if key[0] == "ds" else pipe_full[key[1]],
+                 [g[1][key] for g in got])
+           for key, (ck, _) in folders.items()}
+    out["init"] = [g[2] for g in got]
+    return out
+
+
+def _check_continued(ck, full, got, rtol):
+    """engine=malleus's losses (``got``, per rank) are DeepSpeed's of steps N+1..N+M on every
+    rank; returns the conversion's meta.json."""
     for r, losses in enumerate(got):
         assert len(losses) == M, (r, losses)
         np.testing.assert_allclose(losses, full[N:], rtol=rtol, err_msg=f"rank {r}")
@@ -139,21 +212,15 @@ def _engine_state(ck):
                       weights_only=True)["engine"]
 
 
-@pytest.mark.parametrize("zero,precision", [(0, None), (1, None), (2, None), (1, "bf16"),
-                                            (0, "bf16"), (0, "fp16-fused"), (2, "fp16")],
-                         ids=["zero0", "zero1", "zero2", "zero1-bf16", "zero0-bf16",
-                              "zero0-fp16-fused", "zero2-fp16"])
-def test_malleus_continues_a_deepspeed_checkpoint_under_another_plan(tmp_path, zero, precision,
-                                                                    ds_zero1):
+@pytest.mark.parametrize("fid", list(FORMATS))
+def test_malleus_continues_a_deepspeed_checkpoint_under_another_plan(fid, continued):
     """Each of DeepSpeed's optimizer file formats: ZeRO's partitions (fp32, bf16's
     ``bf16_zero_*`` files, fp16), the torch optimizer's own state without ZeRO (fp32),
     FP16_UnfusedOptimizer's masters per parameter (bf16 without ZeRO) and FP16_Optimizer's flat
     masters (fp16 with FusedAdam); bf16/fp16 losses within their rounding (:data:`RTOL`)."""
-    if (zero, precision) == (1, None):
-        ck, full = zero1_copy(ds_zero1, tmp_path), ds_zero1[1]
-    else:
-        ck, full = deepspeed_run(tmp_path, zero, precision)
-    meta = _continue(tmp_path, ck, full, precision, RTOL[precision])
+    zero, precision = FORMATS[fid]
+    ck, full, got = continued["ds", fid]
+    meta = _check_continued(ck, full, got, RTOL[precision])
     assert meta["from"]["zero_stage"] == zero and meta["from"]["dp"] == 2
     _check_fp16_units(meta, zero, precision)
     assert meta["global_steps"] == N
@@ -167,26 +234,25 @@ def test_malleus_continues_a_deepspeed_checkpoint_under_another_plan(tmp_path, z
         assert scaler["cur_scale"] == 1.0
 
 
-@pytest.mark.parametrize("zero,precision", [(1, None), (0, None), (0, "fp16"),
-                                            (0, "fp16-fused"), (0, "bf16")],
-                         ids=["zero1", "zero0", "zero0-fp16", "zero0-fp16-fused", "zero0-bf16"])
-def test_malleus_continues_a_pipeline_engine_checkpoint(tmp_path, zero, precision):
+@pytest.mark.parametrize("fid", list(PIPELINE))
+def test_malleus_continues_a_pipeline_engine_checkpoint(fid, continued):
     """PipelineEngine (pp=2 x dp=2): each layer's weights in a file of its own; each stage's
     ZeRO partitions in files of their own (ZeRO-1), or its optimizer's state in its
     model-states file (no ZeRO: torch's AdamW in fp32, FP16_UnfusedOptimizer's masters or
     FP16_Optimizer's flat ones in fp16), or BF16_Optimizer's partitions named by their
     ``param_slice_mappings`` (bf16 without ZeRO). Continued on 4 ranks under the non-uniform TP=2 plan
     with stock DeepSpeed's losses."""
-    ck, full = deepspeed_run(tmp_path, zero, precision, pp=2, world=4)
+    zero, precision = PIPELINE[fid]
+    ck, full, got = continued["pipe", fid]
     assert (ck / f"global_step{N}" / "layer_01-model_states.pt").is_file()
-    meta = _continue(tmp_path, ck, full, precision, RTOL[precision])
+    meta = _check_continued(ck, full, got, RTOL[precision])
     assert meta["from"]["dp"] == 2 and meta["from"]["pipeline_stages"] == 2
     _check_fp16_units(meta, zero, precision, stages=2)
     # the FP16 optimizers' first zero-gradient step; BF16_Optimizer takes none
     assert meta["adam_step"] == N + (zero == 0 and precision in ("fp16", "fp16-fused"))
 
 
-def test_bad_deepspeed_folders_are_refused(tmp_path, ds_zero1):
+def test_bad_deepspeed_folders_are_refused(tmp_path, ds_saves):
     """A partial save (an optimizer file missing), a truncated file, a poisoned pickle and a
     folder that is not a DeepSpeed checkpoint: each refused by name, nothing run."""
     import pickle
@@ -194,7 +260,7 @@ def test_bad_deepspeed_folders_are_refused(tmp_path, ds_zero1):
     from malleus_ds.interop.checkpoint import read_state
     from malleus_ds.files.ckpt_format import CheckpointError
 
-    ck = zero1_copy(ds_zero1, tmp_path)
+    ck = zero1_copy(ds_saves, tmp_path)
     tag = ck / f"global_step{N}"
     assert read_state(ck).adam_step == N and read_state(tag).zero_stage == 1
     with pytest.raises(CheckpointError, match=r"is not a DeepSpeed checkpoint: it has no "
@@ -229,10 +295,10 @@ def test_bad_deepspeed_folders_are_refused(tmp_path, ds_zero1):
         read_state(evil)
 
 
-def test_another_model_is_refused(tmp_path, ds_zero1):
+def test_another_model_is_refused(tmp_path, ds_saves):
     """A DeepSpeed checkpoint of another model shape: engine=malleus refuses it naming the
     parameter, before training."""
-    ck = zero1_copy(ds_zero1, tmp_path)
+    ck = zero1_copy(ds_saves, tmp_path)
     rec = ck / f"global_step{N}" / "run.json"
     meta = json.loads(rec.read_text())
     meta["model"]["hidden_size"] = 64                 # the run.json check would catch it:
@@ -270,9 +336,9 @@ def _initialize_and_load(rank, world, ck, plan):
     return eng.global_steps, [eng.train_batch(step=s) for s in range(N, N + M)]
 
 
-def test_initialize_users_load_a_deepspeed_folder(tmp_path, ds_zero1):
-    ck, full = zero1_copy(ds_zero1, tmp_path), ds_zero1[1]
-    got = run_distributed(_initialize_and_load, 4, ck, _other_plan(tmp_path), timeout=300)
-    for steps, losses in got:
+def test_initialize_users_load_a_deepspeed_folder(ds_saves, continued):
+    """On 4 ranks under :func:`_other_plan` (in the shared run), from a copy of the ZeRO-1 save."""
+    full = ds_saves["zero1"][1]
+    for steps, losses in continued["init"]:
         assert steps == N
         np.testing.assert_allclose(losses, full[N:], rtol=2e-5)

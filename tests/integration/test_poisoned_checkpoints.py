@@ -3,7 +3,9 @@
 resume (same plan, another world size), by ``malleus-export``, for every engine; nothing runs,
 nothing trains, and the checkpoint folder is left byte for byte as it was. Truncated files,
 files of another save and a non-checkpoint ``.pt`` get a clear error too (the resume path's
-error agreement is the one the poisoned files go through)."""
+error agreement is the one the poisoned files go through). The checkpoints are written once, by
+one 2-rank run of the app's config per engine (tests/integration/app_run.py); every resume is a
+``launch/train.py`` launch."""
 import hashlib
 import os
 import shutil
@@ -17,6 +19,7 @@ import torch
 from malleus_ds.export.hf_folder import ExportError
 from malleus_ds.files.ckpt_format import RAW_MAGIC
 from malleus_ds.export.readers import read_malleus, read_torch
+from tests.integration.app_run import run_app
 from tests.rank_files import read_raw, to_zip, write_raw
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,13 +74,17 @@ def _poison(f: Path, marker: Path) -> None:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """One checkpoint per engine (2 ranks; engine=torch saves one file whatever the world size,
-    so one process writes it)."""
+    """One checkpoint per engine, after 2 steps: the app's config for each (the overrides
+    :func:`_train` passes) run one after another by one 2-rank harness run (only the resumes
+    need the CLI; engine=torch saves one file whatever the world size)."""
     tmp = tmp_path_factory.mktemp("saved")
+    # engine=deepspeed first: after an engine=malleus run in the same process, DeepSpeed's
+    # engine finds a data-parallel world of 1 (process-group state in module globals)
+    run_app(2, *[([*TINY, f"engine={eng}", "train.steps=2", f"checkpoint.dir={tmp / eng}",
+                   *(["malleus.adaptive=false"] if eng == "malleus" else [])], None)
+                 for eng in ("deepspeed", "torch", "malleus")])
     for eng in ("malleus", "deepspeed", "torch"):
-        extra = ["malleus.adaptive=false"] if eng == "malleus" else []
-        _train(tmp, eng, f"engine={eng}", f"checkpoint.dir={tmp / eng}", *extra,
-               nproc=1 if eng == "torch" else 2)
+        assert (tmp / eng / "latest").read_text() == "global_step2", eng
     return tmp
 
 

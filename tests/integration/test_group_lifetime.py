@@ -5,14 +5,18 @@ three engines in each process:
 * ``keep`` (never switches, trains once at the end: its groups must survive everything);
 * ``drop`` (dropped before a different switch on each rank, as garbage collection would);
 * ``eng``, which makes 50 live switches among five plans (TP 4, TP 2, a suspended rank,
-  different stage cuts), training once before and once under each of the other four plans.
+  different stage cuts), training once before and once under each of the other four plans, then
+  6 more back and forth between two of the recent layouts.
 
 Checked on every rank: nothing but ``GroupCache.ensure`` creates a group, at build or at a switch
 (torch's own counter ``_world.group_count`` moves only with ours; DeepSpeed's base engine makes
 none), a step creates or destroys none, after each switch the cache holds exactly the sets of the
 live engines' plans and of the last 3 layouts held plus the singletons and torch's registry
 ``_world.pg_map`` exactly this rank's share of them; ``drop``'s sets go once every rank has dropped
-it and its layout is not recent; groups of a layout 5 switches old are destroyed; and the math is
+it and its layout is not recent; groups of a layout 5 switches old are destroyed; switches back
+and forth between recent layouts create and destroy none; memory does not grow: the live tensors
+and the bytes of their distinct storages after the last switch (under HETERO, every engine
+``drop`` gone) are no more than 20 switches earlier under the same plan; and the math is
 intact: ``eng``'s losses and final shards equal one run without switches, ``keep``'s first step
 equals its own.
 """
@@ -24,6 +28,8 @@ from tests.integration.test_malleus_switch import B, C, D, E
 PLANS = [B, C, E, D, HETERO]
 SWITCHES = 50
 EVERY = 11                      # a step after switches 10, 21, 32, 43: under B, C, E, D
+MEM_AT = SWITCHES - 1 - 4 * len(PLANS)     # switch 29: HETERO, as the last one, every drop done
+BACK_AND_FORTH = [D, HETERO] * 3            # D and HETERO are among the last 3 layouts held
 
 
 def _lifetime(rank, world, switches, every):
@@ -38,6 +44,11 @@ def _lifetime(rank, world, switches, every):
     from malleus_ds.plan import Plan
 
     W = c10d._world
+    # the ~400k objects the fork server preloaded (torch, DeepSpeed, transformers; no tensor
+    # among them) go to the permanent generation: the collections and scans below (0.5 s each
+    # over them) see only the objects made from here on
+    gc.collect()
+    gc.freeze()
 
     def snap():
         return W.group_count, len(W.pg_map), GROUPS.created, GROUPS.destroyed
@@ -61,6 +72,17 @@ def _lifetime(rank, world, switches, every):
             f = frozenset(sets(pj))
             fams = [x for x in fams if x != f] + [f]
         return set().union(*fams[-k:])
+
+    def memory():
+        """(live tensors, bytes of their distinct storages): a view that keeps a larger
+        allocation alive counts the whole allocation."""
+        import torch
+
+        gc.collect()
+        live = [o for o in gc.get_objects() if torch.is_tensor(o)]
+        stores = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                  for t in live if t.device.type != "meta"}
+        return len(live), sum(stores.values())
 
     def step(e):
         s0 = snap()
@@ -90,11 +112,19 @@ def _lifetime(rank, world, switches, every):
         assert len(W.pg_map) == 1 + len(mine), (i, len(W.pg_map), mine)     # + the world group
         assert GROUPS.owners() == (3 if i < last_drop else 2), (i, GROUPS.owners())
         counts.append((GROUPS.count(), len(W.pg_map)))
+        if i == MEM_AT:
+            assert i >= last_drop and pj == PLANS[(switches - 1) % len(PLANS)], i
+            mem = [memory()]
         if i % every == every - 1:
             losses.append(step(eng))
+    before = snap(), GROUPS.count()
+    for pj in BACK_AND_FORTH:       # switches back to a recent layout: no group made or destroyed
+        eng.switch_plan(Plan.from_json(pj))
+        assert (snap(), GROUPS.count()) == before, (before, snap(), GROUPS.count())
+    mem.append(memory())
     kept_loss = step(keep)          # its groups outlived 50 switches of another engine
     shards = {n: (t.numpy(), d, a, b) for n, (t, d, a, b) in eng.local_shards().items()}
-    return (losses, shards), kept_loss, counts, GROUPS.created, GROUPS.destroyed
+    return (losses, shards), kept_loss, counts, GROUPS.created, GROUPS.destroyed, mem
 
 
 def test_fifty_switches_keep_groups_bounded_and_the_math():
@@ -105,10 +135,13 @@ def test_fifty_switches_keep_groups_bounded_and_the_math():
     res = run_distributed(_lifetime, 4, SWITCHES, EVERY, timeout=180)
     steps = 1 + SWITCHES // EVERY
     assert {(i % len(PLANS)) for i in range(EVERY - 1, SWITCHES, EVERY)} == {0, 1, 2, 3}
+    assert BACK_AND_FORTH[-1] == PLANS[(SWITCHES - 1) % len(PLANS)]
     check(PLANS[(SWITCHES - 1) % len(PLANS)], [r[0] for r in res], steps=steps, eps=EPS)
-    for rank, (run, kept_loss, counts, created, destroyed) in enumerate(res):
+    for rank, (run, kept_loss, counts, created, destroyed, mem) in enumerate(res):
         assert abs(kept_loss - run[0][0]) <= 1e-6 * abs(run[0][0]), (rank, kept_loss, run[0][0])
         # singletons + the sets of keep's, drop's and the 3 recent layouts (of 5 in turn)
         assert max(g for g, _ in counts) <= 4 + 5 * max(len(s) - 4 for s in sizes), counts
         assert destroyed > 0 and created - destroyed == counts[-1][0], (created, destroyed)
+        (t1, e1), (t2, e2) = mem
+        assert t2 <= t1 and e2 <= e1, f"rank {rank}: live tensors {t1} -> {t2}, bytes {e1} -> {e2}"
     assert len({r[3] for r in res}) == 1          # every rank created the same number of groups

@@ -1,7 +1,12 @@
 """``launch/train.py engine=malleus``: a plan file runs exactly that plan (with straggler
-emulation, same losses as the reference); a bad one fails on every rank."""
+emulation, same losses as the reference); a bad one fails on every rank. ``plan=static`` with
+``parallel.tp=2 parallel.dp=2`` and scripted ``malleus.switch`` entries share one 4-rank job
+(:func:`switch_job`): its first plan is the static TP2 x DP2 layout, its log shows the TP slowdown
+measured at start-up for the job's TP degree (4: a switch target has a TP4 stage) and both
+migrations, and its losses equal the reference."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -60,51 +65,62 @@ def test_plan_naming_more_ranks_than_launched_fails_on_every_rank(tmp_path):
     assert text.count("outside the world of 2 ranks") >= 2, text[-3000:]
 
 
-def test_static_plan_with_tp2_dp2(tmp_path):
-    out = tmp_path / "run"
-    p = _torchrun(4, ["plan=static", "parallel.tp=2", "parallel.dp=2", "train.steps=3",
-                      f"hydra.run.dir={out}"], tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    recs = [r for r in rows if "event" not in r]
-    # the TP slowdown measured at start-up (engine/tp_cost.py): one event, one summary line
-    sd = [r for r in rows if r.get("event") == "tp_slowdown"]
-    assert len(sd) == 1 and sd[0]["tp"] == 2 and sd[0]["ideal"] == {"1": 1.0, "2": 2.0}
-    assert set(sd[0]["table"]) == {"1", "2"} and sd[0]["table"]["1"] == 1.0
-    assert sd[0]["table"]["2"] >= 1.0
-    assert "TP slowdown measured at start-up" in p.stdout, p.stdout[-2000:]
-    from malleus_ds.models import model_config
-    from malleus_ds.app.reference import reference_run
-    ref, _ = reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=3,
-                           global_batch_size=8, micro_batch_size=1)
-    np.testing.assert_allclose([r["loss"] for r in recs], ref, rtol=1e-5)
-
-
-def test_scripted_switches_from_the_command_line(tmp_path):
-    """'malleus.switch=[{step:2,plan:B},{step:4,plan:C}]' switches live: migrate events in
-    metrics.jsonl, steps tagged with their plan, same losses as the reference, a summary that
-    lists the migrations."""
+@pytest.fixture(scope="module")
+def switch_job(tmp_path_factory):
+    """One 4-rank job: ``plan=static parallel.tp=2 parallel.dp=2`` for 6 steps, switched live
+    to B before step 2 and to C (one TP4 stage) before step 4. (process, metrics rows)."""
     from tests.integration.test_malleus_switch import B, C
 
+    tmp_path = tmp_path_factory.mktemp("switch_job")
     pb, pc = tmp_path / "b.json", tmp_path / "c.json"
     pb.write_text(json.dumps(B))
     pc.write_text(json.dumps(C))
     out = tmp_path / "run"
-    p = _torchrun(4, ["plan=static", "parallel.dp=4", "train.steps=6", f"hydra.run.dir={out}",
+    p = _torchrun(4, ["plan=static", "parallel.tp=2", "parallel.dp=2", "train.steps=6",
+                      f"hydra.run.dir={out}",
                       f"malleus.switch=[{{step:2,plan:{pb}}},{{step:4,plan:{pc}}}]"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return p, [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(steps):
+    from malleus_ds.models import model_config
+    from malleus_ds.app.reference import reference_run
+
+    return reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=steps,
+                         global_batch_size=8, micro_batch_size=1)[0]
+
+
+def test_static_plan_with_tp2_dp2(switch_job):
+    """``plan=static parallel.tp=2 parallel.dp=2`` starts on two TP2 replicas and trains the
+    reference's losses (also across the job's two switches)."""
+    p, rows = switch_job
+    recs = [r for r in rows if "event" not in r]
+    assert "plan: 2 pipelines: [TP2 0-4] x4 | [TP2 0-4] x4" in p.stdout, p.stdout[-2000:]
+    # the TP slowdown measured at start-up (engine/tp_cost.py): one event, one summary line,
+    # for the job's TP degree: parallel.tp=2 raised to 4 by the switch to C's TP4 stage
+    sd = [r for r in rows if r.get("event") == "tp_slowdown"]
+    assert len(sd) == 1 and sd[0]["tp"] == 4, sd
+    assert sd[0]["ideal"] == {"1": 1.0, "2": 2.0, "4": 4.0}, sd
+    assert set(sd[0]["table"]) == {"1", "2", "4"} and sd[0]["table"]["1"] == 1.0
+    assert sd[0]["table"]["2"] >= 1.0 and sd[0]["table"]["4"] >= 1.0
+    assert "TP slowdown measured at start-up" in p.stdout, p.stdout[-2000:]
+    np.testing.assert_allclose([r["loss"] for r in recs], _reference(6), rtol=1e-5)
+
+
+def test_scripted_switches_from_the_command_line(switch_job):
+    """'malleus.switch=[{step:2,plan:B},{step:4,plan:C}]' switches live: migrate events in
+    metrics.jsonl, steps tagged with their plan, same losses as the reference, a summary that
+    lists the migrations."""
+    p, rows = switch_job
     events = [r for r in rows if r.get("event") in ("replan", "migrate")]
     steps = [r for r in rows if "event" not in r]
     assert [(e["event"], e["step"]) for e in events] == [("migrate", 2), ("migrate", 4)]
     assert all(e["bytes"] > 0 and e["seconds"] > 0 and e["peak_extra_bytes"] > 0 for e in events)
     assert events[0]["to"] == events[1]["from"] == steps[2]["plan"] != steps[1]["plan"]
     assert steps[5]["plan"] == events[1]["to"]
-    from malleus_ds.models import model_config
-    from malleus_ds.app.reference import reference_run
-    ref, _ = reference_run(model_config("tiny", max_seq_len=16), seed=0, steps=6,
-                           global_batch_size=8, micro_batch_size=1)
-    np.testing.assert_allclose([r["loss"] for r in steps], ref, rtol=1e-5)
+    np.testing.assert_allclose([r["loss"] for r in steps], _reference(6), rtol=1e-5)
     assert p.stdout.count("migrate before step") == 2, p.stdout[-2000:]
 
 

@@ -130,8 +130,9 @@ def reference(dtype_name, steps, fp16=None, clip=0.0):
 # ---------------------------------------------------------------------- rank workers
 
 
-def _train(pj, cfg, steps):
-    """Train ``steps`` steps; losses, fp32 masters (with shard info), dtypes, scaler history."""
+def _train(pj, cfg, steps, before_step=None):
+    """Train ``steps`` steps; losses, fp32 masters (with shard info), dtypes, scaler history.
+    ``before_step(k, engine)``: called before each step ``k`` (saves, gathers)."""
     import torch
 
     import malleus_ds
@@ -139,7 +140,9 @@ def _train(pj, cfg, steps):
 
     eng, *_ = malleus_ds.initialize(model=CFG, config=cfg, plan=Plan.from_json(pj))
     losses, scales = [], []
-    for _ in range(steps):
+    for k in range(steps):
+        if before_step is not None:
+            before_step(k, eng)
         scales.append(eng.cur_scale)
         losses.append(eng.train_batch())
     st = eng.local_state()
@@ -178,35 +181,42 @@ def _four_ranks(rank, world, ckpt_dir):
         out["both"] = "no error"
     except Exception as e:  # noqa: BLE001 - the test reads the message
         out["both"] = f"{type(e).__name__}: {e}"
-    out["bf16"] = _train(HETERO, mp_config(1, bf16={"enabled": True}), 10)
+    # the bf16 run (10 steps) also saves a checkpoint before step 2 and hands its state over
+    # to a re-planned engine before step 3 (neither changes the run: its losses stay checked)
+    cfg = mp_config(1, bf16={"enabled": True})
+    handed = {}
+
+    def save_and_gather(k, eng):
+        from tests.integration.test_malleus_replan import gather_full_state
+
+        if k == 2:
+            eng.save_checkpoint(ckpt_dir)
+        if k == 3:
+            handed["state"] = gather_full_state(eng, world)
+
+    out["bf16"] = _train(HETERO, cfg, 10, save_and_gather)
     out["fp16"] = _train(HETERO, mp_config(2, fp16=FP16_FORCED), STEPS)
     out["suspended"] = _train(SUSPENDED, mp_config(2, bf16={"enabled": True}), 4)
     # checkpoint carries the fp32 masters: 2 steps, save, fresh engine loads, 2 more steps
     # reproduce the first 4 losses of the uninterrupted run bit for bit (bf16 copies would not)
-    cfg = mp_config(1, bf16={"enabled": True})
-    a, *_ = malleus_ds.initialize(model=CFG, config=cfg, plan=Plan.from_json(HETERO))
-    losses = [a.train_batch() for _ in range(2)]
-    a.save_checkpoint(ckpt_dir)
     b, *_ = malleus_ds.initialize(model=CFG, config=cfg, plan=Plan.from_json(HETERO))
     b.load_checkpoint(ckpt_dir)
-    out["ckpt"] = losses + [b.train_batch() for _ in range(2)]
+    out["ckpt"] = out["bf16"]["losses"][:2] + [b.train_batch() for _ in range(2)]
     # re-plan (TP sizes change): local_state hands over fp32 masters; the new engine's masters
     # are exactly the old ones, its bf16 parameters their casts
-    out["replan"] = _replan_bf16(world, 3, 3)
+    out["replan"] = _replan_bf16(out["bf16"]["losses"][:3], *handed["state"], 3)
     return out
 
 
-def _replan_bf16(world, k1, k2):
+def _replan_bf16(losses, full, st, k2):
+    """Engine REPLAN_B (ZeRO-2, bf16) loads ``full`` (gathered from HETERO after
+    ``len(losses)`` steps), trains ``k2`` steps: (all losses, its state exactly the handed one)."""
     import torch
 
     import malleus_ds
     from malleus_ds.plan import Plan
-    from tests.integration.test_malleus_replan import gather_full_state, load_full_state
+    from tests.integration.test_malleus_replan import load_full_state
 
-    cfg = mp_config(1, bf16={"enabled": True})
-    a, *_ = malleus_ds.initialize(model=CFG, config=cfg, plan=Plan.from_json(HETERO))
-    losses = [a.train_batch() for _ in range(k1)]
-    full, st = gather_full_state(a, world)
     b, *_ = malleus_ds.initialize(model=CFG, config=mp_config(2, bf16={"enabled": True}),
                                   plan=Plan.from_json(REPLAN_B))
     mine = load_full_state(b, full, st)

@@ -2,7 +2,14 @@
 in place (``engine.switch_plan``) through TP sizes, stage counts, layer ranges, micro-batches and
 a suspended rank, and its per-step losses, final parameters and Adam states equal one
 single-process run. Each switch is also checked to move state exactly: the whole model's
-parameters (fp32 masters) and Adam moments, gathered just before and just after, are identical."""
+parameters (fp32 masters) and Adam moments, gathered just before and just after, are identical.
+
+Every 4-rank case here (the switch sequence under ZeRO 1, 0 and 2, identical and micro-batch-only
+switches, a bucket that splits and merges, bf16, the first random sequence, a failed transfer)
+runs in one ``run_distributed`` call (:func:`_results`: the ranks are built once); the tests
+compare its results. That 50 live switches grow neither groups nor memory is checked in
+test_group_lifetime.py, whose 4 ranks make 50 switches already."""
+import functools
 import random
 
 import numpy as np
@@ -52,12 +59,19 @@ def _switching(rank, world, start, seq, cfg, steps, exact):
     return (losses, shards), reports, diffs, adam
 
 
-def _check_adam(results, steps, rtol=1e-4):
+@functools.lru_cache(maxsize=None)
+def _adam_reference(steps):
+    """The single-process reference's Adam moments after ``steps`` steps, by name."""
     from malleus_ds.app.reference import OptimConfig, reference_run
 
     ref = {}
     reference_run(CFG, seed=0, steps=steps, global_batch_size=8, micro_batch_size=1,
                   optim=OptimConfig(lr=1e-3, eps=EPS), adam_out=ref)
+    return ref
+
+
+def _check_adam(results, steps, rtol=1e-4):
+    ref = _adam_reference(steps)
     for rank, (_lt, _rep, _d, adam) in enumerate(results):
         shards = _lt[1]
         for n, (m, v) in adam.items():
@@ -68,12 +82,16 @@ def _check_adam(results, steps, rtol=1e-4):
                 assert err <= rtol, f"rank {rank} {key} {n}: rel err {err:.1e}"
 
 
-@pytest.mark.parametrize("zero", [1, 0, 2])
-def test_switch_sequence_equals_reference(zero):
+def _seq_config(zero):
     cfg = ds_config(zero)
     if zero == 2:     # tiny migration buckets: many messages and rounds per switch
         cfg["malleus"] = {"migrate_bucket_mb": 0.05}
-    res = run_distributed(_switching, 4, HETERO, SEQ, cfg, STEPS, zero != 0, timeout=300)
+    return cfg
+
+
+@pytest.mark.parametrize("zero", [1, 0, 2])
+def test_switch_sequence_equals_reference(zero):
+    res = [r["seq"][zero] for r in _results()]
     check(D, [r[0] for r in res], steps=STEPS, eps=EPS)
     _check_adam(res, STEPS)
     reports = res[0][1]
@@ -113,7 +131,7 @@ def _identity(rank, world, pj):
 
 
 def test_identical_and_micro_batch_only_switches_move_nothing():
-    res = run_distributed(_identity, 4, HETERO, timeout=120)
+    res = [r["identity"] for r in _results()]
     assert all(r[:2] == (0, 0) for r in res), res
 
 
@@ -152,7 +170,7 @@ def test_a_bucket_that_splits_and_merges_keeps_its_memory(zero):
     and moments stay in the memory they were in (views), nothing is copied, the math holds."""
     from malleus_ds.app.reference import OptimConfig, reference_run
 
-    res = run_distributed(_split, 4, ds_config(zero), timeout=240)
+    res = [r["split"][zero] for r in _results()]
     ref = reference_run(CFG, seed=0, steps=6, global_batch_size=8, micro_batch_size=1,
                         optim=OptimConfig(lr=1e-3, eps=EPS))[0]
     for losses, kept, diffs in res:
@@ -195,7 +213,7 @@ def _bf16(rank, world):
 def test_bf16_switches_move_masters_exactly():
     from tests.integration.test_malleus_precision import LOSS_RTOL_BF16, reference
 
-    res = run_distributed(_bf16, 4, timeout=240)
+    res = [r["bf16"] for r in _results()]
     ref_losses = reference("bf16", 6)[0]
     for losses, diffs, casts in res:
         assert diffs == [0.0, 0.0] and casts == [0.0, 0.0], (diffs, casts)
@@ -215,49 +233,13 @@ def _random_case(seed: int, world: int):
 @pytest.mark.parametrize("world,seed", [(4, 1), (5, 2), (6, 3)])
 def test_random_plan_sequences(world, seed):
     start, seq, zero = _random_case(seed, world)
-    res = run_distributed(_switching, world, start, seq, ds_config(zero), 6, False, timeout=300)
+    if world == 4:    # in the shared 4-rank run
+        res = [r["random"] for r in _results()]
+    else:
+        res = run_distributed(_switching, world, start, seq, ds_config(zero), 6, False,
+                              timeout=300)
     check(seq[-1][1], [r[0] for r in res], steps=6, eps=EPS)
     _check_adam(res, 6)
-
-
-# ---------------------------------------------------------------------- no growth
-
-
-def _many(rank, world, n):
-    import gc
-
-    import torch
-
-    import malleus_ds
-    from malleus_ds.engine.groups import GROUPS
-    from malleus_ds.plan import Plan
-
-    eng, *_ = malleus_ds.initialize(model=CFG, config=ds_config(1), plan=Plan.from_json(HETERO))
-    eng.train_batch()
-    counts = []
-    for i in range(n):
-        eng.switch_plan(Plan.from_json(B if i % 2 == 0 else HETERO))
-        if i in (1, n - 1):
-            gc.collect()
-            live = [o for o in gc.get_objects() if torch.is_tensor(o)]
-            # bytes of distinct storages: a view that keeps a larger allocation alive counts
-            # the whole allocation
-            stores = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                      for t in live if t.device.type != "meta"}
-            counts.append((len(GROUPS._groups), len(live), sum(stores.values()),
-                           GROUPS.created))
-            del live        # it would keep this plan's tensors alive into the next switches
-    return counts, eng.train_batch()
-
-
-def test_fifty_switches_grow_neither_groups_nor_memory():
-    res = run_distributed(_many, 4, 50, timeout=240)
-    for counts, _loss in res:
-        (g1, t1, e1, c1), (g2, t2, e2, c2) = counts
-        assert g1 == g2, f"process groups grew {g1} -> {g2}"
-        # back and forth between two layouts: the groups of both stay (group_sets.py)
-        assert c1 == c2, f"switches back to a recent layout created {c2 - c1} groups"
-        assert t2 <= t1 and e2 <= e1, f"live tensors grew: {t1} -> {t2}, bytes {e1} -> {e2}"
 
 
 # ---------------------------------------------------------------------- faults
@@ -272,11 +254,15 @@ def _fault(rank, world, bad):
     eng, *_ = malleus_ds.initialize(model=CFG, config=cfg, plan=Plan.from_json(HETERO))
     eng.train_batch()
     before = {n: p.detach().clone() for n, p in eng.named.items()}
+    saved = transport.before_round
     if rank == bad:
         def boom(r, t):
             raise OSError("injected: NIC went away")
         transport.before_round = boom
-    return failed_switch(eng, Plan.from_json(C), before)
+    try:
+        return failed_switch(eng, Plan.from_json(C), before)
+    finally:
+        transport.before_round = saved
 
 
 def failed_switch(eng, plan, before) -> tuple[str, float, bool, bool]:
@@ -304,10 +290,34 @@ def failed_switch(eng, plan, before) -> tuple[str, float, bool, bool]:
 
 
 def test_a_failed_transfer_stops_every_rank_with_a_message():
-    res = run_distributed(_fault, 4, 1, timeout=120)
+    res = [r["fault"] for r in _results()]
     for rank, (msg, took, refused, kept) in enumerate(res):
         assert "before step 1" in msg, (rank, msg)
         assert ("injected" in msg) if rank == 1 else ("rank 1" in msg), (rank, msg)
         assert took < 20, took
         assert refused, f"rank {rank} trained after a failed switch"
         assert kept, f"rank {rank}: the old plan's parameters were modified"
+
+
+# ---------------------------------------------------------------------- the shared run
+
+
+def _all(rank, world):
+    """Every 4-rank case of this file, one after the other in the same ranks (the failed
+    transfer last: it leaves its engine refusing to train)."""
+    start, seq, zero = _random_case(1, world)
+    return {
+        "seq": {z: _switching(rank, world, HETERO, SEQ, _seq_config(z), STEPS, z != 0)
+                for z in (1, 0, 2)},
+        "identity": _identity(rank, world, HETERO),
+        "split": {z: _split(rank, world, ds_config(z)) for z in (1, 2)},
+        "bf16": _bf16(rank, world),
+        "random": _switching(rank, world, start, seq, ds_config(zero), 6, False),
+        "fault": _fault(rank, world, 1),
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def _results():
+    """The shared 4-rank run (paid by the first test that reads it)."""
+    return run_distributed(_all, 4, timeout=600)

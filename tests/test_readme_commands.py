@@ -115,6 +115,10 @@ EXPECT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
                                ("data: tokenizing 1 file(s)",)),
     "malleus-export ck-text": (("text-llama-trained/tokenizer.json",), ()),
     "data.tokenizer=text-llama": ((), ("tokens from the token cache",)),
+    # a Hugging Face model builds and trains in the app started from the repository's root, whose
+    # kernels/ folder (on PYTHONPATH here) must not shadow HF's hub-kernels package `kernels`
+    # (moved from tests/integration/test_transformers_import.py)
+    "model=hf model.hf_config=tiny-qwen2-tied train.steps=4": ((), ("steps=4 loss",)),
 }
 
 

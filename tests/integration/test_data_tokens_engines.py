@@ -5,10 +5,15 @@ q/k/v biases) train to the same per-step losses on engine=torch (1 process, tran
 list) and engine=malleus (2 ranks, pp=2), with samples shorter than the model's context
 (data.seq_len=16 < max_seq_len=64: every engine sizes its batches and pipeline buffers by the
 data), equal to the single-process reference on that data. A bad file stops every rank at
-start-up (our own decoder, model=tiny)."""
+start-up (our own decoder, model=tiny).
+
+The app's config is composed from conf/ by Hydra (the command line's overrides: ``data=tokens
+data.path=train.bin`` relative to the working directory) and each engine runs on harness ranks
+(tests/integration/harness.py: one 2-rank run holds both distributed engines, one after the
+other); the launchers themselves with ``data=tokens`` are docs/getting-started.md's commands
+(tests/test_readme_commands.py) and the bad-file test below."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,7 +22,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.integration.harness import run_distributed
+
 REPO = Path(__file__).resolve().parents[2]
+CONF = REPO / "conf"
 TRAIN = str(REPO / "launch" / "train.py")
 STEPS, SEQ = 4, 16
 COMMON = ["progress=false", f"train.steps={STEPS}", "train.global_batch_size=8",
@@ -37,12 +45,37 @@ def _torchrun(n: int) -> list[str]:
             TRAIN]
 
 
-def _losses(cmd: list[str], out: Path, cwd: Path) -> list[float]:
-    p = subprocess.run(cmd + HF + COMMON + [f"hydra.run.dir={out}"], cwd=cwd, env=_env(),
-                       capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "event" not in r]
+def compose(overrides: list[str]) -> dict:
+    """The app's config as ``launch/train.py OVERRIDES`` composes it (Hydra, conf/), resolved."""
+    from hydra import compose as _compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return OmegaConf.to_container(_compose(config_name="config", overrides=overrides),
+                                      resolve=True)
+
+
+def run_app(rank, world, cwd, jobs, capture_stderr=False):
+    """On a harness rank: each composed config of ``jobs`` in turn (``build_run_config`` in
+    ``cwd``, so relative paths are the working directory's, then the app's runner), as
+    ``launch/train.py`` runs it on a launched rank. Returns [(per-step losses, this rank's
+    stderr when ``capture_stderr``)] per job."""
+    import contextlib
+    import io
+
+    from malleus_ds.app import runners
+    from malleus_ds.app.config import build_run_config
+
+    os.chdir(cwd)
+    out = []
+    for plain in jobs:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err) if capture_stderr else contextlib.nullcontext():
+            cfg = build_run_config(plain, world_size=world, local_world_size=world,
+                                   ds_search_dirs=(CONF / "deepspeed",))
+            s = runners.run(cfg, runners.DistEnv.from_environ("cpu"))
+        out.append((list(s.losses), err.getvalue()))
+    return out
 
 
 @pytest.mark.slow
@@ -50,13 +83,12 @@ def test_one_token_file_same_losses_on_every_engine(tmp_path):
     ids = np.random.default_rng(0).integers(0, 256, 3000).astype(np.uint16)   # vocabulary 256
     ids.tofile(tmp_path / "train.bin")
     np.save(tmp_path / "train.npy", ids)
-    torch_l = _losses([sys.executable, TRAIN, "engine=torch", "data.path=train.bin"],
-                      tmp_path / "torch", tmp_path)
-    ds_l = _losses(_torchrun(2) + ["engine=deepspeed", "parallel.pp=2", "data.path=train.bin"],
-                   tmp_path / "deepspeed", tmp_path)
-    ml_l = _losses(_torchrun(2) + ["engine=malleus", "parallel.pp=2",
-                                   f"data.path={tmp_path / 'train.npy'}"],
-                   tmp_path / "malleus", tmp_path)
+    torch_job = compose(HF + COMMON + ["engine=torch", "data.path=train.bin"])
+    (torch_l, _), = run_distributed(run_app, 1, tmp_path, [torch_job], timeout=180)[0]
+    jobs = [compose(HF + COMMON + ["engine=deepspeed", "parallel.pp=2", "data.path=train.bin"]),
+            compose(HF + COMMON + ["engine=malleus", "parallel.pp=2",
+                                   f"data.path={tmp_path / 'train.npy'}"])]
+    per_rank = run_distributed(run_app, 2, tmp_path, jobs, timeout=180)
     from malleus_ds.data import DataConfig
     from malleus_ds.models.hf import load_hf_model
     from malleus_ds.app.reference import reference_run
@@ -66,8 +98,10 @@ def test_one_token_file_same_losses_on_every_engine(tmp_path):
                            global_batch_size=8, micro_batch_size=2,
                            data=DataConfig("tokens", str(tmp_path / "train.bin"), seq_len=SEQ))
     assert len(torch_l) == STEPS
-    for got in (torch_l, ds_l, ml_l):
-        np.testing.assert_allclose(got, ref, rtol=1e-5)
+    np.testing.assert_allclose(torch_l, ref, rtol=1e-5, err_msg="engine=torch")
+    for r, ((ds_l, _), (ml_l, _)) in enumerate(per_rank):
+        np.testing.assert_allclose(ds_l, ref, rtol=1e-5, err_msg=f"engine=deepspeed rank {r}")
+        np.testing.assert_allclose(ml_l, ref, rtol=1e-5, err_msg=f"engine=malleus rank {r}")
     byte_ref, _ = reference_run(model, seed=0, data_seed=3, steps=STEPS,
                                 global_batch_size=8, micro_batch_size=2)
     assert not np.allclose(ref, byte_ref)                          # not the byte corpus

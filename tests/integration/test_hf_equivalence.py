@@ -9,9 +9,12 @@ model). The reference is transformers' own ``*ForCausalLM`` trained by plain PyT
   copies): per-step losses equal the reference (rtol 1e-5), final parameters too, and the two
   copies of a tied weight stay identical.
 * Stock DeepSpeed: ZeRO data parallel on transformers' own model, and PipelineEngine over the
-  generated layer list (TiedLayerSpec for the tied model): the same losses.
+  generated layer list (TiedLayerSpec for the tied model): the same losses. Its four cases run
+  in one ``run_distributed`` call (the ranks are built once, each case's engine in turn).
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
@@ -62,6 +65,7 @@ def _malleus(rank, world):
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def _reference(preset, clip=0.0):
     from malleus_ds.app.reference import OptimConfig, reference_run
 
@@ -98,7 +102,17 @@ def test_malleus_engine_on_hf_models_equals_transformers_reference():
         np.testing.assert_array_equal(t, held[0])
 
 
-def _deepspeed(rank, world, preset, pp, ac=False):
+#: (preset, pp, activation checkpointing) per case; the plain ZeRO runs first: a
+#: PipelineEngine leaves its grid in DeepSpeed's module globals (deepspeed.utils.groups), which a
+#: later ZeRO engine in the same process would take for its model parallelism
+DS_CASES = {"gqa-zero1-dp2": ("tiny-qwen2", 1, False),
+            "gqa-zero1-dp2-recompute": ("tiny-qwen2", 1, True),
+            "tied-pipeline-pp2": ("tiny-qwen2-tied", 2, False),
+            "tied-pipeline-pp2-recompute": ("tiny-qwen2-tied", 2, True)}
+_CALLS = [0]
+
+
+def _deepspeed(rank, world):
     from pathlib import Path
 
     import torch
@@ -106,30 +120,40 @@ def _deepspeed(rank, world, preset, pp, ac=False):
     from malleus_ds.app import runners
     from malleus_ds.app.config import build_run_config
 
-    calls = [0]         # transformers' decoder layers run here (a pre-hook: recomputes stop early)
+    # transformers' decoder layers run here (a pre-hook: recomputes stop early)
     torch.nn.modules.module.register_module_forward_pre_hook(
-        lambda mod, _: calls.__setitem__(0, calls[0] + type(mod).__name__.endswith("DecoderLayer")))
+        lambda mod, _: _CALLS.__setitem__(0, _CALLS[0]
+                                          + type(mod).__name__.endswith("DecoderLayer")))
     conf = Path(__file__).resolve().parents[2] / "conf" / "deepspeed"
-    d = {"engine": "deepspeed", "progress": False,
-         "model": {"name": "hf", "hf_config": preset, "max_seq_len": SEQ},
-         "train": {"steps": STEPS, "global_batch_size": G, "micro_batch_size": 1, "seed": 0,
-                   "lr": LR, "eps": EPS, "activation_checkpointing": ac},
-         "parallel": {"tp": 1, "pp": pp, "dp": None}, "deepspeed": {"config_file": "zero1.json"}}
-    cfg = build_run_config(d, world_size=world, ds_search_dirs=(conf,))
-    return list(runners.run(cfg, runners.DistEnv.from_environ("cpu")).losses), calls[0]
+    out = {}
+    for case, (preset, pp, ac) in DS_CASES.items():
+        _CALLS[0] = 0
+        d = {"engine": "deepspeed", "progress": False,
+             "model": {"name": "hf", "hf_config": preset, "max_seq_len": SEQ},
+             "train": {"steps": STEPS, "global_batch_size": G, "micro_batch_size": 1, "seed": 0,
+                       "lr": LR, "eps": EPS, "activation_checkpointing": ac},
+             "parallel": {"tp": 1, "pp": pp, "dp": None},
+             "deepspeed": {"config_file": "zero1.json"}}
+        cfg = build_run_config(d, world_size=world, ds_search_dirs=(conf,))
+        out[case] = list(runners.run(cfg, runners.DistEnv.from_environ("cpu")).losses), _CALLS[0]
+    return out
 
 
-@pytest.mark.parametrize("preset,pp,ac", [("tiny-qwen2-tied", 2, False), ("tiny-qwen2", 1, False),
-                                          ("tiny-qwen2-tied", 2, True), ("tiny-qwen2", 1, True)],
-                         ids=["tied-pipeline-pp2", "gqa-zero1-dp2", "tied-pipeline-pp2-recompute",
-                              "gqa-zero1-dp2-recompute"])
-def test_stock_deepspeed_on_hf_models_equals_reference(preset, pp, ac):
+@functools.lru_cache(maxsize=1)
+def _deepspeed_results():
+    return run_distributed(_deepspeed, 2, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["tied-pipeline-pp2", "gqa-zero1-dp2",
+                                  "tied-pipeline-pp2-recompute", "gqa-zero1-dp2-recompute"])
+def test_stock_deepspeed_on_hf_models_equals_reference(case):
     """With activation checkpointing (DeepSpeed's over the generated layer list; transformers'
     gradient_checkpointing_enable on its own model under ZeRO) the losses stay the plain
     reference's and every decoder layer runs twice."""
+    preset, pp, ac = DS_CASES[case]
     ref, _ = _reference(preset)
     plain = _model(preset).num_layers // pp * G // (2 // pp) * STEPS
-    for r, (losses, calls) in enumerate(run_distributed(_deepspeed, 2, preset, pp, ac,
-                                                        timeout=240)):
+    for r, per in enumerate(_deepspeed_results()):
+        losses, calls = per[case]
         np.testing.assert_allclose(losses, ref, rtol=1e-5, err_msg=f"{preset} rank {r}")
         assert calls == plain * (2 if ac else 1), (preset, r, calls, plain)

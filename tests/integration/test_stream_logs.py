@@ -1,11 +1,16 @@
 """Logs that stream (app/runners/stream.py) from a real 2-rank job whose stdout is a pipe (no
 terminal): progress lines on stdout and in train.log as the run goes, throughput / step time /
 per-rank compute in the ds_config's DeepSpeed monitor; a monitor without its package is a config
-error at start-up."""
+error at start-up.
+
+The engine=deepspeed job (a PipelineEngine, pp=2) is started by the ``deepspeed`` launcher on CPU
+(``deepspeed --num_gpus 2 launch/train.py``, as docs/getting-started.md says it runs): it writes
+its metrics and no folder but its run folder; the engine=malleus job by torchrun."""
 import csv
 import importlib.util
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,12 +34,23 @@ def _env():
 def test_progress_lines_stream_to_stdout_and_train_log_and_monitor_gets_throughput(tmp_path,
                                                                                    engine):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           TRAIN, "model=tiny", "model.max_seq_len=16", f"engine={engine}", "train.steps=6",
-           "log_every=2", "progress=false", f"hydra.run.dir={out}",
-           "+deepspeed.config.csv_monitor={enabled:true,job_name:mon}"]
+    if engine == "deepspeed":       # the deepspeed launcher (its CPU launch), a PipelineEngine
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        launch = [str(Path(sys.executable).with_name("deepspeed")), "--num_gpus", "2",
+                  "--master_port", str(port), TRAIN, "parallel.pp=2"]
+    else:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  "--nproc_per_node=2", TRAIN]
+    cmd = launch + ["model=tiny", "model.max_seq_len=16", f"engine={engine}", "train.steps=6",
+                    "log_every=2", "progress=false", f"hydra.run.dir={out}",
+                    "+deepspeed.config.csv_monitor={enabled:true,job_name:mon}"]
     p = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
+    assert sorted(os.listdir(tmp_path)) == ["run"]            # no per-rank folders
+    metrics = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(metrics) == 6, metrics
     lines = [x for x in p.stdout.splitlines() if x.startswith("[malleus_ds] step ")]
     assert [LINE.match(x).group(1) for x in lines] == ["2", "4", "6"], p.stdout
     # before the end-of-run summary, not with it

@@ -21,6 +21,9 @@ from malleus_ds.chaos.inject import fill
 from malleus_ds.report.metrics import read_live
 from tests.integration.test_checkpoint_cli import ARGS, TRAIN, _reference, _rows
 
+#: its one job takes 20 s or more on 2 cores
+pytestmark = pytest.mark.slow
+
 STEPS = 12
 
 

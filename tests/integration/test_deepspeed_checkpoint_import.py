@@ -19,6 +19,9 @@ import pytest
 
 from tests.integration.harness import run_distributed
 
+#: the shared runs (every DeepSpeed format saved, then continued on 4 ranks) take 20 s or more on 2 cores
+pytestmark = pytest.mark.slow
+
 N, M, G = 3, 3, 8
 MODEL = {"name": "tiny", "num_layers": 4, "hidden_size": 32, "num_heads": 4, "max_seq_len": 32}
 # the LR moves every step (warm-up over 2 steps, then a linear decay to step 8): a continued

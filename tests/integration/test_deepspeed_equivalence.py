@@ -20,6 +20,9 @@ from malleus_ds.models import model_config
 from malleus_ds.app.reference import OptimConfig, reference_run
 from tests.integration.harness import run_distributed
 
+#: the shared run and the 4-rank case take 20 s or more on 2 cores
+pytestmark = pytest.mark.slow
+
 STEPS, G, MBS = 10, 8, 1
 MODEL = {"name": "tiny", "num_layers": 4, "hidden_size": 32, "num_heads": 4, "max_seq_len": 32}
 LR = 3e-3

@@ -23,6 +23,9 @@ from tests.integration.harness import run_distributed
 from tests.integration.test_deepspeed_checkpoint_import import (
     MODEL, M, N, _initialize_and_load, _other_plan, _run, _save_each)
 
+#: the shared runs take 20 s or more on 2 cores
+pytestmark = pytest.mark.slow
+
 #: the layouts stock DeepSpeed continues an export in: id -> (ZeRO stage, pipeline stages)
 LAYOUTS = {"zero0": (0, 1), "zero1": (1, 1), "zero2": (2, 1), "pipeline-zero1": (1, 2)}
 

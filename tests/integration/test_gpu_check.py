@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+#: the dry run (a process per part) takes 20 s or more on 2 cores
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 NO_GPU = "not measured (no GPU)"

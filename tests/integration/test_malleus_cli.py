@@ -32,6 +32,7 @@ def _torchrun(n, args, cwd):
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.slow
 def test_plan_file_runs_and_matches_reference(tmp_path):
     plan = tmp_path / "hetero.json"
     plan.write_text(json.dumps(dict(HETERO, global_batch_size=8)))

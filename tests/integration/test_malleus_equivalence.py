@@ -16,6 +16,9 @@ import pytest
 from tests.integration.harness import run_distributed
 from tests.cases import EPS, HETERO, STEPS, SUSPENDED, check, plan_json, random_plan, train_cases
 
+#: the shared 4-rank run takes 20 s or more on 2 cores
+pytestmark = pytest.mark.slow
+
 RANDOM_STEPS = 5          # random plans: what they vary is the layout, not the step count
 
 # 6 ranks: 3-stage TP1 pipeline next to a 2-stage pipeline with a TP2 first stage; mbs=2

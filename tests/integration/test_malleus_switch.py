@@ -21,6 +21,9 @@ from tests.cases import (CFG, EPS, check, ds_config, plan_json, random_plan,
 from tests.cases import HETERO
 from tests.integration.test_malleus_replan import gather_full_state
 
+#: the shared run (nine switch cases on 4 ranks) takes 20 s or more on 2 cores
+pytestmark = pytest.mark.slow
+
 B = plan_json([(3, [([2, 0], (0, 3)), ([1], (3, 4))]), (5, [([3], (0, 4))])])
 C = plan_json([(8, [([0, 1, 2, 3], (0, 4))])])                       # one TP4 stage
 D = plan_json([(4, [([0], (0, 2)), ([1], (2, 4))]), (4, [([2], (0, 1)), ([3], (1, 4))])])

@@ -30,6 +30,7 @@ def _env():
     return env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["deepspeed", "malleus"])
 def test_progress_lines_stream_to_stdout_and_train_log_and_monitor_gets_throughput(tmp_path,
                                                                                    engine):

@@ -135,6 +135,7 @@ def _train(rank, world, engine, names):
     return out
 
 
+@pytest.mark.slow
 def test_the_configs_that_malleus_takes_train():
     """Under engine=malleus every config the table says trains does. Where stock DeepSpeed
     runs the config on CPU (fp32) the losses are its; where it refuses, the table says why. An

@@ -434,6 +434,7 @@ def interpreter_results() -> dict:
     return json.loads(lines[-1][len("RESULTS "):])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_triton_interpreter_matches_torch(interpreter_results, dtype):
     r = interpreter_results[str(dtype)]

@@ -62,6 +62,7 @@ def test_an_event_shorter_than_detection_gives_no_switch():
     assert res["policies"]["malleus"]["vs_static"] == pytest.approx(1.0, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_fast_forward_gives_the_same_result_as_stepping():
     """Three stragglers, one overlapping another; with a fixed planner charge the loop run step
     by step and the loop fast-forwarded through steady stretches agree on every decision, its
@@ -365,6 +366,7 @@ def test_break_even_by_hand():
     assert terms["migration_in_s"] == pytest.approx(m1, abs=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("regime,hours", [("persistent", 24.0), ("transient", 6.0)])
 def test_at_256_gpus_the_loop_meets_the_issues_targets(regime, hours):
     """A 100B-class job on 256 GPUs (tp 8, pp 8, dp 4) under a drawn trace, the loop with its

@@ -33,5 +33,7 @@ if [ "$mode" != installed ]; then
 fi
 [ "$mode" = prepare ] && exit 0
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
+# its own torch extension builds (scripts/setup.sh says why): beside the suite's .venv
+export TORCH_EXTENSIONS_DIR="$PWD/$V/torch_extensions"
 exec "$V/bin/python" -m pytest -q -p no:cacheprovider tests/integration/test_transformers_import.py \
   tests/unit/models/test_hf.py tests/unit/data/test_text.py tests/unit/hf "$@"

@@ -21,6 +21,11 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   python -m pip install -q -e '.[dev]' -c constraints-cpu.txt 2>&1 | { grep -v "is ignored: it is neither" || true; }
   echo "$WANT" > "$STAMP"
 fi
+# DeepSpeed's CPU communicator JIT-compiles a C++ op at every process group's start (its
+# shared-memory all-reduce, used only for inference); torch caches the build per folder and
+# rebuilds it whenever another venv's compile line was the last one there, 50-100 CPU s each
+# time. A folder per venv: it builds once.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.venv/torch_extensions}"
 # CPU runs: one thread per rank, DeepSpeed's CPU accelerator unless a GPU says otherwise
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from tests.integration.harness import run_distributed
-from tests.integration.test_data_tokens_engines import compose, run_app
+from tests.integration.app_run import compose
+from tests.integration.test_data_tokens_engines import run_app
 from tests.unit.data.test_text import docs, make_tokenizer, write_jsonl
 
 STEPS, SEQ = 3, 16

@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.integration.app_run import CONF, compose
 from tests.integration.harness import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
-CONF = REPO / "conf"
 TRAIN = str(REPO / "launch" / "train.py")
 STEPS, SEQ = 4, 16
 COMMON = ["progress=false", f"train.steps={STEPS}", "train.global_batch_size=8",
@@ -43,16 +43,6 @@ def _env():
 def _torchrun(n: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
             TRAIN]
-
-
-def compose(overrides: list[str]) -> dict:
-    """The app's config as ``launch/train.py OVERRIDES`` composes it (Hydra, conf/), resolved."""
-    from hydra import compose as _compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return OmegaConf.to_container(_compose(config_name="config", overrides=overrides),
-                                      resolve=True)
 
 
 def run_app(rank, world, cwd, jobs, capture_stderr=False):

@@ -20,11 +20,11 @@ source "$(dirname "$0")/setup.sh"
 if [ "$#" -gt 0 ]; then
   exec python -m pytest -q "$@"
 fi
-# the cores this process may use (not `nproc`: it honours OMP_NUM_THREADS, which setup.sh sets to 1)
 # bytecode for the repository's own modules, written once: every rank, launcher and agent imports
 # them, and with PYTHONDONTWRITEBYTECODE set (as on these machines) each would compile them
 # again (about 0.2 CPU s a process, some 400 processes)
 python -m compileall -q -j 0 malleus_ds launch kernels tests > /dev/null || true
+# the cores this process may use (not `nproc`: it honours OMP_NUM_THREADS, which setup.sh sets to 1)
 workers="${MALLEUS_TEST_WORKERS:-$(python -c 'import os; print(len(os.sched_getaffinity(0)) + 1)')}"
 status=()
 python -m pytest -q -n "$workers" --dist loadfile --durations=20 -m "not alone and not patient" \
